@@ -1,0 +1,93 @@
+//! The health and admin HTTP endpoints every Tether process serves: `/healthz`,
+//! `/readyz` (with `?verbose`) and `/metrics` in Prometheus text format.
+
+use std::sync::Arc;
+
+use axum::extract::{Query, State};
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use axum::routing::get;
+use axum::Router;
+use prometheus::{Encoder, Registry, TextEncoder};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+/// Reports readiness: `Ok(detail)` when ready, `Err(reason)` when not.
+pub type ReadyCheck = Arc<dyn Fn() -> Result<String, String> + Send + Sync>;
+
+#[derive(Clone)]
+struct HealthState {
+    registry: Registry,
+    ready: ReadyCheck,
+    not_ready: StatusCode,
+}
+
+/// `/healthz`, `/readyz` and `/metrics`. `not_ready` is the status for an unready
+/// process (upstream: 500 on the server, 503 on the agent).
+pub fn health_router(registry: Registry, ready: ReadyCheck, not_ready: StatusCode) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .with_state(HealthState {
+            registry,
+            ready,
+            not_ready,
+        })
+}
+
+/// The admin endpoint: `/metrics` only (profiling is not offered).
+pub fn admin_router(registry: Registry) -> Router {
+    health_router(registry, Arc::new(|| Ok("ok".into())), StatusCode::OK)
+}
+
+async fn readyz(
+    State(state): State<HealthState>,
+    Query(q): Query<std::collections::HashMap<String, String>>,
+) -> impl IntoResponse {
+    let verbose = q.contains_key("verbose");
+    match (state.ready)() {
+        Ok(detail) if verbose => (StatusCode::OK, format!("ready: {detail}\n")),
+        Ok(_) => (StatusCode::OK, "ok".to_string()),
+        Err(reason) => (state.not_ready, format!("not ready: {reason}\n")),
+    }
+}
+
+async fn metrics(State(state): State<HealthState>) -> impl IntoResponse {
+    render(&state.registry)
+}
+
+/// Renders `registry` in Prometheus text exposition format.
+pub fn render(registry: &Registry) -> ([(axum::http::HeaderName, &'static str); 1], String) {
+    let mut buf = Vec::new();
+    let encoder = TextEncoder::new();
+    if let Err(e) = encoder.encode(&registry.gather(), &mut buf) {
+        tracing::warn!(error = %e, "encoding metrics failed");
+    }
+    (
+        [(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        String::from_utf8(buf).unwrap_or_default(),
+    )
+}
+
+/// Serves `router` on `listener` until `shutdown`.
+pub fn spawn(
+    name: &'static str,
+    listener: TcpListener,
+    router: Router,
+    shutdown: CancellationToken,
+) -> tokio::task::JoinHandle<()> {
+    let addr = listener.local_addr().ok();
+    tokio::spawn(
+        async move {
+            if let Err(e) = axum::serve(listener, router)
+                .with_graceful_shutdown(shutdown.cancelled_owned())
+                .await
+            {
+                tracing::error!(error = %e, "HTTP endpoint failed");
+            }
+        }
+        .instrument(tracing::info_span!("http", endpoint = name, addr = ?addr)),
+    )
+}

@@ -1,0 +1,147 @@
+//! The byte pump between a socket and a stream of Konnectivity packets: bytes read from
+//! the socket leave as DATA packets for one connectID; DATA packets arriving are written
+//! to the socket, and a CLOSE_REQ/CLOSE_RSP arriving in the same stream ends it, so data
+//! queued before a close is always written first.
+
+use bytes::BytesMut;
+use futures::{Stream, StreamExt};
+use tether_proto::{packet::Payload, Packet};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+/// How much one socket read may take (and so the largest DATA packet we send).
+pub const READ_CHUNK: usize = 32 * 1024;
+
+/// Why a splice ended; the caller decides what to tell the peer.
+#[derive(Debug)]
+pub enum SpliceEnd {
+    /// The local socket reached end of file.
+    LocalEof,
+    /// Reading or writing the local socket failed.
+    LocalError(std::io::Error),
+    /// The peer closed the connection (CLOSE_REQ or CLOSE_RSP arrived); its error text,
+    /// if any.
+    RemoteClosed(Option<String>),
+    /// The inbound packet stream ended without a close: the tunnel under us is gone.
+    RemoteGone,
+    /// The outbound packet channel is closed: nobody will carry our DATA any more.
+    SinkGone,
+    /// The caller cancelled.
+    Cancelled,
+}
+
+/// Pumps bytes both ways between `sock` and the tunnel until one side ends.
+pub async fn splice<S, In>(
+    sock: S,
+    mut inbound: In,
+    out: &mpsc::Sender<Packet>,
+    connect_id: i64,
+    cancel: &CancellationToken,
+) -> SpliceEnd
+where
+    S: AsyncRead + AsyncWrite,
+    In: Stream<Item = Packet> + Unpin,
+{
+    let (mut rd, mut wr) = tokio::io::split(sock);
+
+    let reading = async {
+        let mut buf = BytesMut::with_capacity(READ_CHUNK);
+        loop {
+            if buf.capacity() < READ_CHUNK / 4 {
+                buf.reserve(READ_CHUNK);
+            }
+            match rd.read_buf(&mut buf).await {
+                Ok(0) => return SpliceEnd::LocalEof,
+                Ok(_) => {
+                    let chunk = buf.split().freeze();
+                    if out.send(Packet::data(connect_id, chunk)).await.is_err() {
+                        return SpliceEnd::SinkGone;
+                    }
+                }
+                Err(e) => return SpliceEnd::LocalError(e),
+            }
+        }
+    };
+
+    let writing = async {
+        while let Some(packet) = inbound.next().await {
+            match packet.payload {
+                Some(Payload::Data(d)) => {
+                    if !d.error.is_empty() {
+                        let _ = wr.shutdown().await;
+                        return SpliceEnd::RemoteClosed(Some(d.error));
+                    }
+                    if let Err(e) = wr.write_all(&d.data).await {
+                        return SpliceEnd::LocalError(e);
+                    }
+                }
+                Some(Payload::CloseResponse(c)) => {
+                    let _ = wr.shutdown().await;
+                    return SpliceEnd::RemoteClosed((!c.error.is_empty()).then_some(c.error));
+                }
+                Some(Payload::CloseRequest(_)) => {
+                    let _ = wr.shutdown().await;
+                    return SpliceEnd::RemoteClosed(None);
+                }
+                _ => {}
+            }
+        }
+        let _ = wr.shutdown().await;
+        SpliceEnd::RemoteGone
+    };
+
+    tokio::select! {
+        end = reading => end,
+        end = writing => end,
+        _ = cancel.cancelled() => SpliceEnd::Cancelled,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio_stream::wrappers::ReceiverStream;
+
+    #[tokio::test]
+    async fn data_then_close_is_written_in_order() {
+        let (local, mut remote) = tokio::io::duplex(1 << 16);
+        let (in_tx, in_rx) = mpsc::channel(8);
+        let (out_tx, mut out_rx) = mpsc::channel(8);
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(async move {
+            splice(local, ReceiverStream::new(in_rx), &out_tx, 7, &cancel).await
+        });
+        in_tx.send(Packet::data(7, &b"hello "[..])).await.unwrap();
+        in_tx.send(Packet::data(7, &b"world"[..])).await.unwrap();
+        in_tx.send(Packet::close_response(7, "")).await.unwrap();
+        let mut got = Vec::new();
+        remote.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got, b"hello world");
+        assert!(matches!(task.await.unwrap(), SpliceEnd::RemoteClosed(None)));
+        // Nothing was read locally, so no DATA left.
+        assert!(out_rx.try_recv().is_err());
+    }
+
+    #[tokio::test]
+    async fn local_bytes_become_data_and_eof_ends() {
+        let (local, mut remote) = tokio::io::duplex(1 << 16);
+        let (_in_tx, in_rx) = mpsc::channel::<Packet>(8);
+        let (out_tx, mut out_rx) = mpsc::channel(8);
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(async move {
+            splice(local, ReceiverStream::new(in_rx), &out_tx, 9, &cancel).await
+        });
+        remote.write_all(b"abc").await.unwrap();
+        remote.shutdown().await.unwrap();
+        let p = out_rx.recv().await.unwrap();
+        match p.payload {
+            Some(Payload::Data(d)) => {
+                assert_eq!(d.connect_id, 9);
+                assert_eq!(&d.data[..], b"abc");
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        assert!(matches!(task.await.unwrap(), SpliceEnd::LocalEof));
+    }
+}

@@ -1,0 +1,267 @@
+//! Transports under tonic and the HTTP-CONNECT frontend: a TLS accept loop that never
+//! lets a slow or broken handshake block other clients, Unix-socket listeners that
+//! replace stale sockets, and gRPC channel connectors for mTLS TCP and Unix sockets.
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use hyper_util::rt::TokioIo;
+use rustls_pki_types::CertificateDer;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
+use tokio::sync::mpsc;
+use tokio_rustls::{TlsAcceptor, TlsConnector};
+use tokio_util::sync::CancellationToken;
+use tonic::transport::{Channel, Endpoint};
+use tracing::Instrument;
+
+/// How long a client may take to finish its TLS handshake.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Hands out the current server TLS config for each new handshake (so certificates can
+/// be replaced without restarting listeners).
+pub type ServerConfigSource = Arc<dyn Fn() -> Arc<rustls::ServerConfig> + Send + Sync>;
+
+/// A source that always returns `config`.
+pub fn fixed(config: Arc<rustls::ServerConfig>) -> ServerConfigSource {
+    Arc::new(move || config.clone())
+}
+
+/// Who is on the other end of an accepted TLS connection.
+#[derive(Debug, Clone)]
+pub struct TlsConnectInfo {
+    /// The peer's socket address.
+    pub remote_addr: std::net::SocketAddr,
+    /// The peer's certificate chain, when it presented one.
+    pub peer_certs: Option<Arc<Vec<CertificateDer<'static>>>>,
+}
+
+/// An accepted, handshaken server-side TLS connection.
+pub struct TlsConn {
+    stream: tokio_rustls::server::TlsStream<TcpStream>,
+    info: TlsConnectInfo,
+}
+
+impl TlsConn {
+    /// The peer's address and certificates.
+    pub fn info(&self) -> &TlsConnectInfo {
+        &self.info
+    }
+}
+
+// === impl TlsConn ===
+
+impl AsyncRead for TlsConn {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for TlsConn {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+}
+
+impl tonic::transport::server::Connected for TlsConn {
+    type ConnectInfo = TlsConnectInfo;
+    fn connect_info(&self) -> TlsConnectInfo {
+        self.info.clone()
+    }
+}
+
+/// Accepts TCP connections on `listener` and completes TLS handshakes concurrently,
+/// yielding the finished connections until `shutdown`. Failed handshakes (garbage,
+/// wrong CA, timeouts) are logged and dropped; they never stall other clients.
+pub fn tls_incoming(
+    listener: TcpListener,
+    tls: ServerConfigSource,
+    name: &'static str,
+    shutdown: CancellationToken,
+) -> mpsc::Receiver<TlsConn> {
+    let (tx, rx) = mpsc::channel(64);
+    let span = tracing::info_span!("tls_accept", listener = name);
+    tokio::spawn(
+        async move {
+            loop {
+                let (tcp, remote_addr) = tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tx.closed() => break,
+                    accepted = listener.accept() => match accepted {
+                        Ok(pair) => pair,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "accept failed");
+                            // EMFILE and friends: back off a little instead of spinning.
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            continue;
+                        }
+                    },
+                };
+                let _ = tcp.set_nodelay(true);
+                let acceptor = TlsAcceptor::from(tls());
+                let tx = tx.clone();
+                tokio::spawn(
+                    async move {
+                        match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await
+                        {
+                            Ok(Ok(stream)) => {
+                                let peer_certs = stream
+                                    .get_ref()
+                                    .1
+                                    .peer_certificates()
+                                    .map(|c| Arc::new(c.iter().map(|c| c.clone().into_owned()).collect()));
+                                let info = TlsConnectInfo {
+                                    remote_addr,
+                                    peer_certs,
+                                };
+                                let _ = tx.send(TlsConn { stream, info }).await;
+                            }
+                            Ok(Err(e)) => {
+                                tracing::warn!(error = %e, "TLS handshake failed; connection dropped")
+                            }
+                            Err(_) => tracing::warn!("TLS handshake timed out; connection dropped"),
+                        }
+                    }
+                    .instrument(tracing::info_span!("handshake", peer = %remote_addr)),
+                );
+            }
+        }
+        .instrument(span),
+    );
+    rx
+}
+
+/// Binds a Unix socket at `path`. An existing socket file is removed first when
+/// `delete_existing` (upstream's `--delete-existing-uds-file`); a non-socket file there
+/// is never removed.
+pub fn bind_uds(path: &Path, delete_existing: bool) -> io::Result<UnixListener> {
+    use std::os::unix::fs::FileTypeExt;
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if !meta.file_type().is_socket() {
+            return Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                format!("{} exists and is not a socket; refusing to remove it", path.display()),
+            ));
+        }
+        if delete_existing {
+            std::fs::remove_file(path)?;
+        }
+    }
+    if let Some(dir) = path.parent() {
+        if !dir.as_os_str().is_empty() {
+            std::fs::create_dir_all(dir)?;
+        }
+    }
+    UnixListener::bind(path)
+}
+
+/// HTTP/2 settings for gRPC channels.
+#[derive(Debug, Clone)]
+pub struct ChannelSettings {
+    /// HTTP/2 PING interval (keepalive); `None` = off.
+    pub keepalive: Option<Duration>,
+    /// How long to wait for a PING ack before the connection is considered dead.
+    pub keepalive_timeout: Duration,
+    /// TCP connect + TLS handshake deadline.
+    pub connect_timeout: Duration,
+}
+
+impl Default for ChannelSettings {
+    fn default() -> Self {
+        ChannelSettings {
+            keepalive: None,
+            keepalive_timeout: Duration::from_secs(20),
+            connect_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+fn endpoint(authority: &str, settings: &ChannelSettings) -> Result<Endpoint, tonic::transport::Error> {
+    // Our connectors do TLS themselves, so the URI scheme is only cosmetic here.
+    let mut ep = Endpoint::from_shared(format!("http://{authority}"))?
+        .connect_timeout(settings.connect_timeout)
+        .tcp_nodelay(true)
+        .initial_stream_window_size(Some(1 << 20))
+        .initial_connection_window_size(Some(4 << 20));
+    if let Some(k) = settings.keepalive {
+        ep = ep
+            .http2_keep_alive_interval(k)
+            .keep_alive_timeout(settings.keepalive_timeout)
+            .keep_alive_while_idle(true);
+    }
+    Ok(ep)
+}
+
+/// Connects a gRPC channel over TCP + TLS to `host:port`, verifying the server as `host`.
+pub async fn grpc_channel_tls(
+    host: &str,
+    port: u16,
+    tls: Arc<rustls::ClientConfig>,
+    settings: &ChannelSettings,
+) -> Result<Channel, tonic::transport::Error> {
+    let authority = if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    };
+    let name = crate::tls::server_name(host).unwrap_or_else(|_| {
+        rustls_pki_types::ServerName::try_from("invalid.invalid").expect("static name")
+    });
+    let target = authority.clone();
+    let connector = tower::service_fn(move |_uri| {
+        let tls = TlsConnector::from(tls.clone());
+        let name = name.clone();
+        let target = target.clone();
+        async move {
+            let tcp = TcpStream::connect(&target).await?;
+            tcp.set_nodelay(true)?;
+            let stream = tls.connect(name, tcp).await?;
+            Ok::<_, io::Error>(TokioIo::new(stream))
+        }
+    });
+    endpoint(&authority, settings)?
+        .connect_with_connector(connector)
+        .await
+}
+
+/// Connects a gRPC channel over the Unix socket at `path`.
+pub async fn grpc_channel_uds(
+    path: PathBuf,
+    settings: &ChannelSettings,
+) -> Result<Channel, tonic::transport::Error> {
+    let connector = tower::service_fn(move |_uri| {
+        let path = path.clone();
+        async move { Ok::<_, io::Error>(TokioIo::new(UnixStream::connect(path).await?)) }
+    });
+    endpoint("localhost", settings)?
+        .connect_with_connector(connector)
+        .await
+}

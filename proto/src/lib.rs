@@ -1,0 +1,106 @@
+//! The Konnectivity wire protocol: `Packet` and its payloads, `ProxyService` (frontend)
+//! and `AgentService` (agent link), generated from `.proto` files identical to upstream.
+//!
+//! The generated code is checked in (`src/gen/`) so builds never need `protoc`; the test
+//! `tests/regenerate.rs` regenerates it and fails on any difference.
+
+#[allow(clippy::all, missing_docs)]
+mod generated {
+    include!("gen/konnectivity.rs");
+}
+
+pub use generated::*;
+
+/// gRPC metadata keys, lowercase as on the wire.
+pub mod header {
+    /// Agent -> server: the agent's id (exactly one).
+    pub const AGENT_ID: &str = "agentid";
+    /// Agent -> server: URL query string of identifiers (host, ipv4, ipv6, cidr, default-route).
+    pub const AGENT_IDENTIFIERS: &str = "agentidentifiers";
+    /// Agent -> server: `Bearer <service-account token>`.
+    pub const AUTHORIZATION: &str = "authorization";
+    /// Server -> agent response header: the server's id.
+    pub const SERVER_ID: &str = "serverid";
+    /// Server -> agent response header: how many servers the agent should connect to.
+    pub const SERVER_COUNT: &str = "servercount";
+}
+
+// === impl Packet ===
+
+impl Packet {
+    /// A DIAL_REQ for `address` over `protocol` ("tcp").
+    pub fn dial_request(protocol: &str, address: &str, random: i64) -> Self {
+        Packet {
+            r#type: PacketType::DialReq as i32,
+            payload: Some(packet::Payload::DialRequest(DialRequest {
+                protocol: protocol.to_string(),
+                address: address.to_string(),
+                random,
+            })),
+        }
+    }
+
+    /// A DIAL_RSP; `error` empty on success.
+    pub fn dial_response(random: i64, connect_id: i64, error: impl Into<String>) -> Self {
+        Packet {
+            r#type: PacketType::DialRsp as i32,
+            payload: Some(packet::Payload::DialResponse(DialResponse {
+                error: error.into(),
+                connect_id,
+                random,
+            })),
+        }
+    }
+
+    /// A DATA packet carrying `data` for `connect_id`.
+    pub fn data(connect_id: i64, data: impl Into<::prost::bytes::Bytes>) -> Self {
+        Packet {
+            r#type: PacketType::Data as i32,
+            payload: Some(packet::Payload::Data(Data {
+                connect_id,
+                error: String::new(),
+                data: data.into(),
+            })),
+        }
+    }
+
+    /// A CLOSE_REQ for `connect_id`.
+    pub fn close_request(connect_id: i64) -> Self {
+        Packet {
+            r#type: PacketType::CloseReq as i32,
+            payload: Some(packet::Payload::CloseRequest(CloseRequest { connect_id })),
+        }
+    }
+
+    /// A CLOSE_RSP for `connect_id`; `error` empty on a clean close.
+    pub fn close_response(connect_id: i64, error: impl Into<String>) -> Self {
+        Packet {
+            r#type: PacketType::CloseRsp as i32,
+            payload: Some(packet::Payload::CloseResponse(CloseResponse {
+                error: error.into(),
+                connect_id,
+            })),
+        }
+    }
+
+    /// A DIAL_CLS cancelling the pending dial `random`.
+    pub fn close_dial(random: i64) -> Self {
+        Packet {
+            r#type: PacketType::DialCls as i32,
+            payload: Some(packet::Payload::CloseDial(CloseDial { random })),
+        }
+    }
+
+    /// A DRAIN: the sender will take no new dials.
+    pub fn drain() -> Self {
+        Packet {
+            r#type: PacketType::Drain as i32,
+            payload: Some(packet::Payload::Drain(Drain {})),
+        }
+    }
+
+    /// The packet type, or `None` for a value this build does not know.
+    pub fn kind(&self) -> Option<PacketType> {
+        PacketType::try_from(self.r#type).ok()
+    }
+}
