@@ -1,0 +1,238 @@
+//! Agent streams ("backends") as the server sees them, the registry of connected ones,
+//! and backend selection by `--proxy-strategies`.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Instant;
+
+use rand::seq::IndexedRandom;
+use tether_core::identifiers::{dial_host, AgentIdentifiers};
+use tether_proto::Packet;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::tunnel::Frontend;
+
+/// How to pick an agent for a dial; several are tried in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Strategy {
+    /// Any agent, at random.
+    Default,
+    /// An agent whose host/ipv4/ipv6 identifier equals the dial host.
+    DestHost,
+    /// An agent that advertised `default-route=true`.
+    DefaultRoute,
+    /// An agent that advertised a `cidr` containing the dial host (Tether only).
+    DestCidr,
+}
+
+impl std::str::FromStr for Strategy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "default" => Ok(Strategy::Default),
+            "destHost" => Ok(Strategy::DestHost),
+            "defaultRoute" => Ok(Strategy::DefaultRoute),
+            "destCIDR" => Ok(Strategy::DestCidr),
+            other => Err(format!(
+                "unknown proxy strategy {other:?} (use default, destHost, defaultRoute or destCIDR)"
+            )),
+        }
+    }
+}
+
+/// Parses a comma-separated `--proxy-strategies` value.
+pub fn parse_strategies(s: &str) -> Result<Vec<Strategy>, String> {
+    let list: Vec<Strategy> = s
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::parse)
+        .collect::<Result<_, _>>()?;
+    if list.is_empty() {
+        return Err("--proxy-strategies is empty (use e.g. default or destHost,default)".into());
+    }
+    Ok(list)
+}
+
+/// A dial sent to an agent and not yet answered.
+pub(crate) struct PendingDial {
+    pub frontend: Arc<Frontend>,
+    pub started: Instant,
+}
+
+#[derive(Default)]
+pub(crate) struct BackendState {
+    /// By DialRequest.random.
+    pub pending: HashMap<i64, PendingDial>,
+    /// By connectID.
+    pub conns: HashMap<i64, Arc<Frontend>>,
+}
+
+/// One agent stream.
+pub struct Backend {
+    /// Unique per stream in this process (an agent may hold several).
+    pub(crate) key: u64,
+    /// The agent's `agentid`.
+    pub agent_id: String,
+    /// What the agent said it can reach.
+    pub identifiers: AgentIdentifiers,
+    /// Packets to the agent.
+    pub(crate) tx: mpsc::Sender<Packet>,
+    pub(crate) draining: AtomicBool,
+    pub(crate) state: Mutex<BackendState>,
+    /// Cancelled when the stream is gone.
+    pub(crate) closed: CancellationToken,
+}
+
+static NEXT_BACKEND: AtomicU64 = AtomicU64::new(1);
+
+impl Backend {
+    pub(crate) fn new(agent_id: String, identifiers: AgentIdentifiers, tx: mpsc::Sender<Packet>) -> Self {
+        Backend {
+            key: NEXT_BACKEND.fetch_add(1, Ordering::Relaxed),
+            agent_id,
+            identifiers,
+            tx,
+            draining: AtomicBool::new(false),
+            state: Mutex::new(BackendState::default()),
+            closed: CancellationToken::new(),
+        }
+    }
+
+    /// Has the agent sent DRAIN?
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn state(&self) -> std::sync::MutexGuard<'_, BackendState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn eligible(&self, strategy: Strategy, host: &str) -> bool {
+        match strategy {
+            Strategy::Default => true,
+            Strategy::DestHost => self.identifiers.matches_host(host),
+            Strategy::DefaultRoute => self.identifiers.default_route,
+            Strategy::DestCidr => self.identifiers.matches_cidr(host),
+        }
+    }
+}
+
+/// Every connected agent stream.
+#[derive(Default)]
+pub struct Registry {
+    backends: RwLock<Vec<Arc<Backend>>>,
+}
+
+impl Registry {
+    pub(crate) fn add(&self, backend: Arc<Backend>) -> usize {
+        let mut list = self.backends.write().unwrap_or_else(|e| e.into_inner());
+        list.push(backend);
+        list.len()
+    }
+
+    /// Removes `backend`; false when it was not registered.
+    pub(crate) fn remove(&self, backend: &Backend) -> bool {
+        let mut list = self.backends.write().unwrap_or_else(|e| e.into_inner());
+        let before = list.len();
+        list.retain(|b| b.key != backend.key);
+        before != list.len()
+    }
+
+    /// Number of connected agent streams.
+    pub fn len(&self) -> usize {
+        self.backends.read().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// True when no agent is connected.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Distinct agent ids connected.
+    pub fn agent_ids(&self) -> Vec<String> {
+        let mut ids: Vec<String> = self
+            .backends
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|b| b.agent_id.clone())
+            .collect();
+        ids.sort();
+        ids.dedup();
+        ids
+    }
+
+    pub(crate) fn all(&self) -> Vec<Arc<Backend>> {
+        self.backends.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Picks an agent for `address`: the first strategy with a candidate wins; among its
+    /// candidates one is chosen at random, preferring agents that are not draining.
+    pub fn select(&self, strategies: &[Strategy], address: &str) -> Option<Arc<Backend>> {
+        let host = dial_host(address);
+        let list = self.backends.read().unwrap_or_else(|e| e.into_inner());
+        for &strategy in strategies {
+            let candidates: Vec<&Arc<Backend>> =
+                list.iter().filter(|b| b.eligible(strategy, host)).collect();
+            if candidates.is_empty() {
+                continue;
+            }
+            let active: Vec<&Arc<Backend>> =
+                candidates.iter().copied().filter(|b| !b.is_draining()).collect();
+            let pool = if active.is_empty() { &candidates } else { &active };
+            return pool.choose(&mut rand::rng()).map(|b| Arc::clone(b));
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn backend(id: &str, ids: &str) -> Arc<Backend> {
+        let (tx, _rx) = mpsc::channel(1);
+        Arc::new(Backend::new(
+            id.into(),
+            AgentIdentifiers::parse(ids, true).unwrap(),
+            tx,
+        ))
+    }
+
+    #[test]
+    fn strategies_in_order() {
+        let reg = Registry::default();
+        reg.add(backend("a", "host=node-a&ipv4=10.0.0.1"));
+        reg.add(backend("b", "ipv4=10.0.0.2&cidr=192.168.5.0/24"));
+        reg.add(backend("c", "default-route=true"));
+        let pick = |s: &str, addr: &str| {
+            reg.select(&parse_strategies(s).unwrap(), addr)
+                .map(|b| b.agent_id.clone())
+        };
+        assert_eq!(pick("destHost", "10.0.0.2:10250").as_deref(), Some("b"));
+        assert_eq!(pick("destHost", "node-a:10250").as_deref(), Some("a"));
+        assert_eq!(pick("destHost", "10.9.9.9:1"), None);
+        assert_eq!(pick("destCIDR", "192.168.5.7:80").as_deref(), Some("b"));
+        assert_eq!(pick("destHost,defaultRoute", "10.9.9.9:1").as_deref(), Some("c"));
+        assert!(pick("destHost,default", "10.9.9.9:1").is_some());
+        assert!(parse_strategies("destHost,bogus").is_err());
+    }
+
+    #[test]
+    fn draining_agents_are_last_choice() {
+        let reg = Registry::default();
+        let a = backend("a", "");
+        let b = backend("b", "");
+        reg.add(a.clone());
+        reg.add(b.clone());
+        a.draining.store(true, Ordering::Relaxed);
+        for _ in 0..50 {
+            assert_eq!(reg.select(&[Strategy::Default], "x:1").unwrap().agent_id, "b");
+        }
+        b.draining.store(true, Ordering::Relaxed);
+        assert!(reg.select(&[Strategy::Default], "x:1").is_some());
+    }
+}

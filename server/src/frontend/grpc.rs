@@ -1,0 +1,84 @@
+//! The gRPC frontend (`/ProxyService/Proxy`): one task per client stream turns the
+//! client's packets into calls on the server core; the core's answers flow back through
+//! the stream's outbox.
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use futures::Stream;
+use tether_proto::proxy_service_server::ProxyService;
+use tether_proto::{packet::Payload, Packet};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::StreamExt;
+use tonic::{Request, Response, Status, Streaming};
+use tracing::Instrument;
+
+use crate::metrics::Segment;
+use crate::tunnel::{Frontend, Tunnel, NO_AGENT};
+
+/// Serves `ProxyService`.
+pub struct GrpcFrontend {
+    pub(crate) tunnel: Arc<Tunnel>,
+    pub(crate) channel_size: usize,
+}
+
+type PacketStream = Pin<Box<dyn Stream<Item = Result<Packet, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl ProxyService for GrpcFrontend {
+    type ProxyStream = PacketStream;
+
+    async fn proxy(
+        &self,
+        request: Request<Streaming<Packet>>,
+    ) -> Result<Response<Self::ProxyStream>, Status> {
+        let (tx, rx) = mpsc::channel(self.channel_size);
+        let fe = Frontend::new(tx);
+        let tunnel = self.tunnel.clone();
+        let gauge = tunnel.metrics.grpc_connections.with_label_values(&["Proxy"]);
+        gauge.inc();
+        let inbound = request.into_inner();
+        let span = tracing::info_span!("frontend", kind = "grpc", id = fe.id());
+        tokio::spawn(
+            async move {
+                serve_client(&tunnel, &fe, inbound).await;
+                tunnel.frontend_gone(&fe).await;
+                gauge.dec();
+            }
+            .instrument(span),
+        );
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx).map(Ok))))
+    }
+}
+
+async fn serve_client(tunnel: &Arc<Tunnel>, fe: &Arc<Frontend>, mut inbound: Streaming<Packet>) {
+    loop {
+        let packet = match inbound.message().await {
+            Ok(Some(p)) => p,
+            Ok(None) => return,
+            Err(status) => {
+                tunnel.metrics.stream_error(Segment::FromClient, status.code());
+                tracing::debug!(error = %status.message(), "frontend stream ended with error");
+                return;
+            }
+        };
+        tunnel.metrics.packet(Segment::FromClient, packet.r#type);
+        match packet.payload {
+            Some(Payload::DialRequest(req)) => {
+                let random = req.random;
+                let span = tracing::info_span!("dial", address = %req.address, random);
+                if tunnel.dial(fe, req).instrument(span).await.is_err() {
+                    let _ = fe.tx.send(Packet::dial_response(random, 0, NO_AGENT)).await;
+                }
+            }
+            Some(Payload::Data(ref d)) => {
+                let connect_id = d.connect_id;
+                tunnel.data_from_frontend(fe, packet, connect_id).await;
+            }
+            Some(Payload::CloseRequest(c)) => tunnel.close_from_frontend(fe, c.connect_id).await,
+            Some(Payload::CloseDial(c)) => tunnel.cancel_from_frontend(fe, c.random).await,
+            _ => tracing::debug!(ty = packet.r#type, "unexpected packet from frontend; ignored"),
+        }
+    }
+}

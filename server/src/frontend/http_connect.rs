@@ -1,0 +1,239 @@
+//! The HTTP-CONNECT frontend: `CONNECT host:port HTTP/1.1`, then `200 Connection
+//! Established` and raw bytes, one tunnel per connection. 400 for a malformed request,
+//! 405 for other methods, 500 when no agent is available, 502/503/504 for agent dial
+//! errors (504 for timeouts, 503 for resource exhaustion).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use tether_core::pump::{splice, SpliceEnd};
+use tether_proto::{packet::Payload, DialRequest, Packet};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+
+use crate::tunnel::{Frontend, Tunnel};
+
+/// Largest request head we accept.
+const MAX_HEAD: usize = 64 * 1024;
+/// How long a client may take to send its request head.
+const HEAD_TIMEOUT: Duration = Duration::from_secs(30);
+/// Backstop for a dial nobody answers when `--backend-dial-timeout` is off (upstream's
+/// client gives up after 30 s as well).
+const DIAL_BACKSTOP: Duration = Duration::from_secs(30);
+
+/// Serves one HTTP-CONNECT client connection to the end.
+pub async fn serve_connection<S>(tunnel: Arc<Tunnel>, mut sock: S, channel_size: usize, shutdown: CancellationToken)
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let gauge = tunnel.metrics.http_connections.clone();
+    gauge.inc();
+    let _guard = scopeguard(move || gauge.dec());
+
+    let (address, leftover) = match tokio::time::timeout(HEAD_TIMEOUT, read_head(&mut sock)).await {
+        Ok(Ok(Head::Connect { address, leftover })) => (address, leftover),
+        Ok(Ok(Head::OtherMethod(method))) => {
+            tracing::info!(%method, "non-CONNECT request refused");
+            respond(&mut sock, "405 Method Not Allowed", "only CONNECT is supported\n").await;
+            return;
+        }
+        Ok(Ok(Head::Malformed(why))) => {
+            tracing::info!(%why, "malformed CONNECT request");
+            respond(&mut sock, "400 Bad Request", &format!("{why}\n")).await;
+            return;
+        }
+        Ok(Err(e)) => {
+            tracing::debug!(error = %e, "client went away before sending a request");
+            return;
+        }
+        Err(_) => {
+            respond(&mut sock, "408 Request Timeout", "request head not received in time\n").await;
+            return;
+        }
+    };
+
+    tracing::Span::current().record("address", address.as_str());
+    let (tx, rx) = mpsc::channel(channel_size);
+    let fe = Frontend::new(tx);
+    let mut rx = ReceiverStream::new(rx);
+    let random = tether_core::random_id();
+    let req = DialRequest {
+        protocol: "tcp".into(),
+        address: address.clone(),
+        random,
+    };
+    if tunnel.dial(&fe, req).await.is_err() {
+        respond(&mut sock, "500 Internal Server Error", "currently no tunnels available\n").await;
+        return;
+    }
+
+    use tokio_stream::StreamExt;
+    let first = tokio::select! {
+        p = tokio::time::timeout(DIAL_BACKSTOP, rx.next()) => p,
+        _ = shutdown.cancelled() => Ok(None),
+    };
+    let connect_id = match first {
+        Ok(Some(Packet { payload: Some(Payload::DialResponse(rsp)), .. })) if rsp.error.is_empty() => rsp.connect_id,
+        Ok(Some(Packet { payload: Some(Payload::DialResponse(rsp)), .. })) => {
+            tracing::info!(error = %rsp.error, %address, "dial failed");
+            respond(&mut sock, dial_error_status(&rsp.error), &format!("{}\n", rsp.error)).await;
+            return;
+        }
+        Ok(Some(_)) => {
+            respond(&mut sock, "502 Bad Gateway", "dial cancelled by the agent\n").await;
+            tunnel.frontend_gone(&fe).await;
+            return;
+        }
+        Ok(None) => {
+            tunnel.frontend_gone(&fe).await;
+            respond(&mut sock, "503 Service Unavailable", "server shutting down\n").await;
+            return;
+        }
+        Err(_) => {
+            tunnel.cancel_from_frontend(&fe, random).await;
+            respond(&mut sock, "504 Gateway Timeout", "dial timeout\n").await;
+            return;
+        }
+    };
+    let Some(backend) = fe.route(connect_id) else {
+        // The agent went away between DIAL_RSP and here.
+        respond(&mut sock, "502 Bad Gateway", "agent disconnected\n").await;
+        return;
+    };
+    if sock
+        .write_all(b"HTTP/1.1 200 Connection Established\r\n\r\n")
+        .await
+        .is_err()
+    {
+        tunnel.frontend_gone(&fe).await;
+        return;
+    }
+    tracing::debug!(%address, connect_id, agent_id = %backend.agent_id, "tunnel established");
+    if !leftover.is_empty() && backend.tx.send(Packet::data(connect_id, leftover)).await.is_err() {
+        tunnel.frontend_gone(&fe).await;
+        return;
+    }
+    let end = splice(&mut sock, rx, &backend.tx, connect_id, &shutdown).await;
+    match end {
+        SpliceEnd::RemoteClosed(Some(err)) => tracing::debug!(%err, connect_id, "closed by agent"),
+        SpliceEnd::LocalError(e) => tracing::debug!(error = %e, connect_id, "client connection failed"),
+        _ => {}
+    }
+    // Closes the connection on the agent unless the agent closed it first.
+    tunnel.frontend_gone(&fe).await;
+}
+
+/// The status for an agent's dial error (upstream's mapping).
+pub fn dial_error_status(error: &str) -> &'static str {
+    let e = error.to_ascii_lowercase();
+    if e.contains("timeout") || e.contains("timed out") {
+        "504 Gateway Timeout"
+    } else if e.contains("too many open files") || e.contains("resource") || e.contains("no buffer space") {
+        "503 Service Unavailable"
+    } else {
+        "502 Bad Gateway"
+    }
+}
+
+enum Head {
+    Connect { address: String, leftover: Bytes },
+    OtherMethod(String),
+    Malformed(String),
+}
+
+async fn read_head<S: AsyncRead + Unpin>(sock: &mut S) -> std::io::Result<Head> {
+    let mut buf = BytesMut::with_capacity(1024);
+    loop {
+        if sock.read_buf(&mut buf).await? == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        let mut headers = [httparse::EMPTY_HEADER; 64];
+        let mut req = httparse::Request::new(&mut headers);
+        match req.parse(&buf) {
+            Ok(httparse::Status::Complete(n)) => {
+                let method = req.method.unwrap_or_default().to_string();
+                if method != "CONNECT" {
+                    return Ok(Head::OtherMethod(method));
+                }
+                let target = req.path.unwrap_or_default();
+                if !valid_authority(target) {
+                    return Ok(Head::Malformed(format!(
+                        "CONNECT target {target:?} is not host:port"
+                    )));
+                }
+                let address = target.to_string();
+                let leftover = buf.split_off(n).freeze();
+                return Ok(Head::Connect { address, leftover });
+            }
+            Ok(httparse::Status::Partial) if buf.len() < MAX_HEAD => continue,
+            Ok(httparse::Status::Partial) => {
+                return Ok(Head::Malformed(format!("request head larger than {MAX_HEAD} bytes")))
+            }
+            Err(e) => return Ok(Head::Malformed(format!("malformed request: {e}"))),
+        }
+    }
+}
+
+fn valid_authority(target: &str) -> bool {
+    let (host, port) = match target.rsplit_once(':') {
+        Some(pair) => pair,
+        None => return false,
+    };
+    let host_ok = if let Some(inner) = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        inner.parse::<std::net::Ipv6Addr>().is_ok()
+    } else {
+        !host.is_empty()
+            && !host.contains(['/', '@', ' ', '[', ']'])
+            && !host.contains(':')
+    };
+    host_ok && port.parse::<u16>().is_ok_and(|p| p != 0)
+}
+
+async fn respond<S: AsyncWrite + Unpin>(sock: &mut S, status: &str, body: &str) {
+    let msg = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = sock.write_all(msg.as_bytes()).await;
+    let _ = sock.shutdown().await;
+}
+
+struct Guard<F: FnOnce()>(Option<F>);
+impl<F: FnOnce()> Drop for Guard<F> {
+    fn drop(&mut self) {
+        if let Some(f) = self.0.take() {
+            f()
+        }
+    }
+}
+fn scopeguard<F: FnOnce()>(f: F) -> Guard<F> {
+    Guard(Some(f))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn authorities() {
+        assert!(valid_authority("10.0.0.1:10250"));
+        assert!(valid_authority("node-1:443"));
+        assert!(valid_authority("[fd00::1]:443"));
+        assert!(!valid_authority("node-1"));
+        assert!(!valid_authority("node-1:0"));
+        assert!(!valid_authority("node-1:http"));
+        assert!(!valid_authority("/path:1"));
+        assert!(!valid_authority("fd00::1:443"));
+    }
+
+    #[test]
+    fn status_mapping() {
+        assert_eq!(dial_error_status("dial tcp 1.2.3.4:5: i/o timeout"), "504 Gateway Timeout");
+        assert_eq!(dial_error_status("dial timeout: no answer"), "504 Gateway Timeout");
+        assert_eq!(dial_error_status("connection refused"), "502 Bad Gateway");
+        assert_eq!(dial_error_status("too many open files"), "503 Service Unavailable");
+    }
+}

@@ -1,0 +1,434 @@
+//! Tether's proxy server: frontends (gRPC ProxyService and HTTP CONNECT, over a Unix
+//! socket or mutual-TLS TCP) -> the server core (backend selection, dial and connection
+//! bookkeeping) -> agent links (one task per agent stream), plus health and admin HTTP.
+//!
+//! [`Server::bind`] binds every listener (so bad addresses and certificates fail at
+//! start-up); [`BoundServer::run`] serves until the shutdown token is cancelled.
+
+pub mod agent_link;
+pub mod backend;
+pub mod frontend;
+pub mod metrics;
+pub mod tunnel;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::http::StatusCode;
+use tether_core::tls::{self, TlsError, TlsFiles};
+use tether_core::transport::{self, ServerConfigSource};
+use tether_proto::agent_service_server::AgentServiceServer;
+use tether_proto::proxy_service_server::ProxyServiceServer;
+use tokio::net::{TcpListener, UnixListener};
+use tokio_stream::wrappers::{ReceiverStream, UnixListenerStream};
+use tokio_stream::StreamExt;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+pub use backend::{parse_strategies, Strategy};
+pub use frontend::Mode;
+pub use tunnel::{Tunnel, TunnelConfig};
+
+/// Largest gRPC message accepted (upstream clients may send large DATA packets).
+const MAX_MESSAGE: usize = 16 << 20;
+
+/// Where a frontend listens.
+#[derive(Debug, Clone)]
+pub enum Listen {
+    /// A Unix socket; an existing socket file is replaced when `delete_existing`.
+    Uds {
+        /// Socket path.
+        path: PathBuf,
+        /// Remove a stale socket file first.
+        delete_existing: bool,
+    },
+    /// TCP with mandatory mutual TLS.
+    Tcp {
+        /// Bind address.
+        addr: SocketAddr,
+        /// Serving certificate, key and the CA client certificates must chain to.
+        tls: TlsFiles,
+    },
+}
+
+/// One frontend.
+#[derive(Debug, Clone)]
+pub struct FrontendConfig {
+    /// Protocol.
+    pub mode: Mode,
+    /// Listener.
+    pub listen: Listen,
+}
+
+/// Everything the server needs, already validated.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// This server's id (sent to agents as `serverid`).
+    pub server_id: String,
+    /// How many servers agents should connect to (`servercount`).
+    pub server_count: u32,
+    /// Frontends (upstream runs one; `tether local` runs two).
+    pub frontends: Vec<FrontendConfig>,
+    /// Agent listener address.
+    pub agent_addr: SocketAddr,
+    /// Agent listener TLS; `ca` set = agents must present a client certificate.
+    pub agent_tls: TlsFiles,
+    /// HTTP/2 keepalive on agent connections.
+    pub agent_keepalive: Duration,
+    /// HTTP/2 keepalive on frontend connections.
+    pub frontend_keepalive: Duration,
+    /// Health endpoint (`/healthz`, `/readyz`, `/metrics`).
+    pub health_addr: Option<SocketAddr>,
+    /// Admin endpoint (`/metrics`).
+    pub admin_addr: Option<SocketAddr>,
+    /// Backend selection and dial timeout.
+    pub tunnel: TunnelConfig,
+    /// Per-stream channel capacity (`--xfr-channel-size`).
+    pub channel_size: usize,
+    /// How long established connections may finish after shutdown begins.
+    pub graceful_shutdown_timeout: Duration,
+}
+
+/// Why the server could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StartError {
+    /// A listener could not be bound.
+    #[error("cannot listen on {what} {addr}: {source}")]
+    Bind {
+        /// Which listener.
+        what: &'static str,
+        /// Its address or path.
+        addr: String,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// TLS material is unusable.
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+}
+
+/// What was bound, for logs and tests.
+#[derive(Debug, Clone)]
+pub struct BoundAddrs {
+    /// Agent listener.
+    pub agent: SocketAddr,
+    /// Frontends, in configuration order: a TCP address or a socket path.
+    pub frontends: Vec<String>,
+    /// Health endpoint.
+    pub health: Option<SocketAddr>,
+    /// Admin endpoint.
+    pub admin: Option<SocketAddr>,
+}
+
+enum FrontendListener {
+    Uds(UnixListener, PathBuf),
+    Tls(TcpListener, ServerConfigSource),
+}
+
+/// The server, bound and ready to run.
+pub struct BoundServer {
+    config: ServerConfig,
+    tunnel: Arc<Tunnel>,
+    agent_listener: TcpListener,
+    agent_tls: ServerConfigSource,
+    frontends: Vec<(Mode, FrontendListener)>,
+    health: Option<TcpListener>,
+    admin: Option<TcpListener>,
+    addrs: BoundAddrs,
+}
+
+/// Entry point.
+pub struct Server;
+
+async fn bind_tcp(what: &'static str, addr: SocketAddr) -> Result<TcpListener, StartError> {
+    TcpListener::bind(addr).await.map_err(|source| StartError::Bind {
+        what,
+        addr: addr.to_string(),
+        source,
+    })
+}
+
+impl Server {
+    /// Loads TLS material and binds every listener.
+    pub async fn bind(config: ServerConfig) -> Result<BoundServer, StartError> {
+        let agent_tls = transport::fixed(tls::server_config(&config.agent_tls, &[tls::ALPN_H2])?);
+        let agent_listener = bind_tcp("agent port", config.agent_addr).await?;
+        let mut frontends = Vec::new();
+        let mut frontend_addrs = Vec::new();
+        for fe in &config.frontends {
+            let listener = match &fe.listen {
+                Listen::Uds {
+                    path,
+                    delete_existing,
+                } => {
+                    let l = transport::bind_uds(path, *delete_existing).map_err(|source| {
+                        StartError::Bind {
+                            what: "frontend socket",
+                            addr: path.display().to_string(),
+                            source,
+                        }
+                    })?;
+                    frontend_addrs.push(path.display().to_string());
+                    FrontendListener::Uds(l, path.clone())
+                }
+                Listen::Tcp { addr, tls: files } => {
+                    let alpn: &[&[u8]] = match fe.mode {
+                        Mode::Grpc => &[tls::ALPN_H2],
+                        Mode::HttpConnect => &[tls::ALPN_HTTP11],
+                    };
+                    let cfg = transport::fixed(tls::server_config(files, alpn)?);
+                    let l = bind_tcp("frontend port", *addr).await?;
+                    frontend_addrs.push(l.local_addr().map(|a| a.to_string()).unwrap_or_default());
+                    FrontendListener::Tls(l, cfg)
+                }
+            };
+            frontends.push((fe.mode, listener));
+        }
+        let health = match config.health_addr {
+            Some(a) => Some(bind_tcp("health port", a).await?),
+            None => None,
+        };
+        let admin = match config.admin_addr {
+            Some(a) => Some(bind_tcp("admin port", a).await?),
+            None => None,
+        };
+        let addrs = BoundAddrs {
+            agent: agent_listener.local_addr().expect("bound"),
+            frontends: frontend_addrs,
+            health: health.as_ref().and_then(|l| l.local_addr().ok()),
+            admin: admin.as_ref().and_then(|l| l.local_addr().ok()),
+        };
+        let tunnel = Tunnel::new(config.tunnel.clone(), metrics::Metrics::new());
+        Ok(BoundServer {
+            config,
+            tunnel,
+            agent_listener,
+            agent_tls,
+            frontends,
+            health,
+            admin,
+            addrs,
+        })
+    }
+}
+
+impl BoundServer {
+    /// The bound addresses.
+    pub fn addrs(&self) -> &BoundAddrs {
+        &self.addrs
+    }
+
+    /// The server core (for in-process embedding and tests).
+    pub fn tunnel(&self) -> &Arc<Tunnel> {
+        &self.tunnel
+    }
+
+    /// Serves until `shutdown` is cancelled, then stops taking frontend connections,
+    /// lets established tunnels finish for up to the graceful shutdown timeout, and
+    /// returns.
+    pub async fn run(self, shutdown: CancellationToken) {
+        let BoundServer {
+            config,
+            tunnel,
+            agent_listener,
+            agent_tls,
+            frontends,
+            health,
+            admin,
+            addrs: _,
+        } = self;
+        // Agents and in-flight tunnels outlive the frontend listeners during a graceful
+        // shutdown; `hard_stop` ends them.
+        let hard_stop = CancellationToken::new();
+        let registry = tunnel.metrics.registry.clone();
+
+        if let Some(l) = health {
+            let t = tunnel.clone();
+            let ready: tether_core::health::ReadyCheck = Arc::new(move || {
+                let n = t.registry().len();
+                if n > 0 {
+                    Ok(format!("{n} agent stream(s) connected"))
+                } else {
+                    Err("no agent connected".into())
+                }
+            });
+            tether_core::health::spawn(
+                "health",
+                l,
+                tether_core::health::health_router(registry.clone(), ready, StatusCode::INTERNAL_SERVER_ERROR),
+                hard_stop.clone(),
+            );
+        }
+        if let Some(l) = admin {
+            tether_core::health::spawn(
+                "admin",
+                l,
+                tether_core::health::admin_router(registry.clone()),
+                hard_stop.clone(),
+            );
+        }
+
+        // Agent listener.
+        let link = agent_link::AgentLink {
+            tunnel: tunnel.clone(),
+            server_id: config.server_id.clone(),
+            server_count: config.server_count,
+            channel_size: config.channel_size,
+            shutdown: hard_stop.clone(),
+        };
+        let incoming = transport::tls_incoming(agent_listener, agent_tls, "agent", hard_stop.clone());
+        let agent_server = tonic::transport::Server::builder()
+            .http2_keepalive_interval(Some(config.agent_keepalive))
+            .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+            .initial_stream_window_size(Some(1 << 20))
+            .initial_connection_window_size(Some(4 << 20))
+            .add_service(
+                AgentServiceServer::new(link)
+                    .max_decoding_message_size(MAX_MESSAGE)
+                    .max_encoding_message_size(MAX_MESSAGE),
+            )
+            .serve_with_incoming_shutdown(
+                ReceiverStream::new(incoming).map(Ok::<_, std::io::Error>),
+                hard_stop.clone().cancelled_owned(),
+            );
+        let agent_task = tokio::spawn(
+            async move {
+                if let Err(e) = agent_server.await {
+                    tracing::error!(error = %e, "agent listener failed");
+                }
+            }
+            .instrument(tracing::info_span!("agent_listener")),
+        );
+
+        // Frontends stop at `shutdown`.
+        let mut frontend_tasks = Vec::new();
+        let mut sockets = Vec::new();
+        for (mode, listener) in frontends {
+            let tunnel = tunnel.clone();
+            let stop = shutdown.clone();
+            let hard = hard_stop.clone();
+            let size = config.channel_size;
+            let keepalive = config.frontend_keepalive;
+            if let FrontendListener::Uds(_, path) = &listener {
+                sockets.push(path.clone());
+            }
+            let span = tracing::info_span!("frontend_listener", %mode);
+            frontend_tasks.push(tokio::spawn(
+                serve_frontend(mode, listener, tunnel, size, keepalive, stop, hard).instrument(span),
+            ));
+        }
+
+        shutdown.cancelled().await;
+        tracing::info!("shutting down: no new frontend connections");
+        for task in frontend_tasks {
+            let _ = task.await;
+        }
+        for path in sockets {
+            let _ = std::fs::remove_file(path);
+        }
+        let grace = config.graceful_shutdown_timeout;
+        if !grace.is_zero() {
+            let deadline = tokio::time::Instant::now() + grace;
+            while tunnel.metrics.established_connections.get() > 0
+                || tunnel.metrics.pending_backend_dials.get() > 0
+            {
+                if tokio::time::Instant::now() >= deadline {
+                    tracing::info!(
+                        open = tunnel.metrics.established_connections.get(),
+                        "graceful shutdown timeout reached; closing remaining tunnels"
+                    );
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+        hard_stop.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(2), agent_task).await;
+        tracing::info!("server stopped");
+    }
+}
+
+async fn serve_frontend(
+    mode: Mode,
+    listener: FrontendListener,
+    tunnel: Arc<Tunnel>,
+    channel_size: usize,
+    keepalive: Duration,
+    stop: CancellationToken,
+    hard_stop: CancellationToken,
+) {
+    match mode {
+        Mode::Grpc => {
+            let svc = ProxyServiceServer::new(frontend::grpc::GrpcFrontend {
+                tunnel,
+                channel_size,
+            })
+            .max_decoding_message_size(MAX_MESSAGE)
+            .max_encoding_message_size(MAX_MESSAGE);
+            let builder = || {
+                tonic::transport::Server::builder()
+                    .http2_keepalive_interval(Some(keepalive))
+                    .initial_stream_window_size(Some(1 << 20))
+                    .initial_connection_window_size(Some(4 << 20))
+            };
+            // Established streams keep running after `stop` until `hard_stop`.
+            let result = match listener {
+                FrontendListener::Uds(l, _) => {
+                    let incoming = futures::StreamExt::take_until(UnixListenerStream::new(l), stop.cancelled_owned());
+                    builder()
+                        .add_service(svc)
+                        .serve_with_incoming_shutdown(incoming, hard_stop.cancelled_owned())
+                        .await
+                }
+                FrontendListener::Tls(l, cfg) => {
+                    let incoming = transport::tls_incoming(l, cfg, "frontend", stop);
+                    builder()
+                        .add_service(svc)
+                        .serve_with_incoming_shutdown(
+                            ReceiverStream::new(incoming).map(Ok::<_, std::io::Error>),
+                            hard_stop.cancelled_owned(),
+                        )
+                        .await
+                }
+            };
+            if let Err(e) = result {
+                tracing::error!(error = %e, "frontend failed");
+            }
+        }
+        Mode::HttpConnect => match listener {
+            FrontendListener::Uds(l, _) => loop {
+                let sock = tokio::select! {
+                    _ = stop.cancelled() => return,
+                    a = l.accept() => match a {
+                        Ok((s, _)) => s,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "accept failed");
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            continue;
+                        }
+                    },
+                };
+                spawn_http(tunnel.clone(), sock, channel_size, hard_stop.clone(), "uds".into());
+            },
+            FrontendListener::Tls(l, cfg) => {
+                let mut incoming = transport::tls_incoming(l, cfg, "frontend", stop);
+                while let Some(conn) = incoming.recv().await {
+                    let peer = conn.info().remote_addr.to_string();
+                    spawn_http(tunnel.clone(), conn, channel_size, hard_stop.clone(), peer);
+                }
+            }
+        },
+    }
+}
+
+fn spawn_http<S>(tunnel: Arc<Tunnel>, sock: S, channel_size: usize, hard_stop: CancellationToken, peer: String)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let span = tracing::info_span!("frontend", kind = "http-connect", %peer, address = tracing::field::Empty);
+    tokio::spawn(frontend::http_connect::serve_connection(tunnel, sock, channel_size, hard_stop).instrument(span));
+}

@@ -1,0 +1,218 @@
+//! Server metrics under upstream's names (`konnectivity_network_proxy_server_*`), so
+//! existing dashboards and alerts keep working.
+
+use prometheus::{
+    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+};
+use tether_proto::PacketType;
+
+const NAMESPACE: &str = "konnectivity_network_proxy";
+const SUBSYSTEM: &str = "server";
+
+/// Where a packet was seen, as upstream's `segment` label.
+#[derive(Debug, Clone, Copy)]
+pub enum Segment {
+    /// Received from a frontend client.
+    FromClient = 0,
+    /// Sent to a frontend client.
+    ToClient = 1,
+    /// Received from an agent.
+    FromAgent = 2,
+    /// Sent to an agent.
+    ToAgent = 3,
+}
+
+const SEGMENTS: [&str; 4] = ["from_client", "to_client", "from_agent", "to_agent"];
+const PACKET_TYPES: [&str; 7] = [
+    "DIAL_REQ", "DIAL_RSP", "CLOSE_REQ", "CLOSE_RSP", "DATA", "DIAL_CLS", "DRAIN",
+];
+
+/// Why a dial failed, as upstream's `reason` label.
+#[derive(Debug, Clone, Copy)]
+pub enum DialFailure {
+    /// No agent was connected (or matched).
+    NoAgent,
+    /// The agent answered with an error.
+    ErrorResponse,
+    /// A DIAL_RSP nobody was waiting for.
+    UnrecognizedResponse,
+    /// The DIAL_RSP could not be sent to the frontend.
+    SendRsp,
+    /// The agent's stream closed while the dial was pending.
+    BackendClose,
+    /// `--backend-dial-timeout` passed.
+    BackendDialTimeout,
+    /// The frontend went away while the dial was pending.
+    FrontendClose,
+}
+
+impl DialFailure {
+    fn label(self) -> &'static str {
+        match self {
+            DialFailure::NoAgent => "no_agent",
+            DialFailure::ErrorResponse => "error_response",
+            DialFailure::UnrecognizedResponse => "unrecognized_response",
+            DialFailure::SendRsp => "send_rsp",
+            DialFailure::BackendClose => "backend_close",
+            DialFailure::BackendDialTimeout => "backend_dial_timeout",
+            DialFailure::FrontendClose => "frontend_close",
+        }
+    }
+}
+
+/// Every server metric, registered in one registry.
+#[derive(Clone)]
+pub struct Metrics {
+    /// The registry `/metrics` renders.
+    pub registry: Registry,
+    /// Time from DIAL_REQ to a successful DIAL_RSP.
+    pub dial_duration: Histogram,
+    /// Time spent handing a packet to a frontend.
+    pub frontend_write_duration: Histogram,
+    /// Open gRPC streams by method.
+    pub grpc_connections: IntGaugeVec,
+    /// Open HTTP-CONNECT connections.
+    pub http_connections: IntGauge,
+    /// Connected agent streams.
+    pub ready_backends: IntGauge,
+    /// Dials sent to an agent and not yet answered.
+    pub pending_backend_dials: IntGauge,
+    /// Tunnelled connections currently open.
+    pub established_connections: IntGauge,
+    /// Frontend channels that were full when a packet arrived.
+    pub full_receive_channels: IntGaugeVec,
+    dial_failures: IntCounterVec,
+    packets: Vec<IntCounter>,
+    stream_errors: IntCounterVec,
+}
+
+impl Metrics {
+    /// Creates and registers every metric.
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let opts = |name: &str, help: &str| Opts::new(name, help).namespace(NAMESPACE).subsystem(SUBSYSTEM);
+        let hopts = |name: &str, help: &str| {
+            HistogramOpts::new(name, help)
+                .namespace(NAMESPACE)
+                .subsystem(SUBSYSTEM)
+                .buckets(vec![
+                    0.005, 0.025, 0.1, 0.5, 2.5, 12.5,
+                ])
+        };
+        let dial_duration = Histogram::with_opts(hopts(
+            "dial_duration_seconds",
+            "Latency of dial to the remote endpoint in seconds",
+        ))
+        .unwrap();
+        let frontend_write_duration = Histogram::with_opts(
+            hopts("frontend_write_duration_seconds", "Latency of write to the frontend in seconds")
+                .buckets(vec![0.00001, 0.0001, 0.001, 0.01, 0.1, 1.0, 10.0]),
+        )
+        .unwrap();
+        let grpc_connections = IntGaugeVec::new(
+            opts("grpc_connections", "Number of current grpc connections, partitioned by service method."),
+            &["service_method"],
+        )
+        .unwrap();
+        let http_connections = IntGauge::with_opts(opts(
+            "http_connections",
+            "Number of current HTTP CONNECT connections",
+        ))
+        .unwrap();
+        let ready_backends = IntGauge::with_opts(opts(
+            "ready_backends",
+            "Number of konnectivity agent connected to the proxy server",
+        ))
+        .unwrap();
+        let pending_backend_dials = IntGauge::with_opts(opts(
+            "pending_backend_dials",
+            "Current number of pending backend dial requests",
+        ))
+        .unwrap();
+        let established_connections = IntGauge::with_opts(opts(
+            "established_connections",
+            "Current number of established end-to-end connections (post-dial).",
+        ))
+        .unwrap();
+        let full_receive_channels = IntGaugeVec::new(
+            opts("full_receive_channels", "Number of current connections blocked by a full receive channel, partitioned by service method."),
+            &["service_method"],
+        )
+        .unwrap();
+        let dial_failures = IntCounterVec::new(
+            opts("dial_failure_count", "Number of dial failures observed, by reason (example: remote endpoint error)"),
+            &["reason"],
+        )
+        .unwrap();
+        let packets_vec = IntCounterVec::new(
+            opts("stream_packets_total", "Count of packets processed, by segment and packet type (example: from_client, DIAL_REQ)"),
+            &["segment", "packet_type"],
+        )
+        .unwrap();
+        let stream_errors = IntCounterVec::new(
+            opts("stream_errors_total", "Count of gRPC stream errors, by segment, grpc Code, packet type. (example: from_agent, Code.Unavailable, DIAL_RSP)"),
+            &["segment", "code", "packet_type"],
+        )
+        .unwrap();
+        let mut packets = Vec::with_capacity(SEGMENTS.len() * PACKET_TYPES.len());
+        for seg in SEGMENTS {
+            for ty in PACKET_TYPES {
+                packets.push(packets_vec.with_label_values(&[seg, ty]));
+            }
+        }
+        for c in [
+            Box::new(dial_duration.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(frontend_write_duration.clone()),
+            Box::new(grpc_connections.clone()),
+            Box::new(http_connections.clone()),
+            Box::new(ready_backends.clone()),
+            Box::new(pending_backend_dials.clone()),
+            Box::new(established_connections.clone()),
+            Box::new(full_receive_channels.clone()),
+            Box::new(dial_failures.clone()),
+            Box::new(packets_vec),
+            Box::new(stream_errors.clone()),
+        ] {
+            registry.register(c).expect("metric names are unique");
+        }
+        Metrics {
+            registry,
+            dial_duration,
+            frontend_write_duration,
+            grpc_connections,
+            http_connections,
+            ready_backends,
+            pending_backend_dials,
+            established_connections,
+            full_receive_channels,
+            dial_failures,
+            packets,
+            stream_errors,
+        }
+    }
+
+    /// Counts one dial failure.
+    pub fn dial_failed(&self, reason: DialFailure) {
+        self.dial_failures.with_label_values(&[reason.label()]).inc();
+    }
+
+    /// Counts one packet of type `ty` (raw enum value) on `segment`.
+    pub fn packet(&self, segment: Segment, ty: i32) {
+        if let Ok(ty) = PacketType::try_from(ty) {
+            self.packets[segment as usize * PACKET_TYPES.len() + ty as usize].inc();
+        }
+    }
+
+    /// Counts one stream error.
+    pub fn stream_error(&self, segment: Segment, code: tonic::Code) {
+        self.stream_errors
+            .with_label_values(&[SEGMENTS[segment as usize], &format!("{code:?}"), ""])
+            .inc();
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

@@ -1,0 +1,392 @@
+//! The server core: dials from frontends to agents and the bookkeeping that routes
+//! packets between them. Frontends call in (dial, data, close, cancel, gone); agent links
+//! call in with what agents send; answers travel back to each frontend through the
+//! channel it handed down (`Frontend::tx`).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tether_proto::{packet::Payload, DialRequest, Packet};
+use tokio::sync::mpsc;
+use tracing::Instrument;
+
+use crate::backend::{Backend, PendingDial, Registry, Strategy};
+use crate::metrics::{DialFailure, Metrics, Segment};
+
+/// What a frontend tells a client when no agent can take a dial (upstream's text).
+pub const NO_AGENT: &str = "No agent available";
+
+/// One frontend stream (a gRPC Proxy stream or one HTTP-CONNECT connection).
+pub struct Frontend {
+    id: u64,
+    /// Packets for the client: DIAL_RSP, DATA, CLOSE_RSP, DIAL_CLS.
+    pub(crate) tx: mpsc::Sender<Packet>,
+    routes: Mutex<Routes>,
+}
+
+#[derive(Default)]
+struct Routes {
+    /// connectID -> the agent stream carrying it.
+    conns: HashMap<i64, Arc<Backend>>,
+    /// DialRequest.random -> the agent stream it was sent to.
+    pending: HashMap<i64, Arc<Backend>>,
+}
+
+static NEXT_FRONTEND: AtomicU64 = AtomicU64::new(1);
+
+impl Frontend {
+    /// A frontend whose client-bound packets go to `tx`.
+    pub fn new(tx: mpsc::Sender<Packet>) -> Arc<Self> {
+        Arc::new(Frontend {
+            id: NEXT_FRONTEND.fetch_add(1, Ordering::Relaxed),
+            tx,
+            routes: Mutex::new(Routes::default()),
+        })
+    }
+
+    /// This frontend's id (for logs).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    fn routes(&self) -> std::sync::MutexGuard<'_, Routes> {
+        self.routes.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The agent stream carrying `connect_id` for this frontend.
+    pub fn route(&self, connect_id: i64) -> Option<Arc<Backend>> {
+        self.routes().conns.get(&connect_id).cloned()
+    }
+}
+
+/// Why a dial could not even be sent to an agent.
+#[derive(Debug, thiserror::Error)]
+pub enum DialError {
+    /// No agent connected or matched the strategies.
+    #[error("No agent available")]
+    NoAgent,
+}
+
+/// Settings of the server core.
+#[derive(Debug, Clone)]
+pub struct TunnelConfig {
+    /// Backend selection order.
+    pub strategies: Vec<Strategy>,
+    /// Fail a dial the agent has not answered within this (None = never).
+    pub backend_dial_timeout: Option<Duration>,
+}
+
+/// The server core shared by frontends and agent links.
+pub struct Tunnel {
+    pub(crate) registry: Registry,
+    pub(crate) metrics: Metrics,
+    config: TunnelConfig,
+}
+
+impl Tunnel {
+    /// A core with no agents yet.
+    pub fn new(config: TunnelConfig, metrics: Metrics) -> Arc<Self> {
+        Arc::new(Tunnel {
+            registry: Registry::default(),
+            metrics,
+            config,
+        })
+    }
+
+    /// Connected agent streams.
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
+    async fn to_frontend(&self, fe: &Frontend, packet: Packet) -> bool {
+        self.metrics.packet(Segment::ToClient, packet.r#type);
+        let start = Instant::now();
+        let ok = match fe.tx.try_send(packet) {
+            Ok(()) => true,
+            Err(mpsc::error::TrySendError::Closed(_)) => false,
+            Err(mpsc::error::TrySendError::Full(packet)) => {
+                let full = self.metrics.full_receive_channels.with_label_values(&["Proxy"]);
+                full.inc();
+                let ok = fe.tx.send(packet).await.is_ok();
+                full.dec();
+                ok
+            }
+        };
+        self.metrics
+            .frontend_write_duration
+            .observe(start.elapsed().as_secs_f64());
+        ok
+    }
+
+    async fn to_agent(&self, backend: &Backend, packet: Packet) -> bool {
+        self.metrics.packet(Segment::ToAgent, packet.r#type);
+        backend.tx.send(packet).await.is_ok()
+    }
+
+    // === frontend -> agent ===
+
+    /// Sends a DIAL_REQ from `fe` to an agent chosen by the strategies. The answer
+    /// arrives on `fe.tx` as DIAL_RSP (or DIAL_CLS). On `Err`, nothing was sent.
+    pub async fn dial(self: &Arc<Self>, fe: &Arc<Frontend>, req: DialRequest) -> Result<(), DialError> {
+        let Some(backend) = self.registry.select(&self.config.strategies, &req.address) else {
+            self.metrics.dial_failed(DialFailure::NoAgent);
+            tracing::info!(address = %req.address, "no agent available for dial");
+            return Err(DialError::NoAgent);
+        };
+        let random = req.random;
+        tracing::debug!(address = %req.address, random, agent_id = %backend.agent_id, "dialing through agent");
+        backend.state().pending.insert(
+            random,
+            PendingDial {
+                frontend: fe.clone(),
+                started: Instant::now(),
+            },
+        );
+        fe.routes().pending.insert(random, backend.clone());
+        self.metrics.pending_backend_dials.inc();
+        let packet = Packet {
+            r#type: tether_proto::PacketType::DialReq as i32,
+            payload: Some(Payload::DialRequest(req)),
+        };
+        if backend.closed.is_cancelled() || !self.to_agent(&backend, packet).await {
+            // The stream died under us; its removal fails every pending dial, this one
+            // included, unless it has already run.
+            self.fail_pending(&backend, random, DialFailure::BackendClose, "agent disconnected")
+                .await;
+            return Ok(());
+        }
+        if let Some(timeout) = self.config.backend_dial_timeout {
+            let this = self.clone();
+            tokio::spawn(
+                async move {
+                    tokio::select! {
+                        _ = tokio::time::sleep(timeout) => {}
+                        _ = backend.closed.cancelled() => return,
+                    }
+                    if this
+                        .fail_pending(&backend, random, DialFailure::BackendDialTimeout, "dial timeout: the agent did not answer in time (--backend-dial-timeout)")
+                        .await
+                    {
+                        this.to_agent(&backend, Packet::close_dial(random)).await;
+                    }
+                }
+                .in_current_span(),
+            );
+        }
+        Ok(())
+    }
+
+    /// Removes a pending dial and tells its frontend it failed. False when it was no
+    /// longer pending.
+    async fn fail_pending(&self, backend: &Backend, random: i64, reason: DialFailure, error: &str) -> bool {
+        let Some(pending) = backend.state().pending.remove(&random) else {
+            return false;
+        };
+        self.metrics.pending_backend_dials.dec();
+        self.metrics.dial_failed(reason);
+        pending.frontend.routes().pending.remove(&random);
+        self.to_frontend(&pending.frontend, Packet::dial_response(random, 0, error))
+            .await;
+        true
+    }
+
+    /// A DATA packet from `fe` for one of its connections.
+    pub async fn data_from_frontend(&self, fe: &Frontend, packet: Packet, connect_id: i64) {
+        match fe.route(connect_id) {
+            Some(backend) => {
+                self.to_agent(&backend, packet).await;
+            }
+            None => {
+                tracing::debug!(connect_id, "DATA for unknown connectID");
+                self.to_frontend(fe, Packet::close_response(connect_id, format!("unknown connectID {connect_id}")))
+                    .await;
+            }
+        }
+    }
+
+    /// A CLOSE_REQ from `fe`: passed to the agent, whose CLOSE_RSP comes back to `fe`.
+    pub async fn close_from_frontend(&self, fe: &Frontend, connect_id: i64) {
+        match fe.route(connect_id) {
+            Some(backend) => {
+                self.to_agent(&backend, Packet::close_request(connect_id)).await;
+            }
+            None => {
+                self.to_frontend(fe, Packet::close_response(connect_id, format!("unknown connectID {connect_id}")))
+                    .await;
+            }
+        }
+    }
+
+    /// A DIAL_CLS from `fe`: the client gave up on a pending dial.
+    pub async fn cancel_from_frontend(&self, fe: &Frontend, random: i64) {
+        let backend = fe.routes().pending.remove(&random);
+        if let Some(backend) = backend {
+            if backend.state().pending.remove(&random).is_some() {
+                self.metrics.pending_backend_dials.dec();
+                self.metrics.dial_failed(DialFailure::FrontendClose);
+                self.to_agent(&backend, Packet::close_dial(random)).await;
+            }
+        }
+    }
+
+    /// `fe` is gone: cancel its pending dials and close its connections on the agents.
+    pub async fn frontend_gone(&self, fe: &Frontend) {
+        let routes = std::mem::take(&mut *fe.routes());
+        for (random, backend) in routes.pending {
+            if backend.state().pending.remove(&random).is_some() {
+                self.metrics.pending_backend_dials.dec();
+                self.metrics.dial_failed(DialFailure::FrontendClose);
+                self.to_agent(&backend, Packet::close_dial(random)).await;
+            }
+        }
+        for (connect_id, backend) in routes.conns {
+            if backend.state().conns.remove(&connect_id).is_some() {
+                self.metrics.established_connections.dec();
+                self.to_agent(&backend, Packet::close_request(connect_id)).await;
+            }
+        }
+    }
+
+    // === agent -> frontend ===
+
+    /// A packet from `backend`'s agent.
+    pub(crate) async fn from_agent(&self, backend: &Arc<Backend>, packet: Packet) {
+        self.metrics.packet(Segment::FromAgent, packet.r#type);
+        match &packet.payload {
+            Some(Payload::DialResponse(rsp)) => {
+                let (random, connect_id) = (rsp.random, rsp.connect_id);
+                let success = rsp.error.is_empty();
+                let pending = backend.state().pending.remove(&random);
+                let Some(pending) = pending else {
+                    self.metrics.dial_failed(DialFailure::UnrecognizedResponse);
+                    if success {
+                        // Nobody waits for it any more (cancelled or timed out): close it.
+                        self.to_agent(backend, Packet::close_request(connect_id)).await;
+                    }
+                    return;
+                };
+                self.metrics.pending_backend_dials.dec();
+                let fe = pending.frontend;
+                if !success {
+                    self.metrics.dial_failed(DialFailure::ErrorResponse);
+                    fe.routes().pending.remove(&random);
+                    tracing::info!(agent_id = %backend.agent_id, error = %rsp.error, "agent failed to dial");
+                    self.to_frontend(&fe, packet).await;
+                    return;
+                }
+                let accepted = {
+                    let mut routes = fe.routes();
+                    routes.pending.remove(&random);
+                    if routes.conns.contains_key(&connect_id) {
+                        false
+                    } else {
+                        routes.conns.insert(connect_id, backend.clone());
+                        true
+                    }
+                };
+                if !accepted {
+                    // Two agents used the same connectID on one frontend stream; the
+                    // client could not tell them apart.
+                    tracing::warn!(connect_id, "connectID already in use on this frontend stream; refusing");
+                    self.to_agent(backend, Packet::close_request(connect_id)).await;
+                    self.to_frontend(&fe, Packet::dial_response(random, 0, "connectID collision, retry the dial"))
+                        .await;
+                    return;
+                }
+                backend.state().conns.insert(connect_id, fe.clone());
+                self.metrics.established_connections.inc();
+                self.metrics
+                    .dial_duration
+                    .observe(pending.started.elapsed().as_secs_f64());
+                if !self.to_frontend(&fe, packet).await {
+                    self.metrics.dial_failed(DialFailure::SendRsp);
+                    self.frontend_gone(&fe).await;
+                }
+            }
+            Some(Payload::Data(data)) => {
+                let connect_id = data.connect_id;
+                let fe = backend.state().conns.get(&connect_id).cloned();
+                match fe {
+                    Some(fe) => {
+                        if !self.to_frontend(&fe, packet).await {
+                            self.frontend_gone(&fe).await;
+                        }
+                    }
+                    None => tracing::debug!(connect_id, "DATA from agent for unknown connectID; dropped"),
+                }
+            }
+            Some(Payload::CloseResponse(close)) => {
+                let connect_id = close.connect_id;
+                let fe = backend.state().conns.remove(&connect_id);
+                if let Some(fe) = fe {
+                    self.metrics.established_connections.dec();
+                    fe.routes().conns.remove(&connect_id);
+                    self.to_frontend(&fe, packet).await;
+                }
+            }
+            Some(Payload::CloseDial(cls)) => {
+                let random = cls.random;
+                let pending = backend.state().pending.remove(&random);
+                if let Some(pending) = pending {
+                    self.metrics.pending_backend_dials.dec();
+                    self.metrics.dial_failed(DialFailure::ErrorResponse);
+                    pending.frontend.routes().pending.remove(&random);
+                    self.to_frontend(&pending.frontend, packet).await;
+                }
+            }
+            Some(Payload::Drain(_)) => {
+                tracing::info!(agent_id = %backend.agent_id, "agent is draining; it is now last choice for new dials");
+                backend.draining.store(true, Ordering::Relaxed);
+            }
+            _ => tracing::debug!(ty = packet.r#type, "unexpected packet from agent; ignored"),
+        }
+    }
+
+    // === agent streams ===
+
+    /// Registers a new agent stream.
+    pub(crate) fn add_backend(&self, backend: Arc<Backend>) {
+        let n = self.registry.add(backend);
+        self.metrics.ready_backends.set(n as i64);
+    }
+
+    /// An agent stream ended: fail its pending dials and close its connections at once.
+    pub(crate) async fn remove_backend(self: &Arc<Self>, backend: &Backend) {
+        backend.closed.cancel();
+        if self.registry.remove(backend) {
+            self.metrics.ready_backends.set(self.registry.len() as i64);
+        }
+        let state = std::mem::take(&mut *backend.state());
+        let error = format!("agent {} disconnected", backend.agent_id);
+        for (random, pending) in state.pending {
+            self.metrics.pending_backend_dials.dec();
+            self.metrics.dial_failed(DialFailure::BackendClose);
+            pending.frontend.routes().pending.remove(&random);
+            self.notify(pending.frontend, Packet::dial_response(random, 0, error.clone()));
+        }
+        for (connect_id, fe) in state.conns {
+            self.metrics.established_connections.dec();
+            fe.routes().conns.remove(&connect_id);
+            self.notify(fe, Packet::close_response(connect_id, error.clone()));
+        }
+    }
+
+    /// Delivers `packet` to `fe` without holding up the caller (a stuck client must not
+    /// delay telling the others).
+    fn notify(self: &Arc<Self>, fe: Arc<Frontend>, packet: Packet) {
+        let this = self.clone();
+        tokio::spawn(
+            async move {
+                let _ = tokio::time::timeout(Duration::from_secs(10), this.to_frontend(&fe, packet)).await;
+            }
+            .in_current_span(),
+        );
+    }
+
+    /// Every agent stream, e.g. to close them on shutdown.
+    pub fn backends(&self) -> Vec<Arc<Backend>> {
+        self.registry.all()
+    }
+}
