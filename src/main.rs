@@ -1,1 +1,45 @@
-fn main(){}
+//! The `tether` binary: `server`, `agent`, `local` (server + agent + demo backend in one
+//! process) and `certs`. Flags keep upstream's names and defaults.
+
+mod cmd;
+
+use clap::{Parser, Subcommand};
+
+/// Konnectivity-compatible tunnel for Kubernetes clusters whose nodes sit on private or
+/// untrusted networks.
+#[derive(Parser, Debug)]
+#[command(name = "tether", version, about, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run the proxy server beside kube-apiserver.
+    Server(Box<cmd::server::ServerArgs>),
+    /// Run the agent on a node; it dials out to the server.
+    Agent(Box<cmd::agent::AgentArgs>),
+    /// Run a server, an agent and a demo backend in one process on loopback.
+    Local(cmd::local::LocalArgs),
+    /// Make certificates.
+    #[command(subcommand)]
+    Certs(cmd::certs::CertsCommand),
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Server(args) => cmd::server::main(*args),
+        Command::Agent(args) => cmd::agent::main(*args),
+        Command::Local(args) => cmd::local::main(args),
+        Command::Certs(c) => cmd::certs::main(c),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -2,9 +2,9 @@
 //! existing dashboards and alerts keep working.
 
 use prometheus::{
-    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    Histogram, HistogramOpts, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
 };
-use tether_proto::PacketType;
+use tether_core::metrics::PacketCounters;
 
 const NAMESPACE: &str = "konnectivity_network_proxy";
 const SUBSYSTEM: &str = "server";
@@ -23,9 +23,6 @@ pub enum Segment {
 }
 
 const SEGMENTS: [&str; 4] = ["from_client", "to_client", "from_agent", "to_agent"];
-const PACKET_TYPES: [&str; 7] = [
-    "DIAL_REQ", "DIAL_RSP", "CLOSE_REQ", "CLOSE_RSP", "DATA", "DIAL_CLS", "DRAIN",
-];
 
 /// Why a dial failed, as upstream's `reason` label.
 #[derive(Debug, Clone, Copy)]
@@ -82,7 +79,7 @@ pub struct Metrics {
     /// Frontend channels that were full when a packet arrived.
     pub full_receive_channels: IntGaugeVec,
     dial_failures: IntCounterVec,
-    packets: Vec<IntCounter>,
+    packets: PacketCounters,
     stream_errors: IntCounterVec,
 }
 
@@ -154,12 +151,7 @@ impl Metrics {
             &["segment", "code", "packet_type"],
         )
         .unwrap();
-        let mut packets = Vec::with_capacity(SEGMENTS.len() * PACKET_TYPES.len());
-        for seg in SEGMENTS {
-            for ty in PACKET_TYPES {
-                packets.push(packets_vec.with_label_values(&[seg, ty]));
-            }
-        }
+        let packets = PacketCounters::new(&packets_vec, &SEGMENTS);
         for c in [
             Box::new(dial_duration.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(frontend_write_duration.clone()),
@@ -198,9 +190,7 @@ impl Metrics {
 
     /// Counts one packet of type `ty` (raw enum value) on `segment`.
     pub fn packet(&self, segment: Segment, ty: i32) {
-        if let Ok(ty) = PacketType::try_from(ty) {
-            self.packets[segment as usize * PACKET_TYPES.len() + ty as usize].inc();
-        }
+        self.packets.inc(segment as usize, ty);
     }
 
     /// Counts one stream error.

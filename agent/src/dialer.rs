@@ -1,0 +1,211 @@
+//! The dialer: opens target TCP connections on the server's DIAL_REQ (with a timeout,
+//! cancellable by DIAL_CLS), assigns connectIDs, and pumps bytes between each target
+//! socket and the agent stream until either side closes.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tether_core::pump::{splice, SpliceEnd};
+use tether_proto::{packet::Payload, DialRequest, Packet};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::metrics::Metrics;
+
+/// Direction indexes for packet counters.
+pub(crate) const FROM_SERVER: usize = 0;
+pub(crate) const TO_SERVER: usize = 1;
+
+struct Conn {
+    /// DATA and CLOSE_REQ for the connection's pump, in arrival order.
+    tx: mpsc::Sender<Packet>,
+}
+
+/// The connections of one agent stream.
+pub(crate) struct Session {
+    out: mpsc::Sender<Packet>,
+    conns: Mutex<HashMap<i64, Conn>>,
+    pending: Mutex<HashMap<i64, CancellationToken>>,
+    next_id: AtomicI64,
+    draining: AtomicBool,
+    dial_timeout: Duration,
+    channel_size: usize,
+    metrics: Metrics,
+    /// Cancelled when the stream ends: every pump stops.
+    pub(crate) closed: CancellationToken,
+    /// Open target connections across all sessions (for drain).
+    open: Arc<AtomicI64>,
+}
+
+impl Session {
+    pub(crate) fn new(
+        out: mpsc::Sender<Packet>,
+        dial_timeout: Duration,
+        channel_size: usize,
+        metrics: Metrics,
+        open: Arc<AtomicI64>,
+    ) -> Arc<Self> {
+        Arc::new(Session {
+            out,
+            conns: Mutex::new(HashMap::new()),
+            pending: Mutex::new(HashMap::new()),
+            next_id: AtomicI64::new(1),
+            draining: AtomicBool::new(false),
+            dial_timeout,
+            channel_size,
+            metrics,
+            closed: CancellationToken::new(),
+            open,
+        })
+    }
+
+    fn conns(&self) -> std::sync::MutexGuard<'_, HashMap<i64, Conn>> {
+        self.conns.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn pending(&self) -> std::sync::MutexGuard<'_, HashMap<i64, CancellationToken>> {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) async fn send(&self, packet: Packet) -> bool {
+        self.metrics.packets.inc(TO_SERVER, packet.r#type);
+        self.out.send(packet).await.is_ok()
+    }
+
+    /// Stops taking dials and tells the server so.
+    pub(crate) async fn drain(&self) {
+        if !self.draining.swap(true, Ordering::Relaxed) {
+            self.send(Packet::drain()).await;
+        }
+    }
+
+    /// Handles one packet from the server.
+    pub(crate) async fn handle(self: &Arc<Self>, packet: Packet) {
+        self.metrics.packets.inc(FROM_SERVER, packet.r#type);
+        match packet.payload {
+            Some(Payload::DialRequest(req)) => self.dial(req).await,
+            Some(Payload::Data(ref d)) => {
+                let connect_id = d.connect_id;
+                let tx = self.conns().get(&connect_id).map(|c| c.tx.clone());
+                match tx {
+                    // A failed send means the pump already ended and sent CLOSE_RSP.
+                    Some(tx) => drop(tx.send(packet).await),
+                    None => {
+                        tracing::debug!(connect_id, "DATA for unknown connectID");
+                        self.send(Packet::close_response(connect_id, format!("unknown connectID {connect_id}")))
+                            .await;
+                    }
+                }
+            }
+            Some(Payload::CloseRequest(c)) => {
+                let tx = self.conns().get(&c.connect_id).map(|c| c.tx.clone());
+                match tx {
+                    Some(tx) => drop(tx.send(packet).await),
+                    None => {
+                        self.send(Packet::close_response(c.connect_id, format!("unknown connectID {}", c.connect_id)))
+                            .await;
+                    }
+                }
+            }
+            Some(Payload::CloseDial(c)) => {
+                if let Some(cancel) = self.pending().remove(&c.random) {
+                    tracing::debug!(random = c.random, "dial cancelled by server");
+                    cancel.cancel();
+                }
+            }
+            _ => tracing::debug!(ty = packet.r#type, "unexpected packet from server; ignored"),
+        }
+    }
+
+    async fn dial(self: &Arc<Self>, req: DialRequest) {
+        let random = req.random;
+        if self.draining.load(Ordering::Relaxed) {
+            self.send(Packet::dial_response(random, 0, "agent is draining; dial another agent"))
+                .await;
+            return;
+        }
+        if req.protocol != "tcp" && !req.protocol.is_empty() {
+            self.send(Packet::dial_response(random, 0, format!("protocol {:?} is not supported (only tcp)", req.protocol)))
+                .await;
+            return;
+        }
+        let connect_id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let cancel = self.closed.child_token();
+        self.pending().insert(random, cancel.clone());
+        let this = self.clone();
+        let span = tracing::info_span!("conn", address = %req.address, connect_id);
+        tokio::spawn(this.run_conn(req.address, random, connect_id, cancel).instrument(span));
+    }
+
+    async fn run_conn(self: Arc<Self>, address: String, random: i64, connect_id: i64, cancel: CancellationToken) {
+        let started = Instant::now();
+        let dialed = tokio::select! {
+            r = tokio::time::timeout(self.dial_timeout, TcpStream::connect(&address)) => r,
+            _ = cancel.cancelled() => {
+                self.pending().remove(&random);
+                return;
+            }
+        };
+        if self.pending().remove(&random).is_none() {
+            // DIAL_CLS won the race: nobody wants this connection.
+            return;
+        }
+        let stream = match dialed {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => {
+                let reason = if e.kind() == std::io::ErrorKind::ConnectionRefused {
+                    "refused"
+                } else {
+                    "unknown"
+                };
+                self.metrics.dial_failures.with_label_values(&[reason]).inc();
+                tracing::info!(error = %e, "dial failed");
+                self.send(Packet::dial_response(random, 0, format!("dial tcp {address}: {e}")))
+                    .await;
+                return;
+            }
+            Err(_) => {
+                self.metrics.dial_failures.with_label_values(&["timeout"]).inc();
+                tracing::info!(timeout = ?self.dial_timeout, "dial timed out");
+                self.send(Packet::dial_response(random, 0, format!("dial tcp {address}: i/o timeout")))
+                    .await;
+                return;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        self.metrics.dial_duration.observe(started.elapsed().as_secs_f64());
+        let (tx, rx) = mpsc::channel(self.channel_size);
+        self.conns().insert(connect_id, Conn { tx });
+        self.metrics.open_endpoint_connections.inc();
+        self.open.fetch_add(1, Ordering::Relaxed);
+        if !self.send(Packet::dial_response(random, connect_id, "")).await {
+            self.finish(connect_id);
+            return;
+        }
+        tracing::debug!("connected");
+        let end = splice(stream, ReceiverStream::new(rx), &self.out, connect_id, &cancel).await;
+        let error = match &end {
+            SpliceEnd::LocalError(e) => e.to_string(),
+            _ => String::new(),
+        };
+        tracing::debug!(?end, "connection ended");
+        if self.finish(connect_id) && !matches!(end, SpliceEnd::Cancelled | SpliceEnd::SinkGone) {
+            self.send(Packet::close_response(connect_id, error)).await;
+        }
+    }
+
+    /// Forgets `connect_id`; true when it was still registered.
+    fn finish(&self, connect_id: i64) -> bool {
+        let removed = self.conns().remove(&connect_id).is_some();
+        if removed {
+            self.metrics.open_endpoint_connections.dec();
+            self.open.fetch_sub(1, Ordering::Relaxed);
+        }
+        removed
+    }
+}

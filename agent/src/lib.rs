@@ -1,0 +1,289 @@
+//! Tether's agent: the link dials out to the proxy server over mutual TLS, keeps its
+//! stream up with exponential backoff and jitter, and hands each DIAL_REQ to the dialer,
+//! which opens the target connection and pumps its bytes. Never depends on the server.
+
+pub mod dialer;
+pub mod metrics;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::http::StatusCode;
+use rand::Rng;
+use tether_core::transport::{grpc_channel_tls, ChannelSettings};
+use tether_proto::agent_service_client::AgentServiceClient;
+use tether_proto::header;
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::metadata::MetadataValue;
+use tracing::Instrument;
+
+use crate::dialer::Session;
+use crate::metrics::Metrics;
+
+/// Everything the agent needs, already validated.
+#[derive(Clone)]
+pub struct AgentConfig {
+    /// Proxy server host (DNS name or IP; also the TLS server name).
+    pub server_host: String,
+    /// Proxy server agent port.
+    pub server_port: u16,
+    /// TLS to the server (CA and optional client certificate).
+    pub tls: Arc<rustls::ClientConfig>,
+    /// `agentid`.
+    pub agent_id: String,
+    /// `agentidentifiers` query string (validated).
+    pub identifiers: String,
+    /// Bearer token file, re-read on every connect.
+    pub token_path: Option<PathBuf>,
+    /// First reconnect delay.
+    pub sync_interval: Duration,
+    /// Largest reconnect delay.
+    pub sync_interval_cap: Duration,
+    /// HTTP/2 keepalive to the server.
+    pub keepalive: Duration,
+    /// Target dial timeout.
+    pub dial_timeout: Duration,
+    /// Per-connection channel capacity (`--xfr-channel-size`).
+    pub channel_size: usize,
+}
+
+impl std::fmt::Debug for AgentConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentConfig")
+            .field("server", &format_args!("{}:{}", self.server_host, self.server_port))
+            .field("agent_id", &self.agent_id)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why one stream to the server ended.
+#[derive(Debug, thiserror::Error)]
+pub enum LinkError {
+    /// TCP/TLS/HTTP2 connection failed.
+    #[error("cannot connect to proxy server: {0}")]
+    Connect(#[from] tonic::transport::Error),
+    /// The server refused or broke the stream.
+    #[error("proxy server stream failed: {}", .0.message())]
+    Stream(#[from] tonic::Status),
+    /// The token file could not be read.
+    #[error("cannot read service account token {path}: {source}")]
+    Token {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The server's response headers were not as the protocol requires.
+    #[error("proxy server response: {0}")]
+    Protocol(String),
+}
+
+/// A running agent's shared state.
+#[derive(Clone)]
+pub struct Agent {
+    config: AgentConfig,
+    metrics: Metrics,
+    open_conns: Arc<AtomicI64>,
+    streams: Arc<AtomicI64>,
+}
+
+impl Agent {
+    /// A new agent (nothing runs until [`Agent::run`]).
+    pub fn new(config: AgentConfig) -> Self {
+        Agent {
+            config,
+            metrics: Metrics::new(),
+            open_conns: Arc::new(AtomicI64::new(0)),
+            streams: Arc::new(AtomicI64::new(0)),
+        }
+    }
+
+    /// The metrics registry.
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// Open target connections.
+    pub fn open_connections(&self) -> i64 {
+        self.open_conns.load(Ordering::Relaxed)
+    }
+
+    /// Serves `/healthz`, `/readyz` (ready iff a stream is up) and `/metrics`.
+    pub fn serve_health(&self, listener: TcpListener, shutdown: CancellationToken) {
+        let streams = self.streams.clone();
+        let ready: tether_core::health::ReadyCheck = Arc::new(move || {
+            let n = streams.load(Ordering::Relaxed);
+            if n > 0 {
+                Ok(format!("{n} proxy server stream(s) connected"))
+            } else {
+                Err("not connected to any proxy server".into())
+            }
+        });
+        tether_core::health::spawn(
+            "health",
+            listener,
+            tether_core::health::health_router(self.metrics.registry.clone(), ready, StatusCode::SERVICE_UNAVAILABLE),
+            shutdown,
+        );
+    }
+
+    /// Serves `/metrics` on the admin port.
+    pub fn serve_admin(&self, listener: TcpListener, shutdown: CancellationToken) {
+        tether_core::health::spawn(
+            "admin",
+            listener,
+            tether_core::health::admin_router(self.metrics.registry.clone()),
+            shutdown,
+        );
+    }
+
+    /// Keeps a stream to the server up until `shutdown`. When `drain` is cancelled the
+    /// agent sends DRAIN, refuses new dials, and returns once its connections finish.
+    pub async fn run(&self, drain: CancellationToken, shutdown: CancellationToken) {
+        let mut delay = self.config.sync_interval;
+        loop {
+            if shutdown.is_cancelled() || (drain.is_cancelled() && self.open_connections() == 0) {
+                return;
+            }
+            let started = tokio::time::Instant::now();
+            match self.session(&drain, &shutdown).await {
+                Ok(()) => return,
+                Err(e) => tracing::warn!(error = %format!("{e:#}"), "proxy server stream down; reconnecting"),
+            }
+            if started.elapsed() > self.config.sync_interval_cap {
+                // The stream was up for a while: start backing off afresh.
+                delay = self.config.sync_interval;
+            }
+            let jitter = 1.0 + rand::rng().random_range(0.0..0.1);
+            let wait = delay.mul_f64(jitter);
+            tracing::debug!(?wait, "waiting before reconnecting");
+            tokio::select! {
+                _ = tokio::time::sleep(wait) => {}
+                _ = shutdown.cancelled() => return,
+            }
+            delay = delay.mul_f64(1.5).min(self.config.sync_interval_cap);
+        }
+    }
+
+    /// One stream to the server: Ok when the agent should stop, Err to reconnect.
+    async fn session(&self, drain: &CancellationToken, shutdown: &CancellationToken) -> Result<(), LinkError> {
+        let cfg = &self.config;
+        let settings = ChannelSettings {
+            keepalive: Some(cfg.keepalive),
+            ..Default::default()
+        };
+        let channel = grpc_channel_tls(&cfg.server_host, cfg.server_port, cfg.tls.clone(), &settings).await?;
+        let (out_tx, out_rx) = mpsc::channel(cfg.channel_size);
+        let mut request = tonic::Request::new(ReceiverStream::new(out_rx));
+        let md = request.metadata_mut();
+        md.insert(
+            header::AGENT_ID,
+            MetadataValue::try_from(cfg.agent_id.as_str()).map_err(|_| LinkError::Protocol("agent id is not valid ASCII".into()))?,
+        );
+        if !cfg.identifiers.is_empty() {
+            md.insert(
+                header::AGENT_IDENTIFIERS,
+                MetadataValue::try_from(cfg.identifiers.as_str())
+                    .map_err(|_| LinkError::Protocol("agent identifiers are not valid ASCII".into()))?,
+            );
+        }
+        if let Some(path) = &cfg.token_path {
+            let token = std::fs::read_to_string(path).map_err(|source| LinkError::Token {
+                path: path.clone(),
+                source,
+            })?;
+            let value = MetadataValue::try_from(format!("Bearer {}", token.trim()))
+                .map_err(|_| LinkError::Protocol(format!("token in {} is not valid ASCII", path.display())))?;
+            md.insert(header::AUTHORIZATION, value);
+        }
+        let mut client = AgentServiceClient::new(channel)
+            .max_decoding_message_size(16 << 20)
+            .max_encoding_message_size(16 << 20);
+        let response = client.connect(request).await?;
+        let server_id = single_header(response.metadata(), header::SERVER_ID)?;
+        let server_count: i64 = single_header(response.metadata(), header::SERVER_COUNT)?
+            .parse()
+            .map_err(|_| LinkError::Protocol("servercount is not a number".into()))?;
+        self.metrics.known_server_count.set(server_count);
+        let mut inbound = response.into_inner();
+
+        let session = Session::new(
+            out_tx,
+            cfg.dial_timeout,
+            cfg.channel_size,
+            self.metrics.clone(),
+            self.open_conns.clone(),
+        );
+        let _close_on_exit = session.closed.clone().drop_guard();
+        self.metrics.open_server_connections.inc();
+        self.streams.fetch_add(1, Ordering::Relaxed);
+        let _count = Decrement(self.streams.clone(), self.metrics.open_server_connections.clone());
+        tracing::info!(%server_id, server_count, "connected to proxy server");
+
+        let span = tracing::info_span!("server_stream", %server_id);
+        async {
+            let mut draining = false;
+            loop {
+                let packet = tokio::select! {
+                    p = inbound.message() => p,
+                    _ = drain.cancelled(), if !draining => {
+                        draining = true;
+                        tracing::info!("draining: DRAIN sent, no new dials accepted");
+                        session.drain().await;
+                        continue;
+                    }
+                    _ = wait_idle(&self.open_conns), if draining => {
+                        tracing::info!("drained: no connections left");
+                        return Ok(());
+                    }
+                    _ = shutdown.cancelled() => return Ok(()),
+                };
+                match packet {
+                    Ok(Some(p)) => session.handle(p).await,
+                    Ok(None) => return Err(LinkError::Protocol("server closed the stream".into())),
+                    Err(status) => {
+                        self.metrics
+                            .stream_errors
+                            .with_label_values(&["from_server", &format!("{:?}", status.code())])
+                            .inc();
+                        return Err(status.into());
+                    }
+                }
+            }
+        }
+        .instrument(span)
+        .await
+    }
+}
+
+struct Decrement(Arc<AtomicI64>, prometheus::IntGauge);
+impl Drop for Decrement {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+        self.1.dec();
+    }
+}
+
+async fn wait_idle(open: &AtomicI64) {
+    while open.load(Ordering::Relaxed) > 0 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn single_header(md: &tonic::metadata::MetadataMap, key: &str) -> Result<String, LinkError> {
+    let values: Vec<_> = md.get_all(key).iter().collect();
+    match values.as_slice() {
+        [one] => one
+            .to_str()
+            .map(str::to_string)
+            .map_err(|_| LinkError::Protocol(format!("{key} is not valid ASCII"))),
+        [] => Err(LinkError::Protocol(format!("missing {key} header"))),
+        _ => Err(LinkError::Protocol(format!("expected one {key} header"))),
+    }
+}

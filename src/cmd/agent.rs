@@ -1,0 +1,216 @@
+//! `tether agent`: flags (upstream names and defaults), validation, and running the
+//! agent: the first SIGTERM drains, a second one (or --drain-timeout) exits.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use tether_agent::{Agent, AgentConfig};
+use tether_core::identifiers::AgentIdentifiers;
+use tokio_util::sync::CancellationToken;
+
+use super::{bind_addr, duration, go_bool, LogArgs};
+
+/// The system CA bundle used when --ca-cert is not given (as upstream uses the system pool).
+const SYSTEM_CA: &str = "/etc/ssl/certs/ca-certificates.crt";
+
+/// Agent flags.
+#[derive(Args, Debug)]
+pub struct AgentArgs {
+    /// Proxy server host name or IP (also checked against its certificate).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub proxy_server_host: String,
+    /// Proxy server agent port.
+    #[arg(long, default_value_t = 8091)]
+    pub proxy_server_port: u16,
+    /// CA bundle that signs the server's certificate (default: the system bundle).
+    #[arg(long, default_value = "")]
+    pub ca_cert: String,
+    /// Client certificate presented to the server.
+    #[arg(long, default_value = "")]
+    pub agent_cert: String,
+    /// Client key.
+    #[arg(long, default_value = "")]
+    pub agent_key: String,
+    /// ALPN protocols offered (default h2).
+    #[arg(long, value_delimiter = ',')]
+    pub alpn_proto: Vec<String>,
+    /// Service-account token sent as a bearer token (re-read on every connect).
+    #[arg(long, default_value = "")]
+    pub service_account_token_path: String,
+    /// This agent's id (default: a random uuid).
+    #[arg(long, env = "PROXY_AGENT_ID", default_value = "")]
+    pub agent_id: String,
+    /// What this agent can reach: host=..&ipv4=..&ipv6=..&cidr=..&default-route=true.
+    #[arg(long, default_value = "")]
+    pub agent_identifiers: String,
+    /// First reconnect delay (grows x1.5 with 10% jitter).
+    #[arg(long, default_value = "1s", value_parser = duration)]
+    pub sync_interval: Duration,
+    /// Largest reconnect delay.
+    #[arg(long, default_value = "10s", value_parser = duration)]
+    pub sync_interval_cap: Duration,
+    /// Accepted for compatibility (readiness is tracked per stream).
+    #[arg(long, default_value = "1s", value_parser = duration)]
+    pub probe_interval: Duration,
+    /// Keep reconnecting forever (Tether always does).
+    #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
+    pub sync_forever: bool,
+    /// HTTP/2 keepalive interval to the server.
+    #[arg(long, default_value = "1h", value_parser = duration)]
+    pub keepalive_time: Duration,
+    /// Packets buffered per connection.
+    #[arg(long, default_value_t = 150)]
+    pub xfr_channel_size: usize,
+    /// Target dial timeout (upstream hard-codes 5s).
+    #[arg(long, default_value = "5s", value_parser = duration)]
+    pub dial_timeout: Duration,
+    /// After the first SIGTERM, exit at the latest after this even if connections remain.
+    #[arg(long, default_value = "30s", value_parser = duration)]
+    pub drain_timeout: Duration,
+    /// Health bind address (empty = all interfaces).
+    #[arg(long, default_value = "")]
+    pub health_server_host: String,
+    /// Health port (/healthz, /readyz, /metrics).
+    #[arg(long, default_value_t = 8093)]
+    pub health_server_port: u16,
+    /// Admin bind address.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub admin_bind_address: String,
+    /// Admin port (/metrics).
+    #[arg(long, default_value_t = 8094)]
+    pub admin_server_port: u16,
+
+    #[command(flatten)]
+    pub log: LogArgs,
+
+    // Upstream flags accepted by name but not implemented yet: giving them fails.
+    #[arg(long, hide = true, value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
+    count_server_leases: Option<bool>,
+    #[arg(long, hide = true)]
+    kubeconfig: Option<String>,
+    /// Used with --count-server-leases (not implemented yet).
+    #[arg(long, default_value = "kube-system", hide = true)]
+    lease_namespace: String,
+    /// Used with --count-server-leases (not implemented yet).
+    #[arg(long, default_value = "k8s-app=konnectivity-server", hide = true)]
+    lease_label_selector: String,
+    #[arg(long, hide = true)]
+    server_count_source: Option<String>,
+}
+
+impl AgentArgs {
+    /// Validates the flags into an [`AgentConfig`].
+    pub fn config(&self) -> anyhow::Result<AgentConfig> {
+        super::reject_unsupported(&[
+            ("count-server-leases", self.count_server_leases == Some(true)),
+            ("kubeconfig", self.kubeconfig.is_some()),
+            ("server-count-source", self.server_count_source.as_deref().is_some_and(|s| s != "default")),
+        ])?;
+        AgentIdentifiers::parse(&self.agent_identifiers, true)
+            .map_err(|e| anyhow::anyhow!("--agent-identifiers: {e}"))?;
+        let ca = if self.ca_cert.is_empty() {
+            PathBuf::from(SYSTEM_CA)
+        } else {
+            PathBuf::from(&self.ca_cert)
+        };
+        let identity = match (self.agent_cert.is_empty(), self.agent_key.is_empty()) {
+            (true, true) => None,
+            (false, false) => Some((PathBuf::from(&self.agent_cert), PathBuf::from(&self.agent_key))),
+            _ => bail!("--agent-cert and --agent-key go together; set both or neither"),
+        };
+        let alpn: Vec<Vec<u8>> = if self.alpn_proto.is_empty() {
+            vec![tether_core::tls::ALPN_H2.to_vec()]
+        } else {
+            self.alpn_proto.iter().map(|p| p.as_bytes().to_vec()).collect()
+        };
+        let alpn_refs: Vec<&[u8]> = alpn.iter().map(Vec::as_slice).collect();
+        let tls = tether_core::tls::client_config(
+            &ca,
+            identity.as_ref().map(|(c, k)| (c.as_path(), k.as_path())),
+            &alpn_refs,
+        )?;
+        tether_core::tls::server_name(&self.proxy_server_host)
+            .map_err(|e| anyhow::anyhow!("--proxy-server-host: {e}"))?;
+        let token_path = (!self.service_account_token_path.is_empty())
+            .then(|| PathBuf::from(&self.service_account_token_path));
+        if let Some(p) = &token_path {
+            std::fs::metadata(p).with_context(|| {
+                format!("--service-account-token-path {}: cannot read the token file", p.display())
+            })?;
+        }
+        if self.xfr_channel_size == 0 {
+            bail!("--xfr-channel-size must be at least 1");
+        }
+        if self.sync_interval.is_zero() || self.sync_interval_cap < self.sync_interval {
+            bail!("--sync-interval must be positive and not above --sync-interval-cap");
+        }
+        if self.keepalive_time.is_zero() || self.dial_timeout.is_zero() {
+            bail!("--keepalive-time and --dial-timeout must be positive (e.g. 5s)");
+        }
+        Ok(AgentConfig {
+            server_host: self.proxy_server_host.clone(),
+            server_port: self.proxy_server_port,
+            tls,
+            agent_id: if self.agent_id.is_empty() {
+                uuid::Uuid::new_v4().to_string()
+            } else {
+                self.agent_id.clone()
+            },
+            identifiers: self.agent_identifiers.clone(),
+            token_path,
+            sync_interval: self.sync_interval,
+            sync_interval_cap: self.sync_interval_cap,
+            keepalive: self.keepalive_time,
+            dial_timeout: self.dial_timeout,
+            channel_size: self.xfr_channel_size,
+        })
+    }
+}
+
+/// Runs the agent until drained or signalled twice.
+pub fn main(args: AgentArgs) -> anyhow::Result<()> {
+    args.log.init();
+    let config = args.config()?;
+    let health = bind_addr(&args.health_server_host, args.health_server_port, "health-server-host")?;
+    let admin = bind_addr(&args.admin_bind_address, args.admin_server_port, "admin-bind-address")?;
+    let drain_timeout = args.drain_timeout;
+    super::block_on(async move {
+        let health = tokio::net::TcpListener::bind(health)
+            .await
+            .with_context(|| format!("cannot listen on health port {health}"))?;
+        let admin = tokio::net::TcpListener::bind(admin)
+            .await
+            .with_context(|| format!("cannot listen on admin port {admin}"))?;
+        tracing::info!(
+            agent_id = %config.agent_id,
+            server = %format!("{}:{}", config.server_host, config.server_port),
+            health = %health.local_addr()?,
+            admin = %admin.local_addr()?,
+            "agent starting"
+        );
+        let agent = Agent::new(config);
+        let drain = CancellationToken::new();
+        let shutdown = CancellationToken::new();
+        agent.serve_health(health, shutdown.clone());
+        agent.serve_admin(admin, shutdown.clone());
+        {
+            let (drain, shutdown) = (drain.clone(), shutdown.clone());
+            tokio::spawn(async move {
+                tether_core::shutdown::signal().await;
+                tracing::info!(timeout = ?drain_timeout, "draining; signal again to exit now");
+                drain.cancel();
+                tokio::select! {
+                    _ = tether_core::shutdown::signal() => tracing::info!("second signal: exiting"),
+                    _ = tokio::time::sleep(drain_timeout) => tracing::info!("drain timeout: exiting"),
+                }
+                shutdown.cancel();
+            });
+        }
+        agent.run(drain, shutdown.clone()).await;
+        shutdown.cancel();
+        tracing::info!("agent stopped");
+        Ok(())
+    })
+}

@@ -1,0 +1,191 @@
+//! `tether local`: the embedded default. A server (gRPC frontend on a Unix socket,
+//! HTTP-CONNECT frontend on 127.0.0.1 with mutual TLS), one agent and a small demo HTTP
+//! backend, all on loopback with a throwaway PKI, until Ctrl-C.
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use tether_agent::{Agent, AgentConfig};
+use tether_certs::DevPki;
+use tether_core::tls::TlsFiles;
+use tether_server::{FrontendConfig, Listen, Mode, Server, ServerConfig, Strategy, TunnelConfig};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use super::LogArgs;
+
+/// `tether local` flags.
+#[derive(Args, Debug)]
+pub struct LocalArgs {
+    /// HTTP-CONNECT (mTLS) frontend port on 127.0.0.1 (0 = any free port).
+    #[arg(long, default_value_t = 0)]
+    pub http_connect_port: u16,
+    /// Directory for the PKI and the socket (default: a fresh temporary directory,
+    /// removed on exit).
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+    #[command(flatten)]
+    pub log: LogArgs,
+}
+
+/// Runs server + agent + demo backend until Ctrl-C.
+pub fn main(args: LocalArgs) -> anyhow::Result<()> {
+    args.log.init();
+    let (dir, temporary) = match &args.dir {
+        Some(d) => (d.clone(), false),
+        None => (std::env::temp_dir().join(format!("tether-local-{}", std::process::id())), true),
+    };
+    let pki = DevPki::generate(&dir).with_context(|| format!("cannot create the throwaway PKI in {}", dir.display()))?;
+    let socket = dir.join("konnectivity-server.socket");
+    let result = super::block_on(run(args, pki, socket));
+    if temporary {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    result
+}
+
+async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()> {
+    let loopback = |port| SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+    let shutdown = CancellationToken::new();
+    let demo = tokio::net::TcpListener::bind(loopback(0)).await?;
+    let demo_addr = demo.local_addr()?;
+    tokio::spawn(demo_backend(demo, shutdown.clone()).instrument(tracing::info_span!("demo_backend")));
+
+    let config = ServerConfig {
+        server_id: "local".into(),
+        server_count: 1,
+        frontends: vec![
+            FrontendConfig {
+                mode: Mode::Grpc,
+                listen: Listen::Uds {
+                    path: socket.clone(),
+                    delete_existing: true,
+                },
+            },
+            FrontendConfig {
+                mode: Mode::HttpConnect,
+                listen: Listen::Tcp {
+                    addr: loopback(args.http_connect_port),
+                    tls: TlsFiles {
+                        cert: pki.server_cert.clone(),
+                        key: pki.server_key.clone(),
+                        ca: Some(pki.ca_cert.clone()),
+                    },
+                },
+            },
+        ],
+        agent_addr: loopback(0),
+        agent_tls: TlsFiles {
+            cert: pki.server_cert.clone(),
+            key: pki.server_key.clone(),
+            ca: Some(pki.ca_cert.clone()),
+        },
+        agent_keepalive: Duration::from_secs(30),
+        frontend_keepalive: Duration::from_secs(3600),
+        health_addr: Some(loopback(0)),
+        admin_addr: None,
+        tunnel: TunnelConfig {
+            strategies: vec![Strategy::Default],
+            backend_dial_timeout: Some(Duration::from_secs(10)),
+        },
+        channel_size: 10,
+        graceful_shutdown_timeout: Duration::from_secs(5),
+    };
+    let bound = Server::bind(config).await.context("server start-up failed")?;
+    let addrs = bound.addrs().clone();
+    let tunnel = bound.tunnel().clone();
+    let server_task = tokio::spawn(bound.run(shutdown.clone()));
+
+    let agent = Agent::new(AgentConfig {
+        server_host: "127.0.0.1".into(),
+        server_port: addrs.agent.port(),
+        tls: tether_core::tls::client_config(
+            &pki.ca_cert,
+            Some((&pki.agent_cert, &pki.agent_key)),
+            &[tether_core::tls::ALPN_H2],
+        )?,
+        agent_id: "local-agent".into(),
+        identifiers: "host=localhost&ipv4=127.0.0.1&default-route=true".into(),
+        token_path: None,
+        sync_interval: Duration::from_secs(1),
+        sync_interval_cap: Duration::from_secs(10),
+        keepalive: Duration::from_secs(30),
+        dial_timeout: Duration::from_secs(5),
+        channel_size: 150,
+    });
+    let agent_drain = CancellationToken::new();
+    let agent_task = {
+        let (agent, drain, stop) = (agent.clone(), agent_drain.clone(), shutdown.clone());
+        tokio::spawn(async move { agent.run(drain, stop).await })
+    };
+
+    // Ready when the agent's stream is registered.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while tunnel.registry().is_empty() {
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the local agent did not connect within 10s (see the log above)"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let http_connect = &addrs.frontends[1];
+    let d = pki.dir.display();
+    println!(
+        "\
+Tether is running: one server and one agent on loopback, throwaway PKI in {d}
+
+  gRPC frontend (what kube-apiserver uses)  unix://{socket}
+  HTTP-CONNECT frontend (mutual TLS)        https://{http_connect}
+  agent listener (mutual TLS)               {agent}
+  health                                    http://{health}/readyz  and  /metrics
+  demo backend (reached through the agent)  http://{demo_addr}/
+
+Send traffic through the tunnel:
+
+  curl -p -x https://{http_connect} --proxy-cacert {d}/ca.crt --proxy-cert {d}/frontend-client.crt --proxy-key {d}/frontend-client.key http://{demo_addr}/
+
+Press Ctrl-C to stop.",
+        socket = socket.display(),
+        agent = addrs.agent,
+        health = addrs.health.map(|a| a.to_string()).unwrap_or_default(),
+    );
+    tracing::info!(http_connect = %http_connect, demo = %demo_addr, "local ready");
+
+    tether_core::shutdown::signal().await;
+    agent_drain.cancel();
+    shutdown.cancel();
+    let _ = agent_task.await;
+    let _ = server_task.await;
+    Ok(())
+}
+
+/// Answers every HTTP request with a short text naming the connection's peer.
+async fn demo_backend(listener: tokio::net::TcpListener, shutdown: CancellationToken) {
+    loop {
+        let (mut sock, peer) = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            a = listener.accept() => match a { Ok(p) => p, Err(_) => continue },
+        };
+        tokio::spawn(async move {
+            let mut buf = Vec::with_capacity(1024);
+            let mut chunk = [0u8; 1024];
+            while !buf.windows(4).any(|w| w == b"\r\n\r\n") && buf.len() < 64 * 1024 {
+                match sock.read(&mut chunk).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                }
+            }
+            let body = format!("hello from behind the tunnel (the agent connected from {peer})\n");
+            let resp = format!(
+                "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = sock.write_all(resp.as_bytes()).await;
+            let _ = sock.shutdown().await;
+        });
+    }
+}

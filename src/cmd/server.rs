@@ -1,0 +1,253 @@
+//! `tether server`: flags (upstream names and defaults), validation, and running the
+//! proxy server until SIGTERM/SIGINT.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use tether_core::tls::TlsFiles;
+use tether_server::{FrontendConfig, Listen, Mode, Server, ServerConfig, TunnelConfig};
+
+use super::{bind_addr, duration, go_bool, LogArgs};
+
+/// Proxy server flags.
+#[derive(Args, Debug)]
+pub struct ServerArgs {
+    /// Frontend protocol: grpc or http-connect.
+    #[arg(long, default_value = "grpc")]
+    pub mode: Mode,
+    /// Frontend Unix socket path (kube-apiserver's udsName); empty = TCP with mTLS.
+    #[arg(long, default_value = "")]
+    pub uds_name: String,
+    /// Remove a stale socket file at --uds-name before listening.
+    #[arg(long, default_value = "true", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
+    pub delete_existing_uds_file: bool,
+    /// Frontend TCP port (must be 0 with --uds-name).
+    #[arg(long, default_value_t = 8090)]
+    pub server_port: u16,
+    /// Frontend bind address (empty = all interfaces).
+    #[arg(long, default_value = "")]
+    pub server_bind_address: String,
+    /// Frontend serving certificate (TCP mode).
+    #[arg(long, default_value = "")]
+    pub server_cert: String,
+    /// Frontend serving key (TCP mode).
+    #[arg(long, default_value = "")]
+    pub server_key: String,
+    /// CA that frontend client certificates must chain to (mandatory in TCP mode).
+    #[arg(long, default_value = "")]
+    pub server_ca_cert: String,
+    /// HTTP/2 keepalive interval on frontend connections.
+    #[arg(long, default_value = "1h", value_parser = duration)]
+    pub frontend_keepalive_time: Duration,
+
+    /// Agent listener port.
+    #[arg(long, default_value_t = 8091)]
+    pub agent_port: u16,
+    /// Agent listener bind address (empty = all interfaces).
+    #[arg(long, default_value = "")]
+    pub agent_bind_address: String,
+    /// Agent listener serving certificate (falls back to --server-cert).
+    #[arg(long, default_value = "")]
+    pub cluster_cert: String,
+    /// Agent listener serving key (falls back to --server-key).
+    #[arg(long, default_value = "")]
+    pub cluster_key: String,
+    /// CA that agent client certificates must chain to; set = certificates required.
+    #[arg(long, default_value = "")]
+    pub cluster_ca_cert: String,
+    /// HTTP/2 keepalive interval on agent connections.
+    #[arg(long, default_value = "1h", value_parser = duration)]
+    pub keepalive_time: Duration,
+
+    /// This server's id (sent to agents).
+    #[arg(long, env = "PROXY_SERVER_ID", default_value = "")]
+    pub server_id: String,
+    /// Number of proxy servers (sent to agents).
+    #[arg(long, default_value_t = 1)]
+    pub server_count: u32,
+
+    /// Ordered backend selection: default, destHost, defaultRoute, destCIDR.
+    #[arg(long, default_value = "default")]
+    pub proxy_strategies: String,
+    /// Fail a dial the agent has not answered within this (0 = never).
+    #[arg(long, default_value = "0", value_parser = duration)]
+    pub backend_dial_timeout: Duration,
+    /// Packets buffered per stream.
+    #[arg(long, default_value_t = 10)]
+    pub xfr_channel_size: usize,
+
+    /// Health port (/healthz, /readyz, /metrics).
+    #[arg(long, default_value_t = 8092)]
+    pub health_port: u16,
+    /// Health bind address (empty = all interfaces).
+    #[arg(long, default_value = "")]
+    pub health_bind_address: String,
+    /// Admin port (/metrics).
+    #[arg(long, default_value_t = 8095)]
+    pub admin_port: u16,
+    /// Admin bind address.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub admin_bind_address: String,
+    /// How long established tunnels may finish after SIGTERM (0 = close at once).
+    #[arg(long, default_value = "0", value_parser = duration)]
+    pub graceful_shutdown_timeout: Duration,
+
+    #[command(flatten)]
+    pub log: LogArgs,
+
+    // Upstream flags accepted by name but not implemented yet: giving them fails.
+    #[arg(long, hide = true)]
+    agent_namespace: Option<String>,
+    #[arg(long, hide = true)]
+    agent_service_account: Option<String>,
+    #[arg(long, hide = true)]
+    authentication_audience: Option<String>,
+    #[arg(long, hide = true)]
+    kubeconfig: Option<String>,
+    #[arg(long, hide = true)]
+    kubeconfig_qps: Option<String>,
+    #[arg(long, hide = true)]
+    kubeconfig_burst: Option<String>,
+    #[arg(long, hide = true)]
+    kube_api_content_type: Option<String>,
+    #[arg(long, hide = true, value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
+    enable_lease_controller: Option<bool>,
+    /// Used with --enable-lease-controller (not implemented yet).
+    #[arg(long, default_value = "kube-system", hide = true)]
+    lease_namespace: String,
+    /// Used with --enable-lease-controller (not implemented yet).
+    #[arg(long, default_value = "k8s-app=konnectivity-server", hide = true)]
+    lease_label: String,
+    #[arg(long, hide = true)]
+    cipher_suites: Option<String>,
+    #[arg(long, hide = true)]
+    tls_min_version: Option<String>,
+    #[arg(long, hide = true, value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
+    enable_profiling: Option<bool>,
+    #[arg(long, hide = true, value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
+    enable_contention_profiling: Option<bool>,
+}
+
+fn opt_path(s: &str) -> Option<PathBuf> {
+    (!s.is_empty()).then(|| PathBuf::from(s))
+}
+
+impl ServerArgs {
+    /// Validates the flags into a [`ServerConfig`].
+    pub fn config(&self) -> anyhow::Result<ServerConfig> {
+        super::reject_unsupported(&[
+            ("agent-namespace", self.agent_namespace.is_some()),
+            ("agent-service-account", self.agent_service_account.is_some()),
+            ("authentication-audience", self.authentication_audience.is_some()),
+            ("kubeconfig", self.kubeconfig.is_some()),
+            ("kubeconfig-qps", self.kubeconfig_qps.is_some()),
+            ("kubeconfig-burst", self.kubeconfig_burst.is_some()),
+            ("kube-api-content-type", self.kube_api_content_type.is_some()),
+            ("enable-lease-controller", self.enable_lease_controller == Some(true)),
+            ("cipher-suites", self.cipher_suites.is_some()),
+            ("tls-min-version", self.tls_min_version.as_deref().is_some_and(|v| v != "VersionTLS12")),
+            ("enable-profiling", self.enable_profiling == Some(true)),
+            ("enable-contention-profiling", self.enable_contention_profiling == Some(true)),
+        ])?;
+        let listen = if !self.uds_name.is_empty() {
+            if self.server_port != 0 {
+                bail!(
+                    "--server-port must be 0 when --uds-name is set (got {}); add --server-port=0",
+                    self.server_port
+                );
+            }
+            Listen::Uds {
+                path: self.uds_name.clone().into(),
+                delete_existing: self.delete_existing_uds_file,
+            }
+        } else {
+            let (Some(cert), Some(key), Some(ca)) = (
+                opt_path(&self.server_cert),
+                opt_path(&self.server_key),
+                opt_path(&self.server_ca_cert),
+            ) else {
+                bail!("a TCP frontend needs --server-cert, --server-key and --server-ca-cert (mutual TLS is mandatory), or use --uds-name with --server-port=0");
+            };
+            Listen::Tcp {
+                addr: bind_addr(&self.server_bind_address, self.server_port, "server-bind-address")?,
+                tls: TlsFiles { cert, key, ca: Some(ca) },
+            }
+        };
+        let agent_cert = opt_path(&self.cluster_cert).or_else(|| opt_path(&self.server_cert));
+        let agent_key = opt_path(&self.cluster_key).or_else(|| opt_path(&self.server_key));
+        let (Some(agent_cert), Some(agent_key)) = (agent_cert, agent_key) else {
+            bail!("the agent listener always uses TLS: set --cluster-cert and --cluster-key (or --server-cert and --server-key)");
+        };
+        if self.xfr_channel_size == 0 {
+            bail!("--xfr-channel-size must be at least 1");
+        }
+        if self.server_count == 0 {
+            bail!("--server-count must be at least 1");
+        }
+        if self.keepalive_time.is_zero() || self.frontend_keepalive_time.is_zero() {
+            bail!("--keepalive-time and --frontend-keepalive-time must be positive (e.g. 30s, 1h)");
+        }
+        let strategies = tether_server::parse_strategies(&self.proxy_strategies)
+            .map_err(|e| anyhow::anyhow!("--proxy-strategies: {e}"))?;
+        let server_id = if self.server_id.is_empty() {
+            uuid::Uuid::new_v4().to_string()
+        } else {
+            self.server_id.clone()
+        };
+        let health_addr = bind_addr(&self.health_bind_address, self.health_port, "health-bind-address")?;
+        let admin_addr = bind_addr(&self.admin_bind_address, self.admin_port, "admin-bind-address")?;
+        Ok(ServerConfig {
+            server_id,
+            server_count: self.server_count,
+            frontends: vec![FrontendConfig {
+                mode: self.mode,
+                listen,
+            }],
+            agent_addr: bind_addr(&self.agent_bind_address, self.agent_port, "agent-bind-address")?,
+            agent_tls: TlsFiles {
+                cert: agent_cert,
+                key: agent_key,
+                ca: opt_path(&self.cluster_ca_cert),
+            },
+            agent_keepalive: self.keepalive_time,
+            frontend_keepalive: self.frontend_keepalive_time,
+            health_addr: Some(health_addr),
+            admin_addr: Some(admin_addr),
+            tunnel: TunnelConfig {
+                strategies,
+                backend_dial_timeout: (!self.backend_dial_timeout.is_zero()).then_some(self.backend_dial_timeout),
+            },
+            channel_size: self.xfr_channel_size,
+            graceful_shutdown_timeout: self.graceful_shutdown_timeout,
+        })
+    }
+}
+
+/// Runs the server until SIGTERM/SIGINT.
+pub fn main(args: ServerArgs) -> anyhow::Result<()> {
+    args.log.init();
+    let config = args.config()?;
+    super::block_on(async move {
+        let server_id = config.server_id.clone();
+        let bound = Server::bind(config).await.context("server start-up failed")?;
+        let addrs = bound.addrs().clone();
+        tracing::info!(
+            server_id = %server_id,
+            agent = %addrs.agent,
+            frontend = %addrs.frontends.join(","),
+            health = %addrs.health.map(|a| a.to_string()).unwrap_or_default(),
+            admin = %addrs.admin.map(|a| a.to_string()).unwrap_or_default(),
+            "server listening"
+        );
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            tether_core::shutdown::signal().await;
+            stop.cancel();
+        });
+        bound.run(shutdown).await;
+        Ok(())
+    })
+}
