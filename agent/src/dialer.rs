@@ -97,8 +97,11 @@ impl Session {
                     Some(tx) => drop(tx.send(packet).await),
                     None => {
                         tracing::debug!(connect_id, "DATA for unknown connectID");
-                        self.send(Packet::close_response(connect_id, format!("unknown connectID {connect_id}")))
-                            .await;
+                        self.send(Packet::close_response(
+                            connect_id,
+                            format!("unknown connectID {connect_id}"),
+                        ))
+                        .await;
                     }
                 }
             }
@@ -107,8 +110,11 @@ impl Session {
                 match tx {
                     Some(tx) => drop(tx.send(packet).await),
                     None => {
-                        self.send(Packet::close_response(c.connect_id, format!("unknown connectID {}", c.connect_id)))
-                            .await;
+                        self.send(Packet::close_response(
+                            c.connect_id,
+                            format!("unknown connectID {}", c.connect_id),
+                        ))
+                        .await;
                     }
                 }
             }
@@ -125,13 +131,21 @@ impl Session {
     async fn dial(self: &Arc<Self>, req: DialRequest) {
         let random = req.random;
         if self.draining.load(Ordering::Relaxed) {
-            self.send(Packet::dial_response(random, 0, "agent is draining; dial another agent"))
-                .await;
+            self.send(Packet::dial_response(
+                random,
+                0,
+                "agent is draining; dial another agent",
+            ))
+            .await;
             return;
         }
         if req.protocol != "tcp" && !req.protocol.is_empty() {
-            self.send(Packet::dial_response(random, 0, format!("protocol {:?} is not supported (only tcp)", req.protocol)))
-                .await;
+            self.send(Packet::dial_response(
+                random,
+                0,
+                format!("protocol {:?} is not supported (only tcp)", req.protocol),
+            ))
+            .await;
             return;
         }
         let connect_id = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -139,10 +153,19 @@ impl Session {
         self.pending().insert(random, cancel.clone());
         let this = self.clone();
         let span = tracing::info_span!("conn", address = %req.address, connect_id);
-        tokio::spawn(this.run_conn(req.address, random, connect_id, cancel).instrument(span));
+        tokio::spawn(
+            this.run_conn(req.address, random, connect_id, cancel)
+                .instrument(span),
+        );
     }
 
-    async fn run_conn(self: Arc<Self>, address: String, random: i64, connect_id: i64, cancel: CancellationToken) {
+    async fn run_conn(
+        self: Arc<Self>,
+        address: String,
+        random: i64,
+        connect_id: i64,
+        cancel: CancellationToken,
+    ) {
         let started = Instant::now();
         let dialed = tokio::select! {
             r = tokio::time::timeout(self.dial_timeout, TcpStream::connect(&address)) => r,
@@ -163,32 +186,58 @@ impl Session {
                 } else {
                     "unknown"
                 };
-                self.metrics.dial_failures.with_label_values(&[reason]).inc();
+                self.metrics
+                    .dial_failures
+                    .with_label_values(&[reason])
+                    .inc();
                 tracing::info!(error = %e, "dial failed");
-                self.send(Packet::dial_response(random, 0, format!("dial tcp {address}: {e}")))
-                    .await;
+                self.send(Packet::dial_response(
+                    random,
+                    0,
+                    format!("dial tcp {address}: {e}"),
+                ))
+                .await;
                 return;
             }
             Err(_) => {
-                self.metrics.dial_failures.with_label_values(&["timeout"]).inc();
+                self.metrics
+                    .dial_failures
+                    .with_label_values(&["timeout"])
+                    .inc();
                 tracing::info!(timeout = ?self.dial_timeout, "dial timed out");
-                self.send(Packet::dial_response(random, 0, format!("dial tcp {address}: i/o timeout")))
-                    .await;
+                self.send(Packet::dial_response(
+                    random,
+                    0,
+                    format!("dial tcp {address}: i/o timeout"),
+                ))
+                .await;
                 return;
             }
         };
         let _ = stream.set_nodelay(true);
-        self.metrics.dial_duration.observe(started.elapsed().as_secs_f64());
+        self.metrics
+            .dial_duration
+            .observe(started.elapsed().as_secs_f64());
         let (tx, rx) = mpsc::channel(self.channel_size);
         self.conns().insert(connect_id, Conn { tx });
         self.metrics.open_endpoint_connections.inc();
         self.open.fetch_add(1, Ordering::Relaxed);
-        if !self.send(Packet::dial_response(random, connect_id, "")).await {
+        if !self
+            .send(Packet::dial_response(random, connect_id, ""))
+            .await
+        {
             self.finish(connect_id);
             return;
         }
         tracing::debug!("connected");
-        let end = splice(stream, ReceiverStream::new(rx), &self.out, connect_id, &cancel).await;
+        let end = splice(
+            stream,
+            ReceiverStream::new(rx),
+            &self.out,
+            connect_id,
+            &cancel,
+        )
+        .await;
         let error = match &end {
             SpliceEnd::LocalError(e) => e.to_string(),
             _ => String::new(),

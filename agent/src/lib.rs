@@ -55,7 +55,10 @@ pub struct AgentConfig {
 impl std::fmt::Debug for AgentConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("AgentConfig")
-            .field("server", &format_args!("{}:{}", self.server_host, self.server_port))
+            .field(
+                "server",
+                &format_args!("{}:{}", self.server_host, self.server_port),
+            )
             .field("agent_id", &self.agent_id)
             .finish_non_exhaustive()
     }
@@ -128,7 +131,11 @@ impl Agent {
         tether_core::health::spawn(
             "health",
             listener,
-            tether_core::health::health_router(self.metrics.registry.clone(), ready, StatusCode::SERVICE_UNAVAILABLE),
+            tether_core::health::health_router(
+                self.metrics.registry.clone(),
+                ready,
+                StatusCode::SERVICE_UNAVAILABLE,
+            ),
             shutdown,
         );
     }
@@ -154,7 +161,9 @@ impl Agent {
             let started = tokio::time::Instant::now();
             match self.session(&drain, &shutdown).await {
                 Ok(()) => return,
-                Err(e) => tracing::warn!(error = %format!("{e:#}"), "proxy server stream down; reconnecting"),
+                Err(e) => {
+                    tracing::warn!(error = %format!("{e:#}"), "proxy server stream down; reconnecting")
+                }
             }
             if started.elapsed() > self.config.sync_interval_cap {
                 // The stream was up for a while: start backing off afresh.
@@ -172,25 +181,37 @@ impl Agent {
     }
 
     /// One stream to the server: Ok when the agent should stop, Err to reconnect.
-    async fn session(&self, drain: &CancellationToken, shutdown: &CancellationToken) -> Result<(), LinkError> {
+    async fn session(
+        &self,
+        drain: &CancellationToken,
+        shutdown: &CancellationToken,
+    ) -> Result<(), LinkError> {
         let cfg = &self.config;
         let settings = ChannelSettings {
             keepalive: Some(cfg.keepalive),
             ..Default::default()
         };
-        let channel = grpc_channel_tls(&cfg.server_host, cfg.server_port, cfg.tls.clone(), &settings).await?;
+        let channel = grpc_channel_tls(
+            &cfg.server_host,
+            cfg.server_port,
+            cfg.tls.clone(),
+            &settings,
+        )
+        .await?;
         let (out_tx, out_rx) = mpsc::channel(cfg.channel_size);
         let mut request = tonic::Request::new(ReceiverStream::new(out_rx));
         let md = request.metadata_mut();
         md.insert(
             header::AGENT_ID,
-            MetadataValue::try_from(cfg.agent_id.as_str()).map_err(|_| LinkError::Protocol("agent id is not valid ASCII".into()))?,
+            MetadataValue::try_from(cfg.agent_id.as_str())
+                .map_err(|_| LinkError::Protocol("agent id is not valid ASCII".into()))?,
         );
         if !cfg.identifiers.is_empty() {
             md.insert(
                 header::AGENT_IDENTIFIERS,
-                MetadataValue::try_from(cfg.identifiers.as_str())
-                    .map_err(|_| LinkError::Protocol("agent identifiers are not valid ASCII".into()))?,
+                MetadataValue::try_from(cfg.identifiers.as_str()).map_err(|_| {
+                    LinkError::Protocol("agent identifiers are not valid ASCII".into())
+                })?,
             );
         }
         if let Some(path) = &cfg.token_path {
@@ -198,8 +219,10 @@ impl Agent {
                 path: path.clone(),
                 source,
             })?;
-            let value = MetadataValue::try_from(format!("Bearer {}", token.trim()))
-                .map_err(|_| LinkError::Protocol(format!("token in {} is not valid ASCII", path.display())))?;
+            let value =
+                MetadataValue::try_from(format!("Bearer {}", token.trim())).map_err(|_| {
+                    LinkError::Protocol(format!("token in {} is not valid ASCII", path.display()))
+                })?;
             md.insert(header::AUTHORIZATION, value);
         }
         let mut client = AgentServiceClient::new(channel)
@@ -223,7 +246,10 @@ impl Agent {
         let _close_on_exit = session.closed.clone().drop_guard();
         self.metrics.open_server_connections.inc();
         self.streams.fetch_add(1, Ordering::Relaxed);
-        let _count = Decrement(self.streams.clone(), self.metrics.open_server_connections.clone());
+        let _count = Decrement(
+            self.streams.clone(),
+            self.metrics.open_server_connections.clone(),
+        );
         tracing::info!(%server_id, server_count, "connected to proxy server");
 
         let span = tracing::info_span!("server_stream", %server_id);

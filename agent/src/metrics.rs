@@ -1,7 +1,7 @@
 //! Agent metrics under upstream's names (`konnectivity_network_proxy_agent_*`).
 
-use tether_core::metrics::PacketCounters;
 use prometheus::{Histogram, HistogramOpts, IntCounterVec, IntGauge, Opts, Registry};
+use tether_core::metrics::PacketCounters;
 
 const NAMESPACE: &str = "konnectivity_network_proxy";
 const SUBSYSTEM: &str = "agent";
@@ -33,17 +33,26 @@ impl Metrics {
         let registry = Registry::new();
         let opts = |n: &str, h: &str| Opts::new(n, h).namespace(NAMESPACE).subsystem(SUBSYSTEM);
         let dial_duration = Histogram::with_opts(
-            HistogramOpts::new("dial_duration_seconds", "Latency of dial to the remote endpoint in seconds")
-                .namespace(NAMESPACE)
-                .subsystem(SUBSYSTEM)
-                .buckets(vec![0.005, 0.025, 0.1, 0.5, 2.5, 12.5]),
+            HistogramOpts::new(
+                "dial_duration_seconds",
+                "Latency of dial to the remote endpoint in seconds",
+            )
+            .namespace(NAMESPACE)
+            .subsystem(SUBSYSTEM)
+            .buckets(vec![0.005, 0.025, 0.1, 0.5, 2.5, 12.5]),
         )
         .unwrap();
         let dial_failures = IntCounterVec::new(
-            opts("endpoint_dial_failure_total", "Number of failures dialing the remote endpoint, by reason (example: timeout)."),
+            opts(
+                "endpoint_dial_failure_total",
+                "Number of failures dialing the remote endpoint, by reason (example: timeout).",
+            ),
             &["reason"],
         )
         .unwrap();
+        for reason in ["timeout", "refused", "unknown"] {
+            dial_failures.with_label_values(&[reason]);
+        }
         let open_server_connections = IntGauge::with_opts(opts(
             "open_server_connections",
             "Current number of open server connections.",
@@ -60,13 +69,19 @@ impl Metrics {
         ))
         .unwrap();
         let packets_vec = IntCounterVec::new(
-            opts("stream_packets_total", "Count of packets processed, by direction and packet type."),
+            opts(
+                "stream_packets_total",
+                "Count of packets processed, by direction and packet type.",
+            ),
             &["direction", "packet_type"],
         )
         .unwrap();
         let packets = PacketCounters::new(&packets_vec, &["from_server", "to_server"]);
         let stream_errors = IntCounterVec::new(
-            opts("stream_errors_total", "Count of gRPC stream errors, by direction and gRPC code."),
+            opts(
+                "stream_errors_total",
+                "Count of gRPC stream errors, by direction and gRPC code.",
+            ),
             &["direction", "code"],
         )
         .unwrap();

@@ -253,7 +253,10 @@ mod tests {
     fn dev_pki_files_and_modes() {
         let dir = std::env::temp_dir().join(format!("tether-certs-test-{}", std::process::id()));
         let pki = DevPki::generate(&dir).unwrap();
-        let mode = std::fs::metadata(&pki.server_key).unwrap().permissions().mode();
+        let mode = std::fs::metadata(&pki.server_key)
+            .unwrap()
+            .permissions()
+            .mode();
         assert_eq!(mode & 0o777, 0o600);
         let pem = std::fs::read_to_string(&pki.server_cert).unwrap();
         assert!(pem.starts_with("-----BEGIN CERTIFICATE-----"));

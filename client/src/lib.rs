@@ -63,13 +63,19 @@ impl Client {
     }
 
     /// Connects over TCP with mutual TLS.
-    pub async fn tls(host: &str, port: u16, tls: Arc<rustls::ClientConfig>) -> Result<Self, ClientError> {
+    pub async fn tls(
+        host: &str,
+        port: u16,
+        tls: Arc<rustls::ClientConfig>,
+    ) -> Result<Self, ClientError> {
         let channel = grpc_channel_tls(host, port, tls, &ChannelSettings::default()).await?;
         Ok(Client { channel })
     }
 
     /// Opens a raw Proxy stream: packets sent on the returned sender go to the server.
-    pub async fn open_stream(&self) -> Result<(mpsc::Sender<Packet>, Streaming<Packet>), ClientError> {
+    pub async fn open_stream(
+        &self,
+    ) -> Result<(mpsc::Sender<Packet>, Streaming<Packet>), ClientError> {
         let (tx, rx) = mpsc::channel(64);
         let mut client = ProxyServiceClient::new(self.channel.clone())
             .max_decoding_message_size(16 << 20)
@@ -86,10 +92,16 @@ impl Client {
         let answer = tokio::time::timeout(DIAL_TIMEOUT, async {
             loop {
                 match inbound.message().await? {
-                    Some(Packet { payload: Some(Payload::DialResponse(rsp)), .. }) if rsp.random == random => {
+                    Some(Packet {
+                        payload: Some(Payload::DialResponse(rsp)),
+                        ..
+                    }) if rsp.random == random => {
                         return Ok::<_, ClientError>(rsp);
                     }
-                    Some(Packet { payload: Some(Payload::CloseDial(c)), .. }) if c.random == random => {
+                    Some(Packet {
+                        payload: Some(Payload::CloseDial(c)),
+                        ..
+                    }) if c.random == random => {
                         return Err(ClientError::Dial {
                             address: address.to_string(),
                             error: "dial cancelled by the proxy".into(),
@@ -125,9 +137,13 @@ impl Client {
         let span = tracing::debug_span!("tunnel_conn", %address, connect_id);
         tokio::spawn(
             async move {
-                let packets = inbound.take_while(|r| futures::future::ready(r.is_ok())).filter_map(|r| futures::future::ready(r.ok()));
+                let packets = inbound
+                    .take_while(|r| futures::future::ready(r.is_ok()))
+                    .filter_map(|r| futures::future::ready(r.ok()));
                 let mut packets = Box::pin(packets);
-                let end = tether_core::pump::splice(pump_end, &mut packets, &tx, connect_id, &cancel).await;
+                let end =
+                    tether_core::pump::splice(pump_end, &mut packets, &tx, connect_id, &cancel)
+                        .await;
                 use tether_core::pump::SpliceEnd;
                 if matches!(end, SpliceEnd::LocalEof | SpliceEnd::LocalError(_)) {
                     // We closed: tell the server and wait (bounded) for its CLOSE_RSP.
@@ -145,7 +161,10 @@ impl Client {
             }
             .instrument(span),
         );
-        Ok(TunnelConn { io: user, connect_id })
+        Ok(TunnelConn {
+            io: user,
+            connect_id,
+        })
     }
 }
 
@@ -164,13 +183,21 @@ impl TunnelConn {
 }
 
 impl AsyncRead for TunnelConn {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
         Pin::new(&mut self.io).poll_read(cx, buf)
     }
 }
 
 impl AsyncWrite for TunnelConn {
-    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
         Pin::new(&mut self.io).poll_write(cx, buf)
     }
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {

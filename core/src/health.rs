@@ -66,7 +66,10 @@ pub fn render(registry: &Registry) -> ([(axum::http::HeaderName, &'static str); 
         tracing::warn!(error = %e, "encoding metrics failed");
     }
     (
-        [(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4",
+        )],
         String::from_utf8(buf).unwrap_or_default(),
     )
 }

@@ -43,20 +43,23 @@ impl AgentIdentifiers {
                     ids.hosts.push(value.to_ascii_lowercase());
                     Ok(())
                 }
-                "ipv4" => match value.parse::<IpAddr>() {
-                    Ok(ip @ IpAddr::V4(_)) => Ok(ids.ips.push(ip)),
-                    _ => Err(bad("not an IPv4 address")),
-                },
-                "ipv6" => match value.parse::<IpAddr>() {
-                    Ok(ip @ IpAddr::V6(_)) => Ok(ids.ips.push(ip)),
+                "ipv4" | "ipv6" => match value.parse::<IpAddr>() {
+                    Ok(ip) if ip.is_ipv4() == (key == "ipv4") => {
+                        ids.ips.push(ip);
+                        Ok(())
+                    }
+                    _ if key == "ipv4" => Err(bad("not an IPv4 address")),
                     _ => Err(bad("not an IPv6 address")),
                 },
-                "cidr" => match value.parse::<Cidr>() {
-                    Ok(c) => Ok(ids.cidrs.push(c)),
-                    Err(e) => Err(bad(&e)),
-                },
+                "cidr" => value
+                    .parse::<Cidr>()
+                    .map(|c| ids.cidrs.push(c))
+                    .map_err(|e| bad(&e)),
                 "default-route" => match &*value {
-                    "true" => Ok(ids.default_route = true),
+                    "true" => {
+                        ids.default_route = true;
+                        Ok(())
+                    }
                     "false" => Ok(()),
                     _ => Err(bad("expected true or false")),
                 },
@@ -132,8 +135,12 @@ impl std::str::FromStr for Cidr {
         let (addr, prefix) = s
             .split_once('/')
             .ok_or_else(|| "expected ADDRESS/PREFIX, e.g. 10.0.0.0/8".to_string())?;
-        let addr: IpAddr = addr.parse().map_err(|_| format!("{addr:?} is not an IP address"))?;
-        let prefix: u8 = prefix.parse().map_err(|_| format!("{prefix:?} is not a prefix length"))?;
+        let addr: IpAddr = addr
+            .parse()
+            .map_err(|_| format!("{addr:?} is not an IP address"))?;
+        let prefix: u8 = prefix
+            .parse()
+            .map_err(|_| format!("{prefix:?} is not a prefix length"))?;
         let max = if addr.is_ipv4() { 32 } else { 128 };
         if prefix > max {
             return Err(format!("prefix /{prefix} is longer than {max}"));
@@ -169,7 +176,10 @@ mod tests {
         assert!(ids.matches_cidr("10.1.200.3"));
         assert!(!ids.matches_cidr("10.2.0.1"));
         assert!(AgentIdentifiers::parse("ipv4=nope", true).is_err());
-        assert!(AgentIdentifiers::parse("ipv4=nope", false).unwrap().ips.is_empty());
+        assert!(AgentIdentifiers::parse("ipv4=nope", false)
+            .unwrap()
+            .ips
+            .is_empty());
     }
 
     #[test]

@@ -5,7 +5,13 @@ use tether_proto::PacketType;
 
 /// Upstream's `packet_type` label values, indexed by the enum value.
 pub const PACKET_TYPES: [&str; 7] = [
-    "DIAL_REQ", "DIAL_RSP", "CLOSE_REQ", "CLOSE_RSP", "DATA", "DIAL_CLS", "DRAIN",
+    "DIAL_REQ",
+    "DIAL_RSP",
+    "CLOSE_REQ",
+    "CLOSE_RSP",
+    "DATA",
+    "DIAL_CLS",
+    "DRAIN",
 ];
 
 /// Per-packet counters resolved once, so counting a DATA packet costs one atomic add
@@ -30,7 +36,10 @@ impl PacketCounters {
     /// Counts one packet of raw type `ty` on the segment with index `segment`.
     pub fn inc(&self, segment: usize, ty: i32) {
         if let Ok(ty) = PacketType::try_from(ty) {
-            if let Some(c) = self.counters.get(segment * PACKET_TYPES.len() + ty as usize) {
+            if let Some(c) = self
+                .counters
+                .get(segment * PACKET_TYPES.len() + ty as usize)
+            {
                 c.inc();
             }
         }

@@ -65,7 +65,10 @@ pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 }
 
 /// Reads every certificate in a PEM file.
-pub fn load_certs(what: &'static str, path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+pub fn load_certs(
+    what: &'static str,
+    path: &Path,
+) -> Result<Vec<CertificateDer<'static>>, TlsError> {
     let bytes = std::fs::read(path).map_err(|source| TlsError::Read {
         what,
         path: path.into(),

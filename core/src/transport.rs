@@ -168,7 +168,10 @@ pub fn bind_uds(path: &Path, delete_existing: bool) -> io::Result<UnixListener> 
         if !meta.file_type().is_socket() {
             return Err(io::Error::new(
                 io::ErrorKind::AlreadyExists,
-                format!("{} exists and is not a socket; refusing to remove it", path.display()),
+                format!(
+                    "{} exists and is not a socket; refusing to remove it",
+                    path.display()
+                ),
             ));
         }
         if delete_existing {
@@ -204,7 +207,10 @@ impl Default for ChannelSettings {
     }
 }
 
-fn endpoint(authority: &str, settings: &ChannelSettings) -> Result<Endpoint, tonic::transport::Error> {
+fn endpoint(
+    authority: &str,
+    settings: &ChannelSettings,
+) -> Result<Endpoint, tonic::transport::Error> {
     // Our connectors do TLS themselves, so the URI scheme is only cosmetic here.
     let mut ep = Endpoint::from_shared(format!("http://{authority}"))?
         .connect_timeout(settings.connect_timeout)

@@ -21,7 +21,10 @@ fn generated_code_is_current() {
         .emit_rerun_if_changed(false)
         .out_dir(&out)
         .compile_protos(
-            &[root.join("proto/client.proto"), root.join("proto/agent.proto")],
+            &[
+                root.join("proto/client.proto"),
+                root.join("proto/agent.proto"),
+            ],
             &[root.join("proto")],
         )
         .expect("protoc run");

@@ -125,10 +125,12 @@ async fn serve_agent(
             _ = shutdown.cancelled() => return,
         };
         match next {
-            Ok(Some(packet)) => tunnel.from_agent(backend, packet).await,
+            Ok(Some(packet)) => tunnel.handle_agent_packet(backend, packet).await,
             Ok(None) => return,
             Err(status) => {
-                tunnel.metrics.stream_error(Segment::FromAgent, status.code());
+                tunnel
+                    .metrics
+                    .stream_error(Segment::FromAgent, status.code());
                 tracing::info!(error = %status.message(), code = ?status.code(), "agent stream failed");
                 return;
             }

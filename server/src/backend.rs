@@ -89,7 +89,11 @@ pub struct Backend {
 static NEXT_BACKEND: AtomicU64 = AtomicU64::new(1);
 
 impl Backend {
-    pub(crate) fn new(agent_id: String, identifiers: AgentIdentifiers, tx: mpsc::Sender<Packet>) -> Self {
+    pub(crate) fn new(
+        agent_id: String,
+        identifiers: AgentIdentifiers,
+        tx: mpsc::Sender<Packet>,
+    ) -> Self {
         Backend {
             key: NEXT_BACKEND.fetch_add(1, Ordering::Relaxed),
             agent_id,
@@ -143,7 +147,10 @@ impl Registry {
 
     /// Number of connected agent streams.
     pub fn len(&self) -> usize {
-        self.backends.read().unwrap_or_else(|e| e.into_inner()).len()
+        self.backends
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .len()
     }
 
     /// True when no agent is connected.
@@ -166,7 +173,10 @@ impl Registry {
     }
 
     pub(crate) fn all(&self) -> Vec<Arc<Backend>> {
-        self.backends.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.backends
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Picks an agent for `address`: the first strategy with a candidate wins; among its
@@ -180,9 +190,16 @@ impl Registry {
             if candidates.is_empty() {
                 continue;
             }
-            let active: Vec<&Arc<Backend>> =
-                candidates.iter().copied().filter(|b| !b.is_draining()).collect();
-            let pool = if active.is_empty() { &candidates } else { &active };
+            let active: Vec<&Arc<Backend>> = candidates
+                .iter()
+                .copied()
+                .filter(|b| !b.is_draining())
+                .collect();
+            let pool = if active.is_empty() {
+                &candidates
+            } else {
+                &active
+            };
             return pool.choose(&mut rand::rng()).map(|b| Arc::clone(b));
         }
         None
@@ -216,7 +233,10 @@ mod tests {
         assert_eq!(pick("destHost", "node-a:10250").as_deref(), Some("a"));
         assert_eq!(pick("destHost", "10.9.9.9:1"), None);
         assert_eq!(pick("destCIDR", "192.168.5.7:80").as_deref(), Some("b"));
-        assert_eq!(pick("destHost,defaultRoute", "10.9.9.9:1").as_deref(), Some("c"));
+        assert_eq!(
+            pick("destHost,defaultRoute", "10.9.9.9:1").as_deref(),
+            Some("c")
+        );
         assert!(pick("destHost,default", "10.9.9.9:1").is_some());
         assert!(parse_strategies("destHost,bogus").is_err());
     }
@@ -230,7 +250,10 @@ mod tests {
         reg.add(b.clone());
         a.draining.store(true, Ordering::Relaxed);
         for _ in 0..50 {
-            assert_eq!(reg.select(&[Strategy::Default], "x:1").unwrap().agent_id, "b");
+            assert_eq!(
+                reg.select(&[Strategy::Default], "x:1").unwrap().agent_id,
+                "b"
+            );
         }
         b.draining.store(true, Ordering::Relaxed);
         assert!(reg.select(&[Strategy::Default], "x:1").is_some());

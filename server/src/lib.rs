@@ -145,11 +145,13 @@ pub struct BoundServer {
 pub struct Server;
 
 async fn bind_tcp(what: &'static str, addr: SocketAddr) -> Result<TcpListener, StartError> {
-    TcpListener::bind(addr).await.map_err(|source| StartError::Bind {
-        what,
-        addr: addr.to_string(),
-        source,
-    })
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| StartError::Bind {
+            what,
+            addr: addr.to_string(),
+            source,
+        })
 }
 
 impl Server {
@@ -259,7 +261,11 @@ impl BoundServer {
             tether_core::health::spawn(
                 "health",
                 l,
-                tether_core::health::health_router(registry.clone(), ready, StatusCode::INTERNAL_SERVER_ERROR),
+                tether_core::health::health_router(
+                    registry.clone(),
+                    ready,
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                ),
                 hard_stop.clone(),
             );
         }
@@ -280,7 +286,8 @@ impl BoundServer {
             channel_size: config.channel_size,
             shutdown: hard_stop.clone(),
         };
-        let incoming = transport::tls_incoming(agent_listener, agent_tls, "agent", hard_stop.clone());
+        let incoming =
+            transport::tls_incoming(agent_listener, agent_tls, "agent", hard_stop.clone());
         let agent_server = tonic::transport::Server::builder()
             .http2_keepalive_interval(Some(config.agent_keepalive))
             .http2_keepalive_timeout(Some(Duration::from_secs(20)))
@@ -318,7 +325,8 @@ impl BoundServer {
             }
             let span = tracing::info_span!("frontend_listener", %mode);
             frontend_tasks.push(tokio::spawn(
-                serve_frontend(mode, listener, tunnel, size, keepalive, stop, hard).instrument(span),
+                serve_frontend(mode, listener, tunnel, size, keepalive, stop, hard)
+                    .instrument(span),
             ));
         }
 
@@ -371,6 +379,8 @@ async fn serve_frontend(
             .max_encoding_message_size(MAX_MESSAGE);
             let builder = || {
                 tonic::transport::Server::builder()
+                    // One stream per dial: a client may hold thousands on one connection.
+                    .max_concurrent_streams(Some(1 << 16))
                     .http2_keepalive_interval(Some(keepalive))
                     .initial_stream_window_size(Some(1 << 20))
                     .initial_connection_window_size(Some(4 << 20))
@@ -378,7 +388,10 @@ async fn serve_frontend(
             // Established streams keep running after `stop` until `hard_stop`.
             let result = match listener {
                 FrontendListener::Uds(l, _) => {
-                    let incoming = futures::StreamExt::take_until(UnixListenerStream::new(l), stop.cancelled_owned());
+                    let incoming = futures::StreamExt::take_until(
+                        UnixListenerStream::new(l),
+                        stop.cancelled_owned(),
+                    );
                     builder()
                         .add_service(svc)
                         .serve_with_incoming_shutdown(incoming, hard_stop.cancelled_owned())
@@ -412,7 +425,13 @@ async fn serve_frontend(
                         }
                     },
                 };
-                spawn_http(tunnel.clone(), sock, channel_size, hard_stop.clone(), "uds".into());
+                spawn_http(
+                    tunnel.clone(),
+                    sock,
+                    channel_size,
+                    hard_stop.clone(),
+                    "uds".into(),
+                );
             },
             FrontendListener::Tls(l, cfg) => {
                 let mut incoming = transport::tls_incoming(l, cfg, "frontend", stop);
@@ -425,10 +444,18 @@ async fn serve_frontend(
     }
 }
 
-fn spawn_http<S>(tunnel: Arc<Tunnel>, sock: S, channel_size: usize, hard_stop: CancellationToken, peer: String)
-where
+fn spawn_http<S>(
+    tunnel: Arc<Tunnel>,
+    sock: S,
+    channel_size: usize,
+    hard_stop: CancellationToken,
+    peer: String,
+) where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let span = tracing::info_span!("frontend", kind = "http-connect", %peer, address = tracing::field::Empty);
-    tokio::spawn(frontend::http_connect::serve_connection(tunnel, sock, channel_size, hard_stop).instrument(span));
+    tokio::spawn(
+        frontend::http_connect::serve_connection(tunnel, sock, channel_size, hard_stop)
+            .instrument(span),
+    );
 }

@@ -1,9 +1,7 @@
 //! Server metrics under upstream's names (`konnectivity_network_proxy_server_*`), so
 //! existing dashboards and alerts keep working.
 
-use prometheus::{
-    Histogram, HistogramOpts, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
-};
+use prometheus::{Histogram, HistogramOpts, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
 use tether_core::metrics::PacketCounters;
 
 const NAMESPACE: &str = "konnectivity_network_proxy";
@@ -44,6 +42,16 @@ pub enum DialFailure {
 }
 
 impl DialFailure {
+    const ALL: [DialFailure; 7] = [
+        DialFailure::NoAgent,
+        DialFailure::ErrorResponse,
+        DialFailure::UnrecognizedResponse,
+        DialFailure::SendRsp,
+        DialFailure::BackendClose,
+        DialFailure::BackendDialTimeout,
+        DialFailure::FrontendClose,
+    ];
+
     fn label(self) -> &'static str {
         match self {
             DialFailure::NoAgent => "no_agent",
@@ -87,14 +95,16 @@ impl Metrics {
     /// Creates and registers every metric.
     pub fn new() -> Self {
         let registry = Registry::new();
-        let opts = |name: &str, help: &str| Opts::new(name, help).namespace(NAMESPACE).subsystem(SUBSYSTEM);
+        let opts = |name: &str, help: &str| {
+            Opts::new(name, help)
+                .namespace(NAMESPACE)
+                .subsystem(SUBSYSTEM)
+        };
         let hopts = |name: &str, help: &str| {
             HistogramOpts::new(name, help)
                 .namespace(NAMESPACE)
                 .subsystem(SUBSYSTEM)
-                .buckets(vec![
-                    0.005, 0.025, 0.1, 0.5, 2.5, 12.5,
-                ])
+                .buckets(vec![0.005, 0.025, 0.1, 0.5, 2.5, 12.5])
         };
         let dial_duration = Histogram::with_opts(hopts(
             "dial_duration_seconds",
@@ -102,12 +112,18 @@ impl Metrics {
         ))
         .unwrap();
         let frontend_write_duration = Histogram::with_opts(
-            hopts("frontend_write_duration_seconds", "Latency of write to the frontend in seconds")
-                .buckets(vec![0.00001, 0.0001, 0.001, 0.01, 0.1, 1.0, 10.0]),
+            hopts(
+                "frontend_write_duration_seconds",
+                "Latency of write to the frontend in seconds",
+            )
+            .buckets(vec![0.00001, 0.0001, 0.001, 0.01, 0.1, 1.0, 10.0]),
         )
         .unwrap();
         let grpc_connections = IntGaugeVec::new(
-            opts("grpc_connections", "Number of current grpc connections, partitioned by service method."),
+            opts(
+                "grpc_connections",
+                "Number of current grpc connections, partitioned by service method.",
+            ),
             &["service_method"],
         )
         .unwrap();
@@ -137,7 +153,10 @@ impl Metrics {
         )
         .unwrap();
         let dial_failures = IntCounterVec::new(
-            opts("dial_failure_count", "Number of dial failures observed, by reason (example: remote endpoint error)"),
+            opts(
+                "dial_failure_count",
+                "Number of dial failures observed, by reason (example: remote endpoint error)",
+            ),
             &["reason"],
         )
         .unwrap();
@@ -152,6 +171,10 @@ impl Metrics {
         )
         .unwrap();
         let packets = PacketCounters::new(&packets_vec, &SEGMENTS);
+        // Every reason exists from the start at 0, so rate() and alerts work at once.
+        for reason in DialFailure::ALL {
+            dial_failures.with_label_values(&[reason.label()]);
+        }
         for c in [
             Box::new(dial_duration.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(frontend_write_duration.clone()),
@@ -185,7 +208,9 @@ impl Metrics {
 
     /// Counts one dial failure.
     pub fn dial_failed(&self, reason: DialFailure) {
-        self.dial_failures.with_label_values(&[reason.label()]).inc();
+        self.dial_failures
+            .with_label_values(&[reason.label()])
+            .inc();
     }
 
     /// Counts one packet of type `ty` (raw enum value) on `segment`.

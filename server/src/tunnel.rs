@@ -107,7 +107,10 @@ impl Tunnel {
             Ok(()) => true,
             Err(mpsc::error::TrySendError::Closed(_)) => false,
             Err(mpsc::error::TrySendError::Full(packet)) => {
-                let full = self.metrics.full_receive_channels.with_label_values(&["Proxy"]);
+                let full = self
+                    .metrics
+                    .full_receive_channels
+                    .with_label_values(&["Proxy"]);
                 full.inc();
                 let ok = fe.tx.send(packet).await.is_ok();
                 full.dec();
@@ -129,7 +132,11 @@ impl Tunnel {
 
     /// Sends a DIAL_REQ from `fe` to an agent chosen by the strategies. The answer
     /// arrives on `fe.tx` as DIAL_RSP (or DIAL_CLS). On `Err`, nothing was sent.
-    pub async fn dial(self: &Arc<Self>, fe: &Arc<Frontend>, req: DialRequest) -> Result<(), DialError> {
+    pub async fn dial(
+        self: &Arc<Self>,
+        fe: &Arc<Frontend>,
+        req: DialRequest,
+    ) -> Result<(), DialError> {
         let Some(backend) = self.registry.select(&self.config.strategies, &req.address) else {
             self.metrics.dial_failed(DialFailure::NoAgent);
             tracing::info!(address = %req.address, "no agent available for dial");
@@ -153,8 +160,13 @@ impl Tunnel {
         if backend.closed.is_cancelled() || !self.to_agent(&backend, packet).await {
             // The stream died under us; its removal fails every pending dial, this one
             // included, unless it has already run.
-            self.fail_pending(&backend, random, DialFailure::BackendClose, "agent disconnected")
-                .await;
+            self.fail_pending(
+                &backend,
+                random,
+                DialFailure::BackendClose,
+                "agent disconnected",
+            )
+            .await;
             return Ok(());
         }
         if let Some(timeout) = self.config.backend_dial_timeout {
@@ -180,7 +192,13 @@ impl Tunnel {
 
     /// Removes a pending dial and tells its frontend it failed. False when it was no
     /// longer pending.
-    async fn fail_pending(&self, backend: &Backend, random: i64, reason: DialFailure, error: &str) -> bool {
+    async fn fail_pending(
+        &self,
+        backend: &Backend,
+        random: i64,
+        reason: DialFailure,
+        error: &str,
+    ) -> bool {
         let Some(pending) = backend.state().pending.remove(&random) else {
             return false;
         };
@@ -200,8 +218,11 @@ impl Tunnel {
             }
             None => {
                 tracing::debug!(connect_id, "DATA for unknown connectID");
-                self.to_frontend(fe, Packet::close_response(connect_id, format!("unknown connectID {connect_id}")))
-                    .await;
+                self.to_frontend(
+                    fe,
+                    Packet::close_response(connect_id, format!("unknown connectID {connect_id}")),
+                )
+                .await;
             }
         }
     }
@@ -210,11 +231,15 @@ impl Tunnel {
     pub async fn close_from_frontend(&self, fe: &Frontend, connect_id: i64) {
         match fe.route(connect_id) {
             Some(backend) => {
-                self.to_agent(&backend, Packet::close_request(connect_id)).await;
+                self.to_agent(&backend, Packet::close_request(connect_id))
+                    .await;
             }
             None => {
-                self.to_frontend(fe, Packet::close_response(connect_id, format!("unknown connectID {connect_id}")))
-                    .await;
+                self.to_frontend(
+                    fe,
+                    Packet::close_response(connect_id, format!("unknown connectID {connect_id}")),
+                )
+                .await;
             }
         }
     }
@@ -244,7 +269,8 @@ impl Tunnel {
         for (connect_id, backend) in routes.conns {
             if backend.state().conns.remove(&connect_id).is_some() {
                 self.metrics.established_connections.dec();
-                self.to_agent(&backend, Packet::close_request(connect_id)).await;
+                self.to_agent(&backend, Packet::close_request(connect_id))
+                    .await;
             }
         }
     }
@@ -252,7 +278,7 @@ impl Tunnel {
     // === agent -> frontend ===
 
     /// A packet from `backend`'s agent.
-    pub(crate) async fn from_agent(&self, backend: &Arc<Backend>, packet: Packet) {
+    pub(crate) async fn handle_agent_packet(&self, backend: &Arc<Backend>, packet: Packet) {
         self.metrics.packet(Segment::FromAgent, packet.r#type);
         match &packet.payload {
             Some(Payload::DialResponse(rsp)) => {
@@ -263,7 +289,8 @@ impl Tunnel {
                     self.metrics.dial_failed(DialFailure::UnrecognizedResponse);
                     if success {
                         // Nobody waits for it any more (cancelled or timed out): close it.
-                        self.to_agent(backend, Packet::close_request(connect_id)).await;
+                        self.to_agent(backend, Packet::close_request(connect_id))
+                            .await;
                     }
                     return;
                 };
@@ -279,20 +306,28 @@ impl Tunnel {
                 let accepted = {
                     let mut routes = fe.routes();
                     routes.pending.remove(&random);
-                    if routes.conns.contains_key(&connect_id) {
-                        false
-                    } else {
-                        routes.conns.insert(connect_id, backend.clone());
-                        true
+                    match routes.conns.entry(connect_id) {
+                        std::collections::hash_map::Entry::Occupied(_) => false,
+                        std::collections::hash_map::Entry::Vacant(v) => {
+                            v.insert(backend.clone());
+                            true
+                        }
                     }
                 };
                 if !accepted {
                     // Two agents used the same connectID on one frontend stream; the
                     // client could not tell them apart.
-                    tracing::warn!(connect_id, "connectID already in use on this frontend stream; refusing");
-                    self.to_agent(backend, Packet::close_request(connect_id)).await;
-                    self.to_frontend(&fe, Packet::dial_response(random, 0, "connectID collision, retry the dial"))
+                    tracing::warn!(
+                        connect_id,
+                        "connectID already in use on this frontend stream; refusing"
+                    );
+                    self.to_agent(backend, Packet::close_request(connect_id))
                         .await;
+                    self.to_frontend(
+                        &fe,
+                        Packet::dial_response(random, 0, "connectID collision, retry the dial"),
+                    )
+                    .await;
                     return;
                 }
                 backend.state().conns.insert(connect_id, fe.clone());
@@ -314,7 +349,10 @@ impl Tunnel {
                             self.frontend_gone(&fe).await;
                         }
                     }
-                    None => tracing::debug!(connect_id, "DATA from agent for unknown connectID; dropped"),
+                    None => tracing::debug!(
+                        connect_id,
+                        "DATA from agent for unknown connectID; dropped"
+                    ),
                 }
             }
             Some(Payload::CloseResponse(close)) => {
@@ -364,7 +402,10 @@ impl Tunnel {
             self.metrics.pending_backend_dials.dec();
             self.metrics.dial_failed(DialFailure::BackendClose);
             pending.frontend.routes().pending.remove(&random);
-            self.notify(pending.frontend, Packet::dial_response(random, 0, error.clone()));
+            self.notify(
+                pending.frontend,
+                Packet::dial_response(random, 0, error.clone()),
+            );
         }
         for (connect_id, fe) in state.conns {
             self.metrics.established_connections.dec();
@@ -379,7 +420,9 @@ impl Tunnel {
         let this = self.clone();
         tokio::spawn(
             async move {
-                let _ = tokio::time::timeout(Duration::from_secs(10), this.to_frontend(&fe, packet)).await;
+                let _ =
+                    tokio::time::timeout(Duration::from_secs(10), this.to_frontend(&fe, packet))
+                        .await;
             }
             .in_current_span(),
         );

@@ -104,9 +104,17 @@ impl AgentArgs {
     /// Validates the flags into an [`AgentConfig`].
     pub fn config(&self) -> anyhow::Result<AgentConfig> {
         super::reject_unsupported(&[
-            ("count-server-leases", self.count_server_leases == Some(true)),
+            (
+                "count-server-leases",
+                self.count_server_leases == Some(true),
+            ),
             ("kubeconfig", self.kubeconfig.is_some()),
-            ("server-count-source", self.server_count_source.as_deref().is_some_and(|s| s != "default")),
+            (
+                "server-count-source",
+                self.server_count_source
+                    .as_deref()
+                    .is_some_and(|s| s != "default"),
+            ),
         ])?;
         AgentIdentifiers::parse(&self.agent_identifiers, true)
             .map_err(|e| anyhow::anyhow!("--agent-identifiers: {e}"))?;
@@ -117,13 +125,19 @@ impl AgentArgs {
         };
         let identity = match (self.agent_cert.is_empty(), self.agent_key.is_empty()) {
             (true, true) => None,
-            (false, false) => Some((PathBuf::from(&self.agent_cert), PathBuf::from(&self.agent_key))),
+            (false, false) => Some((
+                PathBuf::from(&self.agent_cert),
+                PathBuf::from(&self.agent_key),
+            )),
             _ => bail!("--agent-cert and --agent-key go together; set both or neither"),
         };
         let alpn: Vec<Vec<u8>> = if self.alpn_proto.is_empty() {
             vec![tether_core::tls::ALPN_H2.to_vec()]
         } else {
-            self.alpn_proto.iter().map(|p| p.as_bytes().to_vec()).collect()
+            self.alpn_proto
+                .iter()
+                .map(|p| p.as_bytes().to_vec())
+                .collect()
         };
         let alpn_refs: Vec<&[u8]> = alpn.iter().map(Vec::as_slice).collect();
         let tls = tether_core::tls::client_config(
@@ -137,7 +151,10 @@ impl AgentArgs {
             .then(|| PathBuf::from(&self.service_account_token_path));
         if let Some(p) = &token_path {
             std::fs::metadata(p).with_context(|| {
-                format!("--service-account-token-path {}: cannot read the token file", p.display())
+                format!(
+                    "--service-account-token-path {}: cannot read the token file",
+                    p.display()
+                )
             })?;
         }
         if self.xfr_channel_size == 0 {
@@ -173,8 +190,16 @@ impl AgentArgs {
 pub fn main(args: AgentArgs) -> anyhow::Result<()> {
     args.log.init();
     let config = args.config()?;
-    let health = bind_addr(&args.health_server_host, args.health_server_port, "health-server-host")?;
-    let admin = bind_addr(&args.admin_bind_address, args.admin_server_port, "admin-bind-address")?;
+    let health = bind_addr(
+        &args.health_server_host,
+        args.health_server_port,
+        "health-server-host",
+    )?;
+    let admin = bind_addr(
+        &args.admin_bind_address,
+        args.admin_server_port,
+        "admin-bind-address",
+    )?;
     let drain_timeout = args.drain_timeout;
     super::block_on(async move {
         let health = tokio::net::TcpListener::bind(health)

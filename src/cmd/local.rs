@@ -37,9 +37,13 @@ pub fn main(args: LocalArgs) -> anyhow::Result<()> {
     args.log.init();
     let (dir, temporary) = match &args.dir {
         Some(d) => (d.clone(), false),
-        None => (std::env::temp_dir().join(format!("tether-local-{}", std::process::id())), true),
+        None => (
+            std::env::temp_dir().join(format!("tether-local-{}", std::process::id())),
+            true,
+        ),
     };
-    let pki = DevPki::generate(&dir).with_context(|| format!("cannot create the throwaway PKI in {}", dir.display()))?;
+    let pki = DevPki::generate(&dir)
+        .with_context(|| format!("cannot create the throwaway PKI in {}", dir.display()))?;
     let socket = dir.join("konnectivity-server.socket");
     let result = super::block_on(run(args, pki, socket));
     if temporary {
@@ -53,7 +57,9 @@ async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()
     let shutdown = CancellationToken::new();
     let demo = tokio::net::TcpListener::bind(loopback(0)).await?;
     let demo_addr = demo.local_addr()?;
-    tokio::spawn(demo_backend(demo, shutdown.clone()).instrument(tracing::info_span!("demo_backend")));
+    tokio::spawn(
+        demo_backend(demo, shutdown.clone()).instrument(tracing::info_span!("demo_backend")),
+    );
 
     let config = ServerConfig {
         server_id: "local".into(),
@@ -95,7 +101,9 @@ async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()
         channel_size: 10,
         graceful_shutdown_timeout: Duration::from_secs(5),
     };
-    let bound = Server::bind(config).await.context("server start-up failed")?;
+    let bound = Server::bind(config)
+        .await
+        .context("server start-up failed")?;
     let addrs = bound.addrs().clone();
     let tunnel = bound.tunnel().clone();
     let server_task = tokio::spawn(bound.run(shutdown.clone()));

@@ -51,7 +51,9 @@ impl LogArgs {
             _ => "trace",
         };
         let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-            EnvFilter::new(format!("{level},h2=info,tower=info,hyper=info,rustls=info,hyper_util=info"))
+            EnvFilter::new(format!(
+                "{level},h2=info,tower=info,hyper=info,rustls=info,hyper_util=info"
+            ))
         });
         let builder = tracing_subscriber::fmt()
             .with_env_filter(filter)
@@ -95,6 +97,8 @@ pub fn bind_addr(host: &str, port: u16, flag: &str) -> anyhow::Result<std::net::
         .trim_start_matches('[')
         .trim_end_matches(']')
         .parse()
-        .map_err(|_| anyhow::anyhow!("--{flag} {host:?} is not an IP address (use e.g. 127.0.0.1 or ::)"))?;
+        .map_err(|_| {
+            anyhow::anyhow!("--{flag} {host:?} is not an IP address (use e.g. 127.0.0.1 or ::)")
+        })?;
     Ok(std::net::SocketAddr::new(ip, port))
 }

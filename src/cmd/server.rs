@@ -139,18 +139,40 @@ impl ServerArgs {
     pub fn config(&self) -> anyhow::Result<ServerConfig> {
         super::reject_unsupported(&[
             ("agent-namespace", self.agent_namespace.is_some()),
-            ("agent-service-account", self.agent_service_account.is_some()),
-            ("authentication-audience", self.authentication_audience.is_some()),
+            (
+                "agent-service-account",
+                self.agent_service_account.is_some(),
+            ),
+            (
+                "authentication-audience",
+                self.authentication_audience.is_some(),
+            ),
             ("kubeconfig", self.kubeconfig.is_some()),
             ("kubeconfig-qps", self.kubeconfig_qps.is_some()),
             ("kubeconfig-burst", self.kubeconfig_burst.is_some()),
-            ("kube-api-content-type", self.kube_api_content_type.is_some()),
-            ("enable-lease-controller", self.enable_lease_controller == Some(true)),
+            (
+                "kube-api-content-type",
+                self.kube_api_content_type.is_some(),
+            ),
+            (
+                "enable-lease-controller",
+                self.enable_lease_controller == Some(true),
+            ),
             ("cipher-suites", self.cipher_suites.is_some()),
-            ("tls-min-version", self.tls_min_version.as_deref().is_some_and(|v| v != "VersionTLS12")),
+            (
+                "tls-min-version",
+                self.tls_min_version
+                    .as_deref()
+                    .is_some_and(|v| v != "VersionTLS12"),
+            ),
             ("enable-profiling", self.enable_profiling == Some(true)),
-            ("enable-contention-profiling", self.enable_contention_profiling == Some(true)),
+            (
+                "enable-contention-profiling",
+                self.enable_contention_profiling == Some(true),
+            ),
         ])?;
+        let strategies = tether_server::parse_strategies(&self.proxy_strategies)
+            .map_err(|e| anyhow::anyhow!("--proxy-strategies: {e}"))?;
         let listen = if !self.uds_name.is_empty() {
             if self.server_port != 0 {
                 bail!(
@@ -171,8 +193,16 @@ impl ServerArgs {
                 bail!("a TCP frontend needs --server-cert, --server-key and --server-ca-cert (mutual TLS is mandatory), or use --uds-name with --server-port=0");
             };
             Listen::Tcp {
-                addr: bind_addr(&self.server_bind_address, self.server_port, "server-bind-address")?,
-                tls: TlsFiles { cert, key, ca: Some(ca) },
+                addr: bind_addr(
+                    &self.server_bind_address,
+                    self.server_port,
+                    "server-bind-address",
+                )?,
+                tls: TlsFiles {
+                    cert,
+                    key,
+                    ca: Some(ca),
+                },
             }
         };
         let agent_cert = opt_path(&self.cluster_cert).or_else(|| opt_path(&self.server_cert));
@@ -189,15 +219,21 @@ impl ServerArgs {
         if self.keepalive_time.is_zero() || self.frontend_keepalive_time.is_zero() {
             bail!("--keepalive-time and --frontend-keepalive-time must be positive (e.g. 30s, 1h)");
         }
-        let strategies = tether_server::parse_strategies(&self.proxy_strategies)
-            .map_err(|e| anyhow::anyhow!("--proxy-strategies: {e}"))?;
         let server_id = if self.server_id.is_empty() {
             uuid::Uuid::new_v4().to_string()
         } else {
             self.server_id.clone()
         };
-        let health_addr = bind_addr(&self.health_bind_address, self.health_port, "health-bind-address")?;
-        let admin_addr = bind_addr(&self.admin_bind_address, self.admin_port, "admin-bind-address")?;
+        let health_addr = bind_addr(
+            &self.health_bind_address,
+            self.health_port,
+            "health-bind-address",
+        )?;
+        let admin_addr = bind_addr(
+            &self.admin_bind_address,
+            self.admin_port,
+            "admin-bind-address",
+        )?;
         Ok(ServerConfig {
             server_id,
             server_count: self.server_count,
@@ -205,7 +241,11 @@ impl ServerArgs {
                 mode: self.mode,
                 listen,
             }],
-            agent_addr: bind_addr(&self.agent_bind_address, self.agent_port, "agent-bind-address")?,
+            agent_addr: bind_addr(
+                &self.agent_bind_address,
+                self.agent_port,
+                "agent-bind-address",
+            )?,
             agent_tls: TlsFiles {
                 cert: agent_cert,
                 key: agent_key,
@@ -217,7 +257,8 @@ impl ServerArgs {
             admin_addr: Some(admin_addr),
             tunnel: TunnelConfig {
                 strategies,
-                backend_dial_timeout: (!self.backend_dial_timeout.is_zero()).then_some(self.backend_dial_timeout),
+                backend_dial_timeout: (!self.backend_dial_timeout.is_zero())
+                    .then_some(self.backend_dial_timeout),
             },
             channel_size: self.xfr_channel_size,
             graceful_shutdown_timeout: self.graceful_shutdown_timeout,
@@ -231,7 +272,9 @@ pub fn main(args: ServerArgs) -> anyhow::Result<()> {
     let config = args.config()?;
     super::block_on(async move {
         let server_id = config.server_id.clone();
-        let bound = Server::bind(config).await.context("server start-up failed")?;
+        let bound = Server::bind(config)
+            .await
+            .context("server start-up failed")?;
         let addrs = bound.addrs().clone();
         tracing::info!(
             server_id = %server_id,

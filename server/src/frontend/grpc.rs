@@ -36,7 +36,10 @@ impl ProxyService for GrpcFrontend {
         let (tx, rx) = mpsc::channel(self.channel_size);
         let fe = Frontend::new(tx);
         let tunnel = self.tunnel.clone();
-        let gauge = tunnel.metrics.grpc_connections.with_label_values(&["Proxy"]);
+        let gauge = tunnel
+            .metrics
+            .grpc_connections
+            .with_label_values(&["Proxy"]);
         gauge.inc();
         let inbound = request.into_inner();
         let span = tracing::info_span!("frontend", kind = "grpc", id = fe.id());
@@ -58,7 +61,9 @@ async fn serve_client(tunnel: &Arc<Tunnel>, fe: &Arc<Frontend>, mut inbound: Str
             Ok(Some(p)) => p,
             Ok(None) => return,
             Err(status) => {
-                tunnel.metrics.stream_error(Segment::FromClient, status.code());
+                tunnel
+                    .metrics
+                    .stream_error(Segment::FromClient, status.code());
                 tracing::debug!(error = %status.message(), "frontend stream ended with error");
                 return;
             }
@@ -78,7 +83,10 @@ async fn serve_client(tunnel: &Arc<Tunnel>, fe: &Arc<Frontend>, mut inbound: Str
             }
             Some(Payload::CloseRequest(c)) => tunnel.close_from_frontend(fe, c.connect_id).await,
             Some(Payload::CloseDial(c)) => tunnel.cancel_from_frontend(fe, c.random).await,
-            _ => tracing::debug!(ty = packet.r#type, "unexpected packet from frontend; ignored"),
+            _ => tracing::debug!(
+                ty = packet.r#type,
+                "unexpected packet from frontend; ignored"
+            ),
         }
     }
 }

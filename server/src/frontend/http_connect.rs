@@ -25,8 +25,12 @@ const HEAD_TIMEOUT: Duration = Duration::from_secs(30);
 const DIAL_BACKSTOP: Duration = Duration::from_secs(30);
 
 /// Serves one HTTP-CONNECT client connection to the end.
-pub async fn serve_connection<S>(tunnel: Arc<Tunnel>, mut sock: S, channel_size: usize, shutdown: CancellationToken)
-where
+pub async fn serve_connection<S>(
+    tunnel: Arc<Tunnel>,
+    mut sock: S,
+    channel_size: usize,
+    shutdown: CancellationToken,
+) where
     S: AsyncRead + AsyncWrite + Unpin,
 {
     let gauge = tunnel.metrics.http_connections.clone();
@@ -37,7 +41,12 @@ where
         Ok(Ok(Head::Connect { address, leftover })) => (address, leftover),
         Ok(Ok(Head::OtherMethod(method))) => {
             tracing::info!(%method, "non-CONNECT request refused");
-            respond(&mut sock, "405 Method Not Allowed", "only CONNECT is supported\n").await;
+            respond(
+                &mut sock,
+                "405 Method Not Allowed",
+                "only CONNECT is supported\n",
+            )
+            .await;
             return;
         }
         Ok(Ok(Head::Malformed(why))) => {
@@ -50,7 +59,12 @@ where
             return;
         }
         Err(_) => {
-            respond(&mut sock, "408 Request Timeout", "request head not received in time\n").await;
+            respond(
+                &mut sock,
+                "408 Request Timeout",
+                "request head not received in time\n",
+            )
+            .await;
             return;
         }
     };
@@ -66,7 +80,12 @@ where
         random,
     };
     if tunnel.dial(&fe, req).await.is_err() {
-        respond(&mut sock, "500 Internal Server Error", "currently no tunnels available\n").await;
+        respond(
+            &mut sock,
+            "500 Internal Server Error",
+            "currently no tunnels available\n",
+        )
+        .await;
         return;
     }
 
@@ -76,20 +95,41 @@ where
         _ = shutdown.cancelled() => Ok(None),
     };
     let connect_id = match first {
-        Ok(Some(Packet { payload: Some(Payload::DialResponse(rsp)), .. })) if rsp.error.is_empty() => rsp.connect_id,
-        Ok(Some(Packet { payload: Some(Payload::DialResponse(rsp)), .. })) => {
+        Ok(Some(Packet {
+            payload: Some(Payload::DialResponse(rsp)),
+            ..
+        })) if rsp.error.is_empty() => rsp.connect_id,
+        Ok(Some(Packet {
+            payload: Some(Payload::DialResponse(rsp)),
+            ..
+        })) => {
             tracing::info!(error = %rsp.error, %address, "dial failed");
-            respond(&mut sock, dial_error_status(&rsp.error), &format!("{}\n", rsp.error)).await;
+            respond(
+                &mut sock,
+                dial_error_status(&rsp.error),
+                &format!("{}\n", rsp.error),
+            )
+            .await;
             return;
         }
         Ok(Some(_)) => {
-            respond(&mut sock, "502 Bad Gateway", "dial cancelled by the agent\n").await;
+            respond(
+                &mut sock,
+                "502 Bad Gateway",
+                "dial cancelled by the agent\n",
+            )
+            .await;
             tunnel.frontend_gone(&fe).await;
             return;
         }
         Ok(None) => {
             tunnel.frontend_gone(&fe).await;
-            respond(&mut sock, "503 Service Unavailable", "server shutting down\n").await;
+            respond(
+                &mut sock,
+                "503 Service Unavailable",
+                "server shutting down\n",
+            )
+            .await;
             return;
         }
         Err(_) => {
@@ -112,14 +152,22 @@ where
         return;
     }
     tracing::debug!(%address, connect_id, agent_id = %backend.agent_id, "tunnel established");
-    if !leftover.is_empty() && backend.tx.send(Packet::data(connect_id, leftover)).await.is_err() {
+    if !leftover.is_empty()
+        && backend
+            .tx
+            .send(Packet::data(connect_id, leftover))
+            .await
+            .is_err()
+    {
         tunnel.frontend_gone(&fe).await;
         return;
     }
     let end = splice(&mut sock, rx, &backend.tx, connect_id, &shutdown).await;
     match end {
         SpliceEnd::RemoteClosed(Some(err)) => tracing::debug!(%err, connect_id, "closed by agent"),
-        SpliceEnd::LocalError(e) => tracing::debug!(error = %e, connect_id, "client connection failed"),
+        SpliceEnd::LocalError(e) => {
+            tracing::debug!(error = %e, connect_id, "client connection failed")
+        }
         _ => {}
     }
     // Closes the connection on the agent unless the agent closed it first.
@@ -131,7 +179,10 @@ pub fn dial_error_status(error: &str) -> &'static str {
     let e = error.to_ascii_lowercase();
     if e.contains("timeout") || e.contains("timed out") {
         "504 Gateway Timeout"
-    } else if e.contains("too many open files") || e.contains("resource") || e.contains("no buffer space") {
+    } else if e.contains("too many open files")
+        || e.contains("resource")
+        || e.contains("no buffer space")
+    {
         "503 Service Unavailable"
     } else {
         "502 Bad Gateway"
@@ -170,7 +221,9 @@ async fn read_head<S: AsyncRead + Unpin>(sock: &mut S) -> std::io::Result<Head> 
             }
             Ok(httparse::Status::Partial) if buf.len() < MAX_HEAD => continue,
             Ok(httparse::Status::Partial) => {
-                return Ok(Head::Malformed(format!("request head larger than {MAX_HEAD} bytes")))
+                return Ok(Head::Malformed(format!(
+                    "request head larger than {MAX_HEAD} bytes"
+                )))
             }
             Err(e) => return Ok(Head::Malformed(format!("malformed request: {e}"))),
         }
@@ -185,9 +238,7 @@ fn valid_authority(target: &str) -> bool {
     let host_ok = if let Some(inner) = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
         inner.parse::<std::net::Ipv6Addr>().is_ok()
     } else {
-        !host.is_empty()
-            && !host.contains(['/', '@', ' ', '[', ']'])
-            && !host.contains(':')
+        !host.is_empty() && !host.contains(['/', '@', ' ', '[', ']']) && !host.contains(':')
     };
     host_ok && port.parse::<u16>().is_ok_and(|p| p != 0)
 }
@@ -231,9 +282,18 @@ mod tests {
 
     #[test]
     fn status_mapping() {
-        assert_eq!(dial_error_status("dial tcp 1.2.3.4:5: i/o timeout"), "504 Gateway Timeout");
-        assert_eq!(dial_error_status("dial timeout: no answer"), "504 Gateway Timeout");
+        assert_eq!(
+            dial_error_status("dial tcp 1.2.3.4:5: i/o timeout"),
+            "504 Gateway Timeout"
+        );
+        assert_eq!(
+            dial_error_status("dial timeout: no answer"),
+            "504 Gateway Timeout"
+        );
         assert_eq!(dial_error_status("connection refused"), "502 Bad Gateway");
-        assert_eq!(dial_error_status("too many open files"), "503 Service Unavailable");
+        assert_eq!(
+            dial_error_status("too many open files"),
+            "503 Service Unavailable"
+        );
     }
 }

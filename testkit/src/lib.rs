@@ -1,0 +1,173 @@
+//! Dev-only test helpers: a throwaway PKI in a temporary directory, real `tether`
+//! server and agent processes (JSON logs parsed for readiness, killed on drop), test
+//! backends on port 0, and `wait_until` with a deadline instead of sleeps.
+
+pub mod backend;
+pub mod process;
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use process::{AgentProc, Proc, ServerProc};
+
+/// A temporary directory removed on drop.
+#[derive(Debug)]
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    /// A fresh directory under the system temp dir.
+    pub fn new(prefix: &str) -> Self {
+        use std::sync::atomic::{AtomicU32, Ordering};
+        static N: AtomicU32 = AtomicU32::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "{prefix}-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("create temp dir");
+        TempDir(dir)
+    }
+
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A throwaway PKI (see [`tether_certs::DevPki`]) that lives as long as this value.
+#[derive(Debug)]
+pub struct Pki {
+    /// The files.
+    pub files: tether_certs::DevPki,
+    dir: TempDir,
+}
+
+impl Pki {
+    /// Generates a new PKI.
+    pub fn new() -> Self {
+        let dir = TempDir::new("tether-pki");
+        let files = tether_certs::DevPki::generate(dir.path()).expect("generate PKI");
+        Pki { files, dir }
+    }
+
+    /// The directory (also a good place for sockets).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// A client TLS config trusting this CA and presenting the frontend client cert.
+    pub fn frontend_client_tls(&self) -> Arc<rustls::ClientConfig> {
+        tether_core::tls::client_config(
+            &self.files.ca_cert,
+            Some((&self.files.frontend_cert, &self.files.frontend_key)),
+            &[tether_core::tls::ALPN_H2],
+        )
+        .expect("client TLS config")
+    }
+}
+
+impl Default for Pki {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Polls `probe` until it returns `Some`, failing the test after `timeout`.
+pub async fn wait_until<T, F, Fut>(what: &str, timeout: Duration, mut probe: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Some(v) = probe().await {
+            return v;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A plain HTTP/1.0 GET; returns (status, body).
+pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await?;
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .await?;
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).await?;
+    let text = String::from_utf8_lossy(&buf).to_string();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    Ok((status, body))
+}
+
+/// Reads one metric sample value (`name{labels} value`) from a Prometheus text page.
+pub fn metric(page: &str, name_with_labels: &str) -> Option<f64> {
+    page.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
+        let (key, value) = l.rsplit_once(' ')?;
+        (key == name_with_labels).then(|| value.parse().ok())?
+    })
+}
+
+/// Opens a TLS connection to `addr` (server name 127.0.0.1) with `tls`.
+pub async fn tls_connect(
+    addr: std::net::SocketAddr,
+    tls: Arc<rustls::ClientConfig>,
+) -> std::io::Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
+    let tcp = tokio::net::TcpStream::connect(addr).await?;
+    let name =
+        rustls_pki_types::ServerName::try_from(addr.ip().to_string()).expect("IP server name");
+    tokio_rustls::TlsConnector::from(tls)
+        .connect(name, tcp)
+        .await
+}
+
+/// Writes `request` and reads the response head (up to the blank line).
+pub async fn request_head<S>(sock: &mut S, request: &[u8]) -> std::io::Result<String>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    sock.write_all(request).await?;
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        if sock.read(&mut byte).await? == 0 {
+            break;
+        }
+        head.push(byte[0]);
+    }
+    Ok(String::from_utf8_lossy(&head).to_string())
+}
+
+impl Pki {
+    /// A client TLS config for the HTTP-CONNECT frontend (ALPN http/1.1).
+    pub fn frontend_http_tls(&self) -> Arc<rustls::ClientConfig> {
+        tether_core::tls::client_config(
+            &self.files.ca_cert,
+            Some((&self.files.frontend_cert, &self.files.frontend_key)),
+            &[tether_core::tls::ALPN_HTTP11],
+        )
+        .expect("client TLS config")
+    }
+}

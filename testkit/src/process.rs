@@ -1,0 +1,314 @@
+//! Real `tether` processes for tests: spawned with `--log-format=json`, their stderr
+//! parsed line by line (readiness is a log event, not a sleep), killed on drop.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// How long a process may take to report readiness.
+pub const START_TIMEOUT: Duration = Duration::from_secs(20);
+
+#[derive(Default)]
+struct Log {
+    lines: Vec<String>,
+    closed: bool,
+}
+
+/// A running process with captured JSON logs.
+pub struct Proc {
+    name: String,
+    child: Child,
+    log: Arc<(Mutex<Log>, Condvar)>,
+}
+
+impl std::fmt::Debug for Proc {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Proc").field("name", &self.name).finish()
+    }
+}
+
+impl Proc {
+    /// Spawns `bin` with `args`; stderr lines are collected.
+    pub fn spawn(name: &str, bin: &Path, args: &[String]) -> Proc {
+        let mut child = Command::new(bin)
+            .args(args)
+            .env_remove("RUST_LOG")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {}: {e}", bin.display()));
+        let stderr = child.stderr.take().unwrap();
+        let log = Arc::new((Mutex::new(Log::default()), Condvar::new()));
+        let sink = log.clone();
+        let label = name.to_string();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                if std::env::var_os("TETHER_TEST_LOGS").is_some() {
+                    eprintln!("[{label}] {line}");
+                }
+                let (lock, cv) = &*sink;
+                lock.lock().unwrap().lines.push(line);
+                cv.notify_all();
+            }
+            let (lock, cv) = &*sink;
+            lock.lock().unwrap().closed = true;
+            cv.notify_all();
+        });
+        Proc {
+            name: name.to_string(),
+            child,
+            log,
+        }
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Every stderr line so far.
+    pub fn lines(&self) -> Vec<String> {
+        self.log.0.lock().unwrap().lines.clone()
+    }
+
+    /// Waits (blocking) for a JSON log event whose `message` equals `message` and for
+    /// which `pred` holds; returns it. Panics with the log on timeout or exit.
+    pub fn wait_event(
+        &self,
+        message: &str,
+        timeout: Duration,
+        pred: impl Fn(&Value) -> bool,
+    ) -> Value {
+        let deadline = Instant::now() + timeout;
+        let (lock, cv) = &*self.log;
+        let mut seen = 0;
+        let mut log = lock.lock().unwrap();
+        loop {
+            for line in &log.lines[seen..] {
+                if let Ok(v) = serde_json::from_str::<Value>(line) {
+                    if v["message"] == message && pred(&v) {
+                        return v;
+                    }
+                }
+            }
+            seen = log.lines.len();
+            let now = Instant::now();
+            if log.closed || now >= deadline {
+                panic!(
+                    "{}: no {message:?} log event within {timeout:?} (exited: {}); log:\n{}",
+                    self.name,
+                    log.closed,
+                    log.lines.join("\n")
+                );
+            }
+            log = cv.wait_timeout(log, deadline - now).unwrap().0;
+        }
+    }
+
+    /// Does any log line so far contain `needle`?
+    pub fn logged(&self, needle: &str) -> bool {
+        self.log
+            .0
+            .lock()
+            .unwrap()
+            .lines
+            .iter()
+            .any(|l| l.contains(needle))
+    }
+
+    /// Sends SIGTERM (or another signal name, e.g. "INT").
+    pub fn signal(&self, sig: &str) {
+        let status = Command::new("kill")
+            .arg(format!("-{sig}"))
+            .arg(self.child.id().to_string())
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -{sig} {}", self.child.id());
+    }
+
+    /// Kills the process at once (SIGKILL) and reaps it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Waits for the process to exit; None on timeout.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn addr(v: &Value, key: &str) -> Option<SocketAddr> {
+    v[key].as_str().and_then(|s| s.parse().ok())
+}
+
+/// A `tether server` process and the addresses it bound.
+#[derive(Debug)]
+pub struct ServerProc {
+    /// The process.
+    pub proc: Proc,
+    /// Agent listener.
+    pub agent: SocketAddr,
+    /// Frontend: a TCP address or a socket path.
+    pub frontend: String,
+    /// Health endpoint.
+    pub health: SocketAddr,
+    /// Admin endpoint.
+    pub admin: SocketAddr,
+}
+
+impl ServerProc {
+    /// Starts `tether server` with `args` (plus port-0 health/admin/agent ports unless
+    /// given, and JSON logs) and waits for its "server listening" event.
+    pub fn start(bin: &Path, args: &[String]) -> ServerProc {
+        let mut all: Vec<String> = vec!["server".into(), "--log-format=json".into()];
+        for (flag, default) in [
+            ("--agent-port", "0"),
+            ("--health-port", "0"),
+            ("--admin-port", "0"),
+            ("--health-bind-address", "127.0.0.1"),
+            ("--agent-bind-address", "127.0.0.1"),
+        ] {
+            if !args.iter().any(|a| a.starts_with(&format!("{flag}="))) {
+                all.push(format!("{flag}={default}"));
+            }
+        }
+        all.extend(args.iter().cloned());
+        let proc = Proc::spawn("server", bin, &all);
+        let ev = proc.wait_event("server listening", START_TIMEOUT, |_| true);
+        ServerProc {
+            agent: addr(&ev, "agent").expect("agent address"),
+            frontend: ev["frontend"].as_str().unwrap_or_default().to_string(),
+            health: addr(&ev, "health").expect("health address"),
+            admin: addr(&ev, "admin").expect("admin address"),
+            proc,
+        }
+    }
+
+    /// Waits until `n` agent streams are connected (per /readyz detail and metrics).
+    pub async fn wait_agents(&self, n: usize) {
+        let health = self.health;
+        crate::wait_until(
+            &format!("{n} agent(s) connected"),
+            START_TIMEOUT,
+            || async move {
+                let (_, page) = crate::http_get(health, "/metrics").await.ok()?;
+                let ready =
+                    crate::metric(&page, "konnectivity_network_proxy_server_ready_backends")?;
+                (ready as usize == n).then_some(())
+            },
+        )
+        .await
+    }
+
+    /// The server's /metrics page.
+    pub async fn metrics(&self) -> String {
+        crate::http_get(self.health, "/metrics")
+            .await
+            .expect("GET /metrics")
+            .1
+    }
+}
+
+/// A `tether agent` process.
+#[derive(Debug)]
+pub struct AgentProc {
+    /// The process.
+    pub proc: Proc,
+    /// Health endpoint.
+    pub health: SocketAddr,
+}
+
+impl AgentProc {
+    /// Starts `tether agent` against `server` with the PKI's agent certificate, plus
+    /// `args`, and waits for its "agent starting" event.
+    pub fn start(bin: &Path, pki: &crate::Pki, server: SocketAddr, args: &[String]) -> AgentProc {
+        let f = &pki.files;
+        let mut all: Vec<String> = vec!["agent".into(), "--log-format=json".into()];
+        for (flag, default) in [
+            ("--proxy-server-host", server.ip().to_string()),
+            ("--proxy-server-port", server.port().to_string()),
+            ("--ca-cert", f.ca_cert.display().to_string()),
+            ("--agent-cert", f.agent_cert.display().to_string()),
+            ("--agent-key", f.agent_key.display().to_string()),
+            ("--health-server-host", "127.0.0.1".into()),
+            ("--health-server-port", "0".into()),
+            ("--admin-server-port", "0".into()),
+            ("--sync-interval", "100ms".into()),
+            ("--sync-interval-cap", "1s".into()),
+        ] {
+            if !args.iter().any(|a| a.starts_with(&format!("{flag}="))) {
+                all.push(format!("{flag}={default}"));
+            }
+        }
+        all.extend(args.iter().cloned());
+        let proc = Proc::spawn("agent", bin, &all);
+        let ev = proc.wait_event("agent starting", START_TIMEOUT, |_| true);
+        AgentProc {
+            health: addr(&ev, "health").expect("health address"),
+            proc,
+        }
+    }
+
+    /// The agent's /metrics page.
+    pub async fn metrics(&self) -> String {
+        crate::http_get(self.health, "/metrics")
+            .await
+            .expect("GET /metrics")
+            .1
+    }
+}
+
+/// Common server arguments for a frontend on a Unix socket at `socket`.
+pub fn uds_frontend_args(pki: &crate::Pki, mode: &str, socket: &Path) -> Vec<String> {
+    let f = &pki.files;
+    vec![
+        format!("--mode={mode}"),
+        format!("--uds-name={}", socket.display()),
+        "--server-port=0".into(),
+        format!("--cluster-cert={}", f.server_cert.display()),
+        format!("--cluster-key={}", f.server_key.display()),
+        format!("--cluster-ca-cert={}", f.ca_cert.display()),
+    ]
+}
+
+/// Common server arguments for an mTLS TCP frontend on 127.0.0.1 (port 0).
+pub fn tcp_frontend_args(pki: &crate::Pki, mode: &str) -> Vec<String> {
+    let f = &pki.files;
+    vec![
+        format!("--mode={mode}"),
+        "--server-port=0".into(),
+        "--server-bind-address=127.0.0.1".into(),
+        format!("--server-cert={}", f.server_cert.display()),
+        format!("--server-key={}", f.server_key.display()),
+        format!("--server-ca-cert={}", f.ca_cert.display()),
+        format!("--cluster-ca-cert={}", f.ca_cert.display()),
+    ]
+}
+
+/// A socket path inside `dir`.
+pub fn socket_path(dir: &Path) -> PathBuf {
+    dir.join("konnectivity.sock")
+}

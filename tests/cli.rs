@@ -1,0 +1,155 @@
+//! Start-up validation: bad flags and bad files fail with one line saying what to fix;
+//! upstream manifest flags are accepted.
+
+use std::process::Command;
+
+use tether_testkit::Pki;
+
+const BIN: &str = env!("CARGO_BIN_EXE_tether");
+
+fn run(args: &[&str]) -> (bool, String) {
+    let out = Command::new(BIN).args(args).output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    )
+}
+
+fn error_line(stderr: &str) -> &str {
+    let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error")).collect();
+    assert_eq!(errors.len(), 1, "expected one error line in:\n{stderr}");
+    errors[0]
+}
+
+#[test]
+fn bad_flags_fail_with_one_clear_line() {
+    let (ok, err) = run(&["server", "--no-such-flag"]);
+    assert!(!ok);
+    assert!(error_line(&err).contains("--no-such-flag"), "{err}");
+
+    let (ok, err) = run(&["server", "--mode=tcp"]);
+    assert!(!ok);
+    assert!(err.contains("use grpc or http-connect"), "{err}");
+
+    let (ok, err) = run(&[
+        "server",
+        "--agent-namespace=kube-system",
+        "--uds-name=/tmp/x.sock",
+        "--server-port=0",
+    ]);
+    assert!(!ok);
+    assert!(
+        error_line(&err).contains("--agent-namespace is an upstream flag"),
+        "{err}"
+    );
+
+    let (ok, err) = run(&["server", "--uds-name=/tmp/x.sock"]);
+    assert!(!ok);
+    assert!(
+        error_line(&err).contains("--server-port must be 0"),
+        "{err}"
+    );
+
+    let (ok, err) = run(&["server", "--server-port=0"]);
+    assert!(!ok);
+    assert!(error_line(&err).contains("--server-ca-cert"), "{err}");
+
+    let (ok, err) = run(&[
+        "server",
+        "--backend-dial-timeout=5",
+        "--uds-name=/tmp/x.sock",
+        "--server-port=0",
+    ]);
+    assert!(!ok);
+    assert!(err.contains("lacks a unit"), "{err}");
+
+    let (ok, err) = run(&["server", "--proxy-strategies=destHost,nearest"]);
+    assert!(!ok);
+    assert!(err.contains("unknown proxy strategy \"nearest\""), "{err}");
+
+    let (ok, err) = run(&["agent", "--agent-identifiers=ipv4=not-an-ip"]);
+    assert!(!ok);
+    assert!(error_line(&err).contains("ipv4"), "{err}");
+}
+
+#[test]
+fn bad_certificates_name_the_file() {
+    let pki = Pki::new();
+    let f = &pki.files;
+    let socket = pki.dir().join("s.sock");
+    let missing = pki.dir().join("missing.crt");
+    let (ok, err) = run(&[
+        "server",
+        "--health-port=0",
+        "--admin-port=0",
+        "--agent-port=0",
+        "--server-port=0",
+        &format!("--uds-name={}", socket.display()),
+        &format!("--cluster-cert={}", missing.display()),
+        &format!("--cluster-key={}", f.server_key.display()),
+    ]);
+    assert!(!ok);
+    let line = error_line(&err);
+    assert!(
+        line.contains("missing.crt") && line.contains("cannot read"),
+        "{line}"
+    );
+
+    // A key that does not belong to the certificate.
+    let (ok, err) = run(&[
+        "server",
+        "--health-port=0",
+        "--admin-port=0",
+        "--agent-port=0",
+        "--server-port=0",
+        &format!("--uds-name={}", socket.display()),
+        &format!("--cluster-cert={}", f.server_cert.display()),
+        &format!("--cluster-key={}", f.agent_key.display()),
+    ]);
+    assert!(!ok);
+    let line = error_line(&err);
+    assert!(
+        line.contains("server.crt") && line.contains("agent.key"),
+        "{line}"
+    );
+
+    // A certificate file that holds no certificate.
+    let (ok, err) = run(&["agent", &format!("--ca-cert={}", f.server_key.display())]);
+    assert!(!ok);
+    assert!(error_line(&err).contains("holds no CERTIFICATE"), "{err}");
+}
+
+#[test]
+fn upstream_manifest_flags_are_accepted() {
+    let pki = Pki::new();
+    let f = &pki.files;
+    let socket = pki.dir().join("s.sock");
+    let args: Vec<String> = vec![
+        "server".into(),
+        "--log-format=json".into(),
+        "--logtostderr=true".into(),
+        "--alsologtostderr".into(),
+        "--v=4".into(),
+        "--delete-existing-uds-file".into(),
+        "--mode=grpc".into(),
+        "--server-port=0".into(),
+        "--agent-port=0".into(),
+        "--admin-port=0".into(),
+        "--health-port=0".into(),
+        format!("--uds-name={}", socket.display()),
+        format!("--cluster-cert={}", f.server_cert.display()),
+        format!("--cluster-key={}", f.server_key.display()),
+        "--keepalive-time=1h".into(),
+        "--frontend-keepalive-time=1h".into(),
+        "--proxy-strategies=destHost,default".into(),
+        "--server-count=1".into(),
+        "--lease-namespace=kube-system".into(),
+    ];
+    let proc = tether_testkit::Proc::spawn("server", std::path::Path::new(BIN), &args);
+    proc.wait_event(
+        "server listening",
+        std::time::Duration::from_secs(20),
+        |_| true,
+    );
+    assert!(proc.logged("accepted for klog compatibility"));
+}

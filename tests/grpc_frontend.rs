@@ -1,0 +1,237 @@
+//! gRPC frontend over a Unix socket with the Rust konnectivity client: bulk transfer
+//! with checksums, many concurrent connections, protocol errors that must not kill the
+//! stream, dial errors that reach only their caller.
+
+use std::path::Path;
+use std::time::Duration;
+
+use futures::future::join_all;
+use tether_client::{Client, ClientError};
+use tether_proto::{packet::Payload, Packet};
+use tether_testkit::backend::{self, Fnv, Pattern};
+use tether_testkit::process::{socket_path, uds_frontend_args};
+use tether_testkit::{metric, wait_until, AgentProc, Pki, ServerProc};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const BIN: &str = env!("CARGO_BIN_EXE_tether");
+
+fn bin() -> &'static Path {
+    Path::new(BIN)
+}
+
+struct Setup {
+    pki: Pki,
+    server: ServerProc,
+    _agent: AgentProc,
+}
+
+async fn setup(extra_server: &[&str]) -> Setup {
+    let pki = Pki::new();
+    let mut args = uds_frontend_args(&pki, "grpc", &socket_path(pki.dir()));
+    args.extend(extra_server.iter().map(|s| s.to_string()));
+    let server = ServerProc::start(bin(), &args);
+    let agent = AgentProc::start(bin(), &pki, server.agent, &[]);
+    server.wait_agents(1).await;
+    Setup {
+        pki,
+        server,
+        _agent: agent,
+    }
+}
+
+fn pattern_hash(seed: u64, n: u64) -> u64 {
+    let mut gen = Pattern::new(seed);
+    let mut sum = Fnv::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut left = n;
+    while left > 0 {
+        let k = left.min(buf.len() as u64) as usize;
+        gen.fill(&mut buf[..k]);
+        sum.update(&buf[..k]);
+        left -= k as u64;
+    }
+    sum.value()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sixty_four_mib_each_way_with_checksums() {
+    let s = setup(&[]).await;
+    let bulk = backend::bulk().await;
+    let client = Client::uds(socket_path(s.pki.dir())).await.unwrap();
+    let conn = client.dial(&bulk.addr.to_string()).await.unwrap();
+    const N: u64 = 64 << 20;
+    let (down_seed, up_seed) = (0x5eed_0001u64, 0x5eed_0002u64);
+    let (mut rd, mut wr) = tokio::io::split(conn);
+
+    let upload = tokio::spawn(async move {
+        let mut head = [0u8; 16];
+        head[..8].copy_from_slice(&down_seed.to_le_bytes());
+        head[8..].copy_from_slice(&N.to_le_bytes());
+        wr.write_all(&head).await.unwrap();
+        let mut gen = Pattern::new(up_seed);
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut left = N;
+        while left > 0 {
+            let k = left.min(buf.len() as u64) as usize;
+            gen.fill(&mut buf[..k]);
+            wr.write_all(&buf[..k]).await.unwrap();
+            left -= k as u64;
+        }
+        wr
+    });
+    let mut sum = Fnv::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut left = N;
+    while left > 0 {
+        let k = left.min(buf.len() as u64) as usize;
+        let got = rd.read(&mut buf[..k]).await.unwrap();
+        assert!(got > 0, "tunnel closed with {left} bytes still to come");
+        sum.update(&buf[..got]);
+        left -= got as u64;
+    }
+    let mut remote_sum = [0u8; 8];
+    rd.read_exact(&mut remote_sum).await.unwrap();
+    let _wr = upload.await.unwrap();
+    assert_eq!(
+        sum.value(),
+        pattern_hash(down_seed, N),
+        "download corrupted"
+    );
+    assert_eq!(
+        u64::from_le_bytes(remote_sum),
+        pattern_hash(up_seed, N),
+        "upload corrupted"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn five_hundred_concurrent_connections() {
+    let s = setup(&["--xfr-channel-size=64"]).await;
+    let echo = backend::echo().await;
+    let client = Client::uds(socket_path(s.pki.dir())).await.unwrap();
+    let target = echo.addr.to_string();
+    let conns: Vec<_> = join_all((0..500).map(|_| client.dial(&target)))
+        .await
+        .into_iter()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    let page = s.server.metrics().await;
+    assert_eq!(
+        metric(
+            &page,
+            "konnectivity_network_proxy_server_established_connections"
+        ),
+        Some(500.0)
+    );
+    let results = join_all(conns.into_iter().enumerate().map(|(i, mut c)| async move {
+        let msg = format!("connection {i} says hello");
+        c.write_all(msg.as_bytes()).await.unwrap();
+        let mut buf = vec![0u8; msg.len()];
+        c.read_exact(&mut buf).await.unwrap();
+        assert_eq!(buf, msg.as_bytes());
+        c
+    }))
+    .await;
+    drop(results);
+    let server = &s.server;
+    wait_until(
+        "all connections closed",
+        Duration::from_secs(20),
+        || async {
+            let page = server.metrics().await;
+            (metric(
+                &page,
+                "konnectivity_network_proxy_server_established_connections",
+            ) == Some(0.0))
+            .then_some(())
+        },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn unknown_connect_id_gets_close_rsp_and_stream_survives() {
+    let s = setup(&[]).await;
+    let echo = backend::echo().await;
+    let client = Client::uds(socket_path(s.pki.dir())).await.unwrap();
+    let (tx, mut rx) = client.open_stream().await.unwrap();
+
+    tx.send(Packet::data(424242, &b"nobody home"[..]))
+        .await
+        .unwrap();
+    let p = rx.message().await.unwrap().unwrap();
+    match p.payload {
+        Some(Payload::CloseResponse(c)) => {
+            assert_eq!(c.connect_id, 424242);
+            assert!(c.error.contains("unknown connectID"), "{}", c.error);
+        }
+        other => panic!("expected CLOSE_RSP, got {other:?}"),
+    }
+    tx.send(Packet::close_request(777)).await.unwrap();
+    let p = rx.message().await.unwrap().unwrap();
+    assert!(
+        matches!(p.payload, Some(Payload::CloseResponse(ref c)) if c.connect_id == 777 && !c.error.is_empty())
+    );
+
+    // The same stream still dials and carries data.
+    tx.send(Packet::dial_request("tcp", &echo.addr.to_string(), 99))
+        .await
+        .unwrap();
+    let p = rx.message().await.unwrap().unwrap();
+    let connect_id = match p.payload {
+        Some(Payload::DialResponse(r)) => {
+            assert_eq!(r.random, 99);
+            assert!(r.error.is_empty(), "{}", r.error);
+            r.connect_id
+        }
+        other => panic!("expected DIAL_RSP, got {other:?}"),
+    };
+    tx.send(Packet::data(connect_id, &b"ping"[..]))
+        .await
+        .unwrap();
+    let p = rx.message().await.unwrap().unwrap();
+    match p.payload {
+        Some(Payload::Data(d)) => assert_eq!(&d.data[..], b"ping"),
+        other => panic!("expected DATA, got {other:?}"),
+    }
+    tx.send(Packet::close_request(connect_id)).await.unwrap();
+    let p = rx.message().await.unwrap().unwrap();
+    assert!(
+        matches!(p.payload, Some(Payload::CloseResponse(ref c)) if c.connect_id == connect_id && c.error.is_empty())
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dial_errors_reach_only_their_caller() {
+    let s = setup(&[]).await;
+    let echo = backend::echo().await;
+    let client = Client::uds(socket_path(s.pki.dir())).await.unwrap();
+    let mut ok = client.dial(&echo.addr.to_string()).await.unwrap();
+
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let refused = closed.local_addr().unwrap().to_string();
+    drop(closed);
+    match client.dial(&refused).await {
+        Err(ClientError::Dial { error, .. }) => assert!(error.contains("refused"), "{error}"),
+        Err(e) => panic!("unexpected error {e}"),
+        Ok(_) => panic!("dial to a closed port succeeded"),
+    }
+    // An address the agent cannot even parse (no port; nothing is looked up).
+    assert!(matches!(
+        client.dial("not-an-address").await,
+        Err(ClientError::Dial { .. })
+    ));
+
+    ok.write_all(b"unaffected").await.unwrap();
+    let mut buf = [0u8; 10];
+    ok.read_exact(&mut buf).await.unwrap();
+    assert_eq!(&buf, b"unaffected");
+    let page = s.server.metrics().await;
+    assert_eq!(
+        metric(
+            &page,
+            "konnectivity_network_proxy_server_dial_failure_count{reason=\"error_response\"}"
+        ),
+        Some(2.0)
+    );
+}

@@ -1,0 +1,351 @@
+//! Failures and lifecycle: agents killed mid-transfer, servers restarted, garbage and
+//! foreign certificates on the agent port, draining agents, destHost routing, health.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use tether_client::Client;
+use tether_testkit::backend::{self, Blackhole};
+use tether_testkit::process::{socket_path, uds_frontend_args};
+use tether_testkit::{http_get, metric, wait_until, AgentProc, Pki, ServerProc};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const BIN: &str = env!("CARGO_BIN_EXE_tether");
+
+fn bin() -> &'static Path {
+    Path::new(BIN)
+}
+
+fn grpc_server(pki: &Pki, extra: &[&str]) -> ServerProc {
+    let mut args = uds_frontend_args(pki, "grpc", &socket_path(pki.dir()));
+    args.extend(extra.iter().map(|s| s.to_string()));
+    ServerProc::start(bin(), &args)
+}
+
+async fn dial_count(agent: &AgentProc) -> f64 {
+    metric(
+        &agent.metrics().await,
+        "konnectivity_network_proxy_agent_dial_duration_seconds_count",
+    )
+    .unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn agent_killed_mid_transfer_closes_connections_and_fails_pending_dial_fast() {
+    let pki = Pki::new();
+    let server = grpc_server(&pki, &[]);
+    let mut agent = AgentProc::start(bin(), &pki, server.agent, &["--dial-timeout=60s".into()]);
+    server.wait_agents(1).await;
+    let echo = backend::echo().await;
+    let client = Client::uds(socket_path(pki.dir())).await.unwrap();
+
+    let mut conns = Vec::new();
+    for _ in 0..3 {
+        let mut c = client.dial(&echo.addr.to_string()).await.unwrap();
+        c.write_all(b"x").await.unwrap();
+        let mut b = [0u8; 1];
+        c.read_exact(&mut b).await.unwrap();
+        conns.push(c);
+    }
+    // A dial the agent cannot complete: its connect hangs.
+    let hole = Blackhole::new();
+    let pending_client = client.clone();
+    let target = hole.addr.to_string();
+    let pending = tokio::spawn(async move {
+        let r = pending_client.dial(&target).await;
+        (r.map(|_| ()), Instant::now())
+    });
+    let server_ref = &server;
+    wait_until(
+        "the dial to be pending",
+        Duration::from_secs(10),
+        || async move {
+            let page = server_ref.metrics().await;
+            (metric(
+                &page,
+                "konnectivity_network_proxy_server_pending_backend_dials",
+            ) == Some(1.0))
+            .then_some(())
+        },
+    )
+    .await;
+    // Keep bytes flowing on one connection while the agent dies.
+    let mut busy = conns.pop().unwrap();
+    let writer = tokio::spawn(async move {
+        let chunk = vec![7u8; 16 * 1024];
+        let mut read = vec![0u8; 16 * 1024];
+        loop {
+            if busy.write_all(&chunk).await.is_err() {
+                return;
+            }
+            match busy.read(&mut read).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    });
+
+    let killed = Instant::now();
+    agent.proc.kill();
+    let (result, failed_at) = pending.await.unwrap();
+    let err = result.expect_err("pending dial must fail");
+    assert!(
+        failed_at - killed < Duration::from_secs(1),
+        "pending dial failed after {:?}",
+        failed_at - killed
+    );
+    assert!(err.to_string().contains("disconnected"), "{err}");
+    for mut c in conns {
+        let mut b = [0u8; 1];
+        let n = tokio::time::timeout(Duration::from_secs(1), c.read(&mut b)).await;
+        assert!(
+            matches!(n, Ok(Ok(0)) | Ok(Err(_))),
+            "connection not closed: {n:?}"
+        );
+    }
+    tokio::time::timeout(Duration::from_secs(2), writer)
+        .await
+        .expect("busy connection closed")
+        .unwrap();
+    let page = server.metrics().await;
+    assert_eq!(
+        metric(
+            &page,
+            "konnectivity_network_proxy_server_established_connections"
+        ),
+        Some(0.0)
+    );
+    assert_eq!(
+        metric(&page, "konnectivity_network_proxy_server_ready_backends"),
+        Some(0.0)
+    );
+    assert_eq!(
+        metric(
+            &page,
+            "konnectivity_network_proxy_server_dial_failure_count{reason=\"backend_close\"}"
+        ),
+        Some(1.0)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn agent_reconnects_after_server_restart() {
+    let pki = Pki::new();
+    let echo = backend::echo().await;
+    let mut server = grpc_server(&pki, &[]);
+    let agent = AgentProc::start(bin(), &pki, server.agent, &[]);
+    server.wait_agents(1).await;
+    let roundtrip = |pki: &Pki| {
+        let socket = socket_path(pki.dir());
+        let target = echo.addr.to_string();
+        async move {
+            let client = Client::uds(socket).await.unwrap();
+            let mut c = client.dial(&target).await.unwrap();
+            c.write_all(b"hi").await.unwrap();
+            let mut b = [0u8; 2];
+            c.read_exact(&mut b).await.unwrap();
+            assert_eq!(&b, b"hi");
+        }
+    };
+    roundtrip(&pki).await;
+
+    let agent_port = server.agent.port();
+    server.proc.signal("TERM");
+    assert!(
+        server.proc.wait_exit(Duration::from_secs(10)).is_some(),
+        "server did not exit on SIGTERM"
+    );
+    let agent_ref = &agent;
+    wait_until("agent to notice", Duration::from_secs(10), || async move {
+        (http_get(agent_ref.health, "/readyz").await.ok()?.0 == 503).then_some(())
+    })
+    .await;
+
+    let server = grpc_server(&pki, &[&format!("--agent-port={agent_port}")]);
+    server.wait_agents(1).await;
+    roundtrip(&pki).await;
+    assert_eq!(http_get(agent.health, "/readyz").await.unwrap().0, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn garbage_and_foreign_certificates_on_the_agent_port() {
+    let pki = Pki::new();
+    let server = grpc_server(&pki, &[]);
+
+    // Plain garbage: the connection is dropped, the server lives on.
+    let mut s = tokio::net::TcpStream::connect(server.agent).await.unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\n\r\n\x00\x01\x02 not TLS at all")
+        .await
+        .unwrap();
+    let mut buf = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut buf))
+        .await
+        .expect("server closed it");
+
+    // An agent whose certificate comes from another CA is refused.
+    let other = Pki::new();
+    let f = &other.files;
+    let foreign = AgentProc::start(
+        bin(),
+        &pki,
+        server.agent,
+        &[
+            format!("--agent-cert={}", f.agent_cert.display()),
+            format!("--agent-key={}", f.agent_key.display()),
+        ],
+    );
+    foreign.proc.wait_event(
+        "proxy server stream down; reconnecting",
+        Duration::from_secs(10),
+        |_| true,
+    );
+    let page = server.metrics().await;
+    assert_eq!(
+        metric(&page, "konnectivity_network_proxy_server_ready_backends"),
+        Some(0.0)
+    );
+    assert!(server.proc.logged("TLS handshake failed"));
+
+    // A proper agent still gets in and works.
+    let _agent = AgentProc::start(bin(), &pki, server.agent, &[]);
+    server.wait_agents(1).await;
+    let echo = backend::echo().await;
+    let client = Client::uds(socket_path(pki.dir())).await.unwrap();
+    let mut c = client.dial(&echo.addr.to_string()).await.unwrap();
+    c.write_all(b"ok").await.unwrap();
+    let mut b = [0u8; 2];
+    c.read_exact(&mut b).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn draining_agent_is_last_choice_and_exits_when_idle() {
+    let pki = Pki::new();
+    let server = grpc_server(&pki, &[]);
+    let mut a = AgentProc::start(bin(), &pki, server.agent, &["--agent-id=a".into()]);
+    let b = AgentProc::start(bin(), &pki, server.agent, &["--agent-id=b".into()]);
+    server.wait_agents(2).await;
+    let echo = backend::echo().await;
+    let client = Client::uds(socket_path(pki.dir())).await.unwrap();
+
+    // Hold a connection through agent a so it stays up while draining.
+    let mut held = None;
+    for _ in 0..200 {
+        let before = dial_count(&a).await;
+        let c = client.dial(&echo.addr.to_string()).await.unwrap();
+        if dial_count(&a).await > before {
+            held = Some(c);
+            break;
+        }
+    }
+    let mut held = held.expect("no dial landed on agent a");
+
+    a.proc.signal("TERM");
+    server.proc.wait_event(
+        "agent is draining; it is now last choice for new dials",
+        Duration::from_secs(10),
+        |_| true,
+    );
+    let (a_before, b_before) = (dial_count(&a).await, dial_count(&b).await);
+    for _ in 0..20 {
+        let mut c = client.dial(&echo.addr.to_string()).await.unwrap();
+        c.write_all(b"z").await.unwrap();
+        let mut x = [0u8; 1];
+        c.read_exact(&mut x).await.unwrap();
+    }
+    assert_eq!(
+        dial_count(&a).await,
+        a_before,
+        "a draining agent took new dials"
+    );
+    assert_eq!(dial_count(&b).await, b_before + 20.0);
+
+    // The held connection keeps working, and closing it lets agent a exit.
+    held.write_all(b"q").await.unwrap();
+    let mut x = [0u8; 1];
+    held.read_exact(&mut x).await.unwrap();
+    assert!(
+        a.proc.wait_exit(Duration::from_millis(500)).is_none(),
+        "agent exited with a connection open"
+    );
+    drop(held);
+    let status = a
+        .proc
+        .wait_exit(Duration::from_secs(10))
+        .expect("drained agent exits");
+    assert!(status.success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dest_host_routes_each_request_to_its_node() {
+    let pki = Pki::new();
+    let server = grpc_server(&pki, &["--proxy-strategies=destHost,default"]);
+    let node2 = AgentProc::start(
+        bin(),
+        &pki,
+        server.agent,
+        &["--agent-identifiers=ipv4=127.0.0.2&host=node-2".into()],
+    );
+    let node3 = AgentProc::start(
+        bin(),
+        &pki,
+        server.agent,
+        &["--agent-identifiers=ipv4=127.0.0.3&host=node-3".into()],
+    );
+    server.wait_agents(2).await;
+    let web2 = backend::http_on("127.0.0.2", "node 2\n").await;
+    let web3 = backend::http_on("127.0.0.3", "node 3\n").await;
+    let client = Client::uds(socket_path(pki.dir())).await.unwrap();
+    for _ in 0..10 {
+        for (web, body) in [(&web2, "node 2\n"), (&web3, "node 3\n")] {
+            let mut c = client.dial(&web.addr.to_string()).await.unwrap();
+            c.write_all(b"GET / HTTP/1.0\r\n\r\n").await.unwrap();
+            let mut resp = String::new();
+            c.read_to_string(&mut resp).await.unwrap();
+            assert!(resp.ends_with(body), "{resp}");
+        }
+    }
+    assert_eq!(dial_count(&node2).await, 10.0);
+    assert_eq!(dial_count(&node3).await, 10.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn health_readiness_and_metrics() {
+    let pki = Pki::new();
+    let server = grpc_server(&pki, &[]);
+    assert_eq!(http_get(server.health, "/healthz").await.unwrap().0, 200);
+    assert_eq!(http_get(server.health, "/readyz").await.unwrap().0, 500);
+    let agent = AgentProc::start(bin(), &pki, server.agent, &[]);
+    server.wait_agents(1).await;
+    assert_eq!(http_get(server.health, "/readyz").await.unwrap().0, 200);
+    let agent_ref = &agent;
+    wait_until("agent ready", Duration::from_secs(10), || async move {
+        (http_get(agent_ref.health, "/readyz").await.ok()?.0 == 200).then_some(())
+    })
+    .await;
+    let (code, body) = http_get(agent.health, "/readyz?verbose").await.unwrap();
+    assert_eq!(code, 200);
+    assert!(body.contains("1 proxy server stream"), "{body}");
+    let page = server.metrics().await;
+    for name in [
+        "konnectivity_network_proxy_server_ready_backends",
+        "konnectivity_network_proxy_server_established_connections",
+        "konnectivity_network_proxy_server_pending_backend_dials",
+        "konnectivity_network_proxy_server_dial_duration_seconds",
+        "konnectivity_network_proxy_server_dial_failure_count",
+        "konnectivity_network_proxy_server_grpc_connections",
+        "konnectivity_network_proxy_server_stream_packets_total",
+    ] {
+        assert!(page.contains(name), "missing {name}");
+    }
+    let page = agent.metrics().await;
+    for name in [
+        "konnectivity_network_proxy_agent_open_server_connections 1",
+        "konnectivity_network_proxy_agent_known_server_count 1",
+        "konnectivity_network_proxy_agent_open_endpoint_connections 0",
+    ] {
+        assert!(page.contains(name), "missing {name}");
+    }
+    let (code, _) = http_get(server.admin, "/metrics").await.unwrap();
+    assert_eq!(code, 200);
+    assert!(server.admin.ip().is_loopback());
+}
