@@ -235,3 +235,68 @@ async fn dial_errors_reach_only_their_caller() {
         Some(2.0)
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn grpc_over_mtls_tcp() {
+    let pki = Pki::new();
+    let server = ServerProc::start(bin(), &tether_testkit::process::tcp_frontend_args(&pki, "grpc"));
+    let _agent = AgentProc::start(bin(), &pki, server.agent, &[]);
+    server.wait_agents(1).await;
+    let echo = backend::echo().await;
+    let addr: std::net::SocketAddr = server.frontend.parse().unwrap();
+    let client = Client::tls("127.0.0.1", addr.port(), pki.frontend_client_tls()).await.unwrap();
+    let mut c = client.dial(&echo.addr.to_string()).await.unwrap();
+    c.write_all(b"over tls").await.unwrap();
+    let mut buf = [0u8; 8];
+    c.read_exact(&mut buf).await.unwrap();
+    assert_eq!(&buf, b"over tls");
+
+    // A client with a certificate from another CA never gets a stream.
+    let other = Pki::new();
+    let foreign = tether_core::tls::client_config(
+        &pki.files.ca_cert,
+        Some((&other.files.frontend_cert, &other.files.frontend_key)),
+        &[tether_core::tls::ALPN_H2],
+    )
+    .unwrap();
+    let refused = match Client::tls("127.0.0.1", addr.port(), foreign).await {
+        Err(_) => true,
+        Ok(c) => c.dial(&echo.addr.to_string()).await.is_err(),
+    };
+    assert!(refused, "a foreign client certificate was accepted");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn graceful_shutdown_lets_established_tunnels_finish() {
+    let mut s = setup(&["--graceful-shutdown-timeout=20s"]).await;
+    let echo = backend::echo().await;
+    let socket = socket_path(s.pki.dir());
+    let client = Client::uds(&socket).await.unwrap();
+    let mut c = client.dial(&echo.addr.to_string()).await.unwrap();
+    c.write_all(b"1").await.unwrap();
+    let mut b = [0u8; 1];
+    c.read_exact(&mut b).await.unwrap();
+
+    s.server.proc.signal("TERM");
+    s.server
+        .proc
+        .wait_event("shutting down: no new frontend connections", Duration::from_secs(10), |_| true);
+    // New frontend connections are refused (the socket is gone)...
+    let sock = socket.clone();
+    wait_until("frontend socket removed", Duration::from_secs(10), || {
+        let sock = sock.clone();
+        async move { (!sock.exists()).then_some(()) }
+    })
+    .await;
+    assert!(Client::uds(&socket).await.is_err());
+    // ...while the established tunnel still carries bytes.
+    c.write_all(b"2").await.unwrap();
+    c.read_exact(&mut b).await.unwrap();
+    assert_eq!(&b, b"2");
+    assert!(s.server.proc.wait_exit(Duration::from_millis(300)).is_none());
+    // Closing it lets the server finish well before the 20s timeout.
+    drop(c);
+    let started = std::time::Instant::now();
+    s.server.proc.wait_exit(Duration::from_secs(10)).expect("server exits once idle");
+    assert!(started.elapsed() < Duration::from_secs(10));
+}

@@ -196,7 +196,7 @@ async fn http_connect_over_uds_and_dial_timeout() {
     let mut args = uds_frontend_args(&pki, "http-connect", &socket);
     args.push("--backend-dial-timeout=500ms".into());
     let server = ServerProc::start(bin(), &args);
-    let _agent = AgentProc::start(bin(), &pki, server.agent, &["--dial-timeout=30s".into()]);
+    let agent = AgentProc::start(bin(), &pki, server.agent, &["--dial-timeout=30s".into()]);
     server.wait_agents(1).await;
 
     let mut s = tokio::net::UnixStream::connect(&socket).await.unwrap();
@@ -232,4 +232,6 @@ async fn http_connect_over_uds_and_dial_timeout() {
         ),
         Some(1.0)
     );
+    // The server sent DIAL_CLS and the agent abandoned its connect attempt.
+    agent.proc.wait_event("dial cancelled by server", Duration::from_secs(5), |_| true);
 }

@@ -120,7 +120,7 @@ impl Session {
             }
             Some(Payload::CloseDial(c)) => {
                 if let Some(cancel) = self.pending().remove(&c.random) {
-                    tracing::debug!(random = c.random, "dial cancelled by server");
+                    tracing::info!(random = c.random, "dial cancelled by server");
                     cancel.cancel();
                 }
             }

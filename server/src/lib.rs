@@ -332,9 +332,8 @@ impl BoundServer {
 
         shutdown.cancelled().await;
         tracing::info!("shutting down: no new frontend connections");
-        for task in frontend_tasks {
-            let _ = task.await;
-        }
+        // TCP frontends stop accepting at once; a Unix socket's path is removed so no
+        // new client can reach it.
         for path in sockets {
             let _ = std::fs::remove_file(path);
         }
@@ -355,7 +354,13 @@ impl BoundServer {
             }
         }
         hard_stop.cancel();
-        let _ = tokio::time::timeout(Duration::from_secs(2), agent_task).await;
+        let _ = tokio::time::timeout(Duration::from_secs(2), async {
+            for task in frontend_tasks {
+                let _ = task.await;
+            }
+            let _ = agent_task.await;
+        })
+        .await;
         tracing::info!("server stopped");
     }
 }

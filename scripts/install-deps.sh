@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Installs the system tools Tether's tests use (curl, openssl, iproute2), idempotently:
+# nothing is downloaded when they are already present. Debian/Ubuntu (apt) only.
+set -euo pipefail
+
+need=()
+command -v curl >/dev/null 2>&1 || need+=(curl)
+command -v openssl >/dev/null 2>&1 || need+=(openssl)
+command -v ip >/dev/null 2>&1 || need+=(iproute2)
+command -v kill >/dev/null 2>&1 || need+=(procps)
+
+if [ ${#need[@]} -gt 0 ]; then
+  echo "installing: ${need[*]}"
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}"
+fi
+
+if ! command -v cargo >/dev/null 2>&1; then
+  echo "cargo is missing: install a Rust toolchain (rustup) first" >&2
+  exit 1
+fi
