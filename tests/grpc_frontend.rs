@@ -239,12 +239,17 @@ async fn dial_errors_reach_only_their_caller() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn grpc_over_mtls_tcp() {
     let pki = Pki::new();
-    let server = ServerProc::start(bin(), &tether_testkit::process::tcp_frontend_args(&pki, "grpc"));
+    let server = ServerProc::start(
+        bin(),
+        &tether_testkit::process::tcp_frontend_args(&pki, "grpc"),
+    );
     let _agent = AgentProc::start(bin(), &pki, server.agent, &[]);
     server.wait_agents(1).await;
     let echo = backend::echo().await;
     let addr: std::net::SocketAddr = server.frontend.parse().unwrap();
-    let client = Client::tls("127.0.0.1", addr.port(), pki.frontend_client_tls()).await.unwrap();
+    let client = Client::tls("127.0.0.1", addr.port(), pki.frontend_client_tls())
+        .await
+        .unwrap();
     let mut c = client.dial(&echo.addr.to_string()).await.unwrap();
     c.write_all(b"over tls").await.unwrap();
     let mut buf = [0u8; 8];
@@ -278,9 +283,11 @@ async fn graceful_shutdown_lets_established_tunnels_finish() {
     c.read_exact(&mut b).await.unwrap();
 
     s.server.proc.signal("TERM");
-    s.server
-        .proc
-        .wait_event("shutting down: no new frontend connections", Duration::from_secs(10), |_| true);
+    s.server.proc.wait_event(
+        "shutting down: no new frontend connections",
+        Duration::from_secs(10),
+        |_| true,
+    );
     // New frontend connections are refused (the socket is gone)...
     let sock = socket.clone();
     wait_until("frontend socket removed", Duration::from_secs(10), || {
@@ -293,10 +300,17 @@ async fn graceful_shutdown_lets_established_tunnels_finish() {
     c.write_all(b"2").await.unwrap();
     c.read_exact(&mut b).await.unwrap();
     assert_eq!(&b, b"2");
-    assert!(s.server.proc.wait_exit(Duration::from_millis(300)).is_none());
+    assert!(s
+        .server
+        .proc
+        .wait_exit(Duration::from_millis(300))
+        .is_none());
     // Closing it lets the server finish well before the 20s timeout.
     drop(c);
     let started = std::time::Instant::now();
-    s.server.proc.wait_exit(Duration::from_secs(10)).expect("server exits once idle");
+    s.server
+        .proc
+        .wait_exit(Duration::from_secs(10))
+        .expect("server exits once idle");
     assert!(started.elapsed() < Duration::from_secs(10));
 }

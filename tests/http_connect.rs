@@ -233,5 +233,7 @@ async fn http_connect_over_uds_and_dial_timeout() {
         Some(1.0)
     );
     // The server sent DIAL_CLS and the agent abandoned its connect attempt.
-    agent.proc.wait_event("dial cancelled by server", Duration::from_secs(5), |_| true);
+    agent
+        .proc
+        .wait_event("dial cancelled by server", Duration::from_secs(5), |_| true);
 }

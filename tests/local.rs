@@ -36,26 +36,40 @@ fn local_prints_a_working_curl_line() {
             curl_line = Some(line.trim().to_string());
         }
     }
-    let words: Vec<String> = curl_line.unwrap().split_whitespace().map(str::to_string).collect();
+    let words: Vec<String> = curl_line
+        .unwrap()
+        .split_whitespace()
+        .map(str::to_string)
+        .collect();
     let out = Command::new(&words[0])
         .args(&words[1..])
         .args(["-sS", "-m", "20"])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(
         String::from_utf8_lossy(&out.stdout).starts_with("hello from behind the tunnel"),
         "{}",
         String::from_utf8_lossy(&out.stdout)
     );
 
-    Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
+    Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
     let deadline = std::time::Instant::now() + Duration::from_secs(15);
     let status = loop {
         if let Some(s) = child.try_wait().unwrap() {
             break s;
         }
-        assert!(std::time::Instant::now() < deadline, "tether local did not stop on SIGINT");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "tether local did not stop on SIGINT"
+        );
         std::thread::sleep(Duration::from_millis(20));
     };
     assert!(status.success());

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Installs what the real-cluster tests need, idempotently, with caches outside the repo:
+#   - etcd from Debian's etcd-server package;
+#   - kube-apiserver 1.20.2 built from Debian bookworm's `kubernetes` source package
+#     (full vendor/ tree) with golang-1.19-go, cached as $TETHER_CACHE/kube-apiserver-1.20.2.
+# A second run does nothing. Prints the apiserver binary path on its last line.
+set -euo pipefail
+
+CACHE="${TETHER_CACHE:-$HOME/.cache/tether}"
+VERSION=1.20.2
+BIN="$CACHE/kube-apiserver-$VERSION"
+mkdir -p "$CACHE"
+
+SUDO=""
+[ "$(id -u)" -eq 0 ] || SUDO="sudo"
+apt_updated=""
+apt_install() {
+  if [ -z "$apt_updated" ]; then $SUDO apt-get update -qq; apt_updated=1; fi
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "$@"
+}
+
+command -v etcd >/dev/null 2>&1 || apt_install etcd-server
+command -v kubectl >/dev/null 2>&1 || apt_install kubernetes-client
+
+if [ -x "$BIN" ]; then
+  echo "$BIN"
+  exit 0
+fi
+
+# Source packages: add deb-src for the bookworm main archive already configured for
+# binary packages (same mirror, no new host).
+if ! apt-get source --print-uris kubernetes >/dev/null 2>&1; then
+  src=/etc/apt/sources.list.d/tether-deb-src.sources
+  uri=""
+  if [ -f /etc/apt/sources.list.d/debian.sources ]; then
+    uri=$(awk '/^URIs:/{u=$2} /^Suites:/ && /(^| )bookworm( |$)/{print u; exit}' /etc/apt/sources.list.d/debian.sources)
+  fi
+  if [ -z "$uri" ] && [ -f /etc/apt/sources.list ]; then
+    uri=$(awk '$1=="deb" && $3=="bookworm" {print $2; exit}' /etc/apt/sources.list)
+  fi
+  [ -n "$uri" ] || { echo "no bookworm apt source found to derive a deb-src line from" >&2; exit 1; }
+  printf 'Types: deb-src\nURIs: %s\nSuites: bookworm\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' "$uri" | $SUDO tee "$src" >/dev/null
+  apt_updated=""
+fi
+[ -n "$apt_updated" ] || { $SUDO apt-get update -qq; apt_updated=1; }
+command -v rsync >/dev/null 2>&1 || apt_install rsync
+[ -x /usr/lib/go-1.19/bin/go ] || apt_install golang-1.19-go
+command -v dpkg-source >/dev/null 2>&1 || apt_install dpkg-dev
+
+work="$CACHE/kubernetes-src"
+if [ ! -f "$work/.unpacked" ]; then
+  rm -rf "$work"
+  mkdir -p "$work"
+  (cd "$work" && apt-get source -qq kubernetes >/dev/null)
+  touch "$work/.unpacked"
+fi
+tree=$(find "$work" -maxdepth 1 -mindepth 1 -type d -name 'kubernetes-*' | head -n 1)
+[ -n "$tree" ] || { echo "kubernetes source tree not found in $work" >&2; exit 1; }
+
+# Build the way debian/rules does: GOPATH with k8s.io/kubernetes pointing at the tree.
+(
+  cd "$tree"
+  mkdir -p .go/src/k8s.io
+  ln -sfn "$tree" .go/src/k8s.io/kubernetes
+  export GOPATH="$tree/.go" GO111MODULE=off CGO_ENABLED=0 GOCACHE="$CACHE/go-build" GOFLAGS=-mod=vendor
+  export PATH="/usr/lib/go-1.19/bin:$PATH"
+  export KUBE_GIT_VERSION="v$VERSION" KUBE_GIT_TREE_STATE=clean
+  cd .go/src/k8s.io/kubernetes
+  make WHAT=cmd/kube-apiserver >&2
+  cp _output/local/bin/linux/*/kube-apiserver "$BIN.tmp" 2>/dev/null || cp _output/bin/kube-apiserver "$BIN.tmp"
+)
+mv "$BIN.tmp" "$BIN"
+echo "$BIN"
