@@ -33,15 +33,19 @@ fn bad_flags_fail_with_one_clear_line() {
 
     let (ok, err) = run(&[
         "server",
-        "--agent-namespace=kube-system",
+        "--enable-lease-controller",
         "--uds-name=/tmp/x.sock",
         "--server-port=0",
     ]);
     assert!(!ok);
     assert!(
-        error_line(&err).contains("--agent-namespace is an upstream flag"),
+        error_line(&err).contains("--enable-lease-controller is an upstream flag"),
         "{err}"
     );
+
+    let (ok, err) = run(&["server", "--agent-namespace=kube-system"]);
+    assert!(!ok);
+    assert!(error_line(&err).contains("go together"), "{err}");
 
     let (ok, err) = run(&["server", "--uds-name=/tmp/x.sock"]);
     assert!(!ok);

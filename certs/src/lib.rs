@@ -204,13 +204,19 @@ pub struct DevPki {
 impl DevPki {
     /// Generates every file into `dir` (created if missing).
     pub fn generate(dir: &Path) -> Result<Self, CertError> {
+        Self::generate_with_sans(dir, &[])
+    }
+
+    /// Like [`DevPki::generate`], with extra server certificate SANs (DNS names or IPs).
+    pub fn generate_with_sans(dir: &Path, extra_sans: &[String]) -> Result<Self, CertError> {
         std::fs::create_dir_all(dir).map_err(|source| CertError::Write {
             path: dir.to_path_buf(),
             source,
         })?;
         let ca = Ca::new("tether-local-ca")?;
         let (ca_cert, ca_key) = write_pair(dir, "ca", ca.pair())?;
-        let localhost = vec!["localhost".to_string(), "127.0.0.1".into(), "::1".into()];
+        let mut localhost = vec!["localhost".to_string(), "127.0.0.1".into(), "::1".into()];
+        localhost.extend(extra_sans.iter().cloned());
         let server = ca.issue(&LeafSpec {
             common_name: "tether-server".into(),
             sans: localhost,

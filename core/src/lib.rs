@@ -9,6 +9,7 @@ pub mod health;
 pub mod identifiers;
 pub mod metrics;
 pub mod pump;
+pub mod ratelimit;
 pub mod shutdown;
 pub mod tls;
 pub mod transport;

@@ -29,6 +29,7 @@ pub struct AgentLink {
     pub(crate) server_count: u32,
     pub(crate) channel_size: usize,
     pub(crate) shutdown: CancellationToken,
+    pub(crate) authenticator: Option<Arc<crate::auth::TokenAuthenticator>>,
 }
 
 type PacketStream = Pin<Box<dyn Stream<Item = Result<Packet, Status>> + Send>>;
@@ -64,6 +65,13 @@ impl AgentService for AgentLink {
         };
         if agent_id.is_empty() {
             return Err(Status::invalid_argument("empty agentid"));
+        }
+        if let Some(auth) = &self.authenticator {
+            let header = md.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+            if let Err(e) = auth.authenticate(header).await {
+                tracing::warn!(%agent_id, %peer, error = %e, "agent authentication failed; stream refused");
+                return Err(Status::unauthenticated(e.to_string()));
+            }
         }
         let identifiers = md
             .get(header::AGENT_IDENTIFIERS)

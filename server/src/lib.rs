@@ -6,6 +6,7 @@
 //! start-up); [`BoundServer::run`] serves until the shutdown token is cancelled.
 
 pub mod agent_link;
+pub mod auth;
 pub mod backend;
 pub mod frontend;
 pub mod metrics;
@@ -89,6 +90,8 @@ pub struct ServerConfig {
     pub channel_size: usize,
     /// How long established connections may finish after shutdown begins.
     pub graceful_shutdown_timeout: Duration,
+    /// Agent authentication by service-account token (TokenReview).
+    pub agent_auth: Option<auth::TokenAuthConfig>,
 }
 
 /// Why the server could not start.
@@ -109,6 +112,9 @@ pub enum StartError {
     /// TLS material is unusable.
     #[error(transparent)]
     Tls(#[from] TlsError),
+    /// Agent authentication could not be set up.
+    #[error(transparent)]
+    Auth(#[from] auth::AuthSetupError),
 }
 
 /// What was bound, for logs and tests.
@@ -131,6 +137,7 @@ enum FrontendListener {
 
 /// The server, bound and ready to run.
 pub struct BoundServer {
+    authenticator: Option<Arc<auth::TokenAuthenticator>>,
     config: ServerConfig,
     tunnel: Arc<Tunnel>,
     agent_listener: TcpListener,
@@ -204,8 +211,16 @@ impl Server {
             health: health.as_ref().and_then(|l| l.local_addr().ok()),
             admin: admin.as_ref().and_then(|l| l.local_addr().ok()),
         };
-        let tunnel = Tunnel::new(config.tunnel.clone(), metrics::Metrics::new());
+        let metrics = metrics::Metrics::new();
+        let authenticator = match &config.agent_auth {
+            Some(a) => Some(Arc::new(
+                auth::TokenAuthenticator::new(a, metrics.token_reviews.clone()).await?,
+            )),
+            None => None,
+        };
+        let tunnel = Tunnel::new(config.tunnel.clone(), metrics);
         Ok(BoundServer {
+            authenticator,
             config,
             tunnel,
             agent_listener,
@@ -234,6 +249,7 @@ impl BoundServer {
     /// returns.
     pub async fn run(self, shutdown: CancellationToken) {
         let BoundServer {
+            authenticator,
             config,
             tunnel,
             agent_listener,
@@ -285,6 +301,7 @@ impl BoundServer {
             server_count: config.server_count,
             channel_size: config.channel_size,
             shutdown: hard_stop.clone(),
+            authenticator,
         };
         let incoming =
             transport::tls_incoming(agent_listener, agent_tls, "agent", hard_stop.clone());
@@ -394,7 +411,8 @@ async fn serve_frontend(
             let result = match listener {
                 FrontendListener::Uds(l, _) => {
                     let incoming = futures::StreamExt::take_until(
-                        UnixListenerStream::new(l),
+                        UnixListenerStream::new(l)
+                            .map(|r| r.map(frontend::uds_authority::AuthorityFix::new)),
                         stop.cancelled_owned(),
                     );
                     builder()

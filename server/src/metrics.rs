@@ -87,6 +87,8 @@ pub struct Metrics {
     /// Frontend channels that were full when a packet arrived.
     pub full_receive_channels: IntGaugeVec,
     dial_failures: IntCounterVec,
+    /// Agent TokenReviews by result (authenticated, cached, rejected, error).
+    pub token_reviews: IntCounterVec,
     packets: PacketCounters,
     stream_errors: IntCounterVec,
 }
@@ -160,6 +162,11 @@ impl Metrics {
             &["reason"],
         )
         .unwrap();
+        let token_reviews = IntCounterVec::new(
+            Opts::new("tether_server_token_reviews_total", "Agent token checks by result: authenticated, cached (no TokenReview sent), rejected, error."),
+            &["result"],
+        )
+        .unwrap();
         let packets_vec = IntCounterVec::new(
             opts("stream_packets_total", "Count of packets processed, by segment and packet type (example: from_client, DIAL_REQ)"),
             &["segment", "packet_type"],
@@ -187,6 +194,7 @@ impl Metrics {
             Box::new(dial_failures.clone()),
             Box::new(packets_vec),
             Box::new(stream_errors.clone()),
+            Box::new(token_reviews.clone()),
         ] {
             registry.register(c).expect("metric names are unique");
         }
@@ -201,6 +209,7 @@ impl Metrics {
             established_connections,
             full_receive_channels,
             dial_failures,
+            token_reviews,
             packets,
             stream_errors,
         }

@@ -100,6 +100,7 @@ async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()
         },
         channel_size: 10,
         graceful_shutdown_timeout: Duration::from_secs(5),
+        agent_auth: None,
     };
     let bound = Server::bind(config)
         .await

@@ -97,21 +97,29 @@ pub struct ServerArgs {
     #[command(flatten)]
     pub log: LogArgs,
 
+    /// Namespace of the agents' service account (token authentication).
+    #[arg(long, default_value = "")]
+    pub agent_namespace: String,
+    /// Agents' service account (token authentication).
+    #[arg(long, default_value = "")]
+    pub agent_service_account: String,
+    /// Audience agent tokens must carry (token authentication).
+    #[arg(long, default_value = "")]
+    pub authentication_audience: String,
+    /// Kubeconfig for TokenReviews (empty = in-cluster configuration).
+    #[arg(long, default_value = "")]
+    pub kubeconfig: String,
+    /// TokenReviews per second (0 = 50).
+    #[arg(long, default_value_t = 0.0)]
+    pub kubeconfig_qps: f64,
+    /// TokenReview burst (0 = 100).
+    #[arg(long, default_value_t = 0)]
+    pub kubeconfig_burst: u32,
+    /// Accepted for compatibility; Tether always talks JSON to the apiserver.
+    #[arg(long, default_value = "application/vnd.kubernetes.protobuf")]
+    pub kube_api_content_type: String,
+
     // Upstream flags accepted by name but not implemented yet: giving them fails.
-    #[arg(long, hide = true)]
-    agent_namespace: Option<String>,
-    #[arg(long, hide = true)]
-    agent_service_account: Option<String>,
-    #[arg(long, hide = true)]
-    authentication_audience: Option<String>,
-    #[arg(long, hide = true)]
-    kubeconfig: Option<String>,
-    #[arg(long, hide = true)]
-    kubeconfig_qps: Option<String>,
-    #[arg(long, hide = true)]
-    kubeconfig_burst: Option<String>,
-    #[arg(long, hide = true)]
-    kube_api_content_type: Option<String>,
     #[arg(long, hide = true, value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
     enable_lease_controller: Option<bool>,
     /// Used with --enable-lease-controller (not implemented yet).
@@ -138,22 +146,6 @@ impl ServerArgs {
     /// Validates the flags into a [`ServerConfig`].
     pub fn config(&self) -> anyhow::Result<ServerConfig> {
         super::reject_unsupported(&[
-            ("agent-namespace", self.agent_namespace.is_some()),
-            (
-                "agent-service-account",
-                self.agent_service_account.is_some(),
-            ),
-            (
-                "authentication-audience",
-                self.authentication_audience.is_some(),
-            ),
-            ("kubeconfig", self.kubeconfig.is_some()),
-            ("kubeconfig-qps", self.kubeconfig_qps.is_some()),
-            ("kubeconfig-burst", self.kubeconfig_burst.is_some()),
-            (
-                "kube-api-content-type",
-                self.kube_api_content_type.is_some(),
-            ),
             (
                 "enable-lease-controller",
                 self.enable_lease_controller == Some(true),
@@ -173,6 +165,7 @@ impl ServerArgs {
         ])?;
         let strategies = tether_server::parse_strategies(&self.proxy_strategies)
             .map_err(|e| anyhow::anyhow!("--proxy-strategies: {e}"))?;
+        let agent_auth = self.agent_auth()?;
         let listen = if !self.uds_name.is_empty() {
             if self.server_port != 0 {
                 bail!(
@@ -262,7 +255,52 @@ impl ServerArgs {
             },
             channel_size: self.xfr_channel_size,
             graceful_shutdown_timeout: self.graceful_shutdown_timeout,
+            agent_auth,
         })
+    }
+}
+
+impl ServerArgs {
+    fn agent_auth(&self) -> anyhow::Result<Option<tether_server::auth::TokenAuthConfig>> {
+        let parts = [
+            &self.agent_namespace,
+            &self.agent_service_account,
+            &self.authentication_audience,
+        ];
+        let set = parts.iter().filter(|p| !p.is_empty()).count();
+        if set == 0 {
+            if !self.kubeconfig.is_empty() {
+                bail!("--kubeconfig is only used for agent token authentication: also set --agent-namespace, --agent-service-account and --authentication-audience");
+            }
+            return Ok(None);
+        }
+        if set != 3 {
+            bail!("--agent-namespace, --agent-service-account and --authentication-audience go together; set all three");
+        }
+        if !self.cluster_ca_cert.is_empty() {
+            bail!("agent token authentication and --cluster-ca-cert (agent client certificates) are exclusive; drop one");
+        }
+        let kubeconfig = opt_path(&self.kubeconfig);
+        if let Some(k) = &kubeconfig {
+            std::fs::metadata(k)
+                .with_context(|| format!("--kubeconfig {}: cannot read the file", k.display()))?;
+        }
+        Ok(Some(tether_server::auth::TokenAuthConfig {
+            namespace: self.agent_namespace.clone(),
+            service_account: self.agent_service_account.clone(),
+            audience: self.authentication_audience.clone(),
+            kubeconfig,
+            qps: if self.kubeconfig_qps > 0.0 {
+                self.kubeconfig_qps
+            } else {
+                50.0
+            },
+            burst: if self.kubeconfig_burst > 0 {
+                self.kubeconfig_burst
+            } else {
+                100
+            },
+        }))
     }
 }
 

@@ -3,6 +3,8 @@
 //! backends on port 0, and `wait_until` with a deadline instead of sleeps.
 
 pub mod backend;
+pub mod kube;
+pub mod netns;
 pub mod process;
 
 use std::future::Future;
@@ -54,8 +56,14 @@ pub struct Pki {
 impl Pki {
     /// Generates a new PKI.
     pub fn new() -> Self {
+        Self::with_sans(&[])
+    }
+
+    /// A new PKI whose server certificate also covers `sans` (e.g. veth addresses).
+    pub fn with_sans(sans: &[String]) -> Self {
         let dir = TempDir::new("tether-pki");
-        let files = tether_certs::DevPki::generate(dir.path()).expect("generate PKI");
+        let files =
+            tether_certs::DevPki::generate_with_sans(dir.path(), sans).expect("generate PKI");
         Pki { files, dir }
     }
 
@@ -79,6 +87,11 @@ impl Default for Pki {
     fn default() -> Self {
         Self::new()
     }
+}
+
+/// The stand-in kubelet script (a test double, see the file).
+pub fn kubelet_script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/kubelet.py")
 }
 
 /// Polls `probe` until it returns `Some`, failing the test after `timeout`.

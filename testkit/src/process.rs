@@ -245,6 +245,17 @@ impl AgentProc {
     /// Starts `tether agent` against `server` with the PKI's agent certificate, plus
     /// `args`, and waits for its "agent starting" event.
     pub fn start(bin: &Path, pki: &crate::Pki, server: SocketAddr, args: &[String]) -> AgentProc {
+        Self::start_in(None, bin, pki, server, args)
+    }
+
+    /// Like [`AgentProc::start`], inside the network namespace of `node` when given.
+    pub fn start_in(
+        node: Option<&crate::netns::Node>,
+        bin: &Path,
+        pki: &crate::Pki,
+        server: SocketAddr,
+        args: &[String],
+    ) -> AgentProc {
         let f = &pki.files;
         let mut all: Vec<String> = vec!["agent".into(), "--log-format=json".into()];
         for (flag, default) in [
@@ -264,7 +275,15 @@ impl AgentProc {
             }
         }
         all.extend(args.iter().cloned());
-        let proc = Proc::spawn("agent", bin, &all);
+        let proc = match node {
+            Some(node) => {
+                let mut wrapped = node.exec_prefix();
+                wrapped.push(bin.display().to_string());
+                wrapped.extend(all);
+                Proc::spawn(&format!("agent@{}", node.ns), Path::new("ip"), &wrapped)
+            }
+            None => Proc::spawn("agent", bin, &all),
+        };
         let ev = proc.wait_event("agent starting", START_TIMEOUT, |_| true);
         AgentProc {
             health: addr(&ev, "health").expect("health address"),

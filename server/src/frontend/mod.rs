@@ -4,6 +4,7 @@
 
 pub mod grpc;
 pub mod http_connect;
+pub mod uds_authority;
 
 /// Which protocol a frontend speaks (`--mode`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,0 +1,72 @@
+//! A client-side token bucket (QPS with a burst), as client-go's flowcontrol, so a
+//! reconnect storm or a large cluster cannot hammer an API.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+/// Tokens refill at `qps` per second up to `burst`; `acquire` waits for one.
+#[derive(Debug)]
+pub struct TokenBucket {
+    qps: f64,
+    burst: f64,
+    state: Mutex<(f64, Instant)>,
+}
+
+impl TokenBucket {
+    /// A full bucket. `qps <= 0` means unlimited.
+    pub fn new(qps: f64, burst: u32) -> Self {
+        let burst = f64::from(burst.max(1));
+        TokenBucket {
+            qps,
+            burst,
+            state: Mutex::new((burst, Instant::now())),
+        }
+    }
+
+    /// Waits until a token is available and takes it.
+    pub async fn acquire(&self) {
+        if self.qps <= 0.0 {
+            return;
+        }
+        loop {
+            let wait = {
+                let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+                let now = Instant::now();
+                let refill = now.duration_since(s.1).as_secs_f64() * self.qps;
+                s.0 = (s.0 + refill).min(self.burst);
+                s.1 = now;
+                if s.0 >= 1.0 {
+                    s.0 -= 1.0;
+                    return;
+                }
+                Duration::from_secs_f64((1.0 - s.0) / self.qps)
+            };
+            tokio::time::sleep(wait).await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn burst_then_rate() {
+        let bucket = TokenBucket::new(10.0, 5);
+        let start = Instant::now();
+        for _ in 0..5 {
+            bucket.acquire().await;
+        }
+        assert_eq!(start.elapsed(), Duration::ZERO);
+        for _ in 0..10 {
+            bucket.acquire().await;
+        }
+        let elapsed = start.elapsed();
+        assert!(
+            elapsed >= Duration::from_millis(990) && elapsed <= Duration::from_millis(1010),
+            "{elapsed:?}"
+        );
+    }
+}

@@ -1,0 +1,214 @@
+//! Agent authentication without client certificates: the agent sends a bound
+//! service-account token (`authorization: Bearer ...`); the server checks it with a
+//! TokenReview against kube-apiserver (audience and `system:serviceaccount:<ns>:<sa>`).
+//! Positive reviews are cached briefly and reviews are rate limited, so a thousand
+//! agents reconnecting at once cannot flood the apiserver.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
+use kube::api::{Api, PostParams};
+use prometheus::IntCounterVec;
+use tether_core::ratelimit::TokenBucket;
+
+/// How long a positive review is trusted without asking again.
+pub const POSITIVE_CACHE_TTL: Duration = Duration::from_secs(30);
+/// Most tokens remembered at once.
+const CACHE_CAP: usize = 16_384;
+
+/// What identity agents must prove.
+#[derive(Debug, Clone)]
+pub struct TokenAuthConfig {
+    /// `--agent-namespace`.
+    pub namespace: String,
+    /// `--agent-service-account`.
+    pub service_account: String,
+    /// `--authentication-audience`.
+    pub audience: String,
+    /// `--kubeconfig`; `None` = in-cluster configuration.
+    pub kubeconfig: Option<PathBuf>,
+    /// TokenReviews per second.
+    pub qps: f64,
+    /// Burst of TokenReviews.
+    pub burst: u32,
+}
+
+/// Why the authenticator could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum AuthSetupError {
+    /// The kubeconfig could not be read or used.
+    #[error("--kubeconfig {path}: {source} (check the file is a valid kubeconfig)")]
+    Kubeconfig {
+        /// The file.
+        path: String,
+        /// What kube said.
+        #[source]
+        source: kube::config::KubeconfigError,
+    },
+    /// No kubeconfig and not running in a cluster.
+    #[error("no --kubeconfig given and no in-cluster configuration: {0}")]
+    InCluster(#[source] kube::config::InClusterError),
+    /// The client could not be built.
+    #[error("cannot build a Kubernetes client: {0}")]
+    Client(#[source] kube::Error),
+}
+
+/// Why an agent was refused.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AuthError {
+    /// No `authorization` metadata.
+    #[error("no bearer token (set --service-account-token-path on the agent)")]
+    Missing,
+    /// The header is not `Bearer <token>`.
+    #[error("authorization metadata is not \"Bearer <token>\"")]
+    Malformed,
+    /// The apiserver did not authenticate the token.
+    #[error("token rejected by kube-apiserver: {0}")]
+    Rejected(String),
+    /// Authenticated, but as someone else.
+    #[error("token belongs to {got:?}, expected {expected:?}")]
+    WrongIdentity {
+        /// Who the token is.
+        got: String,
+        /// Who it must be.
+        expected: String,
+    },
+    /// The TokenReview call failed.
+    #[error("TokenReview failed: {0}")]
+    Api(#[source] kube::Error),
+}
+
+/// Checks agent tokens by TokenReview.
+pub struct TokenAuthenticator {
+    reviews: Api<TokenReview>,
+    expected_user: String,
+    audience: String,
+    cache: Mutex<HashMap<[u8; 32], Instant>>,
+    limiter: TokenBucket,
+    counter: IntCounterVec,
+}
+
+impl TokenAuthenticator {
+    /// Builds the Kubernetes client from the kubeconfig (or in-cluster config).
+    pub async fn new(
+        config: &TokenAuthConfig,
+        counter: IntCounterVec,
+    ) -> Result<Self, AuthSetupError> {
+        let kube_config = match &config.kubeconfig {
+            Some(path) => {
+                let kc = kube::config::Kubeconfig::read_from(path).map_err(|source| {
+                    AuthSetupError::Kubeconfig {
+                        path: path.display().to_string(),
+                        source,
+                    }
+                })?;
+                kube::Config::from_custom_kubeconfig(
+                    kc,
+                    &kube::config::KubeConfigOptions::default(),
+                )
+                .await
+                .map_err(|source| AuthSetupError::Kubeconfig {
+                    path: path.display().to_string(),
+                    source,
+                })?
+            }
+            None => kube::Config::incluster().map_err(AuthSetupError::InCluster)?,
+        };
+        let client = kube::Client::try_from(kube_config).map_err(AuthSetupError::Client)?;
+        for result in ["authenticated", "cached", "rejected", "error"] {
+            counter.with_label_values(&[result]);
+        }
+        Ok(TokenAuthenticator {
+            reviews: Api::all(client),
+            expected_user: format!(
+                "system:serviceaccount:{}:{}",
+                config.namespace, config.service_account
+            ),
+            audience: config.audience.clone(),
+            cache: Mutex::new(HashMap::new()),
+            limiter: TokenBucket::new(config.qps, config.burst),
+            counter,
+        })
+    }
+
+    fn cache(&self) -> std::sync::MutexGuard<'_, HashMap<[u8; 32], Instant>> {
+        self.cache.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Checks the `authorization` metadata value of an agent stream.
+    pub async fn authenticate(&self, authorization: Option<&str>) -> Result<(), AuthError> {
+        let header = authorization.ok_or(AuthError::Missing)?;
+        let token = header
+            .strip_prefix("Bearer ")
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+            .ok_or(AuthError::Malformed)?;
+        let key: [u8; 32] = ring::digest::digest(&ring::digest::SHA256, token.as_bytes())
+            .as_ref()
+            .try_into()
+            .expect("sha256 is 32 bytes");
+        if self
+            .cache()
+            .get(&key)
+            .is_some_and(|until| *until > Instant::now())
+        {
+            self.counter.with_label_values(&["cached"]).inc();
+            return Ok(());
+        }
+        self.limiter.acquire().await;
+        let review = TokenReview {
+            spec: TokenReviewSpec {
+                token: Some(token.to_string()),
+                audiences: Some(vec![self.audience.clone()]),
+            },
+            ..Default::default()
+        };
+        let result = match self.reviews.create(&PostParams::default(), &review).await {
+            Ok(r) => r,
+            Err(e) => {
+                self.counter.with_label_values(&["error"]).inc();
+                return Err(AuthError::Api(e));
+            }
+        };
+        let status = result.status.unwrap_or_default();
+        if status.authenticated != Some(true) {
+            self.counter.with_label_values(&["rejected"]).inc();
+            let why = status
+                .error
+                .filter(|e| !e.is_empty())
+                .unwrap_or_else(|| "not authenticated".into());
+            return Err(AuthError::Rejected(why));
+        }
+        let audiences = status.audiences.unwrap_or_default();
+        if !audiences.is_empty() && !audiences.contains(&self.audience) {
+            self.counter.with_label_values(&["rejected"]).inc();
+            return Err(AuthError::Rejected(format!(
+                "token audiences {audiences:?} do not include {:?}",
+                self.audience
+            )));
+        }
+        let user = status.user.and_then(|u| u.username).unwrap_or_default();
+        if user != self.expected_user {
+            self.counter.with_label_values(&["rejected"]).inc();
+            return Err(AuthError::WrongIdentity {
+                got: user,
+                expected: self.expected_user.clone(),
+            });
+        }
+        self.counter.with_label_values(&["authenticated"]).inc();
+        let now = Instant::now();
+        let mut cache = self.cache();
+        if cache.len() >= CACHE_CAP {
+            cache.retain(|_, until| *until > now);
+            if cache.len() >= CACHE_CAP {
+                cache.clear();
+            }
+        }
+        cache.insert(key, now + POSITIVE_CACHE_TTL);
+        Ok(())
+    }
+}

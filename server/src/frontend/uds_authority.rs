@@ -1,0 +1,399 @@
+//! Accepts the `:authority` gRPC clients send over Unix sockets. grpc-go as vendored in
+//! kube-apiserver (1.20 and others) sends the socket *path* as `:authority`
+//! (`/etc/kubernetes/konnectivity-server/konnectivity-server.socket`), which the h2
+//! crate refuses as malformed (RST_STREAM PROTOCOL_ERROR). This shim sits under h2 on
+//! Unix-socket connections and rewrites, in the client-to-server direction only, every
+//! HEADERS block: it decodes it (tracking the client's HPACK state) and re-encodes it
+//! statelessly (literals without indexing), replacing an unparseable `:authority` with
+//! `localhost`. All other frames, and everything server-to-client, pass through as is.
+
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::{Buf, BufMut, BytesMut};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+const PREFACE_LEN: usize = 24;
+const FRAME_HEADER: usize = 9;
+const TYPE_HEADERS: u8 = 0x1;
+const TYPE_CONTINUATION: u8 = 0x9;
+const FLAG_END_STREAM: u8 = 0x1;
+const FLAG_END_HEADERS: u8 = 0x4;
+const FLAG_PADDED: u8 = 0x8;
+const FLAG_PRIORITY: u8 = 0x20;
+/// Largest frame payload we emit (the HTTP/2 default every peer accepts).
+const MAX_FRAME: usize = 16_384;
+/// Largest header block we are willing to collect.
+const MAX_BLOCK: usize = 1 << 20;
+
+enum State {
+    Preface(usize),
+    FrameHeader,
+    /// Copying `n` more payload bytes of a frame we do not touch.
+    PassThrough(usize),
+}
+
+struct Pending {
+    stream_id: u32,
+    flags: u8,
+    priority: Option<[u8; 5]>,
+    block: Vec<u8>,
+}
+
+/// An I/O object whose inbound HTTP/2 header blocks get a parseable `:authority`.
+pub struct AuthorityFix<S> {
+    inner: S,
+    state: State,
+    input: BytesMut,
+    output: BytesMut,
+    pending: Option<Pending>,
+    decoder: loona_hpack::Decoder<'static>,
+    eof: bool,
+}
+
+impl<S> AuthorityFix<S> {
+    /// Wraps a server-side connection.
+    pub fn new(inner: S) -> Self {
+        let mut decoder = loona_hpack::Decoder::new();
+        decoder.set_max_allowed_table_size(65_536);
+        AuthorityFix {
+            inner,
+            state: State::Preface(PREFACE_LEN),
+            input: BytesMut::with_capacity(32 * 1024),
+            output: BytesMut::with_capacity(32 * 1024),
+            pending: None,
+            decoder,
+            eof: false,
+        }
+    }
+
+    /// The wrapped connection.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// Moves as much of `input` as can be handled into `output`.
+    fn process(&mut self) -> io::Result<()> {
+        loop {
+            match self.state {
+                State::Preface(left) | State::PassThrough(left) => {
+                    let n = left.min(self.input.len());
+                    if n == 0 && left > 0 {
+                        return Ok(());
+                    }
+                    self.output.extend_from_slice(&self.input.split_to(n));
+                    self.state = match self.state {
+                        State::Preface(_) if left == n => State::FrameHeader,
+                        State::Preface(_) => State::Preface(left - n),
+                        _ if left == n => State::FrameHeader,
+                        _ => State::PassThrough(left - n),
+                    };
+                    if left > n {
+                        return Ok(());
+                    }
+                }
+                State::FrameHeader => {
+                    if self.input.len() < FRAME_HEADER {
+                        return Ok(());
+                    }
+                    let h = &self.input[..FRAME_HEADER];
+                    let len =
+                        (usize::from(h[0]) << 16) | (usize::from(h[1]) << 8) | usize::from(h[2]);
+                    let ty = h[3];
+                    let flags = h[4];
+                    let stream_id = u32::from_be_bytes([h[5], h[6], h[7], h[8]]) & 0x7fff_ffff;
+                    if ty != TYPE_HEADERS && ty != TYPE_CONTINUATION {
+                        if self.pending.is_some() {
+                            return Err(protocol("frame inside a header block"));
+                        }
+                        self.output
+                            .extend_from_slice(&self.input.split_to(FRAME_HEADER));
+                        self.state = State::PassThrough(len);
+                        continue;
+                    }
+                    if self.input.len() < FRAME_HEADER + len {
+                        if len > MAX_BLOCK {
+                            return Err(protocol("header frame too large"));
+                        }
+                        return Ok(());
+                    }
+                    self.input.advance(FRAME_HEADER);
+                    let mut payload = self.input.split_to(len);
+                    if ty == TYPE_HEADERS {
+                        if self.pending.is_some() {
+                            return Err(protocol("HEADERS inside a header block"));
+                        }
+                        let pad = if flags & FLAG_PADDED != 0 {
+                            if payload.is_empty() {
+                                return Err(protocol("bad padding"));
+                            }
+                            let p = usize::from(payload[0]);
+                            payload.advance(1);
+                            p
+                        } else {
+                            0
+                        };
+                        let priority = if flags & FLAG_PRIORITY != 0 {
+                            if payload.len() < 5 {
+                                return Err(protocol("bad priority"));
+                            }
+                            let mut p = [0u8; 5];
+                            p.copy_from_slice(&payload[..5]);
+                            payload.advance(5);
+                            Some(p)
+                        } else {
+                            None
+                        };
+                        if pad > payload.len() {
+                            return Err(protocol("bad padding"));
+                        }
+                        payload.truncate(payload.len() - pad);
+                        self.pending = Some(Pending {
+                            stream_id,
+                            flags,
+                            priority,
+                            block: payload.to_vec(),
+                        });
+                    } else {
+                        let pending = self
+                            .pending
+                            .as_mut()
+                            .filter(|p| p.stream_id == stream_id)
+                            .ok_or_else(|| protocol("unexpected CONTINUATION"))?;
+                        pending.block.extend_from_slice(&payload);
+                        pending.flags |= flags & FLAG_END_HEADERS;
+                        if pending.block.len() > MAX_BLOCK {
+                            return Err(protocol("header block too large"));
+                        }
+                    }
+                    if self
+                        .pending
+                        .as_ref()
+                        .is_some_and(|p| p.flags & FLAG_END_HEADERS != 0)
+                    {
+                        let p = self.pending.take().expect("checked");
+                        self.emit(p)?;
+                    }
+                }
+            }
+        }
+    }
+
+    fn emit(&mut self, p: Pending) -> io::Result<()> {
+        let headers = self
+            .decoder
+            .decode(&p.block)
+            .map_err(|e| protocol(&format!("HPACK: {e:?}")))?;
+        let mut block = Vec::with_capacity(p.block.len() + 64);
+        for (name, value) in headers {
+            let value = if name == b":authority"
+                && http::uri::Authority::try_from(value.as_slice()).is_err()
+            {
+                b"localhost".to_vec()
+            } else {
+                value
+            };
+            // Literal header field without indexing, new name, no Huffman coding.
+            block.push(0);
+            encode_int(&mut block, name.len(), 7, 0);
+            block.extend_from_slice(&name);
+            encode_int(&mut block, value.len(), 7, 0);
+            block.extend_from_slice(&value);
+        }
+        let mut first = true;
+        let mut rest = &block[..];
+        loop {
+            let prio_len = if first && p.priority.is_some() { 5 } else { 0 };
+            let take = rest.len().min(MAX_FRAME - prio_len);
+            let (chunk, tail) = rest.split_at(take);
+            let mut flags = if tail.is_empty() { FLAG_END_HEADERS } else { 0 };
+            let ty = if first {
+                TYPE_HEADERS
+            } else {
+                TYPE_CONTINUATION
+            };
+            if first {
+                flags |= p.flags & FLAG_END_STREAM;
+                if p.priority.is_some() {
+                    flags |= FLAG_PRIORITY;
+                }
+            }
+            let len = chunk.len() + prio_len;
+            self.output.put_u8((len >> 16) as u8);
+            self.output.put_u16(len as u16);
+            self.output.put_u8(ty);
+            self.output.put_u8(flags);
+            self.output.put_u32(p.stream_id);
+            if let (true, Some(prio)) = (first, p.priority) {
+                self.output.extend_from_slice(&prio);
+            }
+            self.output.extend_from_slice(chunk);
+            first = false;
+            rest = tail;
+            if rest.is_empty() {
+                return Ok(());
+            }
+        }
+    }
+}
+
+fn encode_int(out: &mut Vec<u8>, value: usize, prefix_bits: u8, first_byte_flags: u8) {
+    let max = (1usize << prefix_bits) - 1;
+    if value < max {
+        out.push(first_byte_flags | value as u8);
+        return;
+    }
+    out.push(first_byte_flags | max as u8);
+    let mut v = value - max;
+    while v >= 128 {
+        out.push((v % 128 + 128) as u8);
+        v /= 128;
+    }
+    out.push(v as u8);
+}
+
+fn protocol(msg: &str) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidData,
+        format!("HTTP/2 from client: {msg}"),
+    )
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for AuthorityFix<S> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        loop {
+            if !this.output.is_empty() {
+                let n = this.output.len().min(buf.remaining());
+                buf.put_slice(&this.output.split_to(n));
+                return Poll::Ready(Ok(()));
+            }
+            if this.eof {
+                return Poll::Ready(Ok(()));
+            }
+            this.input.reserve(16 * 1024);
+            match tokio_util::io::poll_read_buf(Pin::new(&mut this.inner), cx, &mut this.input) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Ready(Ok(0)) => this.eof = true,
+                Poll::Ready(Ok(_)) => this.process()?,
+            }
+        }
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for AuthorityFix<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+impl<S> tonic::transport::server::Connected for AuthorityFix<S>
+where
+    S: tonic::transport::server::Connected,
+{
+    type ConnectInfo = S::ConnectInfo;
+    fn connect_info(&self) -> S::ConnectInfo {
+        self.inner.connect_info()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    fn frame(ty: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+        let mut f = vec![
+            (payload.len() >> 16) as u8,
+            (payload.len() >> 8) as u8,
+            payload.len() as u8,
+            ty,
+            flags,
+        ];
+        f.extend_from_slice(&stream.to_be_bytes());
+        f.extend_from_slice(payload);
+        f
+    }
+
+    #[tokio::test]
+    async fn rewrites_socket_path_authority_and_passes_other_frames() {
+        // What grpc-go sends: the socket path as :authority, with HPACK indexing.
+        let mut enc = loona_hpack::Encoder::new();
+        let h1: Vec<(&[u8], &[u8])> = vec![
+            (b":method", b"POST"),
+            (b":scheme", b"http"),
+            (b":path", b"/ProxyService/Proxy"),
+            (
+                b":authority",
+                b"/etc/kubernetes/konnectivity-server/konnectivity-server.socket",
+            ),
+            (b"content-type", b"application/grpc"),
+        ];
+        let block1 = enc.encode(h1.iter().copied());
+        let block2 = enc.encode(h1.iter().copied()); // second stream: indexed references
+        let mut input = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        input.extend(frame(0x4, 0, 0, &[])); // SETTINGS
+                                             // First block split across HEADERS + CONTINUATION.
+        let (a, b) = block1.split_at(block1.len() / 2);
+        input.extend(frame(TYPE_HEADERS, 0, 1, a));
+        input.extend(frame(TYPE_CONTINUATION, FLAG_END_HEADERS, 1, b));
+        input.extend(frame(0x0, 0, 1, b"grpc payload"));
+        input.extend(frame(TYPE_HEADERS, FLAG_END_HEADERS, 3, &block2));
+
+        let (mut client, server) = tokio::io::duplex(1 << 16);
+        client.write_all(&input).await.unwrap();
+        client.shutdown().await.unwrap();
+        let mut fixed = AuthorityFix::new(server);
+        let mut out = Vec::new();
+        fixed.read_to_end(&mut out).await.unwrap();
+
+        assert_eq!(&out[..24], b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n");
+        let mut rest = &out[24..];
+        let mut dec = loona_hpack::Decoder::new();
+        let mut seen = Vec::new();
+        while !rest.is_empty() {
+            let len =
+                (usize::from(rest[0]) << 16) | (usize::from(rest[1]) << 8) | usize::from(rest[2]);
+            let (ty, flags) = (rest[3], rest[4]);
+            let payload = &rest[9..9 + len];
+            if ty == TYPE_HEADERS {
+                assert_ne!(flags & FLAG_END_HEADERS, 0);
+                let headers = dec.decode(payload).unwrap();
+                let authority = headers.iter().find(|(n, _)| n == b":authority").unwrap();
+                assert_eq!(authority.1, b"localhost");
+                assert_eq!(headers.len(), 5);
+            }
+            seen.push((ty, payload.to_vec()));
+            rest = &rest[9 + len..];
+        }
+        let types: Vec<u8> = seen.iter().map(|(t, _)| *t).collect();
+        assert_eq!(types, vec![0x4, TYPE_HEADERS, 0x0, TYPE_HEADERS]);
+        assert_eq!(seen[2].1, b"grpc payload");
+    }
+}

@@ -1,0 +1,444 @@
+//! A real control plane for tests: etcd (Debian's etcd-server) and kube-apiserver
+//! 1.20.2 (built once by `scripts/install-kube.sh`, cached outside the repo) on free
+//! loopback ports, with a throwaway PKI and an EgressSelectorConfiguration pointing at a
+//! Tether server. Everything is stopped and removed on drop.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use tether_certs::{write_file, write_pair, Ca, LeafSpec};
+
+use crate::{Proc, TempDir};
+
+/// kube-apiserver version the tests run.
+pub const APISERVER_VERSION: &str = "1.20.2";
+
+/// The cached kube-apiserver binary ($TETHER_KUBE_APISERVER overrides), if built.
+pub fn apiserver_binary() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("TETHER_KUBE_APISERVER") {
+        return Some(PathBuf::from(p));
+    }
+    let cache = std::env::var_os("TETHER_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/tether")))?;
+    let bin = cache.join(format!("kube-apiserver-{APISERVER_VERSION}"));
+    bin.exists().then_some(bin)
+}
+
+/// The apiserver binary, or a panic telling how to build it.
+pub fn require_apiserver() -> PathBuf {
+    apiserver_binary().expect(
+        "kube-apiserver 1.20.2 is not built: run scripts/install-kube.sh (scripts/test.sh does)",
+    )
+}
+
+/// A free TCP port on 127.0.0.1 (bound and released).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// How the apiserver reaches Tether (the `cluster` egress selection).
+#[derive(Debug, Clone)]
+pub enum Egress {
+    /// GRPC over a Unix socket.
+    GrpcUds(PathBuf),
+    /// HTTPConnect over a Unix socket.
+    HttpConnectUds(PathBuf),
+    /// HTTPConnect over TCP with mutual TLS.
+    HttpConnectTcp {
+        /// `https://127.0.0.1:PORT`.
+        url: String,
+        /// CA that signs the Tether frontend certificate.
+        ca: PathBuf,
+        /// Client certificate the apiserver presents.
+        cert: PathBuf,
+        /// Its key.
+        key: PathBuf,
+    },
+    /// A complete EgressSelectorConfiguration file, used as it is.
+    File(PathBuf),
+}
+
+impl Egress {
+    /// The EgressSelectorConfiguration document.
+    pub fn config_yaml(&self) -> String {
+        let connection = match self {
+            Egress::File(p) => return std::fs::read_to_string(p).expect("read egress configuration"),
+            Egress::GrpcUds(p) => format!(
+                "    proxyProtocol: GRPC\n    transport:\n      uds:\n        udsName: {}\n",
+                p.display()
+            ),
+            Egress::HttpConnectUds(p) => format!(
+                "    proxyProtocol: HTTPConnect\n    transport:\n      uds:\n        udsName: {}\n",
+                p.display()
+            ),
+            Egress::HttpConnectTcp { url, ca, cert, key } => format!(
+                "    proxyProtocol: HTTPConnect\n    transport:\n      tcp:\n        url: {url}\n        tlsConfig:\n          caBundle: {}\n          clientCert: {}\n          clientKey: {}\n",
+                ca.display(),
+                cert.display(),
+                key.display()
+            ),
+        };
+        format!(
+            "apiVersion: apiserver.k8s.io/v1beta1\nkind: EgressSelectorConfiguration\negressSelections:\n- name: cluster\n  connection:\n{connection}"
+        )
+    }
+}
+
+/// Files of the cluster PKI.
+#[derive(Debug, Clone)]
+pub struct ClusterFiles {
+    /// Cluster CA.
+    pub ca: PathBuf,
+    /// Service-account token signing key (PKCS#8 EC) and its public key.
+    pub sa_key: PathBuf,
+    /// Public half of `sa_key`.
+    pub sa_pub: PathBuf,
+    /// Admin kubeconfig (system:masters).
+    pub admin_kubeconfig: PathBuf,
+    /// Kubeconfig for `system:konnectivity-server` (what Tether's server uses).
+    pub server_kubeconfig: PathBuf,
+    /// Admin client certificate and key (for curl).
+    pub admin_cert: PathBuf,
+    /// Admin key.
+    pub admin_key: PathBuf,
+}
+
+/// A running etcd + kube-apiserver.
+pub struct Cluster {
+    /// `https://127.0.0.1:PORT`.
+    pub url: String,
+    /// PKI and kubeconfigs.
+    pub files: ClusterFiles,
+    /// The apiserver's service-account issuer.
+    pub issuer: String,
+    apiserver: Proc,
+    _etcd: Proc,
+    dir: TempDir,
+}
+
+impl std::fmt::Debug for Cluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cluster").field("url", &self.url).finish()
+    }
+}
+
+fn kubeconfig(url: &str, ca: &Path, cert: &Path, key: &Path, user: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: {url}\n    certificate-authority: {}\nusers:\n- name: {user}\n  user:\n    client-certificate: {}\n    client-key: {}\ncontexts:\n- name: test\n  context:\n    cluster: test\n    user: {user}\ncurrent-context: test\n",
+        ca.display(),
+        cert.display(),
+        key.display()
+    )
+}
+
+impl Cluster {
+    /// Starts etcd and kube-apiserver with `egress` and waits until /readyz is ok.
+    pub fn start(egress: &Egress) -> Cluster {
+        let apiserver_bin = require_apiserver();
+        let dir = TempDir::new("tether-cluster");
+        let d = dir.path();
+
+        // PKI.
+        let ca = Ca::new("tether-test-cluster-ca").unwrap();
+        let (ca_cert, _) = write_pair(d, "ca", ca.pair()).unwrap();
+        let serving = ca
+            .issue(&LeafSpec {
+                common_name: "kube-apiserver".into(),
+                sans: [
+                    "127.0.0.1",
+                    "localhost",
+                    "kubernetes",
+                    "kubernetes.default",
+                    "10.96.0.1",
+                ]
+                .map(String::from)
+                .to_vec(),
+                server: true,
+                ..Default::default()
+            })
+            .unwrap();
+        let (serving_cert, serving_key) = write_pair(d, "apiserver", &serving).unwrap();
+        let admin = ca
+            .issue(&LeafSpec {
+                common_name: "admin".into(),
+                organization: Some("system:masters".into()),
+                client: true,
+                ..Default::default()
+            })
+            .unwrap();
+        let (admin_cert, admin_key) = write_pair(d, "admin", &admin).unwrap();
+        let server_id = ca
+            .issue(&LeafSpec {
+                common_name: "system:konnectivity-server".into(),
+                client: true,
+                ..Default::default()
+            })
+            .unwrap();
+        let (server_cert, server_key) = write_pair(d, "konnectivity-server", &server_id).unwrap();
+        let kubelet_client = ca
+            .issue(&LeafSpec {
+                common_name: "kube-apiserver-kubelet-client".into(),
+                organization: Some("system:masters".into()),
+                client: true,
+                ..Default::default()
+            })
+            .unwrap();
+        let (kubelet_cert, kubelet_key) = write_pair(d, "kubelet-client", &kubelet_client).unwrap();
+        let sa = rcgen_key();
+        let sa_key = d.join("sa.key");
+        let sa_pub = d.join("sa.pub");
+        write_file(&sa_key, &sa.0, true).unwrap();
+        write_file(&sa_pub, &sa.1, false).unwrap();
+
+        let egress_file = d.join("egress-selector.yaml");
+        write_file(&egress_file, &egress.config_yaml(), false).unwrap();
+
+        // etcd.
+        let (client_port, peer_port) = (free_port(), free_port());
+        let etcd_url = format!("http://127.0.0.1:{client_port}");
+        let peer_url = format!("http://127.0.0.1:{peer_port}");
+        let etcd = Proc::spawn(
+            "etcd",
+            Path::new("etcd"),
+            &[
+                "--name=default".into(),
+                format!("--data-dir={}", d.join("etcd").display()),
+                format!("--listen-client-urls={etcd_url}"),
+                format!("--advertise-client-urls={etcd_url}"),
+                format!("--listen-peer-urls={peer_url}"),
+                format!("--initial-advertise-peer-urls={peer_url}"),
+                format!("--initial-cluster=default={peer_url}"),
+                "--log-level=warn".into(),
+            ],
+        );
+        wait_blocking("etcd healthy", Duration::from_secs(30), || {
+            let out = Command::new("curl")
+                .args(["-sf", &format!("{etcd_url}/health")])
+                .output()
+                .ok()?;
+            String::from_utf8_lossy(&out.stdout)
+                .contains("true")
+                .then_some(())
+        });
+
+        // kube-apiserver.
+        let port = free_port();
+        let url = format!("https://127.0.0.1:{port}");
+        let issuer = "https://kubernetes.default.svc.cluster.local".to_string();
+        let apiserver = Proc::spawn(
+            "kube-apiserver",
+            &apiserver_bin,
+            &[
+                format!("--etcd-servers={etcd_url}"),
+                "--bind-address=127.0.0.1".into(),
+                "--advertise-address=127.0.0.1".into(),
+                format!("--secure-port={port}"),
+                "--insecure-port=0".into(),
+                format!("--tls-cert-file={}", serving_cert.display()),
+                format!("--tls-private-key-file={}", serving_key.display()),
+                format!("--client-ca-file={}", ca_cert.display()),
+                "--authorization-mode=RBAC".into(),
+                format!("--service-account-issuer={issuer}"),
+                format!("--service-account-key-file={}", sa_pub.display()),
+                format!("--service-account-signing-key-file={}", sa_key.display()),
+                "--service-cluster-ip-range=10.96.0.0/16".into(),
+                format!("--egress-selector-config-file={}", egress_file.display()),
+                "--kubelet-preferred-address-types=InternalIP".into(),
+                format!("--kubelet-client-certificate={}", kubelet_cert.display()),
+                format!("--kubelet-client-key={}", kubelet_key.display()),
+                "--disable-admission-plugins=ServiceAccount".into(),
+                "--endpoint-reconciler-type=none".into(),
+                "--enable-priority-and-fairness=false".into(),
+                "--allow-privileged=true".into(),
+                "--profiling=false".into(),
+                "--logtostderr=true".into(),
+                "--v=1".into(),
+            ],
+        );
+        let admin_kubeconfig = d.join("admin.kubeconfig");
+        write_file(
+            &admin_kubeconfig,
+            &kubeconfig(&url, &ca_cert, &admin_cert, &admin_key, "admin"),
+            true,
+        )
+        .unwrap();
+        let server_kubeconfig = d.join("konnectivity-server.kubeconfig");
+        write_file(
+            &server_kubeconfig,
+            &kubeconfig(
+                &url,
+                &ca_cert,
+                &server_cert,
+                &server_key,
+                "system:konnectivity-server",
+            ),
+            true,
+        )
+        .unwrap();
+        let cluster = Cluster {
+            url,
+            files: ClusterFiles {
+                ca: ca_cert,
+                sa_key,
+                sa_pub,
+                admin_kubeconfig,
+                server_kubeconfig,
+                admin_cert,
+                admin_key,
+            },
+            issuer,
+            apiserver,
+            _etcd: etcd,
+            dir,
+        };
+        wait_blocking("kube-apiserver ready", Duration::from_secs(120), || {
+            let out = cluster.kubectl(&["get", "--raw", "/readyz"]);
+            (out.status.success()).then_some(())
+        });
+        // RBAC bootstrap (system:masters works at once; default roles take a moment).
+        wait_blocking("default cluster roles", Duration::from_secs(60), || {
+            cluster
+                .kubectl(&["get", "clusterrole", "system:auth-delegator"])
+                .status
+                .success()
+                .then_some(())
+        });
+        cluster
+    }
+
+    /// The directory holding the cluster's files.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Runs kubectl as admin.
+    pub fn kubectl(&self, args: &[&str]) -> Output {
+        Command::new("kubectl")
+            .arg(format!(
+                "--kubeconfig={}",
+                self.files.admin_kubeconfig.display()
+            ))
+            .args(args)
+            .output()
+            .expect("run kubectl")
+    }
+
+    /// Runs kubectl as admin and panics on failure; returns stdout.
+    pub fn kubectl_ok(&self, args: &[&str]) -> String {
+        let out = self.kubectl(args);
+        assert!(
+            out.status.success(),
+            "kubectl {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).to_string()
+    }
+
+    /// `kubectl apply -f -` with `yaml`.
+    pub fn apply(&self, yaml: &str) -> String {
+        self.kubectl_stdin(&["apply", "-f", "-"], yaml)
+    }
+
+    /// Runs kubectl with `input` on stdin; panics on failure; returns stdout.
+    pub fn kubectl_stdin(&self, args: &[&str], input: &str) -> String {
+        use std::io::Write;
+        let mut child = Command::new("kubectl")
+            .arg(format!(
+                "--kubeconfig={}",
+                self.files.admin_kubeconfig.display()
+            ))
+            .args(args)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "kubectl {}: {}\ninput:\n{input}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).to_string()
+    }
+
+    /// Registers a Node named `name` with InternalIP `ip` and kubelet port 10250.
+    pub fn add_node(&self, name: &str, ip: &str) {
+        self.apply(&format!(
+            "apiVersion: v1\nkind: Node\nmetadata:\n  name: {name}\n  labels:\n    kubernetes.io/hostname: {name}\n"
+        ));
+        let patch = format!(
+            r#"{{"status":{{"addresses":[{{"type":"InternalIP","address":"{ip}"}},{{"type":"Hostname","address":"{name}"}}],"daemonEndpoints":{{"kubeletEndpoint":{{"Port":10250}}}}}}}}"#
+        );
+        self.kubectl_ok(&[
+            "patch",
+            "node",
+            name,
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            &patch,
+        ]);
+    }
+
+    /// Creates pod `name` in `default` bound to `node`, with `pod_ip` in its status.
+    pub fn add_pod(&self, name: &str, node: &str, pod_ip: &str) {
+        self.apply(&format!(
+            "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\n  namespace: default\nspec:\n  nodeName: {node}\n  automountServiceAccountToken: false\n  containers:\n  - name: app\n    image: app:latest\n"
+        ));
+        let patch = format!(
+            r#"{{"status":{{"phase":"Running","podIP":"{pod_ip}","podIPs":[{{"ip":"{pod_ip}"}}]}}}}"#
+        );
+        self.kubectl_ok(&[
+            "patch",
+            "pod",
+            name,
+            "-n",
+            "default",
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            &patch,
+        ]);
+    }
+
+    /// Does the apiserver log contain `needle`?
+    pub fn apiserver_logged(&self, needle: &str) -> bool {
+        self.apiserver.logged(needle)
+    }
+}
+
+/// Polls `probe` (blocking) until it returns Some.
+pub fn wait_blocking<T>(what: &str, timeout: Duration, mut probe: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = probe() {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// A fresh ECDSA P-256 key: (PKCS#8 private PEM, SPKI public PEM).
+fn rcgen_key() -> (String, String) {
+    let key = rcgen::KeyPair::generate().unwrap();
+    (key.serialize_pem(), key.public_key_pem())
+}

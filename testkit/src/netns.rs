@@ -1,0 +1,156 @@
+//! Simulated nodes: network namespaces joined to the test's namespace by a veth pair.
+//! A node has a link address (reachable from the host, where the server runs) and a
+//! private address on its loopback (its "InternalIP", reachable only inside the node),
+//! so anything that reaches the private address must have gone through the tunnel.
+
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+static NEXT: AtomicU32 = AtomicU32::new(0);
+
+/// Is this process allowed to create network namespaces (root with iproute2)?
+pub fn available() -> bool {
+    Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false)
+        && std::env::var("USER").map(|u| u == "root").unwrap_or(true)
+}
+
+fn ip(args: &[&str]) {
+    let out = Command::new("ip").args(args).output().expect("run ip");
+    assert!(
+        out.status.success(),
+        "ip {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A node namespace; deleted (with its veth) on drop.
+#[derive(Debug)]
+pub struct Node {
+    /// Namespace name.
+    pub ns: String,
+    /// Host side of the link (where the server listens), e.g. 10.231.7.1.
+    pub host_ip: String,
+    /// Node side of the link.
+    pub link_ip: String,
+    /// The node's private InternalIP (kubelet), reachable only inside the namespace.
+    pub node_ip: String,
+    /// A pod IP inside the node, also private.
+    pub pod_ip: String,
+    host_if: String,
+}
+
+impl Node {
+    /// Creates a namespace with a veth link to the host and private addresses.
+    pub fn create() -> Node {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let pid = std::process::id();
+        // Subnet index unique per test process and node.
+        let k = (pid.wrapping_mul(7) + n) % 250 + 1;
+        let ns = format!("tt{pid}n{n}");
+        let host_if = format!("th{}x{n}", pid % 100_000);
+        let node_if = format!("tn{}x{n}", pid % 100_000);
+        // Nothing addressed to the test ranges may leave this machine: unroutable
+        // addresses hit a local blackhole instead of the default route.
+        for net in ["10.231.0.0/16", "10.232.0.0/16"] {
+            ip(&["route", "replace", "blackhole", net]);
+        }
+        let _ = Command::new("ip").args(["netns", "del", &ns]).output();
+        let _ = Command::new("ip").args(["link", "del", &host_if]).output();
+        ip(&["netns", "add", &ns]);
+        ip(&[
+            "link", "add", &host_if, "type", "veth", "peer", "name", &node_if,
+        ]);
+        ip(&["link", "set", &node_if, "netns", &ns]);
+        let host_ip = format!("10.231.{k}.1");
+        let link_ip = format!("10.231.{k}.2");
+        let node_ip = format!("10.232.{k}.2");
+        let pod_ip = format!("10.232.{k}.3");
+        ip(&["addr", "add", &format!("{host_ip}/30"), "dev", &host_if]);
+        ip(&["link", "set", &host_if, "up"]);
+        ip(&[
+            "-n",
+            &ns,
+            "addr",
+            "add",
+            &format!("{link_ip}/30"),
+            "dev",
+            &node_if,
+        ]);
+        ip(&["-n", &ns, "link", "set", &node_if, "up"]);
+        ip(&["-n", &ns, "link", "set", "lo", "up"]);
+        ip(&[
+            "-n",
+            &ns,
+            "addr",
+            "add",
+            &format!("{node_ip}/32"),
+            "dev",
+            "lo",
+        ]);
+        ip(&[
+            "-n",
+            &ns,
+            "addr",
+            "add",
+            &format!("{pod_ip}/32"),
+            "dev",
+            "lo",
+        ]);
+        Node {
+            ns,
+            host_ip,
+            link_ip,
+            node_ip,
+            pod_ip,
+            host_if,
+        }
+    }
+
+    /// Starts the stand-in kubelet (HTTPS on `node_ip:10250`, HTTP on `pod_ip:8080`)
+    /// inside this node, serving with `cert`/`key`, and waits until it listens.
+    pub fn start_kubelet(
+        &self,
+        name: &str,
+        cert: &std::path::Path,
+        key: &std::path::Path,
+    ) -> crate::Proc {
+        let mut args = self.exec_prefix();
+        args.extend([
+            "python3".to_string(),
+            crate::kubelet_script().display().to_string(),
+            format!("--node={name}"),
+            format!("--node-ip={}", self.node_ip),
+            format!("--pod-ip={}", self.pod_ip),
+            format!("--cert={}", cert.display()),
+            format!("--key={}", key.display()),
+        ]);
+        let proc = crate::Proc::spawn(
+            &format!("kubelet@{name}"),
+            std::path::Path::new("ip"),
+            &args,
+        );
+        proc.wait_event("kubelet ready", std::time::Duration::from_secs(20), |_| {
+            true
+        });
+        proc
+    }
+
+    /// `ip netns exec NS` + `program args`, as a prefix for spawning.
+    pub fn exec_prefix(&self) -> Vec<String> {
+        vec!["netns".into(), "exec".into(), self.ns.clone()]
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["link", "del", &self.host_if])
+            .output();
+        let _ = Command::new("ip").args(["netns", "del", &self.ns]).output();
+    }
+}

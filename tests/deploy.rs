@@ -1,0 +1,65 @@
+//! deploy/: every Kubernetes manifest passes `kubectl apply --dry-run=server` against a
+//! real kube-apiserver, and kube-apiserver starts with each EgressSelectorConfiguration.
+
+use std::path::{Path, PathBuf};
+
+use tether_testkit::kube::{Cluster, Egress};
+
+fn deploy(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("deploy")
+        .join(name)
+}
+
+#[test]
+fn manifests_pass_server_side_dry_run() {
+    // The GRPC egress configuration is used verbatim.
+    let cluster = Cluster::start(&Egress::File(deploy("egress-selector-configuration.yaml")));
+    let mut checked = 0;
+    for entry in std::fs::read_dir(deploy("")).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        if !name.ends_with(".yaml") || name.starts_with("egress-selector-configuration") {
+            continue;
+        }
+        let out = cluster.kubectl(&["apply", "--dry-run=server", "-f", path.to_str().unwrap()]);
+        assert!(
+            out.status.success(),
+            "{name} failed server-side dry run:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        checked += 1;
+    }
+    assert!(
+        checked >= 3,
+        "expected rbac, server and agent manifests, checked {checked}"
+    );
+}
+
+#[test]
+fn http_connect_egress_configuration_is_accepted() {
+    // Same file with its TLS paths pointed at real files (the apiserver loads them).
+    let pki = tether_testkit::Pki::new();
+    let f = &pki.files;
+    let text = std::fs::read_to_string(deploy("egress-selector-configuration-httpconnect.yaml"))
+        .unwrap()
+        .replace(
+            "/etc/kubernetes/pki/konnectivity/ca.crt",
+            f.ca_cert.to_str().unwrap(),
+        )
+        .replace(
+            "/etc/kubernetes/pki/konnectivity/apiserver-client.crt",
+            f.frontend_cert.to_str().unwrap(),
+        )
+        .replace(
+            "/etc/kubernetes/pki/konnectivity/apiserver-client.key",
+            f.frontend_key.to_str().unwrap(),
+        );
+    let file = pki.dir().join("egress.yaml");
+    std::fs::write(&file, text).unwrap();
+    let cluster = Cluster::start(&Egress::File(file));
+    assert!(cluster
+        .kubectl(&["get", "--raw", "/readyz"])
+        .status
+        .success());
+}
