@@ -32,8 +32,10 @@ pub struct AgentConfig {
     pub server_host: String,
     /// Proxy server agent port.
     pub server_port: u16,
-    /// TLS to the server (CA and optional client certificate).
-    pub tls: Arc<rustls::ClientConfig>,
+    /// TLS to the server (CA and optional client certificate), reloaded on change.
+    pub tls: AgentTls,
+    /// How often certificate files are checked for changes (SIGHUP reloads at once).
+    pub cert_reload_interval: Duration,
     /// `agentid`.
     pub agent_id: String,
     /// `agentidentifiers` query string (validated).
@@ -50,6 +52,17 @@ pub struct AgentConfig {
     pub dial_timeout: Duration,
     /// Per-connection channel capacity (`--xfr-channel-size`).
     pub channel_size: usize,
+}
+
+/// The agent's TLS files.
+#[derive(Debug, Clone)]
+pub struct AgentTls {
+    /// CA bundle that signs the server certificate.
+    pub ca: PathBuf,
+    /// Client certificate and key, if the server wants one.
+    pub identity: Option<(PathBuf, PathBuf)>,
+    /// ALPN protocols offered.
+    pub alpn: Vec<Vec<u8>>,
 }
 
 impl std::fmt::Debug for AgentConfig {
@@ -91,20 +104,42 @@ pub enum LinkError {
 #[derive(Clone)]
 pub struct Agent {
     config: AgentConfig,
+    tls: Arc<tether_core::reload::Reloadable<rustls::ClientConfig>>,
     metrics: Metrics,
     open_conns: Arc<AtomicI64>,
     streams: Arc<AtomicI64>,
 }
 
 impl Agent {
-    /// A new agent (nothing runs until [`Agent::run`]).
-    pub fn new(config: AgentConfig) -> Self {
-        Agent {
+    /// A new agent (nothing runs until [`Agent::run`]); fails on unusable TLS files.
+    pub fn new(config: AgentConfig) -> Result<Self, tether_core::tls::TlsError> {
+        let metrics = Metrics::new();
+        let expiry = tether_core::metrics::CertExpiry::new(&metrics.registry);
+        let t = config.tls.clone();
+        let mut paths = vec![t.ca.clone()];
+        if let Some((c, k)) = &t.identity {
+            paths.extend([c.clone(), k.clone()]);
+        }
+        let tls = tether_core::reload::Reloadable::new(
+            "agent client TLS",
+            paths,
+            move || {
+                let alpn: Vec<&[u8]> = t.alpn.iter().map(Vec::as_slice).collect();
+                tether_core::tls::client_config(
+                    &t.ca,
+                    t.identity.as_ref().map(|(c, k)| (c.as_path(), k.as_path())),
+                    &alpn,
+                )
+            },
+            Some(Box::new(move |p: &[PathBuf]| expiry.observe_files(p))),
+        )?;
+        Ok(Agent {
             config,
-            metrics: Metrics::new(),
+            tls,
+            metrics,
             open_conns: Arc::new(AtomicI64::new(0)),
             streams: Arc::new(AtomicI64::new(0)),
-        }
+        })
     }
 
     /// The metrics registry.
@@ -153,6 +188,11 @@ impl Agent {
     /// Keeps a stream to the server up until `shutdown`. When `drain` is cancelled the
     /// agent sends DRAIN, refuses new dials, and returns once its connections finish.
     pub async fn run(&self, drain: CancellationToken, shutdown: CancellationToken) {
+        tether_core::reload::spawn_watcher(
+            vec![self.tls.clone() as Arc<dyn tether_core::reload::Reload>],
+            self.config.cert_reload_interval,
+            shutdown.clone(),
+        );
         let mut delay = self.config.sync_interval;
         loop {
             if shutdown.is_cancelled() || (drain.is_cancelled() && self.open_connections() == 0) {
@@ -191,13 +231,8 @@ impl Agent {
             keepalive: Some(cfg.keepalive),
             ..Default::default()
         };
-        let channel = grpc_channel_tls(
-            &cfg.server_host,
-            cfg.server_port,
-            cfg.tls.clone(),
-            &settings,
-        )
-        .await?;
+        let channel =
+            grpc_channel_tls(&cfg.server_host, cfg.server_port, self.tls.get(), &settings).await?;
         let (out_tx, out_rx) = mpsc::channel(cfg.channel_size);
         let mut request = tonic::Request::new(ReceiverStream::new(out_rx));
         let md = request.metadata_mut();

@@ -1,6 +1,9 @@
 //! PKI for Tether: a certificate authority that issues server and client leaf
-//! certificates (ECDSA P-256), written as PEM with private keys mode 0600, and the
+//! certificates (ECDSA P-256 by default, RSA on request), written as PEM with private
+//! keys mode 0600 or as Kubernetes Secret YAML, certificate inspection, and the
 //! throwaway bundle `tether local` and the tests use.
+
+pub mod inspect;
 
 use std::io::Write;
 use std::net::IpAddr;
@@ -11,6 +14,50 @@ use rcgen::{
     BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
     Issuer, KeyPair, KeyUsagePurpose, SanType,
 };
+
+/// Key type for new certificates.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum KeyAlgorithm {
+    /// ECDSA on P-256 with SHA-256 (default: small, fast, universally supported).
+    #[default]
+    EcdsaP256,
+    /// RSA 2048 with SHA-256, for peers that need RSA.
+    Rsa2048,
+    /// RSA 4096 with SHA-256.
+    Rsa4096,
+}
+
+impl std::str::FromStr for KeyAlgorithm {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "ecdsa" | "ecdsa-p256" => Ok(KeyAlgorithm::EcdsaP256),
+            "rsa" | "rsa-2048" => Ok(KeyAlgorithm::Rsa2048),
+            "rsa-4096" => Ok(KeyAlgorithm::Rsa4096),
+            other => Err(format!(
+                "unknown key algorithm {other:?} (use ecdsa-p256, rsa-2048 or rsa-4096)"
+            )),
+        }
+    }
+}
+
+impl KeyAlgorithm {
+    /// A new key pair of this type.
+    pub fn generate(self) -> Result<KeyPair, rcgen::Error> {
+        let bits = match self {
+            KeyAlgorithm::EcdsaP256 => return KeyPair::generate(),
+            KeyAlgorithm::Rsa2048 => 2048,
+            KeyAlgorithm::Rsa4096 => 4096,
+        };
+        use rsa::pkcs8::EncodePrivateKey;
+        let key = rsa::RsaPrivateKey::new(&mut rsa::rand_core::OsRng, bits)
+            .map_err(|_| rcgen::Error::KeyGenerationUnavailable)?;
+        let pem = key
+            .to_pkcs8_pem(rsa::pkcs8::LineEnding::LF)
+            .map_err(|_| rcgen::Error::KeyGenerationUnavailable)?;
+        KeyPair::from_pkcs8_pem_and_sign_algo(&pem, &rcgen::PKCS_RSA_SHA256)
+    }
+}
 
 /// Why a certificate could not be made or written.
 #[derive(Debug, thiserror::Error)]
@@ -24,6 +71,29 @@ pub enum CertError {
         /// What rcgen said.
         #[source]
         source: rcgen::Error,
+    },
+    /// A file could not be read.
+    #[error("cannot read {path}: {source} (check the path and permissions)")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A file holds something unusable.
+    #[error("{path}: {reason}")]
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong and what to do.
+        reason: String,
+    },
+    /// Refusing to replace an existing file.
+    #[error("{path} already exists; pass --force to overwrite it")]
+    Exists {
+        /// The file.
+        path: PathBuf,
     },
     /// A file could not be written.
     #[error("cannot write {path}: {source} (check the directory exists and is writable)")]
@@ -48,6 +118,10 @@ pub struct Pair {
 /// What a leaf certificate is for.
 #[derive(Debug, Clone, Default)]
 pub struct LeafSpec {
+    /// Key type.
+    pub algorithm: KeyAlgorithm,
+    /// Validity in days from now (0 = 365).
+    pub validity_days: u32,
     /// Subject CN.
     pub common_name: String,
     /// Subject O (Kubernetes groups).
@@ -73,8 +147,64 @@ impl std::fmt::Debug for Ca {
 }
 
 impl Ca {
-    /// A new self-signed CA named `common_name`.
+    /// A new self-signed ECDSA CA named `common_name`, valid ten years.
     pub fn new(common_name: &str) -> Result<Self, CertError> {
+        Self::new_with(common_name, KeyAlgorithm::EcdsaP256)
+    }
+
+    /// Loads an existing CA (e.g. the cluster's own) from PEM files.
+    pub fn load(cert_path: &Path, key_path: &Path) -> Result<Self, CertError> {
+        let read = |p: &Path| {
+            std::fs::read_to_string(p).map_err(|source| CertError::Read {
+                path: p.to_path_buf(),
+                source,
+            })
+        };
+        let cert_pem = read(cert_path)?;
+        let key_pem = read(key_path)?;
+        let bad = |why: String| CertError::Invalid {
+            path: key_path.to_path_buf(),
+            reason: why,
+        };
+        let key = KeyPair::from_pem(&key_pem)
+            .or_else(|_| KeyPair::from_pkcs8_pem_and_sign_algo(&key_pem, &rcgen::PKCS_RSA_SHA256))
+            .map_err(|e| {
+                bad(format!(
+                    "not a usable private key ({e}); give the CA key in PKCS#8 PEM"
+                ))
+            })?;
+        let parsed = inspect::parse_pem(&cert_pem).map_err(|reason| CertError::Invalid {
+            path: cert_path.to_path_buf(),
+            reason,
+        })?;
+        let first = parsed.first().ok_or_else(|| CertError::Invalid {
+            path: cert_path.to_path_buf(),
+            reason: "no CERTIFICATE block".into(),
+        })?;
+        if !first.is_ca {
+            return Err(CertError::Invalid {
+                path: cert_path.to_path_buf(),
+                reason: "not a CA certificate (basicConstraints CA:TRUE missing)".into(),
+            });
+        }
+        if first.public_key_der != rcgen::PublicKeyData::subject_public_key_info(&key) {
+            return Err(bad(format!(
+                "does not belong to the CA certificate {}",
+                cert_path.display()
+            )));
+        }
+        let issuer = Issuer::from_ca_cert_pem(&cert_pem, key).map_err(|e| CertError::Invalid {
+            path: cert_path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+        Ok(Ca {
+            pair: Pair { cert_pem, key_pem },
+            issuer,
+        })
+    }
+
+    /// A new self-signed CA of key type `alg`, valid ten years.
+    pub fn new_with(common_name: &str, alg: KeyAlgorithm) -> Result<Self, CertError> {
         let err = |source| CertError::Generate {
             name: common_name.to_string(),
             source,
@@ -87,7 +217,10 @@ impl Ca {
             KeyUsagePurpose::CrlSign,
             KeyUsagePurpose::DigitalSignature,
         ];
-        let key = KeyPair::generate().map_err(err)?;
+        let now = time::OffsetDateTime::now_utc();
+        params.not_before = now - time::Duration::hours(1);
+        params.not_after = now + time::Duration::days(3650);
+        let key = alg.generate().map_err(err)?;
         let cert = params.self_signed(&key).map_err(err)?;
         let pair = Pair {
             cert_pem: cert.pem(),
@@ -134,7 +267,18 @@ impl Ca {
                 .push(ExtendedKeyUsagePurpose::ClientAuth);
         }
         params.use_authority_key_identifier_extension = true;
-        let key = KeyPair::generate().map_err(err)?;
+        let now = time::OffsetDateTime::now_utc();
+        let days = if spec.validity_days == 0 {
+            365
+        } else {
+            spec.validity_days
+        };
+        params.not_before = now - time::Duration::hours(1);
+        params.not_after = now + time::Duration::days(i64::from(days));
+        params.serial_number = Some(rcgen::SerialNumber::from_slice(
+            &rand::random::<[u8; 16]>()[..],
+        ));
+        let key = spec.algorithm.generate().map_err(err)?;
         let cert = params.signed_by(&key, &self.issuer).map_err(err)?;
         Ok(Pair {
             cert_pem: cert.pem(),
@@ -267,5 +411,123 @@ mod tests {
         let pem = std::fs::read_to_string(&pki.server_cert).unwrap();
         assert!(pem.starts_with("-----BEGIN CERTIFICATE-----"));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+/// Where generated material goes: PEM files, or Kubernetes Secret YAML.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Format {
+    /// `NAME.crt` / `NAME.key` files (keys 0600).
+    #[default]
+    Files,
+    /// One `kubernetes.io/tls` Secret per pair, in `secrets.yaml` (0600).
+    Secret,
+}
+
+impl std::str::FromStr for Format {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "files" => Ok(Format::Files),
+            "secret" => Ok(Format::Secret),
+            other => Err(format!("unknown format {other:?} (use files or secret)")),
+        }
+    }
+}
+
+/// Writes generated material into a directory, never replacing a file unless `force`.
+#[derive(Debug)]
+pub struct Writer {
+    dir: PathBuf,
+    format: Format,
+    force: bool,
+    namespace: String,
+    secrets: String,
+    written: Vec<PathBuf>,
+}
+
+impl Writer {
+    /// A writer into `dir` (created if missing).
+    pub fn new(
+        dir: &Path,
+        format: Format,
+        force: bool,
+        namespace: &str,
+    ) -> Result<Self, CertError> {
+        std::fs::create_dir_all(dir).map_err(|source| CertError::Write {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+        Ok(Writer {
+            dir: dir.to_path_buf(),
+            format,
+            force,
+            namespace: namespace.to_string(),
+            secrets: String::new(),
+            written: Vec::new(),
+        })
+    }
+
+    fn target(&self, name: &str) -> Result<PathBuf, CertError> {
+        let path = self.dir.join(name);
+        if path.exists() && !self.force {
+            return Err(CertError::Exists { path });
+        }
+        Ok(path)
+    }
+
+    /// Checks up front that none of `names` exists (so nothing is half-written).
+    pub fn check_free(&self, names: &[String]) -> Result<(), CertError> {
+        let names: Vec<String> = match self.format {
+            Format::Files => names.to_vec(),
+            Format::Secret => vec!["secrets.yaml".into()],
+        };
+        for n in names {
+            self.target(&n)?;
+        }
+        Ok(())
+    }
+
+    /// A certificate and key named `name` (files `name.crt`/`name.key`, or Secret `name`).
+    pub fn pair(&mut self, name: &str, pair: &Pair, ca_pem: &str) -> Result<(), CertError> {
+        match self.format {
+            Format::Files => {
+                let cert = self.target(&format!("{name}.crt"))?;
+                let key = self.target(&format!("{name}.key"))?;
+                write_file(&cert, &pair.cert_pem, false)?;
+                write_file(&key, &pair.key_pem, true)?;
+                self.written.extend([cert, key]);
+            }
+            Format::Secret => {
+                use base64::Engine;
+                let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
+                self.secrets.push_str(&format!(
+                    "---\napiVersion: v1\nkind: Secret\nmetadata:\n  name: {name}\n  namespace: {}\ntype: kubernetes.io/tls\ndata:\n  tls.crt: {}\n  tls.key: {}\n  ca.crt: {}\n",
+                    self.namespace,
+                    b64(&pair.cert_pem),
+                    b64(&pair.key_pem),
+                    b64(ca_pem)
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// A plain file (certificate bundle, kubeconfig); `secret` files get mode 0600.
+    pub fn file(&mut self, name: &str, contents: &str, secret: bool) -> Result<(), CertError> {
+        let path = self.target(name)?;
+        write_file(&path, contents, secret)?;
+        self.written.push(path);
+        Ok(())
+    }
+
+    /// Flushes Secret YAML; returns every path written.
+    pub fn finish(mut self) -> Result<Vec<PathBuf>, CertError> {
+        if self.format == Format::Secret && !self.secrets.is_empty() {
+            let path = self.target("secrets.yaml")?;
+            write_file(&path, &self.secrets, true)?;
+            self.written.push(path);
+        }
+        Ok(self.written)
     }
 }

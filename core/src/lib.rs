@@ -10,6 +10,7 @@ pub mod identifiers;
 pub mod metrics;
 pub mod pump;
 pub mod ratelimit;
+pub mod reload;
 pub mod shutdown;
 pub mod tls;
 pub mod transport;

@@ -45,3 +45,58 @@ impl PacketCounters {
         }
     }
 }
+
+/// Warn this long before a loaded certificate expires.
+pub const EXPIRY_WARNING: i64 = 30 * 86_400;
+
+/// Publishes every loaded certificate's not-after as
+/// `tether_certificate_expiry_timestamp_seconds{path,subject}` and logs a warning when
+/// one expires within 30 days.
+#[derive(Clone)]
+pub struct CertExpiry {
+    gauge: prometheus::IntGaugeVec,
+}
+
+impl CertExpiry {
+    /// Registers the gauge in `registry`.
+    pub fn new(registry: &prometheus::Registry) -> Self {
+        let gauge = prometheus::IntGaugeVec::new(
+            prometheus::Opts::new(
+                "tether_certificate_expiry_timestamp_seconds",
+                "Not-after time (Unix seconds) of each loaded certificate.",
+            ),
+            &["path", "subject"],
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(gauge.clone()))
+            .expect("metric registered once");
+        CertExpiry { gauge }
+    }
+
+    /// Reads the certificates in `paths` (files without certificates, such as keys,
+    /// are skipped) and publishes their expiry.
+    pub fn observe_files(&self, paths: &[std::path::PathBuf]) {
+        let now = tether_certs::inspect::now();
+        for path in paths {
+            let Ok(pem) = std::fs::read_to_string(path) else {
+                continue;
+            };
+            let Ok(certs) = tether_certs::inspect::parse_pem(&pem) else {
+                continue;
+            };
+            for cert in certs {
+                let file = path.display().to_string();
+                self.gauge
+                    .with_label_values(&[&file, &cert.subject])
+                    .set(cert.not_after);
+                let left = cert.not_after - now;
+                if left < 0 {
+                    tracing::error!(path = %file, subject = %cert.subject, "certificate has EXPIRED; issue a new one (tether certs)");
+                } else if left < EXPIRY_WARNING {
+                    tracing::warn!(path = %file, subject = %cert.subject, days_left = left / 86_400, "certificate expires within 30 days; rotate it");
+                }
+            }
+        }
+    }
+}

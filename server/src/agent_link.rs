@@ -30,6 +30,50 @@ pub struct AgentLink {
     pub(crate) channel_size: usize,
     pub(crate) shutdown: CancellationToken,
     pub(crate) authenticator: Option<Arc<crate::auth::TokenAuthenticator>>,
+    pub(crate) require_identity_match: bool,
+}
+
+/// Checks that the agent's id and identifiers are what its client certificate names:
+/// the id and every `host` must be the certificate's CN or a DNS SAN, every
+/// `ipv4`/`ipv6` an IP SAN; `cidr` and `default-route` cannot be claimed at all.
+fn identity_matches(
+    cert: Option<&rustls_pki_types::CertificateDer<'_>>,
+    agent_id: &str,
+    ids: &AgentIdentifiers,
+) -> Result<(), String> {
+    let cert = cert.ok_or("no client certificate")?;
+    let info =
+        tether_certs::inspect::parse_der(cert).map_err(|e| format!("client certificate: {e}"))?;
+    let names: Vec<&str> = info
+        .common_name
+        .iter()
+        .map(String::as_str)
+        .chain(info.dns_sans.iter().map(String::as_str))
+        .collect();
+    if !names.iter().any(|n| n.eq_ignore_ascii_case(agent_id)) {
+        return Err(format!(
+            "agentid {agent_id:?} is not in the certificate (names {names:?})"
+        ));
+    }
+    if let Some(h) = ids
+        .hosts
+        .iter()
+        .find(|h| !names.iter().any(|n| n.eq_ignore_ascii_case(h)))
+    {
+        return Err(format!(
+            "identifier host={h} is not in the certificate (names {names:?})"
+        ));
+    }
+    if let Some(ip) = ids.ips.iter().find(|ip| !info.ip_sans.contains(ip)) {
+        return Err(format!(
+            "identifier {ip} is not an IP SAN of the certificate ({:?})",
+            info.ip_sans
+        ));
+    }
+    if !ids.cidrs.is_empty() || ids.default_route {
+        return Err("cidr and default-route identifiers cannot be bound to a certificate".into());
+    }
+    Ok(())
 }
 
 type PacketStream = Pin<Box<dyn Stream<Item = Result<Packet, Status>> + Send>>;
@@ -42,9 +86,9 @@ impl AgentService for AgentLink {
         &self,
         request: Request<Streaming<Packet>>,
     ) -> Result<Response<Self::ConnectStream>, Status> {
-        let peer = request
-            .extensions()
-            .get::<TlsConnectInfo>()
+        let conn_info = request.extensions().get::<TlsConnectInfo>().cloned();
+        let peer = conn_info
+            .as_ref()
             .map(|i| i.remote_addr.to_string())
             .unwrap_or_default();
         let md = request.metadata();
@@ -79,6 +123,16 @@ impl AgentService for AgentLink {
             .map(|q| AgentIdentifiers::parse(q, false).unwrap_or_default())
             .unwrap_or_default();
 
+        if self.require_identity_match {
+            let cert = conn_info
+                .as_ref()
+                .and_then(|i| i.peer_certs.as_ref())
+                .and_then(|c| c.first());
+            if let Err(why) = identity_matches(cert, &agent_id, &identifiers) {
+                tracing::warn!(%agent_id, %peer, reason = %why, "agent identity does not match its certificate; stream refused");
+                return Err(Status::permission_denied(why));
+            }
+        }
         let (tx, rx) = mpsc::channel(self.channel_size);
         let backend = Arc::new(Backend::new(agent_id.clone(), identifiers, tx));
         self.tunnel.add_backend(backend.clone());

@@ -92,6 +92,10 @@ pub struct ServerConfig {
     pub graceful_shutdown_timeout: Duration,
     /// Agent authentication by service-account token (TokenReview).
     pub agent_auth: Option<auth::TokenAuthConfig>,
+    /// Refuse agents whose agentid/identifiers are not in their client certificate.
+    pub require_agent_identity_match: bool,
+    /// How often certificate files are checked for changes (SIGHUP reloads at once).
+    pub cert_reload_interval: Duration,
 }
 
 /// Why the server could not start.
@@ -137,6 +141,7 @@ enum FrontendListener {
 
 /// The server, bound and ready to run.
 pub struct BoundServer {
+    reloadables: Vec<Arc<dyn tether_core::reload::Reload>>,
     authenticator: Option<Arc<auth::TokenAuthenticator>>,
     config: ServerConfig,
     tunnel: Arc<Tunnel>,
@@ -164,7 +169,25 @@ async fn bind_tcp(what: &'static str, addr: SocketAddr) -> Result<TcpListener, S
 impl Server {
     /// Loads TLS material and binds every listener.
     pub async fn bind(config: ServerConfig) -> Result<BoundServer, StartError> {
-        let agent_tls = transport::fixed(tls::server_config(&config.agent_tls, &[tls::ALPN_H2])?);
+        let metrics = metrics::Metrics::new();
+        let expiry = tether_core::metrics::CertExpiry::new(&metrics.registry);
+        let mut reloadables: Vec<Arc<dyn tether_core::reload::Reload>> = Vec::new();
+        let mut reloadable = |label: &str, files: &TlsFiles, alpn: &'static [&'static [u8]]| {
+            let mut paths = vec![files.cert.clone(), files.key.clone()];
+            paths.extend(files.ca.clone());
+            let build_files = files.clone();
+            let expiry = expiry.clone();
+            let r = tether_core::reload::Reloadable::new(
+                label,
+                paths,
+                move || tls::server_config(&build_files, alpn),
+                Some(Box::new(move |p: &[PathBuf]| expiry.observe_files(p))),
+            )?;
+            reloadables.push(r.clone());
+            let source: ServerConfigSource = Arc::new(move || r.get());
+            Ok::<_, StartError>(source)
+        };
+        let agent_tls = reloadable("agent listener", &config.agent_tls, &[tls::ALPN_H2])?;
         let agent_listener = bind_tcp("agent port", config.agent_addr).await?;
         let mut frontends = Vec::new();
         let mut frontend_addrs = Vec::new();
@@ -185,11 +208,11 @@ impl Server {
                     FrontendListener::Uds(l, path.clone())
                 }
                 Listen::Tcp { addr, tls: files } => {
-                    let alpn: &[&[u8]] = match fe.mode {
+                    let alpn: &'static [&'static [u8]] = match fe.mode {
                         Mode::Grpc => &[tls::ALPN_H2],
                         Mode::HttpConnect => &[tls::ALPN_HTTP11],
                     };
-                    let cfg = transport::fixed(tls::server_config(files, alpn)?);
+                    let cfg = reloadable("frontend", files, alpn)?;
                     let l = bind_tcp("frontend port", *addr).await?;
                     frontend_addrs.push(l.local_addr().map(|a| a.to_string()).unwrap_or_default());
                     FrontendListener::Tls(l, cfg)
@@ -211,7 +234,6 @@ impl Server {
             health: health.as_ref().and_then(|l| l.local_addr().ok()),
             admin: admin.as_ref().and_then(|l| l.local_addr().ok()),
         };
-        let metrics = metrics::Metrics::new();
         let authenticator = match &config.agent_auth {
             Some(a) => Some(Arc::new(
                 auth::TokenAuthenticator::new(a, metrics.token_reviews.clone()).await?,
@@ -220,6 +242,7 @@ impl Server {
         };
         let tunnel = Tunnel::new(config.tunnel.clone(), metrics);
         Ok(BoundServer {
+            reloadables,
             authenticator,
             config,
             tunnel,
@@ -249,6 +272,7 @@ impl BoundServer {
     /// returns.
     pub async fn run(self, shutdown: CancellationToken) {
         let BoundServer {
+            reloadables,
             authenticator,
             config,
             tunnel,
@@ -263,6 +287,11 @@ impl BoundServer {
         // shutdown; `hard_stop` ends them.
         let hard_stop = CancellationToken::new();
         let registry = tunnel.metrics.registry.clone();
+        tether_core::reload::spawn_watcher(
+            reloadables,
+            config.cert_reload_interval,
+            hard_stop.clone(),
+        );
 
         if let Some(l) = health {
             let t = tunnel.clone();
@@ -302,6 +331,7 @@ impl BoundServer {
             channel_size: config.channel_size,
             shutdown: hard_stop.clone(),
             authenticator,
+            require_identity_match: config.require_agent_identity_match,
         };
         let incoming =
             transport::tls_incoming(agent_listener, agent_tls, "agent", hard_stop.clone());

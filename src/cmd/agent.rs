@@ -82,6 +82,10 @@ pub struct AgentArgs {
     #[arg(long, default_value_t = 8094)]
     pub admin_server_port: u16,
 
+    /// How often certificate files are checked for changes (SIGHUP reloads at once).
+    #[arg(long, default_value = "1m", value_parser = duration)]
+    pub cert_reload_interval: Duration,
+
     #[command(flatten)]
     pub log: LogArgs,
 
@@ -139,12 +143,7 @@ impl AgentArgs {
                 .map(|p| p.as_bytes().to_vec())
                 .collect()
         };
-        let alpn_refs: Vec<&[u8]> = alpn.iter().map(Vec::as_slice).collect();
-        let tls = tether_core::tls::client_config(
-            &ca,
-            identity.as_ref().map(|(c, k)| (c.as_path(), k.as_path())),
-            &alpn_refs,
-        )?;
+        let tls = tether_agent::AgentTls { ca, identity, alpn };
         tether_core::tls::server_name(&self.proxy_server_host)
             .map_err(|e| anyhow::anyhow!("--proxy-server-host: {e}"))?;
         let token_path = (!self.service_account_token_path.is_empty())
@@ -170,6 +169,7 @@ impl AgentArgs {
             server_host: self.proxy_server_host.clone(),
             server_port: self.proxy_server_port,
             tls,
+            cert_reload_interval: self.cert_reload_interval,
             agent_id: if self.agent_id.is_empty() {
                 uuid::Uuid::new_v4().to_string()
             } else {
@@ -215,7 +215,7 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
             admin = %admin.local_addr()?,
             "agent starting"
         );
-        let agent = Agent::new(config);
+        let agent = Agent::new(config)?;
         let drain = CancellationToken::new();
         let shutdown = CancellationToken::new();
         agent.serve_health(health, shutdown.clone());

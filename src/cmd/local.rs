@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
-use tether_agent::{Agent, AgentConfig};
+use tether_agent::{Agent, AgentConfig, AgentTls};
 use tether_certs::DevPki;
 use tether_core::tls::TlsFiles;
 use tether_server::{FrontendConfig, Listen, Mode, Server, ServerConfig, Strategy, TunnelConfig};
@@ -101,6 +101,8 @@ async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()
         channel_size: 10,
         graceful_shutdown_timeout: Duration::from_secs(5),
         agent_auth: None,
+        require_agent_identity_match: false,
+        cert_reload_interval: Duration::from_secs(60),
     };
     let bound = Server::bind(config)
         .await
@@ -112,11 +114,12 @@ async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()
     let agent = Agent::new(AgentConfig {
         server_host: "127.0.0.1".into(),
         server_port: addrs.agent.port(),
-        tls: tether_core::tls::client_config(
-            &pki.ca_cert,
-            Some((&pki.agent_cert, &pki.agent_key)),
-            &[tether_core::tls::ALPN_H2],
-        )?,
+        tls: AgentTls {
+            ca: pki.ca_cert.clone(),
+            identity: Some((pki.agent_cert.clone(), pki.agent_key.clone())),
+            alpn: vec![tether_core::tls::ALPN_H2.to_vec()],
+        },
+        cert_reload_interval: Duration::from_secs(60),
         agent_id: "local-agent".into(),
         identifiers: "host=localhost&ipv4=127.0.0.1&default-route=true".into(),
         token_path: None,
@@ -125,7 +128,7 @@ async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()
         keepalive: Duration::from_secs(30),
         dial_timeout: Duration::from_secs(5),
         channel_size: 150,
-    });
+    })?;
     let agent_drain = CancellationToken::new();
     let agent_task = {
         let (agent, drain, stop) = (agent.clone(), agent_drain.clone(), shutdown.clone());

@@ -94,6 +94,14 @@ pub struct ServerArgs {
     #[arg(long, default_value = "0", value_parser = duration)]
     pub graceful_shutdown_timeout: Duration,
 
+    /// Refuse agents whose --agent-id or identifiers are not named by their client
+    /// certificate (see `tether certs agent`); needs --cluster-ca-cert.
+    #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
+    pub require_agent_identity_match: bool,
+    /// How often certificate files are checked for changes (SIGHUP reloads at once).
+    #[arg(long, default_value = "1m", value_parser = duration)]
+    pub cert_reload_interval: Duration,
+
     #[command(flatten)]
     pub log: LogArgs,
 
@@ -166,6 +174,12 @@ impl ServerArgs {
         let strategies = tether_server::parse_strategies(&self.proxy_strategies)
             .map_err(|e| anyhow::anyhow!("--proxy-strategies: {e}"))?;
         let agent_auth = self.agent_auth()?;
+        if self.require_agent_identity_match && self.cluster_ca_cert.is_empty() {
+            bail!("--require-agent-identity-match checks agent client certificates: also set --cluster-ca-cert");
+        }
+        if self.cert_reload_interval.is_zero() {
+            bail!("--cert-reload-interval must be positive (e.g. 1m)");
+        }
         let listen = if !self.uds_name.is_empty() {
             if self.server_port != 0 {
                 bail!(
@@ -256,6 +270,8 @@ impl ServerArgs {
             channel_size: self.xfr_channel_size,
             graceful_shutdown_timeout: self.graceful_shutdown_timeout,
             agent_auth,
+            require_agent_identity_match: self.require_agent_identity_match,
+            cert_reload_interval: self.cert_reload_interval,
         })
     }
 }

@@ -184,3 +184,22 @@ impl Pki {
         .expect("client TLS config")
     }
 }
+
+/// Writes a self-signed certificate that expired yesterday to `path`.
+pub fn write_expired_cert(path: &Path) {
+    let mut params = rcgen::CertificateParams::new(vec!["expired.test".to_string()]).unwrap();
+    let now = time::OffsetDateTime::now_utc();
+    params.not_before = now - time::Duration::days(30);
+    params.not_after = now - time::Duration::days(1);
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = params.self_signed(&key).unwrap();
+    std::fs::write(path, cert.pem()).unwrap();
+}
+
+/// Replaces `dst` with the contents of `src` atomically (write + rename), as a
+/// certificate manager would.
+pub fn replace_file(src: &Path, dst: &Path) {
+    let tmp = dst.with_extension("tmp");
+    std::fs::copy(src, &tmp).unwrap();
+    std::fs::rename(&tmp, dst).unwrap();
+}

@@ -112,6 +112,19 @@ impl Proc {
         }
     }
 
+    /// How many JSON log events so far have `message`.
+    pub fn count_events(&self, message: &str) -> usize {
+        self.log
+            .0
+            .lock()
+            .unwrap()
+            .lines
+            .iter()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .filter(|v| v["message"] == message)
+            .count()
+    }
+
     /// Does any log line so far contain `needle`?
     pub fn logged(&self, needle: &str) -> bool {
         self.log
