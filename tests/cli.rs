@@ -33,13 +33,13 @@ fn bad_flags_fail_with_one_clear_line() {
 
     let (ok, err) = run(&[
         "server",
-        "--enable-lease-controller",
+        "--enable-profiling",
         "--uds-name=/tmp/x.sock",
         "--server-port=0",
     ]);
     assert!(!ok);
     assert!(
-        error_line(&err).contains("--enable-lease-controller is an upstream flag"),
+        error_line(&err).contains("--enable-profiling is an upstream flag"),
         "{err}"
     );
 

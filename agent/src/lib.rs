@@ -5,9 +5,10 @@
 pub mod dialer;
 pub mod metrics;
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::http::StatusCode;
@@ -28,10 +29,15 @@ use crate::metrics::Metrics;
 /// Everything the agent needs, already validated.
 #[derive(Clone)]
 pub struct AgentConfig {
-    /// Proxy server host (DNS name or IP; also the TLS server name).
-    pub server_host: String,
-    /// Proxy server agent port.
-    pub server_port: u16,
+    /// Proxy server addresses (host, port); the host is also the TLS server name. One
+    /// load-balancer address or every server's own address.
+    pub servers: Vec<(String, u16)>,
+    /// Keep dialling even when the known server count is reached (new servers).
+    pub sync_forever: bool,
+    /// Count servers from their Leases (`--count-server-leases`).
+    pub lease_count: Option<LeaseCount>,
+    /// How the target number of servers is chosen.
+    pub count_source: CountSource,
     /// TLS to the server (CA and optional client certificate), reloaded on change.
     pub tls: AgentTls,
     /// How often certificate files are checked for changes (SIGHUP reloads at once).
@@ -54,6 +60,27 @@ pub struct AgentConfig {
     pub channel_size: usize,
 }
 
+/// Where server Leases are counted.
+#[derive(Debug, Clone)]
+pub struct LeaseCount {
+    /// Kubeconfig (`None` = in-cluster).
+    pub kubeconfig: Option<PathBuf>,
+    /// `--lease-namespace`.
+    pub namespace: String,
+    /// `--lease-label-selector`.
+    pub selector: String,
+}
+
+/// `--server-count-source`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CountSource {
+    /// Leases when counting leases, else the servers' `servercount` header.
+    #[default]
+    Default,
+    /// The larger of the two.
+    Max,
+}
+
 /// The agent's TLS files.
 #[derive(Debug, Clone)]
 pub struct AgentTls {
@@ -68,10 +95,7 @@ pub struct AgentTls {
 impl std::fmt::Debug for AgentConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("AgentConfig")
-            .field(
-                "server",
-                &format_args!("{}:{}", self.server_host, self.server_port),
-            )
+            .field("servers", &self.servers)
             .field("agent_id", &self.agent_id)
             .finish_non_exhaustive()
     }
@@ -108,6 +132,7 @@ pub struct Agent {
     metrics: Metrics,
     open_conns: Arc<AtomicI64>,
     streams: Arc<AtomicI64>,
+    header_count: Arc<AtomicI64>,
 }
 
 impl Agent {
@@ -139,6 +164,7 @@ impl Agent {
             metrics,
             open_conns: Arc::new(AtomicI64::new(0)),
             streams: Arc::new(AtomicI64::new(0)),
+            header_count: Arc::new(AtomicI64::new(1)),
         })
     }
 
@@ -185,54 +211,115 @@ impl Agent {
         );
     }
 
-    /// Keeps a stream to the server up until `shutdown`. When `drain` is cancelled the
-    /// agent sends DRAIN, refuses new dials, and returns once its connections finish.
+    /// Keeps one stream to every server up until `shutdown`: dials (round-robin over the
+    /// configured addresses) until it holds as many distinct server ids as there are
+    /// servers, closing duplicates. When `drain` is cancelled every stream sends DRAIN,
+    /// new dials are refused, and `run` returns once the connections have finished.
     pub async fn run(&self, drain: CancellationToken, shutdown: CancellationToken) {
         tether_core::reload::spawn_watcher(
             vec![self.tls.clone() as Arc<dyn tether_core::reload::Reload>],
             self.config.cert_reload_interval,
             shutdown.clone(),
         );
+        let sessions: Arc<Mutex<HashMap<String, CancellationToken>>> = Arc::default();
+        let ended = Arc::new(tokio::sync::Notify::new());
+        let mut leases = match &self.config.lease_count {
+            Some(lc) => match tether_core::kubeclient::client(lc.kubeconfig.as_deref()).await {
+                Ok(c) => Some(LeaseCounter::new(c, lc)),
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot count server leases; using the servers' servercount");
+                    None
+                }
+            },
+            None => None,
+        };
         let mut delay = self.config.sync_interval;
+        let mut next = 0usize;
         loop {
             if shutdown.is_cancelled() || (drain.is_cancelled() && self.open_connections() == 0) {
-                return;
+                break;
             }
-            let started = tokio::time::Instant::now();
-            match self.session(&drain, &shutdown).await {
-                Ok(()) => return,
-                Err(e) => {
-                    tracing::warn!(error = %format!("{e:#}"), "proxy server stream down; reconnecting")
+            let have = sessions.lock().unwrap_or_else(|e| e.into_inner()).len() as i64;
+            let target = self.target_count(leases.as_mut()).await;
+            self.metrics.known_server_count.set(target);
+            let want_more = !drain.is_cancelled() && (have < target || self.config.sync_forever);
+            let mut backoff = false;
+            if want_more {
+                let (host, port) = &self.config.servers[next % self.config.servers.len()];
+                next = next.wrapping_add(1);
+                match self.establish(host, *port).await {
+                    Ok(est) => {
+                        let server_id = est.server_id.clone();
+                        let mut set = sessions.lock().unwrap_or_else(|e| e.into_inner());
+                        if set.contains_key(&server_id) {
+                            tracing::debug!(%server_id, %host, "already connected to this server; closing the duplicate stream");
+                            backoff = true;
+                        } else {
+                            let stop = shutdown.child_token();
+                            set.insert(server_id.clone(), stop.clone());
+                            drop(set);
+                            delay = self.config.sync_interval;
+                            let (this, sessions, ended, drain) =
+                                (self.clone(), sessions.clone(), ended.clone(), drain.clone());
+                            tokio::spawn(async move {
+                                if let Err(e) = this.serve(est, &drain, &stop).await {
+                                    tracing::warn!(%server_id, error = %format!("{e:#}"), "proxy server stream down; reconnecting");
+                                }
+                                sessions
+                                    .lock()
+                                    .unwrap_or_else(|e| e.into_inner())
+                                    .remove(&server_id);
+                                ended.notify_one();
+                            });
+                            continue;
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(%host, port, error = %format!("{e:#}"), "proxy server stream down; reconnecting");
+                        backoff = true;
+                    }
                 }
             }
-            if started.elapsed() > self.config.sync_interval_cap {
-                // The stream was up for a while: start backing off afresh.
-                delay = self.config.sync_interval;
-            }
-            let jitter = 1.0 + rand::rng().random_range(0.0..0.1);
-            let wait = delay.mul_f64(jitter);
-            tracing::debug!(?wait, "waiting before reconnecting");
+            let wait = if backoff {
+                let jitter = 1.0 + rand::rng().random_range(0.0..0.1);
+                let w = delay.mul_f64(jitter);
+                delay = delay.mul_f64(1.5).min(self.config.sync_interval_cap);
+                w
+            } else {
+                self.config.sync_interval
+            };
             tokio::select! {
                 _ = tokio::time::sleep(wait) => {}
-                _ = shutdown.cancelled() => return,
+                _ = ended.notified() => {}
+                _ = shutdown.cancelled() => break,
+                _ = wait_idle(&self.open_conns), if drain.is_cancelled() => {}
             }
-            delay = delay.mul_f64(1.5).min(self.config.sync_interval_cap);
+        }
+        for stop in sessions.lock().unwrap_or_else(|e| e.into_inner()).values() {
+            stop.cancel();
         }
     }
 
-    /// One stream to the server: Ok when the agent should stop, Err to reconnect.
-    async fn session(
-        &self,
-        drain: &CancellationToken,
-        shutdown: &CancellationToken,
-    ) -> Result<(), LinkError> {
+    async fn target_count(&self, leases: Option<&mut LeaseCounter>) -> i64 {
+        let header = self.header_count.load(Ordering::Relaxed).max(1);
+        let Some(leases) = leases else { return header };
+        let counted = leases.count().await;
+        match (self.config.count_source, counted) {
+            (_, None) => header,
+            (CountSource::Default, Some(n)) => n.max(1),
+            (CountSource::Max, Some(n)) => n.max(header),
+        }
+    }
+
+    /// Opens a stream to the server at `host:port` and reads its id and count.
+    async fn establish(&self, host: &str, port: u16) -> Result<Established, LinkError> {
         let cfg = &self.config;
         let settings = ChannelSettings {
             keepalive: Some(cfg.keepalive),
+            keepalive_timeout: cfg.keepalive.min(Duration::from_secs(20)),
             ..Default::default()
         };
-        let channel =
-            grpc_channel_tls(&cfg.server_host, cfg.server_port, self.tls.get(), &settings).await?;
+        let channel = grpc_channel_tls(host, port, self.tls.get(), &settings).await?;
         let (out_tx, out_rx) = mpsc::channel(cfg.channel_size);
         let mut request = tonic::Request::new(ReceiverStream::new(out_rx));
         let md = request.metadata_mut();
@@ -268,9 +355,30 @@ impl Agent {
         let server_count: i64 = single_header(response.metadata(), header::SERVER_COUNT)?
             .parse()
             .map_err(|_| LinkError::Protocol("servercount is not a number".into()))?;
-        self.metrics.known_server_count.set(server_count);
-        let mut inbound = response.into_inner();
+        self.header_count.store(server_count, Ordering::Relaxed);
+        Ok(Established {
+            server_id,
+            server_count,
+            out_tx,
+            inbound: response.into_inner(),
+        })
+    }
 
+    /// Serves one established stream until it fails (Err), the agent is drained and
+    /// idle, or `stop` (Ok).
+    async fn serve(
+        &self,
+        est: Established,
+        drain: &CancellationToken,
+        stop: &CancellationToken,
+    ) -> Result<(), LinkError> {
+        let cfg = &self.config;
+        let Established {
+            server_id,
+            server_count,
+            out_tx,
+            mut inbound,
+        } = est;
         let session = Session::new(
             out_tx,
             cfg.dial_timeout,
@@ -303,7 +411,7 @@ impl Agent {
                         tracing::info!("drained: no connections left");
                         return Ok(());
                     }
-                    _ = shutdown.cancelled() => return Ok(()),
+                    _ = stop.cancelled() => return Ok(()),
                 };
                 match packet {
                     Ok(Some(p)) => session.handle(p).await,
@@ -320,6 +428,76 @@ impl Agent {
         }
         .instrument(span)
         .await
+    }
+}
+
+/// A stream whose response headers have arrived.
+struct Established {
+    server_id: String,
+    server_count: i64,
+    out_tx: mpsc::Sender<tether_proto::Packet>,
+    inbound: tonic::Streaming<tether_proto::Packet>,
+}
+
+/// Counts live server Leases, at most every few seconds (one list per agent per
+/// interval, however often the sync loop runs).
+struct LeaseCounter {
+    api: kube::Api<k8s_openapi::api::coordination::v1::Lease>,
+    selector: String,
+    last: Option<(tokio::time::Instant, i64)>,
+}
+
+const LEASE_COUNT_TTL: Duration = Duration::from_secs(5);
+
+impl LeaseCounter {
+    fn new(client: kube::Client, lc: &LeaseCount) -> Self {
+        LeaseCounter {
+            api: kube::Api::namespaced(client, &lc.namespace),
+            selector: lc.selector.clone(),
+            last: None,
+        }
+    }
+
+    async fn count(&mut self) -> Option<i64> {
+        if let Some((at, n)) = self.last {
+            if at.elapsed() < LEASE_COUNT_TTL {
+                return Some(n);
+            }
+        }
+        match self
+            .api
+            .list(&kube::api::ListParams::default().labels(&self.selector))
+            .await
+        {
+            Ok(list) => {
+                let now = k8s_openapi::jiff::Timestamp::now();
+                let n = list.items.iter().filter(|l| lease_live(l, now)).count() as i64;
+                self.last = Some((tokio::time::Instant::now(), n));
+                Some(n)
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot list server leases");
+                self.last.map(|(_, n)| n)
+            }
+        }
+    }
+}
+
+fn lease_live(
+    lease: &k8s_openapi::api::coordination::v1::Lease,
+    now: k8s_openapi::jiff::Timestamp,
+) -> bool {
+    let Some(spec) = &lease.spec else {
+        return false;
+    };
+    match (&spec.renew_time, spec.lease_duration_seconds) {
+        (Some(renew), Some(secs)) => renew
+            .0
+            .checked_add(k8s_openapi::jiff::SignedDuration::from_secs(i64::from(
+                secs,
+            )))
+            .is_ok_and(|until| until > now),
+        _ => false,
     }
 }
 

@@ -7,6 +7,7 @@
 pub mod duration;
 pub mod health;
 pub mod identifiers;
+pub mod kubeclient;
 pub mod metrics;
 pub mod pump;
 pub mod ratelimit;

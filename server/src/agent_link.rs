@@ -26,7 +26,7 @@ use crate::tunnel::Tunnel;
 pub struct AgentLink {
     pub(crate) tunnel: Arc<Tunnel>,
     pub(crate) server_id: String,
-    pub(crate) server_count: u32,
+    pub(crate) server_count: Arc<std::sync::atomic::AtomicU32>,
     pub(crate) channel_size: usize,
     pub(crate) shutdown: CancellationToken,
     pub(crate) authenticator: Option<Arc<crate::auth::TokenAuthenticator>>,
@@ -170,7 +170,10 @@ impl AgentService for AgentLink {
         if let Ok(v) = MetadataValue::try_from(self.server_id.as_str()) {
             meta.insert(header::SERVER_ID, v);
         }
-        meta.insert(header::SERVER_COUNT, MetadataValue::from(self.server_count));
+        meta.insert(
+            header::SERVER_COUNT,
+            MetadataValue::from(self.server_count.load(std::sync::atomic::Ordering::Relaxed)),
+        );
         Ok(response)
     }
 }

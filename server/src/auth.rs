@@ -36,25 +36,7 @@ pub struct TokenAuthConfig {
     pub burst: u32,
 }
 
-/// Why the authenticator could not be built.
-#[derive(Debug, thiserror::Error)]
-pub enum AuthSetupError {
-    /// The kubeconfig could not be read or used.
-    #[error("--kubeconfig {path}: {source} (check the file is a valid kubeconfig)")]
-    Kubeconfig {
-        /// The file.
-        path: String,
-        /// What kube said.
-        #[source]
-        source: kube::config::KubeconfigError,
-    },
-    /// No kubeconfig and not running in a cluster.
-    #[error("no --kubeconfig given and no in-cluster configuration: {0}")]
-    InCluster(#[source] kube::config::InClusterError),
-    /// The client could not be built.
-    #[error("cannot build a Kubernetes client: {0}")]
-    Client(#[source] kube::Error),
-}
+pub use tether_core::kubeclient::KubeSetupError as AuthSetupError;
 
 /// Why an agent was refused.
 #[derive(Debug, thiserror::Error)]
@@ -98,27 +80,7 @@ impl TokenAuthenticator {
         config: &TokenAuthConfig,
         counter: IntCounterVec,
     ) -> Result<Self, AuthSetupError> {
-        let kube_config = match &config.kubeconfig {
-            Some(path) => {
-                let kc = kube::config::Kubeconfig::read_from(path).map_err(|source| {
-                    AuthSetupError::Kubeconfig {
-                        path: path.display().to_string(),
-                        source,
-                    }
-                })?;
-                kube::Config::from_custom_kubeconfig(
-                    kc,
-                    &kube::config::KubeConfigOptions::default(),
-                )
-                .await
-                .map_err(|source| AuthSetupError::Kubeconfig {
-                    path: path.display().to_string(),
-                    source,
-                })?
-            }
-            None => kube::Config::incluster().map_err(AuthSetupError::InCluster)?,
-        };
-        let client = kube::Client::try_from(kube_config).map_err(AuthSetupError::Client)?;
+        let client = tether_core::kubeclient::client(config.kubeconfig.as_deref()).await?;
         for result in ["authenticated", "cached", "rejected", "error"] {
             counter.with_label_values(&[result]);
         }

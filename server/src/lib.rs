@@ -9,6 +9,7 @@ pub mod agent_link;
 pub mod auth;
 pub mod backend;
 pub mod frontend;
+pub mod lease;
 pub mod metrics;
 pub mod tunnel;
 
@@ -96,6 +97,8 @@ pub struct ServerConfig {
     pub require_agent_identity_match: bool,
     /// How often certificate files are checked for changes (SIGHUP reloads at once).
     pub cert_reload_interval: Duration,
+    /// Publish a Lease and tell agents the number of live servers.
+    pub lease: Option<lease::LeaseConfig>,
 }
 
 /// Why the server could not start.
@@ -116,9 +119,9 @@ pub enum StartError {
     /// TLS material is unusable.
     #[error(transparent)]
     Tls(#[from] TlsError),
-    /// Agent authentication could not be set up.
+    /// The Kubernetes client (agent authentication, leases) could not be set up.
     #[error(transparent)]
-    Auth(#[from] auth::AuthSetupError),
+    Kube(#[from] tether_core::kubeclient::KubeSetupError),
 }
 
 /// What was bound, for logs and tests.
@@ -141,6 +144,7 @@ enum FrontendListener {
 
 /// The server, bound and ready to run.
 pub struct BoundServer {
+    lease_client: Option<kube::Client>,
     reloadables: Vec<Arc<dyn tether_core::reload::Reload>>,
     authenticator: Option<Arc<auth::TokenAuthenticator>>,
     config: ServerConfig,
@@ -240,8 +244,13 @@ impl Server {
             )),
             None => None,
         };
+        let lease_client = match &config.lease {
+            Some(l) => Some(tether_core::kubeclient::client(l.kubeconfig.as_deref()).await?),
+            None => None,
+        };
         let tunnel = Tunnel::new(config.tunnel.clone(), metrics);
         Ok(BoundServer {
+            lease_client,
             reloadables,
             authenticator,
             config,
@@ -272,6 +281,7 @@ impl BoundServer {
     /// returns.
     pub async fn run(self, shutdown: CancellationToken) {
         let BoundServer {
+            lease_client,
             reloadables,
             authenticator,
             config,
@@ -292,6 +302,17 @@ impl BoundServer {
             config.cert_reload_interval,
             hard_stop.clone(),
         );
+        let server_count = Arc::new(std::sync::atomic::AtomicU32::new(config.server_count));
+        let lease_task = match (lease_client, &config.lease) {
+            (Some(client), Some(cfg)) => Some(tokio::spawn(lease::run(
+                client,
+                cfg.clone(),
+                config.server_id.clone(),
+                server_count.clone(),
+                shutdown.clone(),
+            ))),
+            _ => None,
+        };
 
         if let Some(l) = health {
             let t = tunnel.clone();
@@ -327,7 +348,7 @@ impl BoundServer {
         let link = agent_link::AgentLink {
             tunnel: tunnel.clone(),
             server_id: config.server_id.clone(),
-            server_count: config.server_count,
+            server_count: server_count.clone(),
             channel_size: config.channel_size,
             shutdown: hard_stop.clone(),
             authenticator,
@@ -337,7 +358,7 @@ impl BoundServer {
             transport::tls_incoming(agent_listener, agent_tls, "agent", hard_stop.clone());
         let agent_server = tonic::transport::Server::builder()
             .http2_keepalive_interval(Some(config.agent_keepalive))
-            .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+            .http2_keepalive_timeout(Some(config.agent_keepalive.min(Duration::from_secs(20))))
             .initial_stream_window_size(Some(1 << 20))
             .initial_connection_window_size(Some(4 << 20))
             .add_service(
@@ -383,6 +404,10 @@ impl BoundServer {
         // new client can reach it.
         for path in sockets {
             let _ = std::fs::remove_file(path);
+        }
+        if let Some(task) = lease_task {
+            // Stop advertising this server before waiting for its tunnels to finish.
+            let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
         }
         let grace = config.graceful_shutdown_timeout;
         if !grace.is_zero() {

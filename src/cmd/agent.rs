@@ -18,7 +18,8 @@ const SYSTEM_CA: &str = "/etc/ssl/certs/ca-certificates.crt";
 /// Agent flags.
 #[derive(Args, Debug)]
 pub struct AgentArgs {
-    /// Proxy server host name or IP (also checked against its certificate).
+    /// Proxy server host name or IP (also checked against its certificate): one
+    /// load-balancer address, or a comma-separated list of servers (HOST or HOST:PORT).
     #[arg(long, default_value = "127.0.0.1")]
     pub proxy_server_host: String,
     /// Proxy server agent port.
@@ -54,7 +55,8 @@ pub struct AgentArgs {
     /// Accepted for compatibility (readiness is tracked per stream).
     #[arg(long, default_value = "1s", value_parser = duration)]
     pub probe_interval: Duration,
-    /// Keep reconnecting forever (Tether always does).
+    /// Keep dialling even when connected to every known server (finds new servers
+    /// behind a load balancer when their count is not announced).
     #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
     pub sync_forever: bool,
     /// HTTP/2 keepalive interval to the server.
@@ -89,37 +91,61 @@ pub struct AgentArgs {
     #[command(flatten)]
     pub log: LogArgs,
 
-    // Upstream flags accepted by name but not implemented yet: giving them fails.
-    #[arg(long, hide = true, value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
-    count_server_leases: Option<bool>,
-    #[arg(long, hide = true)]
-    kubeconfig: Option<String>,
-    /// Used with --count-server-leases (not implemented yet).
-    #[arg(long, default_value = "kube-system", hide = true)]
-    lease_namespace: String,
-    /// Used with --count-server-leases (not implemented yet).
-    #[arg(long, default_value = "k8s-app=konnectivity-server", hide = true)]
-    lease_label_selector: String,
-    #[arg(long, hide = true)]
-    server_count_source: Option<String>,
+    /// Take the number of servers from their live Leases.
+    #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
+    pub count_server_leases: bool,
+    /// Kubeconfig for counting leases (empty = in-cluster configuration).
+    #[arg(long, default_value = "")]
+    pub kubeconfig: String,
+    /// Namespace of the servers' Leases.
+    #[arg(long, default_value = "kube-system")]
+    pub lease_namespace: String,
+    /// Label selector of the servers' Leases.
+    #[arg(long, default_value = "k8s-app=konnectivity-server")]
+    pub lease_label_selector: String,
+    /// default (leases when counting them, else the servers' servercount) or max.
+    #[arg(long, default_value = "default", value_parser = ["default", "max"])]
+    pub server_count_source: String,
+}
+
+/// Parses `--proxy-server-host`: `HOST`, `HOST:PORT`, `[V6]:PORT`, comma-separated.
+fn parse_servers(list: &str, default_port: u16) -> anyhow::Result<Vec<(String, u16)>> {
+    let mut out = Vec::new();
+    for entry in list.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+        let (host, port) = if let Some(rest) = entry.strip_prefix('[') {
+            let (h, p) = rest
+                .split_once(']')
+                .ok_or_else(|| anyhow::anyhow!("--proxy-server-host {entry:?}: missing ']'"))?;
+            let port = match p.strip_prefix(':') {
+                Some(p) => p
+                    .parse()
+                    .map_err(|_| anyhow::anyhow!("--proxy-server-host {entry:?}: bad port"))?,
+                None => default_port,
+            };
+            (h.to_string(), port)
+        } else {
+            match entry.rsplit_once(':') {
+                Some((h, p)) if !h.contains(':') => (
+                    h.to_string(),
+                    p.parse()
+                        .map_err(|_| anyhow::anyhow!("--proxy-server-host {entry:?}: bad port"))?,
+                ),
+                _ => (entry.to_string(), default_port),
+            }
+        };
+        tether_core::tls::server_name(&host)
+            .map_err(|e| anyhow::anyhow!("--proxy-server-host: {e}"))?;
+        out.push((host, port));
+    }
+    if out.is_empty() {
+        bail!("--proxy-server-host is empty");
+    }
+    Ok(out)
 }
 
 impl AgentArgs {
     /// Validates the flags into an [`AgentConfig`].
     pub fn config(&self) -> anyhow::Result<AgentConfig> {
-        super::reject_unsupported(&[
-            (
-                "count-server-leases",
-                self.count_server_leases == Some(true),
-            ),
-            ("kubeconfig", self.kubeconfig.is_some()),
-            (
-                "server-count-source",
-                self.server_count_source
-                    .as_deref()
-                    .is_some_and(|s| s != "default"),
-            ),
-        ])?;
         AgentIdentifiers::parse(&self.agent_identifiers, true)
             .map_err(|e| anyhow::anyhow!("--agent-identifiers: {e}"))?;
         let ca = if self.ca_cert.is_empty() {
@@ -144,8 +170,10 @@ impl AgentArgs {
                 .collect()
         };
         let tls = tether_agent::AgentTls { ca, identity, alpn };
-        tether_core::tls::server_name(&self.proxy_server_host)
-            .map_err(|e| anyhow::anyhow!("--proxy-server-host: {e}"))?;
+        let servers = parse_servers(&self.proxy_server_host, self.proxy_server_port)?;
+        if !self.kubeconfig.is_empty() && !self.count_server_leases {
+            bail!("--kubeconfig is only used with --count-server-leases");
+        }
         let token_path = (!self.service_account_token_path.is_empty())
             .then(|| PathBuf::from(&self.service_account_token_path));
         if let Some(p) = &token_path {
@@ -166,8 +194,18 @@ impl AgentArgs {
             bail!("--keepalive-time and --dial-timeout must be positive (e.g. 5s)");
         }
         Ok(AgentConfig {
-            server_host: self.proxy_server_host.clone(),
-            server_port: self.proxy_server_port,
+            servers,
+            sync_forever: self.sync_forever,
+            lease_count: self.count_server_leases.then(|| tether_agent::LeaseCount {
+                kubeconfig: (!self.kubeconfig.is_empty()).then(|| PathBuf::from(&self.kubeconfig)),
+                namespace: self.lease_namespace.clone(),
+                selector: self.lease_label_selector.clone(),
+            }),
+            count_source: if self.server_count_source == "max" {
+                tether_agent::CountSource::Max
+            } else {
+                tether_agent::CountSource::Default
+            },
             tls,
             cert_reload_interval: self.cert_reload_interval,
             agent_id: if self.agent_id.is_empty() {
@@ -210,7 +248,7 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
             .with_context(|| format!("cannot listen on admin port {admin}"))?;
         tracing::info!(
             agent_id = %config.agent_id,
-            server = %format!("{}:{}", config.server_host, config.server_port),
+            servers = ?config.servers,
             health = %health.local_addr()?,
             admin = %admin.local_addr()?,
             "agent starting"

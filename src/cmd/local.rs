@@ -103,6 +103,7 @@ async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()
         agent_auth: None,
         require_agent_identity_match: false,
         cert_reload_interval: Duration::from_secs(60),
+        lease: None,
     };
     let bound = Server::bind(config)
         .await
@@ -112,8 +113,10 @@ async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()
     let server_task = tokio::spawn(bound.run(shutdown.clone()));
 
     let agent = Agent::new(AgentConfig {
-        server_host: "127.0.0.1".into(),
-        server_port: addrs.agent.port(),
+        servers: vec![("127.0.0.1".into(), addrs.agent.port())],
+        sync_forever: false,
+        lease_count: None,
+        count_source: Default::default(),
         tls: AgentTls {
             ca: pki.ca_cert.clone(),
             identity: Some((pki.agent_cert.clone(), pki.agent_key.clone())),

@@ -128,14 +128,16 @@ pub struct ServerArgs {
     pub kube_api_content_type: String,
 
     // Upstream flags accepted by name but not implemented yet: giving them fails.
-    #[arg(long, hide = true, value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
-    enable_lease_controller: Option<bool>,
-    /// Used with --enable-lease-controller (not implemented yet).
-    #[arg(long, default_value = "kube-system", hide = true)]
-    lease_namespace: String,
-    /// Used with --enable-lease-controller (not implemented yet).
-    #[arg(long, default_value = "k8s-app=konnectivity-server", hide = true)]
-    lease_label: String,
+    /// Publish a Lease per server (konnectivity-proxy-server-<id>) and tell agents the
+    /// number of live servers; needs --kubeconfig or in-cluster configuration.
+    #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
+    pub enable_lease_controller: bool,
+    /// Namespace of the Leases.
+    #[arg(long, default_value = "kube-system")]
+    pub lease_namespace: String,
+    /// Labels of the Leases (key=value[,key=value]).
+    #[arg(long, default_value = "k8s-app=konnectivity-server")]
+    pub lease_label: String,
     #[arg(long, hide = true)]
     cipher_suites: Option<String>,
     #[arg(long, hide = true)]
@@ -154,10 +156,6 @@ impl ServerArgs {
     /// Validates the flags into a [`ServerConfig`].
     pub fn config(&self) -> anyhow::Result<ServerConfig> {
         super::reject_unsupported(&[
-            (
-                "enable-lease-controller",
-                self.enable_lease_controller == Some(true),
-            ),
             ("cipher-suites", self.cipher_suites.is_some()),
             (
                 "tls-min-version",
@@ -174,6 +172,18 @@ impl ServerArgs {
         let strategies = tether_server::parse_strategies(&self.proxy_strategies)
             .map_err(|e| anyhow::anyhow!("--proxy-strategies: {e}"))?;
         let agent_auth = self.agent_auth()?;
+        let lease = if self.enable_lease_controller {
+            Some(tether_server::lease::LeaseConfig {
+                namespace: self.lease_namespace.clone(),
+                labels: tether_server::lease::parse_labels(&self.lease_label)
+                    .map_err(|e| anyhow::anyhow!("--lease-label: {e}"))?,
+                kubeconfig: opt_path(&self.kubeconfig),
+                renew_interval: tether_server::lease::RENEW_INTERVAL,
+                duration: tether_server::lease::LEASE_DURATION,
+            })
+        } else {
+            None
+        };
         if self.require_agent_identity_match && self.cluster_ca_cert.is_empty() {
             bail!("--require-agent-identity-match checks agent client certificates: also set --cluster-ca-cert");
         }
@@ -272,6 +282,7 @@ impl ServerArgs {
             agent_auth,
             require_agent_identity_match: self.require_agent_identity_match,
             cert_reload_interval: self.cert_reload_interval,
+            lease,
         })
     }
 }
@@ -285,8 +296,8 @@ impl ServerArgs {
         ];
         let set = parts.iter().filter(|p| !p.is_empty()).count();
         if set == 0 {
-            if !self.kubeconfig.is_empty() {
-                bail!("--kubeconfig is only used for agent token authentication: also set --agent-namespace, --agent-service-account and --authentication-audience");
+            if !self.kubeconfig.is_empty() && !self.enable_lease_controller {
+                bail!("--kubeconfig is only used for agent token authentication or the lease controller: also set --agent-namespace, --agent-service-account and --authentication-audience, or --enable-lease-controller");
             }
             return Ok(None);
         }

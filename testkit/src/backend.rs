@@ -217,3 +217,58 @@ impl Default for Fnv {
         Self::new()
     }
 }
+
+/// A round-robin TCP load balancer on 127.0.0.1:0, as agents see in front of several
+/// servers. A target that refuses the connection is skipped for that client only
+/// (like an L4 balancer without health checks, the client sees a closed connection).
+#[derive(Debug)]
+pub struct LoadBalancer {
+    /// Where agents connect.
+    pub addr: SocketAddr,
+    targets: Arc<std::sync::Mutex<Vec<SocketAddr>>>,
+    task: JoinHandle<()>,
+}
+
+impl LoadBalancer {
+    /// Starts balancing over `targets`.
+    pub async fn new(targets: Vec<SocketAddr>) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let shared = Arc::new(std::sync::Mutex::new(targets));
+        let list = shared.clone();
+        let task = tokio::spawn(async move {
+            let mut next = 0usize;
+            while let Ok((mut client, _)) = listener.accept().await {
+                let target = {
+                    let l = list.lock().unwrap();
+                    if l.is_empty() {
+                        continue;
+                    }
+                    next = next.wrapping_add(1);
+                    l[next % l.len()]
+                };
+                tokio::spawn(async move {
+                    if let Ok(mut upstream) = tokio::net::TcpStream::connect(target).await {
+                        let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
+                    }
+                });
+            }
+        });
+        LoadBalancer {
+            addr,
+            targets: shared,
+            task,
+        }
+    }
+
+    /// Replaces the targets.
+    pub fn set_targets(&self, targets: Vec<SocketAddr>) {
+        *self.targets.lock().unwrap() = targets;
+    }
+}
+
+impl Drop for LoadBalancer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}

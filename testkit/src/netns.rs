@@ -42,6 +42,7 @@ pub struct Node {
     /// A pod IP inside the node, also private.
     pub pod_ip: String,
     host_if: String,
+    node_if: String,
 }
 
 impl Node {
@@ -108,6 +109,7 @@ impl Node {
             node_ip,
             pod_ip,
             host_if,
+            node_if,
         }
     }
 
@@ -138,6 +140,19 @@ impl Node {
             true
         });
         proc
+    }
+
+    /// Takes the node's link down (a partition: packets vanish, nothing is reset) or
+    /// back up.
+    pub fn set_link(&self, up: bool) {
+        ip(&[
+            "-n",
+            &self.ns,
+            "link",
+            "set",
+            &self.node_if,
+            if up { "up" } else { "down" },
+        ]);
     }
 
     /// `ip netns exec NS` + `program args`, as a prefix for spawning.

@@ -1,0 +1,178 @@
+//! The lease controller (`--enable-lease-controller`): every server publishes a
+//! coordination.k8s.io Lease `konnectivity-proxy-server-<id>` (30 s, renewed every
+//! 15 s), counts the live ones so the `servercount` it tells agents follows reality,
+//! garbage-collects expired leases, and deletes its own on shutdown.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+/// Lease validity.
+pub const LEASE_DURATION: Duration = Duration::from_secs(30);
+/// Renewal period.
+pub const RENEW_INTERVAL: Duration = Duration::from_secs(15);
+
+/// Where leases live.
+#[derive(Debug, Clone)]
+pub struct LeaseConfig {
+    /// `--lease-namespace`.
+    pub namespace: String,
+    /// `--lease-label` as key=value pairs.
+    pub labels: BTreeMap<String, String>,
+    /// `--kubeconfig`; `None` = in-cluster.
+    pub kubeconfig: Option<std::path::PathBuf>,
+    /// Renewal period (15 s; shorter in tests).
+    pub renew_interval: Duration,
+    /// Lease duration (30 s; shorter in tests).
+    pub duration: Duration,
+}
+
+/// Parses `k=v,k2=v2`.
+pub fn parse_labels(s: &str) -> Result<BTreeMap<String, String>, String> {
+    s.split(',')
+        .filter(|p| !p.trim().is_empty())
+        .map(|p| {
+            let (k, v) = p
+                .split_once('=')
+                .ok_or_else(|| format!("label {p:?} is not key=value"))?;
+            Ok((k.trim().to_string(), v.trim().to_string()))
+        })
+        .collect()
+}
+
+/// The label selector string for `labels`.
+pub fn selector(labels: &BTreeMap<String, String>) -> String {
+    labels
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Is `lease` still valid at `now`?
+pub fn is_live(lease: &Lease, now: Timestamp) -> bool {
+    let Some(spec) = &lease.spec else {
+        return false;
+    };
+    let (Some(renew), Some(secs)) = (&spec.renew_time, spec.lease_duration_seconds) else {
+        return false;
+    };
+    renew
+        .0
+        .checked_add(k8s_openapi::jiff::SignedDuration::from_secs(i64::from(
+            secs,
+        )))
+        .map(|until| until > now)
+        .unwrap_or(false)
+}
+
+/// Runs until `shutdown`, then deletes this server's lease. `live` receives the number
+/// of live leases after every renewal.
+pub async fn run(
+    client: kube::Client,
+    cfg: LeaseConfig,
+    server_id: String,
+    live: Arc<AtomicU32>,
+    shutdown: CancellationToken,
+) {
+    let api: Api<Lease> = Api::namespaced(client, &cfg.namespace);
+    let name = format!("konnectivity-proxy-server-{server_id}");
+    let span = tracing::info_span!("lease", %name, namespace = %cfg.namespace);
+    async {
+        loop {
+            if let Err(e) = renew(&api, &cfg, &name, &server_id).await {
+                tracing::warn!(error = %e, "cannot renew lease; retrying");
+            }
+            match count_and_collect(&api, &cfg, &name).await {
+                Ok(n) => live.store(n.max(1), Ordering::Relaxed),
+                Err(e) => tracing::warn!(error = %e, "cannot list leases"),
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(cfg.renew_interval) => {}
+                _ = shutdown.cancelled() => break,
+            }
+        }
+        match api.delete(&name, &DeleteParams::default()).await {
+            Ok(_) => tracing::info!("lease deleted"),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot delete lease on shutdown; it expires on its own")
+            }
+        }
+    }
+    .instrument(span)
+    .await
+}
+
+async fn renew(
+    api: &Api<Lease>,
+    cfg: &LeaseConfig,
+    name: &str,
+    server_id: &str,
+) -> Result<(), kube::Error> {
+    let now = MicroTime(Timestamp::now());
+    let spec = LeaseSpec {
+        holder_identity: Some(server_id.to_string()),
+        lease_duration_seconds: Some(cfg.duration.as_secs().max(1) as i32),
+        renew_time: Some(now.clone()),
+        ..Default::default()
+    };
+    match api.get_opt(name).await? {
+        Some(mut lease) => {
+            let mut s = lease.spec.take().unwrap_or_default();
+            s.holder_identity = spec.holder_identity;
+            s.lease_duration_seconds = spec.lease_duration_seconds;
+            s.renew_time = spec.renew_time;
+            lease.spec = Some(s);
+            api.replace(name, &PostParams::default(), &lease).await?;
+        }
+        None => {
+            let lease = Lease {
+                metadata: ObjectMeta {
+                    name: Some(name.to_string()),
+                    namespace: Some(cfg.namespace.clone()),
+                    labels: Some(cfg.labels.clone()),
+                    ..Default::default()
+                },
+                spec: Some(LeaseSpec {
+                    acquire_time: Some(now),
+                    ..spec
+                }),
+            };
+            api.create(&PostParams::default(), &lease).await?;
+            tracing::info!("lease created");
+        }
+    }
+    Ok(())
+}
+
+async fn count_and_collect(
+    api: &Api<Lease>,
+    cfg: &LeaseConfig,
+    own: &str,
+) -> Result<u32, kube::Error> {
+    let leases = api
+        .list(&ListParams::default().labels(&selector(&cfg.labels)))
+        .await?;
+    let now = Timestamp::now();
+    let mut live = 0;
+    for lease in leases {
+        let name = lease.metadata.name.clone().unwrap_or_default();
+        if is_live(&lease, now) || name == own {
+            live += 1;
+        } else {
+            tracing::info!(lease = %name, "garbage-collecting expired lease");
+            if let Err(e) = api.delete(&name, &DeleteParams::default()).await {
+                tracing::debug!(lease = %name, error = %e, "lease already gone");
+            }
+        }
+    }
+    Ok(live)
+}

@@ -1,0 +1,261 @@
+//! High availability: several servers, every agent holding one stream to each, through
+//! a load balancer or a list of addresses; servers going away and coming back; server
+//! counts from Leases on a real kube-apiserver; partitions found by keepalive.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use tether_client::Client;
+use tether_testkit::backend::{self, LoadBalancer};
+use tether_testkit::kube::{Cluster, Egress};
+use tether_testkit::netns::Node;
+use tether_testkit::{metric, wait_until, AgentProc, Pki, ServerProc, TempDir};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const BIN: &str = env!("CARGO_BIN_EXE_tether");
+
+fn bin() -> &'static Path {
+    Path::new(BIN)
+}
+
+fn server(pki: &Pki, dir: &Path, id: &str, extra: &[String]) -> ServerProc {
+    let f = &pki.files;
+    let mut args = vec![
+        format!("--server-id={id}"),
+        format!("--uds-name={}", dir.join(format!("{id}.sock")).display()),
+        "--server-port=0".into(),
+        format!("--cluster-cert={}", f.server_cert.display()),
+        format!("--cluster-key={}", f.server_key.display()),
+        format!("--cluster-ca-cert={}", f.ca_cert.display()),
+    ];
+    args.extend(extra.iter().cloned());
+    ServerProc::start(bin(), &args)
+}
+
+async fn streams(agent: &AgentProc) -> Option<f64> {
+    metric(
+        &agent.metrics().await,
+        "konnectivity_network_proxy_agent_open_server_connections",
+    )
+}
+
+async fn wait_streams(agents: &[AgentProc], n: f64) {
+    for a in agents {
+        wait_until(
+            &format!("agent holds {n} streams"),
+            Duration::from_secs(30),
+            || async move { (streams(a).await == Some(n)).then_some(()) },
+        )
+        .await;
+    }
+}
+
+async fn echo_roundtrip(socket: &Path, target: &str) -> Result<(), String> {
+    let client = Client::uds(socket).await.map_err(|e| e.to_string())?;
+    let mut c = client.dial(target).await.map_err(|e| e.to_string())?;
+    c.write_all(b"ha").await.map_err(|e| e.to_string())?;
+    let mut b = [0u8; 2];
+    c.read_exact(&mut b).await.map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_servers_five_agents_through_a_load_balancer() {
+    let pki = Pki::new();
+    let dir = TempDir::new("tether-ha");
+    let count = ["--server-count=3".to_string()];
+    let mut servers: Vec<ServerProc> = ["s1", "s2", "s3"]
+        .iter()
+        .map(|id| server(&pki, dir.path(), id, &count))
+        .collect();
+    let lb = LoadBalancer::new(servers.iter().map(|s| s.agent).collect()).await;
+    let agents: Vec<AgentProc> = (0..5)
+        .map(|i| {
+            AgentProc::start(
+                bin(),
+                &pki,
+                lb.addr,
+                &[
+                    format!("--agent-id=agent-{i}"),
+                    "--keepalive-time=2s".into(),
+                ],
+            )
+        })
+        .collect();
+    wait_streams(&agents, 3.0).await;
+    for s in &servers {
+        s.wait_agents(5).await;
+    }
+
+    // One server dies; agents notice within seconds and keep serving through the others.
+    let echo = backend::echo().await;
+    let target = echo.addr.to_string();
+    let s3_agent_port = servers[2].agent.port();
+    servers[2].proc.kill();
+    wait_streams(&agents, 2.0).await;
+    for s in &servers[..2] {
+        s.wait_agents(5).await;
+    }
+    let mut failures = 0;
+    for round in 0..20 {
+        let id = ["s1", "s2"][round % 2];
+        if echo_roundtrip(&dir.path().join(format!("{id}.sock")), &target)
+            .await
+            .is_err()
+        {
+            failures += 1;
+        }
+    }
+    assert_eq!(
+        failures, 0,
+        "dials failed after the agents noticed the dead server"
+    );
+
+    // It comes back (same address): the agents pick it up without a restart.
+    servers[2] = server(
+        &pki,
+        dir.path(),
+        "s3",
+        &[count[0].clone(), format!("--agent-port={s3_agent_port}")],
+    );
+    wait_streams(&agents, 3.0).await;
+    servers[2].wait_agents(5).await;
+    echo_roundtrip(&dir.path().join("s3.sock"), &target)
+        .await
+        .unwrap();
+    // No agent ever holds two streams to one server.
+    for a in &agents {
+        assert!(streams(a).await.unwrap() <= 3.0);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn agents_follow_server_leases() {
+    let pki = Pki::new();
+    let dir = TempDir::new("tether-leases");
+    let cluster = Cluster::start(&Egress::GrpcUds(dir.path().join("unused.sock")));
+    let kubeconfig = cluster.files.admin_kubeconfig.display().to_string();
+    // An expired lease left by a server that died long ago.
+    cluster.apply(
+        "apiVersion: coordination.k8s.io/v1\nkind: Lease\nmetadata:\n  name: konnectivity-proxy-server-ghost\n  namespace: kube-system\n  labels:\n    k8s-app: konnectivity-server\nspec:\n  holderIdentity: ghost\n  leaseDurationSeconds: 30\n  renewTime: \"2020-01-01T00:00:00.000000Z\"\n",
+    );
+    let lease_args = vec![
+        "--enable-lease-controller".to_string(),
+        format!("--kubeconfig={kubeconfig}"),
+        "--server-count=1".into(),
+    ];
+    let s1 = server(&pki, dir.path(), "s1", &lease_args);
+    let s2 = server(&pki, dir.path(), "s2", &lease_args);
+    let lb = LoadBalancer::new(vec![s1.agent, s2.agent]).await;
+    let agents: Vec<AgentProc> = (0..3)
+        .map(|i| {
+            AgentProc::start(
+                bin(),
+                &pki,
+                lb.addr,
+                &[
+                    format!("--agent-id=agent-{i}"),
+                    "--count-server-leases".into(),
+                    format!("--kubeconfig={kubeconfig}"),
+                ],
+            )
+        })
+        .collect();
+    wait_streams(&agents, 2.0).await;
+    let leases = cluster.kubectl_ok(&[
+        "get",
+        "leases",
+        "-n",
+        "kube-system",
+        "-l",
+        "k8s-app=konnectivity-server",
+        "-o",
+        "name",
+    ]);
+    assert!(
+        leases.contains("konnectivity-proxy-server-s1")
+            && leases.contains("konnectivity-proxy-server-s2"),
+        "{leases}"
+    );
+    assert!(
+        !leases.contains("ghost"),
+        "expired lease not garbage-collected: {leases}"
+    );
+
+    // A third server appears: its lease raises the count and agents open a third stream.
+    let mut s3 = server(&pki, dir.path(), "s3", &lease_args);
+    lb.set_targets(vec![s1.agent, s2.agent, s3.agent]);
+    wait_streams(&agents, 3.0).await;
+    for a in &agents {
+        let page = a.metrics().await;
+        assert_eq!(
+            metric(&page, "konnectivity_network_proxy_agent_known_server_count"),
+            Some(3.0)
+        );
+    }
+
+    // Graceful shutdown deletes the lease.
+    s3.proc.signal("TERM");
+    s3.proc
+        .wait_exit(Duration::from_secs(15))
+        .expect("server exits");
+    let leases = cluster.kubectl_ok(&["get", "leases", "-n", "kube-system", "-o", "name"]);
+    assert!(!leases.contains("konnectivity-proxy-server-s3"), "{leases}");
+    lb.set_targets(vec![s1.agent, s2.agent]);
+    wait_streams(&agents, 2.0).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn partitioned_agent_is_removed_by_keepalive() {
+    let node = Node::create();
+    let pki = Pki::with_sans(std::slice::from_ref(&node.host_ip));
+    let dir = TempDir::new("tether-partition");
+    let extra = [
+        "--agent-bind-address=0.0.0.0".to_string(),
+        "--keepalive-time=1s".into(),
+        "--server-count=2".into(),
+    ];
+    let s1 = server(&pki, dir.path(), "s1", &extra);
+    let s2 = server(&pki, dir.path(), "s2", &extra);
+    // No load balancer: the agent is given both servers' addresses.
+    let list = format!(
+        "{0}:{1},{0}:{2}",
+        node.host_ip,
+        s1.agent.port(),
+        s2.agent.port()
+    );
+    let first: SocketAddr = format!("{}:{}", node.host_ip, s1.agent.port())
+        .parse()
+        .unwrap();
+    let agent = AgentProc::start_in(
+        Some(&node),
+        bin(),
+        &pki,
+        first,
+        &[
+            format!("--proxy-server-host={list}"),
+            format!("--health-server-host={}", node.link_ip),
+            "--keepalive-time=1s".into(),
+        ],
+    );
+    wait_streams(std::slice::from_ref(&agent), 2.0).await;
+    s1.wait_agents(1).await;
+    s2.wait_agents(1).await;
+
+    node.set_link(false);
+    let started = std::time::Instant::now();
+    s1.wait_agents(0).await;
+    s2.wait_agents(0).await;
+    let detected = started.elapsed();
+    eprintln!("partition detected and stale streams removed after {detected:?}");
+    assert!(
+        detected < Duration::from_secs(15),
+        "stale streams removed only after {detected:?}"
+    );
+
+    // Healed: the agent reconnects to both on its own.
+    node.set_link(true);
+    s1.wait_agents(1).await;
+    s2.wait_agents(1).await;
+}
