@@ -237,16 +237,12 @@ async fn every_path_through_the_tunnel(frontend: Frontend) {
         .wait_event("upgrade closed", Duration::from_secs(10), |_| true);
 
     // Every connection was closed again.
-    let server = &e.server;
-    tether_testkit::wait_until("tunnels closed", Duration::from_secs(20), || async move {
-        let page = server.metrics().await;
-        (metric(
-            &page,
+    e.server
+        .wait_metric(
             "konnectivity_network_proxy_server_established_connections",
-        ) == Some(0.0))
-        .then_some(())
-    })
-    .await;
+            0.0,
+        )
+        .await;
     // logs, logs -f, three proxies, exec, port-forward: every one dialled by the agent.
     let page = node.agent.metrics().await;
     assert!(

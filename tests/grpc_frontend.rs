@@ -133,20 +133,12 @@ async fn five_hundred_concurrent_connections() {
     }))
     .await;
     drop(results);
-    let server = &s.server;
-    wait_until(
-        "all connections closed",
-        Duration::from_secs(20),
-        || async {
-            let page = server.metrics().await;
-            (metric(
-                &page,
-                "konnectivity_network_proxy_server_established_connections",
-            ) == Some(0.0))
-            .then_some(())
-        },
-    )
-    .await;
+    s.server
+        .wait_metric(
+            "konnectivity_network_proxy_server_established_connections",
+            0.0,
+        )
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -98,7 +98,7 @@ async fn three_servers_five_agents_through_a_load_balancer() {
         s.wait_agents(5).await;
     }
     let mut failures = 0;
-    for round in 0..20 {
+    for round in 0..60 {
         let id = ["s1", "s2"][round % 2];
         if echo_roundtrip(&dir.path().join(format!("{id}.sock")), &target)
             .await

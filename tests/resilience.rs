@@ -55,20 +55,12 @@ async fn agent_killed_mid_transfer_closes_connections_and_fails_pending_dial_fas
         let r = pending_client.dial(&target).await;
         (r.map(|_| ()), Instant::now())
     });
-    let server_ref = &server;
-    wait_until(
-        "the dial to be pending",
-        Duration::from_secs(10),
-        || async move {
-            let page = server_ref.metrics().await;
-            (metric(
-                &page,
-                "konnectivity_network_proxy_server_pending_backend_dials",
-            ) == Some(1.0))
-            .then_some(())
-        },
-    )
-    .await;
+    server
+        .wait_metric(
+            "konnectivity_network_proxy_server_pending_backend_dials",
+            1.0,
+        )
+        .await;
     // Keep bytes flowing on one connection while the agent dies.
     let mut busy = conns.pop().unwrap();
     let writer = tokio::spawn(async move {

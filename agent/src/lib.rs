@@ -471,7 +471,11 @@ impl LeaseCounter {
         {
             Ok(list) => {
                 let now = k8s_openapi::jiff::Timestamp::now();
-                let n = list.items.iter().filter(|l| lease_live(l, now)).count() as i64;
+                let n = list
+                    .items
+                    .iter()
+                    .filter(|l| tether_core::kubeclient::lease_is_live(l, now))
+                    .count() as i64;
                 self.last = Some((tokio::time::Instant::now(), n));
                 Some(n)
             }
@@ -480,24 +484,6 @@ impl LeaseCounter {
                 self.last.map(|(_, n)| n)
             }
         }
-    }
-}
-
-fn lease_live(
-    lease: &k8s_openapi::api::coordination::v1::Lease,
-    now: k8s_openapi::jiff::Timestamp,
-) -> bool {
-    let Some(spec) = &lease.spec else {
-        return false;
-    };
-    match (&spec.renew_time, spec.lease_duration_seconds) {
-        (Some(renew), Some(secs)) => renew
-            .0
-            .checked_add(k8s_openapi::jiff::SignedDuration::from_secs(i64::from(
-                secs,
-            )))
-            .is_ok_and(|until| until > now),
-        _ => false,
     }
 }
 

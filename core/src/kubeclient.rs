@@ -40,3 +40,22 @@ pub async fn client(kubeconfig: Option<&Path>) -> Result<kube::Client, KubeSetup
     };
     kube::Client::try_from(config).map_err(KubeSetupError::Client)
 }
+
+/// Is `lease` still held at `now` (renewTime + leaseDurationSeconds in the future)?
+pub fn lease_is_live(
+    lease: &k8s_openapi::api::coordination::v1::Lease,
+    now: k8s_openapi::jiff::Timestamp,
+) -> bool {
+    let Some(spec) = &lease.spec else {
+        return false;
+    };
+    match (&spec.renew_time, spec.lease_duration_seconds) {
+        (Some(renew), Some(secs)) => renew
+            .0
+            .checked_add(k8s_openapi::jiff::SignedDuration::from_secs(i64::from(
+                secs,
+            )))
+            .is_ok_and(|until| until > now),
+        _ => false,
+    }
+}

@@ -60,6 +60,10 @@ pub fn parse_strategies(s: &str) -> Result<Vec<Strategy>, String> {
 pub(crate) struct PendingDial {
     pub frontend: Arc<Frontend>,
     pub started: Instant,
+    /// The request, to send it to another agent if this one goes away unanswered.
+    pub request: tether_proto::DialRequest,
+    /// How often it was already re-dispatched.
+    pub attempts: u8,
 }
 
 #[derive(Default)]

@@ -57,22 +57,7 @@ pub fn selector(labels: &BTreeMap<String, String>) -> String {
         .join(",")
 }
 
-/// Is `lease` still valid at `now`?
-pub fn is_live(lease: &Lease, now: Timestamp) -> bool {
-    let Some(spec) = &lease.spec else {
-        return false;
-    };
-    let (Some(renew), Some(secs)) = (&spec.renew_time, spec.lease_duration_seconds) else {
-        return false;
-    };
-    renew
-        .0
-        .checked_add(k8s_openapi::jiff::SignedDuration::from_secs(i64::from(
-            secs,
-        )))
-        .map(|until| until > now)
-        .unwrap_or(false)
-}
+pub use tether_core::kubeclient::lease_is_live as is_live;
 
 /// Runs until `shutdown`, then deletes this server's lease. `live` receives the number
 /// of live leases after every renewal.

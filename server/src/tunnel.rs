@@ -15,6 +15,9 @@ use tracing::Instrument;
 use crate::backend::{Backend, PendingDial, Registry, Strategy};
 use crate::metrics::{DialFailure, Metrics, Segment};
 
+/// How often a dial whose agent vanished unanswered is sent to another agent.
+const MAX_REDISPATCH: u8 = 2;
+
 /// What a frontend tells a client when no agent can take a dial (upstream's text).
 pub const NO_AGENT: &str = "No agent available";
 
@@ -142,13 +145,28 @@ impl Tunnel {
             tracing::info!(address = %req.address, "no agent available for dial");
             return Err(DialError::NoAgent);
         };
+        self.send_dial(fe, req, backend, Instant::now(), 0).await;
+        Ok(())
+    }
+
+    /// Registers a pending dial on `backend` and sends it the DIAL_REQ.
+    async fn send_dial(
+        self: &Arc<Self>,
+        fe: &Arc<Frontend>,
+        req: DialRequest,
+        backend: Arc<Backend>,
+        started: Instant,
+        attempts: u8,
+    ) {
         let random = req.random;
-        tracing::debug!(address = %req.address, random, agent_id = %backend.agent_id, "dialing through agent");
+        tracing::debug!(address = %req.address, random, agent_id = %backend.agent_id, attempts, "dialing through agent");
         backend.state().pending.insert(
             random,
             PendingDial {
                 frontend: fe.clone(),
-                started: Instant::now(),
+                started,
+                request: req.clone(),
+                attempts,
             },
         );
         fe.routes().pending.insert(random, backend.clone());
@@ -158,23 +176,27 @@ impl Tunnel {
             payload: Some(Payload::DialRequest(req)),
         };
         if backend.closed.is_cancelled() || !self.to_agent(&backend, packet).await {
-            // The stream died under us; its removal fails every pending dial, this one
-            // included, unless it has already run.
-            self.fail_pending(
-                &backend,
-                random,
-                DialFailure::BackendClose,
-                "agent disconnected",
-            )
-            .await;
-            return Ok(());
+            // The stream is going away. Whoever takes the pending entry (this code or
+            // the stream's removal) re-dispatches it.
+            let pending = backend.state().pending.remove(&random);
+            if let Some(pending) = pending {
+                self.metrics.pending_backend_dials.dec();
+                fe.routes().pending.remove(&random);
+                self.redispatch(
+                    random,
+                    pending,
+                    format!("agent {} disconnected", backend.agent_id),
+                );
+            }
+            return;
         }
         if let Some(timeout) = self.config.backend_dial_timeout {
             let this = self.clone();
             tokio::spawn(
                 async move {
+                    let remaining = timeout.saturating_sub(started.elapsed());
                     tokio::select! {
-                        _ = tokio::time::sleep(timeout) => {}
+                        _ = tokio::time::sleep(remaining) => {}
                         _ = backend.closed.cancelled() => return,
                     }
                     if this
@@ -187,7 +209,37 @@ impl Tunnel {
                 .in_current_span(),
             );
         }
-        Ok(())
+    }
+
+    /// A dial whose agent went away before answering: the agent never opened the
+    /// connection for it, so it is sent to another eligible agent (a few times at most);
+    /// with none left, the frontend gets the error at once.
+    fn redispatch(self: &Arc<Self>, random: i64, pending: PendingDial, error: String) {
+        let this = self.clone();
+        tokio::spawn(
+            async move {
+                let fe = pending.frontend;
+                let next = (pending.attempts < MAX_REDISPATCH && !fe.tx.is_closed())
+                    .then(|| this.registry.select(&this.config.strategies, &pending.request.address))
+                    .flatten();
+                match next {
+                    Some(backend) => {
+                        tracing::info!(random, agent_id = %backend.agent_id, "agent went away before answering; dial sent to another agent");
+                        this.send_dial(&fe, pending.request, backend, pending.started, pending.attempts + 1)
+                            .await;
+                    }
+                    None => {
+                        this.metrics.dial_failed(DialFailure::BackendClose);
+                        let _ = tokio::time::timeout(
+                            Duration::from_secs(10),
+                            this.to_frontend(&fe, Packet::dial_response(random, 0, error)),
+                        )
+                        .await;
+                    }
+                }
+            }
+            .in_current_span(),
+        );
     }
 
     /// Removes a pending dial and tells its frontend it failed. False when it was no
@@ -400,12 +452,8 @@ impl Tunnel {
         let error = format!("agent {} disconnected", backend.agent_id);
         for (random, pending) in state.pending {
             self.metrics.pending_backend_dials.dec();
-            self.metrics.dial_failed(DialFailure::BackendClose);
             pending.frontend.routes().pending.remove(&random);
-            self.notify(
-                pending.frontend,
-                Packet::dial_response(random, 0, error.clone()),
-            );
+            self.redispatch(random, pending, error.clone());
         }
         for (connect_id, fe) in state.conns {
             self.metrics.established_connections.dec();

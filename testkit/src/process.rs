@@ -220,17 +220,21 @@ impl ServerProc {
         }
     }
 
-    /// Waits until `n` agent streams are connected (per /readyz detail and metrics).
+    /// Waits until `n` agent streams are connected.
     pub async fn wait_agents(&self, n: usize) {
+        self.wait_metric("konnectivity_network_proxy_server_ready_backends", n as f64)
+            .await
+    }
+
+    /// Waits until the metric sample `name` (with labels, as rendered) equals `value`.
+    pub async fn wait_metric(&self, name: &str, value: f64) {
         let health = self.health;
         crate::wait_until(
-            &format!("{n} agent(s) connected"),
+            &format!("{name} == {value}"),
             START_TIMEOUT,
             || async move {
                 let (_, page) = crate::http_get(health, "/metrics").await.ok()?;
-                let ready =
-                    crate::metric(&page, "konnectivity_network_proxy_server_ready_backends")?;
-                (ready as usize == n).then_some(())
+                (crate::metric(&page, name)? == value).then_some(())
             },
         )
         .await

@@ -1,0 +1,669 @@
+//! `tether-bench`: starts a Tether server and agent (mutual TLS on the agent link, real
+//! processes) and a backend on loopback, then measures, through each frontend (gRPC
+//! over UDS with the Rust client, HTTP-CONNECT over UDS), a direct connection and an
+//! OpenSSH `ssh -L` forward: throughput, round-trip latency, new-connection latency,
+//! dial rate, and the server's and agent's resident memory holding idle tunnels.
+//! Rounds are interleaved and medians reported; every figure is also a ratio to direct.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::Parser;
+use serde_json::{json, Value};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+/// Benchmark Tether against a direct connection and ssh -L.
+#[derive(Parser, Debug)]
+struct Args {
+    /// Bytes per single-connection transfer, in MiB.
+    #[arg(long, default_value_t = 512)]
+    size_mib: u64,
+    /// Interleaved rounds (medians are reported).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Idle tunnels held for the memory figures (also measured at 1,000).
+    #[arg(long, default_value_t = 10_000)]
+    idle_conns: usize,
+    /// Write the figures as JSON here.
+    #[arg(long, default_value = "bench-results.json")]
+    json: PathBuf,
+    /// The tether binary (default: next to this one).
+    #[arg(long)]
+    tether: Option<PathBuf>,
+    /// Skip the ssh -L comparison.
+    #[arg(long)]
+    no_ssh: bool,
+}
+
+trait Io: AsyncRead + AsyncWrite + Send + Unpin {}
+impl<T: AsyncRead + AsyncWrite + Send + Unpin> Io for T {}
+type Conn = Pin<Box<dyn Io>>;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Route {
+    Direct,
+    GrpcUds,
+    HttpConnectUds,
+    Ssh,
+}
+
+impl Route {
+    fn name(self) -> &'static str {
+        match self {
+            Route::Direct => "direct",
+            Route::GrpcUds => "tether grpc/uds",
+            Route::HttpConnectUds => "tether http-connect/uds",
+            Route::Ssh => "ssh -L",
+        }
+    }
+}
+
+/// A child process killed on drop.
+struct Proc(Child);
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+struct Env {
+    backend: SocketAddr,
+    connect_socket: PathBuf,
+    client: tether_client::Client,
+    ssh_port: Option<u16>,
+    grpc_server_pid: u32,
+    grpc_agent_pid: u32,
+    grpc_health: SocketAddr,
+    _procs: Vec<Proc>,
+}
+
+impl Env {
+    async fn connect(&self, route: Route, target: SocketAddr) -> anyhow::Result<Conn> {
+        Ok(match route {
+            Route::Direct => {
+                let s = tokio::net::TcpStream::connect(target).await?;
+                s.set_nodelay(true)?;
+                Box::pin(s)
+            }
+            Route::GrpcUds => Box::pin(self.client.dial(&target.to_string()).await?),
+            Route::HttpConnectUds => {
+                let mut s = tokio::net::UnixStream::connect(&self.connect_socket).await?;
+                s.write_all(
+                    format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n").as_bytes(),
+                )
+                .await?;
+                let mut head = Vec::new();
+                let mut b = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") {
+                    if s.read(&mut b).await? == 0 {
+                        bail!("CONNECT: closed");
+                    }
+                    head.push(b[0]);
+                }
+                if !head.starts_with(b"HTTP/1.1 200") {
+                    bail!("CONNECT: {}", String::from_utf8_lossy(&head));
+                }
+                Box::pin(s)
+            }
+            Route::Ssh => {
+                let port = self.ssh_port.context("ssh not set up")?;
+                let s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+                s.set_nodelay(true)?;
+                Box::pin(s)
+            }
+        })
+    }
+}
+
+// === backend ===
+
+/// 'D' n: sends n bytes; 'U' n: reads n bytes, answers one byte; 'E': echoes.
+async fn backend() -> SocketAddr {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            let _ = s.set_nodelay(true);
+            tokio::spawn(async move {
+                let mut cmd = [0u8; 1];
+                if s.read_exact(&mut cmd).await.is_err() {
+                    return;
+                }
+                match cmd[0] {
+                    b'D' | b'U' => {
+                        let Ok(n) = s.read_u64().await else { return };
+                        let mut buf = vec![0x42u8; 256 * 1024];
+                        let mut left = n;
+                        while left > 0 {
+                            let k = left.min(buf.len() as u64) as usize;
+                            let r = if cmd[0] == b'D' {
+                                s.write_all(&buf[..k]).await.map(|_| k)
+                            } else {
+                                s.read(&mut buf[..k]).await
+                            };
+                            match r {
+                                Ok(0) | Err(_) => return,
+                                Ok(got) => left -= got as u64,
+                            }
+                        }
+                        if cmd[0] == b'U' {
+                            let _ = s.write_all(b"k").await;
+                        }
+                        let _ = s.flush().await;
+                        let mut rest = [0u8; 1];
+                        let _ = s.read(&mut rest).await;
+                    }
+                    _ => {
+                        let (mut r, mut w) = s.split();
+                        let _ = tokio::io::copy(&mut r, &mut w).await;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+// === measurements ===
+
+async fn download(env: &Env, route: Route, n: u64) -> anyhow::Result<f64> {
+    let start = Instant::now();
+    let mut c = env.connect(route, env.backend).await?;
+    c.write_all(b"D").await?;
+    c.write_u64(n).await?;
+    let mut buf = vec![0u8; 256 * 1024];
+    let mut left = n;
+    while left > 0 {
+        let got = c.read(&mut buf).await?;
+        if got == 0 {
+            bail!("{}: closed with {left} bytes left", route.name());
+        }
+        left -= got as u64;
+    }
+    Ok(n as f64 / start.elapsed().as_secs_f64())
+}
+
+async fn upload(env: &Env, route: Route, n: u64) -> anyhow::Result<f64> {
+    let start = Instant::now();
+    let mut c = env.connect(route, env.backend).await?;
+    c.write_all(b"U").await?;
+    c.write_u64(n).await?;
+    let buf = vec![0x17u8; 256 * 1024];
+    let mut left = n;
+    while left > 0 {
+        let k = left.min(buf.len() as u64) as usize;
+        c.write_all(&buf[..k]).await?;
+        left -= k as u64;
+    }
+    let mut ack = [0u8; 1];
+    c.read_exact(&mut ack).await?;
+    Ok(n as f64 / start.elapsed().as_secs_f64())
+}
+
+async fn parallel(env: &Arc<Env>, route: Route, n: u64, conns: usize) -> anyhow::Result<f64> {
+    let start = Instant::now();
+    let each = n / conns as u64;
+    let results = futures::future::join_all((0..conns).map(|_| {
+        let env = env.clone();
+        async move { download(&env, route, each).await }
+    }))
+    .await;
+    for r in results {
+        r?;
+    }
+    Ok((each * conns as u64) as f64 / start.elapsed().as_secs_f64())
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+async fn rtt(env: &Env, route: Route, iters: usize) -> anyhow::Result<(f64, f64)> {
+    let mut c = env.connect(route, env.backend).await?;
+    c.write_all(b"E").await?;
+    let msg = [7u8; 64];
+    let mut buf = [0u8; 64];
+    let mut samples = Vec::with_capacity(iters);
+    for i in 0..iters + 50 {
+        let t = Instant::now();
+        c.write_all(&msg).await?;
+        c.read_exact(&mut buf).await?;
+        if i >= 50 {
+            samples.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    samples.sort_by(f64::total_cmp);
+    Ok((percentile(&samples, 0.5), percentile(&samples, 0.99)))
+}
+
+async fn one_new_connection(env: &Env, route: Route) -> anyhow::Result<f64> {
+    let t = Instant::now();
+    let mut c = env.connect(route, env.backend).await?;
+    c.write_all(b"Ex").await?;
+    let mut b = [0u8; 1];
+    c.read_exact(&mut b).await?;
+    drop(c);
+    Ok(t.elapsed().as_secs_f64() * 1e6)
+}
+
+async fn new_connections(env: &Env, route: Route, iters: usize) -> anyhow::Result<(f64, f64)> {
+    let mut samples = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        samples.push(one_new_connection(env, route).await?);
+    }
+    samples.sort_by(f64::total_cmp);
+    Ok((percentile(&samples, 0.5), percentile(&samples, 0.99)))
+}
+
+async fn dial_rate(
+    env: &Arc<Env>,
+    route: Route,
+    clients: usize,
+    for_how_long: Duration,
+) -> anyhow::Result<f64> {
+    let start = Instant::now();
+    let results = futures::future::join_all((0..clients).map(|_| {
+        let env = env.clone();
+        async move {
+            let mut n = 0u64;
+            while start.elapsed() < for_how_long {
+                one_new_connection(&env, route).await?;
+                n += 1;
+            }
+            Ok::<_, anyhow::Error>(n)
+        }
+    }))
+    .await;
+    let mut total = 0;
+    for r in results {
+        total += r?;
+    }
+    Ok(total as f64 / start.elapsed().as_secs_f64())
+}
+
+fn rss_mib(pid: u32) -> f64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok())
+        .map(|kb| kb / 1024.0)
+        .unwrap_or(f64::NAN)
+}
+
+async fn established(env: &Env) -> f64 {
+    let Ok(mut s) = tokio::net::TcpStream::connect(env.grpc_health).await else {
+        return f64::NAN;
+    };
+    let _ = s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").await;
+    let mut page = String::new();
+    let _ = s.read_to_string(&mut page).await;
+    page.lines()
+        .find_map(|l| l.strip_prefix("konnectivity_network_proxy_server_established_connections "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+async fn settle(env: &Env, want: f64) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while established(env).await != want && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// RSS of server and agent at idle, holding 1,000 and `max` idle tunnels, and after
+/// they close; twice, to show whether memory grows across rounds.
+async fn memory(env: &Env, max: usize) -> anyhow::Result<Value> {
+    let mut rounds = Vec::new();
+    for _ in 0..2 {
+        let idle = (rss_mib(env.grpc_server_pid), rss_mib(env.grpc_agent_pid));
+        let mut held = Vec::with_capacity(max);
+        let mut points = vec![json!({"tunnels": 0, "server_mib": idle.0, "agent_mib": idle.1})];
+        for target in [1_000usize.min(max), max] {
+            while held.len() < target {
+                let batch: Vec<_> = futures::future::join_all(
+                    (held.len()..target.min(held.len() + 200)).map(|_| async {
+                        let mut c = env.connect(Route::GrpcUds, env.backend).await?;
+                        c.write_all(b"E").await?;
+                        Ok::<_, anyhow::Error>(c)
+                    }),
+                )
+                .await;
+                for c in batch {
+                    held.push(c?);
+                }
+            }
+            settle(env, target as f64).await;
+            points.push(json!({"tunnels": target, "server_mib": rss_mib(env.grpc_server_pid), "agent_mib": rss_mib(env.grpc_agent_pid)}));
+        }
+        drop(held);
+        settle(env, 0.0).await;
+        points.push(json!({"tunnels": "closed", "server_mib": rss_mib(env.grpc_server_pid), "agent_mib": rss_mib(env.grpc_agent_pid)}));
+        rounds.push(Value::Array(points));
+    }
+    Ok(Value::Array(rounds))
+}
+
+// === set-up ===
+
+fn spawn_tether(bin: &Path, args: &[String]) -> anyhow::Result<(Proc, Value)> {
+    let mut child = Command::new(bin)
+        .args(args)
+        .arg("--log-format=json")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("cannot run {}", bin.display()))?;
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if let Ok(v) = serde_json::from_str::<Value>(&line) {
+                let _ = tx.send(v);
+            }
+        }
+    });
+    let proc = Proc(child);
+    loop {
+        let v = rx
+            .recv_timeout(Duration::from_secs(20))
+            .context("tether did not report readiness")?;
+        if v["message"] == "server listening" || v["message"] == "agent starting" {
+            return Ok((proc, v));
+        }
+    }
+}
+
+fn wait_connected(health: &str) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let ok = std::net::TcpStream::connect(health).ok().and_then(|mut s| {
+            use std::io::{Read, Write};
+            s.write_all(b"GET /readyz HTTP/1.0\r\n\r\n").ok()?;
+            let mut r = String::new();
+            s.read_to_string(&mut r).ok()?;
+            (r.split_whitespace().nth(1) == Some("200")).then_some(())
+        });
+        if ok.is_some() {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("agent did not connect");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A server (mode `mode` on `socket`) and an agent connected to it.
+fn start_pair(
+    bin: &Path,
+    pki: &tether_certs::DevPki,
+    mode: &str,
+    socket: &Path,
+) -> anyhow::Result<(Proc, Proc, Value)> {
+    let (server, ev) = spawn_tether(
+        bin,
+        &[
+            "server".into(),
+            format!("--mode={mode}"),
+            format!("--uds-name={}", socket.display()),
+            "--server-port=0".into(),
+            "--agent-port=0".into(),
+            "--agent-bind-address=127.0.0.1".into(),
+            "--health-port=0".into(),
+            "--health-bind-address=127.0.0.1".into(),
+            "--admin-port=0".into(),
+            format!("--cluster-cert={}", pki.server_cert.display()),
+            format!("--cluster-key={}", pki.server_key.display()),
+            format!("--cluster-ca-cert={}", pki.ca_cert.display()),
+        ],
+    )?;
+    let agent_addr: SocketAddr = ev["agent"].as_str().unwrap_or_default().parse()?;
+    let (agent, _) = spawn_tether(
+        bin,
+        &[
+            "agent".into(),
+            "--proxy-server-host=127.0.0.1".into(),
+            format!("--proxy-server-port={}", agent_addr.port()),
+            format!("--ca-cert={}", pki.ca_cert.display()),
+            format!("--agent-cert={}", pki.agent_cert.display()),
+            format!("--agent-key={}", pki.agent_key.display()),
+            "--health-server-host=127.0.0.1".into(),
+            "--health-server-port=0".into(),
+            "--admin-server-port=0".into(),
+        ],
+    )?;
+    wait_connected(ev["health"].as_str().unwrap_or_default())?;
+    Ok((server, agent, ev))
+}
+
+/// sshd on a private loopback port with throwaway keys, and `ssh -L` to `backend`.
+fn start_ssh(dir: &Path, backend: SocketAddr) -> anyhow::Result<(u16, Vec<Proc>)> {
+    let sshd = ["/usr/sbin/sshd", "/sbin/sshd"]
+        .into_iter()
+        .find(|p| Path::new(p).exists())
+        .context("sshd not found: run scripts/install-bench-deps.sh (openssh-server)")?;
+    for name in ["host_key", "client_key"] {
+        let _ = std::fs::remove_file(dir.join(name));
+        let ok = Command::new("ssh-keygen")
+            .args(["-q", "-t", "ed25519", "-N", "", "-f"])
+            .arg(dir.join(name))
+            .status()?
+            .success();
+        if !ok {
+            bail!("ssh-keygen failed");
+        }
+    }
+    std::fs::copy(dir.join("client_key.pub"), dir.join("authorized_keys"))?;
+    let port = free_port();
+    let config = format!(
+        "Port {port}\nListenAddress 127.0.0.1\nHostKey {0}/host_key\nAuthorizedKeysFile {0}/authorized_keys\nPidFile {0}/sshd.pid\nUsePAM no\nStrictModes no\nPermitRootLogin prohibit-password\nPasswordAuthentication no\nAllowTcpForwarding yes\n",
+        dir.display()
+    );
+    std::fs::write(dir.join("sshd_config"), config)?;
+    std::fs::create_dir_all("/run/sshd").ok();
+    let daemon = Proc(
+        Command::new(sshd)
+            .args(["-D", "-e", "-f"])
+            .arg(dir.join("sshd_config"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?,
+    );
+    wait_port(port)?;
+    let local = free_port();
+    let user = std::env::var("USER").unwrap_or_else(|_| "root".into());
+    let forward = Proc(
+        Command::new("ssh")
+            .args([
+                "-N",
+                "-o",
+                "StrictHostKeyChecking=no",
+                "-o",
+                "UserKnownHostsFile=/dev/null",
+                "-o",
+                "LogLevel=ERROR",
+                "-i",
+            ])
+            .arg(dir.join("client_key"))
+            .args([
+                "-p",
+                &port.to_string(),
+                "-L",
+                &format!("127.0.0.1:{local}:{backend}"),
+                &format!("{user}@127.0.0.1"),
+            ])
+            .stdin(Stdio::null())
+            .spawn()?,
+    );
+    wait_port(local)?;
+    Ok((local, vec![forward, daemon]))
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn wait_port(port: u16) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        if Instant::now() > deadline {
+            bail!("nothing listens on port {port}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        f64::NAN
+    } else {
+        v[v.len() / 2]
+    }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let bin = match &args.tether {
+        Some(p) => p.clone(),
+        None => std::env::current_exe()?.with_file_name("tether"),
+    };
+    if !bin.exists() {
+        bail!(
+            "{} not found: build it first (cargo build --release) or pass --tether",
+            bin.display()
+        );
+    }
+    let dir = std::env::temp_dir().join(format!("tether-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let pki = tether_certs::DevPki::generate(&dir.join("pki"))?;
+    let backend = backend().await;
+    let grpc_socket = dir.join("grpc.sock");
+    let connect_socket = dir.join("connect.sock");
+    let (gs, ga, gev) = start_pair(&bin, &pki, "grpc", &grpc_socket)?;
+    let (cs, ca, _) = start_pair(&bin, &pki, "http-connect", &connect_socket)?;
+    let mut procs = Vec::new();
+    let ssh_port = if args.no_ssh {
+        None
+    } else {
+        let (port, p) = start_ssh(&dir, backend)?;
+        procs.extend(p);
+        Some(port)
+    };
+    let (grpc_server_pid, grpc_agent_pid) = (gs.0.id(), ga.0.id());
+    procs.extend([gs, ga, cs, ca]);
+    let env = Arc::new(Env {
+        backend,
+        client: tether_client::Client::uds(&grpc_socket).await?,
+        connect_socket,
+        ssh_port,
+        grpc_server_pid,
+        grpc_agent_pid,
+        grpc_health: gev["health"].as_str().unwrap_or_default().parse()?,
+        _procs: procs,
+    });
+    let mut routes = vec![Route::Direct, Route::GrpcUds, Route::HttpConnectUds];
+    if env.ssh_port.is_some() {
+        routes.push(Route::Ssh);
+    }
+    let n = args.size_mib << 20;
+    let metrics = [
+        "download MiB/s",
+        "upload MiB/s",
+        "16 conns MiB/s",
+        "rtt p50 us",
+        "rtt p99 us",
+        "new conn p50 us",
+        "new conn p99 us",
+        "dials/s (64 clients)",
+    ];
+    let mut samples: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); metrics.len()]; routes.len()];
+    for round in 0..args.rounds {
+        eprintln!("round {}/{}", round + 1, args.rounds);
+        for (ri, &route) in routes.iter().enumerate() {
+            let s = &mut samples[ri];
+            s[0].push(download(&env, route, n).await? / 1048576.0);
+            s[1].push(upload(&env, route, n).await? / 1048576.0);
+            s[2].push(parallel(&env, route, n, 16).await? / 1048576.0);
+            let (p50, p99) = rtt(&env, route, 2000).await?;
+            s[3].push(p50);
+            s[4].push(p99);
+            let (p50, p99) = new_connections(&env, route, 300).await?;
+            s[5].push(p50);
+            s[6].push(p99);
+            s[7].push(dial_rate(&env, route, 64, Duration::from_secs(2)).await?);
+        }
+    }
+    let table: Vec<Vec<f64>> = samples
+        .into_iter()
+        .map(|m| m.into_iter().map(median).collect())
+        .collect();
+    println!(
+        "\nmedians of {} interleaved rounds, {} MiB transfers; (x) = ratio to direct",
+        args.rounds, args.size_mib
+    );
+    print!("{:<22}", "");
+    for r in &routes {
+        print!("{:>26}", r.name());
+    }
+    println!();
+    let mut out = serde_json::Map::new();
+    for (mi, name) in metrics.iter().enumerate() {
+        print!("{name:<22}");
+        let direct = table[0][mi];
+        let mut row = serde_json::Map::new();
+        for (ri, r) in routes.iter().enumerate() {
+            let v = table[ri][mi];
+            print!("{:>26}", format!("{v:.1} ({:.2}x)", v / direct));
+            row.insert(
+                r.name().into(),
+                json!({"value": v, "ratio_to_direct": v / direct}),
+            );
+        }
+        println!();
+        out.insert((*name).into(), Value::Object(row));
+    }
+    eprintln!(
+        "measuring memory with up to {} idle tunnels",
+        args.idle_conns
+    );
+    let mem = memory(&env, args.idle_conns).await?;
+    println!("\nresident memory (MiB), grpc/uds server and agent, two rounds:");
+    for round in mem.as_array().unwrap() {
+        for p in round.as_array().unwrap() {
+            println!(
+                "  tunnels {:>6}: server {:>7.1}  agent {:>7.1}",
+                p["tunnels"].to_string(),
+                p["server_mib"].as_f64().unwrap_or(f64::NAN),
+                p["agent_mib"].as_f64().unwrap_or(f64::NAN)
+            );
+        }
+    }
+    out.insert("memory".into(), mem);
+    std::fs::write(
+        &args.json,
+        serde_json::to_string_pretty(&Value::Object(out))?,
+    )?;
+    println!("\nwrote {}", args.json.display());
+    drop(env);
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
