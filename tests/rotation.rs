@@ -237,3 +237,73 @@ async fn certificates_close_to_expiry_are_reported() {
         .as_secs() as i64;
     assert!((not_after - now) <= 10 * 86_400 && not_after > now);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sighup_reloads_at_once() {
+    let pki = Pki::new();
+    let live = TempDir::new("tether-sighup");
+    let l = |n: &str| live.path().join(n);
+    replace_file(&pki.files.server_cert, &l("server.crt"));
+    replace_file(&pki.files.server_key, &l("server.key"));
+    let server = ServerProc::start(
+        bin(),
+        &[
+            format!("--uds-name={}", l("s.sock").display()),
+            "--server-port=0".into(),
+            format!("--cluster-cert={}", l("server.crt").display()),
+            format!("--cluster-key={}", l("server.key").display()),
+            // Polling effectively off: only the signal can trigger the reload.
+            "--cert-reload-interval=1h".into(),
+        ],
+    );
+    // A new leaf from the same CA.
+    let out = std::process::Command::new(BIN)
+        .args(["certs", "init", "--out"])
+        .arg(l("next"))
+        .args(["--server-san", "127.0.0.1", "--ca-cert"])
+        .arg(&pki.files.ca_cert)
+        .arg("--ca-key")
+        .arg(&pki.files.ca_key)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    replace_file(&l("next/server-agent.crt"), &l("server.crt"));
+    replace_file(&l("next/server-agent.key"), &l("server.key"));
+    let tls = pki.frontend_client_tls();
+    let agent_port = server.agent;
+    let presented = |tls| async move {
+        let s = tls_connect(agent_port, tls).await.unwrap();
+        s.get_ref().1.peer_certificates().unwrap()[0].to_vec()
+    };
+    let old_der = presented(tls.clone()).await;
+    assert_eq!(
+        old_der,
+        pem_der(&pki.files.server_cert),
+        "served the new certificate before SIGHUP"
+    );
+    server.proc.signal("HUP");
+    server.proc.wait_event(
+        "reloaded TLS material; new handshakes use it",
+        Duration::from_secs(10),
+        |_| true,
+    );
+    assert_eq!(presented(tls).await, pem_der(&l("server.crt")));
+}
+
+fn pem_der(path: &Path) -> Vec<u8> {
+    use base64::Engine;
+    let pem = std::fs::read_to_string(path).unwrap();
+    let b64: String = pem
+        .lines()
+        .skip_while(|l| !l.starts_with("-----BEGIN CERTIFICATE"))
+        .skip(1)
+        .take_while(|l| !l.starts_with("-----END"))
+        .collect();
+    base64::engine::general_purpose::STANDARD
+        .decode(b64)
+        .unwrap()
+}
