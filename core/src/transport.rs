@@ -26,11 +26,6 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// be replaced without restarting listeners).
 pub type ServerConfigSource = Arc<dyn Fn() -> Arc<rustls::ServerConfig> + Send + Sync>;
 
-/// A source that always returns `config`.
-pub fn fixed(config: Arc<rustls::ServerConfig>) -> ServerConfigSource {
-    Arc::new(move || config.clone())
-}
-
 /// Who is on the other end of an accepted TLS connection.
 #[derive(Debug, Clone)]
 pub struct TlsConnectInfo {

@@ -162,27 +162,6 @@ impl Registry {
         self.len() == 0
     }
 
-    /// Distinct agent ids connected.
-    pub fn agent_ids(&self) -> Vec<String> {
-        let mut ids: Vec<String> = self
-            .backends
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .map(|b| b.agent_id.clone())
-            .collect();
-        ids.sort();
-        ids.dedup();
-        ids
-    }
-
-    pub(crate) fn all(&self) -> Vec<Arc<Backend>> {
-        self.backends
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-    }
-
     /// Picks an agent for `address`: the first strategy with a candidate wins; among its
     /// candidates one is chosen at random, preferring agents that are not draining.
     pub fn select(&self, strategies: &[Strategy], address: &str) -> Option<Arc<Backend>> {

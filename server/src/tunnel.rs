@@ -178,10 +178,7 @@ impl Tunnel {
         if backend.closed.is_cancelled() || !self.to_agent(&backend, packet).await {
             // The stream is going away. Whoever takes the pending entry (this code or
             // the stream's removal) re-dispatches it.
-            let pending = backend.state().pending.remove(&random);
-            if let Some(pending) = pending {
-                self.metrics.pending_backend_dials.dec();
-                fe.routes().pending.remove(&random);
+            if let Some(pending) = self.take_pending(&backend, random) {
                 self.redispatch(
                     random,
                     pending,
@@ -230,11 +227,8 @@ impl Tunnel {
                     }
                     None => {
                         this.metrics.dial_failed(DialFailure::BackendClose);
-                        let _ = tokio::time::timeout(
-                            Duration::from_secs(10),
-                            this.to_frontend(&fe, Packet::dial_response(random, 0, error)),
-                        )
-                        .await;
+                        this.deliver(&fe, Packet::dial_response(random, 0, error))
+                            .await;
                     }
                 }
             }
@@ -251,12 +245,10 @@ impl Tunnel {
         reason: DialFailure,
         error: &str,
     ) -> bool {
-        let Some(pending) = backend.state().pending.remove(&random) else {
+        let Some(pending) = self.take_pending(backend, random) else {
             return false;
         };
-        self.metrics.pending_backend_dials.dec();
         self.metrics.dial_failed(reason);
-        pending.frontend.routes().pending.remove(&random);
         self.to_frontend(&pending.frontend, Packet::dial_response(random, 0, error))
             .await;
         true
@@ -300,11 +292,16 @@ impl Tunnel {
     pub async fn cancel_from_frontend(&self, fe: &Frontend, random: i64) {
         let backend = fe.routes().pending.remove(&random);
         if let Some(backend) = backend {
-            if backend.state().pending.remove(&random).is_some() {
-                self.metrics.pending_backend_dials.dec();
-                self.metrics.dial_failed(DialFailure::FrontendClose);
-                self.to_agent(&backend, Packet::close_dial(random)).await;
-            }
+            self.abandon_dial(&backend, random).await;
+        }
+    }
+
+    /// The frontend no longer wants dial `random`: take it off `backend` and tell the
+    /// agent with DIAL_CLS (unless the dial was answered or failed meanwhile).
+    async fn abandon_dial(&self, backend: &Backend, random: i64) {
+        if self.take_pending(backend, random).is_some() {
+            self.metrics.dial_failed(DialFailure::FrontendClose);
+            self.to_agent(backend, Packet::close_dial(random)).await;
         }
     }
 
@@ -312,11 +309,7 @@ impl Tunnel {
     pub async fn frontend_gone(&self, fe: &Frontend) {
         let routes = std::mem::take(&mut *fe.routes());
         for (random, backend) in routes.pending {
-            if backend.state().pending.remove(&random).is_some() {
-                self.metrics.pending_backend_dials.dec();
-                self.metrics.dial_failed(DialFailure::FrontendClose);
-                self.to_agent(&backend, Packet::close_dial(random)).await;
-            }
+            self.abandon_dial(&backend, random).await;
         }
         for (connect_id, backend) in routes.conns {
             if backend.state().conns.remove(&connect_id).is_some() {
@@ -336,8 +329,7 @@ impl Tunnel {
             Some(Payload::DialResponse(rsp)) => {
                 let (random, connect_id) = (rsp.random, rsp.connect_id);
                 let success = rsp.error.is_empty();
-                let pending = backend.state().pending.remove(&random);
-                let Some(pending) = pending else {
+                let Some(pending) = self.take_pending(backend, random) else {
                     self.metrics.dial_failed(DialFailure::UnrecognizedResponse);
                     if success {
                         // Nobody waits for it any more (cancelled or timed out): close it.
@@ -346,18 +338,15 @@ impl Tunnel {
                     }
                     return;
                 };
-                self.metrics.pending_backend_dials.dec();
                 let fe = pending.frontend;
                 if !success {
                     self.metrics.dial_failed(DialFailure::ErrorResponse);
-                    fe.routes().pending.remove(&random);
                     tracing::info!(agent_id = %backend.agent_id, error = %rsp.error, "agent failed to dial");
                     self.to_frontend(&fe, packet).await;
                     return;
                 }
                 let accepted = {
                     let mut routes = fe.routes();
-                    routes.pending.remove(&random);
                     match routes.conns.entry(connect_id) {
                         std::collections::hash_map::Entry::Occupied(_) => false,
                         std::collections::hash_map::Entry::Vacant(v) => {
@@ -418,11 +407,8 @@ impl Tunnel {
             }
             Some(Payload::CloseDial(cls)) => {
                 let random = cls.random;
-                let pending = backend.state().pending.remove(&random);
-                if let Some(pending) = pending {
-                    self.metrics.pending_backend_dials.dec();
+                if let Some(pending) = self.take_pending(backend, random) {
                     self.metrics.dial_failed(DialFailure::ErrorResponse);
-                    pending.frontend.routes().pending.remove(&random);
                     self.to_frontend(&pending.frontend, packet).await;
                 }
             }
@@ -451,8 +437,7 @@ impl Tunnel {
         let state = std::mem::take(&mut *backend.state());
         let error = format!("agent {} disconnected", backend.agent_id);
         for (random, pending) in state.pending {
-            self.metrics.pending_backend_dials.dec();
-            pending.frontend.routes().pending.remove(&random);
+            self.forget_pending(random, &pending);
             self.redispatch(random, pending, error.clone());
         }
         for (connect_id, fe) in state.conns {
@@ -462,22 +447,35 @@ impl Tunnel {
         }
     }
 
+    /// Takes dial `random` off `backend`'s pending table (and its frontend's routes);
+    /// `None` when someone else already did.
+    fn take_pending(&self, backend: &Backend, random: i64) -> Option<PendingDial> {
+        let pending = backend.state().pending.remove(&random)?;
+        self.forget_pending(random, &pending);
+        Some(pending)
+    }
+
+    /// Bookkeeping for a pending dial that left its backend's table.
+    fn forget_pending(&self, random: i64, pending: &PendingDial) {
+        self.metrics.pending_backend_dials.dec();
+        pending.frontend.routes().pending.remove(&random);
+    }
+
+    /// Hands `packet` to `fe`, giving up after 10 s (a stuck client must not hold a
+    /// task forever).
+    async fn deliver(&self, fe: &Frontend, packet: Packet) {
+        let _ = tokio::time::timeout(Duration::from_secs(10), self.to_frontend(fe, packet)).await;
+    }
+
     /// Delivers `packet` to `fe` without holding up the caller (a stuck client must not
     /// delay telling the others).
     fn notify(self: &Arc<Self>, fe: Arc<Frontend>, packet: Packet) {
         let this = self.clone();
         tokio::spawn(
             async move {
-                let _ =
-                    tokio::time::timeout(Duration::from_secs(10), this.to_frontend(&fe, packet))
-                        .await;
+                this.deliver(&fe, packet).await;
             }
             .in_current_span(),
         );
-    }
-
-    /// Every agent stream, e.g. to close them on shutdown.
-    pub fn backends(&self) -> Vec<Arc<Backend>> {
-        self.registry.all()
     }
 }

@@ -68,16 +68,6 @@ impl Proc {
         }
     }
 
-    /// The process id.
-    pub fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    /// Every stderr line so far.
-    pub fn lines(&self) -> Vec<String> {
-        self.log.0.lock().unwrap().lines.clone()
-    }
-
     /// Waits (blocking) for a JSON log event whose `message` equals `message` and for
     /// which `pred` holds; returns it. Panics with the log on timeout or exit.
     pub fn wait_event(

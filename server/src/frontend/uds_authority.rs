@@ -68,11 +68,6 @@ impl<S> AuthorityFix<S> {
         }
     }
 
-    /// The wrapped connection.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-
     /// Moves as much of `input` as can be handled into `output`.
     fn process(&mut self) -> io::Result<()> {
         loop {
