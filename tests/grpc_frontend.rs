@@ -8,7 +8,7 @@ use std::time::Duration;
 use futures::future::join_all;
 use tether_client::{Client, ClientError};
 use tether_proto::{packet::Payload, Packet};
-use tether_testkit::backend::{self, Fnv, Pattern};
+use tether_testkit::backend;
 use tether_testkit::process::{socket_path, uds_frontend_args};
 use tether_testkit::{metric, wait_until, AgentProc, Pki, ServerProc};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -39,69 +39,15 @@ async fn setup(extra_server: &[&str]) -> Setup {
     }
 }
 
-fn pattern_hash(seed: u64, n: u64) -> u64 {
-    let mut gen = Pattern::new(seed);
-    let mut sum = Fnv::new();
-    let mut buf = vec![0u8; 64 * 1024];
-    let mut left = n;
-    while left > 0 {
-        let k = left.min(buf.len() as u64) as usize;
-        gen.fill(&mut buf[..k]);
-        sum.update(&buf[..k]);
-        left -= k as u64;
-    }
-    sum.value()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sixty_four_mib_each_way_with_checksums() {
     let s = setup(&[]).await;
     let bulk = backend::bulk().await;
     let client = Client::uds(socket_path(s.pki.dir())).await.unwrap();
     let conn = client.dial(&bulk.addr.to_string()).await.unwrap();
-    const N: u64 = 64 << 20;
-    let (down_seed, up_seed) = (0x5eed_0001u64, 0x5eed_0002u64);
-    let (mut rd, mut wr) = tokio::io::split(conn);
-
-    let upload = tokio::spawn(async move {
-        let mut head = [0u8; 16];
-        head[..8].copy_from_slice(&down_seed.to_le_bytes());
-        head[8..].copy_from_slice(&N.to_le_bytes());
-        wr.write_all(&head).await.unwrap();
-        let mut gen = Pattern::new(up_seed);
-        let mut buf = vec![0u8; 64 * 1024];
-        let mut left = N;
-        while left > 0 {
-            let k = left.min(buf.len() as u64) as usize;
-            gen.fill(&mut buf[..k]);
-            wr.write_all(&buf[..k]).await.unwrap();
-            left -= k as u64;
-        }
-        wr
-    });
-    let mut sum = Fnv::new();
-    let mut buf = vec![0u8; 64 * 1024];
-    let mut left = N;
-    while left > 0 {
-        let k = left.min(buf.len() as u64) as usize;
-        let got = rd.read(&mut buf[..k]).await.unwrap();
-        assert!(got > 0, "tunnel closed with {left} bytes still to come");
-        sum.update(&buf[..got]);
-        left -= got as u64;
-    }
-    let mut remote_sum = [0u8; 8];
-    rd.read_exact(&mut remote_sum).await.unwrap();
-    let _wr = upload.await.unwrap();
-    assert_eq!(
-        sum.value(),
-        pattern_hash(down_seed, N),
-        "download corrupted"
-    );
-    assert_eq!(
-        u64::from_le_bytes(remote_sum),
-        pattern_hash(up_seed, N),
-        "upload corrupted"
-    );
+    backend::bulk_exchange(conn, 0x5eed_0001, 0x5eed_0002, 64 << 20, async {})
+        .await
+        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

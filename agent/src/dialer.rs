@@ -7,11 +7,12 @@ use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tether_core::pump::{splice, SpliceEnd};
+use tether_core::flow::{Admit, Credit, Window};
+use tether_core::pump::{splice, Flow, SpliceEnd};
 use tether_proto::{packet::Payload, DialRequest, Packet};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -22,8 +23,20 @@ pub(crate) const FROM_SERVER: usize = 0;
 pub(crate) const TO_SERVER: usize = 1;
 
 struct Conn {
-    /// DATA and CLOSE_REQ for the connection's pump, in arrival order.
-    tx: mpsc::Sender<Packet>,
+    /// DATA and CLOSE_REQ for the connection's pump, in arrival order (bounded by
+    /// `flow.window`, not by the channel).
+    tx: mpsc::UnboundedSender<Packet>,
+    flow: Arc<ConnFlow>,
+    /// Stops the connection's pump.
+    cancel: CancellationToken,
+}
+
+/// Flow control of one connection.
+struct ConnFlow {
+    /// Credit for DATA to the server (None: upstream server, no credit).
+    credit: Option<Credit>,
+    /// DATA from the server queued towards the target.
+    window: Window,
 }
 
 /// The connections of one agent stream.
@@ -34,7 +47,10 @@ pub(crate) struct Session {
     next_id: AtomicI64,
     draining: AtomicBool,
     dial_timeout: Duration,
-    channel_size: usize,
+    /// The server's per-connection receive window, when it does credit flow control.
+    peer_window: Option<u32>,
+    /// How long a connection's full queue may hold up the stream (upstream server).
+    stall_timeout: Duration,
     metrics: Metrics,
     /// Cancelled when the stream ends: every pump stops.
     pub(crate) closed: CancellationToken,
@@ -46,7 +62,8 @@ impl Session {
     pub(crate) fn new(
         out: mpsc::Sender<Packet>,
         dial_timeout: Duration,
-        channel_size: usize,
+        peer_window: Option<u32>,
+        stall_timeout: Duration,
         metrics: Metrics,
         open: Arc<AtomicI64>,
     ) -> Arc<Self> {
@@ -57,7 +74,8 @@ impl Session {
             next_id: AtomicI64::new(1),
             draining: AtomicBool::new(false),
             dial_timeout,
-            channel_size,
+            peer_window,
+            stall_timeout,
             metrics,
             closed: CancellationToken::new(),
             open,
@@ -91,10 +109,33 @@ impl Session {
             Some(Payload::DialRequest(req)) => self.dial(req).await,
             Some(Payload::Data(ref d)) => {
                 let connect_id = d.connect_id;
-                let tx = self.conns().get(&connect_id).map(|c| c.tx.clone());
-                match tx {
-                    // A failed send means the pump already ended and sent CLOSE_RSP.
-                    Some(tx) => drop(tx.send(packet).await),
+                let conn = self
+                    .conns()
+                    .get(&connect_id)
+                    .map(|c| (c.tx.clone(), c.flow.clone()));
+                match conn {
+                    Some((tx, flow)) => {
+                        match flow.window.admit(d.data.len(), self.stall_timeout).await {
+                            // A failed send means the pump already ended and sent CLOSE_RSP.
+                            Admit::Ok => drop(tx.send(packet)),
+                            Admit::Closed => {}
+                            Admit::Overrun => {
+                                tracing::warn!(connect_id, "server sent more than the flow-control window; closing the connection");
+                                self.abort(connect_id, "flow-control window exceeded").await;
+                            }
+                            Admit::Stalled => {
+                                tracing::warn!(connect_id, queued = flow.window.queued(), timeout = ?self.stall_timeout, "target stopped reading; closing the connection (--stalled-reader-timeout)");
+                                self.abort(
+                                    connect_id,
+                                    &format!(
+                                        "agent: target did not read for {:?}; connection closed",
+                                        self.stall_timeout
+                                    ),
+                                )
+                                .await;
+                            }
+                        }
+                    }
                     None => {
                         tracing::debug!(connect_id, "DATA for unknown connectID");
                         self.send(Packet::close_response(
@@ -108,7 +149,7 @@ impl Session {
             Some(Payload::CloseRequest(c)) => {
                 let tx = self.conns().get(&c.connect_id).map(|c| c.tx.clone());
                 match tx {
-                    Some(tx) => drop(tx.send(packet).await),
+                    Some(tx) => drop(tx.send(packet)),
                     None => {
                         self.send(Packet::close_response(
                             c.connect_id,
@@ -116,6 +157,12 @@ impl Session {
                         ))
                         .await;
                     }
+                }
+            }
+            Some(Payload::WindowUpdate(w)) => {
+                let flow = self.conns().get(&w.connect_id).map(|c| c.flow.clone());
+                if let Some(credit) = flow.as_ref().and_then(|f| f.credit.as_ref()) {
+                    credit.grant(w.bytes);
                 }
             }
             Some(Payload::CloseDial(c)) => {
@@ -218,8 +265,19 @@ impl Session {
         self.metrics
             .dial_duration
             .observe(started.elapsed().as_secs_f64());
-        let (tx, rx) = mpsc::channel(self.channel_size);
-        self.conns().insert(connect_id, Conn { tx });
+        let (tx, rx) = mpsc::unbounded_channel();
+        let flow = Arc::new(ConnFlow {
+            credit: self.peer_window.map(Credit::new),
+            window: Window::for_peer(self.peer_window.is_some()),
+        });
+        self.conns().insert(
+            connect_id,
+            Conn {
+                tx,
+                flow: flow.clone(),
+                cancel: cancel.clone(),
+            },
+        );
         self.metrics.open_endpoint_connections.inc();
         self.open.fetch_add(1, Ordering::Relaxed);
         if !self
@@ -232,10 +290,14 @@ impl Session {
         tracing::debug!("connected");
         let end = splice(
             stream,
-            ReceiverStream::new(rx),
+            UnboundedReceiverStream::new(rx),
             &self.out,
             connect_id,
             &cancel,
+            Flow {
+                send: flow.credit.as_ref(),
+                recv: Some(&flow.window),
+            },
         )
         .await;
         let error = match &end {
@@ -248,10 +310,27 @@ impl Session {
         }
     }
 
+    /// Closes `connect_id` from our side: its pump stops and the server gets CLOSE_RSP
+    /// with `error`.
+    async fn abort(&self, connect_id: i64, error: &str) {
+        let conn = self.conns().get(&connect_id).map(|c| c.cancel.clone());
+        if let Some(cancel) = conn {
+            cancel.cancel();
+            if self.finish(connect_id) {
+                self.send(Packet::close_response(connect_id, error)).await;
+            }
+        }
+    }
+
     /// Forgets `connect_id`; true when it was still registered.
     fn finish(&self, connect_id: i64) -> bool {
-        let removed = self.conns().remove(&connect_id).is_some();
-        if removed {
+        let conn = self.conns().remove(&connect_id);
+        let removed = conn.is_some();
+        if let Some(conn) = conn {
+            conn.flow.window.close();
+            if let Some(credit) = &conn.flow.credit {
+                credit.close();
+            }
             self.metrics.open_endpoint_connections.dec();
             self.open.fetch_sub(1, Ordering::Relaxed);
         }

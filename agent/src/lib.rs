@@ -56,8 +56,13 @@ pub struct AgentConfig {
     pub keepalive: Duration,
     /// Target dial timeout.
     pub dial_timeout: Duration,
-    /// Per-connection channel capacity (`--xfr-channel-size`).
+    /// Capacity of the stream's outbound packet channel (`--xfr-channel-size`).
     pub channel_size: usize,
+    /// Offer per-connection credit flow control to the server (`tether-flow-window`).
+    pub flow_control: bool,
+    /// With an upstream server: how long one connection's full queue may hold up the
+    /// stream before that connection is closed.
+    pub stall_timeout: Duration,
 }
 
 /// Where server Leases are counted.
@@ -347,6 +352,12 @@ impl Agent {
                 })?;
             md.insert(header::AUTHORIZATION, value);
         }
+        if cfg.flow_control {
+            md.insert(
+                header::FLOW_WINDOW,
+                MetadataValue::from(tether_core::flow::DEFAULT_WINDOW),
+            );
+        }
         let mut client = AgentServiceClient::new(channel)
             .max_decoding_message_size(16 << 20)
             .max_encoding_message_size(16 << 20);
@@ -356,9 +367,22 @@ impl Agent {
             .parse()
             .map_err(|_| LinkError::Protocol("servercount is not a number".into()))?;
         self.header_count.store(server_count, Ordering::Relaxed);
+        // Credit flow control only when we offered it and the server answered.
+        let peer_window = cfg
+            .flow_control
+            .then(|| {
+                tether_core::flow::parse_window(
+                    response
+                        .metadata()
+                        .get(header::FLOW_WINDOW)
+                        .and_then(|v| v.to_str().ok()),
+                )
+            })
+            .flatten();
         Ok(Established {
             server_id,
             server_count,
+            peer_window,
             out_tx,
             inbound: response.into_inner(),
         })
@@ -376,13 +400,15 @@ impl Agent {
         let Established {
             server_id,
             server_count,
+            peer_window,
             out_tx,
             mut inbound,
         } = est;
         let session = Session::new(
             out_tx,
             cfg.dial_timeout,
-            cfg.channel_size,
+            peer_window,
+            cfg.stall_timeout,
             self.metrics.clone(),
             self.open_conns.clone(),
         );
@@ -393,7 +419,7 @@ impl Agent {
             self.streams.clone(),
             self.metrics.open_server_connections.clone(),
         );
-        tracing::info!(%server_id, server_count, "connected to proxy server");
+        tracing::info!(%server_id, server_count, flow_control = peer_window.is_some(), "connected to proxy server");
 
         let span = tracing::info_span!("server_stream", %server_id);
         async {
@@ -435,6 +461,8 @@ impl Agent {
 struct Established {
     server_id: String,
     server_count: i64,
+    /// The server's per-connection window when it agreed to credit flow control.
+    peer_window: Option<u32>,
     out_tx: mpsc::Sender<tether_proto::Packet>,
     inbound: tonic::Streaming<tether_proto::Packet>,
 }

@@ -141,9 +141,15 @@ impl Client {
                     .take_while(|r| futures::future::ready(r.is_ok()))
                     .filter_map(|r| futures::future::ready(r.ok()));
                 let mut packets = Box::pin(packets);
-                let end =
-                    tether_core::pump::splice(pump_end, &mut packets, &tx, connect_id, &cancel)
-                        .await;
+                let end = tether_core::pump::splice(
+                    pump_end,
+                    &mut packets,
+                    &tx,
+                    connect_id,
+                    &cancel,
+                    Default::default(),
+                )
+                .await;
                 use tether_core::pump::SpliceEnd;
                 if matches!(end, SpliceEnd::LocalEof | SpliceEnd::LocalError(_)) {
                     // We closed: tell the server and wait (bounded) for its CLOSE_RSP.

@@ -5,6 +5,7 @@
 //! Depends on `tether-proto` only (plus libraries); knows nothing of servers or agents.
 
 pub mod duration;
+pub mod flow;
 pub mod health;
 pub mod identifiers;
 pub mod kubeclient;

@@ -3,8 +3,9 @@
 use prometheus::{IntCounter, IntCounterVec};
 use tether_proto::PacketType;
 
-/// Upstream's `packet_type` label values, indexed by the enum value.
-pub const PACKET_TYPES: [&str; 7] = [
+/// Upstream's `packet_type` label values, indexed by the enum value, then Tether's
+/// WINDOW_UPDATE extension.
+pub const PACKET_TYPES: [&str; 8] = [
     "DIAL_REQ",
     "DIAL_RSP",
     "CLOSE_REQ",
@@ -12,7 +13,16 @@ pub const PACKET_TYPES: [&str; 7] = [
     "DATA",
     "DIAL_CLS",
     "DRAIN",
+    "WINDOW_UPDATE",
 ];
+
+/// Index of a packet type in `PACKET_TYPES`.
+fn type_index(ty: PacketType) -> usize {
+    match ty {
+        PacketType::WindowUpdate => 7,
+        other => other as usize,
+    }
+}
 
 /// Per-packet counters resolved once, so counting a DATA packet costs one atomic add
 /// instead of a label lookup.
@@ -38,7 +48,7 @@ impl PacketCounters {
         if let Ok(ty) = PacketType::try_from(ty) {
             if let Some(c) = self
                 .counters
-                .get(segment * PACKET_TYPES.len() + ty as usize)
+                .get(segment * PACKET_TYPES.len() + type_index(ty))
             {
                 c.inc();
             }

@@ -10,6 +10,8 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use crate::flow::{Credit, Window};
+
 /// How much one socket read may take (and so the largest DATA packet we send).
 pub const READ_CHUNK: usize = 32 * 1024;
 
@@ -31,6 +33,16 @@ pub enum SpliceEnd {
     Cancelled,
 }
 
+/// Flow control of one spliced connection (see [`crate::flow`]).
+#[derive(Clone, Copy, Default)]
+pub struct Flow<'a> {
+    /// Credit for the DATA we send; `None` sends freely (upstream peer).
+    pub send: Option<&'a Credit>,
+    /// The receive window of the DATA we write: bytes written are reported to it, and
+    /// credit it hands back leaves as WINDOW_UPDATE. `None` when accounted elsewhere.
+    pub recv: Option<&'a Window>,
+}
+
 /// Pumps bytes both ways between `sock` and the tunnel until one side ends.
 pub async fn splice<S, In>(
     sock: S,
@@ -38,6 +50,7 @@ pub async fn splice<S, In>(
     out: &mpsc::Sender<Packet>,
     connect_id: i64,
     cancel: &CancellationToken,
+    flow: Flow<'_>,
 ) -> SpliceEnd
 where
     S: AsyncRead + AsyncWrite,
@@ -48,12 +61,20 @@ where
     let reading = async {
         let mut buf = BytesMut::with_capacity(READ_CHUNK);
         loop {
+            if let Some(credit) = flow.send {
+                if !credit.ready().await {
+                    return SpliceEnd::SinkGone;
+                }
+            }
             if buf.capacity() < READ_CHUNK / 4 {
                 buf.reserve(READ_CHUNK);
             }
             match rd.read_buf(&mut buf).await {
                 Ok(0) => return SpliceEnd::LocalEof,
-                Ok(_) => {
+                Ok(n) => {
+                    if let Some(credit) = flow.send {
+                        credit.spend(n);
+                    }
                     let chunk = buf.split().freeze();
                     if out.send(Packet::data(connect_id, chunk)).await.is_err() {
                         return SpliceEnd::SinkGone;
@@ -74,6 +95,16 @@ where
                     }
                     if let Err(e) = wr.write_all(&d.data).await {
                         return SpliceEnd::LocalError(e);
+                    }
+                    let grant = flow.recv.and_then(|w| w.consumed(d.data.len()));
+                    if let Some(bytes) = grant {
+                        if out
+                            .send(Packet::window_update(connect_id, bytes))
+                            .await
+                            .is_err()
+                        {
+                            return SpliceEnd::SinkGone;
+                        }
                     }
                 }
                 Some(Payload::CloseResponse(c)) => {
@@ -110,7 +141,15 @@ mod tests {
         let (out_tx, mut out_rx) = mpsc::channel(8);
         let cancel = CancellationToken::new();
         let task = tokio::spawn(async move {
-            splice(local, ReceiverStream::new(in_rx), &out_tx, 7, &cancel).await
+            splice(
+                local,
+                ReceiverStream::new(in_rx),
+                &out_tx,
+                7,
+                &cancel,
+                Flow::default(),
+            )
+            .await
         });
         in_tx.send(Packet::data(7, &b"hello "[..])).await.unwrap();
         in_tx.send(Packet::data(7, &b"world"[..])).await.unwrap();
@@ -130,7 +169,15 @@ mod tests {
         let (out_tx, mut out_rx) = mpsc::channel(8);
         let cancel = CancellationToken::new();
         let task = tokio::spawn(async move {
-            splice(local, ReceiverStream::new(in_rx), &out_tx, 9, &cancel).await
+            splice(
+                local,
+                ReceiverStream::new(in_rx),
+                &out_tx,
+                9,
+                &cancel,
+                Flow::default(),
+            )
+            .await
         });
         remote.write_all(b"abc").await.unwrap();
         remote.shutdown().await.unwrap();

@@ -23,6 +23,11 @@ pub mod header {
     pub const SERVER_ID: &str = "serverid";
     /// Server -> agent response header: how many servers the agent should connect to.
     pub const SERVER_COUNT: &str = "servercount";
+    /// Tether extension, both directions: "I do per-connection credit flow control
+    /// (WINDOW_UPDATE) and give each connection this many bytes of receive window".
+    /// Agent -> server in the request metadata; the server answers in its response
+    /// headers only when the agent sent it. Upstream peers neither send nor answer it.
+    pub const FLOW_WINDOW: &str = "tether-flow-window";
 }
 
 // === impl Packet ===
@@ -96,6 +101,17 @@ impl Packet {
         Packet {
             r#type: PacketType::Drain as i32,
             payload: Some(packet::Payload::Drain(Drain {})),
+        }
+    }
+
+    /// WINDOW_UPDATE: `bytes` more credit for connection `connect_id` (Tether extension).
+    pub fn window_update(connect_id: i64, bytes: i64) -> Self {
+        Packet {
+            r#type: PacketType::WindowUpdate as i32,
+            payload: Some(packet::Payload::WindowUpdate(WindowUpdate {
+                connect_id,
+                bytes,
+            })),
         }
     }
 

@@ -11,7 +11,7 @@ use tether_core::transport::TlsConnectInfo;
 use tether_proto::agent_service_server::AgentService;
 use tether_proto::{header, Packet};
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::wrappers::{ReceiverStream, UnboundedReceiverStream};
 use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
 use tonic::metadata::MetadataValue;
@@ -133,8 +133,25 @@ impl AgentService for AgentLink {
                 return Err(Status::permission_denied(why));
             }
         }
+        // Credit flow control when the agent offers it (Tether) and we allow it.
+        let peer_window = self
+            .tunnel
+            .flow_control()
+            .then(|| {
+                tether_core::flow::parse_window(
+                    md.get(header::FLOW_WINDOW).and_then(|v| v.to_str().ok()),
+                )
+            })
+            .flatten();
         let (tx, rx) = mpsc::channel(self.channel_size);
-        let backend = Arc::new(Backend::new(agent_id.clone(), identifiers, tx));
+        let (ctl, ctl_rx) = mpsc::unbounded_channel();
+        let backend = Arc::new(Backend::new(
+            agent_id.clone(),
+            identifiers,
+            tx,
+            ctl,
+            peer_window,
+        ));
         self.tunnel.add_backend(backend.clone());
         let grpc_gauge = self
             .tunnel
@@ -142,7 +159,7 @@ impl AgentService for AgentLink {
             .grpc_connections
             .with_label_values(&["Connect"]);
         grpc_gauge.inc();
-        tracing::info!(%agent_id, %peer, identifiers = ?backend.identifiers, "agent connected");
+        tracing::info!(%agent_id, %peer, identifiers = ?backend.identifiers, flow_control = peer_window.is_some(), "agent connected");
 
         let inbound = request.into_inner();
         let tunnel = self.tunnel.clone();
@@ -158,17 +175,26 @@ impl AgentService for AgentLink {
             .instrument(span),
         );
 
-        // The stream to the agent ends when the backend is removed (its sender dropped
-        // with the last reference) or when the server shuts down.
+        // The stream to the agent ends when the backend is removed (its senders dropped
+        // with the last reference) or when the server shuts down. WINDOW_UPDATEs
+        // overtake queued DATA.
         let closed = self.shutdown.clone();
         let out = futures::StreamExt::take_until(
-            ReceiverStream::new(rx).map(Ok),
+            UnboundedReceiverStream::new(ctl_rx)
+                .merge(ReceiverStream::new(rx))
+                .map(Ok),
             closed.cancelled_owned(),
         );
         let mut response = Response::new(Box::pin(out) as PacketStream);
         let meta = response.metadata_mut();
         if let Ok(v) = MetadataValue::try_from(self.server_id.as_str()) {
             meta.insert(header::SERVER_ID, v);
+        }
+        if peer_window.is_some() {
+            meta.insert(
+                header::FLOW_WINDOW,
+                MetadataValue::from(tether_core::flow::DEFAULT_WINDOW),
+            );
         }
         meta.insert(
             header::SERVER_COUNT,

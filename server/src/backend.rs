@@ -12,7 +12,7 @@ use tether_proto::Packet;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::tunnel::Frontend;
+use crate::tunnel::{Conn, Frontend};
 
 /// How to pick an agent for a dial; several are tried in order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,7 +71,7 @@ pub(crate) struct BackendState {
     /// By DialRequest.random.
     pub pending: HashMap<i64, PendingDial>,
     /// By connectID.
-    pub conns: HashMap<i64, Arc<Frontend>>,
+    pub conns: HashMap<i64, Arc<Conn>>,
 }
 
 /// One agent stream.
@@ -84,6 +84,11 @@ pub struct Backend {
     pub identifiers: AgentIdentifiers,
     /// Packets to the agent.
     pub(crate) tx: mpsc::Sender<Packet>,
+    /// WINDOW_UPDATEs to the agent: never blocked behind DATA, merged into its stream.
+    pub(crate) ctl: mpsc::UnboundedSender<Packet>,
+    /// The agent's per-connection receive window when it does credit flow control
+    /// (negotiated with `tether-flow-window`); `None` for an upstream agent.
+    pub(crate) peer_window: Option<u32>,
     pub(crate) draining: AtomicBool,
     pub(crate) state: Mutex<BackendState>,
     /// Cancelled when the stream is gone.
@@ -97,12 +102,16 @@ impl Backend {
         agent_id: String,
         identifiers: AgentIdentifiers,
         tx: mpsc::Sender<Packet>,
+        ctl: mpsc::UnboundedSender<Packet>,
+        peer_window: Option<u32>,
     ) -> Self {
         Backend {
             key: NEXT_BACKEND.fetch_add(1, Ordering::Relaxed),
             agent_id,
             identifiers,
             tx,
+            ctl,
+            peer_window,
             draining: AtomicBool::new(false),
             state: Mutex::new(BackendState::default()),
             closed: CancellationToken::new(),
@@ -195,10 +204,13 @@ mod tests {
 
     fn backend(id: &str, ids: &str) -> Arc<Backend> {
         let (tx, _rx) = mpsc::channel(1);
+        let (ctl, _ctl_rx) = mpsc::unbounded_channel();
         Arc::new(Backend::new(
             id.into(),
             AgentIdentifiers::parse(ids, true).unwrap(),
             tx,
+            ctl,
+            None,
         ))
     }
 

@@ -87,7 +87,7 @@ pub struct ServerConfig {
     pub admin_addr: Option<SocketAddr>,
     /// Backend selection and dial timeout.
     pub tunnel: TunnelConfig,
-    /// Per-stream channel capacity (`--xfr-channel-size`).
+    /// Packets queued towards each agent stream (`--xfr-channel-size`).
     pub channel_size: usize,
     /// How long established connections may finish after shutdown begins.
     pub graceful_shutdown_timeout: Duration,
@@ -386,15 +386,13 @@ impl BoundServer {
             let tunnel = tunnel.clone();
             let stop = shutdown.clone();
             let hard = hard_stop.clone();
-            let size = config.channel_size;
             let keepalive = config.frontend_keepalive;
             if let FrontendListener::Uds(_, path) = &listener {
                 sockets.push(path.clone());
             }
             let span = tracing::info_span!("frontend_listener", %mode);
             frontend_tasks.push(tokio::spawn(
-                serve_frontend(mode, listener, tunnel, size, keepalive, stop, hard)
-                    .instrument(span),
+                serve_frontend(mode, listener, tunnel, keepalive, stop, hard).instrument(span),
             ));
         }
 
@@ -441,19 +439,15 @@ async fn serve_frontend(
     mode: Mode,
     listener: FrontendListener,
     tunnel: Arc<Tunnel>,
-    channel_size: usize,
     keepalive: Duration,
     stop: CancellationToken,
     hard_stop: CancellationToken,
 ) {
     match mode {
         Mode::Grpc => {
-            let svc = ProxyServiceServer::new(frontend::grpc::GrpcFrontend {
-                tunnel,
-                channel_size,
-            })
-            .max_decoding_message_size(MAX_MESSAGE)
-            .max_encoding_message_size(MAX_MESSAGE);
+            let svc = ProxyServiceServer::new(frontend::grpc::GrpcFrontend { tunnel })
+                .max_decoding_message_size(MAX_MESSAGE)
+                .max_encoding_message_size(MAX_MESSAGE);
             let builder = || {
                 tonic::transport::Server::builder()
                     // One stream per dial: a client may hold thousands on one connection.
@@ -503,37 +497,25 @@ async fn serve_frontend(
                         }
                     },
                 };
-                spawn_http(
-                    tunnel.clone(),
-                    sock,
-                    channel_size,
-                    hard_stop.clone(),
-                    "uds".into(),
-                );
+                spawn_http(tunnel.clone(), sock, hard_stop.clone(), "uds".into());
             },
             FrontendListener::Tls(l, cfg) => {
                 let mut incoming = transport::tls_incoming(l, cfg, "frontend", stop);
                 while let Some(conn) = incoming.recv().await {
                     let peer = conn.info().remote_addr.to_string();
-                    spawn_http(tunnel.clone(), conn, channel_size, hard_stop.clone(), peer);
+                    spawn_http(tunnel.clone(), conn, hard_stop.clone(), peer);
                 }
             }
         },
     }
 }
 
-fn spawn_http<S>(
-    tunnel: Arc<Tunnel>,
-    sock: S,
-    channel_size: usize,
-    hard_stop: CancellationToken,
-    peer: String,
-) where
+fn spawn_http<S>(tunnel: Arc<Tunnel>, sock: S, hard_stop: CancellationToken, peer: String)
+where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let span = tracing::info_span!("frontend", kind = "http-connect", %peer, address = tracing::field::Empty);
     tokio::spawn(
-        frontend::http_connect::serve_connection(tunnel, sock, channel_size, hard_stop)
-            .instrument(span),
+        frontend::http_connect::serve_connection(tunnel, sock, hard_stop).instrument(span),
     );
 }

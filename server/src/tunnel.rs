@@ -5,11 +5,14 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
+use futures::{Stream, StreamExt};
+use tether_core::flow::{Admit, Credit, Window};
 use tether_proto::{packet::Payload, DialRequest, Packet};
 use tokio::sync::mpsc;
+use tokio_stream::wrappers::UnboundedReceiverStream;
 use tracing::Instrument;
 
 use crate::backend::{Backend, PendingDial, Registry, Strategy};
@@ -24,24 +27,99 @@ pub const NO_AGENT: &str = "No agent available";
 /// One frontend stream (a gRPC Proxy stream or one HTTP-CONNECT connection).
 pub struct Frontend {
     id: u64,
-    /// Packets for the client: DIAL_RSP, DATA, CLOSE_RSP, DIAL_CLS.
-    pub(crate) tx: mpsc::Sender<Packet>,
+    /// Packets for the client: DIAL_RSP, DATA, CLOSE_RSP, DIAL_CLS. Unbounded as a
+    /// channel; DATA in it is bounded per connection by `Conn::window`.
+    pub(crate) tx: mpsc::UnboundedSender<Outgoing>,
     routes: Mutex<Routes>,
 }
 
 #[derive(Default)]
 struct Routes {
-    /// connectID -> the agent stream carrying it.
-    conns: HashMap<i64, Arc<Backend>>,
+    /// connectID -> the connection (and so the agent stream carrying it).
+    conns: HashMap<i64, Arc<Conn>>,
     /// DialRequest.random -> the agent stream it was sent to.
     pending: HashMap<i64, Arc<Backend>>,
+}
+
+/// A packet on its way to a frontend's client; DATA remembers its connection so that
+/// the credit goes back to the agent when the client takes it.
+pub struct Outgoing {
+    packet: Packet,
+    conn: Option<Arc<Conn>>,
+}
+
+impl From<Packet> for Outgoing {
+    fn from(packet: Packet) -> Self {
+        Outgoing { packet, conn: None }
+    }
+}
+
+/// The client-bound packets of a frontend, in order. DATA taken from here leaves its
+/// connection's window (and, with a Tether agent, returns credit to it).
+pub fn outbox(
+    rx: mpsc::UnboundedReceiver<Outgoing>,
+) -> impl Stream<Item = Packet> + Send + Unpin + 'static {
+    UnboundedReceiverStream::new(rx).map(|out| {
+        if let (Some(conn), Some(Payload::Data(d))) = (&out.conn, &out.packet.payload) {
+            conn.taken(d.data.len());
+        }
+        out.packet
+    })
+}
+
+/// One established connection: which frontend and agent stream it joins, and its
+/// flow control.
+pub struct Conn {
+    connect_id: i64,
+    fe: Weak<Frontend>,
+    backend: Weak<Backend>,
+    /// Credit for DATA to the agent (`None`: upstream agent, no credit).
+    pub(crate) credit: Option<Credit>,
+    /// DATA from the agent queued towards the client.
+    window: Window,
+}
+
+impl Conn {
+    fn new(connect_id: i64, fe: &Arc<Frontend>, backend: &Arc<Backend>) -> Arc<Self> {
+        Arc::new(Conn {
+            connect_id,
+            fe: Arc::downgrade(fe),
+            backend: Arc::downgrade(backend),
+            credit: backend.peer_window.map(Credit::new),
+            window: Window::for_peer(backend.peer_window.is_some()),
+        })
+    }
+
+    /// The agent stream carrying this connection, while it is connected.
+    pub fn backend(&self) -> Option<Arc<Backend>> {
+        self.backend.upgrade()
+    }
+
+    /// The client took `n` bytes of this connection's DATA.
+    fn taken(&self, n: usize) {
+        if let Some(grant) = self.window.consumed(n) {
+            if let Some(backend) = self.backend.upgrade() {
+                let _ = backend
+                    .ctl
+                    .send(Packet::window_update(self.connect_id, grant));
+            }
+        }
+    }
+
+    /// The connection is gone: wake whoever waits on its credit or window.
+    fn close(&self) {
+        if let Some(credit) = &self.credit {
+            credit.close();
+        }
+        self.window.close();
+    }
 }
 
 static NEXT_FRONTEND: AtomicU64 = AtomicU64::new(1);
 
 impl Frontend {
-    /// A frontend whose client-bound packets go to `tx`.
-    pub fn new(tx: mpsc::Sender<Packet>) -> Arc<Self> {
+    /// A frontend whose client-bound packets go to `tx` (read them with [`outbox`]).
+    pub fn new(tx: mpsc::UnboundedSender<Outgoing>) -> Arc<Self> {
         Arc::new(Frontend {
             id: NEXT_FRONTEND.fetch_add(1, Ordering::Relaxed),
             tx,
@@ -58,8 +136,8 @@ impl Frontend {
         self.routes.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The agent stream carrying `connect_id` for this frontend.
-    pub fn route(&self, connect_id: i64) -> Option<Arc<Backend>> {
+    /// This frontend's connection `connect_id`.
+    pub fn route(&self, connect_id: i64) -> Option<Arc<Conn>> {
         self.routes().conns.get(&connect_id).cloned()
     }
 }
@@ -79,6 +157,11 @@ pub struct TunnelConfig {
     pub strategies: Vec<Strategy>,
     /// Fail a dial the agent has not answered within this (None = never).
     pub backend_dial_timeout: Option<Duration>,
+    /// Offer per-connection credit flow control to agents that ask for it.
+    pub flow_control: bool,
+    /// With an upstream agent: how long one connection's full queue (its client not
+    /// reading) may hold up the agent's stream before the connection is closed.
+    pub stall_timeout: Duration,
 }
 
 /// The server core shared by frontends and agent links.
@@ -98,32 +181,22 @@ impl Tunnel {
         })
     }
 
+    /// Do we offer credit flow control to agents?
+    pub fn flow_control(&self) -> bool {
+        self.config.flow_control
+    }
+
     /// Connected agent streams.
     pub fn registry(&self) -> &Registry {
         &self.registry
     }
 
-    async fn to_frontend(&self, fe: &Frontend, packet: Packet) -> bool {
-        self.metrics.packet(Segment::ToClient, packet.r#type);
-        let start = Instant::now();
-        let ok = match fe.tx.try_send(packet) {
-            Ok(()) => true,
-            Err(mpsc::error::TrySendError::Closed(_)) => false,
-            Err(mpsc::error::TrySendError::Full(packet)) => {
-                let full = self
-                    .metrics
-                    .full_receive_channels
-                    .with_label_values(&["Proxy"]);
-                full.inc();
-                let ok = fe.tx.send(packet).await.is_ok();
-                full.dec();
-                ok
-            }
-        };
-        self.metrics
-            .frontend_write_duration
-            .observe(start.elapsed().as_secs_f64());
-        ok
+    /// Queues a packet for `fe`'s client (never blocks: DATA was admitted by its
+    /// connection's window first). False when the frontend is gone.
+    fn to_frontend(&self, fe: &Frontend, out: impl Into<Outgoing>) -> bool {
+        let out = out.into();
+        self.metrics.packet(Segment::ToClient, out.packet.r#type);
+        fe.tx.send(out).is_ok()
     }
 
     async fn to_agent(&self, backend: &Backend, packet: Packet) -> bool {
@@ -227,8 +300,7 @@ impl Tunnel {
                     }
                     None => {
                         this.metrics.dial_failed(DialFailure::BackendClose);
-                        this.deliver(&fe, Packet::dial_response(random, 0, error))
-                            .await;
+                        this.to_frontend(&fe, Packet::dial_response(random, 0, error));
                     }
                 }
             }
@@ -249,31 +321,40 @@ impl Tunnel {
             return false;
         };
         self.metrics.dial_failed(reason);
-        self.to_frontend(&pending.frontend, Packet::dial_response(random, 0, error))
-            .await;
+        self.to_frontend(&pending.frontend, Packet::dial_response(random, 0, error));
         true
     }
 
-    /// A DATA packet from `fe` for one of its connections.
+    /// A DATA packet from `fe` for one of its connections. With a Tether agent it
+    /// waits for the connection's credit (holding up only this frontend stream).
     pub async fn data_from_frontend(&self, fe: &Frontend, packet: Packet, connect_id: i64) {
         match fe.route(connect_id) {
-            Some(backend) => {
-                self.to_agent(&backend, packet).await;
+            Some(conn) => {
+                if let Some(credit) = &conn.credit {
+                    if !credit.ready().await {
+                        return;
+                    }
+                    if let Some(Payload::Data(d)) = &packet.payload {
+                        credit.spend(d.data.len());
+                    }
+                }
+                if let Some(backend) = conn.backend() {
+                    self.to_agent(&backend, packet).await;
+                }
             }
             None => {
                 tracing::debug!(connect_id, "DATA for unknown connectID");
                 self.to_frontend(
                     fe,
                     Packet::close_response(connect_id, format!("unknown connectID {connect_id}")),
-                )
-                .await;
+                );
             }
         }
     }
 
     /// A CLOSE_REQ from `fe`: passed to the agent, whose CLOSE_RSP comes back to `fe`.
     pub async fn close_from_frontend(&self, fe: &Frontend, connect_id: i64) {
-        match fe.route(connect_id) {
+        match fe.route(connect_id).and_then(|c| c.backend()) {
             Some(backend) => {
                 self.to_agent(&backend, Packet::close_request(connect_id))
                     .await;
@@ -282,8 +363,7 @@ impl Tunnel {
                 self.to_frontend(
                     fe,
                     Packet::close_response(connect_id, format!("unknown connectID {connect_id}")),
-                )
-                .await;
+                );
             }
         }
     }
@@ -311,7 +391,11 @@ impl Tunnel {
         for (random, backend) in routes.pending {
             self.abandon_dial(&backend, random).await;
         }
-        for (connect_id, backend) in routes.conns {
+        for (connect_id, conn) in routes.conns {
+            conn.close();
+            let Some(backend) = conn.backend() else {
+                continue;
+            };
             if backend.state().conns.remove(&connect_id).is_some() {
                 self.metrics.established_connections.dec();
                 self.to_agent(&backend, Packet::close_request(connect_id))
@@ -342,15 +426,16 @@ impl Tunnel {
                 if !success {
                     self.metrics.dial_failed(DialFailure::ErrorResponse);
                     tracing::info!(agent_id = %backend.agent_id, error = %rsp.error, "agent failed to dial");
-                    self.to_frontend(&fe, packet).await;
+                    self.to_frontend(&fe, packet);
                     return;
                 }
+                let conn = Conn::new(connect_id, &fe, backend);
                 let accepted = {
                     let mut routes = fe.routes();
                     match routes.conns.entry(connect_id) {
                         std::collections::hash_map::Entry::Occupied(_) => false,
                         std::collections::hash_map::Entry::Vacant(v) => {
-                            v.insert(backend.clone());
+                            v.insert(conn.clone());
                             true
                         }
                     }
@@ -367,49 +452,89 @@ impl Tunnel {
                     self.to_frontend(
                         &fe,
                         Packet::dial_response(random, 0, "connectID collision, retry the dial"),
-                    )
-                    .await;
+                    );
                     return;
                 }
-                backend.state().conns.insert(connect_id, fe.clone());
+                backend.state().conns.insert(connect_id, conn);
                 self.metrics.established_connections.inc();
                 self.metrics
                     .dial_duration
                     .observe(pending.started.elapsed().as_secs_f64());
-                if !self.to_frontend(&fe, packet).await {
+                if !self.to_frontend(&fe, packet) {
                     self.metrics.dial_failed(DialFailure::SendRsp);
                     self.frontend_gone(&fe).await;
                 }
             }
             Some(Payload::Data(data)) => {
-                let connect_id = data.connect_id;
-                let fe = backend.state().conns.get(&connect_id).cloned();
-                match fe {
-                    Some(fe) => {
-                        if !self.to_frontend(&fe, packet).await {
+                let (connect_id, len) = (data.connect_id, data.data.len());
+                let conn = backend.state().conns.get(&connect_id).cloned();
+                let Some(conn) = conn else {
+                    tracing::debug!(connect_id, "DATA from agent for unknown connectID; dropped");
+                    return;
+                };
+                let start = Instant::now();
+                let admitted = conn.window.admit(len, self.config.stall_timeout).await;
+                self.metrics
+                    .frontend_write_duration
+                    .observe(start.elapsed().as_secs_f64());
+                match admitted {
+                    Admit::Ok => {
+                        let Some(fe) = conn.fe.upgrade() else { return };
+                        if !self.to_frontend(
+                            &fe,
+                            Outgoing {
+                                packet,
+                                conn: Some(conn),
+                            },
+                        ) {
                             self.frontend_gone(&fe).await;
                         }
                     }
-                    None => tracing::debug!(
-                        connect_id,
-                        "DATA from agent for unknown connectID; dropped"
-                    ),
+                    Admit::Closed => {}
+                    Admit::Overrun => {
+                        tracing::warn!(agent_id = %backend.agent_id, connect_id, "agent sent more than the flow-control window; closing the connection");
+                        self.close_conn(
+                            backend,
+                            &conn,
+                            "agent exceeded the flow-control window".into(),
+                        )
+                        .await;
+                    }
+                    Admit::Stalled => {
+                        let timeout = self.config.stall_timeout;
+                        tracing::warn!(agent_id = %backend.agent_id, connect_id, queued = conn.window.queued(), ?timeout, "client stopped reading; closing the connection (--stalled-reader-timeout)");
+                        self.close_conn(
+                            backend,
+                            &conn,
+                            format!("client did not read for {timeout:?}; connection closed"),
+                        )
+                        .await;
+                    }
+                }
+            }
+            Some(Payload::WindowUpdate(w)) => {
+                let conn = backend.state().conns.get(&w.connect_id).cloned();
+                if let Some(credit) = conn.as_ref().and_then(|c| c.credit.as_ref()) {
+                    credit.grant(w.bytes);
                 }
             }
             Some(Payload::CloseResponse(close)) => {
                 let connect_id = close.connect_id;
-                let fe = backend.state().conns.remove(&connect_id);
-                if let Some(fe) = fe {
+                let conn = backend.state().conns.remove(&connect_id);
+                if let Some(conn) = conn {
                     self.metrics.established_connections.dec();
-                    fe.routes().conns.remove(&connect_id);
-                    self.to_frontend(&fe, packet).await;
+                    conn.close();
+                    if let Some(fe) = conn.fe.upgrade() {
+                        fe.routes().conns.remove(&connect_id);
+                        self.to_frontend(&fe, packet);
+                    }
                 }
             }
             Some(Payload::CloseDial(cls)) => {
                 let random = cls.random;
                 if let Some(pending) = self.take_pending(backend, random) {
                     self.metrics.dial_failed(DialFailure::ErrorResponse);
-                    self.to_frontend(&pending.frontend, packet).await;
+                    self.to_frontend(&pending.frontend, packet);
                 }
             }
             Some(Payload::Drain(_)) => {
@@ -440,11 +565,31 @@ impl Tunnel {
             self.forget_pending(random, &pending);
             self.redispatch(random, pending, error.clone());
         }
-        for (connect_id, fe) in state.conns {
+        for (connect_id, conn) in state.conns {
             self.metrics.established_connections.dec();
-            fe.routes().conns.remove(&connect_id);
-            self.notify(fe, Packet::close_response(connect_id, error.clone()));
+            conn.close();
+            if let Some(fe) = conn.fe.upgrade() {
+                fe.routes().conns.remove(&connect_id);
+                self.to_frontend(&fe, Packet::close_response(connect_id, error.clone()));
+            }
         }
+    }
+
+    /// Closes `conn` from the server's side: the client gets CLOSE_RSP with `error`,
+    /// the agent CLOSE_REQ.
+    async fn close_conn(&self, backend: &Backend, conn: &Conn, error: String) {
+        let connect_id = conn.connect_id;
+        if backend.state().conns.remove(&connect_id).is_none() {
+            return;
+        }
+        self.metrics.established_connections.dec();
+        conn.close();
+        if let Some(fe) = conn.fe.upgrade() {
+            fe.routes().conns.remove(&connect_id);
+            self.to_frontend(&fe, Packet::close_response(connect_id, error));
+        }
+        self.to_agent(backend, Packet::close_request(connect_id))
+            .await;
     }
 
     /// Takes dial `random` off `backend`'s pending table (and its frontend's routes);
@@ -459,23 +604,5 @@ impl Tunnel {
     fn forget_pending(&self, random: i64, pending: &PendingDial) {
         self.metrics.pending_backend_dials.dec();
         pending.frontend.routes().pending.remove(&random);
-    }
-
-    /// Hands `packet` to `fe`, giving up after 10 s (a stuck client must not hold a
-    /// task forever).
-    async fn deliver(&self, fe: &Frontend, packet: Packet) {
-        let _ = tokio::time::timeout(Duration::from_secs(10), self.to_frontend(fe, packet)).await;
-    }
-
-    /// Delivers `packet` to `fe` without holding up the caller (a stuck client must not
-    /// delay telling the others).
-    fn notify(self: &Arc<Self>, fe: Arc<Frontend>, packet: Packet) {
-        let this = self.clone();
-        tokio::spawn(
-            async move {
-                this.deliver(&fe, packet).await;
-            }
-            .in_current_span(),
-        );
     }
 }

@@ -62,9 +62,18 @@ pub struct AgentArgs {
     /// HTTP/2 keepalive interval to the server.
     #[arg(long, default_value = "1h", value_parser = duration)]
     pub keepalive_time: Duration,
-    /// Packets buffered per connection.
+    /// Packets buffered towards the server on the stream.
     #[arg(long, default_value_t = 150)]
     pub xfr_channel_size: usize,
+    /// Offer per-connection credit flow control to the server (a Tether extension;
+    /// upstream servers ignore the offer). `false` behaves like an upstream agent.
+    #[arg(long, default_value = "true", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
+    pub flow_control: bool,
+    /// Without flow control (upstream server): a connection whose target has not read
+    /// its queued data (4 MiB) for this long is closed instead of holding up the
+    /// stream.
+    #[arg(long, default_value = "30s", value_parser = duration)]
+    pub stalled_reader_timeout: Duration,
     /// Target dial timeout (upstream hard-codes 5s).
     #[arg(long, default_value = "5s", value_parser = duration)]
     pub dial_timeout: Duration,
@@ -190,8 +199,11 @@ impl AgentArgs {
         if self.sync_interval.is_zero() || self.sync_interval_cap < self.sync_interval {
             bail!("--sync-interval must be positive and not above --sync-interval-cap");
         }
-        if self.keepalive_time.is_zero() || self.dial_timeout.is_zero() {
-            bail!("--keepalive-time and --dial-timeout must be positive (e.g. 5s)");
+        if self.keepalive_time.is_zero()
+            || self.dial_timeout.is_zero()
+            || self.stalled_reader_timeout.is_zero()
+        {
+            bail!("--keepalive-time, --dial-timeout and --stalled-reader-timeout must be positive (e.g. 5s)");
         }
         Ok(AgentConfig {
             servers,
@@ -220,6 +232,8 @@ impl AgentArgs {
             keepalive: self.keepalive_time,
             dial_timeout: self.dial_timeout,
             channel_size: self.xfr_channel_size,
+            flow_control: self.flow_control,
+            stall_timeout: self.stalled_reader_timeout,
         })
     }
 }

@@ -97,6 +97,8 @@ async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()
         tunnel: TunnelConfig {
             strategies: vec![Strategy::Default],
             backend_dial_timeout: Some(Duration::from_secs(10)),
+            flow_control: true,
+            stall_timeout: tether_core::flow::DEFAULT_STALL_TIMEOUT,
         },
         channel_size: 10,
         graceful_shutdown_timeout: Duration::from_secs(5),
@@ -131,6 +133,8 @@ async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()
         keepalive: Duration::from_secs(30),
         dial_timeout: Duration::from_secs(5),
         channel_size: 150,
+        flow_control: true,
+        stall_timeout: tether_core::flow::DEFAULT_STALL_TIMEOUT,
     })?;
     let agent_drain = CancellationToken::new();
     let agent_task = {

@@ -74,9 +74,18 @@ pub struct ServerArgs {
     /// Fail a dial the agent has not answered within this (0 = never).
     #[arg(long, default_value = "0", value_parser = duration)]
     pub backend_dial_timeout: Duration,
-    /// Packets buffered per stream.
+    /// Packets queued towards each agent stream.
     #[arg(long, default_value_t = 10)]
     pub xfr_channel_size: usize,
+    /// Offer per-connection credit flow control to agents that ask for it (a Tether
+    /// extension; upstream agents never ask). `false` behaves like an upstream server.
+    #[arg(long, default_value = "true", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
+    pub flow_control: bool,
+    /// Without flow control (upstream agent): a connection whose client has not read
+    /// its queued data (4 MiB) for this long is closed instead of holding up the
+    /// agent's stream.
+    #[arg(long, default_value = "30s", value_parser = duration)]
+    pub stalled_reader_timeout: Duration,
 
     /// Health port (/healthz, /readyz, /metrics).
     #[arg(long, default_value_t = 8092)]
@@ -227,6 +236,9 @@ impl ServerArgs {
         let (Some(agent_cert), Some(agent_key)) = (agent_cert, agent_key) else {
             bail!("the agent listener always uses TLS: set --cluster-cert and --cluster-key (or --server-cert and --server-key)");
         };
+        if self.stalled_reader_timeout.is_zero() {
+            bail!("--stalled-reader-timeout must be positive (e.g. 30s)");
+        }
         if self.xfr_channel_size == 0 {
             bail!("--xfr-channel-size must be at least 1");
         }
@@ -276,6 +288,8 @@ impl ServerArgs {
                 strategies,
                 backend_dial_timeout: (!self.backend_dial_timeout.is_zero())
                     .then_some(self.backend_dial_timeout),
+                flow_control: self.flow_control,
+                stall_timeout: self.stalled_reader_timeout,
             },
             channel_size: self.xfr_channel_size,
             graceful_shutdown_timeout: self.graceful_shutdown_timeout,

@@ -272,3 +272,92 @@ impl Drop for LoadBalancer {
         self.task.abort();
     }
 }
+
+/// FNV-1a of the first `n` bytes of `Pattern::new(seed)`.
+pub fn pattern_hash(seed: u64, n: u64) -> u64 {
+    let mut gen = Pattern::new(seed);
+    let mut sum = Fnv::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut left = n;
+    while left > 0 {
+        let k = left.min(buf.len() as u64) as usize;
+        gen.fill(&mut buf[..k]);
+        sum.update(&buf[..k]);
+        left -= k as u64;
+    }
+    sum.value()
+}
+
+/// Runs the [`bulk`] protocol over `conn`: sends the header, waits for `gate`, then
+/// uploads `n` pattern bytes (seed `up`) while downloading `n` (seed `down`), and
+/// checks both checksums. `Err` says what went wrong.
+pub async fn bulk_exchange<C>(
+    conn: C,
+    down: u64,
+    up: u64,
+    n: u64,
+    gate: impl std::future::Future<Output = ()>,
+) -> Result<(), String>
+where
+    C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + 'static,
+{
+    let (mut rd, mut wr) = tokio::io::split(conn);
+    let mut head = [0u8; 16];
+    head[..8].copy_from_slice(&down.to_le_bytes());
+    head[8..].copy_from_slice(&n.to_le_bytes());
+    wr.write_all(&head)
+        .await
+        .map_err(|e| format!("header: {e}"))?;
+    gate.await;
+    let upload = tokio::spawn(async move {
+        let mut gen = Pattern::new(up);
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut left = n;
+        while left > 0 {
+            let k = left.min(buf.len() as u64) as usize;
+            gen.fill(&mut buf[..k]);
+            wr.write_all(&buf[..k])
+                .await
+                .map_err(|e| format!("upload with {left} bytes left: {e}"))?;
+            left -= k as u64;
+        }
+        Ok::<_, String>(wr)
+    });
+    let mut sum = Fnv::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut left = n;
+    while left > 0 {
+        let k = left.min(buf.len() as u64) as usize;
+        let got = rd
+            .read(&mut buf[..k])
+            .await
+            .map_err(|e| format!("download with {left} bytes left: {e}"))?;
+        if got == 0 {
+            return Err(format!("tunnel closed with {left} bytes still to come"));
+        }
+        sum.update(&buf[..got]);
+        left -= got as u64;
+    }
+    let mut remote = [0u8; 8];
+    rd.read_exact(&mut remote)
+        .await
+        .map_err(|e| format!("checksum: {e}"))?;
+    let _wr = upload.await.map_err(|e| e.to_string())??;
+    if sum.value() != pattern_hash(down, n) {
+        return Err("download corrupted".into());
+    }
+    if u64::from_le_bytes(remote) != pattern_hash(up, n) {
+        return Err("upload corrupted".into());
+    }
+    Ok(())
+}
+
+/// Accepts connections and never reads from them (a target whose reader stalled).
+pub async fn sink() -> Backend {
+    serve("127.0.0.1", |s| async move {
+        // Hold the socket open and unread for the rest of the test.
+        let _held = s;
+        std::future::pending::<()>().await;
+    })
+    .await
+}

@@ -33,13 +33,30 @@ pub fn require_apiserver() -> PathBuf {
     )
 }
 
-/// A free TCP port on 127.0.0.1 (bound and released).
+/// A free TCP port on 127.0.0.1 for a child process to bind.
+///
+/// Ports come from 20000..32768, below Linux's ephemeral range, so an outgoing
+/// connection (the apiserver dialling etcd, kubectl, curl) can never take a port between
+/// our check and the child's bind. Each test process walks its own pid-derived sequence
+/// so that parallel tests in one binary never pick the same port twice.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const LOW: u32 = 20000;
+    const SPAN: u32 = 12768;
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    let _ = NEXT.compare_exchange(
+        u32::MAX,
+        (std::process::id().wrapping_mul(7919)) % SPAN,
+        Ordering::SeqCst,
+        Ordering::SeqCst,
+    );
+    for _ in 0..SPAN {
+        let port = (LOW + NEXT.fetch_add(1, Ordering::SeqCst) % SPAN) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in 20000..32768 on 127.0.0.1")
 }
 
 /// How the apiserver reaches Tether (the `cluster` egress selection).
@@ -199,33 +216,9 @@ impl Cluster {
         let egress_file = d.join("egress-selector.yaml");
         write_file(&egress_file, &egress.config_yaml(), false).unwrap();
 
-        // etcd.
-        let (client_port, peer_port) = (free_port(), free_port());
-        let etcd_url = format!("http://127.0.0.1:{client_port}");
-        let peer_url = format!("http://127.0.0.1:{peer_port}");
-        let etcd = Proc::spawn(
-            "etcd",
-            Path::new("etcd"),
-            &[
-                "--name=default".into(),
-                format!("--data-dir={}", d.join("etcd").display()),
-                format!("--listen-client-urls={etcd_url}"),
-                format!("--advertise-client-urls={etcd_url}"),
-                format!("--listen-peer-urls={peer_url}"),
-                format!("--initial-advertise-peer-urls={peer_url}"),
-                format!("--initial-cluster=default={peer_url}"),
-                "--log-level=warn".into(),
-            ],
-        );
-        wait_blocking("etcd healthy", Duration::from_secs(30), || {
-            let out = Command::new("curl")
-                .args(["-sf", &format!("{etcd_url}/health")])
-                .output()
-                .ok()?;
-            String::from_utf8_lossy(&out.stdout)
-                .contains("true")
-                .then_some(())
-        });
+        // etcd; started again on new ports if it exits before it is healthy (a port
+        // taken between our check and its bind).
+        let (etcd, etcd_url) = start_etcd(&d.join("etcd"));
 
         // kube-apiserver.
         let port = free_port();
@@ -281,7 +274,7 @@ impl Cluster {
             true,
         )
         .unwrap();
-        let cluster = Cluster {
+        let mut cluster = Cluster {
             url,
             files: ClusterFiles {
                 ca: ca_cert,
@@ -297,10 +290,23 @@ impl Cluster {
             _etcd: etcd,
             dir,
         };
-        wait_blocking("kube-apiserver ready", Duration::from_secs(120), || {
-            let out = cluster.kubectl(&["get", "--raw", "/readyz"]);
-            (out.status.success()).then_some(())
-        });
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while !cluster
+            .kubectl(&["get", "--raw", "/readyz"])
+            .status
+            .success()
+        {
+            assert!(
+                !cluster.apiserver.exited(),
+                "kube-apiserver exited before it was ready; its log:\n{}",
+                cluster.apiserver.log_text()
+            );
+            assert!(
+                Instant::now() < deadline,
+                "timed out after 120s waiting for kube-apiserver /readyz"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
         // RBAC bootstrap (system:masters works at once; default roles take a moment).
         wait_blocking("default cluster roles", Duration::from_secs(60), || {
             cluster
@@ -420,6 +426,56 @@ impl Cluster {
     pub fn apiserver_logged(&self, needle: &str) -> bool {
         self.apiserver.logged(needle)
     }
+}
+
+/// Starts etcd with its data in `data_dir`, waits until /health says true; returns the
+/// process and its client URL. Retries on new ports when etcd exits early.
+fn start_etcd(data_dir: &Path) -> (Proc, String) {
+    for _attempt in 0..3 {
+        let _ = std::fs::remove_dir_all(data_dir);
+        let (client_port, peer_port) = (free_port(), free_port());
+        let etcd_url = format!("http://127.0.0.1:{client_port}");
+        let peer_url = format!("http://127.0.0.1:{peer_port}");
+        let mut etcd = Proc::spawn(
+            "etcd",
+            Path::new("etcd"),
+            &[
+                "--name=default".into(),
+                format!("--data-dir={}", data_dir.display()),
+                format!("--listen-client-urls={etcd_url}"),
+                format!("--advertise-client-urls={etcd_url}"),
+                format!("--listen-peer-urls={peer_url}"),
+                format!("--initial-advertise-peer-urls={peer_url}"),
+                format!("--initial-cluster=default={peer_url}"),
+                "--log-level=warn".into(),
+            ],
+        );
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let healthy = Command::new("curl")
+                .args(["-sf", "--max-time", "2", &format!("{etcd_url}/health")])
+                .output()
+                .map(|out| String::from_utf8_lossy(&out.stdout).contains("true"))
+                .unwrap_or(false);
+            if healthy {
+                return (etcd, etcd_url);
+            }
+            if etcd.exited() {
+                eprintln!(
+                    "etcd exited before it was healthy; retrying on new ports:\n{}",
+                    etcd.log_text()
+                );
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "timed out after 60s waiting for etcd at {etcd_url}; its log:\n{}",
+                etcd.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+    panic!("etcd exited before it was healthy three times")
 }
 
 /// Polls `probe` (blocking) until it returns Some.

@@ -126,6 +126,16 @@ impl Proc {
             .any(|l| l.contains(needle))
     }
 
+    /// Has the process exited?
+    pub fn exited(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(Some(_)))
+    }
+
+    /// Everything the process has written to stderr so far.
+    pub fn log_text(&self) -> String {
+        self.log.0.lock().unwrap().lines.join("\n")
+    }
+
     /// Sends SIGTERM (or another signal name, e.g. "INT").
     pub fn signal(&self, sig: &str) {
         let status = Command::new("kill")

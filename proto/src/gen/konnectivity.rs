@@ -4,7 +4,7 @@
 pub struct Packet {
     #[prost(enumeration = "PacketType", tag = "1")]
     pub r#type: i32,
-    #[prost(oneof = "packet::Payload", tags = "2, 3, 4, 5, 6, 7, 8")]
+    #[prost(oneof = "packet::Payload", tags = "2, 3, 4, 5, 6, 7, 8, 100")]
     pub payload: ::core::option::Option<packet::Payload>,
 }
 /// Nested message and enum types in `Packet`.
@@ -26,6 +26,9 @@ pub mod packet {
         CloseDial(super::CloseDial),
         #[prost(message, tag = "8")]
         Drain(super::Drain),
+        /// Tether extension (see WINDOW_UPDATE).
+        #[prost(message, tag = "100")]
+        WindowUpdate(super::WindowUpdate),
     }
 }
 #[allow(clippy::all)]
@@ -77,6 +80,16 @@ pub struct CloseDial {
 #[allow(clippy::all)]
 #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct Drain {}
+/// Tether extension: the receiver of a connection's DATA has consumed `bytes` more
+/// and the sender may send that much more.
+#[allow(clippy::all)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct WindowUpdate {
+    #[prost(int64, tag = "1")]
+    pub connect_id: i64,
+    #[prost(int64, tag = "2")]
+    pub bytes: i64,
+}
 #[allow(clippy::all)]
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct Data {
@@ -98,6 +111,9 @@ pub enum PacketType {
     Data = 4,
     DialCls = 5,
     Drain = 6,
+    /// Tether extension, sent only on an agent stream whose peer negotiated it with
+    /// the tether-flow-window header: credit for more DATA on one connection.
+    WindowUpdate = 100,
 }
 impl PacketType {
     /// String value of the enum field names used in the ProtoBuf definition.
@@ -113,6 +129,7 @@ impl PacketType {
             Self::Data => "DATA",
             Self::DialCls => "DIAL_CLS",
             Self::Drain => "DRAIN",
+            Self::WindowUpdate => "WINDOW_UPDATE",
         }
     }
     /// Creates an enum from field names used in the ProtoBuf definition.
@@ -125,6 +142,7 @@ impl PacketType {
             "DATA" => Some(Self::Data),
             "DIAL_CLS" => Some(Self::DialCls),
             "DRAIN" => Some(Self::Drain),
+            "WINDOW_UPDATE" => Some(Self::WindowUpdate),
             _ => None,
         }
     }

@@ -9,18 +9,16 @@ use futures::Stream;
 use tether_proto::proxy_service_server::ProxyService;
 use tether_proto::{packet::Payload, Packet};
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
 
 use crate::metrics::Segment;
-use crate::tunnel::{Frontend, Tunnel, NO_AGENT};
+use crate::tunnel::{outbox, Frontend, Tunnel, NO_AGENT};
 
 /// Serves `ProxyService`.
 pub struct GrpcFrontend {
     pub(crate) tunnel: Arc<Tunnel>,
-    pub(crate) channel_size: usize,
 }
 
 type PacketStream = Pin<Box<dyn Stream<Item = Result<Packet, Status>> + Send>>;
@@ -33,7 +31,7 @@ impl ProxyService for GrpcFrontend {
         &self,
         request: Request<Streaming<Packet>>,
     ) -> Result<Response<Self::ProxyStream>, Status> {
-        let (tx, rx) = mpsc::channel(self.channel_size);
+        let (tx, rx) = mpsc::unbounded_channel();
         let fe = Frontend::new(tx);
         let tunnel = self.tunnel.clone();
         let gauge = tunnel
@@ -51,7 +49,7 @@ impl ProxyService for GrpcFrontend {
             }
             .instrument(span),
         );
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx).map(Ok))))
+        Ok(Response::new(Box::pin(outbox(rx).map(Ok))))
     }
 }
 
@@ -74,7 +72,9 @@ async fn serve_client(tunnel: &Arc<Tunnel>, fe: &Arc<Frontend>, mut inbound: Str
                 let random = req.random;
                 let span = tracing::info_span!("dial", address = %req.address, random);
                 if tunnel.dial(fe, req).instrument(span).await.is_err() {
-                    let _ = fe.tx.send(Packet::dial_response(random, 0, NO_AGENT)).await;
+                    let _ = fe
+                        .tx
+                        .send(Packet::dial_response(random, 0, NO_AGENT).into());
                 }
             }
             Some(Payload::Data(ref d)) => {

@@ -7,14 +7,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use tether_core::pump::{splice, SpliceEnd};
+use tether_core::pump::{splice, Flow, SpliceEnd};
 use tether_proto::{packet::Payload, DialRequest, Packet};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 
-use crate::tunnel::{Frontend, Tunnel};
+use crate::tunnel::{outbox, Frontend, Tunnel};
 
 /// Largest request head we accept.
 const MAX_HEAD: usize = 64 * 1024;
@@ -25,12 +24,8 @@ const HEAD_TIMEOUT: Duration = Duration::from_secs(30);
 const DIAL_BACKSTOP: Duration = Duration::from_secs(30);
 
 /// Serves one HTTP-CONNECT client connection to the end.
-pub async fn serve_connection<S>(
-    tunnel: Arc<Tunnel>,
-    mut sock: S,
-    channel_size: usize,
-    shutdown: CancellationToken,
-) where
+pub async fn serve_connection<S>(tunnel: Arc<Tunnel>, mut sock: S, shutdown: CancellationToken)
+where
     S: AsyncRead + AsyncWrite + Unpin,
 {
     let gauge = tunnel.metrics.http_connections.clone();
@@ -70,9 +65,9 @@ pub async fn serve_connection<S>(
     };
 
     tracing::Span::current().record("address", address.as_str());
-    let (tx, rx) = mpsc::channel(channel_size);
+    let (tx, rx) = mpsc::unbounded_channel();
     let fe = Frontend::new(tx);
-    let mut rx = ReceiverStream::new(rx);
+    let mut rx = outbox(rx);
     let random = tether_core::random_id();
     let req = DialRequest {
         protocol: "tcp".into(),
@@ -138,7 +133,10 @@ pub async fn serve_connection<S>(
             return;
         }
     };
-    let Some(backend) = fe.route(connect_id) else {
+    let Some((conn, backend)) = fe
+        .route(connect_id)
+        .and_then(|c| c.backend().map(|b| (c, b)))
+    else {
         // The agent went away between DIAL_RSP and here.
         respond(&mut sock, "502 Bad Gateway", "agent disconnected\n").await;
         return;
@@ -152,6 +150,9 @@ pub async fn serve_connection<S>(
         return;
     }
     tracing::debug!(%address, connect_id, agent_id = %backend.agent_id, "tunnel established");
+    if let (Some(credit), false) = (&conn.credit, leftover.is_empty()) {
+        credit.spend(leftover.len());
+    }
     if !leftover.is_empty()
         && backend
             .tx
@@ -162,7 +163,13 @@ pub async fn serve_connection<S>(
         tunnel.frontend_gone(&fe).await;
         return;
     }
-    let end = splice(&mut sock, rx, &backend.tx, connect_id, &shutdown).await;
+    // DATA from the agent leaves its window in `outbox`; ours waits for the agent's
+    // credit.
+    let flow = Flow {
+        send: conn.credit.as_ref(),
+        recv: None,
+    };
+    let end = splice(&mut sock, rx, &backend.tx, connect_id, &shutdown, flow).await;
     match end {
         SpliceEnd::RemoteClosed(Some(err)) => tracing::debug!(%err, connect_id, "closed by agent"),
         SpliceEnd::LocalError(e) => {

@@ -1,0 +1,271 @@
+//! Per-connection flow control on the agent link: send credit ([`Credit`]) and the
+//! receive window ([`Window`]) of one tunnelled connection.
+//!
+//! Between two Tether peers (negotiated with the `tether-flow-window` header) every
+//! connection starts with the peer's advertised window as send credit; the receiver
+//! returns credit with WINDOW_UPDATE as bytes leave its queue, so a connection whose
+//! reader stalls stops only itself, and at most one window is ever queued for it. With
+//! an upstream peer there is no credit: the receiver's queue is capped instead, and a
+//! connection whose queue stays full past the stall timeout is closed with an error
+//! (upstream would block the whole stream for as long as the reader sleeps).
+
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+
+/// The receive window each Tether peer advertises per connection (bytes).
+pub const DEFAULT_WINDOW: u32 = 1 << 20;
+
+/// Smallest and largest window a peer may advertise.
+pub const WINDOW_RANGE: std::ops::RangeInclusive<u32> = (64 << 10)..=(64 << 20);
+
+/// Queue cap per connection when the peer is upstream (no credit).
+pub const FALLBACK_QUEUE: i64 = 4 << 20;
+
+/// Default for `--stalled-reader-timeout`.
+pub const DEFAULT_STALL_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Parses a `tether-flow-window` value; `None` when absent, malformed or out of range
+/// (then the peer is treated as upstream).
+pub fn parse_window(v: Option<&str>) -> Option<u32> {
+    v?.trim()
+        .parse::<u32>()
+        .ok()
+        .filter(|w| WINDOW_RANGE.contains(w))
+}
+
+/// How much one connection may still send. One task waits on it (the connection's
+/// reader); WINDOW_UPDATE handlers add to it.
+#[derive(Debug)]
+pub struct Credit {
+    avail: AtomicI64,
+    closed: AtomicBool,
+    notify: Notify,
+}
+
+impl Credit {
+    /// Credit of `initial` bytes.
+    pub fn new(initial: u32) -> Self {
+        Credit {
+            avail: AtomicI64::new(initial as i64),
+            closed: AtomicBool::new(false),
+            notify: Notify::new(),
+        }
+    }
+
+    /// Waits until some credit is left; false once the connection is closed.
+    pub async fn ready(&self) -> bool {
+        loop {
+            if self.closed.load(Ordering::Acquire) {
+                return false;
+            }
+            if self.avail.load(Ordering::Acquire) > 0 {
+                return true;
+            }
+            // notify_one stores a permit, so a grant between the check and here is
+            // not lost.
+            self.notify.notified().await;
+        }
+    }
+
+    /// Takes `n` bytes (the last packet may overdraw; the next waits).
+    pub fn spend(&self, n: usize) {
+        self.avail.fetch_sub(n as i64, Ordering::AcqRel);
+    }
+
+    /// Adds `n` bytes of credit.
+    pub fn grant(&self, n: i64) {
+        if n > 0 {
+            self.avail.fetch_add(n, Ordering::AcqRel);
+            self.notify.notify_one();
+        }
+    }
+
+    /// Wakes the waiter for good: the connection is gone.
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        self.notify.notify_one();
+    }
+
+    /// Credit left (negative when overdrawn).
+    pub fn available(&self) -> i64 {
+        self.avail.load(Ordering::Acquire)
+    }
+}
+
+/// What happened to DATA offered to a [`Window`].
+#[derive(Debug, PartialEq, Eq)]
+pub enum Admit {
+    /// Queue it.
+    Ok,
+    /// A credit-based peer sent more than the window it was given: a protocol
+    /// violation; close the connection.
+    Overrun,
+    /// No credit (upstream peer) and the queue stayed full for the stall timeout.
+    Stalled,
+    /// The connection was closed meanwhile; drop the data.
+    Closed,
+}
+
+/// The receive side of one connection: bytes queued towards its reader, and credit
+/// consumed but not yet returned.
+#[derive(Debug)]
+pub struct Window {
+    /// The peer counts on credit (Tether) rather than on us blocking (upstream).
+    credit_based: bool,
+    size: i64,
+    queued: AtomicI64,
+    unreturned: AtomicI64,
+    closed: AtomicBool,
+    space: Notify,
+}
+
+impl Window {
+    /// A window of `size` bytes; `credit_based` when the peer obeys WINDOW_UPDATE.
+    pub fn new(size: u32, credit_based: bool) -> Self {
+        Window {
+            credit_based,
+            size: size as i64,
+            queued: AtomicI64::new(0),
+            unreturned: AtomicI64::new(0),
+            closed: AtomicBool::new(false),
+            space: Notify::new(),
+        }
+    }
+
+    /// The receive side for a peer: credit-based with our default window, or capped at
+    /// [`FALLBACK_QUEUE`] for an upstream peer.
+    pub fn for_peer(credit_based: bool) -> Self {
+        if credit_based {
+            Window::new(DEFAULT_WINDOW, true)
+        } else {
+            Window::new(FALLBACK_QUEUE as u32, false)
+        }
+    }
+
+    /// Does the peer obey WINDOW_UPDATE?
+    pub fn credit_based(&self) -> bool {
+        self.credit_based
+    }
+
+    /// Bytes queued and not yet consumed.
+    pub fn queued(&self) -> i64 {
+        self.queued.load(Ordering::Acquire)
+    }
+
+    /// Accounts `n` bytes arriving for the queue. A credit-based peer must stay within
+    /// the window (one READ_CHUNK of slack for its last packet); an upstream peer is
+    /// held (the caller blocks, like upstream) while the queue is full, for at most
+    /// `stall`.
+    pub async fn admit(&self, n: usize, stall: Duration) -> Admit {
+        if self.credit_based {
+            let queued = self.queued.fetch_add(n as i64, Ordering::AcqRel) + n as i64;
+            if queued > self.size + crate::pump::READ_CHUNK as i64 {
+                return Admit::Overrun;
+            }
+            return Admit::Ok;
+        }
+        if self.queued() >= self.size {
+            let wait = async {
+                loop {
+                    let space = self.space.notified();
+                    if self.queued() < self.size || self.closed.load(Ordering::Acquire) {
+                        return;
+                    }
+                    space.await;
+                }
+            };
+            if tokio::time::timeout(stall, wait).await.is_err() {
+                return Admit::Stalled;
+            }
+            if self.closed.load(Ordering::Acquire) {
+                return Admit::Closed;
+            }
+        }
+        self.queued.fetch_add(n as i64, Ordering::AcqRel);
+        Admit::Ok
+    }
+
+    /// The connection is gone: a held [`Window::admit`] returns `Closed` at once.
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        self.space.notify_waiters();
+    }
+
+    /// Accounts `n` bytes leaving the queue (written to the reader). Returns the credit
+    /// to send back in a WINDOW_UPDATE once a quarter window has accumulated (only for
+    /// a credit-based peer).
+    pub fn consumed(&self, n: usize) -> Option<i64> {
+        self.queued.fetch_sub(n as i64, Ordering::AcqRel);
+        if !self.credit_based {
+            self.space.notify_waiters();
+            return None;
+        }
+        let due = self.unreturned.fetch_add(n as i64, Ordering::AcqRel) + n as i64;
+        if due >= self.size / 4 {
+            let grant = self.unreturned.swap(0, Ordering::AcqRel);
+            return (grant > 0).then_some(grant);
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn credit_blocks_at_zero_and_resumes_on_grant() {
+        let credit = std::sync::Arc::new(Credit::new(10));
+        assert!(credit.ready().await);
+        credit.spend(16);
+        let waiter = {
+            let credit = credit.clone();
+            tokio::spawn(async move { credit.ready().await })
+        };
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished());
+        credit.grant(10);
+        assert!(waiter.await.unwrap());
+        assert_eq!(credit.available(), 4);
+        credit.close();
+        assert!(!credit.ready().await);
+    }
+
+    #[tokio::test]
+    async fn credit_window_detects_overrun_and_returns_quarters() {
+        let w = Window::new(64 << 10, true);
+        let stall = Duration::from_secs(1);
+        assert_eq!(w.admit(64 << 10, stall).await, Admit::Ok);
+        assert_eq!(w.consumed(8 << 10), None);
+        assert_eq!(w.consumed(8 << 10), Some(16 << 10));
+        assert_eq!(
+            w.admit(16 << 10, stall).await,
+            Admit::Ok,
+            "within window again"
+        );
+        assert_eq!(
+            w.admit(crate::pump::READ_CHUNK + 1, stall).await,
+            Admit::Overrun
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn upstream_window_holds_then_reports_stall() {
+        let w = std::sync::Arc::new(Window::new(100, false));
+        assert_eq!(w.admit(100, Duration::from_secs(5)).await, Admit::Ok);
+        // Full: admission waits; consumption lets it through.
+        let held = {
+            let w = w.clone();
+            tokio::spawn(async move { w.admit(10, Duration::from_secs(5)).await })
+        };
+        tokio::task::yield_now().await;
+        assert!(!held.is_finished());
+        assert_eq!(w.consumed(50), None);
+        assert_eq!(held.await.unwrap(), Admit::Ok);
+        // Full again and nobody reads: stalled after the timeout.
+        assert_eq!(w.admit(100, Duration::from_secs(5)).await, Admit::Ok);
+        assert_eq!(w.admit(1, Duration::from_secs(5)).await, Admit::Stalled);
+    }
+}

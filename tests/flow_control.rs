@@ -1,0 +1,184 @@
+//! Per-connection flow control on the agent link, with real server and agent
+//! processes: between Tether peers a stalled reader (client or target) stalls only its
+//! own connection and loses nothing; with flow control off on either side (what an
+//! upstream peer does) the stalled connection is closed after `--stalled-reader-timeout`
+//! instead of holding up every other connection for good.
+
+use std::path::Path;
+use std::time::Duration;
+
+use futures::future::join_all;
+use tether_client::Client;
+use tether_testkit::backend::{self, bulk_exchange};
+use tether_testkit::process::{socket_path, uds_frontend_args};
+use tether_testkit::{AgentProc, Pki, ServerProc};
+use tokio::io::AsyncWriteExt;
+use tokio::sync::oneshot;
+
+const BIN: &str = env!("CARGO_BIN_EXE_tether");
+
+/// How long the busy connections may take (they need well under a second).
+const BUSY_DEADLINE: Duration = Duration::from_secs(60);
+
+struct Setup {
+    pki: Pki,
+    server: ServerProc,
+    agent: AgentProc,
+}
+
+async fn setup(server_args: &[&str], agent_args: &[&str]) -> Setup {
+    let pki = Pki::new();
+    let mut args = uds_frontend_args(&pki, "grpc", &socket_path(pki.dir()));
+    args.extend(server_args.iter().map(|s| s.to_string()));
+    let server = ServerProc::start(Path::new(BIN), &args);
+    let agent_args: Vec<String> = agent_args.iter().map(|s| s.to_string()).collect();
+    let agent = AgentProc::start(Path::new(BIN), &pki, server.agent, &agent_args);
+    server.wait_agents(1).await;
+    Setup { pki, server, agent }
+}
+
+/// Four bulk exchanges of 8 MiB each way, which must all finish in time.
+async fn busy_connections(client: &Client, target: &str) {
+    let runs = (0..4u64).map(|i| async move {
+        let conn = client.dial(target).await.unwrap();
+        bulk_exchange(conn, 100 + i, 200 + i, 8 << 20, async {}).await
+    });
+    let results = tokio::time::timeout(BUSY_DEADLINE, join_all(runs))
+        .await
+        .expect("busy connections stalled behind the stalled one");
+    for r in results {
+        r.expect("busy connection");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn tether_peers_a_stalled_reader_stalls_only_itself() {
+    // A stall timeout far beyond the test: only flow control can keep others moving.
+    let s = setup(
+        &["--stalled-reader-timeout=1h"],
+        &["--stalled-reader-timeout=1h"],
+    )
+    .await;
+    let ev = s
+        .server
+        .proc
+        .wait_event("agent connected", Duration::from_secs(5), |_| true);
+    assert_eq!(ev["flow_control"], true, "flow control negotiated: {ev}");
+    let bulk = backend::bulk().await;
+    let sink = backend::sink().await;
+    let client = Client::uds(socket_path(s.pki.dir())).await.unwrap();
+    let target = bulk.addr.to_string();
+
+    // Download stall: the client asks for 32 MiB and does not read.
+    let (open_gate, gate) = oneshot::channel::<()>();
+    let stalled = {
+        let conn = client.dial(&target).await.unwrap();
+        tokio::spawn(bulk_exchange(conn, 7, 8, 32 << 20, async {
+            let _ = gate.await;
+        }))
+    };
+    // Upload stall: the target never reads what we keep writing.
+    let mut blocked = client.dial(&sink.addr.to_string()).await.unwrap();
+    let writer = tokio::spawn(async move {
+        let buf = vec![0x5au8; 64 << 10];
+        loop {
+            if blocked.write_all(&buf).await.is_err() {
+                return;
+            }
+        }
+    });
+
+    busy_connections(&client, &target).await;
+
+    // The stalled download resumes and gets every byte intact.
+    open_gate.send(()).unwrap();
+    tokio::time::timeout(BUSY_DEADLINE, stalled)
+        .await
+        .expect("stalled connection resumes")
+        .unwrap()
+        .expect("stalled connection's data intact");
+    assert!(
+        !writer.is_finished(),
+        "the upload to the non-reading target is held, not failed"
+    );
+    writer.abort();
+    assert!(!s.server.proc.logged("closing the connection"));
+    assert!(!s.agent.proc.logged("closing the connection"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn without_flow_control_the_server_closes_a_stalled_client_connection() {
+    // The server behaves like upstream (no credit); the agent falls back too.
+    let s = setup(
+        &["--flow-control=false", "--stalled-reader-timeout=2s"],
+        &[],
+    )
+    .await;
+    let ev = s
+        .server
+        .proc
+        .wait_event("agent connected", Duration::from_secs(5), |_| true);
+    assert_eq!(ev["flow_control"], false, "{ev}");
+    let bulk = backend::bulk().await;
+    let client = Client::uds(socket_path(s.pki.dir())).await.unwrap();
+    let target = bulk.addr.to_string();
+
+    let (open_gate, gate) = oneshot::channel::<()>();
+    let stalled = {
+        let conn = client.dial(&target).await.unwrap();
+        tokio::spawn(bulk_exchange(conn, 7, 8, 256 << 20, async {
+            let _ = gate.await;
+        }))
+    };
+    // Held up at most for the stall timeout, then the stalled one is closed.
+    busy_connections(&client, &target).await;
+    s.server.proc.wait_event(
+        "client stopped reading; closing the connection (--stalled-reader-timeout)",
+        Duration::from_secs(30),
+        |_| true,
+    );
+    open_gate.send(()).unwrap();
+    let result = tokio::time::timeout(BUSY_DEADLINE, stalled)
+        .await
+        .expect("stalled connection ends")
+        .unwrap();
+    assert!(
+        result.is_err(),
+        "a closed connection must not look complete"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn without_flow_control_the_agent_closes_a_stalled_target_connection() {
+    // The agent behaves like upstream (no credit offered).
+    let s = setup(
+        &[],
+        &["--flow-control=false", "--stalled-reader-timeout=2s"],
+    )
+    .await;
+    let ev = s
+        .server
+        .proc
+        .wait_event("agent connected", Duration::from_secs(5), |_| true);
+    assert_eq!(ev["flow_control"], false, "{ev}");
+    let bulk = backend::bulk().await;
+    let sink = backend::sink().await;
+    let client = Client::uds(socket_path(s.pki.dir())).await.unwrap();
+
+    let mut blocked = client.dial(&sink.addr.to_string()).await.unwrap();
+    let writer = tokio::spawn(async move {
+        let buf = vec![0x5au8; 64 << 10];
+        while blocked.write_all(&buf).await.is_ok() {}
+    });
+    busy_connections(&client, &bulk.addr.to_string()).await;
+    s.agent.proc.wait_event(
+        "target stopped reading; closing the connection (--stalled-reader-timeout)",
+        Duration::from_secs(30),
+        |_| true,
+    );
+    // The client learns its connection is gone: its writes fail.
+    tokio::time::timeout(BUSY_DEADLINE, writer)
+        .await
+        .expect("writes to the closed connection fail")
+        .unwrap();
+}
