@@ -9,10 +9,10 @@ use std::time::{Duration, Instant};
 
 use tether_core::flow::{Admit, Credit, Window};
 use tether_core::pump::{splice, Flow, SpliceEnd};
+use tether_core::queue;
 use tether_proto::{packet::Payload, DialRequest, Packet};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -25,7 +25,7 @@ pub(crate) const TO_SERVER: usize = 1;
 struct Conn {
     /// DATA and CLOSE_REQ for the connection's pump, in arrival order (bounded by
     /// `flow.window`, not by the channel).
-    tx: mpsc::UnboundedSender<Packet>,
+    tx: queue::Sender<Packet>,
     flow: Arc<ConnFlow>,
     /// Stops the connection's pump.
     cancel: CancellationToken,
@@ -265,7 +265,7 @@ impl Session {
         self.metrics
             .dial_duration
             .observe(started.elapsed().as_secs_f64());
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) = queue::queue();
         let flow = Arc::new(ConnFlow {
             credit: self.peer_window.map(Credit::new),
             window: Window::for_peer(self.peer_window.is_some()),
@@ -288,9 +288,11 @@ impl Session {
             return;
         }
         tracing::debug!("connected");
+        let (rd, wr) = stream.into_split();
         let end = splice(
-            stream,
-            UnboundedReceiverStream::new(rx),
+            rd,
+            wr,
+            rx,
             &self.out,
             connect_id,
             &cancel,

@@ -355,7 +355,7 @@ impl Agent {
         if cfg.flow_control {
             md.insert(
                 header::FLOW_WINDOW,
-                MetadataValue::from(tether_core::flow::DEFAULT_WINDOW),
+                MetadataValue::from(tether_core::flow::window()),
             );
         }
         let mut client = AgentServiceClient::new(channel)

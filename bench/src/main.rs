@@ -39,6 +39,10 @@ struct Args {
     /// Skip the ssh -L comparison.
     #[arg(long)]
     no_ssh: bool,
+    /// Only these measurements (comma-separated: download, upload, parallel, rtt,
+    /// newconn, dialrate, fairness); all by default.
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
 }
 
 trait Io: AsyncRead + AsyncWrite + Send + Unpin {}
@@ -124,7 +128,11 @@ impl Env {
 
 // === backend ===
 
-/// 'D' n: sends n bytes; 'U' n: reads n bytes, answers one byte; 'E': echoes.
+/// Bytes the backend has written to 'S' (stalled-reader) connections.
+static STALLED_WRITTEN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// 'D' n: sends n bytes; 'U' n: reads n bytes, answers one byte; 'S': sends until the
+/// connection closes, counting into `STALLED_WRITTEN`; 'E': echoes.
 async fn backend() -> SocketAddr {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
@@ -137,6 +145,16 @@ async fn backend() -> SocketAddr {
                     return;
                 }
                 match cmd[0] {
+                    b'S' => {
+                        let buf = vec![0x53u8; 64 * 1024];
+                        while let Ok(n) = s.write(&buf).await {
+                            if n == 0 {
+                                break;
+                            }
+                            STALLED_WRITTEN
+                                .fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+                        }
+                    }
                     b'D' | b'U' => {
                         let Ok(n) = s.read_u64().await else { return };
                         let mut buf = vec![0x42u8; 256 * 1024];
@@ -219,6 +237,32 @@ async fn parallel(env: &Arc<Env>, route: Route, n: u64, conns: usize) -> anyhow:
         r?;
     }
     Ok((each * conns as u64) as f64 / start.elapsed().as_secs_f64())
+}
+
+/// Fairness: the aggregate download throughput of 8 busy connections beside one whose
+/// reader has stopped, as a fraction of the same 8 alone; and how many bytes the
+/// stalled connection's target could write before everything in between was full.
+async fn fairness(env: &Arc<Env>, route: Route, n: u64) -> anyhow::Result<(f64, f64)> {
+    use std::sync::atomic::Ordering;
+    let alone = parallel(env, route, n, 8).await?;
+    let before = STALLED_WRITTEN.load(Ordering::Relaxed);
+    let mut stalled = env.connect(route, env.backend).await?;
+    stalled.write_all(b"S").await?;
+    // Let the stalled connection fill every buffer on its path first.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut last = u64::MAX;
+    loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let now = STALLED_WRITTEN.load(Ordering::Relaxed);
+        if now == last || Instant::now() > deadline {
+            break;
+        }
+        last = now;
+    }
+    let beside = parallel(env, route, n, 8).await?;
+    let buffered = STALLED_WRITTEN.load(Ordering::Relaxed) - before;
+    drop(stalled);
+    Ok((beside / alone, buffered as f64 / 1048576.0))
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -594,22 +638,42 @@ async fn main() -> anyhow::Result<()> {
         "new conn p50 us",
         "new conn p99 us",
         "dials/s (64 clients)",
+        "fairness (8 busy + 1 stalled)",
+        "stalled conn buffered MiB",
     ];
     let mut samples: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); metrics.len()]; routes.len()];
     for round in 0..args.rounds {
         eprintln!("round {}/{}", round + 1, args.rounds);
         for (ri, &route) in routes.iter().enumerate() {
             let s = &mut samples[ri];
-            s[0].push(download(&env, route, n).await? / 1048576.0);
-            s[1].push(upload(&env, route, n).await? / 1048576.0);
-            s[2].push(parallel(&env, route, n, 16).await? / 1048576.0);
-            let (p50, p99) = rtt(&env, route, 2000).await?;
-            s[3].push(p50);
-            s[4].push(p99);
-            let (p50, p99) = new_connections(&env, route, 300).await?;
-            s[5].push(p50);
-            s[6].push(p99);
-            s[7].push(dial_rate(&env, route, 64, Duration::from_secs(2)).await?);
+            let on = |m: &str| args.only.is_empty() || args.only.iter().any(|o| o == m);
+            if on("download") {
+                s[0].push(download(&env, route, n).await? / 1048576.0);
+            }
+            if on("upload") {
+                s[1].push(upload(&env, route, n).await? / 1048576.0);
+            }
+            if on("parallel") {
+                s[2].push(parallel(&env, route, n, 16).await? / 1048576.0);
+            }
+            if on("rtt") {
+                let (p50, p99) = rtt(&env, route, 2000).await?;
+                s[3].push(p50);
+                s[4].push(p99);
+            }
+            if on("newconn") {
+                let (p50, p99) = new_connections(&env, route, 300).await?;
+                s[5].push(p50);
+                s[6].push(p99);
+            }
+            if on("dialrate") {
+                s[7].push(dial_rate(&env, route, 64, Duration::from_secs(2)).await?);
+            }
+            if on("fairness") {
+                let (kept, buffered) = fairness(&env, route, n).await?;
+                s[8].push(kept);
+                s[9].push(buffered);
+            }
         }
     }
     let table: Vec<Vec<f64>> = samples
@@ -640,6 +704,13 @@ async fn main() -> anyhow::Result<()> {
         }
         println!();
         out.insert((*name).into(), Value::Object(row));
+    }
+    if args.idle_conns == 0 {
+        std::fs::write(
+            &args.json,
+            serde_json::to_string_pretty(&Value::Object(out))?,
+        )?;
+        return Ok(());
     }
     eprintln!(
         "measuring memory with up to {} idle tunnels",

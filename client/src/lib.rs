@@ -141,8 +141,10 @@ impl Client {
                     .take_while(|r| futures::future::ready(r.is_ok()))
                     .filter_map(|r| futures::future::ready(r.ok()));
                 let mut packets = Box::pin(packets);
+                let (rd, wr) = tokio::io::split(pump_end);
                 let end = tether_core::pump::splice(
-                    pump_end,
+                    tether_core::pump::Buffered(rd),
+                    wr,
                     &mut packets,
                     &tx,
                     connect_id,

@@ -11,6 +11,7 @@ pub mod identifiers;
 pub mod kubeclient;
 pub mod metrics;
 pub mod pump;
+pub mod queue;
 pub mod ratelimit;
 pub mod reload;
 pub mod shutdown;

@@ -15,6 +15,16 @@ use crate::flow::{Credit, Window};
 /// How much one socket read may take (and so the largest DATA packet we send).
 pub const READ_CHUNK: usize = 32 * 1024;
 
+fn read_chunk() -> usize {
+    static C: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *C.get_or_init(|| {
+        std::env::var("TETHER_READ_CHUNK")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(READ_CHUNK)
+    })
+}
+
 /// Why a splice ended; the caller decides what to tell the peer.
 #[derive(Debug)]
 pub enum SpliceEnd {
@@ -43,9 +53,53 @@ pub struct Flow<'a> {
     pub recv: Option<&'a Window>,
 }
 
-/// Pumps bytes both ways between `sock` and the tunnel until one side ends.
-pub async fn splice<S, In>(
-    sock: S,
+/// The read side of a spliced socket.
+pub trait Source: Send {
+    /// Reads what is available into `buf` (which has room for at least `chunk / 4`
+    /// bytes once this returns data); `Ok(0)` at end of file.
+    fn read_some(
+        &mut self,
+        buf: &mut BytesMut,
+        chunk: usize,
+    ) -> impl std::future::Future<Output = std::io::Result<usize>> + Send;
+}
+
+/// Any `AsyncRead`: the buffer is reserved before the read waits.
+pub struct Buffered<R>(pub R);
+
+impl<R: AsyncRead + Unpin + Send> Source for Buffered<R> {
+    async fn read_some(&mut self, buf: &mut BytesMut, chunk: usize) -> std::io::Result<usize> {
+        if buf.capacity() < chunk / 4 {
+            buf.reserve(chunk);
+        }
+        self.0.read_buf(buf).await
+    }
+}
+
+/// A TCP read half waits for readability with no buffer: an idle connection holds no
+/// read buffer at all (thousands of idle tunnels cost kilobytes, not megabytes).
+impl Source for tokio::net::tcp::OwnedReadHalf {
+    async fn read_some(&mut self, buf: &mut BytesMut, chunk: usize) -> std::io::Result<usize> {
+        loop {
+            if buf.capacity() >= chunk / 4 {
+                match self.try_read_buf(buf) {
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    other => return other,
+                }
+            }
+            // Nothing to read now: let the buffer go while we wait.
+            *buf = BytesMut::new();
+            self.readable().await?;
+            buf.reserve(chunk);
+        }
+    }
+}
+
+/// Pumps bytes both ways between a socket (`rd`, `wr`) and the tunnel until one side
+/// ends.
+pub async fn splice<R, W, In>(
+    mut rd: R,
+    mut wr: W,
     mut inbound: In,
     out: &mpsc::Sender<Packet>,
     connect_id: i64,
@@ -53,23 +107,20 @@ pub async fn splice<S, In>(
     flow: Flow<'_>,
 ) -> SpliceEnd
 where
-    S: AsyncRead + AsyncWrite,
+    R: Source,
+    W: AsyncWrite + Unpin,
     In: Stream<Item = Packet> + Unpin,
 {
-    let (mut rd, mut wr) = tokio::io::split(sock);
-
     let reading = async {
-        let mut buf = BytesMut::with_capacity(READ_CHUNK);
+        let chunk = read_chunk();
+        let mut buf = BytesMut::new();
         loop {
             if let Some(credit) = flow.send {
                 if !credit.ready().await {
                     return SpliceEnd::SinkGone;
                 }
             }
-            if buf.capacity() < READ_CHUNK / 4 {
-                buf.reserve(READ_CHUNK);
-            }
-            match rd.read_buf(&mut buf).await {
+            match rd.read_some(&mut buf, chunk).await {
                 Ok(0) => return SpliceEnd::LocalEof,
                 Ok(n) => {
                     if let Some(credit) = flow.send {
@@ -141,8 +192,10 @@ mod tests {
         let (out_tx, mut out_rx) = mpsc::channel(8);
         let cancel = CancellationToken::new();
         let task = tokio::spawn(async move {
+            let (r, w) = tokio::io::split(local);
             splice(
-                local,
+                Buffered(r),
+                w,
                 ReceiverStream::new(in_rx),
                 &out_tx,
                 7,
@@ -164,13 +217,20 @@ mod tests {
 
     #[tokio::test]
     async fn local_bytes_become_data_and_eof_ends() {
-        let (local, mut remote) = tokio::io::duplex(1 << 16);
+        // A real TCP pair: the read side waits for readiness without a buffer.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut remote = tokio::net::TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (local, _) = listener.accept().await.unwrap();
         let (_in_tx, in_rx) = mpsc::channel::<Packet>(8);
         let (out_tx, mut out_rx) = mpsc::channel(8);
         let cancel = CancellationToken::new();
         let task = tokio::spawn(async move {
+            let (r, w) = local.into_split();
             splice(
-                local,
+                r,
+                w,
                 ReceiverStream::new(in_rx),
                 &out_tx,
                 9,

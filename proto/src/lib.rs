@@ -11,6 +11,57 @@ mod generated {
 
 pub use generated::*;
 
+pub mod codec {
+    //! The gRPC codec of every Tether stream: prost encoding with small initial
+    //! buffers. tonic's default gives each stream an 8 KiB encode and an 8 KiB decode
+    //! buffer up front; with one stream per tunnel that is most of an idle tunnel's
+    //! memory. The buffers still grow to the largest message a stream carries.
+
+    use std::marker::PhantomData;
+
+    use tonic::codec::{BufferSettings, Codec};
+    use tonic_prost::{ProstCodec, ProstDecoder, ProstEncoder};
+
+    /// Initial encode/decode buffer per stream (a DIAL_REQ fits).
+    pub const INITIAL_BUFFER: usize = 512;
+
+    /// Once this much is encoded, the batch is handed to HTTP/2.
+    pub const YIELD_THRESHOLD: usize = 32 * 1024;
+
+    /// Prost with [`INITIAL_BUFFER`]-byte initial buffers.
+    #[derive(Debug, Clone)]
+    pub struct PacketCodec<T, U>(PhantomData<(T, U)>);
+
+    impl<T, U> Default for PacketCodec<T, U> {
+        fn default() -> Self {
+            PacketCodec(PhantomData)
+        }
+    }
+
+    fn settings() -> BufferSettings {
+        BufferSettings::new(INITIAL_BUFFER, YIELD_THRESHOLD)
+    }
+
+    impl<T, U> Codec for PacketCodec<T, U>
+    where
+        T: prost::Message + Send + 'static,
+        U: prost::Message + Default + Send + 'static,
+    {
+        type Encode = T;
+        type Decode = U;
+        type Encoder = ProstEncoder<T>;
+        type Decoder = ProstDecoder<U>;
+
+        fn encoder(&mut self) -> Self::Encoder {
+            ProstCodec::<T, U>::raw_encoder(settings())
+        }
+
+        fn decoder(&mut self) -> Self::Decoder {
+            ProstCodec::<T, U>::raw_decoder(settings())
+        }
+    }
+}
+
 /// gRPC metadata keys, lowercase as on the wire.
 pub mod header {
     /// Agent -> server: the agent's id (exactly one).

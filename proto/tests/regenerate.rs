@@ -18,6 +18,8 @@ fn generated_code_is_current() {
         // No `Client::connect(endpoint)` constructor: it would clash with the
         // AgentService `Connect` rpc; callers build channels themselves.
         .build_transport(false)
+        // Small per-stream buffers (see `codec`): thousands of idle streams.
+        .codec_path("crate::codec::PacketCodec")
         .emit_rerun_if_changed(false)
         .out_dir(&out)
         .compile_protos(

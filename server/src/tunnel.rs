@@ -10,9 +10,8 @@ use std::time::{Duration, Instant};
 
 use futures::{Stream, StreamExt};
 use tether_core::flow::{Admit, Credit, Window};
+use tether_core::queue;
 use tether_proto::{packet::Payload, DialRequest, Packet};
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::UnboundedReceiverStream;
 use tracing::Instrument;
 
 use crate::backend::{Backend, PendingDial, Registry, Strategy};
@@ -29,7 +28,7 @@ pub struct Frontend {
     id: u64,
     /// Packets for the client: DIAL_RSP, DATA, CLOSE_RSP, DIAL_CLS. Unbounded as a
     /// channel; DATA in it is bounded per connection by `Conn::window`.
-    pub(crate) tx: mpsc::UnboundedSender<Outgoing>,
+    pub(crate) tx: queue::Sender<Outgoing>,
     routes: Mutex<Routes>,
 }
 
@@ -57,9 +56,9 @@ impl From<Packet> for Outgoing {
 /// The client-bound packets of a frontend, in order. DATA taken from here leaves its
 /// connection's window (and, with a Tether agent, returns credit to it).
 pub fn outbox(
-    rx: mpsc::UnboundedReceiver<Outgoing>,
+    rx: queue::Receiver<Outgoing>,
 ) -> impl Stream<Item = Packet> + Send + Unpin + 'static {
-    UnboundedReceiverStream::new(rx).map(|out| {
+    rx.map(|out| {
         if let (Some(conn), Some(Payload::Data(d))) = (&out.conn, &out.packet.payload) {
             conn.taken(d.data.len());
         }
@@ -119,7 +118,7 @@ static NEXT_FRONTEND: AtomicU64 = AtomicU64::new(1);
 
 impl Frontend {
     /// A frontend whose client-bound packets go to `tx` (read them with [`outbox`]).
-    pub fn new(tx: mpsc::UnboundedSender<Outgoing>) -> Arc<Self> {
+    pub fn new(tx: queue::Sender<Outgoing>) -> Arc<Self> {
         Arc::new(Frontend {
             id: NEXT_FRONTEND.fetch_add(1, Ordering::Relaxed),
             tx,

@@ -8,7 +8,6 @@ use std::sync::Arc;
 use futures::Stream;
 use tether_proto::proxy_service_server::ProxyService;
 use tether_proto::{packet::Payload, Packet};
-use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
@@ -31,7 +30,7 @@ impl ProxyService for GrpcFrontend {
         &self,
         request: Request<Streaming<Packet>>,
     ) -> Result<Response<Self::ProxyStream>, Status> {
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) = tether_core::queue::queue();
         let fe = Frontend::new(tx);
         let tunnel = self.tunnel.clone();
         let gauge = tunnel

@@ -7,10 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use tether_core::pump::{splice, Flow, SpliceEnd};
+use tether_core::pump::{splice, Buffered, Flow, SpliceEnd};
 use tether_proto::{packet::Payload, DialRequest, Packet};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::tunnel::{outbox, Frontend, Tunnel};
@@ -26,7 +25,7 @@ const DIAL_BACKSTOP: Duration = Duration::from_secs(30);
 /// Serves one HTTP-CONNECT client connection to the end.
 pub async fn serve_connection<S>(tunnel: Arc<Tunnel>, mut sock: S, shutdown: CancellationToken)
 where
-    S: AsyncRead + AsyncWrite + Unpin,
+    S: AsyncRead + AsyncWrite + Unpin + Send,
 {
     let gauge = tunnel.metrics.http_connections.clone();
     gauge.inc();
@@ -65,7 +64,7 @@ where
     };
 
     tracing::Span::current().record("address", address.as_str());
-    let (tx, rx) = mpsc::unbounded_channel();
+    let (tx, rx) = tether_core::queue::queue();
     let fe = Frontend::new(tx);
     let mut rx = outbox(rx);
     let random = tether_core::random_id();
@@ -169,7 +168,17 @@ where
         send: conn.credit.as_ref(),
         recv: None,
     };
-    let end = splice(&mut sock, rx, &backend.tx, connect_id, &shutdown, flow).await;
+    let (rd, wr) = tokio::io::split(&mut sock);
+    let end = splice(
+        Buffered(rd),
+        wr,
+        rx,
+        &backend.tx,
+        connect_id,
+        &shutdown,
+        flow,
+    )
+    .await;
     match end {
         SpliceEnd::RemoteClosed(Some(err)) => tracing::debug!(%err, connect_id, "closed by agent"),
         SpliceEnd::LocalError(e) => {
