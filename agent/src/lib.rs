@@ -221,6 +221,8 @@ impl Agent {
     /// servers, closing duplicates. When `drain` is cancelled every stream sends DRAIN,
     /// new dials are refused, and `run` returns once the connections have finished.
     pub async fn run(&self, drain: CancellationToken, shutdown: CancellationToken) {
+        let open = self.open_conns.clone();
+        tether_core::memory::spawn_trimmer(move || open.load(Ordering::Relaxed), shutdown.clone());
         tether_core::reload::spawn_watcher(
             vec![self.tls.clone() as Arc<dyn tether_core::reload::Reload>],
             self.config.cert_reload_interval,

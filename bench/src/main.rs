@@ -392,6 +392,18 @@ async fn memory(env: &Env, max: usize) -> anyhow::Result<Value> {
         }
         drop(held);
         settle(env, 0.0).await;
+        // Server and agent give memory back a few seconds after a burst closes: wait
+        // until both RSS figures stop falling (at most 15 s).
+        let deadline = Instant::now() + Duration::from_secs(15);
+        let mut last = (f64::MAX, f64::MAX);
+        loop {
+            tokio::time::sleep(Duration::from_millis(1000)).await;
+            let now = (rss_mib(env.grpc_server_pid), rss_mib(env.grpc_agent_pid));
+            if (now.0 >= last.0 && now.1 >= last.1) || Instant::now() > deadline {
+                break;
+            }
+            last = now;
+        }
         points.push(json!({"tunnels": "closed", "server_mib": rss_mib(env.grpc_server_pid), "agent_mib": rss_mib(env.grpc_agent_pid)}));
         rounds.push(Value::Array(points));
     }

@@ -9,6 +9,7 @@ pub mod flow;
 pub mod health;
 pub mod identifiers;
 pub mod kubeclient;
+pub mod memory;
 pub mod metrics;
 pub mod pump;
 pub mod queue;

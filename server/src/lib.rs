@@ -297,6 +297,14 @@ impl BoundServer {
         // shutdown; `hard_stop` ends them.
         let hard_stop = CancellationToken::new();
         let registry = tunnel.metrics.registry.clone();
+        {
+            let proxy = tunnel
+                .metrics
+                .grpc_connections
+                .with_label_values(&["Proxy"]);
+            let http = tunnel.metrics.http_connections.clone();
+            tether_core::memory::spawn_trimmer(move || proxy.get() + http.get(), hard_stop.clone());
+        }
         tether_core::reload::spawn_watcher(
             reloadables,
             config.cert_reload_interval,
