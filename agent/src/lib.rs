@@ -357,7 +357,7 @@ impl Agent {
         if cfg.flow_control {
             md.insert(
                 header::FLOW_WINDOW,
-                MetadataValue::from(tether_core::flow::window()),
+                MetadataValue::from(tether_core::flow::DEFAULT_WINDOW),
             );
         }
         let mut client = AgentServiceClient::new(channel)

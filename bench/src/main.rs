@@ -708,7 +708,7 @@ async fn main() -> anyhow::Result<()> {
         let mut row = serde_json::Map::new();
         for (ri, r) in routes.iter().enumerate() {
             let v = table[ri][mi];
-            print!("{:>26}", format!("{v:.1} ({:.2}x)", v / direct));
+            print!("{:>26}", format!("{v:.2} ({:.2}x)", v / direct));
             row.insert(
                 r.name().into(),
                 json!({"value": v, "ratio_to_direct": v / direct}),

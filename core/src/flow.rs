@@ -17,14 +17,6 @@ use tokio::sync::Notify;
 /// The receive window each Tether peer advertises per connection (bytes).
 pub const DEFAULT_WINDOW: u32 = 1 << 20;
 
-/// The window this process advertises (TETHER_FLOW_WINDOW overrides, for experiments).
-pub fn window() -> u32 {
-    static W: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    *W.get_or_init(|| {
-        parse_window(std::env::var("TETHER_FLOW_WINDOW").ok().as_deref()).unwrap_or(DEFAULT_WINDOW)
-    })
-}
-
 /// Smallest and largest window a peer may advertise.
 pub const WINDOW_RANGE: std::ops::RangeInclusive<u32> = (64 << 10)..=(64 << 20);
 
@@ -146,7 +138,7 @@ impl Window {
     /// [`FALLBACK_QUEUE`] for an upstream peer.
     pub fn for_peer(credit_based: bool) -> Self {
         if credit_based {
-            Window::new(window(), true)
+            Window::new(DEFAULT_WINDOW, true)
         } else {
             Window::new(FALLBACK_QUEUE as u32, false)
         }

@@ -202,37 +202,13 @@ impl Default for ChannelSettings {
     }
 }
 
-/// HTTP/2 settings shared by every Tether endpoint (agent link, gRPC frontend, client).
-#[derive(Debug, Clone, Copy)]
-pub struct H2Tuning {
-    /// Initial per-stream receive window.
-    pub stream_window: u32,
-    /// Initial per-connection receive window.
-    pub conn_window: u32,
-    /// Largest frame we accept (SETTINGS_MAX_FRAME_SIZE).
-    pub max_frame: u32,
-    /// BDP-based adaptive windows.
-    pub adaptive: bool,
-}
+/// HTTP/2 receive window per stream on every Tether endpoint (agent link, gRPC
+/// frontend, client). Measured with tether-bench: 16 MiB stream / 64 MiB connection
+/// windows and adaptive (BDP) windows were no faster on loopback than these.
+pub const H2_STREAM_WINDOW: u32 = 1 << 20;
 
-/// The HTTP/2 settings (TETHER_H2_* environment overrides are for experiments).
-pub fn h2() -> H2Tuning {
-    static T: std::sync::OnceLock<H2Tuning> = std::sync::OnceLock::new();
-    *T.get_or_init(|| {
-        let env = |k: &str, d: u32| {
-            std::env::var(k)
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(d)
-        };
-        H2Tuning {
-            stream_window: env("TETHER_H2_STREAM_WINDOW", 1 << 20),
-            conn_window: env("TETHER_H2_CONN_WINDOW", 4 << 20),
-            max_frame: env("TETHER_H2_MAX_FRAME", 16 << 10),
-            adaptive: env("TETHER_H2_ADAPTIVE", 0) == 1,
-        }
-    })
-}
+/// HTTP/2 receive window per connection.
+pub const H2_CONN_WINDOW: u32 = 4 << 20;
 
 fn endpoint(
     authority: &str,
@@ -242,10 +218,8 @@ fn endpoint(
     let mut ep = Endpoint::from_shared(format!("http://{authority}"))?
         .connect_timeout(settings.connect_timeout)
         .tcp_nodelay(true)
-        .initial_stream_window_size(Some(h2().stream_window))
-        .initial_connection_window_size(Some(h2().conn_window))
-        .max_frame_size(Some(h2().max_frame))
-        .http2_adaptive_window(h2().adaptive);
+        .initial_stream_window_size(Some(H2_STREAM_WINDOW))
+        .initial_connection_window_size(Some(H2_CONN_WINDOW));
     if let Some(k) = settings.keepalive {
         ep = ep
             .http2_keep_alive_interval(k)

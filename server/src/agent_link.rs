@@ -193,7 +193,7 @@ impl AgentService for AgentLink {
         if peer_window.is_some() {
             meta.insert(
                 header::FLOW_WINDOW,
-                MetadataValue::from(tether_core::flow::window()),
+                MetadataValue::from(tether_core::flow::DEFAULT_WINDOW),
             );
         }
         meta.insert(

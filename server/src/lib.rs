@@ -367,10 +367,8 @@ impl BoundServer {
         let agent_server = tonic::transport::Server::builder()
             .http2_keepalive_interval(Some(config.agent_keepalive))
             .http2_keepalive_timeout(Some(config.agent_keepalive.min(Duration::from_secs(20))))
-            .initial_stream_window_size(Some(transport::h2().stream_window))
-            .initial_connection_window_size(Some(transport::h2().conn_window))
-            .max_frame_size(Some(transport::h2().max_frame))
-            .http2_adaptive_window(Some(transport::h2().adaptive))
+            .initial_stream_window_size(Some(transport::H2_STREAM_WINDOW))
+            .initial_connection_window_size(Some(transport::H2_CONN_WINDOW))
             .add_service(
                 AgentServiceServer::new(link)
                     .max_decoding_message_size(MAX_MESSAGE)
@@ -463,10 +461,8 @@ async fn serve_frontend(
                     // One stream per dial: a client may hold thousands on one connection.
                     .max_concurrent_streams(Some(1 << 16))
                     .http2_keepalive_interval(Some(keepalive))
-                    .initial_stream_window_size(Some(transport::h2().stream_window))
-                    .initial_connection_window_size(Some(transport::h2().conn_window))
-                    .max_frame_size(Some(transport::h2().max_frame))
-                    .http2_adaptive_window(Some(transport::h2().adaptive))
+                    .initial_stream_window_size(Some(transport::H2_STREAM_WINDOW))
+                    .initial_connection_window_size(Some(transport::H2_CONN_WINDOW))
             };
             // Established streams keep running after `stop` until `hard_stop`.
             let result = match listener {
