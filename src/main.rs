@@ -22,6 +22,8 @@ enum Command {
     Agent(Box<cmd::agent::AgentArgs>),
     /// Run a server, an agent and a demo backend in one process on loopback.
     Local(cmd::local::LocalArgs),
+    /// Run the cloud-controller-manager (built-in `tether` provider: an inventory file).
+    Ccm(Box<cmd::ccm::CcmArgs>),
     /// Make certificates.
     #[command(subcommand)]
     Certs(cmd::certs::CertsCommand),
@@ -33,6 +35,7 @@ fn main() -> std::process::ExitCode {
         Command::Server(args) => cmd::server::main(*args),
         Command::Agent(args) => cmd::agent::main(*args),
         Command::Local(args) => cmd::local::main(args),
+        Command::Ccm(args) => cmd::ccm::main(*args),
         Command::Certs(c) => cmd::certs::main(c),
     };
     match result {

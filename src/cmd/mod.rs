@@ -2,6 +2,7 @@
 //! klog compatibility flags, logging set-up).
 
 pub mod agent;
+pub mod ccm;
 pub mod certs;
 pub mod local;
 pub mod server;

@@ -79,6 +79,8 @@ pub enum Egress {
     },
     /// A complete EgressSelectorConfiguration file, used as it is.
     File(PathBuf),
+    /// No proxy: the apiserver dials directly (tests that need no tunnel).
+    Direct,
 }
 
 impl Egress {
@@ -86,6 +88,7 @@ impl Egress {
     pub fn config_yaml(&self) -> String {
         let connection = match self {
             Egress::File(p) => return std::fs::read_to_string(p).expect("read egress configuration"),
+            Egress::Direct => "    proxyProtocol: Direct\n".to_string(),
             Egress::GrpcUds(p) => format!(
                 "    proxyProtocol: GRPC\n    transport:\n      uds:\n        udsName: {}\n",
                 p.display()

@@ -1,0 +1,193 @@
+//! The provider traits the controllers call (upstream's cloudprovider interface in
+//! spirit): instances, load balancers and routes, each optional, with the errors a
+//! provider may answer. Providers are chosen by name (`--cloud-provider`) and read
+//! their configuration from `--cloud-config`.
+
+pub mod tether;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+/// What a provider may answer instead of a result.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum CloudError {
+    /// The provider does not implement this call; the controller skips what needs it.
+    #[error("not implemented by this cloud provider")]
+    NotImplemented,
+    /// The provider does not know this node.
+    #[error("instance not found")]
+    InstanceNotFound,
+    /// Try again after `after` (the provider is rate limited or busy).
+    #[error("provider asked to retry after {after:?}: {reason}")]
+    RetryAfter {
+        /// How long to wait.
+        after: Duration,
+        /// Why.
+        reason: String,
+    },
+    /// Anything else; retried with backoff.
+    #[error("{0}")]
+    Provider(String),
+}
+
+/// The node a provider is asked about.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodeInfo {
+    /// `metadata.name`.
+    pub name: String,
+    /// `spec.providerID`, when set.
+    pub provider_id: Option<String>,
+}
+
+/// A node address as the provider knows it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Address {
+    /// `InternalIP`, `ExternalIP`, `Hostname`, `InternalDNS` or `ExternalDNS`.
+    pub kind: String,
+    /// The address.
+    pub address: String,
+}
+
+/// What the node controller writes onto a new node.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct InstanceMetadata {
+    /// `spec.providerID`.
+    pub provider_id: String,
+    /// `node.kubernetes.io/instance-type`.
+    pub instance_type: String,
+    /// `status.addresses`.
+    pub addresses: Vec<Address>,
+    /// `topology.kubernetes.io/zone`.
+    pub zone: String,
+    /// `topology.kubernetes.io/region`.
+    pub region: String,
+    /// Further labels to set.
+    pub extra_labels: BTreeMap<String, String>,
+}
+
+/// Instances: existence, shutdown state and metadata of nodes.
+#[async_trait]
+pub trait Instances: Send + Sync {
+    /// Does the node's instance exist?
+    async fn exists(&self, node: &NodeInfo) -> Result<bool, CloudError>;
+    /// Is the node's instance shut down (it exists but does not run)?
+    async fn shutdown(&self, node: &NodeInfo) -> Result<bool, CloudError>;
+    /// The node's provider ID, type, addresses, zone, region and labels.
+    async fn metadata(&self, node: &NodeInfo) -> Result<InstanceMetadata, CloudError>;
+}
+
+/// A Service as a load balancer implementation sees it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ServiceInfo {
+    /// Namespace.
+    pub namespace: String,
+    /// Name.
+    pub name: String,
+    /// `metadata.uid` (stable across renames of nothing; names the balancer).
+    pub uid: String,
+    /// Ports: (name, protocol, port, nodePort).
+    pub ports: Vec<ServicePort>,
+}
+
+/// One port of a LoadBalancer Service.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ServicePort {
+    /// Port name.
+    pub name: String,
+    /// `TCP`, `UDP` or `SCTP`.
+    pub protocol: String,
+    /// The port clients connect to.
+    pub port: u16,
+    /// The node port traffic goes to.
+    pub node_port: u16,
+}
+
+/// A backend node of a load balancer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Backend {
+    /// Node name.
+    pub name: String,
+    /// Its InternalIP.
+    pub address: String,
+}
+
+/// `status.loadBalancer.ingress` entries.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LoadBalancerStatus {
+    /// IP ingress points.
+    pub ips: Vec<String>,
+    /// Hostname ingress points.
+    pub hostnames: Vec<String>,
+}
+
+/// Load balancers for Services of type LoadBalancer.
+#[async_trait]
+pub trait LoadBalancers: Send + Sync {
+    /// The balancer's status if it exists.
+    async fn get(
+        &self,
+        cluster: &str,
+        svc: &ServiceInfo,
+    ) -> Result<Option<LoadBalancerStatus>, CloudError>;
+    /// Creates or updates the balancer for `svc` over `nodes`.
+    async fn ensure(
+        &self,
+        cluster: &str,
+        svc: &ServiceInfo,
+        nodes: &[Backend],
+    ) -> Result<LoadBalancerStatus, CloudError>;
+    /// Points the balancer at a new node set.
+    async fn update(
+        &self,
+        cluster: &str,
+        svc: &ServiceInfo,
+        nodes: &[Backend],
+    ) -> Result<(), CloudError>;
+    /// Deletes the balancer (no error if it does not exist).
+    async fn delete(&self, cluster: &str, svc: &ServiceInfo) -> Result<(), CloudError>;
+}
+
+/// A route: traffic for `cidr` goes to `node`'s address.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Route {
+    /// Target node name.
+    pub node: String,
+    /// The node's InternalIP (the next hop).
+    pub via: String,
+    /// The pod CIDR.
+    pub cidr: String,
+}
+
+/// Routes to pod CIDRs.
+#[async_trait]
+pub trait Routes: Send + Sync {
+    /// Routes the provider manages for `cluster`.
+    async fn list(&self, cluster: &str) -> Result<Vec<Route>, CloudError>;
+    /// Creates `route`.
+    async fn create(&self, cluster: &str, route: &Route) -> Result<(), CloudError>;
+    /// Deletes `route`.
+    async fn delete(&self, cluster: &str, route: &Route) -> Result<(), CloudError>;
+}
+
+/// A cloud provider: whichever of the three interfaces it implements.
+pub trait Provider: Send + Sync {
+    /// The `--cloud-provider` name.
+    fn name(&self) -> &str;
+    /// Instances, if supported.
+    fn instances(&self) -> Option<Arc<dyn Instances>>;
+    /// Load balancers, if supported.
+    fn load_balancers(&self) -> Option<Arc<dyn LoadBalancers>> {
+        None
+    }
+    /// Routes, if supported.
+    fn routes(&self) -> Option<Arc<dyn Routes>> {
+        None
+    }
+}
+
+/// The provider ID scheme of the built-in provider.
+pub const TETHER_PROVIDER_ID_PREFIX: &str = "tether://";

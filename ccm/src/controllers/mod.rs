@@ -1,0 +1,140 @@
+//! The controllers: `node` (initialise nodes from the provider, keep addresses in
+//! sync), `node_lifecycle` (shutdown taint, delete nodes gone from the provider).
+
+pub mod node;
+pub mod node_lifecycle;
+
+use k8s_openapi::api::core::v1::{Node, Taint};
+
+/// Set by kubelets started with `--cloud-provider=external` until we initialise them.
+pub const TAINT_UNINITIALIZED: &str = "node.cloudprovider.kubernetes.io/uninitialized";
+/// Put on nodes whose machine is shut down.
+pub const TAINT_SHUTDOWN: &str = "node.cloudprovider.kubernetes.io/shutdown";
+
+/// Does `node` carry the taint `key`?
+pub fn has_taint(node: &Node, key: &str) -> bool {
+    taints(node).iter().any(|t| t.key == key)
+}
+
+/// `node`'s taints.
+pub fn taints(node: &Node) -> &[Taint] {
+    node.spec
+        .as_ref()
+        .and_then(|s| s.taints.as_deref())
+        .unwrap_or_default()
+}
+
+/// The provider's view of `node`.
+pub fn node_info(node: &Node) -> crate::cloud::NodeInfo {
+    crate::cloud::NodeInfo {
+        name: kube::ResourceExt::name_any(node),
+        provider_id: node
+            .spec
+            .as_ref()
+            .and_then(|s| s.provider_id.clone())
+            .filter(|p| !p.is_empty()),
+    }
+}
+
+/// The status of `node`'s Ready condition ("True", "False", "Unknown"), if reported.
+pub fn ready_status(node: &Node) -> Option<&str> {
+    node.status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == "Ready")
+        .map(|c| c.status.as_str())
+}
+
+/// Why one sync failed (it is retried with backoff).
+#[derive(Debug, thiserror::Error)]
+pub enum SyncError {
+    /// A Kubernetes API call failed.
+    #[error("kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    /// The cloud provider failed.
+    #[error("cloud provider: {0}")]
+    Cloud(#[from] crate::cloud::CloudError),
+    /// The provider's answer cannot be applied.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl SyncError {
+    /// When to try again.
+    pub fn outcome(&self) -> crate::workqueue::Outcome {
+        match self {
+            SyncError::Cloud(crate::cloud::CloudError::RetryAfter { after, .. }) => {
+                crate::workqueue::Outcome::Retry(Some(*after))
+            }
+            _ => crate::workqueue::Outcome::Retry(None),
+        }
+    }
+}
+
+/// What every controller shares.
+#[derive(Clone)]
+pub struct Context {
+    /// The Kubernetes client.
+    pub client: kube::Client,
+    /// This replica's identity (the events' reporting instance).
+    pub identity: String,
+    /// The shared node cache.
+    pub nodes: kube::runtime::reflector::Store<Node>,
+}
+
+/// The events' source component.
+pub const COMPONENT: &str = "cloud-controller-manager";
+
+impl Context {
+    /// Publishes a core/v1 event about `node` in `default`, as client-go's recorder does
+    /// for cluster-scoped objects (failures are logged, never fatal).
+    pub async fn node_event(
+        &self,
+        node: &Node,
+        warning: bool,
+        reason: &str,
+        action: &str,
+        note: String,
+    ) {
+        use k8s_openapi::api::core::v1::{Event, EventSource, ObjectReference};
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, Time};
+        use kube::ResourceExt;
+        let now = k8s_openapi::jiff::Timestamp::now();
+        let name = node.name_any();
+        let event = Event {
+            metadata: ObjectMeta {
+                name: Some(format!("{name}.{:x}", now.as_nanosecond())),
+                namespace: Some("default".into()),
+                ..Default::default()
+            },
+            involved_object: ObjectReference {
+                api_version: Some("v1".into()),
+                kind: Some("Node".into()),
+                name: Some(name.clone()),
+                uid: node.uid(),
+                ..Default::default()
+            },
+            reason: Some(reason.into()),
+            message: Some(note),
+            type_: Some(if warning { "Warning" } else { "Normal" }.into()),
+            action: Some(action.into()),
+            source: Some(EventSource {
+                component: Some(COMPONENT.into()),
+                host: None,
+            }),
+            reporting_component: Some(COMPONENT.into()),
+            reporting_instance: Some(self.identity.clone()),
+            first_timestamp: Some(Time(now)),
+            last_timestamp: Some(Time(now)),
+            event_time: None::<MicroTime>,
+            count: Some(1),
+            ..Default::default()
+        };
+        let api: kube::Api<Event> = kube::Api::namespaced(self.client.clone(), "default");
+        if let Err(e) = api.create(&Default::default(), &event).await {
+            tracing::warn!(error = %e, reason, node = %name, "cannot publish event");
+        }
+    }
+}

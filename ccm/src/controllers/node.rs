@@ -1,0 +1,348 @@
+//! The node controller: a node tainted `node.cloudprovider.kubernetes.io/uninitialized`
+//! gets its provider ID, addresses, topology and instance-type labels (and their beta
+//! twins) from the provider, then the taint is removed and an event says so. Every
+//! `--node-status-update-frequency` the addresses of all nodes are synced again.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Node;
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::reflector::ObjectRef;
+use kube::ResourceExt;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use super::{has_taint, node_info, taints, Context, SyncError, TAINT_UNINITIALIZED};
+use crate::cloud::{Address, CloudError, InstanceMetadata, Instances};
+use crate::workqueue::{Outcome, WorkQueue};
+
+/// Kubelet's annotation naming the address the operator chose for the node.
+pub const PROVIDED_NODE_IP: &str = "alpha.kubernetes.io/provided-node-ip";
+
+/// Labels set from the provider's answer: (GA, beta) pairs.
+pub const ZONE_LABELS: [&str; 2] = [
+    "topology.kubernetes.io/zone",
+    "failure-domain.beta.kubernetes.io/zone",
+];
+/// Region labels.
+pub const REGION_LABELS: [&str; 2] = [
+    "topology.kubernetes.io/region",
+    "failure-domain.beta.kubernetes.io/region",
+];
+/// Instance-type labels.
+pub const INSTANCE_TYPE_LABELS: [&str; 2] = [
+    "node.kubernetes.io/instance-type",
+    "beta.kubernetes.io/instance-type",
+];
+
+/// The node controller.
+pub struct NodeController {
+    ctx: Context,
+    instances: Arc<dyn Instances>,
+    queue: Arc<WorkQueue>,
+    status_period: Duration,
+}
+
+impl NodeController {
+    /// A controller working off `queue` (fed by the node informer).
+    pub fn new(
+        ctx: Context,
+        instances: Arc<dyn Instances>,
+        queue: Arc<WorkQueue>,
+        status_period: Duration,
+    ) -> Self {
+        NodeController {
+            ctx,
+            instances,
+            queue,
+            status_period,
+        }
+    }
+
+    /// Runs until `shutdown`.
+    pub async fn run(self, shutdown: CancellationToken) {
+        let this = Arc::new(self);
+        // Periodic address sync: every node goes through the queue again.
+        let periodic = {
+            let this = this.clone();
+            let shutdown = shutdown.clone();
+            async move {
+                let mut tick = tokio::time::interval(this.status_period);
+                tick.tick().await;
+                loop {
+                    tokio::select! {
+                        _ = tick.tick() => {}
+                        _ = shutdown.cancelled() => return,
+                    }
+                    for node in this.ctx.nodes.state() {
+                        this.queue.add(&node.name_any());
+                    }
+                }
+            }
+        };
+        tokio::spawn(periodic.instrument(tracing::info_span!("node_status_sync")));
+        let queue = this.queue.clone();
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            stop.cancelled().await;
+            queue.shut_down();
+        });
+        while let Some(name) = this.queue.next().await {
+            let outcome = match this
+                .sync(&name)
+                .instrument(tracing::debug_span!("sync_node", node = %name))
+                .await
+            {
+                Ok(()) => Outcome::Done,
+                Err(e) => {
+                    tracing::warn!(node = %name, error = %e, "node sync failed; retrying");
+                    e.outcome()
+                }
+            };
+            this.queue.done(name, outcome);
+        }
+    }
+
+    /// Initialises the node if it is tainted uninitialized, else syncs its addresses.
+    pub async fn sync(&self, name: &str) -> Result<(), SyncError> {
+        let Some(node) = self.ctx.nodes.get(&ObjectRef::new(name)) else {
+            return Ok(());
+        };
+        if node.metadata.deletion_timestamp.is_some() {
+            return Ok(());
+        }
+        if has_taint(&node, TAINT_UNINITIALIZED) {
+            self.initialize(&node).await
+        } else {
+            self.sync_addresses(&node).await
+        }
+    }
+
+    async fn initialize(&self, node: &Node) -> Result<(), SyncError> {
+        let name = node.name_any();
+        let meta = match self.instances.metadata(&node_info(node)).await {
+            Ok(m) => m,
+            Err(CloudError::InstanceNotFound) => {
+                self.ctx
+                    .node_event(
+                        node,
+                        true,
+                        "InstanceNotFound",
+                        "InitializeNode",
+                        format!(
+                            "the cloud provider does not know node {name}; it stays uninitialized"
+                        ),
+                    )
+                    .await;
+                return Err(CloudError::InstanceNotFound.into());
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let addresses = ordered_addresses(node, &meta.addresses).map_err(SyncError::Invalid)?;
+        let api: Api<Node> = Api::all(self.ctx.client.clone());
+        // Addresses first: once the taint is gone the node is schedulable and must be
+        // reachable.
+        let patched;
+        let node = if addresses.is_empty() {
+            node
+        } else {
+            patched = api
+                .patch_status(
+                    &name,
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({ "status": { "addresses": address_json(&addresses) } })),
+                )
+                .await?;
+            &patched
+        };
+        let remaining: Vec<_> = taints(node)
+            .iter()
+            .filter(|t| t.key != TAINT_UNINITIALIZED)
+            .collect();
+        let mut spec = json!({ "taints": remaining });
+        let has_id = node
+            .spec
+            .as_ref()
+            .and_then(|s| s.provider_id.as_deref())
+            .is_some_and(|p| !p.is_empty());
+        if !has_id && !meta.provider_id.is_empty() {
+            spec["providerID"] = json!(meta.provider_id);
+        }
+        // The resourceVersion makes this a compare-and-swap: a taint added by someone
+        // else meanwhile is not overwritten (we get a conflict and retry).
+        api.patch(
+            &name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({
+                "metadata": {
+                    "labels": labels(&meta),
+                    "resourceVersion": node.resource_version(),
+                },
+                "spec": spec,
+            })),
+        )
+        .await?;
+        tracing::info!(node = %name, provider_id = %meta.provider_id, zone = %meta.zone, region = %meta.region, "node initialized");
+        self.ctx
+            .node_event(
+                node,
+                false,
+                "Synced",
+                "InitializeNode",
+                "Node synced successfully".into(),
+            )
+            .await;
+        Ok(())
+    }
+
+    async fn sync_addresses(&self, node: &Node) -> Result<(), SyncError> {
+        let meta = match self.instances.metadata(&node_info(node)).await {
+            Ok(m) => m,
+            // Gone from the provider: the lifecycle controller deals with it.
+            Err(CloudError::InstanceNotFound | CloudError::NotImplemented) => return Ok(()),
+            Err(e) => return Err(e.into()),
+        };
+        if meta.addresses.is_empty() {
+            return Ok(());
+        }
+        let wanted = ordered_addresses(node, &meta.addresses).map_err(SyncError::Invalid)?;
+        let current: Vec<Address> = node
+            .status
+            .as_ref()
+            .and_then(|s| s.addresses.as_ref())
+            .map(|a| {
+                a.iter()
+                    .map(|a| Address {
+                        kind: a.type_.clone(),
+                        address: a.address.clone(),
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        if current == wanted {
+            return Ok(());
+        }
+        let api: Api<Node> = Api::all(self.ctx.client.clone());
+        api.patch_status(
+            &node.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "status": { "addresses": address_json(&wanted) } })),
+        )
+        .await?;
+        tracing::info!(node = %node.name_any(), addresses = ?wanted, "node addresses updated");
+        Ok(())
+    }
+}
+
+/// The provider's addresses, with the kubelet's `provided-node-ip` first. That address
+/// must be one the provider knows (else the node is misconfigured: error).
+pub fn ordered_addresses(node: &Node, cloud: &[Address]) -> Result<Vec<Address>, String> {
+    let provided = node
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(PROVIDED_NODE_IP))
+        .filter(|ip| !ip.is_empty());
+    let mut out: Vec<Address> = Vec::with_capacity(cloud.len());
+    if let Some(ip) = provided {
+        let first: Vec<&Address> = cloud.iter().filter(|a| &a.address == ip).collect();
+        if first.is_empty() {
+            return Err(format!(
+                "node {}: {PROVIDED_NODE_IP}={ip} is not one of the provider's addresses {:?}",
+                node.name_any(),
+                cloud.iter().map(|a| &a.address).collect::<Vec<_>>()
+            ));
+        }
+        out.extend(first.into_iter().cloned());
+    }
+    for a in cloud {
+        if !out.contains(a) {
+            out.push(a.clone());
+        }
+    }
+    Ok(out)
+}
+
+fn address_json(addresses: &[Address]) -> serde_json::Value {
+    json!(addresses
+        .iter()
+        .map(|a| json!({ "type": a.kind, "address": a.address }))
+        .collect::<Vec<_>>())
+}
+
+/// The labels a node gets from `meta` (empty values are left out).
+pub fn labels(meta: &InstanceMetadata) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    for (keys, value) in [
+        (ZONE_LABELS, &meta.zone),
+        (REGION_LABELS, &meta.region),
+        (INSTANCE_TYPE_LABELS, &meta.instance_type),
+    ] {
+        if !value.is_empty() {
+            for k in keys {
+                out.insert(k.to_string(), value.clone());
+            }
+        }
+    }
+    for (k, v) in &meta.extra_labels {
+        out.insert(k.clone(), v.clone());
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addr(kind: &str, a: &str) -> Address {
+        Address {
+            kind: kind.into(),
+            address: a.into(),
+        }
+    }
+
+    #[test]
+    fn provided_node_ip_goes_first_and_must_be_known() {
+        let cloud = [
+            addr("ExternalIP", "1.2.3.4"),
+            addr("InternalIP", "10.0.0.1"),
+        ];
+        let mut node = Node::default();
+        node.metadata.name = Some("n".into());
+        assert_eq!(ordered_addresses(&node, &cloud).unwrap(), cloud.to_vec());
+        node.metadata.annotations = Some(
+            [(PROVIDED_NODE_IP.to_string(), "10.0.0.1".to_string())]
+                .into_iter()
+                .collect(),
+        );
+        assert_eq!(
+            ordered_addresses(&node, &cloud).unwrap(),
+            vec![cloud[1].clone(), cloud[0].clone()]
+        );
+        node.metadata.annotations = Some(
+            [(PROVIDED_NODE_IP.to_string(), "10.9.9.9".to_string())]
+                .into_iter()
+                .collect(),
+        );
+        assert!(ordered_addresses(&node, &cloud)
+            .unwrap_err()
+            .contains("10.9.9.9"));
+    }
+
+    #[test]
+    fn labels_include_beta_twins_and_skip_empty_values() {
+        let meta = InstanceMetadata {
+            zone: "z".into(),
+            instance_type: "t".into(),
+            ..Default::default()
+        };
+        let l = labels(&meta);
+        assert_eq!(l["topology.kubernetes.io/zone"], "z");
+        assert_eq!(l["failure-domain.beta.kubernetes.io/zone"], "z");
+        assert_eq!(l["beta.kubernetes.io/instance-type"], "t");
+        assert!(!l.contains_key("topology.kubernetes.io/region"));
+    }
+}

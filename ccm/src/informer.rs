@@ -1,0 +1,68 @@
+//! One shared watch per resource for every controller: a reflector keeps the cache that
+//! all controllers read, and each change queues the object's key on every work queue
+//! that subscribed. Watch errors are retried with kube-runtime's default backoff.
+
+use std::fmt::Debug;
+use std::sync::Arc;
+
+use futures::StreamExt;
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{watcher, WatchStreamExt};
+use kube::{Api, Resource, ResourceExt};
+use serde::de::DeserializeOwned;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::workqueue::WorkQueue;
+
+/// The work-queue key of an object: `name`, or `namespace/name`.
+pub fn key<K: Resource>(obj: &K) -> String {
+    match obj.namespace() {
+        Some(ns) => format!("{ns}/{}", obj.name_any()),
+        None => obj.name_any(),
+    }
+}
+
+/// Starts the shared watch of `api`; changes queue keys on `queues`. Returns the cache
+/// (wait for [`Store::wait_until_ready`] before trusting it).
+pub fn spawn<K>(
+    what: &'static str,
+    api: Api<K>,
+    queues: Vec<Arc<WorkQueue>>,
+    shutdown: CancellationToken,
+) -> Store<K>
+where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+    K::DynamicType: Default + Eq + std::hash::Hash + Clone + Send + Sync,
+{
+    let (store, writer) = reflector::store();
+    let stream = reflector::reflector(
+        writer,
+        watcher(api, watcher::Config::default()).default_backoff(),
+    );
+    tokio::spawn(
+        async move {
+            let mut stream = std::pin::pin!(stream);
+            loop {
+                let event = tokio::select! {
+                    e = stream.next() => e,
+                    _ = shutdown.cancelled() => return,
+                };
+                match event {
+                    Some(Ok(watcher::Event::Apply(obj) | watcher::Event::InitApply(obj)))
+                    | Some(Ok(watcher::Event::Delete(obj))) => {
+                        let k = key(&obj);
+                        for q in &queues {
+                            q.add(&k);
+                        }
+                    }
+                    Some(Ok(_)) => {}
+                    Some(Err(e)) => tracing::warn!(error = %e, "watch failed; retrying"),
+                    None => return,
+                }
+            }
+        }
+        .instrument(tracing::info_span!("informer", resource = what)),
+    );
+    store
+}

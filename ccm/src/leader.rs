@@ -1,0 +1,230 @@
+//! Leader election on a coordination.k8s.io Lease, as upstream's client-go does it:
+//! the holder renews every retry period; another replica takes over once it has seen the
+//! same record unchanged for a whole lease duration (measured on its own clock, so
+//! clock skew between replicas does not matter); a leader that cannot renew within the
+//! renew deadline steps down. On graceful shutdown the lease is released so that a
+//! standby takes over at once.
+
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, PostParams};
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+/// Where and how to elect.
+#[derive(Debug, Clone)]
+pub struct LeaderElection {
+    /// Lease namespace (`--leader-elect-resource-namespace`, kube-system).
+    pub namespace: String,
+    /// Lease name (`--leader-elect-resource-name`, cloud-controller-manager).
+    pub name: String,
+    /// This replica's identity (hostname plus a random suffix).
+    pub identity: String,
+    /// `--leader-elect-lease-duration` (15 s).
+    pub lease_duration: Duration,
+    /// `--leader-elect-renew-deadline` (10 s).
+    pub renew_deadline: Duration,
+    /// `--leader-elect-retry-period` (2 s).
+    pub retry_period: Duration,
+}
+
+/// What went wrong talking to the API server.
+#[derive(Debug, thiserror::Error)]
+#[error("leader election lease {namespace}/{name}: {source}")]
+pub struct LeaseError {
+    namespace: String,
+    name: String,
+    #[source]
+    source: kube::Error,
+}
+
+struct Elector {
+    api: Api<Lease>,
+    cfg: LeaderElection,
+    /// The last record seen and when we first saw it.
+    observed: Option<(String, Instant)>,
+}
+
+impl Elector {
+    fn err(&self, source: kube::Error) -> LeaseError {
+        LeaseError {
+            namespace: self.cfg.namespace.clone(),
+            name: self.cfg.name.clone(),
+            source,
+        }
+    }
+
+    /// Acquires or renews; true when we hold the lease afterwards.
+    async fn try_acquire_or_renew(&mut self) -> Result<bool, LeaseError> {
+        let now = MicroTime(Timestamp::now());
+        let secs = self.cfg.lease_duration.as_secs().max(1) as i32;
+        let existing = match self.api.get_opt(&self.cfg.name).await {
+            Ok(l) => l,
+            Err(e) => return Err(self.err(e)),
+        };
+        let Some(mut lease) = existing else {
+            let lease = Lease {
+                metadata: ObjectMeta {
+                    name: Some(self.cfg.name.clone()),
+                    namespace: Some(self.cfg.namespace.clone()),
+                    ..Default::default()
+                },
+                spec: Some(LeaseSpec {
+                    holder_identity: Some(self.cfg.identity.clone()),
+                    lease_duration_seconds: Some(secs),
+                    acquire_time: Some(now.clone()),
+                    renew_time: Some(now),
+                    lease_transitions: Some(0),
+                    ..Default::default()
+                }),
+            };
+            return match self.api.create(&PostParams::default(), &lease).await {
+                Ok(_) => Ok(true),
+                Err(kube::Error::Api(e)) if e.code == 409 => Ok(false),
+                Err(e) => Err(self.err(e)),
+            };
+        };
+        let spec = lease.spec.clone().unwrap_or_default();
+        let holder = spec.holder_identity.clone().unwrap_or_default();
+        let record = format!(
+            "{holder}|{:?}|{:?}",
+            spec.renew_time.as_ref().map(|t| t.0),
+            spec.lease_transitions
+        );
+        let first_seen = match &self.observed {
+            Some((r, at)) if *r == record => *at,
+            _ => {
+                let at = Instant::now();
+                self.observed = Some((record, at));
+                at
+            }
+        };
+        let duration = spec
+            .lease_duration_seconds
+            .map(|s| Duration::from_secs(s.max(0) as u64))
+            .unwrap_or(self.cfg.lease_duration);
+        let ours = holder == self.cfg.identity;
+        if !ours && !holder.is_empty() && first_seen.elapsed() < duration {
+            return Ok(false);
+        }
+        let mut new = spec;
+        if !ours {
+            new.acquire_time = Some(now.clone());
+            new.lease_transitions = Some(new.lease_transitions.unwrap_or(0) + 1);
+            new.holder_identity = Some(self.cfg.identity.clone());
+        }
+        new.renew_time = Some(now);
+        new.lease_duration_seconds = Some(secs);
+        lease.spec = Some(new);
+        // Replace carries the resourceVersion we read: a concurrent writer wins, we
+        // lose with a conflict.
+        match self
+            .api
+            .replace(&self.cfg.name, &PostParams::default(), &lease)
+            .await
+        {
+            Ok(_) => Ok(true),
+            Err(kube::Error::Api(e)) if e.code == 409 => Ok(false),
+            Err(e) => Err(self.err(e)),
+        }
+    }
+
+    /// Gives the lease up (only if we still hold it).
+    async fn release(&self) {
+        let Ok(Some(mut lease)) = self.api.get_opt(&self.cfg.name).await else {
+            return;
+        };
+        let Some(spec) = lease.spec.as_mut() else {
+            return;
+        };
+        if spec.holder_identity.as_deref() != Some(&self.cfg.identity) {
+            return;
+        }
+        spec.holder_identity = None;
+        spec.lease_duration_seconds = Some(1);
+        spec.renew_time = Some(MicroTime(Timestamp::now()));
+        match self
+            .api
+            .replace(&self.cfg.name, &PostParams::default(), &lease)
+            .await
+        {
+            Ok(_) => tracing::info!("leader lease released"),
+            Err(e) => tracing::warn!(error = %e, "cannot release the leader lease"),
+        }
+    }
+}
+
+/// Waits until this replica leads (`None` if `shutdown` comes first). The returned token
+/// is cancelled when leadership is lost; the lease is renewed in the background and
+/// released when `shutdown` is cancelled.
+pub async fn lead(
+    client: kube::Client,
+    cfg: LeaderElection,
+    shutdown: CancellationToken,
+) -> Option<CancellationToken> {
+    let span = tracing::info_span!("leader_election", lease = %format!("{}/{}", cfg.namespace, cfg.name), identity = %cfg.identity);
+    let mut elector = Elector {
+        api: Api::namespaced(client, &cfg.namespace),
+        cfg,
+        observed: None,
+    };
+    async {
+        tracing::info!("waiting to become leader");
+        loop {
+            match elector.try_acquire_or_renew().await {
+                Ok(true) => break,
+                Ok(false) => {}
+                Err(e) => tracing::warn!(error = %e, "leader election attempt failed"),
+            }
+            let jitter = elector.cfg.retry_period.mul_f64(rand::random::<f64>() * 0.2);
+            tokio::select! {
+                _ = tokio::time::sleep(elector.cfg.retry_period + jitter) => {}
+                _ = shutdown.cancelled() => return None,
+            }
+        }
+        tracing::info!("became leader");
+        let lost = CancellationToken::new();
+        let lost_out = lost.clone();
+        tokio::spawn(
+            async move {
+                let mut last_renewed = Instant::now();
+                loop {
+                    tokio::select! {
+                        _ = tokio::time::sleep(elector.cfg.retry_period) => {}
+                        _ = shutdown.cancelled() => {
+                            elector.release().await;
+                            return;
+                        }
+                    }
+                    let attempt = tokio::time::timeout(
+                        elector.cfg.renew_deadline,
+                        elector.try_acquire_or_renew(),
+                    )
+                    .await;
+                    match attempt {
+                        Ok(Ok(true)) => last_renewed = Instant::now(),
+                        Ok(Ok(false)) => {
+                            tracing::error!("leader lease taken by another replica; stepping down");
+                            lost.cancel();
+                            return;
+                        }
+                        Ok(Err(e)) => tracing::warn!(error = %e, "lease renewal failed"),
+                        Err(_) => tracing::warn!("lease renewal timed out"),
+                    }
+                    if last_renewed.elapsed() >= elector.cfg.renew_deadline {
+                        tracing::error!(deadline = ?elector.cfg.renew_deadline, "could not renew the leader lease in time; stepping down");
+                        lost.cancel();
+                        return;
+                    }
+                }
+            }
+            .in_current_span(),
+        );
+        Some(lost_out)
+    }
+    .instrument(span)
+    .await
+}

@@ -1,0 +1,200 @@
+//! Tether's cloud-controller-manager: the node, node-lifecycle, route and service
+//! controllers of upstream's cloud-provider, on kube-rs, behind the provider traits in
+//! [`cloud`]. One shared watch per resource feeds every controller ([`informer`]);
+//! controllers work off keyed queues with per-key backoff ([`workqueue`]); only the
+//! replica holding the leader Lease runs them ([`leader`]).
+
+pub mod cloud;
+pub mod controllers;
+pub mod informer;
+pub mod leader;
+pub mod workqueue;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Node;
+use kube::Api;
+use tokio_util::sync::CancellationToken;
+
+use crate::cloud::Provider;
+use crate::controllers::{node::NodeController, node_lifecycle::NodeLifecycleController, Context};
+use crate::workqueue::WorkQueue;
+
+/// The controllers `--controllers` can name.
+pub const CONTROLLERS: [&str; 4] = ["cloud-node", "cloud-node-lifecycle", "route", "service"];
+
+/// Which controllers run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Enabled {
+    /// `cloud-node`.
+    pub node: bool,
+    /// `cloud-node-lifecycle`.
+    pub node_lifecycle: bool,
+    /// `route`.
+    pub route: bool,
+    /// `service`.
+    pub service: bool,
+}
+
+impl Enabled {
+    /// Parses `--controllers` (`*`, names, `-name` to disable; upstream's syntax).
+    pub fn parse(list: &[String]) -> Result<Self, String> {
+        let mut star = false;
+        let mut on = std::collections::BTreeSet::new();
+        let mut off = std::collections::BTreeSet::new();
+        for item in list.iter().map(|s| s.trim()).filter(|s| !s.is_empty()) {
+            if item == "*" {
+                star = true;
+                continue;
+            }
+            let (set, name) = match item.strip_prefix('-') {
+                Some(n) => (&mut off, n),
+                None => (&mut on, item),
+            };
+            if !CONTROLLERS.contains(&name) {
+                return Err(format!(
+                    "--controllers: unknown controller {name:?} (known: {})",
+                    CONTROLLERS.join(", ")
+                ));
+            }
+            set.insert(name.to_string());
+        }
+        let is_on = |n: &str| !off.contains(n) && (star || on.contains(n));
+        Ok(Enabled {
+            node: is_on("cloud-node"),
+            node_lifecycle: is_on("cloud-node-lifecycle"),
+            route: is_on("route"),
+            service: is_on("service"),
+        })
+    }
+}
+
+/// Settings of the controller manager.
+#[derive(Debug, Clone)]
+pub struct CcmConfig {
+    /// `--cluster-name`.
+    pub cluster_name: String,
+    /// Controllers to run.
+    pub enabled: Enabled,
+    /// `--node-monitor-period` (5 s).
+    pub node_monitor_period: Duration,
+    /// `--node-status-update-frequency` (5 min).
+    pub node_status_update_frequency: Duration,
+    /// Leader election; `None` with `--leader-elect=false`.
+    pub leader_election: Option<leader::LeaderElection>,
+    /// Reported as the event source.
+    pub identity: String,
+}
+
+/// Why the controller manager stopped.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CcmError {
+    /// Leadership was lost; upstream exits so that it restarts clean.
+    #[error("leader election lost")]
+    LeadershipLost,
+    /// The node cache never synced.
+    #[error("node watch never synced: {0}")]
+    CacheSync(String),
+}
+
+/// Runs the controllers (once leader, if electing) until `shutdown`.
+pub async fn run(
+    client: kube::Client,
+    provider: Arc<dyn Provider>,
+    config: CcmConfig,
+    shutdown: CancellationToken,
+) -> Result<(), CcmError> {
+    let lost = match &config.leader_election {
+        Some(le) => match leader::lead(client.clone(), le.clone(), shutdown.clone()).await {
+            Some(lost) => lost,
+            None => return Ok(()),
+        },
+        None => CancellationToken::new(),
+    };
+    let stop = CancellationToken::new();
+    let _stop_on_exit = stop.clone().drop_guard();
+
+    let node_queue = WorkQueue::new("node");
+    let mut node_queues = Vec::new();
+    if config.enabled.node {
+        node_queues.push(node_queue.clone());
+    }
+    let nodes = informer::spawn(
+        "nodes",
+        Api::<Node>::all(client.clone()),
+        node_queues,
+        stop.clone(),
+    );
+    tokio::select! {
+        r = nodes.wait_until_ready() => r.map_err(|e| CcmError::CacheSync(e.to_string()))?,
+        _ = shutdown.cancelled() => return Ok(()),
+    }
+    let ctx = Context {
+        client: client.clone(),
+        identity: config.identity.clone(),
+        nodes,
+    };
+    let instances = provider.instances();
+    let mut tasks = tokio::task::JoinSet::new();
+    match (&instances, config.enabled.node) {
+        (Some(i), true) => {
+            let c = NodeController::new(
+                ctx.clone(),
+                i.clone(),
+                node_queue,
+                config.node_status_update_frequency,
+            );
+            tasks.spawn(c.run(stop.clone()));
+        }
+        (None, true) => tracing::warn!(
+            provider = provider.name(),
+            "cloud-node controller disabled: the provider has no instances interface"
+        ),
+        _ => {}
+    }
+    match (&instances, config.enabled.node_lifecycle) {
+        (Some(i), true) => {
+            let c =
+                NodeLifecycleController::new(ctx.clone(), i.clone(), config.node_monitor_period);
+            tasks.spawn(c.run(stop.clone()));
+        }
+        (None, true) => tracing::warn!(
+            provider = provider.name(),
+            "cloud-node-lifecycle controller disabled: the provider has no instances interface"
+        ),
+        _ => {}
+    }
+    tracing::info!(cluster = %config.cluster_name, enabled = ?config.enabled, "controllers started");
+    tokio::select! {
+        _ = shutdown.cancelled() => {
+            stop.cancel();
+            while tasks.join_next().await.is_some() {}
+            Ok(())
+        }
+        _ = lost.cancelled() => {
+            stop.cancel();
+            Err(CcmError::LeadershipLost)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn controllers_flag_follows_upstream_syntax() {
+        let p = |s: &[&str]| Enabled::parse(&s.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+        let all = p(&["*"]).unwrap();
+        assert!(all.node && all.node_lifecycle && all.route && all.service);
+        let no_route = p(&["*", "-route"]).unwrap();
+        assert!(no_route.node && !no_route.route);
+        let only = p(&["cloud-node"]).unwrap();
+        assert!(only.node && !only.service);
+        assert!(p(&["cloud-nodes"])
+            .unwrap_err()
+            .contains("unknown controller"));
+    }
+}

@@ -1,0 +1,203 @@
+//! A work queue of object keys, as upstream controllers use: a key is queued at most
+//! once, never handled by two workers at once (a key added while it is being handled
+//! comes back afterwards), and a key whose sync failed comes back after a per-key
+//! exponential backoff (5 s doubling up to 300 s), or when the provider says.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tracing::Instrument;
+
+/// First retry delay.
+pub const BACKOFF_BASE: Duration = Duration::from_secs(5);
+/// Longest retry delay.
+pub const BACKOFF_MAX: Duration = Duration::from_secs(300);
+
+#[derive(Default)]
+struct State {
+    queue: VecDeque<String>,
+    queued: HashSet<String>,
+    active: HashSet<String>,
+    dirty: HashSet<String>,
+    failures: HashMap<String, u32>,
+    closed: bool,
+}
+
+/// How a sync ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Done; forget the key's failures.
+    Done,
+    /// Failed; retry after the key's backoff, or after the given delay.
+    Retry(Option<Duration>),
+}
+
+/// The queue.
+pub struct WorkQueue {
+    name: &'static str,
+    state: Mutex<State>,
+    notify: Notify,
+    base: Duration,
+    max: Duration,
+}
+
+impl WorkQueue {
+    /// A queue named `name` (for logs) with the default backoff.
+    pub fn new(name: &'static str) -> Arc<Self> {
+        Self::with_backoff(name, BACKOFF_BASE, BACKOFF_MAX)
+    }
+
+    /// A queue with a custom backoff (tests).
+    pub fn with_backoff(name: &'static str, base: Duration, max: Duration) -> Arc<Self> {
+        Arc::new(WorkQueue {
+            name,
+            state: Mutex::new(State::default()),
+            notify: Notify::new(),
+            base,
+            max,
+        })
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Queues `key` now.
+    pub fn add(&self, key: &str) {
+        let mut s = self.state();
+        if s.closed || s.queued.contains(key) {
+            return;
+        }
+        if s.active.contains(key) {
+            s.dirty.insert(key.to_string());
+            return;
+        }
+        s.queued.insert(key.to_string());
+        s.queue.push_back(key.to_string());
+        drop(s);
+        self.notify.notify_one();
+    }
+
+    /// Queues `key` after `delay`.
+    pub fn add_after(self: &Arc<Self>, key: String, delay: Duration) {
+        let this = self.clone();
+        tokio::spawn(
+            async move {
+                tokio::time::sleep(delay).await;
+                this.add(&key);
+            }
+            .instrument(tracing::debug_span!("requeue", queue = self.name)),
+        );
+    }
+
+    /// The next key to handle; `None` once the queue is shut down.
+    pub async fn next(&self) -> Option<String> {
+        loop {
+            {
+                let mut s = self.state();
+                if s.closed {
+                    return None;
+                }
+                if let Some(key) = s.queue.pop_front() {
+                    s.queued.remove(&key);
+                    s.active.insert(key.clone());
+                    if !s.queue.is_empty() {
+                        // Wake another worker for the rest.
+                        self.notify.notify_one();
+                    }
+                    return Some(key);
+                }
+            }
+            self.notify.notified().await;
+        }
+    }
+
+    /// Reports how handling `key` ended.
+    pub fn done(self: &Arc<Self>, key: String, outcome: Outcome) {
+        let mut s = self.state();
+        s.active.remove(&key);
+        let again = s.dirty.remove(&key);
+        match outcome {
+            Outcome::Done => {
+                s.failures.remove(&key);
+                drop(s);
+                if again {
+                    self.add(&key);
+                }
+            }
+            Outcome::Retry(after) => {
+                let n = s.failures.entry(key.clone()).or_insert(0);
+                *n += 1;
+                let delay = after.unwrap_or_else(|| self.backoff(*n));
+                drop(s);
+                tracing::debug!(queue = self.name, %key, ?delay, "sync failed; retrying later");
+                if again {
+                    self.add(&key);
+                } else {
+                    self.add_after(key, delay);
+                }
+            }
+        }
+    }
+
+    /// The delay before the `n`th retry.
+    pub fn backoff(&self, n: u32) -> Duration {
+        let factor = 1u32.checked_shl(n.saturating_sub(1)).unwrap_or(u32::MAX);
+        self.base.saturating_mul(factor).min(self.max)
+    }
+
+    /// Stops the queue: `next` returns `None` from now on.
+    pub fn shut_down(&self) {
+        self.state().closed = true;
+        self.notify.notify_waiters();
+    }
+
+    /// Keys waiting (not counting those being handled).
+    pub fn len(&self) -> usize {
+        self.state().queue.len()
+    }
+
+    /// Is nothing waiting?
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_from_5s_to_300s() {
+        let q = WorkQueue::new("t");
+        let d: Vec<u64> = (1..=8).map(|n| q.backoff(n).as_secs()).collect();
+        assert_eq!(d, [5, 10, 20, 40, 80, 160, 300, 300]);
+        assert_eq!(q.backoff(100), BACKOFF_MAX);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn keys_are_deduplicated_and_failed_ones_come_back() {
+        let q = WorkQueue::new("t");
+        q.add("a");
+        q.add("a");
+        q.add("b");
+        assert_eq!(q.len(), 2);
+        let a = q.next().await.unwrap();
+        assert_eq!(a, "a");
+        // Added while active: handled again after, not concurrently.
+        q.add("a");
+        assert_eq!(q.len(), 1);
+        q.done(a, Outcome::Done);
+        assert_eq!(q.next().await.unwrap(), "b");
+        let a = q.next().await.unwrap();
+        assert_eq!(a, "a");
+        q.done(a, Outcome::Retry(None));
+        assert!(q.is_empty());
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        assert_eq!(q.next().await.unwrap(), "a");
+        q.shut_down();
+        assert_eq!(q.next().await, None);
+    }
+}

@@ -1,0 +1,183 @@
+//! `tether ccm`: the cloud-controller-manager, with upstream's flag names and defaults.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use tether_ccm::cloud::{tether::TetherProvider, Provider};
+use tether_ccm::leader::LeaderElection;
+use tether_ccm::{CcmConfig, Enabled};
+
+use super::{duration, go_bool, LogArgs};
+
+/// Flags of `tether ccm`.
+#[derive(Args, Debug)]
+pub struct CcmArgs {
+    /// Cloud provider: `tether` (built in: an inventory file, no cloud needed).
+    #[arg(long, default_value = tether_ccm::cloud::tether::NAME)]
+    pub cloud_provider: String,
+    /// The provider's configuration (for `tether`: the inventory file).
+    #[arg(long, default_value = "")]
+    pub cloud_config: String,
+    /// Kubeconfig (empty: in-cluster).
+    #[arg(long, default_value = "")]
+    pub kubeconfig: String,
+    /// Controllers to run: `*`, names, `-name` to disable (cloud-node,
+    /// cloud-node-lifecycle; route and service are not implemented yet).
+    #[arg(long, default_value = "*", value_delimiter = ',')]
+    pub controllers: Vec<String>,
+    /// Elect a leader among replicas on a Lease.
+    #[arg(long, default_value = "true", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
+    pub leader_elect: bool,
+    /// How long a leader's lease is valid.
+    #[arg(long, default_value = "15s", value_parser = duration)]
+    pub leader_elect_lease_duration: Duration,
+    /// A leader that cannot renew within this steps down.
+    #[arg(long, default_value = "10s", value_parser = duration)]
+    pub leader_elect_renew_deadline: Duration,
+    /// How often to try to acquire or renew.
+    #[arg(long, default_value = "2s", value_parser = duration)]
+    pub leader_elect_retry_period: Duration,
+    /// Lease namespace.
+    #[arg(long, default_value = "kube-system")]
+    pub leader_elect_resource_namespace: String,
+    /// Lease name.
+    #[arg(long, default_value = "cloud-controller-manager")]
+    pub leader_elect_resource_name: String,
+    /// Accepted for compatibility; only `leases` is supported.
+    #[arg(long, default_value = "leases", value_parser = ["leases"])]
+    pub leader_elect_resource_lock: String,
+    /// How often not-ready nodes are checked with the provider.
+    #[arg(long, default_value = "5s", value_parser = duration)]
+    pub node_monitor_period: Duration,
+    /// How often node addresses are synced from the provider.
+    #[arg(long, default_value = "5m", value_parser = duration)]
+    pub node_status_update_frequency: Duration,
+    /// Cluster name passed to the provider.
+    #[arg(long, default_value = "kubernetes")]
+    pub cluster_name: String,
+    /// Not implemented yet (route controller).
+    #[arg(long, hide = true)]
+    pub route_reconciliation_period: Option<String>,
+    /// Not implemented yet (route controller).
+    #[arg(long, hide = true)]
+    pub configure_cloud_routes: Option<String>,
+    /// Not implemented yet (route controller).
+    #[arg(long, hide = true)]
+    pub cluster_cidr: Option<String>,
+    /// Not implemented yet (service controller).
+    #[arg(long, hide = true)]
+    pub concurrent_service_syncs: Option<String>,
+    /// Not implemented yet (client rate limit).
+    #[arg(long, hide = true)]
+    pub kube_api_qps: Option<String>,
+    /// Not implemented yet (client rate limit).
+    #[arg(long, hide = true)]
+    pub kube_api_burst: Option<String>,
+    /// Not implemented yet (secure serving).
+    #[arg(long, hide = true)]
+    pub secure_port: Option<String>,
+    /// Not implemented yet (secure serving).
+    #[arg(long, hide = true)]
+    pub bind_address: Option<String>,
+    #[command(flatten)]
+    pub log: LogArgs,
+}
+
+impl CcmArgs {
+    fn config(&self) -> anyhow::Result<(CcmConfig, Arc<dyn Provider>)> {
+        super::reject_unsupported(&[
+            (
+                "route-reconciliation-period",
+                self.route_reconciliation_period.is_some(),
+            ),
+            (
+                "configure-cloud-routes",
+                self.configure_cloud_routes.is_some(),
+            ),
+            ("cluster-cidr", self.cluster_cidr.is_some()),
+            (
+                "concurrent-service-syncs",
+                self.concurrent_service_syncs.is_some(),
+            ),
+            ("kube-api-qps", self.kube_api_qps.is_some()),
+            ("kube-api-burst", self.kube_api_burst.is_some()),
+            ("secure-port", self.secure_port.is_some()),
+            ("bind-address", self.bind_address.is_some()),
+        ])?;
+        let mut enabled = Enabled::parse(&self.controllers).map_err(anyhow::Error::msg)?;
+        let named = |n: &str| self.controllers.iter().any(|c| c.trim() == n);
+        for (name, on) in [
+            ("route", &mut enabled.route),
+            ("service", &mut enabled.service),
+        ] {
+            if named(name) {
+                bail!("--controllers: the {name} controller is not implemented yet in this Tether version; remove it");
+            }
+            // `*` means every implemented controller.
+            *on = false;
+        }
+        let provider: Arc<dyn Provider> = match self.cloud_provider.as_str() {
+            tether_ccm::cloud::tether::NAME => {
+                if self.cloud_config.is_empty() {
+                    bail!("--cloud-provider=tether needs --cloud-config: the inventory file (see README.md, tether ccm)");
+                }
+                Arc::new(TetherProvider::new(&PathBuf::from(&self.cloud_config))?)
+            }
+            other => bail!("--cloud-provider: unknown provider {other:?} (this build has: tether)"),
+        };
+        if self.leader_elect
+            && !(self.leader_elect_retry_period < self.leader_elect_renew_deadline
+                && self.leader_elect_renew_deadline < self.leader_elect_lease_duration)
+        {
+            bail!("--leader-elect-retry-period < --leader-elect-renew-deadline < --leader-elect-lease-duration must hold (defaults 2s, 10s, 15s)");
+        }
+        if self.node_monitor_period.is_zero() || self.node_status_update_frequency.is_zero() {
+            bail!("--node-monitor-period and --node-status-update-frequency must be positive");
+        }
+        let host = std::env::var("HOSTNAME")
+            .ok()
+            .filter(|h| !h.is_empty())
+            .unwrap_or_else(|| "tether-ccm".into());
+        let identity = format!("{host}_{}", uuid::Uuid::new_v4());
+        let config = CcmConfig {
+            cluster_name: self.cluster_name.clone(),
+            enabled,
+            node_monitor_period: self.node_monitor_period,
+            node_status_update_frequency: self.node_status_update_frequency,
+            leader_election: self.leader_elect.then(|| LeaderElection {
+                namespace: self.leader_elect_resource_namespace.clone(),
+                name: self.leader_elect_resource_name.clone(),
+                identity: identity.clone(),
+                lease_duration: self.leader_elect_lease_duration,
+                renew_deadline: self.leader_elect_renew_deadline,
+                retry_period: self.leader_elect_retry_period,
+            }),
+            identity,
+        };
+        Ok((config, provider))
+    }
+}
+
+/// Runs the controller manager until signalled; exits non-zero when leadership is lost.
+pub fn main(args: CcmArgs) -> anyhow::Result<()> {
+    args.log.init();
+    let (config, provider) = args.config()?;
+    let kubeconfig = (!args.kubeconfig.is_empty()).then(|| PathBuf::from(&args.kubeconfig));
+    super::block_on(async move {
+        let client = tether_core::kubeclient::client(kubeconfig.as_deref())
+            .await
+            .context("cannot build the Kubernetes client")?;
+        tracing::info!(provider = provider.name(), identity = %config.identity, "cloud-controller-manager starting");
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            tether_core::shutdown::signal().await;
+            stop.cancel();
+        });
+        tether_ccm::run(client, provider, config, shutdown).await?;
+        Ok(())
+    })
+}

@@ -1,0 +1,257 @@
+//! `tether ccm` against a real kube-apiserver + etcd, as real processes: nodes tainted
+//! uninitialized are initialised from the inventory (provider ID, addresses, topology
+//! labels, taint removed, event); a shut-down machine's node is tainted and untainted
+//! again; a node gone from the inventory is deleted; with two replicas only the leader
+//! acts and the other takes over when the leader is killed.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use tether_testkit::kube::{wait_blocking, Cluster, Egress};
+use tether_testkit::process::{Proc, START_TIMEOUT};
+use tether_testkit::TempDir;
+
+const BIN: &str = env!("CARGO_BIN_EXE_tether");
+
+/// Leader-election timings short enough for a test (upstream: 15s/10s/2s).
+const LEASE: Duration = Duration::from_secs(4);
+
+fn start_ccm(cluster: &Cluster, inventory: &Path, name: &str) -> Proc {
+    let proc = Proc::spawn(
+        name,
+        Path::new(BIN),
+        &[
+            "ccm".into(),
+            "--log-format=json".into(),
+            format!("--cloud-config={}", inventory.display()),
+            format!("--kubeconfig={}", cluster.files.admin_kubeconfig.display()),
+            format!("--leader-elect-lease-duration={}s", LEASE.as_secs()),
+            "--leader-elect-renew-deadline=3s".into(),
+            "--leader-elect-retry-period=500ms".into(),
+            "--node-monitor-period=500ms".into(),
+        ],
+    );
+    proc.wait_event("cloud-controller-manager starting", START_TIMEOUT, |_| true);
+    proc
+}
+
+fn write_inventory(path: &Path, yaml: &str) {
+    // Write aside and rename: the controller never reads half a file.
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, yaml).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+fn machine(name: &str, ip: &str, shutdown: bool) -> String {
+    format!(
+        "- name: {name}\n  region: eu-west\n  zone: eu-west-1a\n  instanceType: bare-metal\n  shutdown: {shutdown}\n  addresses:\n  - {{type: ExternalIP, address: 203.0.113.{}}}\n  - {{type: InternalIP, address: {ip}}}\n",
+        &ip[ip.rfind('.').unwrap() + 1..]
+    )
+}
+
+/// Registers a node the way a kubelet with `--cloud-provider=external` does: tainted
+/// uninitialized, with its chosen IP in the provided-node-ip annotation.
+fn add_uninitialized_node(cluster: &Cluster, name: &str, ip: &str) {
+    cluster.apply(&format!(
+        "apiVersion: v1\nkind: Node\nmetadata:\n  name: {name}\n  annotations:\n    alpha.kubernetes.io/provided-node-ip: \"{ip}\"\nspec:\n  taints:\n  - key: node.cloudprovider.kubernetes.io/uninitialized\n    value: \"true\"\n    effect: NoSchedule\n"
+    ));
+}
+
+fn node_json(cluster: &Cluster, name: &str) -> Option<Value> {
+    let out = cluster.kubectl(&["get", "node", name, "-o", "json"]);
+    out.status
+        .success()
+        .then(|| serde_json::from_slice(&out.stdout).unwrap())
+}
+
+fn taint_keys(node: &Value) -> Vec<String> {
+    node["spec"]["taints"]
+        .as_array()
+        .map(|t| {
+            t.iter()
+                .map(|t| t["key"].as_str().unwrap_or_default().to_string())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn set_ready(cluster: &Cluster, name: &str, ready: bool) {
+    let status = if ready { "True" } else { "False" };
+    let now = "2026-01-01T00:00:00Z";
+    let patch = format!(
+        r#"{{"status":{{"conditions":[{{"type":"Ready","status":"{status}","reason":"Test","lastHeartbeatTime":"{now}","lastTransitionTime":"{now}"}}]}}}}"#
+    );
+    cluster.kubectl_ok(&[
+        "patch",
+        "node",
+        name,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        &patch,
+    ]);
+}
+
+fn wait_node(cluster: &Cluster, name: &str, what: &str, pred: impl Fn(&Value) -> bool) -> Value {
+    wait_blocking(
+        &format!("node {name}: {what}"),
+        Duration::from_secs(30),
+        || node_json(cluster, name).filter(|n| pred(n)),
+    )
+}
+
+fn inventory_dir() -> (TempDir, PathBuf) {
+    let dir = TempDir::new("tether-ccm");
+    let path = dir.path().join("inventory.yaml");
+    (dir, path)
+}
+
+#[test]
+fn nodes_are_initialized_tainted_on_shutdown_and_deleted_when_gone() {
+    let cluster = Cluster::start(&Egress::Direct);
+    let (_dir, inventory) = inventory_dir();
+    write_inventory(
+        &inventory,
+        &format!(
+            "nodes:\n{}{}",
+            machine("node-a", "10.0.0.1", false),
+            machine("node-b", "10.0.0.2", false)
+        ),
+    );
+    add_uninitialized_node(&cluster, "node-a", "10.0.0.1");
+    add_uninitialized_node(&cluster, "node-b", "10.0.0.2");
+    add_uninitialized_node(&cluster, "stranger", "10.0.0.9");
+    // Ready, so the lifecycle controller leaves it alone (a NotReady node the provider
+    // does not know is deleted, as upstream does).
+    set_ready(&cluster, "stranger", true);
+    let ccm = start_ccm(&cluster, &inventory, "ccm");
+
+    // Initialised: provider ID, labels and their beta twins, addresses with the
+    // provided node IP first, taint gone.
+    let a = wait_node(&cluster, "node-a", "initialized", |n| {
+        !taint_keys(n).contains(&"node.cloudprovider.kubernetes.io/uninitialized".into())
+    });
+    assert_eq!(a["spec"]["providerID"], "tether://node-a");
+    let labels = &a["metadata"]["labels"];
+    assert_eq!(labels["topology.kubernetes.io/zone"], "eu-west-1a");
+    assert_eq!(
+        labels["failure-domain.beta.kubernetes.io/zone"],
+        "eu-west-1a"
+    );
+    assert_eq!(labels["topology.kubernetes.io/region"], "eu-west");
+    assert_eq!(
+        labels["failure-domain.beta.kubernetes.io/region"],
+        "eu-west"
+    );
+    assert_eq!(labels["node.kubernetes.io/instance-type"], "bare-metal");
+    assert_eq!(labels["beta.kubernetes.io/instance-type"], "bare-metal");
+    let addresses = &a["status"]["addresses"];
+    assert_eq!(addresses[0]["address"], "10.0.0.1", "{addresses}");
+    assert_eq!(addresses[0]["type"], "InternalIP");
+    assert_eq!(addresses[1]["address"], "203.0.113.1");
+    wait_blocking("Synced event for node-a", Duration::from_secs(20), || {
+        let out = cluster.kubectl_ok(&[
+            "get",
+            "events",
+            "-A",
+            "--field-selector=involvedObject.name=node-a,reason=Synced",
+            "-o",
+            "name",
+        ]);
+        (!out.trim().is_empty()).then_some(())
+    });
+
+    // A node the provider does not know stays uninitialized, with a warning event.
+    wait_blocking("InstanceNotFound event", Duration::from_secs(20), || {
+        let out = cluster.kubectl_ok(&[
+            "get",
+            "events",
+            "-A",
+            "--field-selector=involvedObject.name=stranger,reason=InstanceNotFound",
+            "-o",
+            "name",
+        ]);
+        (!out.trim().is_empty()).then_some(())
+    });
+    let stranger = node_json(&cluster, "stranger").unwrap();
+    assert!(
+        taint_keys(&stranger).contains(&"node.cloudprovider.kubernetes.io/uninitialized".into())
+    );
+
+    // Shut down: NotReady + machine off -> shutdown taint; Ready again -> removed.
+    wait_node(&cluster, "node-b", "initialized", |n| {
+        n["spec"]["providerID"] == "tether://node-b"
+    });
+    write_inventory(
+        &inventory,
+        &format!(
+            "nodes:\n{}{}",
+            machine("node-a", "10.0.0.1", true),
+            machine("node-b", "10.0.0.2", false)
+        ),
+    );
+    set_ready(&cluster, "node-a", false);
+    wait_node(&cluster, "node-a", "shutdown taint", |n| {
+        taint_keys(n).contains(&"node.cloudprovider.kubernetes.io/shutdown".into())
+    });
+    set_ready(&cluster, "node-a", true);
+    wait_node(&cluster, "node-a", "shutdown taint removed", |n| {
+        !taint_keys(n).contains(&"node.cloudprovider.kubernetes.io/shutdown".into())
+    });
+
+    // Gone from the inventory and NotReady: the Node is deleted. A Ready node that is
+    // gone is left alone (upstream checks only nodes that are not Ready).
+    write_inventory(
+        &inventory,
+        &format!("nodes:\n{}", machine("node-a", "10.0.0.1", false)),
+    );
+    set_ready(&cluster, "node-b", false);
+    wait_blocking("node-b deleted", Duration::from_secs(30), || {
+        node_json(&cluster, "node-b").is_none().then_some(())
+    });
+    assert!(node_json(&cluster, "node-a").is_some());
+    assert!(ccm.logged("node initialized"));
+}
+
+#[test]
+fn only_the_leader_acts_and_a_standby_takes_over_when_it_dies() {
+    let cluster = Cluster::start(&Egress::Direct);
+    let (_dir, inventory) = inventory_dir();
+    write_inventory(
+        &inventory,
+        &format!(
+            "nodes:\n{}{}",
+            machine("node-a", "10.0.0.1", false),
+            machine("node-b", "10.0.0.2", false)
+        ),
+    );
+    let mut first = start_ccm(&cluster, &inventory, "ccm-1");
+    first.wait_event("became leader", START_TIMEOUT, |_| true);
+    let second = start_ccm(&cluster, &inventory, "ccm-2");
+    second.wait_event("waiting to become leader", START_TIMEOUT, |_| true);
+
+    add_uninitialized_node(&cluster, "node-a", "10.0.0.1");
+    wait_node(&cluster, "node-a", "initialized by the leader", |n| {
+        n["spec"]["providerID"] == "tether://node-a"
+    });
+    assert!(first.logged("node initialized"));
+    assert!(!second.logged("node initialized"));
+    assert!(!second.logged("became leader"));
+
+    // The leader dies without releasing its lease: the standby must take over within
+    // the lease duration (plus a retry period and some scheduling slack).
+    first.kill();
+    let killed = Instant::now();
+    second.wait_event("became leader", LEASE * 3, |_| true);
+    let took = killed.elapsed();
+    eprintln!("standby took over {took:?} after the leader was killed (lease {LEASE:?})");
+    assert!(
+        took <= LEASE + Duration::from_secs(2),
+        "takeover took {took:?}"
+    );
+    add_uninitialized_node(&cluster, "node-b", "10.0.0.2");
+    wait_node(&cluster, "node-b", "initialized by the new leader", |n| {
+        n["spec"]["providerID"] == "tether://node-b"
+    });
+}
