@@ -7,10 +7,13 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use std::process::Command;
+
 use serde_json::Value;
-use tether_testkit::kube::{wait_blocking, Cluster, Egress};
-use tether_testkit::process::{Proc, START_TIMEOUT};
-use tether_testkit::TempDir;
+use tether_testkit::kube::{free_port, wait_blocking, Cluster, Egress};
+use tether_testkit::netns::Node;
+use tether_testkit::process::{socket_path, uds_frontend_args, Proc, START_TIMEOUT};
+use tether_testkit::{AgentProc, Pki, ServerProc, TempDir};
 
 const BIN: &str = env!("CARGO_BIN_EXE_tether");
 
@@ -18,20 +21,22 @@ const BIN: &str = env!("CARGO_BIN_EXE_tether");
 const LEASE: Duration = Duration::from_secs(4);
 
 fn start_ccm(cluster: &Cluster, inventory: &Path, name: &str) -> Proc {
-    let proc = Proc::spawn(
-        name,
-        Path::new(BIN),
-        &[
-            "ccm".into(),
-            "--log-format=json".into(),
-            format!("--cloud-config={}", inventory.display()),
-            format!("--kubeconfig={}", cluster.files.admin_kubeconfig.display()),
-            format!("--leader-elect-lease-duration={}s", LEASE.as_secs()),
-            "--leader-elect-renew-deadline=3s".into(),
-            "--leader-elect-retry-period=500ms".into(),
-            "--node-monitor-period=500ms".into(),
-        ],
-    );
+    start_ccm_with(cluster, inventory, name, &[])
+}
+
+fn start_ccm_with(cluster: &Cluster, inventory: &Path, name: &str, extra: &[String]) -> Proc {
+    let mut args: Vec<String> = vec![
+        "ccm".into(),
+        "--log-format=json".into(),
+        format!("--cloud-config={}", inventory.display()),
+        format!("--kubeconfig={}", cluster.files.admin_kubeconfig.display()),
+        format!("--leader-elect-lease-duration={}s", LEASE.as_secs()),
+        "--leader-elect-renew-deadline=3s".into(),
+        "--leader-elect-retry-period=500ms".into(),
+        "--node-monitor-period=500ms".into(),
+    ];
+    args.extend(extra.iter().cloned());
+    let proc = Proc::spawn(name, Path::new(BIN), &args);
     proc.wait_event("cloud-controller-manager starting", START_TIMEOUT, |_| true);
     proc
 }
@@ -254,4 +259,136 @@ fn only_the_leader_acts_and_a_standby_takes_over_when_it_dies() {
     wait_node(&cluster, "node-b", "initialized by the new leader", |n| {
         n["spec"]["providerID"] == "tether://node-b"
     });
+}
+
+/// curl `url`, optionally inside a network namespace; the body on success.
+fn curl(netns: Option<&str>, url: &str) -> Option<String> {
+    let mut cmd = match netns {
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns, "curl"]);
+            c
+        }
+        None => Command::new("curl"),
+    };
+    let out = cmd.args(["-sf", "--max-time", "5", url]).output().ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+#[test]
+fn a_load_balancer_service_is_reachable_through_the_tunnel() {
+    // A node on its own network: its address is reachable only through its agent.
+    let node = Node::create();
+    let pki = Pki::with_sans(std::slice::from_ref(&node.host_ip));
+    let socket = socket_path(pki.dir());
+    let mut args = uds_frontend_args(&pki, "grpc", &socket);
+    args.push("--agent-bind-address=0.0.0.0".into());
+    let server = ServerProc::start(Path::new(BIN), &args);
+    let _agent = AgentProc::start_in(
+        Some(&node),
+        Path::new(BIN),
+        &pki,
+        format!("{}:{}", node.host_ip, server.agent.port())
+            .parse()
+            .unwrap(),
+        &[
+            "--agent-id=node-1".into(),
+            format!("--agent-identifiers=ipv4={}", node.node_ip),
+        ],
+    );
+    // The "NodePort": an HTTP server on the node's private address.
+    let www = TempDir::new("tether-www");
+    std::fs::write(www.path().join("index.html"), "hello from node-1\n").unwrap();
+    let mut http = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &node.ns,
+            "python3",
+            "-m",
+            "http.server",
+            "30080",
+        ])
+        .args(["--bind", &node.node_ip, "--directory"])
+        .arg(www.path())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let node_url = format!("http://{}:30080/", node.node_ip);
+    wait_blocking("node port serving", Duration::from_secs(20), || {
+        curl(Some(&node.ns), &node_url)
+    });
+    assert!(
+        curl(None, &node_url).is_none(),
+        "the node must not be reachable directly"
+    );
+
+    let cluster = Cluster::start(&Egress::Direct);
+    let (_dir, inventory) = inventory_dir();
+    write_inventory(
+        &inventory,
+        &format!("nodes:\n{}", machine("node-1", &node.node_ip, false)),
+    );
+    cluster.add_node("node-1", &node.node_ip);
+    set_ready(&cluster, "node-1", true);
+    let port = free_port();
+    cluster.apply(&format!(
+        "apiVersion: v1\nkind: Service\nmetadata:\n  name: web\n  namespace: default\nspec:\n  type: LoadBalancer\n  ports:\n  - name: http\n    port: {port}\n    nodePort: 30080\n"
+    ));
+    let _ccm = start_ccm_with(
+        &cluster,
+        &inventory,
+        "ccm",
+        &[
+            "--lb-bind-address=127.0.0.1".into(),
+            format!("--tunnel-uds={}", socket.display()),
+        ],
+    );
+    let svc = wait_blocking("ingress IP", Duration::from_secs(30), || {
+        let out = cluster.kubectl_ok(&["get", "service", "web", "-o", "json"]);
+        let v: Value = serde_json::from_str(&out).unwrap();
+        (v["status"]["loadBalancer"]["ingress"][0]["ip"] == "127.0.0.1").then_some(v)
+    });
+    assert_eq!(
+        svc["metadata"]["finalizers"][0],
+        "service.kubernetes.io/load-balancer-cleanup"
+    );
+    let lb_url = format!("http://127.0.0.1:{port}/");
+    for _ in 0..5 {
+        let body = wait_blocking(
+            "page through the load balancer",
+            Duration::from_secs(20),
+            || curl(None, &lb_url),
+        );
+        assert_eq!(body, "hello from node-1\n");
+    }
+    for reason in ["EnsuringLoadBalancer", "EnsuredLoadBalancer"] {
+        let out = cluster.kubectl_ok(&[
+            "get",
+            "events",
+            "-n",
+            "default",
+            &format!("--field-selector=involvedObject.name=web,reason={reason}"),
+            "-o",
+            "name",
+        ]);
+        assert!(!out.trim().is_empty(), "no {reason} event");
+    }
+
+    // Deleting the Service removes the listener, then the finalizer (and so the
+    // Service).
+    cluster.kubectl_ok(&["delete", "service", "web", "--wait=false"]);
+    wait_blocking("service gone", Duration::from_secs(30), || {
+        (!cluster.kubectl(&["get", "service", "web"]).status.success()).then_some(())
+    });
+    assert!(
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
+        "listener still open after the Service was deleted"
+    );
+    let _ = http.kill();
+    let _ = http.wait();
+    drop(server);
 }

@@ -81,6 +81,10 @@ pub struct CcmConfig {
     pub node_monitor_period: Duration,
     /// `--node-status-update-frequency` (5 min).
     pub node_status_update_frequency: Duration,
+    /// `--load-balancer-class`.
+    pub load_balancer_class: Option<String>,
+    /// How often every load balancer is ensured again (drift repair).
+    pub lb_resync_period: Duration,
     /// Leader election; `None` with `--leader-elect=false`.
     pub leader_election: Option<leader::LeaderElection>,
     /// Reported as the event source.
@@ -117,9 +121,22 @@ pub async fn run(
     let _stop_on_exit = stop.clone().drop_guard();
 
     let node_queue = WorkQueue::new("node");
+    let lb_node_events = WorkQueue::new("lb-nodes");
+    let lbs = provider.load_balancers();
+    let run_service = match (&lbs, config.enabled.service) {
+        (Some(_), true) => true,
+        (None, true) => {
+            tracing::warn!(provider = provider.name(), "service controller disabled: the provider has no load balancers (tether: set --lb-bind-address and --tunnel-uds)");
+            false
+        }
+        _ => false,
+    };
     let mut node_queues = Vec::new();
     if config.enabled.node {
         node_queues.push(node_queue.clone());
+    }
+    if run_service {
+        node_queues.push(lb_node_events.clone());
     }
     let nodes = informer::spawn(
         "nodes",
@@ -165,6 +182,32 @@ pub async fn run(
             "cloud-node-lifecycle controller disabled: the provider has no instances interface"
         ),
         _ => {}
+    }
+    if let (Some(lbs), true) = (lbs, run_service) {
+        let queue = WorkQueue::new("service");
+        let services = informer::spawn(
+            "services",
+            Api::<k8s_openapi::api::core::v1::Service>::all(client.clone()),
+            vec![queue.clone()],
+            stop.clone(),
+        );
+        tokio::select! {
+            r = services.wait_until_ready() => r.map_err(|e| CcmError::CacheSync(e.to_string()))?,
+            _ = shutdown.cancelled() => return Ok(()),
+        }
+        let c = controllers::service::ServiceController::new(
+            ctx.clone(),
+            lbs,
+            services,
+            queue,
+            lb_node_events,
+            controllers::service::ServiceConfig {
+                cluster_name: config.cluster_name.clone(),
+                load_balancer_class: config.load_balancer_class.clone(),
+                resync: config.lb_resync_period,
+            },
+        );
+        tasks.spawn(c.run(stop.clone()));
     }
     tracing::info!(cluster = %config.cluster_name, enabled = ?config.enabled, "controllers started");
     tokio::select! {

@@ -25,7 +25,7 @@ pub struct CcmArgs {
     #[arg(long, default_value = "")]
     pub kubeconfig: String,
     /// Controllers to run: `*`, names, `-name` to disable (cloud-node,
-    /// cloud-node-lifecycle; route and service are not implemented yet).
+    /// cloud-node-lifecycle, service; route is not implemented yet).
     #[arg(long, default_value = "*", value_delimiter = ',')]
     pub controllers: Vec<String>,
     /// Elect a leader among replicas on a Lease.
@@ -67,9 +67,24 @@ pub struct CcmArgs {
     /// Not implemented yet (route controller).
     #[arg(long, hide = true)]
     pub cluster_cidr: Option<String>,
-    /// Not implemented yet (service controller).
+    /// Not implemented yet (one service worker).
     #[arg(long, hide = true)]
     pub concurrent_service_syncs: Option<String>,
+    /// Services with this `loadBalancerClass` are handled too (those without one
+    /// always are).
+    #[arg(long, default_value = "")]
+    pub load_balancer_class: String,
+    /// tether provider: load balancers listen on this address (the ingress IP). Empty:
+    /// no load balancers.
+    #[arg(long, default_value = "")]
+    pub lb_bind_address: String,
+    /// tether provider: the Tether server's gRPC frontend socket, through which load
+    /// balancers reach the nodes.
+    #[arg(long, default_value = "")]
+    pub tunnel_uds: String,
+    /// How often every load balancer is ensured again (drift repair).
+    #[arg(long, default_value = "1m", value_parser = duration)]
+    pub lb_resync_period: Duration,
     /// Not implemented yet (client rate limit).
     #[arg(long, hide = true)]
     pub kube_api_qps: Option<String>,
@@ -109,22 +124,25 @@ impl CcmArgs {
         ])?;
         let mut enabled = Enabled::parse(&self.controllers).map_err(anyhow::Error::msg)?;
         let named = |n: &str| self.controllers.iter().any(|c| c.trim() == n);
-        for (name, on) in [
-            ("route", &mut enabled.route),
-            ("service", &mut enabled.service),
-        ] {
-            if named(name) {
-                bail!("--controllers: the {name} controller is not implemented yet in this Tether version; remove it");
-            }
-            // `*` means every implemented controller.
-            *on = false;
+        if named("route") {
+            bail!("--controllers: the route controller is not implemented yet in this Tether version; remove it");
         }
+        // `*` means every implemented controller.
+        enabled.route = false;
+        let lb = match (self.lb_bind_address.as_str(), self.tunnel_uds.as_str()) {
+            ("", "") => None,
+            ("", _) | (_, "") => bail!("--lb-bind-address and --tunnel-uds go together: load balancers listen on the first and reach nodes through the second"),
+            (bind, uds) => Some(tether_ccm::cloud::tunnel_lb::TunnelLbConfig {
+                bind: bind.parse().with_context(|| format!("--lb-bind-address {bind:?} is not an IP address"))?,
+                tunnel_uds: PathBuf::from(uds),
+            }),
+        };
         let provider: Arc<dyn Provider> = match self.cloud_provider.as_str() {
             tether_ccm::cloud::tether::NAME => {
                 if self.cloud_config.is_empty() {
                     bail!("--cloud-provider=tether needs --cloud-config: the inventory file (see README.md, tether ccm)");
                 }
-                Arc::new(TetherProvider::new(&PathBuf::from(&self.cloud_config))?)
+                Arc::new(TetherProvider::new(&PathBuf::from(&self.cloud_config), lb)?)
             }
             other => bail!("--cloud-provider: unknown provider {other:?} (this build has: tether)"),
         };
@@ -147,6 +165,9 @@ impl CcmArgs {
             enabled,
             node_monitor_period: self.node_monitor_period,
             node_status_update_frequency: self.node_status_update_frequency,
+            load_balancer_class: (!self.load_balancer_class.is_empty())
+                .then(|| self.load_balancer_class.clone()),
+            lb_resync_period: self.lb_resync_period,
             leader_election: self.leader_elect.then(|| LeaderElection {
                 namespace: self.leader_elect_resource_namespace.clone(),
                 name: self.leader_elect_resource_name.clone(),

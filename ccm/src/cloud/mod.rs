@@ -4,6 +4,7 @@
 //! their configuration from `--cloud-config`.
 
 pub mod tether;
+pub mod tunnel_lb;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -210,13 +210,19 @@ fn read(path: &Path) -> Result<(Option<SystemTime>, String), InventoryError> {
 /// The `tether` provider.
 pub struct TetherProvider {
     inventory: Arc<Inventory>,
+    load_balancers: Option<Arc<super::tunnel_lb::TunnelLoadBalancers>>,
 }
 
 impl TetherProvider {
-    /// A provider over the inventory at `cloud_config`.
-    pub fn new(cloud_config: &Path) -> Result<Self, InventoryError> {
+    /// A provider over the inventory at `cloud_config`, with load balancers over the
+    /// tunnel when `lb` is given.
+    pub fn new(
+        cloud_config: &Path,
+        lb: Option<super::tunnel_lb::TunnelLbConfig>,
+    ) -> Result<Self, InventoryError> {
         Ok(TetherProvider {
             inventory: Arc::new(Inventory::load(cloud_config)?),
+            load_balancers: lb.map(|c| Arc::new(super::tunnel_lb::TunnelLoadBalancers::new(c))),
         })
     }
 }
@@ -227,6 +233,11 @@ impl Provider for TetherProvider {
     }
     fn instances(&self) -> Option<Arc<dyn Instances>> {
         Some(Arc::new(InventoryInstances(self.inventory.clone())))
+    }
+    fn load_balancers(&self) -> Option<Arc<dyn super::LoadBalancers>> {
+        self.load_balancers
+            .clone()
+            .map(|l| l as Arc<dyn super::LoadBalancers>)
     }
 }
 

@@ -1,8 +1,10 @@
 //! The controllers: `node` (initialise nodes from the provider, keep addresses in
-//! sync), `node_lifecycle` (shutdown taint, delete nodes gone from the provider).
+//! sync), `node_lifecycle` (shutdown taint, delete nodes gone from the provider),
+//! `service` (load balancers for Services of type LoadBalancer).
 
 pub mod node;
 pub mod node_lifecycle;
+pub mod service;
 
 use k8s_openapi::api::core::v1::{Node, Taint};
 
@@ -88,8 +90,8 @@ pub struct Context {
 pub const COMPONENT: &str = "cloud-controller-manager";
 
 impl Context {
-    /// Publishes a core/v1 event about `node` in `default`, as client-go's recorder does
-    /// for cluster-scoped objects (failures are logged, never fatal).
+    /// Publishes a core/v1 event about `node` (in `default`, as client-go's recorder does
+    /// for cluster-scoped objects). Failures are logged, never fatal.
     pub async fn node_event(
         &self,
         node: &Node,
@@ -98,22 +100,42 @@ impl Context {
         action: &str,
         note: String,
     ) {
-        use k8s_openapi::api::core::v1::{Event, EventSource, ObjectReference};
-        use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, Time};
         use kube::ResourceExt;
+        let target = Target {
+            api_version: "v1",
+            kind: "Node",
+            namespace: None,
+            name: node.name_any(),
+            uid: node.uid(),
+        };
+        self.event(&target, warning, reason, action, note).await;
+    }
+
+    /// Publishes a core/v1 event about `target` in its namespace (or `default`).
+    pub async fn event(
+        &self,
+        target: &Target,
+        warning: bool,
+        reason: &str,
+        action: &str,
+        note: String,
+    ) {
+        use k8s_openapi::api::core::v1::{Event, EventSource, ObjectReference};
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
         let now = k8s_openapi::jiff::Timestamp::now();
-        let name = node.name_any();
+        let namespace = target.namespace.clone().unwrap_or_else(|| "default".into());
         let event = Event {
             metadata: ObjectMeta {
-                name: Some(format!("{name}.{:x}", now.as_nanosecond())),
-                namespace: Some("default".into()),
+                name: Some(format!("{}.{:x}", target.name, now.as_nanosecond())),
+                namespace: Some(namespace.clone()),
                 ..Default::default()
             },
             involved_object: ObjectReference {
-                api_version: Some("v1".into()),
-                kind: Some("Node".into()),
-                name: Some(name.clone()),
-                uid: node.uid(),
+                api_version: Some(target.api_version.into()),
+                kind: Some(target.kind.into()),
+                name: Some(target.name.clone()),
+                namespace: target.namespace.clone(),
+                uid: target.uid.clone(),
                 ..Default::default()
             },
             reason: Some(reason.into()),
@@ -128,13 +150,27 @@ impl Context {
             reporting_instance: Some(self.identity.clone()),
             first_timestamp: Some(Time(now)),
             last_timestamp: Some(Time(now)),
-            event_time: None::<MicroTime>,
             count: Some(1),
             ..Default::default()
         };
-        let api: kube::Api<Event> = kube::Api::namespaced(self.client.clone(), "default");
+        let api: kube::Api<Event> = kube::Api::namespaced(self.client.clone(), &namespace);
         if let Err(e) = api.create(&Default::default(), &event).await {
-            tracing::warn!(error = %e, reason, node = %name, "cannot publish event");
+            tracing::warn!(error = %e, reason, object = %target.name, "cannot publish event");
         }
     }
+}
+
+/// The object an event is about.
+#[derive(Debug, Clone)]
+pub struct Target {
+    /// `v1`.
+    pub api_version: &'static str,
+    /// `Node`, `Service`.
+    pub kind: &'static str,
+    /// Namespace (None for cluster-scoped objects).
+    pub namespace: Option<String>,
+    /// Name.
+    pub name: String,
+    /// UID.
+    pub uid: Option<String>,
 }

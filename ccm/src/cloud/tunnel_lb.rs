@@ -1,0 +1,261 @@
+//! Load balancers over the tunnel, the `tether` provider's LoadBalancers: for each
+//! LoadBalancer Service the CCM listens on the control-plane side (`--lb-bind-address`,
+//! the Service's ports) and forwards every connection through the Tether server's gRPC
+//! frontend to a backend node's NodePort, round-robin, trying the next node when a dial
+//! fails. So Services in NAT-ed clusters are reachable with no cloud at all; the ingress
+//! IP is the bind address.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+use async_trait::async_trait;
+use tether_client::Client;
+use tokio::net::TcpListener;
+use tokio::sync::OnceCell;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use super::{Backend, CloudError, LoadBalancerStatus, LoadBalancers, ServiceInfo};
+
+/// Where the balancers listen and how they reach the nodes.
+#[derive(Debug, Clone)]
+pub struct TunnelLbConfig {
+    /// `--lb-bind-address`: listeners bind here; it is the ingress IP.
+    pub bind: IpAddr,
+    /// The Tether server's gRPC frontend socket (`--tunnel-uds`).
+    pub tunnel_uds: PathBuf,
+}
+
+struct Balancer {
+    /// Ports served, each with its listener's stop token.
+    listeners: Vec<(u16, CancellationToken)>,
+    nodes: Arc<RwLock<Vec<Backend>>>,
+    ports: Vec<super::ServicePort>,
+}
+
+/// The balancers, by Service UID.
+pub struct TunnelLoadBalancers {
+    cfg: TunnelLbConfig,
+    client: OnceCell<Client>,
+    balancers: Mutex<HashMap<String, Balancer>>,
+}
+
+impl TunnelLoadBalancers {
+    /// Balancers per `cfg` (the tunnel is connected on first use).
+    pub fn new(cfg: TunnelLbConfig) -> Self {
+        TunnelLoadBalancers {
+            cfg,
+            client: OnceCell::new(),
+            balancers: Mutex::new(HashMap::new()),
+        }
+    }
+
+    async fn client(&self) -> Result<Client, CloudError> {
+        self.client
+            .get_or_try_init(|| async {
+                Client::uds(&self.cfg.tunnel_uds).await.map_err(|e| {
+                    CloudError::Provider(format!(
+                        "cannot reach the Tether server at {}: {e}",
+                        self.cfg.tunnel_uds.display()
+                    ))
+                })
+            })
+            .await
+            .cloned()
+    }
+
+    fn status(&self) -> LoadBalancerStatus {
+        LoadBalancerStatus {
+            ips: vec![self.cfg.bind.to_string()],
+            hostnames: Vec::new(),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Balancer>> {
+        self.balancers.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+fn label(svc: &ServiceInfo) -> String {
+    format!("{}/{}", svc.namespace, svc.name)
+}
+
+#[async_trait]
+impl LoadBalancers for TunnelLoadBalancers {
+    async fn get(
+        &self,
+        _cluster: &str,
+        svc: &ServiceInfo,
+    ) -> Result<Option<LoadBalancerStatus>, CloudError> {
+        Ok(self.lock().contains_key(&svc.uid).then(|| self.status()))
+    }
+
+    async fn ensure(
+        &self,
+        _cluster: &str,
+        svc: &ServiceInfo,
+        nodes: &[Backend],
+    ) -> Result<LoadBalancerStatus, CloudError> {
+        if let Some(p) = svc.ports.iter().find(|p| p.protocol != "TCP") {
+            return Err(CloudError::Provider(format!(
+                "port {} is {}: the tether load balancer forwards TCP only",
+                p.port, p.protocol
+            )));
+        }
+        if let Some(p) = svc.ports.iter().find(|p| p.node_port == 0) {
+            return Err(CloudError::Provider(format!(
+                "port {} has no nodePort yet",
+                p.port
+            )));
+        }
+        let client = self.client().await?;
+        // Same ports as before: only the node set may have changed.
+        {
+            let mut all = self.lock();
+            if let Some(b) = all.get_mut(&svc.uid) {
+                if b.ports == svc.ports {
+                    *b.nodes.write().unwrap_or_else(|e| e.into_inner()) = nodes.to_vec();
+                    return Ok(self.status());
+                }
+                let old = all.remove(&svc.uid).expect("present");
+                for (_, stop) in old.listeners {
+                    stop.cancel();
+                }
+            }
+        }
+        let nodes_ref = Arc::new(RwLock::new(nodes.to_vec()));
+        let mut listeners = Vec::new();
+        for port in &svc.ports {
+            let addr = SocketAddr::new(self.cfg.bind, port.port);
+            let listener = match TcpListener::bind(addr).await {
+                Ok(l) => l,
+                Err(e) => {
+                    for (_, stop) in listeners {
+                        CancellationToken::cancel(&stop);
+                    }
+                    return Err(CloudError::Provider(format!(
+                        "cannot listen on {addr} for {}: {e}",
+                        label(svc)
+                    )));
+                }
+            };
+            let stop = CancellationToken::new();
+            let span = tracing::info_span!("load_balancer", service = %label(svc), %addr);
+            tokio::spawn(
+                serve(
+                    listener,
+                    client.clone(),
+                    nodes_ref.clone(),
+                    port.node_port,
+                    stop.clone(),
+                )
+                .instrument(span),
+            );
+            listeners.push((port.port, stop));
+        }
+        tracing::info!(service = %label(svc), bind = %self.cfg.bind, ports = ?svc.ports.iter().map(|p| p.port).collect::<Vec<_>>(), nodes = nodes.len(), "load balancer listening");
+        self.lock().insert(
+            svc.uid.clone(),
+            Balancer {
+                listeners,
+                nodes: nodes_ref,
+                ports: svc.ports.clone(),
+            },
+        );
+        Ok(self.status())
+    }
+
+    async fn update(
+        &self,
+        _cluster: &str,
+        svc: &ServiceInfo,
+        nodes: &[Backend],
+    ) -> Result<(), CloudError> {
+        match self.lock().get(&svc.uid) {
+            Some(b) => {
+                *b.nodes.write().unwrap_or_else(|e| e.into_inner()) = nodes.to_vec();
+                Ok(())
+            }
+            None => Err(CloudError::Provider(format!(
+                "no load balancer for {} yet",
+                label(svc)
+            ))),
+        }
+    }
+
+    async fn delete(&self, _cluster: &str, svc: &ServiceInfo) -> Result<(), CloudError> {
+        if let Some(b) = self.lock().remove(&svc.uid) {
+            for (_, stop) in b.listeners {
+                stop.cancel();
+            }
+            tracing::info!(service = %label(svc), "load balancer removed");
+        }
+        Ok(())
+    }
+}
+
+/// Accepts until `stop`; each connection goes to the next node that answers.
+async fn serve(
+    listener: TcpListener,
+    client: Client,
+    nodes: Arc<RwLock<Vec<Backend>>>,
+    node_port: u16,
+    stop: CancellationToken,
+) {
+    let next = Arc::new(AtomicUsize::new(0));
+    loop {
+        let (mut conn, peer) = tokio::select! {
+            a = listener.accept() => match a {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    continue;
+                }
+            },
+            _ = stop.cancelled() => return,
+        };
+        let (client, nodes, next, stop) =
+            (client.clone(), nodes.clone(), next.clone(), stop.clone());
+        tokio::spawn(
+            async move {
+                let candidates = nodes.read().unwrap_or_else(|e| e.into_inner()).clone();
+                if candidates.is_empty() {
+                    tracing::info!("no ready node to forward to; connection closed");
+                    return;
+                }
+                let start = next.fetch_add(1, Ordering::Relaxed);
+                for i in 0..candidates.len() {
+                    let node = &candidates[(start + i) % candidates.len()];
+                    let target = SocketAddr::new(
+                        match node.address.parse() {
+                            Ok(ip) => ip,
+                            Err(_) => continue,
+                        },
+                        node_port,
+                    );
+                    match client.dial(&target.to_string()).await {
+                        Ok(mut upstream) => {
+                            tokio::select! {
+                                r = tokio::io::copy_bidirectional(&mut conn, &mut upstream) => {
+                                    if let Err(e) = r {
+                                        tracing::debug!(error = %e, node = %node.name, "forwarded connection ended with an error");
+                                    }
+                                }
+                                _ = stop.cancelled() => {}
+                            }
+                            return;
+                        }
+                        Err(e) => {
+                            tracing::warn!(node = %node.name, %target, error = %e, "dial through the tunnel failed; trying the next node");
+                        }
+                    }
+                }
+                tracing::warn!("no node answered; connection closed");
+            }
+            .instrument(tracing::debug_span!("lb_conn", %peer)),
+        );
+    }
+}

@@ -1,0 +1,491 @@
+//! The service controller: every Service of type LoadBalancer without a
+//! `loadBalancerClass` (or with `--load-balancer-class`) gets the finalizer
+//! `service.kubernetes.io/load-balancer-cleanup`, a load balancer from the provider over
+//! the eligible nodes, and `status.loadBalancer.ingress`, with events at each step. When
+//! the Service is deleted or stops being a LoadBalancer, the balancer is deleted, the
+//! status cleared and the finalizer removed. A change in the eligible node set updates
+//! every balancer. Failures are retried per Service with backoff (5 s doubling to
+//! 300 s), and every `--lb-resync-period` all balancers are ensured again (drift repair,
+//! which upstream lacks).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Node, Service};
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::ResourceExt;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use super::{ready_status, taints, Context, SyncError, Target};
+use crate::cloud::{Backend, LoadBalancerStatus, LoadBalancers, ServiceInfo, ServicePort};
+use crate::workqueue::{Outcome, WorkQueue};
+
+/// Our finalizer on Services with a balancer.
+pub const FINALIZER: &str = "service.kubernetes.io/load-balancer-cleanup";
+/// Nodes with this label are never backends.
+pub const EXCLUDE_LABEL: &str = "node.kubernetes.io/exclude-from-external-load-balancers";
+/// Nodes the cluster autoscaler is removing are never backends.
+pub const TO_BE_DELETED_TAINT: &str = "ToBeDeletedByClusterAutoscaler";
+
+/// Settings of the service controller.
+#[derive(Debug, Clone)]
+pub struct ServiceConfig {
+    /// `--cluster-name`, passed to the provider.
+    pub cluster_name: String,
+    /// `--load-balancer-class`: Services with this class are ours too.
+    pub load_balancer_class: Option<String>,
+    /// How often every balancer is ensured again.
+    pub resync: Duration,
+}
+
+/// The service controller.
+pub struct ServiceController {
+    ctx: Context,
+    lbs: Arc<dyn LoadBalancers>,
+    services: Store<Service>,
+    queue: Arc<WorkQueue>,
+    node_events: Arc<WorkQueue>,
+    cfg: ServiceConfig,
+    /// Balancers we ensured, by Service key (to clean up one whose Service vanished).
+    applied: Mutex<HashMap<String, ServiceInfo>>,
+}
+
+impl ServiceController {
+    /// A controller over `services` (fed into `queue`); `node_events` receives node keys
+    /// from the node watch.
+    pub fn new(
+        ctx: Context,
+        lbs: Arc<dyn LoadBalancers>,
+        services: Store<Service>,
+        queue: Arc<WorkQueue>,
+        node_events: Arc<WorkQueue>,
+        cfg: ServiceConfig,
+    ) -> Self {
+        ServiceController {
+            ctx,
+            lbs,
+            services,
+            queue,
+            node_events,
+            cfg,
+            applied: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn ours(&self, svc: &Service) -> bool {
+        let Some(spec) = &svc.spec else { return false };
+        if spec.type_.as_deref() != Some("LoadBalancer") {
+            return false;
+        }
+        match &spec.load_balancer_class {
+            None => true,
+            Some(c) => self.cfg.load_balancer_class.as_ref() == Some(c),
+        }
+    }
+
+    fn queue_all_balancers(&self) {
+        for svc in self.services.state() {
+            if self.ours(&svc) || has_finalizer(&svc) {
+                self.queue.add(&crate::informer::key(svc.as_ref()));
+            }
+        }
+    }
+
+    /// Runs until `shutdown`.
+    pub async fn run(self, shutdown: CancellationToken) {
+        let this = Arc::new(self);
+        // Node set changes: update every balancer.
+        {
+            let this = this.clone();
+            tokio::spawn(
+                async move {
+                    let mut last = this.backends();
+                    while let Some(key) = this.node_events.next().await {
+                        this.node_events.done(key, Outcome::Done);
+                        let now = this.backends();
+                        if now != last {
+                            tracing::info!(
+                                nodes = now.len(),
+                                "load balancer node set changed; updating balancers"
+                            );
+                            last = now;
+                            this.queue_all_balancers();
+                        }
+                    }
+                }
+                .instrument(tracing::info_span!("lb_node_set")),
+            );
+        }
+        // Drift repair.
+        {
+            let this = this.clone();
+            let stop = shutdown.clone();
+            tokio::spawn(
+                async move {
+                    let mut tick = tokio::time::interval(this.cfg.resync);
+                    tick.tick().await;
+                    loop {
+                        tokio::select! {
+                            _ = tick.tick() => this.queue_all_balancers(),
+                            _ = stop.cancelled() => return,
+                        }
+                    }
+                }
+                .instrument(tracing::info_span!("lb_resync")),
+            );
+        }
+        {
+            let (q, n, stop) = (
+                this.queue.clone(),
+                this.node_events.clone(),
+                shutdown.clone(),
+            );
+            tokio::spawn(async move {
+                stop.cancelled().await;
+                q.shut_down();
+                n.shut_down();
+            });
+        }
+        while let Some(key) = this.queue.next().await {
+            let outcome = match this
+                .sync(&key)
+                .instrument(tracing::debug_span!("sync_service", service = %key))
+                .await
+            {
+                Ok(()) => Outcome::Done,
+                Err(e) => {
+                    tracing::warn!(service = %key, error = %e, "service sync failed; retrying with backoff");
+                    e.outcome()
+                }
+            };
+            this.queue.done(key, outcome);
+        }
+    }
+
+    /// Nodes eligible as backends: Ready, not excluded, not being deleted, with an
+    /// InternalIP; sorted by name.
+    pub fn backends(&self) -> Vec<Backend> {
+        let mut out: Vec<Backend> = self
+            .ctx
+            .nodes
+            .state()
+            .iter()
+            .filter_map(|n| eligible(n))
+            .collect();
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        out
+    }
+
+    /// Brings the balancer of Service `key` (`namespace/name`) in line.
+    pub async fn sync(&self, key: &str) -> Result<(), SyncError> {
+        let (ns, name) = key.split_once('/').unwrap_or(("default", key));
+        let svc = self.services.get(&ObjectRef::new(name).within(ns));
+        let Some(svc) = svc else {
+            // Gone (without our finalizer, e.g. deleted with --cascade=orphan of
+            // finalizers): drop any balancer we made for it.
+            let info = self.applied().remove(key);
+            if let Some(info) = info {
+                self.lbs.delete(&self.cfg.cluster_name, &info).await?;
+            }
+            return Ok(());
+        };
+        let wants = self.ours(&svc) && svc.metadata.deletion_timestamp.is_none();
+        if wants {
+            self.ensure(key, &svc).await
+        } else if has_finalizer(&svc) || self.applied().contains_key(key) {
+            self.cleanup(key, &svc).await
+        } else {
+            Ok(())
+        }
+    }
+
+    fn applied(&self) -> std::sync::MutexGuard<'_, HashMap<String, ServiceInfo>> {
+        self.applied.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    async fn ensure(&self, key: &str, svc: &Service) -> Result<(), SyncError> {
+        let api: Api<Service> = Api::namespaced(
+            self.ctx.client.clone(),
+            &svc.namespace().unwrap_or_default(),
+        );
+        let target = target(svc);
+        if !has_finalizer(svc) {
+            let mut finalizers = svc.finalizers().to_vec();
+            finalizers.push(FINALIZER.into());
+            api.patch(
+                &svc.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(json!({
+                    "metadata": {
+                        "finalizers": finalizers,
+                        "resourceVersion": svc.resource_version(),
+                    }
+                })),
+            )
+            .await?;
+        }
+        let info = service_info(svc);
+        let nodes = self.backends();
+        let first = !self.applied().contains_key(key);
+        if first {
+            self.ctx
+                .event(
+                    &target,
+                    false,
+                    "EnsuringLoadBalancer",
+                    "EnsureLoadBalancer",
+                    "Ensuring load balancer".into(),
+                )
+                .await;
+        }
+        let status = match self.lbs.ensure(&self.cfg.cluster_name, &info, &nodes).await {
+            Ok(s) => s,
+            Err(e) => {
+                self.ctx
+                    .event(
+                        &target,
+                        true,
+                        "SyncLoadBalancerFailed",
+                        "EnsureLoadBalancer",
+                        format!("Error syncing load balancer: {e}"),
+                    )
+                    .await;
+                return Err(e.into());
+            }
+        };
+        let wanted = ingress_json(&status);
+        let current = svc
+            .status
+            .as_ref()
+            .and_then(|s| s.load_balancer.as_ref())
+            .and_then(|l| l.ingress.as_ref())
+            .map(|i| serde_json::to_value(i).unwrap_or_default())
+            .unwrap_or(json!([]));
+        if current != wanted {
+            api.patch_status(
+                &svc.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(json!({ "status": { "loadBalancer": { "ingress": wanted } } })),
+            )
+            .await?;
+        }
+        self.applied().insert(key.to_string(), info);
+        if first {
+            tracing::info!(service = %key, ingress = ?status.ips, nodes = nodes.len(), "load balancer ensured");
+            self.ctx
+                .event(
+                    &target,
+                    false,
+                    "EnsuredLoadBalancer",
+                    "EnsureLoadBalancer",
+                    "Ensured load balancer".into(),
+                )
+                .await;
+        }
+        Ok(())
+    }
+
+    async fn cleanup(&self, key: &str, svc: &Service) -> Result<(), SyncError> {
+        let api: Api<Service> = Api::namespaced(
+            self.ctx.client.clone(),
+            &svc.namespace().unwrap_or_default(),
+        );
+        let target = target(svc);
+        self.ctx
+            .event(
+                &target,
+                false,
+                "DeletingLoadBalancer",
+                "DeleteLoadBalancer",
+                "Deleting load balancer".into(),
+            )
+            .await;
+        let info = self
+            .applied()
+            .get(key)
+            .cloned()
+            .unwrap_or_else(|| service_info(svc));
+        if let Err(e) = self.lbs.delete(&self.cfg.cluster_name, &info).await {
+            self.ctx
+                .event(
+                    &target,
+                    true,
+                    "SyncLoadBalancerFailed",
+                    "DeleteLoadBalancer",
+                    format!("Error deleting load balancer: {e}"),
+                )
+                .await;
+            return Err(e.into());
+        }
+        self.applied().remove(key);
+        let has_ingress = svc
+            .status
+            .as_ref()
+            .and_then(|s| s.load_balancer.as_ref())
+            .and_then(|l| l.ingress.as_ref())
+            .is_some_and(|i| !i.is_empty());
+        if has_ingress && svc.metadata.deletion_timestamp.is_none() {
+            api.patch_status(
+                &svc.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(json!({ "status": { "loadBalancer": { "ingress": null } } })),
+            )
+            .await?;
+        }
+        if has_finalizer(svc) {
+            let finalizers: Vec<&String> = svc
+                .finalizers()
+                .iter()
+                .filter(|f| *f != FINALIZER)
+                .collect();
+            api.patch(
+                &svc.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(json!({
+                    "metadata": {
+                        "finalizers": finalizers,
+                        "resourceVersion": svc.resource_version(),
+                    }
+                })),
+            )
+            .await
+            .or_else(|e| match e {
+                // Already gone: nothing to finalize.
+                kube::Error::Api(ref a) if a.code == 404 => Ok(svc.clone()),
+                e => Err(e),
+            })?;
+        }
+        tracing::info!(service = %key, "load balancer deleted");
+        self.ctx
+            .event(
+                &target,
+                false,
+                "DeletedLoadBalancer",
+                "DeleteLoadBalancer",
+                "Deleted load balancer".into(),
+            )
+            .await;
+        Ok(())
+    }
+}
+
+fn has_finalizer(svc: &Service) -> bool {
+    svc.finalizers().iter().any(|f| f == FINALIZER)
+}
+
+fn target(svc: &Service) -> Target {
+    Target {
+        api_version: "v1",
+        kind: "Service",
+        namespace: svc.namespace(),
+        name: svc.name_any(),
+        uid: svc.uid(),
+    }
+}
+
+/// The provider's view of `svc`.
+pub fn service_info(svc: &Service) -> ServiceInfo {
+    let ports = svc
+        .spec
+        .as_ref()
+        .and_then(|s| s.ports.as_ref())
+        .map(|ports| {
+            ports
+                .iter()
+                .map(|p| ServicePort {
+                    name: p.name.clone().unwrap_or_default(),
+                    protocol: p.protocol.clone().unwrap_or_else(|| "TCP".into()),
+                    port: u16::try_from(p.port).unwrap_or(0),
+                    node_port: p.node_port.and_then(|n| u16::try_from(n).ok()).unwrap_or(0),
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    ServiceInfo {
+        namespace: svc.namespace().unwrap_or_default(),
+        name: svc.name_any(),
+        uid: svc.uid().unwrap_or_default(),
+        ports,
+    }
+}
+
+/// `node` as a backend, if eligible.
+pub fn eligible(node: &Node) -> Option<Backend> {
+    if node.metadata.deletion_timestamp.is_some()
+        || node.labels().contains_key(EXCLUDE_LABEL)
+        || taints(node).iter().any(|t| t.key == TO_BE_DELETED_TAINT)
+        || ready_status(node) != Some("True")
+    {
+        return None;
+    }
+    let address = node
+        .status
+        .as_ref()?
+        .addresses
+        .as_ref()?
+        .iter()
+        .find(|a| a.type_ == "InternalIP")?
+        .address
+        .clone();
+    Some(Backend {
+        name: node.name_any(),
+        address,
+    })
+}
+
+fn ingress_json(status: &LoadBalancerStatus) -> serde_json::Value {
+    let mut out: Vec<serde_json::Value> = status.ips.iter().map(|ip| json!({ "ip": ip })).collect();
+    out.extend(status.hostnames.iter().map(|h| json!({ "hostname": h })));
+    json!(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::{NodeAddress, NodeCondition, NodeSpec, NodeStatus, Taint};
+
+    fn node(name: &str, ready: bool) -> Node {
+        let mut n = Node::default();
+        n.metadata.name = Some(name.into());
+        n.status = Some(NodeStatus {
+            addresses: Some(vec![NodeAddress {
+                type_: "InternalIP".into(),
+                address: "10.0.0.1".into(),
+            }]),
+            conditions: Some(vec![NodeCondition {
+                type_: "Ready".into(),
+                status: if ready { "True" } else { "False" }.into(),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        });
+        n
+    }
+
+    #[test]
+    fn backends_exclude_unready_labelled_and_autoscaler_doomed_nodes() {
+        assert!(eligible(&node("a", true)).is_some());
+        assert!(eligible(&node("a", false)).is_none());
+        let mut excluded = node("a", true);
+        excluded.metadata.labels = Some(
+            [(EXCLUDE_LABEL.to_string(), String::new())]
+                .into_iter()
+                .collect(),
+        );
+        assert!(eligible(&excluded).is_none());
+        let mut doomed = node("a", true);
+        doomed.spec = Some(NodeSpec {
+            taints: Some(vec![Taint {
+                key: TO_BE_DELETED_TAINT.into(),
+                effect: "NoSchedule".into(),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        });
+        assert!(eligible(&doomed).is_none());
+    }
+}
