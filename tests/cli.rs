@@ -74,6 +74,38 @@ fn bad_flags_fail_with_one_clear_line() {
     let (ok, err) = run(&["agent", "--agent-identifiers=ipv4=not-an-ip"]);
     assert!(!ok);
     assert!(error_line(&err).contains("ipv4"), "{err}");
+
+    let (ok, err) = run(&["agent", "--stalled-reader-timeout=0s"]);
+    assert!(!ok);
+    assert!(
+        error_line(&err).contains("--stalled-reader-timeout"),
+        "{err}"
+    );
+
+    let (ok, err) = run(&["ccm"]);
+    assert!(!ok);
+    assert!(error_line(&err).contains("--cloud-config"), "{err}");
+
+    let dir = tether_testkit::TempDir::new("tether-cli-ccm");
+    let inventory = dir.path().join("inventory.yaml");
+    std::fs::write(&inventory, "nodes:\n- name: a\n  zones: typo\n").unwrap();
+    let cloud_config = format!("--cloud-config={}", inventory.display());
+    let (ok, err) = run(&["ccm", &cloud_config]);
+    assert!(!ok);
+    assert!(error_line(&err).contains("zones"), "{err}");
+
+    std::fs::write(&inventory, "nodes: []\n").unwrap();
+    let (ok, err) = run(&["ccm", &cloud_config, "--controllers=*,route"]);
+    assert!(!ok);
+    assert!(error_line(&err).contains("route controller"), "{err}");
+
+    let (ok, err) = run(&["ccm", &cloud_config, "--lb-bind-address=127.0.0.1"]);
+    assert!(!ok);
+    assert!(error_line(&err).contains("go together"), "{err}");
+
+    let (ok, err) = run(&["ccm", &cloud_config, "--kube-api-qps=50"]);
+    assert!(!ok);
+    assert!(error_line(&err).contains("--kube-api-qps"), "{err}");
 }
 
 #[test]

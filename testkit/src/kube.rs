@@ -115,6 +115,8 @@ impl Egress {
 pub struct ClusterFiles {
     /// Cluster CA.
     pub ca: PathBuf,
+    /// Cluster CA key (to issue more client certificates).
+    pub ca_key: PathBuf,
     /// Service-account token signing key (PKCS#8 EC) and its public key.
     pub sa_key: PathBuf,
     /// Public half of `sa_key`.
@@ -166,7 +168,7 @@ impl Cluster {
 
         // PKI.
         let ca = Ca::new("tether-test-cluster-ca").unwrap();
-        let (ca_cert, _) = write_pair(d, "ca", ca.pair()).unwrap();
+        let (ca_cert, ca_key) = write_pair(d, "ca", ca.pair()).unwrap();
         let serving = ca
             .issue(&LeafSpec {
                 common_name: "kube-apiserver".into(),
@@ -281,6 +283,7 @@ impl Cluster {
             url,
             files: ClusterFiles {
                 ca: ca_cert,
+                ca_key,
                 sa_key,
                 sa_pub,
                 admin_kubeconfig,
@@ -423,6 +426,29 @@ impl Cluster {
             "-p",
             &patch,
         ]);
+    }
+
+    /// A kubeconfig for user `user` (a client certificate from the cluster CA, no
+    /// groups): what RBAC grants that user is all it can do.
+    pub fn kubeconfig_for(&self, user: &str) -> PathBuf {
+        let ca = Ca::load(&self.files.ca, &self.files.ca_key).unwrap();
+        let leaf = ca
+            .issue(&LeafSpec {
+                common_name: user.into(),
+                client: true,
+                ..Default::default()
+            })
+            .unwrap();
+        let file_stem = user.replace([':', '/'], "_");
+        let (cert, key) = write_pair(self.dir.path(), &file_stem, &leaf).unwrap();
+        let path = self.dir.path().join(format!("{file_stem}.kubeconfig"));
+        write_file(
+            &path,
+            &kubeconfig(&self.url, &self.files.ca, &cert, &key, user),
+            true,
+        )
+        .unwrap();
+        path
     }
 
     /// Does the apiserver log contain `needle`?
