@@ -103,7 +103,7 @@ fn bad_flags_fail_with_one_clear_line() {
     assert!(!ok);
     assert!(error_line(&err).contains("go together"), "{err}");
 
-    let (ok, err) = run(&["ccm", &cloud_config, "--kube-api-qps=50"]);
+    let (ok, err) = run(&["ccm", &cloud_config, "--kube-api-qps=0"]);
     assert!(!ok);
     assert!(error_line(&err).contains("--kube-api-qps"), "{err}");
 }

@@ -25,7 +25,86 @@ pub enum KubeSetupError {
 
 /// A client for the cluster in `kubeconfig`, or in-cluster when `None`.
 pub async fn client(kubeconfig: Option<&Path>) -> Result<kube::Client, KubeSetupError> {
-    let config = match kubeconfig {
+    kube::Client::try_from(config(kubeconfig).await?).map_err(KubeSetupError::Client)
+}
+
+/// Like [`client`], with every request first taking a token from `limit` (client-go's
+/// `--kube-api-qps`/`--kube-api-burst`) and counted in `calls`.
+pub async fn limited_client(
+    kubeconfig: Option<&Path>,
+    limit: std::sync::Arc<crate::ratelimit::TokenBucket>,
+    calls: std::sync::Arc<std::sync::atomic::AtomicU64>,
+) -> Result<kube::Client, KubeSetupError> {
+    let builder = kube::client::ClientBuilder::try_from(config(kubeconfig).await?)
+        .map_err(KubeSetupError::Client)?;
+    Ok(builder.with_layer(&RateLimitLayer { limit, calls }).build())
+}
+
+/// Rate limit and count requests (see [`limited_client`]).
+#[derive(Clone)]
+struct RateLimitLayer {
+    limit: std::sync::Arc<crate::ratelimit::TokenBucket>,
+    calls: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl<S> tower::Layer<S> for RateLimitLayer {
+    type Service = RateLimited<S>;
+    fn layer(&self, inner: S) -> RateLimited<S> {
+        RateLimited {
+            inner,
+            layer: self.clone(),
+            permit: None,
+            ready: false,
+        }
+    }
+}
+
+type Permit = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+/// The service: `poll_ready` waits for a token (kube drives it behind a buffer, so
+/// requests queue there, in order).
+struct RateLimited<S> {
+    inner: S,
+    layer: RateLimitLayer,
+    permit: Option<Permit>,
+    ready: bool,
+}
+
+impl<S, R> tower::Service<R> for RateLimited<S>
+where
+    S: tower::Service<R>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        if !self.ready {
+            let limit = self.layer.limit.clone();
+            let permit = self
+                .permit
+                .get_or_insert_with(|| Box::pin(async move { limit.acquire().await }));
+            std::task::ready!(permit.as_mut().poll(cx));
+            self.permit = None;
+            self.ready = true;
+        }
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: R) -> Self::Future {
+        self.ready = false;
+        self.layer
+            .calls
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.inner.call(req)
+    }
+}
+
+async fn config(kubeconfig: Option<&Path>) -> Result<kube::Config, KubeSetupError> {
+    Ok(match kubeconfig {
         Some(path) => {
             let err = |source| KubeSetupError::Kubeconfig {
                 path: path.display().to_string(),
@@ -37,8 +116,7 @@ pub async fn client(kubeconfig: Option<&Path>) -> Result<kube::Client, KubeSetup
                 .map_err(err)?
         }
         None => kube::Config::incluster().map_err(KubeSetupError::InCluster)?,
-    };
-    kube::Client::try_from(config).map_err(KubeSetupError::Client)
+    })
 }
 
 /// Is `lease` still held at `now` (renewTime + leaseDurationSeconds in the future)?

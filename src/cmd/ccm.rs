@@ -4,11 +4,15 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use anyhow::{bail, Context};
 use clap::Args;
 use tether_ccm::cloud::{tether::TetherProvider, Provider};
 use tether_ccm::leader::LeaderElection;
 use tether_ccm::{CcmConfig, Enabled};
+use tether_core::ratelimit::TokenBucket;
+use tracing::Instrument;
 
 use super::{duration, go_bool, LogArgs};
 
@@ -85,12 +89,18 @@ pub struct CcmArgs {
     /// How often every load balancer is ensured again (drift repair).
     #[arg(long, default_value = "1m", value_parser = duration)]
     pub lb_resync_period: Duration,
-    /// Not implemented yet (client rate limit).
-    #[arg(long, hide = true)]
-    pub kube_api_qps: Option<String>,
-    /// Not implemented yet (client rate limit).
-    #[arg(long, hide = true)]
-    pub kube_api_burst: Option<String>,
+    /// Kubernetes API requests per second (client-side limit).
+    #[arg(long, default_value_t = 20.0)]
+    pub kube_api_qps: f64,
+    /// Kubernetes API burst above the rate.
+    #[arg(long, default_value_t = 30)]
+    pub kube_api_burst: u32,
+    /// Cloud provider calls per second (client-side limit).
+    #[arg(long, default_value_t = 20.0)]
+    pub provider_qps: f64,
+    /// Cloud provider burst above the rate.
+    #[arg(long, default_value_t = 30)]
+    pub provider_burst: u32,
     /// Not implemented yet (secure serving).
     #[arg(long, hide = true)]
     pub secure_port: Option<String>,
@@ -117,8 +127,6 @@ impl CcmArgs {
                 "concurrent-service-syncs",
                 self.concurrent_service_syncs.is_some(),
             ),
-            ("kube-api-qps", self.kube_api_qps.is_some()),
-            ("kube-api-burst", self.kube_api_burst.is_some()),
             ("secure-port", self.secure_port.is_some()),
             ("bind-address", self.bind_address.is_some()),
         ])?;
@@ -151,6 +159,12 @@ impl CcmArgs {
                 && self.leader_elect_renew_deadline < self.leader_elect_lease_duration)
         {
             bail!("--leader-elect-retry-period < --leader-elect-renew-deadline < --leader-elect-lease-duration must hold (defaults 2s, 10s, 15s)");
+        }
+        if !(self.kube_api_qps > 0.0 && self.provider_qps > 0.0)
+            || self.kube_api_burst == 0
+            || self.provider_burst == 0
+        {
+            bail!("--kube-api-qps, --kube-api-burst, --provider-qps and --provider-burst must be positive");
         }
         if self.node_monitor_period.is_zero() || self.node_status_update_frequency.is_zero() {
             bail!("--node-monitor-period and --node-status-update-frequency must be positive");
@@ -187,10 +201,24 @@ pub fn main(args: CcmArgs) -> anyhow::Result<()> {
     args.log.init();
     let (config, provider) = args.config()?;
     let kubeconfig = (!args.kubeconfig.is_empty()).then(|| PathBuf::from(&args.kubeconfig));
+    let kube_calls = Arc::new(AtomicU64::new(0));
+    let provider_calls = Arc::new(AtomicU64::new(0));
+    let provider = tether_ccm::cloud::rate_limited(
+        provider,
+        Arc::new(TokenBucket::new(args.provider_qps, args.provider_burst)),
+        provider_calls.clone(),
+    );
     super::block_on(async move {
-        let client = tether_core::kubeclient::client(kubeconfig.as_deref())
-            .await
-            .context("cannot build the Kubernetes client")?;
+        let client = tether_core::kubeclient::limited_client(
+            kubeconfig.as_deref(),
+            Arc::new(TokenBucket::new(args.kube_api_qps, args.kube_api_burst)),
+            kube_calls.clone(),
+        )
+        .await
+        .context("cannot build the Kubernetes client")?;
+        tokio::spawn(
+            report_usage(kube_calls, provider_calls).instrument(tracing::info_span!("api_usage")),
+        );
         tracing::info!(provider = provider.name(), identity = %config.identity, "cloud-controller-manager starting");
         let shutdown = tokio_util::sync::CancellationToken::new();
         let stop = shutdown.clone();
@@ -201,4 +229,21 @@ pub fn main(args: CcmArgs) -> anyhow::Result<()> {
         tether_ccm::run(client, provider, config, shutdown).await?;
         Ok(())
     })
+}
+
+/// Logs the running totals of API calls every 10 s while they change.
+async fn report_usage(kube: Arc<AtomicU64>, provider: Arc<AtomicU64>) {
+    let mut last = (0, 0);
+    let mut tick = tokio::time::interval(Duration::from_secs(10));
+    loop {
+        tick.tick().await;
+        let now = (
+            kube.load(Ordering::Relaxed),
+            provider.load(Ordering::Relaxed),
+        );
+        if now != last {
+            tracing::info!(kube_api_calls = now.0, provider_calls = now.1, "api usage");
+            last = now;
+        }
+    }
 }

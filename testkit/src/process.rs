@@ -104,6 +104,11 @@ impl Proc {
 
     /// How many JSON log events so far have `message`.
     pub fn count_events(&self, message: &str) -> usize {
+        self.events(message).len()
+    }
+
+    /// The JSON log events so far with `message`, oldest first.
+    pub fn events(&self, message: &str) -> Vec<Value> {
         self.log
             .0
             .lock()
@@ -112,7 +117,7 @@ impl Proc {
             .iter()
             .filter_map(|l| serde_json::from_str::<Value>(l).ok())
             .filter(|v| v["message"] == message)
-            .count()
+            .collect()
     }
 
     /// Does any log line so far contain `needle`?

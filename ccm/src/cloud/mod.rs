@@ -192,3 +192,129 @@ pub trait Provider: Send + Sync {
 
 /// The provider ID scheme of the built-in provider.
 pub const TETHER_PROVIDER_ID_PREFIX: &str = "tether://";
+
+/// Provider calls share one client-side token bucket (`--provider-qps`,
+/// `--provider-burst`) and are counted, so a large cluster cannot hammer the cloud's
+/// API either.
+pub fn rate_limited(
+    provider: Arc<dyn Provider>,
+    limit: Arc<tether_core::ratelimit::TokenBucket>,
+    calls: Arc<std::sync::atomic::AtomicU64>,
+) -> Arc<dyn Provider> {
+    Arc::new(Limited {
+        inner: provider,
+        gate: Gate { limit, calls },
+    })
+}
+
+#[derive(Clone)]
+struct Gate {
+    limit: Arc<tether_core::ratelimit::TokenBucket>,
+    calls: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Gate {
+    async fn pass(&self) {
+        self.limit.acquire().await;
+        self.calls
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+struct Limited<T: ?Sized> {
+    inner: Arc<T>,
+    gate: Gate,
+}
+
+impl Provider for Limited<dyn Provider> {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    fn instances(&self) -> Option<Arc<dyn Instances>> {
+        let inner = self.inner.instances()?;
+        Some(Arc::new(Limited {
+            inner,
+            gate: self.gate.clone(),
+        }))
+    }
+    fn load_balancers(&self) -> Option<Arc<dyn LoadBalancers>> {
+        let inner = self.inner.load_balancers()?;
+        Some(Arc::new(Limited {
+            inner,
+            gate: self.gate.clone(),
+        }))
+    }
+    fn routes(&self) -> Option<Arc<dyn Routes>> {
+        let inner = self.inner.routes()?;
+        Some(Arc::new(Limited {
+            inner,
+            gate: self.gate.clone(),
+        }))
+    }
+}
+
+#[async_trait]
+impl Instances for Limited<dyn Instances> {
+    async fn exists(&self, node: &NodeInfo) -> Result<bool, CloudError> {
+        self.gate.pass().await;
+        self.inner.exists(node).await
+    }
+    async fn shutdown(&self, node: &NodeInfo) -> Result<bool, CloudError> {
+        self.gate.pass().await;
+        self.inner.shutdown(node).await
+    }
+    async fn metadata(&self, node: &NodeInfo) -> Result<InstanceMetadata, CloudError> {
+        self.gate.pass().await;
+        self.inner.metadata(node).await
+    }
+}
+
+#[async_trait]
+impl LoadBalancers for Limited<dyn LoadBalancers> {
+    async fn get(
+        &self,
+        cluster: &str,
+        svc: &ServiceInfo,
+    ) -> Result<Option<LoadBalancerStatus>, CloudError> {
+        self.gate.pass().await;
+        self.inner.get(cluster, svc).await
+    }
+    async fn ensure(
+        &self,
+        cluster: &str,
+        svc: &ServiceInfo,
+        nodes: &[Backend],
+    ) -> Result<LoadBalancerStatus, CloudError> {
+        self.gate.pass().await;
+        self.inner.ensure(cluster, svc, nodes).await
+    }
+    async fn update(
+        &self,
+        cluster: &str,
+        svc: &ServiceInfo,
+        nodes: &[Backend],
+    ) -> Result<(), CloudError> {
+        self.gate.pass().await;
+        self.inner.update(cluster, svc, nodes).await
+    }
+    async fn delete(&self, cluster: &str, svc: &ServiceInfo) -> Result<(), CloudError> {
+        self.gate.pass().await;
+        self.inner.delete(cluster, svc).await
+    }
+}
+
+#[async_trait]
+impl Routes for Limited<dyn Routes> {
+    async fn list(&self, cluster: &str) -> Result<Vec<Route>, CloudError> {
+        self.gate.pass().await;
+        self.inner.list(cluster).await
+    }
+    async fn create(&self, cluster: &str, route: &Route) -> Result<(), CloudError> {
+        self.gate.pass().await;
+        self.inner.create(cluster, route).await
+    }
+    async fn delete(&self, cluster: &str, route: &Route) -> Result<(), CloudError> {
+        self.gate.pass().await;
+        self.inner.delete(cluster, route).await
+    }
+}
