@@ -1,7 +1,8 @@
 //! A work queue of object keys, as upstream controllers use: a key is queued at most
 //! once, never handled by two workers at once (a key added while it is being handled
 //! comes back afterwards), and a key whose sync failed comes back after a per-key
-//! exponential backoff (5 s doubling up to 300 s), or when the provider says.
+//! exponential backoff (5 s doubling up to 300 s), or when the provider says, even if
+//! the object changes meanwhile.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -21,6 +22,8 @@ struct State {
     queued: HashSet<String>,
     active: HashSet<String>,
     dirty: HashSet<String>,
+    /// Keys waiting out a backoff: changes to the object do not cut it short.
+    waiting: HashSet<String>,
     failures: HashMap<String, u32>,
     closed: bool,
 }
@@ -67,7 +70,7 @@ impl WorkQueue {
     /// Queues `key` now.
     pub fn add(&self, key: &str) {
         let mut s = self.state();
-        if s.closed || s.queued.contains(key) {
+        if s.closed || s.queued.contains(key) || s.waiting.contains(key) {
             return;
         }
         if s.active.contains(key) {
@@ -80,12 +83,16 @@ impl WorkQueue {
         self.notify.notify_one();
     }
 
-    /// Queues `key` after `delay`.
+    /// Queues `key` after `delay`; until then, adding it does nothing.
     pub fn add_after(self: &Arc<Self>, key: String, delay: Duration) {
+        if !self.state().waiting.insert(key.clone()) {
+            return;
+        }
         let this = self.clone();
         tokio::spawn(
             async move {
                 tokio::time::sleep(delay).await;
+                this.state().waiting.remove(&key);
                 this.add(&key);
             }
             .instrument(tracing::debug_span!("requeue", queue = self.name)),
@@ -132,12 +139,12 @@ impl WorkQueue {
                 *n += 1;
                 let delay = after.unwrap_or_else(|| self.backoff(*n));
                 drop(s);
+                // The backoff holds even if the object changed meanwhile: the retry
+                // reads the latest state anyway, and a busy object must not turn a
+                // failing provider into a hot loop.
+                let _ = again;
                 tracing::debug!(queue = self.name, %key, ?delay, "sync failed; retrying later");
-                if again {
-                    self.add(&key);
-                } else {
-                    self.add_after(key, delay);
-                }
+                self.add_after(key, delay);
             }
         }
     }
@@ -194,6 +201,9 @@ mod tests {
         let a = q.next().await.unwrap();
         assert_eq!(a, "a");
         q.done(a, Outcome::Retry(None));
+        assert!(q.is_empty());
+        // A change during the backoff does not cut it short.
+        q.add("a");
         assert!(q.is_empty());
         tokio::time::sleep(Duration::from_secs(6)).await;
         assert_eq!(q.next().await.unwrap(), "a");

@@ -70,6 +70,10 @@ impl SyncError {
             SyncError::Cloud(crate::cloud::CloudError::RetryAfter { after, .. }) => {
                 crate::workqueue::Outcome::Retry(Some(*after))
             }
+            // Our cache was behind: it catches up within moments.
+            SyncError::Kube(kube::Error::Api(e)) if e.code == 409 => {
+                crate::workqueue::Outcome::Retry(Some(std::time::Duration::from_millis(500)))
+            }
             _ => crate::workqueue::Outcome::Retry(None),
         }
     }

@@ -65,7 +65,8 @@ impl NodeController {
     /// Runs until `shutdown`.
     pub async fn run(self, shutdown: CancellationToken) {
         let this = Arc::new(self);
-        // Periodic address sync: every node goes through the queue again.
+        // Periodic address sync of initialised nodes. (Node updates do not trigger it:
+        // kubelets update their nodes constantly, and each sync is a provider call.)
         let periodic = {
             let this = this.clone();
             let shutdown = shutdown.clone();
@@ -78,7 +79,14 @@ impl NodeController {
                         _ = shutdown.cancelled() => return,
                     }
                     for node in this.ctx.nodes.state() {
-                        this.queue.add(&node.name_any());
+                        if has_taint(&node, TAINT_UNINITIALIZED)
+                            || node.metadata.deletion_timestamp.is_some()
+                        {
+                            continue;
+                        }
+                        if let Err(e) = this.sync_addresses(&node).await {
+                            tracing::warn!(node = %node.name_any(), error = %e, "address sync failed; next period retries");
+                        }
                     }
                 }
             }
@@ -106,19 +114,15 @@ impl NodeController {
         }
     }
 
-    /// Initialises the node if it is tainted uninitialized, else syncs its addresses.
+    /// Initialises the node if it is still tainted uninitialized.
     pub async fn sync(&self, name: &str) -> Result<(), SyncError> {
         let Some(node) = self.ctx.nodes.get(&ObjectRef::new(name)) else {
             return Ok(());
         };
-        if node.metadata.deletion_timestamp.is_some() {
+        if node.metadata.deletion_timestamp.is_some() || !has_taint(&node, TAINT_UNINITIALIZED) {
             return Ok(());
         }
-        if has_taint(&node, TAINT_UNINITIALIZED) {
-            self.initialize(&node).await
-        } else {
-            self.sync_addresses(&node).await
-        }
+        self.initialize(&node).await
     }
 
     async fn initialize(&self, node: &Node) -> Result<(), SyncError> {

@@ -50,8 +50,9 @@ pub struct ServiceController {
     queue: Arc<WorkQueue>,
     node_events: Arc<WorkQueue>,
     cfg: ServiceConfig,
-    /// Balancers we ensured, by Service key (to clean up one whose Service vanished).
-    applied: Mutex<HashMap<String, ServiceInfo>>,
+    /// Balancers we ensured, by Service key, with the nodes they were given (to clean
+    /// up one whose Service vanished, and to call `update` when only nodes changed).
+    applied: Mutex<HashMap<String, (ServiceInfo, Vec<Backend>)>>,
 }
 
 impl ServiceController {
@@ -188,7 +189,7 @@ impl ServiceController {
             // Gone (without our finalizer, e.g. deleted with --cascade=orphan of
             // finalizers): drop any balancer we made for it.
             let info = self.applied().remove(key);
-            if let Some(info) = info {
+            if let Some((info, _)) = info {
                 self.lbs.delete(&self.cfg.cluster_name, &info).await?;
             }
             return Ok(());
@@ -203,7 +204,7 @@ impl ServiceController {
         }
     }
 
-    fn applied(&self) -> std::sync::MutexGuard<'_, HashMap<String, ServiceInfo>> {
+    fn applied(&self) -> std::sync::MutexGuard<'_, HashMap<String, (ServiceInfo, Vec<Backend>)>> {
         self.applied.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -230,7 +231,40 @@ impl ServiceController {
         }
         let info = service_info(svc);
         let nodes = self.backends();
-        let first = !self.applied().contains_key(key);
+        let before = self.applied().get(key).cloned();
+        // Same Service, new node set: just point the balancer at the new nodes.
+        if let Some((applied, old_nodes)) = &before {
+            if *applied == info && *old_nodes != nodes && has_ingress(svc) {
+                if let Err(e) = self.lbs.update(&self.cfg.cluster_name, &info, &nodes).await {
+                    self.ctx
+                        .event(
+                            &target,
+                            true,
+                            "SyncLoadBalancerFailed",
+                            "UpdateLoadBalancer",
+                            format!("Error updating load balancer with new hosts: {e}"),
+                        )
+                        .await;
+                    return Err(e.into());
+                }
+                self.applied()
+                    .insert(key.to_string(), (info, nodes.clone()));
+                self.ctx
+                    .event(
+                        &target,
+                        false,
+                        "UpdatedLoadBalancer",
+                        "UpdateLoadBalancer",
+                        format!(
+                            "Updated load balancer with new hosts ({} nodes)",
+                            nodes.len()
+                        ),
+                    )
+                    .await;
+                return Ok(());
+            }
+        }
+        let first = before.is_none();
         if first {
             self.ctx
                 .event(
@@ -273,7 +307,8 @@ impl ServiceController {
             )
             .await?;
         }
-        self.applied().insert(key.to_string(), info);
+        self.applied()
+            .insert(key.to_string(), (info, nodes.clone()));
         if first {
             tracing::info!(service = %key, ingress = ?status.ips, nodes = nodes.len(), "load balancer ensured");
             self.ctx
@@ -307,7 +342,7 @@ impl ServiceController {
         let info = self
             .applied()
             .get(key)
-            .cloned()
+            .map(|(info, _)| info.clone())
             .unwrap_or_else(|| service_info(svc));
         if let Err(e) = self.lbs.delete(&self.cfg.cluster_name, &info).await {
             self.ctx
@@ -322,13 +357,7 @@ impl ServiceController {
             return Err(e.into());
         }
         self.applied().remove(key);
-        let has_ingress = svc
-            .status
-            .as_ref()
-            .and_then(|s| s.load_balancer.as_ref())
-            .and_then(|l| l.ingress.as_ref())
-            .is_some_and(|i| !i.is_empty());
-        if has_ingress && svc.metadata.deletion_timestamp.is_none() {
+        if has_ingress(svc) && svc.metadata.deletion_timestamp.is_none() {
             api.patch_status(
                 &svc.name_any(),
                 &PatchParams::default(),
@@ -371,6 +400,14 @@ impl ServiceController {
             .await;
         Ok(())
     }
+}
+
+fn has_ingress(svc: &Service) -> bool {
+    svc.status
+        .as_ref()
+        .and_then(|s| s.load_balancer.as_ref())
+        .and_then(|l| l.ingress.as_ref())
+        .is_some_and(|i| !i.is_empty())
 }
 
 fn has_finalizer(svc: &Service) -> bool {

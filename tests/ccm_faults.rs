@@ -1,0 +1,225 @@
+//! The CCM controllers in-process against the real test apiserver, with the
+//! fault-injecting fake provider: provider errors are retried with per-key backoff,
+//! RetryAfter is honoured, slow providers are tolerated, and load balancers follow
+//! node-set and Service type changes.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use tether_ccm::cloud::CloudError;
+use tether_ccm::{CcmConfig, Enabled};
+use tether_testkit::fake_cloud::{FakeCloud, LbCall};
+use tether_testkit::kube::{wait_blocking, Cluster, Egress};
+use tokio_util::sync::CancellationToken;
+
+fn config(enabled: Enabled) -> CcmConfig {
+    CcmConfig {
+        cluster_name: "kubernetes".into(),
+        enabled,
+        node_monitor_period: Duration::from_millis(500),
+        node_status_update_frequency: Duration::from_secs(300),
+        load_balancer_class: None,
+        lb_resync_period: Duration::from_secs(60),
+        leader_election: None,
+        identity: "test".into(),
+    }
+}
+
+/// Runs the controllers in the background until the returned token is cancelled.
+async fn start(cluster: &Cluster, fake: &FakeCloud, enabled: Enabled) -> CancellationToken {
+    let client = tether_core::kubeclient::client(Some(&cluster.files.admin_kubeconfig))
+        .await
+        .unwrap();
+    let stop = CancellationToken::new();
+    let provider: Arc<dyn tether_ccm::cloud::Provider> = Arc::new(fake.clone());
+    tokio::spawn(tether_ccm::run(
+        client,
+        provider,
+        config(enabled),
+        stop.clone(),
+    ));
+    stop
+}
+
+fn tainted_node(cluster: &Cluster, name: &str) {
+    cluster.apply(&format!(
+        "apiVersion: v1\nkind: Node\nmetadata:\n  name: {name}\nspec:\n  taints:\n  - {{key: node.cloudprovider.kubernetes.io/uninitialized, value: \"true\", effect: NoSchedule}}\n"
+    ));
+    set_ready(cluster, name, true, None);
+}
+
+fn set_ready(cluster: &Cluster, name: &str, ready: bool, ip: Option<&str>) {
+    let status = if ready { "True" } else { "False" };
+    let t = "2026-01-01T00:00:00Z";
+    let addresses = ip
+        .map(|ip| format!(r#","addresses":[{{"type":"InternalIP","address":"{ip}"}}]"#))
+        .unwrap_or_default();
+    cluster.kubectl_ok(&[
+        "patch",
+        "node",
+        name,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        &format!(
+            r#"{{"status":{{"conditions":[{{"type":"Ready","status":"{status}","reason":"Test","lastHeartbeatTime":"{t}","lastTransitionTime":"{t}"}}]{addresses}}}}}"#
+        ),
+    ]);
+}
+
+fn get(cluster: &Cluster, args: &[&str]) -> Option<Value> {
+    let out = cluster.kubectl(args);
+    out.status
+        .success()
+        .then(|| serde_json::from_slice(&out.stdout).unwrap())
+}
+
+fn wait_initialized(cluster: &Cluster, name: &str, timeout: Duration) {
+    wait_blocking(&format!("{name} initialized"), timeout, || {
+        let n = get(cluster, &["get", "node", name, "-o", "json"])?;
+        (n["spec"]["providerID"] == format!("fake://{name}").as_str()).then_some(())
+    });
+}
+
+fn only(list: &[&str]) -> Enabled {
+    Enabled::parse(&list.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn provider_faults_are_retried_and_retry_after_is_honoured() {
+    let cluster = Cluster::start(&Egress::Direct);
+    let fake = FakeCloud::default();
+    for n in ["node-a", "node-b", "slow-0", "slow-1", "slow-2"] {
+        fake.add_machine(n, "10.0.0.1", "z1");
+    }
+    // The first call asks to come back after 1 s.
+    fake.fail_next([CloudError::RetryAfter {
+        after: Duration::from_secs(1),
+        reason: "throttled".into(),
+    }]);
+    tainted_node(&cluster, "node-a");
+    let started = Instant::now();
+    let stop = start(&cluster, &fake, only(&["cloud-node"])).await;
+    wait_initialized(&cluster, "node-a", Duration::from_secs(20));
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_secs(1),
+        "retried after {took:?}, before RetryAfter"
+    );
+    assert_eq!(fake.calls(), 2, "one throttled call, one that worked");
+
+    // A plain provider error: retried after the per-key backoff (5 s first).
+    fake.fail_next([CloudError::Provider("cloud API is down".into())]);
+    let added = Instant::now();
+    tainted_node(&cluster, "node-b");
+    wait_initialized(&cluster, "node-b", Duration::from_secs(30));
+    let took = added.elapsed();
+    assert!(
+        took >= Duration::from_millis(4500),
+        "an error must back off (5 s), retried after {took:?}"
+    );
+
+    // A slow provider (300 ms per call) still gets every node initialised.
+    fake.set_latency(Duration::from_millis(300));
+    for n in ["slow-0", "slow-1", "slow-2"] {
+        tainted_node(&cluster, n);
+    }
+    for n in ["slow-0", "slow-1", "slow-2"] {
+        wait_initialized(&cluster, n, Duration::from_secs(30));
+    }
+    stop.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn load_balancers_follow_node_set_and_type_changes() {
+    let cluster = Cluster::start(&Egress::Direct);
+    let fake = FakeCloud::default();
+    for (n, ip) in [("n1", "10.0.0.1"), ("n2", "10.0.0.2")] {
+        fake.add_machine(n, ip, "z1");
+        cluster.add_node(n, ip);
+        set_ready(&cluster, n, true, Some(ip));
+    }
+    for s in ["s1", "s2"] {
+        cluster.apply(&format!(
+            "apiVersion: v1\nkind: Service\nmetadata:\n  name: {s}\n  namespace: default\nspec:\n  type: LoadBalancer\n  ports:\n  - port: 80\n"
+        ));
+    }
+    let stop = start(&cluster, &fake, only(&["service"])).await;
+    let svc = |s: &str| {
+        get(
+            &cluster,
+            &["get", "service", s, "-n", "default", "-o", "json"],
+        )
+    };
+    for s in ["s1", "s2"] {
+        let v = wait_blocking(&format!("{s} ingress"), Duration::from_secs(20), || {
+            let v = svc(s)?;
+            (v["status"]["loadBalancer"]["ingress"][0]["ip"] == "192.0.2.10").then_some(v)
+        });
+        assert_eq!(
+            v["metadata"]["finalizers"][0],
+            "service.kubernetes.io/load-balancer-cleanup"
+        );
+    }
+    let both = vec!["n1".to_string(), "n2".to_string()];
+    assert!(fake
+        .lb_calls()
+        .contains(&LbCall::Ensure("default/s1".into(), both.clone())));
+
+    // n2 is excluded: every balancer is updated to n1 alone.
+    cluster.kubectl_ok(&[
+        "label",
+        "node",
+        "n2",
+        "node.kubernetes.io/exclude-from-external-load-balancers=true",
+    ]);
+    for s in ["default/s1", "default/s2"] {
+        wait_blocking(&format!("{s} updated"), Duration::from_secs(20), || {
+            fake.lb_calls()
+                .contains(&LbCall::Update(s.into(), vec!["n1".into()]))
+                .then_some(())
+        });
+    }
+
+    // s1 stops being a LoadBalancer: balancer deleted, ingress and finalizer gone.
+    cluster.kubectl_ok(&[
+        "patch",
+        "service",
+        "s1",
+        "-n",
+        "default",
+        "--type=json",
+        "-p",
+        r#"[{"op":"replace","path":"/spec/type","value":"ClusterIP"},{"op":"remove","path":"/spec/ports/0/nodePort"}]"#,
+    ]);
+    wait_blocking("s1 cleaned up", Duration::from_secs(20), || {
+        let v = svc("s1")?;
+        (v["metadata"]["finalizers"].is_null() && v["status"]["loadBalancer"]["ingress"].is_null())
+            .then_some(())
+    });
+    assert!(fake
+        .lb_calls()
+        .contains(&LbCall::Delete("default/s1".into())));
+
+    // A failing ensure: a warning event, then success on retry.
+    fake.fail_next([CloudError::Provider("quota exceeded".into())]);
+    cluster.apply(
+        "apiVersion: v1\nkind: Service\nmetadata:\n  name: s3\n  namespace: default\nspec:\n  type: LoadBalancer\n  ports:\n  - port: 80\n",
+    );
+    wait_blocking("s3 ingress after a retry", Duration::from_secs(30), || {
+        let v = svc("s3")?;
+        (v["status"]["loadBalancer"]["ingress"][0]["ip"] == "192.0.2.10").then_some(())
+    });
+    let events = cluster.kubectl_ok(&[
+        "get",
+        "events",
+        "-n",
+        "default",
+        "--field-selector=involvedObject.name=s3,reason=SyncLoadBalancerFailed",
+        "-o",
+        "name",
+    ]);
+    assert!(!events.trim().is_empty(), "no SyncLoadBalancerFailed event");
+    stop.cancel();
+}
