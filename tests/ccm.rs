@@ -35,6 +35,9 @@ fn start_ccm_with(cluster: &Cluster, inventory: &Path, name: &str, extra: &[Stri
         "--leader-elect-retry-period=500ms".into(),
         "--node-monitor-period=500ms".into(),
     ];
+    if !extra.iter().any(|a| a.starts_with("--secure-port=")) {
+        args.push(format!("--secure-port={}", free_port()));
+    }
     args.extend(extra.iter().cloned());
     let proc = Proc::spawn(name, Path::new(BIN), &args);
     proc.wait_event("cloud-controller-manager starting", START_TIMEOUT, |_| true);
@@ -226,6 +229,71 @@ fn nodes_are_initialized_tainted_on_shutdown_and_deleted_when_gone() {
     });
     assert!(node_json(&cluster, "node-a").is_some());
     assert!(ccm.logged("node initialized"));
+}
+
+/// `curl -k` over HTTPS with an optional bearer token: (status, body).
+fn https_get(url: &str, token: Option<&str>) -> (u16, String) {
+    let mut cmd = Command::new("curl");
+    cmd.args(["-sk", "--max-time", "5", "-w", "\n%{http_code}"]);
+    if let Some(t) = token {
+        cmd.args(["-H", &format!("Authorization: Bearer {t}")]);
+    }
+    let out = cmd.arg(url).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
+    (code.trim().parse().unwrap_or(0), body.to_string())
+}
+
+/// A token for ServiceAccount `kube-system/sa` (TokenRequest API).
+fn sa_token(cluster: &Cluster, sa: &str) -> String {
+    cluster.kubectl_ok(&["create", "serviceaccount", sa, "-n", "kube-system"]);
+    let out = cluster.kubectl_stdin(
+        &[
+            "create",
+            "--raw",
+            &format!("/api/v1/namespaces/kube-system/serviceaccounts/{sa}/token"),
+            "-f",
+            "-",
+        ],
+        r#"{"apiVersion":"authentication.k8s.io/v1","kind":"TokenRequest","spec":{"expirationSeconds":3600}}"#,
+    );
+    let v: Value = serde_json::from_str(&out).unwrap();
+    v["status"]["token"].as_str().unwrap().to_string()
+}
+
+#[test]
+fn healthz_is_anonymous_and_metrics_need_an_authorized_token() {
+    let cluster = Cluster::start(&Egress::Direct);
+    let (_dir, inventory) = inventory_dir();
+    write_inventory(&inventory, "nodes: []\n");
+    let port = free_port();
+    let ccm = start_ccm_with(
+        &cluster,
+        &inventory,
+        "ccm",
+        &[format!("--secure-port={port}")],
+    );
+    ccm.wait_event("controllers started", START_TIMEOUT, |_| true);
+    let base = format!("https://127.0.0.1:{port}");
+    let (code, body) = wait_blocking("healthz", Duration::from_secs(20), || {
+        let r = https_get(&format!("{base}/healthz"), None);
+        (r.0 == 200).then_some(r)
+    });
+    assert_eq!((code, body.as_str()), (200, "ok"));
+
+    assert_eq!(https_get(&format!("{base}/metrics"), None).0, 401);
+    let nobody = sa_token(&cluster, "nobody");
+    assert_eq!(https_get(&format!("{base}/metrics"), Some(&nobody)).0, 403);
+    cluster.apply(
+        "apiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRole\nmetadata:\n  name: metrics-reader\nrules:\n- nonResourceURLs: [/metrics]\n  verbs: [get]\n---\napiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRoleBinding\nmetadata:\n  name: metrics-reader\nroleRef:\n  apiGroup: rbac.authorization.k8s.io\n  kind: ClusterRole\n  name: metrics-reader\nsubjects:\n- kind: ServiceAccount\n  name: prometheus\n  namespace: kube-system\n",
+    );
+    let reader = sa_token(&cluster, "prometheus");
+    let (code, page) = https_get(&format!("{base}/metrics"), Some(&reader));
+    assert_eq!(code, 200, "{page}");
+    assert!(
+        page.contains("tether_ccm_kube_api_requests_total"),
+        "{page}"
+    );
 }
 
 #[test]

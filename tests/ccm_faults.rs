@@ -37,6 +37,7 @@ async fn start(cluster: &Cluster, fake: &FakeCloud, enabled: Enabled) -> Cancell
         client,
         provider,
         config(enabled),
+        Default::default(),
         stop.clone(),
     ));
     stop

@@ -8,6 +8,7 @@ pub mod cloud;
 pub mod controllers;
 pub mod informer;
 pub mod leader;
+pub mod serving;
 pub mod workqueue;
 
 use std::sync::Arc;
@@ -103,11 +104,13 @@ pub enum CcmError {
     CacheSync(String),
 }
 
-/// Runs the controllers (once leader, if electing) until `shutdown`.
+/// Runs the controllers (once leader, if electing) until `shutdown`. `health` gets a
+/// `leader-election` check and one check per running controller.
 pub async fn run(
     client: kube::Client,
     provider: Arc<dyn Provider>,
     config: CcmConfig,
+    health: serving::Health,
     shutdown: CancellationToken,
 ) -> Result<(), CcmError> {
     let lost = match &config.leader_election {
@@ -116,6 +119,28 @@ pub async fn run(
             None => return Ok(()),
         },
         None => CancellationToken::new(),
+    };
+    {
+        let lost = lost.clone();
+        health.add("leader-election", move || {
+            if lost.is_cancelled() {
+                Err("leader lease lost".into())
+            } else {
+                Ok(())
+            }
+        });
+    }
+    let alive = |name: &str| {
+        let flag = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let f = flag.clone();
+        health.add(&format!("controller-{name}"), move || {
+            if f.load(std::sync::atomic::Ordering::Relaxed) {
+                Ok(())
+            } else {
+                Err("controller stopped".into())
+            }
+        });
+        ExitFlag(flag)
     };
     let stop = CancellationToken::new();
     let _stop_on_exit = stop.clone().drop_guard();
@@ -163,7 +188,12 @@ pub async fn run(
                 node_queue,
                 config.node_status_update_frequency,
             );
-            tasks.spawn(c.run(stop.clone()));
+            let flag = alive("cloud-node");
+            let stop = stop.clone();
+            tasks.spawn(async move {
+                c.run(stop).await;
+                drop(flag);
+            });
         }
         (None, true) => tracing::warn!(
             provider = provider.name(),
@@ -175,7 +205,12 @@ pub async fn run(
         (Some(i), true) => {
             let c =
                 NodeLifecycleController::new(ctx.clone(), i.clone(), config.node_monitor_period);
-            tasks.spawn(c.run(stop.clone()));
+            let flag = alive("cloud-node-lifecycle");
+            let stop = stop.clone();
+            tasks.spawn(async move {
+                c.run(stop).await;
+                drop(flag);
+            });
         }
         (None, true) => tracing::warn!(
             provider = provider.name(),
@@ -207,7 +242,12 @@ pub async fn run(
                 resync: config.lb_resync_period,
             },
         );
-        tasks.spawn(c.run(stop.clone()));
+        let flag = alive("service");
+        let stop = stop.clone();
+        tasks.spawn(async move {
+            c.run(stop).await;
+            drop(flag);
+        });
     }
     tracing::info!(cluster = %config.cluster_name, enabled = ?config.enabled, "controllers started");
     tokio::select! {
@@ -220,6 +260,15 @@ pub async fn run(
             stop.cancel();
             Err(CcmError::LeadershipLost)
         }
+    }
+}
+
+/// Marks a controller dead (its health check fails) when dropped.
+struct ExitFlag(Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for ExitFlag {
+    fn drop(&mut self) {
+        self.0.store(false, std::sync::atomic::Ordering::Relaxed);
     }
 }
 

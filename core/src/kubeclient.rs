@@ -33,7 +33,7 @@ pub async fn client(kubeconfig: Option<&Path>) -> Result<kube::Client, KubeSetup
 pub async fn limited_client(
     kubeconfig: Option<&Path>,
     limit: std::sync::Arc<crate::ratelimit::TokenBucket>,
-    calls: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    calls: prometheus::IntCounter,
 ) -> Result<kube::Client, KubeSetupError> {
     let builder = kube::client::ClientBuilder::try_from(config(kubeconfig).await?)
         .map_err(KubeSetupError::Client)?;
@@ -44,7 +44,7 @@ pub async fn limited_client(
 #[derive(Clone)]
 struct RateLimitLayer {
     limit: std::sync::Arc<crate::ratelimit::TokenBucket>,
-    calls: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    calls: prometheus::IntCounter,
 }
 
 impl<S> tower::Layer<S> for RateLimitLayer {
@@ -96,9 +96,7 @@ where
 
     fn call(&mut self, req: R) -> Self::Future {
         self.ready = false;
-        self.layer
-            .calls
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.layer.calls.inc();
         self.inner.call(req)
     }
 }

@@ -4,8 +4,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use std::sync::atomic::{AtomicU64, Ordering};
-
 use anyhow::{bail, Context};
 use clap::Args;
 use tether_ccm::cloud::{tether::TetherProvider, Provider};
@@ -101,17 +99,64 @@ pub struct CcmArgs {
     /// Cloud provider burst above the rate.
     #[arg(long, default_value_t = 30)]
     pub provider_burst: u32,
-    /// Not implemented yet (secure serving).
-    #[arg(long, hide = true)]
-    pub secure_port: Option<String>,
-    /// Not implemented yet (secure serving).
-    #[arg(long, hide = true)]
-    pub bind_address: Option<String>,
+    /// HTTPS port for /healthz (anonymous) and /metrics (delegated authentication and
+    /// authorization); 0 turns it off.
+    #[arg(long, default_value_t = 10258)]
+    pub secure_port: u16,
+    /// Address the HTTPS endpoint binds.
+    #[arg(long, default_value = "0.0.0.0")]
+    pub bind_address: String,
+    /// Serving certificate (with --tls-private-key-file); a self-signed one is made at
+    /// start-up when not given.
+    #[arg(long, default_value = "")]
+    pub tls_cert_file: String,
+    /// Serving key.
+    #[arg(long, default_value = "")]
+    pub tls_private_key_file: String,
     #[command(flatten)]
     pub log: LogArgs,
 }
 
 impl CcmArgs {
+    /// The HTTPS endpoint's address and TLS config (None with --secure-port=0).
+    fn secure_listener(
+        &self,
+    ) -> anyhow::Result<Option<(std::net::SocketAddr, Arc<rustls::ServerConfig>)>> {
+        if self.secure_port == 0 {
+            return Ok(None);
+        }
+        let ip: std::net::IpAddr = self.bind_address.parse().with_context(|| {
+            format!(
+                "--bind-address {:?} is not an IP address",
+                self.bind_address
+            )
+        })?;
+        let files = match (
+            self.tls_cert_file.as_str(),
+            self.tls_private_key_file.as_str(),
+        ) {
+            ("", "") => {
+                // Self-signed, as upstream does without a certificate.
+                let dir = std::env::temp_dir().join(format!("tether-ccm-{}", std::process::id()));
+                let pki = tether_certs::DevPki::generate(&dir)
+                    .context("cannot make a self-signed serving certificate")?;
+                tether_core::tls::TlsFiles {
+                    cert: pki.server_cert,
+                    key: pki.server_key,
+                    ca: None,
+                }
+            }
+            ("", _) | (_, "") => bail!("--tls-cert-file and --tls-private-key-file go together"),
+            (cert, key) => tether_core::tls::TlsFiles {
+                cert: cert.into(),
+                key: key.into(),
+                ca: None,
+            },
+        };
+        let tls = tether_core::tls::server_config(&files, &[b"http/1.1"])?;
+        Ok(Some((std::net::SocketAddr::new(ip, self.secure_port), tls)))
+    }
+
     fn config(&self) -> anyhow::Result<(CcmConfig, Arc<dyn Provider>)> {
         super::reject_unsupported(&[
             (
@@ -127,8 +172,6 @@ impl CcmArgs {
                 "concurrent-service-syncs",
                 self.concurrent_service_syncs.is_some(),
             ),
-            ("secure-port", self.secure_port.is_some()),
-            ("bind-address", self.bind_address.is_some()),
         ])?;
         let mut enabled = Enabled::parse(&self.controllers).map_err(anyhow::Error::msg)?;
         let named = |n: &str| self.controllers.iter().any(|c| c.trim() == n);
@@ -201,8 +244,24 @@ pub fn main(args: CcmArgs) -> anyhow::Result<()> {
     args.log.init();
     let (config, provider) = args.config()?;
     let kubeconfig = (!args.kubeconfig.is_empty()).then(|| PathBuf::from(&args.kubeconfig));
-    let kube_calls = Arc::new(AtomicU64::new(0));
-    let provider_calls = Arc::new(AtomicU64::new(0));
+    let registry = prometheus::Registry::new();
+    let counter = |name: &str, help: &str| {
+        let c = prometheus::IntCounter::new(name, help).expect("valid metric");
+        registry
+            .register(Box::new(c.clone()))
+            .expect("registered once");
+        c
+    };
+    let kube_calls = counter(
+        "tether_ccm_kube_api_requests_total",
+        "Requests sent to the Kubernetes API.",
+    );
+    let provider_calls = counter(
+        "tether_ccm_provider_calls_total",
+        "Calls made to the cloud provider.",
+    );
+    let secure = args.secure_listener()?;
+    let health = tether_ccm::serving::Health::default();
     let provider = tether_ccm::cloud::rate_limited(
         provider,
         Arc::new(TokenBucket::new(args.provider_qps, args.provider_burst)),
@@ -219,28 +278,40 @@ pub fn main(args: CcmArgs) -> anyhow::Result<()> {
         tokio::spawn(
             report_usage(kube_calls, provider_calls).instrument(tracing::info_span!("api_usage")),
         );
-        tracing::info!(provider = provider.name(), identity = %config.identity, "cloud-controller-manager starting");
         let shutdown = tokio_util::sync::CancellationToken::new();
+        if let Some((addr, tls)) = secure {
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen on --bind-address/--secure-port {addr}"))?;
+            let bound = listener.local_addr()?;
+            tracing::info!(addr = %bound, "serving /healthz and /metrics over HTTPS");
+            tether_ccm::serving::spawn(
+                listener,
+                Arc::new(move || tls.clone()),
+                client.clone(),
+                health.clone(),
+                registry,
+                shutdown.clone(),
+            );
+        }
+        tracing::info!(provider = provider.name(), identity = %config.identity, "cloud-controller-manager starting");
         let stop = shutdown.clone();
         tokio::spawn(async move {
             tether_core::shutdown::signal().await;
             stop.cancel();
         });
-        tether_ccm::run(client, provider, config, shutdown).await?;
+        tether_ccm::run(client, provider, config, health, shutdown).await?;
         Ok(())
     })
 }
 
 /// Logs the running totals of API calls every 10 s while they change.
-async fn report_usage(kube: Arc<AtomicU64>, provider: Arc<AtomicU64>) {
+async fn report_usage(kube: prometheus::IntCounter, provider: prometheus::IntCounter) {
     let mut last = (0, 0);
     let mut tick = tokio::time::interval(Duration::from_secs(10));
     loop {
         tick.tick().await;
-        let now = (
-            kube.load(Ordering::Relaxed),
-            provider.load(Ordering::Relaxed),
-        );
+        let now = (kube.get(), provider.get());
         if now != last {
             tracing::info!(kube_api_calls = now.0, provider_calls = now.1, "api usage");
             last = now;

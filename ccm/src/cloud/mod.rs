@@ -199,7 +199,7 @@ pub const TETHER_PROVIDER_ID_PREFIX: &str = "tether://";
 pub fn rate_limited(
     provider: Arc<dyn Provider>,
     limit: Arc<tether_core::ratelimit::TokenBucket>,
-    calls: Arc<std::sync::atomic::AtomicU64>,
+    calls: prometheus::IntCounter,
 ) -> Arc<dyn Provider> {
     Arc::new(Limited {
         inner: provider,
@@ -210,14 +210,13 @@ pub fn rate_limited(
 #[derive(Clone)]
 struct Gate {
     limit: Arc<tether_core::ratelimit::TokenBucket>,
-    calls: Arc<std::sync::atomic::AtomicU64>,
+    calls: prometheus::IntCounter,
 }
 
 impl Gate {
     async fn pass(&self) {
         self.limit.acquire().await;
-        self.calls
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.calls.inc();
     }
 }
 

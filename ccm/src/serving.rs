@@ -1,0 +1,234 @@
+//! The CCM's HTTPS endpoint (`--secure-port`, 10258, as upstream): `/healthz` (also
+//! `/livez`, `/readyz`; anonymous) runs one check per controller plus leader election;
+//! `/metrics` needs a bearer token that a TokenReview accepts and a SubjectAccessReview
+//! allowing `get` on `/metrics` for its user (upstream's delegated authentication and
+//! authorization).
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
+use k8s_openapi::api::authorization::v1::{
+    NonResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
+};
+use kube::api::{Api, PostParams};
+use tether_core::transport::{tls_incoming, ServerConfigSource, TlsConn};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+type Check = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
+
+/// Named health checks; `/healthz` is ok when all pass.
+#[derive(Default, Clone)]
+pub struct Health {
+    checks: Arc<Mutex<BTreeMap<String, Check>>>,
+}
+
+impl std::fmt::Debug for Health {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Health").finish_non_exhaustive()
+    }
+}
+
+impl Health {
+    /// Adds (or replaces) check `name`.
+    pub fn add(&self, name: &str, check: impl Fn() -> Result<(), String> + Send + Sync + 'static) {
+        self.lock().insert(name.into(), Arc::new(check));
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Check>> {
+        self.checks.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Runs every check: (all ok, report in Kubernetes' `[+]name ok` format).
+    pub fn run(&self) -> (bool, String) {
+        let checks: Vec<(String, Check)> = self
+            .lock()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let mut ok = true;
+        let mut report = String::new();
+        for (name, check) in checks {
+            match check() {
+                Ok(()) => report.push_str(&format!("[+]{name} ok\n")),
+                Err(why) => {
+                    ok = false;
+                    report.push_str(&format!("[-]{name} failed: {why}\n"));
+                }
+            }
+        }
+        (ok, report)
+    }
+}
+
+#[derive(Clone)]
+struct Ctx {
+    client: kube::Client,
+    health: Health,
+    registry: prometheus::Registry,
+}
+
+/// Serves until `shutdown` on `listener` with `tls`.
+pub fn spawn(
+    listener: TcpListener,
+    tls: ServerConfigSource,
+    client: kube::Client,
+    health: Health,
+    registry: prometheus::Registry,
+    shutdown: CancellationToken,
+) {
+    let ctx = Ctx {
+        client,
+        health,
+        registry,
+    };
+    let router = Router::new()
+        .route("/healthz", get(healthz))
+        .route("/livez", get(healthz))
+        .route("/readyz", get(healthz))
+        .route("/metrics", get(metrics))
+        .with_state(ctx);
+    let incoming = Incoming(tls_incoming(listener, tls, "ccm-secure", shutdown.clone()));
+    tokio::spawn(
+        async move {
+            let served = axum::serve(incoming, router)
+                .with_graceful_shutdown(shutdown.cancelled_owned())
+                .await;
+            if let Err(e) = served {
+                tracing::error!(error = %e, "secure endpoint failed");
+            }
+        }
+        .instrument(tracing::info_span!("secure_serving")),
+    );
+}
+
+struct Incoming(tokio::sync::mpsc::Receiver<TlsConn>);
+
+impl axum::serve::Listener for Incoming {
+    type Io = TlsConn;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (TlsConn, SocketAddr) {
+        match self.0.recv().await {
+            Some(conn) => {
+                let addr = conn.info().remote_addr;
+                (conn, addr)
+            }
+            // Shutting down: graceful shutdown ends the server.
+            None => std::future::pending().await,
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        Ok(SocketAddr::from(([0, 0, 0, 0], 0)))
+    }
+}
+
+async fn healthz(State(ctx): State<Ctx>) -> Response {
+    let (ok, report) = ctx.health.run();
+    if ok {
+        (StatusCode::OK, "ok").into_response()
+    } else {
+        tracing::warn!(%report, "health check failed");
+        (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("{report}healthz check failed\n"),
+        )
+            .into_response()
+    }
+}
+
+async fn metrics(State(ctx): State<Ctx>, headers: HeaderMap) -> Response {
+    let token = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+        .filter(|t| !t.is_empty());
+    let Some(token) = token else {
+        return (StatusCode::UNAUTHORIZED, "Unauthorized\n").into_response();
+    };
+    match authorize(&ctx.client, token, "/metrics").await {
+        Ok(()) => tether_core::health::render(&ctx.registry).into_response(),
+        Err((status, why)) => {
+            tracing::info!(reason = %why, "metrics request refused");
+            (status, format!("{why}\n")).into_response()
+        }
+    }
+}
+
+/// TokenReview, then SubjectAccessReview for `get` on `path`.
+async fn authorize(
+    client: &kube::Client,
+    token: &str,
+    path: &str,
+) -> Result<(), (StatusCode, String)> {
+    let reviews: Api<TokenReview> = Api::all(client.clone());
+    let review = TokenReview {
+        spec: TokenReviewSpec {
+            token: Some(token.into()),
+            audiences: None,
+        },
+        ..Default::default()
+    };
+    let status = reviews
+        .create(&PostParams::default(), &review)
+        .await
+        .map_err(|e| {
+            (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("token review failed: {e}"),
+            )
+        })?
+        .status
+        .unwrap_or_default();
+    if status.authenticated != Some(true) {
+        return Err((StatusCode::UNAUTHORIZED, "Unauthorized".into()));
+    }
+    let user = status.user.unwrap_or_default();
+    let sars: Api<SubjectAccessReview> = Api::all(client.clone());
+    let sar = SubjectAccessReview {
+        spec: SubjectAccessReviewSpec {
+            user: user.username.clone(),
+            groups: user.groups.clone(),
+            uid: user.uid.clone(),
+            extra: user.extra.clone(),
+            non_resource_attributes: Some(NonResourceAttributes {
+                path: Some(path.into()),
+                verb: Some("get".into()),
+            }),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let allowed = sars
+        .create(&PostParams::default(), &sar)
+        .await
+        .map_err(|e| {
+            (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("access review failed: {e}"),
+            )
+        })?
+        .status
+        .is_some_and(|s| s.allowed);
+    if allowed {
+        Ok(())
+    } else {
+        Err((
+            StatusCode::FORBIDDEN,
+            format!(
+                "forbidden: user {:?} may not get {path}",
+                user.username.unwrap_or_default()
+            ),
+        ))
+    }
+}
