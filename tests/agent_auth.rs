@@ -18,21 +18,7 @@ fn bin() -> &'static Path {
 }
 
 fn token_request(cluster: &Cluster, sa: &str, audience: &str) -> String {
-    let body = format!(
-        r#"{{"apiVersion":"authentication.k8s.io/v1","kind":"TokenRequest","spec":{{"audiences":["{audience}"],"expirationSeconds":3600}}}}"#
-    );
-    let out = cluster.kubectl_stdin(
-        &[
-            "create",
-            "--raw",
-            &format!("/api/v1/namespaces/kube-system/serviceaccounts/{sa}/token"),
-            "-f",
-            "-",
-        ],
-        &body,
-    );
-    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-    v["status"]["token"].as_str().unwrap().to_string()
+    cluster.service_account_token(sa, Some(audience))
 }
 
 /// A service-account JWT signed with the cluster's real signing key, valid in every way

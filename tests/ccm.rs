@@ -93,23 +93,6 @@ fn taint_keys(node: &Value) -> Vec<String> {
         .unwrap_or_default()
 }
 
-fn set_ready(cluster: &Cluster, name: &str, ready: bool) {
-    let status = if ready { "True" } else { "False" };
-    let now = "2026-01-01T00:00:00Z";
-    let patch = format!(
-        r#"{{"status":{{"conditions":[{{"type":"Ready","status":"{status}","reason":"Test","lastHeartbeatTime":"{now}","lastTransitionTime":"{now}"}}]}}}}"#
-    );
-    cluster.kubectl_ok(&[
-        "patch",
-        "node",
-        name,
-        "--subresource=status",
-        "--type=merge",
-        "-p",
-        &patch,
-    ]);
-}
-
 fn wait_node(cluster: &Cluster, name: &str, what: &str, pred: impl Fn(&Value) -> bool) -> Value {
     wait_blocking(
         &format!("node {name}: {what}"),
@@ -141,7 +124,7 @@ fn nodes_are_initialized_tainted_on_shutdown_and_deleted_when_gone() {
     add_uninitialized_node(&cluster, "stranger", "10.0.0.9");
     // Ready, so the lifecycle controller leaves it alone (a NotReady node the provider
     // does not know is deleted, as upstream does).
-    set_ready(&cluster, "stranger", true);
+    cluster.set_node_ready("stranger", true);
     let ccm = start_ccm(&cluster, &inventory, "ccm");
 
     // Initialised: provider ID, labels and their beta twins, addresses with the
@@ -168,28 +151,16 @@ fn nodes_are_initialized_tainted_on_shutdown_and_deleted_when_gone() {
     assert_eq!(addresses[0]["type"], "InternalIP");
     assert_eq!(addresses[1]["address"], "203.0.113.1");
     wait_blocking("Synced event for node-a", Duration::from_secs(20), || {
-        let out = cluster.kubectl_ok(&[
-            "get",
-            "events",
-            "-A",
-            "--field-selector=involvedObject.name=node-a,reason=Synced",
-            "-o",
-            "name",
-        ]);
-        (!out.trim().is_empty()).then_some(())
+        cluster
+            .has_event("default", "node-a", "Synced")
+            .then_some(())
     });
 
     // A node the provider does not know stays uninitialized, with a warning event.
     wait_blocking("InstanceNotFound event", Duration::from_secs(20), || {
-        let out = cluster.kubectl_ok(&[
-            "get",
-            "events",
-            "-A",
-            "--field-selector=involvedObject.name=stranger,reason=InstanceNotFound",
-            "-o",
-            "name",
-        ]);
-        (!out.trim().is_empty()).then_some(())
+        cluster
+            .has_event("default", "stranger", "InstanceNotFound")
+            .then_some(())
     });
     let stranger = node_json(&cluster, "stranger").unwrap();
     assert!(
@@ -208,11 +179,11 @@ fn nodes_are_initialized_tainted_on_shutdown_and_deleted_when_gone() {
             machine("node-b", "10.0.0.2", false)
         ),
     );
-    set_ready(&cluster, "node-a", false);
+    cluster.set_node_ready("node-a", false);
     wait_node(&cluster, "node-a", "shutdown taint", |n| {
         taint_keys(n).contains(&"node.cloudprovider.kubernetes.io/shutdown".into())
     });
-    set_ready(&cluster, "node-a", true);
+    cluster.set_node_ready("node-a", true);
     wait_node(&cluster, "node-a", "shutdown taint removed", |n| {
         !taint_keys(n).contains(&"node.cloudprovider.kubernetes.io/shutdown".into())
     });
@@ -223,7 +194,7 @@ fn nodes_are_initialized_tainted_on_shutdown_and_deleted_when_gone() {
         &inventory,
         &format!("nodes:\n{}", machine("node-a", "10.0.0.1", false)),
     );
-    set_ready(&cluster, "node-b", false);
+    cluster.set_node_ready("node-b", false);
     wait_blocking("node-b deleted", Duration::from_secs(30), || {
         node_json(&cluster, "node-b").is_none().then_some(())
     });
@@ -244,21 +215,10 @@ fn https_get(url: &str, token: Option<&str>) -> (u16, String) {
     (code.trim().parse().unwrap_or(0), body.to_string())
 }
 
-/// A token for ServiceAccount `kube-system/sa` (TokenRequest API).
+/// A new ServiceAccount `kube-system/sa` and a token for it.
 fn sa_token(cluster: &Cluster, sa: &str) -> String {
     cluster.kubectl_ok(&["create", "serviceaccount", sa, "-n", "kube-system"]);
-    let out = cluster.kubectl_stdin(
-        &[
-            "create",
-            "--raw",
-            &format!("/api/v1/namespaces/kube-system/serviceaccounts/{sa}/token"),
-            "-f",
-            "-",
-        ],
-        r#"{"apiVersion":"authentication.k8s.io/v1","kind":"TokenRequest","spec":{"expirationSeconds":3600}}"#,
-    );
-    let v: Value = serde_json::from_str(&out).unwrap();
-    v["status"]["token"].as_str().unwrap().to_string()
+    cluster.service_account_token(sa, None)
 }
 
 #[test]
@@ -410,7 +370,7 @@ fn a_load_balancer_service_is_reachable_through_the_tunnel() {
         &format!("nodes:\n{}", machine("node-1", &node.node_ip, false)),
     );
     cluster.add_node("node-1", &node.node_ip);
-    set_ready(&cluster, "node-1", true);
+    cluster.set_node_ready("node-1", true);
     let port = free_port();
     cluster.apply(&format!(
         "apiVersion: v1\nkind: Service\nmetadata:\n  name: web\n  namespace: default\nspec:\n  type: LoadBalancer\n  ports:\n  - name: http\n    port: {port}\n    nodePort: 30080\n"
@@ -443,16 +403,10 @@ fn a_load_balancer_service_is_reachable_through_the_tunnel() {
         assert_eq!(body, "hello from node-1\n");
     }
     for reason in ["EnsuringLoadBalancer", "EnsuredLoadBalancer"] {
-        let out = cluster.kubectl_ok(&[
-            "get",
-            "events",
-            "-n",
-            "default",
-            &format!("--field-selector=involvedObject.name=web,reason={reason}"),
-            "-o",
-            "name",
-        ]);
-        assert!(!out.trim().is_empty(), "no {reason} event");
+        assert!(
+            cluster.has_event("default", "web", reason),
+            "no {reason} event"
+        );
     }
 
     // Deleting the Service removes the listener, then the finalizer (and so the

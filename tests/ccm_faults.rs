@@ -51,22 +51,13 @@ fn tainted_node(cluster: &Cluster, name: &str) {
 }
 
 fn set_ready(cluster: &Cluster, name: &str, ready: bool, ip: Option<&str>) {
-    let status = if ready { "True" } else { "False" };
-    let t = "2026-01-01T00:00:00Z";
-    let addresses = ip
-        .map(|ip| format!(r#","addresses":[{{"type":"InternalIP","address":"{ip}"}}]"#))
-        .unwrap_or_default();
-    cluster.kubectl_ok(&[
-        "patch",
-        "node",
-        name,
-        "--subresource=status",
-        "--type=merge",
-        "-p",
-        &format!(
-            r#"{{"status":{{"conditions":[{{"type":"Ready","status":"{status}","reason":"Test","lastHeartbeatTime":"{t}","lastTransitionTime":"{t}"}}]{addresses}}}}}"#
-        ),
-    ]);
+    cluster.set_node_ready(name, ready);
+    if let Some(ip) = ip {
+        cluster.patch_node_status(
+            name,
+            &format!(r#"{{"addresses":[{{"type":"InternalIP","address":"{ip}"}}]}}"#),
+        );
+    }
 }
 
 fn get(cluster: &Cluster, args: &[&str]) -> Option<Value> {
@@ -212,15 +203,9 @@ async fn load_balancers_follow_node_set_and_type_changes() {
         let v = svc("s3")?;
         (v["status"]["loadBalancer"]["ingress"][0]["ip"] == "192.0.2.10").then_some(())
     });
-    let events = cluster.kubectl_ok(&[
-        "get",
-        "events",
-        "-n",
-        "default",
-        "--field-selector=involvedObject.name=s3,reason=SyncLoadBalancerFailed",
-        "-o",
-        "name",
-    ]);
-    assert!(!events.trim().is_empty(), "no SyncLoadBalancerFailed event");
+    assert!(
+        cluster.has_event("default", "s3", "SyncLoadBalancerFailed"),
+        "no SyncLoadBalancerFailed event"
+    );
     stop.cancel();
 }

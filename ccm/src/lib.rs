@@ -130,18 +130,25 @@ pub async fn run(
             }
         });
     }
-    let alive = |name: &str| {
-        let flag = Arc::new(std::sync::atomic::AtomicBool::new(true));
-        let f = flag.clone();
-        health.add(&format!("controller-{name}"), move || {
-            if f.load(std::sync::atomic::Ordering::Relaxed) {
-                Ok(())
-            } else {
-                Err("controller stopped".into())
-            }
-        });
-        ExitFlag(flag)
-    };
+    let mut tasks = tokio::task::JoinSet::new();
+    // Each controller task has a health check that fails once the task has ended.
+    let mut spawn =
+        |name: &str, run: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>| {
+            let flag = Arc::new(std::sync::atomic::AtomicBool::new(true));
+            let f = flag.clone();
+            health.add(&format!("controller-{name}"), move || {
+                if f.load(std::sync::atomic::Ordering::Relaxed) {
+                    Ok(())
+                } else {
+                    Err("controller stopped".into())
+                }
+            });
+            let exit = ExitFlag(flag);
+            tasks.spawn(async move {
+                run.await;
+                drop(exit);
+            });
+        };
     let stop = CancellationToken::new();
     let _stop_on_exit = stop.clone().drop_guard();
 
@@ -179,7 +186,6 @@ pub async fn run(
         nodes,
     };
     let instances = provider.instances();
-    let mut tasks = tokio::task::JoinSet::new();
     match (&instances, config.enabled.node) {
         (Some(i), true) => {
             let c = NodeController::new(
@@ -188,12 +194,7 @@ pub async fn run(
                 node_queue,
                 config.node_status_update_frequency,
             );
-            let flag = alive("cloud-node");
-            let stop = stop.clone();
-            tasks.spawn(async move {
-                c.run(stop).await;
-                drop(flag);
-            });
+            spawn("cloud-node", Box::pin(c.run(stop.clone())));
         }
         (None, true) => tracing::warn!(
             provider = provider.name(),
@@ -205,12 +206,7 @@ pub async fn run(
         (Some(i), true) => {
             let c =
                 NodeLifecycleController::new(ctx.clone(), i.clone(), config.node_monitor_period);
-            let flag = alive("cloud-node-lifecycle");
-            let stop = stop.clone();
-            tasks.spawn(async move {
-                c.run(stop).await;
-                drop(flag);
-            });
+            spawn("cloud-node-lifecycle", Box::pin(c.run(stop.clone())));
         }
         (None, true) => tracing::warn!(
             provider = provider.name(),
@@ -242,12 +238,7 @@ pub async fn run(
                 resync: config.lb_resync_period,
             },
         );
-        let flag = alive("service");
-        let stop = stop.clone();
-        tasks.spawn(async move {
-            c.run(stop).await;
-            drop(flag);
-        });
+        spawn("service", Box::pin(c.run(stop.clone())));
     }
     tracing::info!(cluster = %config.cluster_name, enabled = ?config.enabled, "controllers started");
     tokio::select! {

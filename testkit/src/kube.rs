@@ -393,9 +393,28 @@ impl Cluster {
         self.apply(&format!(
             "apiVersion: v1\nkind: Node\nmetadata:\n  name: {name}\n  labels:\n    kubernetes.io/hostname: {name}\n"
         ));
-        let patch = format!(
-            r#"{{"status":{{"addresses":[{{"type":"InternalIP","address":"{ip}"}},{{"type":"Hostname","address":"{name}"}}],"daemonEndpoints":{{"kubeletEndpoint":{{"Port":10250}}}}}}}}"#
+        self.patch_node_status(
+            name,
+            &format!(
+                r#"{{"addresses":[{{"type":"InternalIP","address":"{ip}"}},{{"type":"Hostname","address":"{name}"}}],"daemonEndpoints":{{"kubeletEndpoint":{{"Port":10250}}}}}}"#
+            ),
         );
+    }
+
+    /// Sets node `name`'s Ready condition (what a kubelet would report).
+    pub fn set_node_ready(&self, name: &str, ready: bool) {
+        let status = if ready { "True" } else { "False" };
+        let t = "2026-01-01T00:00:00Z";
+        self.patch_node_status(
+            name,
+            &format!(
+                r#"{{"conditions":[{{"type":"Ready","status":"{status}","reason":"Test","lastHeartbeatTime":"{t}","lastTransitionTime":"{t}"}}]}}"#
+            ),
+        );
+    }
+
+    /// Merge-patches node `name`'s status with the JSON object `status`.
+    pub fn patch_node_status(&self, name: &str, status: &str) {
         self.kubectl_ok(&[
             "patch",
             "node",
@@ -403,8 +422,45 @@ impl Cluster {
             "--subresource=status",
             "--type=merge",
             "-p",
-            &patch,
+            &format!(r#"{{"status":{status}}}"#),
         ]);
+    }
+
+    /// A token for ServiceAccount `kube-system/sa` from the TokenRequest API, for
+    /// `audience` (None: the apiserver's own).
+    pub fn service_account_token(&self, sa: &str, audience: Option<&str>) -> String {
+        let audiences = audience
+            .map(|a| format!(r#","audiences":["{a}"]"#))
+            .unwrap_or_default();
+        let body = format!(
+            r#"{{"apiVersion":"authentication.k8s.io/v1","kind":"TokenRequest","spec":{{"expirationSeconds":3600{audiences}}}}}"#
+        );
+        let out = self.kubectl_stdin(
+            &[
+                "create",
+                "--raw",
+                &format!("/api/v1/namespaces/kube-system/serviceaccounts/{sa}/token"),
+                "-f",
+                "-",
+            ],
+            &body,
+        );
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        v["status"]["token"].as_str().unwrap().to_string()
+    }
+
+    /// Does namespace `ns` have an event with `reason` about object `name`?
+    pub fn has_event(&self, ns: &str, name: &str, reason: &str) -> bool {
+        let out = self.kubectl_ok(&[
+            "get",
+            "events",
+            "-n",
+            ns,
+            &format!("--field-selector=involvedObject.name={name},reason={reason}"),
+            "-o",
+            "name",
+        ]);
+        !out.trim().is_empty()
     }
 
     /// Creates pod `name` in `default` bound to `node`, with `pod_ip` in its status.

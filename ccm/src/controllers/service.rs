@@ -217,17 +217,7 @@ impl ServiceController {
         if !has_finalizer(svc) {
             let mut finalizers = svc.finalizers().to_vec();
             finalizers.push(FINALIZER.into());
-            api.patch(
-                &svc.name_any(),
-                &PatchParams::default(),
-                &Patch::Merge(json!({
-                    "metadata": {
-                        "finalizers": finalizers,
-                        "resourceVersion": svc.resource_version(),
-                    }
-                })),
-            )
-            .await?;
+            set_finalizers(&api, svc, &finalizers).await?;
         }
         let info = service_info(svc);
         let nodes = self.backends();
@@ -366,27 +356,17 @@ impl ServiceController {
             .await?;
         }
         if has_finalizer(svc) {
-            let finalizers: Vec<&String> = svc
+            let finalizers: Vec<String> = svc
                 .finalizers()
                 .iter()
                 .filter(|f| *f != FINALIZER)
+                .cloned()
                 .collect();
-            api.patch(
-                &svc.name_any(),
-                &PatchParams::default(),
-                &Patch::Merge(json!({
-                    "metadata": {
-                        "finalizers": finalizers,
-                        "resourceVersion": svc.resource_version(),
-                    }
-                })),
-            )
-            .await
-            .or_else(|e| match e {
+            match set_finalizers(&api, svc, &finalizers).await {
                 // Already gone: nothing to finalize.
-                kube::Error::Api(ref a) if a.code == 404 => Ok(svc.clone()),
-                e => Err(e),
-            })?;
+                Err(kube::Error::Api(e)) if e.code == 404 => {}
+                other => other?,
+            }
         }
         tracing::info!(service = %key, "load balancer deleted");
         self.ctx
@@ -400,6 +380,26 @@ impl ServiceController {
             .await;
         Ok(())
     }
+}
+
+/// Sets `svc`'s finalizers, failing with a conflict if it changed since we read it.
+async fn set_finalizers(
+    api: &Api<Service>,
+    svc: &Service,
+    finalizers: &[String],
+) -> Result<(), kube::Error> {
+    api.patch(
+        &svc.name_any(),
+        &PatchParams::default(),
+        &Patch::Merge(json!({
+            "metadata": {
+                "finalizers": finalizers,
+                "resourceVersion": svc.resource_version(),
+            }
+        })),
+    )
+    .await
+    .map(drop)
 }
 
 fn has_ingress(svc: &Service) -> bool {
