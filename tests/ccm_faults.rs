@@ -21,6 +21,7 @@ fn config(enabled: Enabled) -> CcmConfig {
         node_status_update_frequency: Duration::from_secs(300),
         load_balancer_class: None,
         lb_resync_period: Duration::from_secs(60),
+        concurrent_service_syncs: 2,
         leader_election: None,
         identity: "test".into(),
     }

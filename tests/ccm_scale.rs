@@ -78,6 +78,7 @@ fn a_thousand_nodes_and_two_hundred_load_balancers_converge() {
             format!("--kubeconfig={}", cluster.files.admin_kubeconfig.display()),
             "--lb-bind-address=127.0.0.1".into(),
             "--secure-port=0".into(),
+            "--concurrent-service-syncs=4".into(),
             format!("--tunnel-uds={}", socket.display()),
             // What an operator sets for a cluster of this size (defaults 20/30).
             "--kube-api-qps=200".into(),

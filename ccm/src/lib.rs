@@ -86,6 +86,8 @@ pub struct CcmConfig {
     pub load_balancer_class: Option<String>,
     /// How often every load balancer is ensured again (drift repair).
     pub lb_resync_period: Duration,
+    /// `--concurrent-service-syncs` (1).
+    pub concurrent_service_syncs: usize,
     /// Leader election; `None` with `--leader-elect=false`.
     pub leader_election: Option<leader::LeaderElection>,
     /// Reported as the event source.
@@ -236,6 +238,7 @@ pub async fn run(
                 cluster_name: config.cluster_name.clone(),
                 load_balancer_class: config.load_balancer_class.clone(),
                 resync: config.lb_resync_period,
+                workers: config.concurrent_service_syncs,
             },
         );
         spawn("service", Box::pin(c.run(stop.clone())));

@@ -69,9 +69,9 @@ pub struct CcmArgs {
     /// Not implemented yet (route controller).
     #[arg(long, hide = true)]
     pub cluster_cidr: Option<String>,
-    /// Not implemented yet (one service worker).
-    #[arg(long, hide = true)]
-    pub concurrent_service_syncs: Option<String>,
+    /// Services synced at once.
+    #[arg(long, default_value_t = 1)]
+    pub concurrent_service_syncs: usize,
     /// Services with this `loadBalancerClass` are handled too (those without one
     /// always are).
     #[arg(long, default_value = "")]
@@ -168,10 +168,6 @@ impl CcmArgs {
                 self.configure_cloud_routes.is_some(),
             ),
             ("cluster-cidr", self.cluster_cidr.is_some()),
-            (
-                "concurrent-service-syncs",
-                self.concurrent_service_syncs.is_some(),
-            ),
         ])?;
         let mut enabled = Enabled::parse(&self.controllers).map_err(anyhow::Error::msg)?;
         let named = |n: &str| self.controllers.iter().any(|c| c.trim() == n);
@@ -209,6 +205,9 @@ impl CcmArgs {
         {
             bail!("--kube-api-qps, --kube-api-burst, --provider-qps and --provider-burst must be positive");
         }
+        if self.concurrent_service_syncs == 0 {
+            bail!("--concurrent-service-syncs must be at least 1");
+        }
         if self.node_monitor_period.is_zero() || self.node_status_update_frequency.is_zero() {
             bail!("--node-monitor-period and --node-status-update-frequency must be positive");
         }
@@ -225,6 +224,7 @@ impl CcmArgs {
             load_balancer_class: (!self.load_balancer_class.is_empty())
                 .then(|| self.load_balancer_class.clone()),
             lb_resync_period: self.lb_resync_period,
+            concurrent_service_syncs: self.concurrent_service_syncs,
             leader_election: self.leader_elect.then(|| LeaderElection {
                 namespace: self.leader_elect_resource_namespace.clone(),
                 name: self.leader_elect_resource_name.clone(),

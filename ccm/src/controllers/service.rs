@@ -40,6 +40,8 @@ pub struct ServiceConfig {
     pub load_balancer_class: Option<String>,
     /// How often every balancer is ensured again.
     pub resync: Duration,
+    /// Services synced at once (`--concurrent-service-syncs`).
+    pub workers: usize,
 }
 
 /// The service controller.
@@ -151,20 +153,32 @@ impl ServiceController {
                 n.shut_down();
             });
         }
-        while let Some(key) = this.queue.next().await {
-            let outcome = match this
-                .sync(&key)
-                .instrument(tracing::debug_span!("sync_service", service = %key))
-                .await
-            {
-                Ok(()) => Outcome::Done,
-                Err(e) => {
-                    tracing::warn!(service = %key, error = %e, "service sync failed; retrying with backoff");
-                    e.outcome()
+        // `--concurrent-service-syncs` workers; the queue never hands one Service to
+        // two of them at once.
+        let mut workers = tokio::task::JoinSet::new();
+        for worker in 0..this.cfg.workers.max(1) {
+            let this = this.clone();
+            workers.spawn(
+                async move {
+                    while let Some(key) = this.queue.next().await {
+                        let outcome = match this
+                            .sync(&key)
+                            .instrument(tracing::debug_span!("sync_service", service = %key))
+                            .await
+                        {
+                            Ok(()) => Outcome::Done,
+                            Err(e) => {
+                                tracing::warn!(service = %key, error = %e, "service sync failed; retrying with backoff");
+                                e.outcome()
+                            }
+                        };
+                        this.queue.done(key, outcome);
+                    }
                 }
-            };
-            this.queue.done(key, outcome);
+                .instrument(tracing::debug_span!("service_worker", worker)),
+            );
         }
+        while workers.join_next().await.is_some() {}
     }
 
     /// Nodes eligible as backends: Ready, not excluded, not being deleted, with an
