@@ -521,12 +521,7 @@ impl Tunnel {
                 let connect_id = close.connect_id;
                 let conn = backend.state().conns.remove(&connect_id);
                 if let Some(conn) = conn {
-                    self.metrics.established_connections.dec();
-                    conn.close();
-                    if let Some(fe) = conn.fe.upgrade() {
-                        fe.routes().conns.remove(&connect_id);
-                        self.to_frontend(&fe, packet);
-                    }
+                    self.conn_ended(&conn, packet);
                 }
             }
             Some(Payload::CloseDial(cls)) => {
@@ -565,12 +560,19 @@ impl Tunnel {
             self.redispatch(random, pending, error.clone());
         }
         for (connect_id, conn) in state.conns {
-            self.metrics.established_connections.dec();
-            conn.close();
-            if let Some(fe) = conn.fe.upgrade() {
-                fe.routes().conns.remove(&connect_id);
-                self.to_frontend(&fe, Packet::close_response(connect_id, error.clone()));
-            }
+            self.conn_ended(&conn, Packet::close_response(connect_id, error.clone()));
+        }
+    }
+
+    /// Bookkeeping for a connection just taken off its agent stream's table: the gauge,
+    /// waking its credit/window waiters, the frontend's route, and `to_client` (its
+    /// CLOSE_RSP) for the client.
+    fn conn_ended(&self, conn: &Conn, to_client: Packet) {
+        self.metrics.established_connections.dec();
+        conn.close();
+        if let Some(fe) = conn.fe.upgrade() {
+            fe.routes().conns.remove(&conn.connect_id);
+            self.to_frontend(&fe, to_client);
         }
     }
 
@@ -581,12 +583,7 @@ impl Tunnel {
         if backend.state().conns.remove(&connect_id).is_none() {
             return;
         }
-        self.metrics.established_connections.dec();
-        conn.close();
-        if let Some(fe) = conn.fe.upgrade() {
-            fe.routes().conns.remove(&connect_id);
-            self.to_frontend(&fe, Packet::close_response(connect_id, error));
-        }
+        self.conn_ended(conn, Packet::close_response(connect_id, error));
         self.to_agent(backend, Packet::close_request(connect_id))
             .await;
     }
