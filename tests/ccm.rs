@@ -2,7 +2,9 @@
 //! uninitialized are initialised from the inventory (provider ID, addresses, topology
 //! labels, taint removed, event); a shut-down machine's node is tainted and untainted
 //! again; a node gone from the inventory is deleted; with two replicas only the leader
-//! acts and the other takes over when the leader is killed.
+//! acts and the other takes over when the leader is killed; pod-network routes are
+//! programmed in a network namespace's routing table; a node whose agent is connected
+//! exists without being in the inventory.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -25,6 +27,18 @@ fn start_ccm(cluster: &Cluster, inventory: &Path, name: &str) -> Proc {
 }
 
 fn start_ccm_with(cluster: &Cluster, inventory: &Path, name: &str, extra: &[String]) -> Proc {
+    start_ccm_in(None, cluster, inventory, name, extra)
+}
+
+/// Starts the CCM, inside `netns` when given (the namespace must reach the apiserver:
+/// see `Node::reach_host_port`).
+fn start_ccm_in(
+    netns: Option<&Node>,
+    cluster: &Cluster,
+    inventory: &Path,
+    name: &str,
+    extra: &[String],
+) -> Proc {
     let mut args: Vec<String> = vec![
         "ccm".into(),
         "--log-format=json".into(),
@@ -39,7 +53,15 @@ fn start_ccm_with(cluster: &Cluster, inventory: &Path, name: &str, extra: &[Stri
         args.push(format!("--secure-port={}", free_port()));
     }
     args.extend(extra.iter().cloned());
-    let proc = Proc::spawn(name, Path::new(BIN), &args);
+    let proc = match netns {
+        Some(node) => {
+            let mut all = node.exec_prefix();
+            all.push(BIN.into());
+            all.extend(args);
+            Proc::spawn(name, Path::new("ip"), &all)
+        }
+        None => Proc::spawn(name, Path::new(BIN), &args),
+    };
     proc.wait_event("cloud-controller-manager starting", START_TIMEOUT, |_| true);
     proc
 }
@@ -422,4 +444,220 @@ fn a_load_balancer_service_is_reachable_through_the_tunnel() {
     let _ = http.kill();
     let _ = http.wait();
     drop(server);
+}
+
+/// The NetworkUnavailable condition of `node`: (status, reason).
+fn network_unavailable(node: &Value) -> Option<(String, String)> {
+    node["status"]["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == "NetworkUnavailable")
+        .map(|c| {
+            (
+                c["status"].as_str().unwrap_or_default().to_string(),
+                c["reason"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+}
+
+/// A node with `pod_cidr` and InternalIP `ip` (what node-ipam and the kubelet set).
+fn add_node_with_pod_cidr(cluster: &Cluster, name: &str, ip: &str, pod_cidr: &str) {
+    cluster.apply(&format!(
+        "apiVersion: v1\nkind: Node\nmetadata:\n  name: {name}\nspec:\n  podCIDR: {pod_cidr}\n  podCIDRs: [{pod_cidr}]\n"
+    ));
+    cluster.patch_node_status(
+        name,
+        &format!(r#"{{"addresses":[{{"type":"InternalIP","address":"{ip}"}}]}}"#),
+    );
+}
+
+#[test]
+fn pod_routes_are_programmed_in_the_hosts_routing_table() {
+    // The CCM runs in a namespace of its own (its "host"); 10.233.0.0/24 is a network
+    // directly attached there (a veth pair inside the namespace), where the nodes'
+    // InternalIPs live.
+    let host = Node::create();
+    host.ip(&[
+        "link", "add", "nodes0", "type", "veth", "peer", "name", "nodes1",
+    ]);
+    host.ip(&["addr", "add", "10.233.0.1/24", "dev", "nodes0"]);
+    host.ip(&["link", "set", "nodes1", "up"]);
+    host.ip(&["link", "set", "nodes0", "up"]);
+    // Routes that are not ours to touch: a foreign one in the pod network, one of ours
+    // (protocol 84) outside --cluster-cidr; and a stale one of ours that must go.
+    host.ip(&[
+        "route",
+        "add",
+        "10.244.200.0/24",
+        "via",
+        "10.233.0.50",
+        "proto",
+        "static",
+    ]);
+    host.ip(&[
+        "route",
+        "add",
+        "10.98.0.0/24",
+        "via",
+        "10.233.0.51",
+        "proto",
+        "84",
+    ]);
+    host.ip(&[
+        "route",
+        "add",
+        "10.244.99.0/24",
+        "via",
+        "10.233.0.52",
+        "proto",
+        "84",
+    ]);
+
+    let cluster = Cluster::start(&Egress::Direct);
+    let relay_dir = TempDir::new("tether-relay");
+    let api_port: u16 = cluster.url.rsplit(':').next().unwrap().parse().unwrap();
+    let _relays = host.reach_host_port(api_port, relay_dir.path());
+    add_node_with_pod_cidr(&cluster, "n1", "10.233.0.2", "10.244.1.0/24");
+    add_node_with_pod_cidr(&cluster, "n2", "10.233.0.3", "10.244.2.0/24");
+    // Its next hop is not on an attached network: the kernel refuses the route.
+    add_node_with_pod_cidr(&cluster, "n3", "10.240.0.9", "10.244.3.0/24");
+    // Outside --cluster-cidr: no route, no condition.
+    add_node_with_pod_cidr(&cluster, "n4", "10.233.0.5", "10.97.0.0/24");
+
+    let (_dir, inventory) = inventory_dir();
+    write_inventory(&inventory, "nodes: []\n");
+    let mut ccm = start_ccm_in(
+        Some(&host),
+        &cluster,
+        &inventory,
+        "ccm",
+        &[
+            "--controllers=route".into(),
+            "--leader-elect=false".into(),
+            "--secure-port=0".into(),
+            "--cluster-cidr=10.244.0.0/16".into(),
+            "--route-reconciliation-period=500ms".into(),
+        ],
+    );
+    let ours = || host.ip(&["route", "show", "proto", "84"]);
+    let routes = wait_blocking("routes for n1 and n2", Duration::from_secs(30), || {
+        let r = ours();
+        (r.contains("10.244.1.0/24 via 10.233.0.2")
+            && r.contains("10.244.2.0/24 via 10.233.0.3")
+            && !r.contains("10.244.99.0/24"))
+        .then_some(r)
+    });
+    assert!(
+        routes.contains("10.98.0.0/24"),
+        "ours outside --cluster-cidr was deleted:\n{routes}"
+    );
+    assert!(!routes.contains("10.244.3.0"), "{routes}");
+    assert!(!routes.contains("10.97.0.0"), "{routes}");
+    assert!(
+        host.ip(&["route", "show"])
+            .contains("10.244.200.0/24 via 10.233.0.50"),
+        "a foreign route was touched"
+    );
+    for n in ["n1", "n2"] {
+        wait_node(&cluster, n, "NetworkUnavailable False/RouteCreated", |v| {
+            network_unavailable(v) == Some(("False".into(), "RouteCreated".into()))
+        });
+    }
+    wait_node(
+        &cluster,
+        "n3",
+        "NetworkUnavailable True/NoRouteCreated",
+        |v| network_unavailable(v) == Some(("True".into(), "NoRouteCreated".into())),
+    );
+    wait_blocking(
+        "FailedToCreateRoute event for n3",
+        Duration::from_secs(20),
+        || {
+            cluster
+                .has_event("default", "n3", "FailedToCreateRoute")
+                .then_some(())
+        },
+    );
+    assert!(network_unavailable(&node_json(&cluster, "n4").unwrap()).is_none());
+
+    // Drift: a route deleted by hand comes back; a node's new address moves its
+    // route; a deleted node's route goes.
+    host.ip(&["route", "del", "10.244.1.0/24", "proto", "84"]);
+    cluster.patch_node_status(
+        "n2",
+        r#"{"addresses":[{"type":"InternalIP","address":"10.233.0.4"}]}"#,
+    );
+    cluster.kubectl_ok(&["delete", "node", "n3"]);
+    wait_blocking("routes repaired", Duration::from_secs(30), || {
+        let r = ours();
+        (r.contains("10.244.1.0/24 via 10.233.0.2")
+            && r.contains("10.244.2.0/24 via 10.233.0.4")
+            && !r.contains("10.233.0.3"))
+        .then_some(())
+    });
+    cluster.kubectl_ok(&["delete", "node", "n1"]);
+    wait_blocking("n1's route removed", Duration::from_secs(30), || {
+        (!ours().contains("10.244.1.0/24")).then_some(())
+    });
+    assert!(!ccm.exited(), "the CCM exited:\n{}", ccm.log_text());
+}
+
+#[test]
+fn a_node_whose_agent_is_connected_exists_without_being_in_the_inventory() {
+    let node = Node::create();
+    let pki = Pki::with_sans(std::slice::from_ref(&node.host_ip));
+    let socket = socket_path(pki.dir());
+    let mut args = uds_frontend_args(&pki, "grpc", &socket);
+    args.push("--agent-bind-address=0.0.0.0".into());
+    let server = ServerProc::start(Path::new(BIN), &args);
+    let mut agent = AgentProc::start_in(
+        Some(&node),
+        Path::new(BIN),
+        &pki,
+        format!("{}:{}", node.host_ip, server.agent.port())
+            .parse()
+            .unwrap(),
+        &[
+            "--agent-id=edge-1".into(),
+            format!("--agent-identifiers=host=edge-1&ipv4={}", node.node_ip),
+        ],
+    );
+    let cluster = Cluster::start(&Egress::Direct);
+    let (_dir, inventory) = inventory_dir();
+    write_inventory(
+        &inventory,
+        &format!(
+            "agents:\n  urls: [http://{}/agents]\n  gracePeriodSeconds: 0\nnodes: []\n",
+            server.admin
+        ),
+    );
+    add_uninitialized_node(&cluster, "edge-1", &node.node_ip);
+    let _ccm = start_ccm(&cluster, &inventory, "ccm");
+    let n = wait_node(&cluster, "edge-1", "initialized from its agent", |n| {
+        !taint_keys(n).contains(&"node.cloudprovider.kubernetes.io/uninitialized".into())
+    });
+    assert_eq!(n["spec"]["providerID"], "tether://edge-1");
+    assert_eq!(
+        n["status"]["addresses"][0]["address"],
+        node.node_ip.as_str()
+    );
+    // NotReady but its agent is connected: it exists, so it stays. A NotReady node
+    // with neither inventory entry nor agent is deleted in the same lifecycle pass,
+    // which proves the pass ran.
+    cluster.set_node_ready("edge-1", false);
+    // (No Ready condition at all counts as not Ready, as upstream; it may be deleted
+    // at once, so nothing else is written to it.)
+    cluster.apply("apiVersion: v1\nkind: Node\nmetadata:\n  name: ghost\n");
+    wait_blocking("ghost deleted", Duration::from_secs(30), || {
+        node_json(&cluster, "ghost").is_none().then_some(())
+    });
+    assert!(
+        node_json(&cluster, "edge-1").is_some(),
+        "edge-1 was deleted while its agent was connected"
+    );
+    // Its agent leaves (grace period 0): NotReady and gone, so it is deleted.
+    agent.proc.kill();
+    wait_blocking("edge-1 deleted", Duration::from_secs(30), || {
+        node_json(&cluster, "edge-1").is_none().then_some(())
+    });
 }

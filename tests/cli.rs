@@ -97,7 +97,21 @@ fn bad_flags_fail_with_one_clear_line() {
     std::fs::write(&inventory, "nodes: []\n").unwrap();
     let (ok, err) = run(&["ccm", &cloud_config, "--controllers=*,route"]);
     assert!(!ok);
-    assert!(error_line(&err).contains("route controller"), "{err}");
+    assert!(error_line(&err).contains("--cluster-cidr"), "{err}");
+
+    let (ok, err) = run(&["ccm", &cloud_config, "--cluster-cidr=10.244.0.0/33"]);
+    assert!(!ok);
+    assert!(error_line(&err).contains("--cluster-cidr"), "{err}");
+
+    std::fs::write(
+        &inventory,
+        "agents: {urls: [\"https://10.0.0.1/agents\"]}\n",
+    )
+    .unwrap();
+    let (ok, err) = run(&["ccm", &cloud_config]);
+    assert!(!ok);
+    assert!(error_line(&err).contains("admin port"), "{err}");
+    std::fs::write(&inventory, "nodes: []\n").unwrap();
 
     let (ok, err) = run(&["ccm", &cloud_config, "--lb-bind-address=127.0.0.1"]);
     assert!(!ok);

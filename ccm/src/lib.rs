@@ -88,6 +88,13 @@ pub struct CcmConfig {
     pub lb_resync_period: Duration,
     /// `--concurrent-service-syncs` (1).
     pub concurrent_service_syncs: usize,
+    /// `--cluster-cidr` (comma-separated, one per family); the route controller runs
+    /// only when it is set and `--configure-cloud-routes` is true.
+    pub cluster_cidrs: Vec<tether_core::identifiers::Cidr>,
+    /// `--configure-cloud-routes` (true).
+    pub configure_cloud_routes: bool,
+    /// `--route-reconciliation-period` (10 s).
+    pub route_reconciliation_period: Duration,
     /// Leader election; `None` with `--leader-elect=false`.
     pub leader_election: Option<leader::LeaderElection>,
     /// Reported as the event source.
@@ -215,6 +222,34 @@ pub async fn run(
             "cloud-node-lifecycle controller disabled: the provider has no instances interface"
         ),
         _ => {}
+    }
+    if config.enabled.route {
+        match (
+            provider.routes(),
+            config.configure_cloud_routes,
+            config.cluster_cidrs.is_empty(),
+        ) {
+            (_, false, _) => {
+                tracing::info!("route controller not started: --configure-cloud-routes=false")
+            }
+            (_, true, true) => {
+                tracing::info!("route controller not started: --cluster-cidr is not set")
+            }
+            (None, true, false) => tracing::warn!(
+                provider = provider.name(),
+                "route controller not started: the provider has no routes interface"
+            ),
+            (Some(routes), true, false) => {
+                let c = controllers::route::RouteController::new(
+                    ctx.clone(),
+                    routes,
+                    config.cluster_name.clone(),
+                    config.cluster_cidrs.clone(),
+                    config.route_reconciliation_period,
+                );
+                spawn("route", Box::pin(c.run(stop.clone())));
+            }
+        }
     }
     if let (Some(lbs), true) = (lbs, run_service) {
         let queue = WorkQueue::new("service");

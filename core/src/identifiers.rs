@@ -113,6 +113,38 @@ pub struct Cidr {
 }
 
 impl Cidr {
+    /// The network address (host bits cleared).
+    pub fn network(&self) -> IpAddr {
+        match self.addr {
+            IpAddr::V4(a) => {
+                let mask = u32::MAX.checked_shl(32 - self.prefix as u32).unwrap_or(0);
+                IpAddr::V4((u32::from(a) & mask).into())
+            }
+            IpAddr::V6(a) => {
+                let mask = u128::MAX.checked_shl(128 - self.prefix as u32).unwrap_or(0);
+                IpAddr::V6((u128::from(a) & mask).into())
+            }
+        }
+    }
+
+    /// The prefix length.
+    pub fn prefix(&self) -> u8 {
+        self.prefix
+    }
+
+    /// This network with its host bits cleared (`10.1.2.3/16` -> `10.1.0.0/16`).
+    pub fn normalized(&self) -> Cidr {
+        Cidr {
+            addr: self.network(),
+            prefix: self.prefix,
+        }
+    }
+
+    /// Is all of `other` inside this network?
+    pub fn covers(&self, other: &Cidr) -> bool {
+        other.prefix >= self.prefix && self.contains(other.addr)
+    }
+
     /// Is `ip` inside this network?
     pub fn contains(&self, ip: IpAddr) -> bool {
         match (self.addr, ip) {
@@ -173,6 +205,11 @@ mod tests {
         assert!(ids.matches_host("10.0.0.5"));
         assert!(ids.matches_host("[fd00::5]"));
         assert!(!ids.matches_host("10.0.0.6"));
+        let net: Cidr = "10.244.0.0/16".parse().unwrap();
+        let pod: Cidr = "10.244.3.7/24".parse().unwrap();
+        assert!(net.covers(&pod) && !pod.covers(&net));
+        assert_eq!(pod.normalized().to_string(), "10.244.3.0/24");
+        assert!(!net.covers(&"10.245.0.0/24".parse().unwrap()));
         assert!(ids.matches_cidr("10.1.200.3"));
         assert!(!ids.matches_cidr("10.2.0.1"));
         assert!(AgentIdentifiers::parse("ipv4=nope", true).is_err());

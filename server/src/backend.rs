@@ -166,6 +166,36 @@ impl Registry {
             .len()
     }
 
+    /// Every connected agent stream, in connection order.
+    pub fn snapshot(&self) -> Vec<Arc<Backend>> {
+        self.backends
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// The connected agents as JSON for the admin endpoint's `/agents`: one entry per
+    /// agent ID with its identifiers, whether it drains, and its stream count.
+    pub fn agents_json(&self) -> String {
+        let mut by_id: std::collections::BTreeMap<String, serde_json::Value> = Default::default();
+        for b in self.snapshot() {
+            let entry = by_id.entry(b.agent_id.clone()).or_insert_with(|| {
+                serde_json::json!({
+                    "id": b.agent_id,
+                    "hosts": b.identifiers.hosts,
+                    "ips": b.identifiers.ips.iter().map(|ip| ip.to_string()).collect::<Vec<_>>(),
+                    "draining": true,
+                    "streams": 0,
+                })
+            });
+            entry["streams"] = (entry["streams"].as_u64().unwrap_or(0) + 1).into();
+            if !b.is_draining() {
+                entry["draining"] = false.into();
+            }
+        }
+        serde_json::json!({ "agents": by_id.into_values().collect::<Vec<_>>() }).to_string()
+    }
+
     /// True when no agent is connected.
     pub fn is_empty(&self) -> bool {
         self.len() == 0

@@ -347,7 +347,21 @@ impl BoundServer {
             tether_core::health::spawn(
                 "admin",
                 l,
-                tether_core::health::admin_router(registry.clone()),
+                {
+                    let t = tunnel.clone();
+                    tether_core::health::admin_router(registry.clone()).route(
+                        "/agents",
+                        axum::routing::get(move || {
+                            let body = t.registry().agents_json();
+                            async move {
+                                (
+                                    [(axum::http::header::CONTENT_TYPE, "application/json")],
+                                    body,
+                                )
+                            }
+                        }),
+                    )
+                },
                 hard_stop.clone(),
             );
         }

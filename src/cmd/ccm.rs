@@ -27,7 +27,7 @@ pub struct CcmArgs {
     #[arg(long, default_value = "")]
     pub kubeconfig: String,
     /// Controllers to run: `*`, names, `-name` to disable (cloud-node,
-    /// cloud-node-lifecycle, service; route is not implemented yet).
+    /// cloud-node-lifecycle, route, service).
     #[arg(long, default_value = "*", value_delimiter = ',')]
     pub controllers: Vec<String>,
     /// Elect a leader among replicas on a Lease.
@@ -60,15 +60,20 @@ pub struct CcmArgs {
     /// Cluster name passed to the provider.
     #[arg(long, default_value = "kubernetes")]
     pub cluster_name: String,
-    /// Not implemented yet (route controller).
-    #[arg(long, hide = true)]
-    pub route_reconciliation_period: Option<String>,
-    /// Not implemented yet (route controller).
-    #[arg(long, hide = true)]
-    pub configure_cloud_routes: Option<String>,
-    /// Not implemented yet (route controller).
-    #[arg(long, hide = true)]
-    pub cluster_cidr: Option<String>,
+    /// How often the route controller reconciles pod-network routes.
+    #[arg(long, default_value = "10s", value_parser = duration)]
+    pub route_reconciliation_period: Duration,
+    /// Program a route per node podCIDR (needs --cluster-cidr).
+    #[arg(long, default_value = "true", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
+    pub configure_cloud_routes: bool,
+    /// The pod network, comma-separated for dual stack (e.g. 10.244.0.0/16,fd00:10::/56);
+    /// routes are made for podCIDRs inside it and only ours inside it are deleted.
+    #[arg(long, default_value = "")]
+    pub cluster_cidr: String,
+    /// Accepted for compatibility with upstream command lines: Tether's CCM does not
+    /// allocate podCIDRs (kube-controller-manager's node-ipam controller does).
+    #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
+    pub allocate_node_cidrs: bool,
     /// Services synced at once.
     #[arg(long, default_value_t = 1)]
     pub concurrent_service_syncs: usize,
@@ -158,24 +163,27 @@ impl CcmArgs {
     }
 
     fn config(&self) -> anyhow::Result<(CcmConfig, Arc<dyn Provider>)> {
-        super::reject_unsupported(&[
-            (
-                "route-reconciliation-period",
-                self.route_reconciliation_period.is_some(),
-            ),
-            (
-                "configure-cloud-routes",
-                self.configure_cloud_routes.is_some(),
-            ),
-            ("cluster-cidr", self.cluster_cidr.is_some()),
-        ])?;
-        let mut enabled = Enabled::parse(&self.controllers).map_err(anyhow::Error::msg)?;
+        let enabled = Enabled::parse(&self.controllers).map_err(anyhow::Error::msg)?;
+        let cluster_cidrs = self
+            .cluster_cidr
+            .split(',')
+            .map(str::trim)
+            .filter(|c| !c.is_empty())
+            .map(|c| {
+                c.parse::<tether_core::identifiers::Cidr>()
+                    .map_err(|e| anyhow::anyhow!("--cluster-cidr {c:?}: {e}"))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
         let named = |n: &str| self.controllers.iter().any(|c| c.trim() == n);
-        if named("route") {
-            bail!("--controllers: the route controller is not implemented yet in this Tether version; remove it");
+        if named("route") && self.configure_cloud_routes && cluster_cidrs.is_empty() {
+            bail!("--controllers names route but --cluster-cidr is not set: give the pod network, e.g. --cluster-cidr=10.244.0.0/16");
         }
-        // `*` means every implemented controller.
-        enabled.route = false;
+        if self.route_reconciliation_period.is_zero() {
+            bail!("--route-reconciliation-period must be positive");
+        }
+        if self.allocate_node_cidrs {
+            tracing::info!("--allocate-node-cidrs is accepted but does nothing here: podCIDRs come from kube-controller-manager");
+        }
         let lb = match (self.lb_bind_address.as_str(), self.tunnel_uds.as_str()) {
             ("", "") => None,
             ("", _) | (_, "") => bail!("--lb-bind-address and --tunnel-uds go together: load balancers listen on the first and reach nodes through the second"),
@@ -225,6 +233,9 @@ impl CcmArgs {
                 .then(|| self.load_balancer_class.clone()),
             lb_resync_period: self.lb_resync_period,
             concurrent_service_syncs: self.concurrent_service_syncs,
+            cluster_cidrs,
+            configure_cloud_routes: self.configure_cloud_routes,
+            route_reconciliation_period: self.route_reconciliation_period,
             leader_election: self.leader_elect.then(|| LeaderElection {
                 namespace: self.leader_elect_resource_namespace.clone(),
                 name: self.leader_elect_resource_name.clone(),

@@ -155,6 +155,56 @@ impl Node {
         ]);
     }
 
+    /// Runs `ip -n NS args...` (asserting success) and returns its stdout.
+    pub fn ip(&self, args: &[&str]) -> String {
+        let out = Command::new("ip")
+            .args(["-n", &self.ns])
+            .args(args)
+            .output()
+            .expect("run ip");
+        assert!(
+            out.status.success(),
+            "ip -n {} {}: {}",
+            self.ns,
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Makes `127.0.0.1:port` inside the namespace reach `127.0.0.1:port` of the host
+    /// (say, the test's kube-apiserver), through a Unix socket in `dir` and a relay on
+    /// each side. The relays stop when the returned processes drop.
+    pub fn reach_host_port(&self, port: u16, dir: &std::path::Path) -> [crate::Proc; 2] {
+        let socket = dir.join(format!("relay-{port}.sock"));
+        let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/relay.py");
+        let ready = std::time::Duration::from_secs(20);
+        let host = crate::Proc::spawn(
+            "relay@host",
+            std::path::Path::new("python3"),
+            &[
+                script.display().to_string(),
+                format!("--listen=unix:{}", socket.display()),
+                format!("--connect=tcp:127.0.0.1:{port}"),
+            ],
+        );
+        host.wait_event("relay ready", ready, |_| true);
+        let mut args = self.exec_prefix();
+        args.extend([
+            "python3".to_string(),
+            script.display().to_string(),
+            format!("--listen=tcp:127.0.0.1:{port}"),
+            format!("--connect=unix:{}", socket.display()),
+        ]);
+        let inside = crate::Proc::spawn(
+            &format!("relay@{}", self.ns),
+            std::path::Path::new("ip"),
+            &args,
+        );
+        inside.wait_event("relay ready", ready, |_| true);
+        [host, inside]
+    }
+
     /// `ip netns exec NS` + `program args`, as a prefix for spawning.
     pub fn exec_prefix(&self) -> Vec<String> {
         vec!["netns".into(), "exec".into(), self.ns.clone()]

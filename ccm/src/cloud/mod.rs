@@ -3,6 +3,8 @@
 //! provider may answer. Providers are chosen by name (`--cloud-provider`) and read
 //! their configuration from `--cloud-config`.
 
+pub mod agents;
+pub mod host_routes;
 pub mod tether;
 pub mod tunnel_lb;
 
@@ -155,7 +157,8 @@ pub trait LoadBalancers: Send + Sync {
 /// A route: traffic for `cidr` goes to `node`'s address.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Route {
-    /// Target node name.
+    /// Target node name (empty in what a provider lists when it cannot tell; the
+    /// controller matches routes by CIDR and next hop).
     pub node: String,
     /// The node's InternalIP (the next hop).
     pub via: String,

@@ -1,7 +1,15 @@
 //! The built-in `tether` provider, for clusters with no cloud at all: instances come
-//! from an inventory file (`--cloud-config`), re-read whenever it changes.
+//! from an inventory file (`--cloud-config`), re-read whenever it changes, merged with
+//! the nodes whose Tether agent is connected; routes go into the host's routing table;
+//! load balancers forward through the tunnel.
 //!
 //! ```yaml
+//! agents:                    # optional: a node whose agent is connected exists
+//!   urls: [http://127.0.0.1:8133/agents]   # the Tether servers' admin endpoints
+//!   gracePeriodSeconds: 600  # it keeps existing this long after its agent left
+//! routes:                    # optional: where pod-network routes go
+//!   table: 254               # main
+//!   protocol: 84             # marks our routes (`ip route show proto 84`)
 //! nodes:
 //!   - name: node-a
 //!     region: eu-west
@@ -18,7 +26,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::SystemTime;
+use std::time::{Duration, Instant, SystemTime};
 
 use async_trait::async_trait;
 use serde::Deserialize;
@@ -103,6 +111,21 @@ pub struct InventoryAddress {
 struct File {
     #[serde(default)]
     nodes: Vec<Machine>,
+    #[serde(default)]
+    agents: Option<super::agents::AgentsConfig>,
+    #[serde(default)]
+    routes: Option<super::host_routes::HostRoutesConfig>,
+}
+
+/// A parsed cloud config.
+#[derive(Debug, Default)]
+pub struct CloudConfig {
+    /// The inventory, by node name.
+    pub machines: BTreeMap<String, Machine>,
+    /// Where to learn which agents are connected, if anywhere.
+    pub agents: Option<super::agents::AgentsConfig>,
+    /// Where routes go.
+    pub routes: super::host_routes::HostRoutesConfig,
 }
 
 const ADDRESS_TYPES: [&str; 5] = [
@@ -113,8 +136,8 @@ const ADDRESS_TYPES: [&str; 5] = [
     "ExternalDNS",
 ];
 
-/// Parses an inventory.
-pub fn parse(path: &Path, text: &str) -> Result<BTreeMap<String, Machine>, InventoryError> {
+/// Parses a cloud config.
+pub fn parse(path: &Path, text: &str) -> Result<CloudConfig, InventoryError> {
     let file: File = if text.trim().is_empty() {
         File::default()
     } else {
@@ -146,13 +169,28 @@ pub fn parse(path: &Path, text: &str) -> Result<BTreeMap<String, Machine>, Inven
             });
         }
     }
-    Ok(machines)
+    if let Some(agents) = &file.agents {
+        super::agents::ConnectedAgents::new(agents).map_err(|e| InventoryError::Parse {
+            path: path.into(),
+            source: serde::de::Error::custom(e),
+        })?;
+    }
+    Ok(CloudConfig {
+        machines,
+        agents: file.agents,
+        routes: file.routes.unwrap_or_default(),
+    })
 }
 
 struct Loaded {
     modified: Option<SystemTime>,
+    /// When the file's modification time was last looked at.
+    checked: Instant,
     machines: BTreeMap<String, Machine>,
 }
+
+/// The file's modification time is looked at no more often than this.
+const RECHECK: Duration = Duration::from_secs(1);
 
 /// The inventory file, re-read when its modification time changes. A file that
 /// becomes invalid keeps the last good inventory (and the error is logged).
@@ -163,26 +201,34 @@ pub struct Inventory {
 
 impl Inventory {
     /// Loads `path`; errors are start-up errors.
-    pub fn load(path: &Path) -> Result<Self, InventoryError> {
+    pub fn load(path: &Path) -> Result<(Self, CloudConfig), InventoryError> {
         let (modified, text) = read(path)?;
-        Ok(Inventory {
+        let config = parse(path, &text)?;
+        let inventory = Inventory {
             path: path.into(),
             loaded: Mutex::new(Loaded {
                 modified,
-                machines: parse(path, &text)?,
+                checked: Instant::now(),
+                machines: config.machines.clone(),
             }),
-        })
+        };
+        Ok((inventory, config))
     }
 
     /// The machine called `name`, reading the file again first if it changed.
     pub fn get(&self, name: &str) -> Option<Machine> {
         let mut loaded = self.loaded.lock().unwrap_or_else(|e| e.into_inner());
+        if loaded.checked.elapsed() < RECHECK {
+            return loaded.machines.get(name).cloned();
+        }
+        loaded.checked = Instant::now();
         let modified = std::fs::metadata(&self.path)
             .and_then(|m| m.modified())
             .ok();
         if modified != loaded.modified {
             match read(&self.path).and_then(|(m, text)| Ok((m, parse(&self.path, &text)?))) {
-                Ok((m, machines)) => {
+                Ok((m, config)) => {
+                    let machines = config.machines;
                     tracing::info!(path = %self.path.display(), nodes = machines.len(), "inventory reloaded");
                     loaded.modified = m;
                     loaded.machines = machines;
@@ -210,6 +256,8 @@ fn read(path: &Path) -> Result<(Option<SystemTime>, String), InventoryError> {
 /// The `tether` provider.
 pub struct TetherProvider {
     inventory: Arc<Inventory>,
+    agents: Option<Arc<super::agents::ConnectedAgents>>,
+    routes: Arc<super::host_routes::HostRoutes>,
     load_balancers: Option<Arc<super::tunnel_lb::TunnelLoadBalancers>>,
 }
 
@@ -220,8 +268,20 @@ impl TetherProvider {
         cloud_config: &Path,
         lb: Option<super::tunnel_lb::TunnelLbConfig>,
     ) -> Result<Self, InventoryError> {
+        let (inventory, config) = Inventory::load(cloud_config)?;
+        let agents = match &config.agents {
+            Some(a) => Some(Arc::new(super::agents::ConnectedAgents::new(a).map_err(
+                |e| InventoryError::Parse {
+                    path: cloud_config.into(),
+                    source: serde::de::Error::custom(e),
+                },
+            )?)),
+            None => None,
+        };
         Ok(TetherProvider {
-            inventory: Arc::new(Inventory::load(cloud_config)?),
+            inventory: Arc::new(inventory),
+            agents,
+            routes: Arc::new(super::host_routes::HostRoutes::new(config.routes)),
             load_balancers: lb.map(|c| Arc::new(super::tunnel_lb::TunnelLoadBalancers::new(c))),
         })
     }
@@ -232,7 +292,13 @@ impl Provider for TetherProvider {
         NAME
     }
     fn instances(&self) -> Option<Arc<dyn Instances>> {
-        Some(Arc::new(InventoryInstances(self.inventory.clone())))
+        Some(Arc::new(InventoryInstances {
+            inventory: self.inventory.clone(),
+            agents: self.agents.clone(),
+        }))
+    }
+    fn routes(&self) -> Option<Arc<dyn super::Routes>> {
+        Some(self.routes.clone())
     }
     fn load_balancers(&self) -> Option<Arc<dyn super::LoadBalancers>> {
         self.load_balancers
@@ -241,50 +307,114 @@ impl Provider for TetherProvider {
     }
 }
 
-struct InventoryInstances(Arc<Inventory>);
+struct InventoryInstances {
+    inventory: Arc<Inventory>,
+    agents: Option<Arc<super::agents::ConnectedAgents>>,
+}
+
+/// Where a node's instance is known from.
+enum Found {
+    Inventory(Machine, String),
+    Agent(super::agents::Agent, String),
+    /// Not listed, its agent left within the grace period.
+    Recent,
+    Gone,
+}
 
 impl InventoryInstances {
-    /// The inventory name of `node`: from its provider ID when it has ours, else its
-    /// name.
-    fn machine(&self, node: &NodeInfo) -> Option<Machine> {
+    /// The node's inventory name (from its provider ID when it has ours, else its
+    /// name), looked up in the inventory, then among the connected agents.
+    async fn find(&self, node: &NodeInfo) -> Result<Found, CloudError> {
         let name = node
             .provider_id
             .as_deref()
             .and_then(|id| id.strip_prefix(TETHER_PROVIDER_ID_PREFIX))
-            .unwrap_or(&node.name);
-        self.0.get(name)
+            .unwrap_or(&node.name)
+            .to_string();
+        if let Some(m) = self.inventory.get(&name) {
+            return Ok(Found::Inventory(m, name));
+        }
+        let Some(agents) = &self.agents else {
+            return Ok(Found::Gone);
+        };
+        Ok(match agents.presence(&name).await? {
+            super::agents::Presence::Connected(a) => Found::Agent(a, name),
+            super::agents::Presence::Recent => Found::Recent,
+            super::agents::Presence::Gone => Found::Gone,
+        })
     }
+
+    /// The agent's addresses as InternalIPs, when the node's agent is connected.
+    async fn agent_addresses(&self, name: &str) -> Vec<Address> {
+        let Some(agents) = &self.agents else {
+            return Vec::new();
+        };
+        match agents.presence(name).await {
+            Ok(super::agents::Presence::Connected(a)) => internal_ips(&a),
+            _ => Vec::new(),
+        }
+    }
+}
+
+fn internal_ips(agent: &super::agents::Agent) -> Vec<Address> {
+    agent
+        .ips
+        .iter()
+        .map(|ip| Address {
+            kind: "InternalIP".into(),
+            address: ip.clone(),
+        })
+        .collect()
 }
 
 #[async_trait]
 impl Instances for InventoryInstances {
     async fn exists(&self, node: &NodeInfo) -> Result<bool, CloudError> {
-        Ok(self.machine(node).is_some())
+        Ok(!matches!(self.find(node).await?, Found::Gone))
     }
 
     async fn shutdown(&self, node: &NodeInfo) -> Result<bool, CloudError> {
-        self.machine(node)
-            .map(|m| m.shutdown)
-            .ok_or(CloudError::InstanceNotFound)
+        match self.find(node).await? {
+            Found::Inventory(m, _) => Ok(m.shutdown),
+            Found::Agent(..) | Found::Recent => Ok(false),
+            Found::Gone => Err(CloudError::InstanceNotFound),
+        }
     }
 
     async fn metadata(&self, node: &NodeInfo) -> Result<InstanceMetadata, CloudError> {
-        let m = self.machine(node).ok_or(CloudError::InstanceNotFound)?;
-        Ok(InstanceMetadata {
-            provider_id: format!("{TETHER_PROVIDER_ID_PREFIX}{}", m.name),
-            instance_type: m.instance_type,
-            addresses: m
-                .addresses
-                .into_iter()
-                .map(|a| Address {
-                    kind: a.kind,
-                    address: a.address,
+        match self.find(node).await? {
+            Found::Inventory(m, name) => {
+                let mut addresses: Vec<Address> = m
+                    .addresses
+                    .into_iter()
+                    .map(|a| Address {
+                        kind: a.kind,
+                        address: a.address,
+                    })
+                    .collect();
+                if addresses.is_empty() {
+                    addresses = self.agent_addresses(&name).await;
+                }
+                Ok(InstanceMetadata {
+                    provider_id: format!("{TETHER_PROVIDER_ID_PREFIX}{name}"),
+                    instance_type: m.instance_type,
+                    addresses,
+                    zone: m.zone,
+                    region: m.region,
+                    extra_labels: m.labels,
                 })
-                .collect(),
-            zone: m.zone,
-            region: m.region,
-            extra_labels: m.labels,
-        })
+            }
+            Found::Agent(a, name) => Ok(InstanceMetadata {
+                provider_id: format!("{TETHER_PROVIDER_ID_PREFIX}{name}"),
+                addresses: internal_ips(&a),
+                ..Default::default()
+            }),
+            Found::Recent => Err(CloudError::RetryAfter {
+                after: Duration::from_secs(30),
+                reason: "the node is not in the inventory and its agent is not connected".into(),
+            }),
+            Found::Gone => Err(CloudError::InstanceNotFound),
+        }
     }
 }
 
@@ -300,8 +430,11 @@ mod tests {
             "nodes:\n- name: a\n  zone: z1\n  region: r\n  instanceType: t\n  addresses:\n  - {type: InternalIP, address: 10.0.0.1}\n",
         )
         .unwrap();
-        assert_eq!(ok["a"].zone, "z1");
-        assert!(parse(p, "").unwrap().is_empty());
+        assert_eq!(ok.machines["a"].zone, "z1");
+        assert_eq!(ok.routes.table, 254);
+        assert!(parse(p, "").unwrap().machines.is_empty());
+        let agents = parse(p, "agents: {urls: [\"127.0.0.1:8133\"]}\n").unwrap_err();
+        assert!(agents.to_string().contains("admin port"), "{agents}");
         let dup = parse(p, "nodes:\n- name: a\n- name: a\n").unwrap_err();
         assert!(dup.to_string().contains("listed twice"), "{dup}");
         let typo = parse(p, "nodes:\n- name: a\n  zones: z1\n").unwrap_err();

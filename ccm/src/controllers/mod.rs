@@ -1,9 +1,11 @@
 //! The controllers: `node` (initialise nodes from the provider, keep addresses in
 //! sync), `node_lifecycle` (shutdown taint, delete nodes gone from the provider),
-//! `service` (load balancers for Services of type LoadBalancer).
+//! `route` (pod-network routes per node podCIDR), `service` (load balancers for
+//! Services of type LoadBalancer).
 
 pub mod node;
 pub mod node_lifecycle;
+pub mod route;
 pub mod service;
 
 use k8s_openapi::api::core::v1::{Node, Taint};

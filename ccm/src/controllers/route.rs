@@ -1,0 +1,322 @@
+//! The route controller: every `--route-reconciliation-period` each node podCIDR inside
+//! `--cluster-cidr` gets one route via the node's InternalIP (of the same family), and
+//! routes of ours inside `--cluster-cidr` that no node needs any more are deleted. A
+//! node's `NetworkUnavailable` condition says whether all its routes exist
+//! (False/RouteCreated) or not (True/NoRouteCreated), patched on `nodes/status` only
+//! when it changes.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Node;
+use kube::api::{Api, Patch, PatchParams};
+use kube::ResourceExt;
+use serde_json::json;
+use tether_core::identifiers::Cidr;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use super::{Context, SyncError};
+use crate::cloud::{Route, Routes};
+
+/// The node condition this controller owns.
+pub const NETWORK_UNAVAILABLE: &str = "NetworkUnavailable";
+
+/// The route controller.
+pub struct RouteController {
+    ctx: Context,
+    routes: Arc<dyn Routes>,
+    cluster_name: String,
+    cluster_cidrs: Vec<Cidr>,
+    period: Duration,
+}
+
+/// What one node needs: its routes, or why it cannot have them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Wanted {
+    /// Routes the node needs.
+    pub routes: Vec<Route>,
+    /// Pod CIDRs that cannot be routed (no InternalIP of their family).
+    pub unroutable: Vec<String>,
+}
+
+/// The routes `nodes` need: for each node (not being deleted) with pod CIDRs inside
+/// `cluster_cidrs`, one route per CIDR via its first InternalIP of the same family.
+/// Nodes with no pod CIDR inside the cluster CIDRs are left out.
+pub fn wanted(nodes: &[Arc<Node>], cluster_cidrs: &[Cidr]) -> BTreeMap<String, Wanted> {
+    let mut out = BTreeMap::new();
+    for node in nodes {
+        if node.metadata.deletion_timestamp.is_some() {
+            continue;
+        }
+        let spec = node.spec.as_ref();
+        let mut pod_cidrs: Vec<String> = spec.and_then(|s| s.pod_cidrs.clone()).unwrap_or_default();
+        if pod_cidrs.is_empty() {
+            pod_cidrs.extend(spec.and_then(|s| s.pod_cidr.clone()));
+        }
+        let internal: Vec<IpAddr> = node
+            .status
+            .as_ref()
+            .and_then(|s| s.addresses.as_ref())
+            .into_iter()
+            .flatten()
+            .filter(|a| a.type_ == "InternalIP")
+            .filter_map(|a| a.address.parse().ok())
+            .collect();
+        let mut w = Wanted {
+            routes: Vec::new(),
+            unroutable: Vec::new(),
+        };
+        for text in pod_cidrs {
+            let Ok(cidr) = text.parse::<Cidr>() else {
+                continue;
+            };
+            if !cluster_cidrs.iter().any(|c| c.covers(&cidr)) {
+                continue;
+            }
+            let v4 = cidr.network().is_ipv4();
+            match internal.iter().find(|ip| ip.is_ipv4() == v4) {
+                Some(via) => w.routes.push(Route {
+                    node: node.name_any(),
+                    via: via.to_string(),
+                    cidr: cidr.normalized().to_string(),
+                }),
+                None => w.unroutable.push(cidr.normalized().to_string()),
+            }
+        }
+        if !w.routes.is_empty() || !w.unroutable.is_empty() {
+            out.insert(node.name_any(), w);
+        }
+    }
+    out
+}
+
+/// The status of `node`'s NetworkUnavailable condition, if set.
+fn network_unavailable(node: &Node) -> Option<&str> {
+    node.status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == NETWORK_UNAVAILABLE)
+        .map(|c| c.status.as_str())
+}
+
+impl RouteController {
+    /// A controller for `cluster_cidrs`, reconciling every `period`.
+    pub fn new(
+        ctx: Context,
+        routes: Arc<dyn Routes>,
+        cluster_name: String,
+        cluster_cidrs: Vec<Cidr>,
+        period: Duration,
+    ) -> Self {
+        RouteController {
+            ctx,
+            routes,
+            cluster_name,
+            cluster_cidrs,
+            period,
+        }
+    }
+
+    /// Runs until `shutdown`: once at once, then every period.
+    pub async fn run(self, shutdown: CancellationToken) {
+        let mut tick = tokio::time::interval(self.period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = shutdown.cancelled() => return,
+            }
+            if let Err(e) = self
+                .reconcile()
+                .instrument(tracing::debug_span!("reconcile_routes"))
+                .await
+            {
+                tracing::warn!(error = %e, "route reconciliation failed; next period retries");
+            }
+        }
+    }
+
+    /// One pass: create what is missing, delete what is stale, update conditions.
+    pub async fn reconcile(&self) -> Result<(), SyncError> {
+        let nodes = self.ctx.nodes.state();
+        let wanted = wanted(&nodes, &self.cluster_cidrs);
+        let existing: BTreeSet<(String, String)> = self
+            .routes
+            .list(&self.cluster_name)
+            .await?
+            .into_iter()
+            .filter(|r| self.in_cluster(&r.cidr))
+            .map(|r| (r.cidr, r.via))
+            .collect();
+        let needed: BTreeSet<(String, String)> = wanted
+            .values()
+            .flat_map(|w| &w.routes)
+            .map(|r| (r.cidr.clone(), r.via.clone()))
+            .collect();
+
+        // Stale routes first: a CIDR that moved to another node is then free.
+        for (cidr, via) in existing.difference(&needed) {
+            let stale = Route {
+                node: String::new(),
+                via: via.clone(),
+                cidr: cidr.clone(),
+            };
+            match self.routes.delete(&self.cluster_name, &stale).await {
+                Ok(()) => tracing::info!(%cidr, %via, "stale route deleted"),
+                Err(e) => tracing::warn!(%cidr, %via, error = %e, "cannot delete stale route"),
+            }
+        }
+
+        for node in nodes.iter() {
+            let name = node.name_any();
+            let Some(w) = wanted.get(&name) else { continue };
+            let mut ok = w.unroutable.is_empty();
+            if !w.unroutable.is_empty() {
+                let note = format!(
+                    "Could not create routes for pod CIDR(s) {} of node {name}: the node has no InternalIP of that family",
+                    w.unroutable.join(", ")
+                );
+                tracing::warn!(node = %name, "{note}");
+                self.ctx
+                    .node_event(node, true, "FailedToCreateRoute", "CreateRoute", note)
+                    .await;
+            }
+            for route in &w.routes {
+                if existing.contains(&(route.cidr.clone(), route.via.clone())) {
+                    continue;
+                }
+                match self.routes.create(&self.cluster_name, route).await {
+                    Ok(()) => {
+                        tracing::info!(node = %name, cidr = %route.cidr, via = %route.via, "route created")
+                    }
+                    Err(e) => {
+                        ok = false;
+                        let note = format!(
+                            "Could not create route {} via {} for node {name}: {e}",
+                            route.cidr, route.via
+                        );
+                        tracing::warn!(node = %name, "{note}");
+                        self.ctx
+                            .node_event(node, true, "FailedToCreateRoute", "CreateRoute", note)
+                            .await;
+                    }
+                }
+            }
+            if let Err(e) = self.set_condition(node, ok).await {
+                tracing::warn!(node = %name, error = %e, "cannot update NetworkUnavailable");
+            }
+        }
+        Ok(())
+    }
+
+    fn in_cluster(&self, cidr: &str) -> bool {
+        cidr.parse::<Cidr>()
+            .map(|c| self.cluster_cidrs.iter().any(|cc| cc.covers(&c)))
+            .unwrap_or(false)
+    }
+
+    /// NetworkUnavailable False/RouteCreated or True/NoRouteCreated, patched only when
+    /// its status changes.
+    async fn set_condition(&self, node: &Node, routes_created: bool) -> Result<(), SyncError> {
+        let want = if routes_created { "False" } else { "True" };
+        if network_unavailable(node) == Some(want) {
+            return Ok(());
+        }
+        let (reason, message) = if routes_created {
+            ("RouteCreated", "RouteController created a route")
+        } else {
+            ("NoRouteCreated", "RouteController failed to create a route")
+        };
+        let now = k8s_openapi::jiff::Timestamp::now().to_string();
+        let api: Api<Node> = Api::all(self.ctx.client.clone());
+        api.patch_status(
+            &node.name_any(),
+            &PatchParams::default(),
+            &Patch::Strategic(json!({
+                "status": { "conditions": [{
+                    "type": NETWORK_UNAVAILABLE,
+                    "status": want,
+                    "reason": reason,
+                    "message": message,
+                    "lastTransitionTime": now,
+                    "lastHeartbeatTime": now,
+                }]}
+            })),
+        )
+        .await?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::{NodeAddress, NodeSpec, NodeStatus};
+
+    fn node(name: &str, cidrs: &[&str], ips: &[&str]) -> Arc<Node> {
+        let mut n = Node::default();
+        n.metadata.name = Some(name.into());
+        n.spec = Some(NodeSpec {
+            pod_cidrs: Some(cidrs.iter().map(|s| s.to_string()).collect()),
+            ..Default::default()
+        });
+        n.status = Some(NodeStatus {
+            addresses: Some(
+                ips.iter()
+                    .map(|ip| NodeAddress {
+                        type_: "InternalIP".into(),
+                        address: ip.to_string(),
+                    })
+                    .collect(),
+            ),
+            ..Default::default()
+        });
+        Arc::new(n)
+    }
+
+    #[test]
+    fn one_route_per_pod_cidr_inside_the_cluster_cidrs_via_the_same_family() {
+        let cluster: Vec<Cidr> = ["10.244.0.0/16", "fd00:10::/56"]
+            .iter()
+            .map(|s| s.parse().unwrap())
+            .collect();
+        let nodes = vec![
+            node(
+                "dual",
+                &["10.244.1.0/24", "fd00:10:0:1::/64"],
+                &["fd00::1", "192.168.0.1"],
+            ),
+            node(
+                "v4only",
+                &["10.244.2.9/24", "fd00:10:0:2::/64"],
+                &["192.168.0.2"],
+            ),
+            node("outside", &["10.99.0.0/24"], &["192.168.0.3"]),
+            node("none", &[], &["192.168.0.4"]),
+        ];
+        let w = wanted(&nodes, &cluster);
+        assert_eq!(
+            w["dual"].routes,
+            vec![
+                Route {
+                    node: "dual".into(),
+                    via: "192.168.0.1".into(),
+                    cidr: "10.244.1.0/24".into()
+                },
+                Route {
+                    node: "dual".into(),
+                    via: "fd00::1".into(),
+                    cidr: "fd00:10:0:1::/64".into()
+                },
+            ]
+        );
+        assert_eq!(w["v4only"].routes[0].cidr, "10.244.2.0/24");
+        assert_eq!(w["v4only"].unroutable, vec!["fd00:10:0:2::/64"]);
+        assert!(!w.contains_key("outside") && !w.contains_key("none"));
+    }
+}
