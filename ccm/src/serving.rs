@@ -2,7 +2,8 @@
 //! `/livez`, `/readyz`; anonymous) runs one check per controller plus leader election;
 //! `/metrics` needs a bearer token that a TokenReview accepts and a SubjectAccessReview
 //! allowing `get` on `/metrics` for its user (upstream's delegated authentication and
-//! authorization).
+//! authorization). Decisions are cached for 10 s per token, as upstream's delegated
+//! authenticator and authorizer do, so a scraper costs no API calls per scrape.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -74,6 +75,49 @@ struct Ctx {
     client: kube::Client,
     health: Health,
     registry: prometheus::Registry,
+    decisions: Arc<DecisionCache>,
+}
+
+/// How long an authentication + authorization decision is reused (upstream: 10 s).
+pub const DECISION_TTL: std::time::Duration = std::time::Duration::from_secs(10);
+/// At most this many tokens are remembered.
+const DECISION_CAP: usize = 1024;
+
+type Decision = Result<(), (StatusCode, String)>;
+
+/// Recent decisions by SHA-256 of the token (the token itself is not kept).
+#[derive(Default)]
+pub struct DecisionCache {
+    map: Mutex<std::collections::HashMap<[u8; 32], (std::time::Instant, Decision)>>,
+}
+
+impl DecisionCache {
+    fn key(token: &str) -> [u8; 32] {
+        let d = ring::digest::digest(&ring::digest::SHA256, token.as_bytes());
+        let mut k = [0u8; 32];
+        k.copy_from_slice(d.as_ref());
+        k
+    }
+
+    fn get(&self, token: &str, now: std::time::Instant) -> Option<Decision> {
+        let map = self.map.lock().unwrap_or_else(|e| e.into_inner());
+        map.get(&Self::key(token))
+            .filter(|(at, _)| now.saturating_duration_since(*at) < DECISION_TTL)
+            .map(|(_, d)| d.clone())
+    }
+
+    /// Remembers a definite answer (allowed, 401, 403); failures to ask are not kept.
+    fn put(&self, token: &str, decision: &Decision, now: std::time::Instant) {
+        if matches!(decision, Err((StatusCode::INTERNAL_SERVER_ERROR, _))) {
+            return;
+        }
+        let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
+        map.retain(|_, (at, _)| now.saturating_duration_since(*at) < DECISION_TTL);
+        if map.len() >= DECISION_CAP {
+            map.clear();
+        }
+        map.insert(Self::key(token), (now, decision.clone()));
+    }
 }
 
 /// Serves until `shutdown` on `listener` with `tls`.
@@ -89,6 +133,7 @@ pub fn spawn(
         client,
         health,
         registry,
+        decisions: Arc::default(),
     };
     let router = Router::new()
         .route("/healthz", get(healthz))
@@ -156,7 +201,16 @@ async fn metrics(State(ctx): State<Ctx>, headers: HeaderMap) -> Response {
     let Some(token) = token else {
         return (StatusCode::UNAUTHORIZED, "Unauthorized\n").into_response();
     };
-    match authorize(&ctx.client, token, "/metrics").await {
+    let now = std::time::Instant::now();
+    let decision = match ctx.decisions.get(token, now) {
+        Some(d) => d,
+        None => {
+            let d = authorize(&ctx.client, token, "/metrics").await;
+            ctx.decisions.put(token, &d, now);
+            d
+        }
+    };
+    match decision {
         Ok(()) => tether_core::health::render(&ctx.registry).into_response(),
         Err((status, why)) => {
             tracing::info!(reason = %why, "metrics request refused");
@@ -230,5 +284,32 @@ async fn authorize(
                 user.username.unwrap_or_default()
             ),
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn decisions_are_reused_for_ten_seconds_but_failures_to_ask_are_not() {
+        let cache = DecisionCache::default();
+        let t0 = Instant::now();
+        cache.put("a", &Ok(()), t0);
+        cache.put("b", &Err((StatusCode::FORBIDDEN, "no".into())), t0);
+        cache.put(
+            "c",
+            &Err((StatusCode::INTERNAL_SERVER_ERROR, "down".into())),
+            t0,
+        );
+        assert_eq!(cache.get("a", t0 + Duration::from_secs(9)), Some(Ok(())));
+        assert!(matches!(
+            cache.get("b", t0),
+            Some(Err((StatusCode::FORBIDDEN, _)))
+        ));
+        assert_eq!(cache.get("c", t0), None);
+        assert_eq!(cache.get("a", t0 + DECISION_TTL), None);
+        assert_eq!(cache.get("z", t0), None);
     }
 }
