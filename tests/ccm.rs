@@ -320,6 +320,42 @@ fn only_the_leader_acts_and_a_standby_takes_over_when_it_dies() {
     });
 }
 
+/// A Tether server on the host (gRPC frontend on a socket) and an agent inside `node`.
+struct Tunnel {
+    agent: AgentProc,
+    server: ServerProc,
+    socket: PathBuf,
+    _pki: Pki,
+}
+
+impl Tunnel {
+    fn start(node: &Node, agent_id: &str, identifiers: &str) -> Tunnel {
+        let pki = Pki::with_sans(std::slice::from_ref(&node.host_ip));
+        let socket = socket_path(pki.dir());
+        let mut args = uds_frontend_args(&pki, "grpc", &socket);
+        args.push("--agent-bind-address=0.0.0.0".into());
+        let server = ServerProc::start(Path::new(BIN), &args);
+        let agent = AgentProc::start_in(
+            Some(node),
+            Path::new(BIN),
+            &pki,
+            format!("{}:{}", node.host_ip, server.agent.port())
+                .parse()
+                .unwrap(),
+            &[
+                format!("--agent-id={agent_id}"),
+                format!("--agent-identifiers={identifiers}"),
+            ],
+        );
+        Tunnel {
+            agent,
+            server,
+            socket,
+            _pki: pki,
+        }
+    }
+}
+
 /// curl `url`, optionally inside a network namespace; the body on success.
 fn curl(netns: Option<&str>, url: &str) -> Option<String> {
     let mut cmd = match netns {
@@ -340,23 +376,8 @@ fn curl(netns: Option<&str>, url: &str) -> Option<String> {
 fn a_load_balancer_service_is_reachable_through_the_tunnel() {
     // A node on its own network: its address is reachable only through its agent.
     let node = Node::create();
-    let pki = Pki::with_sans(std::slice::from_ref(&node.host_ip));
-    let socket = socket_path(pki.dir());
-    let mut args = uds_frontend_args(&pki, "grpc", &socket);
-    args.push("--agent-bind-address=0.0.0.0".into());
-    let server = ServerProc::start(Path::new(BIN), &args);
-    let _agent = AgentProc::start_in(
-        Some(&node),
-        Path::new(BIN),
-        &pki,
-        format!("{}:{}", node.host_ip, server.agent.port())
-            .parse()
-            .unwrap(),
-        &[
-            "--agent-id=node-1".into(),
-            format!("--agent-identifiers=ipv4={}", node.node_ip),
-        ],
-    );
+    let tunnel = Tunnel::start(&node, "node-1", &format!("ipv4={}", node.node_ip));
+    let socket = &tunnel.socket;
     // The "NodePort": an HTTP server on the node's private address.
     let www = TempDir::new("tether-www");
     std::fs::write(www.path().join("index.html"), "hello from node-1\n").unwrap();
@@ -443,7 +464,7 @@ fn a_load_balancer_service_is_reachable_through_the_tunnel() {
     );
     let _ = http.kill();
     let _ = http.wait();
-    drop(server);
+    drop(tunnel);
 }
 
 /// The NetworkUnavailable condition of `node`: (status, reason).
@@ -605,23 +626,12 @@ fn pod_routes_are_programmed_in_the_hosts_routing_table() {
 #[test]
 fn a_node_whose_agent_is_connected_exists_without_being_in_the_inventory() {
     let node = Node::create();
-    let pki = Pki::with_sans(std::slice::from_ref(&node.host_ip));
-    let socket = socket_path(pki.dir());
-    let mut args = uds_frontend_args(&pki, "grpc", &socket);
-    args.push("--agent-bind-address=0.0.0.0".into());
-    let server = ServerProc::start(Path::new(BIN), &args);
-    let mut agent = AgentProc::start_in(
-        Some(&node),
-        Path::new(BIN),
-        &pki,
-        format!("{}:{}", node.host_ip, server.agent.port())
-            .parse()
-            .unwrap(),
-        &[
-            "--agent-id=edge-1".into(),
-            format!("--agent-identifiers=host=edge-1&ipv4={}", node.node_ip),
-        ],
+    let mut tunnel = Tunnel::start(
+        &node,
+        "edge-1",
+        &format!("host=edge-1&ipv4={}", node.node_ip),
     );
+    let server = &tunnel.server;
     let cluster = Cluster::start(&Egress::Direct);
     let (_dir, inventory) = inventory_dir();
     write_inventory(
@@ -656,7 +666,7 @@ fn a_node_whose_agent_is_connected_exists_without_being_in_the_inventory() {
         "edge-1 was deleted while its agent was connected"
     );
     // Its agent leaves (grace period 0): NotReady and gone, so it is deleted.
-    agent.proc.kill();
+    tunnel.agent.proc.kill();
     wait_blocking("edge-1 deleted", Duration::from_secs(30), || {
         node_json(&cluster, "edge-1").is_none().then_some(())
     });

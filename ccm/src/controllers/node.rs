@@ -71,13 +71,10 @@ impl NodeController {
             let this = this.clone();
             let shutdown = shutdown.clone();
             async move {
-                let mut tick = tokio::time::interval(this.status_period);
-                tick.tick().await;
-                loop {
-                    tokio::select! {
-                        _ = tick.tick() => {}
-                        _ = shutdown.cancelled() => return,
-                    }
+                let mut tick = super::Ticker::new(this.status_period);
+                // The first tick is at once; initialisation covers new nodes.
+                tick.next(&shutdown).await;
+                while tick.next(&shutdown).await {
                     for node in this.ctx.nodes.state() {
                         if has_taint(&node, TAINT_UNINITIALIZED)
                             || node.metadata.deletion_timestamp.is_some()

@@ -36,13 +36,8 @@ impl NodeLifecycleController {
 
     /// Runs until `shutdown`.
     pub async fn run(self, shutdown: CancellationToken) {
-        let mut tick = tokio::time::interval(self.period);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                _ = tick.tick() => {}
-                _ = shutdown.cancelled() => return,
-            }
+        let mut tick = super::Ticker::new(self.period);
+        while tick.next(&shutdown).await {
             for node in self.ctx.nodes.state() {
                 let name = node.name_any();
                 if let Err(e) = self

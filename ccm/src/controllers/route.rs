@@ -124,13 +124,8 @@ impl RouteController {
 
     /// Runs until `shutdown`: once at once, then every period.
     pub async fn run(self, shutdown: CancellationToken) {
-        let mut tick = tokio::time::interval(self.period);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                _ = tick.tick() => {}
-                _ = shutdown.cancelled() => return,
-            }
+        let mut tick = super::Ticker::new(self.period);
+        while tick.next(&shutdown).await {
             if let Err(e) = self
                 .reconcile()
                 .instrument(tracing::debug_span!("reconcile_routes"))
@@ -159,8 +154,14 @@ impl RouteController {
             .map(|r| (r.cidr.clone(), r.via.clone()))
             .collect();
 
-        // Stale routes first: a CIDR that moved to another node is then free.
-        for (cidr, via) in existing.difference(&needed) {
+        // Stale routes. One whose CIDR is still needed with another next hop (the
+        // node's address changed, or the CIDR moved to another node) is left for the
+        // create below, which replaces it in place: the CIDR is never unrouted.
+        let needed_cidrs: BTreeSet<&String> = needed.iter().map(|(c, _)| c).collect();
+        for (cidr, via) in existing
+            .difference(&needed)
+            .filter(|(c, _)| !needed_cidrs.contains(c))
+        {
             let stale = Route {
                 node: String::new(),
                 via: via.clone(),

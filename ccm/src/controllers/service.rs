@@ -129,13 +129,10 @@ impl ServiceController {
             let stop = shutdown.clone();
             tokio::spawn(
                 async move {
-                    let mut tick = tokio::time::interval(this.cfg.resync);
-                    tick.tick().await;
-                    loop {
-                        tokio::select! {
-                            _ = tick.tick() => this.queue_all_balancers(),
-                            _ = stop.cancelled() => return,
-                        }
+                    let mut tick = super::Ticker::new(this.cfg.resync);
+                    tick.next(&stop).await;
+                    while tick.next(&stop).await {
+                        this.queue_all_balancers();
                     }
                 }
                 .instrument(tracing::info_span!("lb_resync")),
