@@ -10,7 +10,7 @@ use tether_client::Client;
 use tether_testkit::backend::{self, LoadBalancer};
 use tether_testkit::kube::{Cluster, Egress};
 use tether_testkit::netns::Node;
-use tether_testkit::{metric, wait_until, AgentProc, Pki, ServerProc, TempDir};
+use tether_testkit::{metric, AgentProc, Pki, ServerProc, TempDir};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const BIN: &str = env!("CARGO_BIN_EXE_tether");
@@ -41,13 +41,23 @@ async fn streams(agent: &AgentProc) -> Option<f64> {
 }
 
 async fn wait_streams(agents: &[AgentProc], n: f64) {
-    for a in agents {
-        wait_until(
-            &format!("agent holds {n} streams"),
-            Duration::from_secs(30),
-            || async move { (streams(a).await == Some(n)).then_some(()) },
-        )
-        .await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    for (i, a) in agents.iter().enumerate() {
+        loop {
+            let have = streams(a).await;
+            if have == Some(n) {
+                break;
+            }
+            if std::time::Instant::now() > deadline {
+                let log = a.proc.log_text();
+                let tail: Vec<&str> = log.lines().rev().take(40).collect();
+                panic!(
+                    "timed out after 30s waiting for agent {i} to hold {n} streams (it holds {have:?}); its last log lines, newest first:\n{}",
+                    tail.join("\n")
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 }
 
