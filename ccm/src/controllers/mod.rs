@@ -42,12 +42,17 @@ pub fn node_info(node: &Node) -> crate::cloud::NodeInfo {
 
 /// The status of `node`'s Ready condition ("True", "False", "Unknown"), if reported.
 pub fn ready_status(node: &Node) -> Option<&str> {
+    condition_status(node, "Ready")
+}
+
+/// The status of `node`'s condition `kind`, if reported.
+pub fn condition_status<'a>(node: &'a Node, kind: &str) -> Option<&'a str> {
     node.status
         .as_ref()?
         .conditions
         .as_ref()?
         .iter()
-        .find(|c| c.type_ == "Ready")
+        .find(|c| c.type_ == kind)
         .map(|c| c.status.as_str())
 }
 

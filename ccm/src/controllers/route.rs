@@ -93,17 +93,6 @@ pub fn wanted(nodes: &[Arc<Node>], cluster_cidrs: &[Cidr]) -> BTreeMap<String, W
     out
 }
 
-/// The status of `node`'s NetworkUnavailable condition, if set.
-fn network_unavailable(node: &Node) -> Option<&str> {
-    node.status
-        .as_ref()?
-        .conditions
-        .as_ref()?
-        .iter()
-        .find(|c| c.type_ == NETWORK_UNAVAILABLE)
-        .map(|c| c.status.as_str())
-}
-
 impl RouteController {
     /// A controller for `cluster_cidrs`, reconciling every `period`.
     pub fn new(
@@ -225,7 +214,7 @@ impl RouteController {
     /// its status changes.
     async fn set_condition(&self, node: &Node, routes_created: bool) -> Result<(), SyncError> {
         let want = if routes_created { "False" } else { "True" };
-        if network_unavailable(node) == Some(want) {
+        if super::condition_status(node, NETWORK_UNAVAILABLE) == Some(want) {
             return Ok(());
         }
         let (reason, message) = if routes_created {
