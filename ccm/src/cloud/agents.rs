@@ -65,6 +65,7 @@ pub enum Presence {
     Gone,
 }
 
+#[derive(Debug)]
 struct State {
     fetched: Option<(Instant, Vec<Agent>)>,
     last_seen: HashMap<String, Instant>,
@@ -73,6 +74,7 @@ struct State {
 }
 
 /// The connected agents, fetched at most every couple of seconds.
+#[derive(Debug)]
 pub struct ConnectedAgents {
     urls: Vec<hyper::Uri>,
     grace: Duration,

@@ -122,8 +122,8 @@ struct File {
 pub struct CloudConfig {
     /// The inventory, by node name.
     pub machines: BTreeMap<String, Machine>,
-    /// Where to learn which agents are connected, if anywhere.
-    pub agents: Option<super::agents::AgentsConfig>,
+    /// Where to learn which agents are connected, if anywhere (URLs validated).
+    pub agents: Option<super::agents::ConnectedAgents>,
     /// Where routes go.
     pub routes: super::host_routes::HostRoutesConfig,
 }
@@ -169,15 +169,20 @@ pub fn parse(path: &Path, text: &str) -> Result<CloudConfig, InventoryError> {
             });
         }
     }
-    if let Some(agents) = &file.agents {
-        super::agents::ConnectedAgents::new(agents).map_err(|e| InventoryError::Parse {
-            path: path.into(),
-            source: serde::de::Error::custom(e),
-        })?;
-    }
+    let agents = match &file.agents {
+        Some(a) => {
+            Some(
+                super::agents::ConnectedAgents::new(a).map_err(|e| InventoryError::Parse {
+                    path: path.into(),
+                    source: serde::de::Error::custom(e),
+                })?,
+            )
+        }
+        None => None,
+    };
     Ok(CloudConfig {
         machines,
-        agents: file.agents,
+        agents,
         routes: file.routes.unwrap_or_default(),
     })
 }
@@ -200,16 +205,17 @@ pub struct Inventory {
 }
 
 impl Inventory {
-    /// Loads `path`; errors are start-up errors.
+    /// Loads `path`; errors are start-up errors. The rest of the config comes back
+    /// beside it (its `machines` moved into the inventory).
     pub fn load(path: &Path) -> Result<(Self, CloudConfig), InventoryError> {
         let (modified, text) = read(path)?;
-        let config = parse(path, &text)?;
+        let mut config = parse(path, &text)?;
         let inventory = Inventory {
             path: path.into(),
             loaded: Mutex::new(Loaded {
                 modified,
                 checked: Instant::now(),
-                machines: config.machines.clone(),
+                machines: std::mem::take(&mut config.machines),
             }),
         };
         Ok((inventory, config))
@@ -269,18 +275,9 @@ impl TetherProvider {
         lb: Option<super::tunnel_lb::TunnelLbConfig>,
     ) -> Result<Self, InventoryError> {
         let (inventory, config) = Inventory::load(cloud_config)?;
-        let agents = match &config.agents {
-            Some(a) => Some(Arc::new(super::agents::ConnectedAgents::new(a).map_err(
-                |e| InventoryError::Parse {
-                    path: cloud_config.into(),
-                    source: serde::de::Error::custom(e),
-                },
-            )?)),
-            None => None,
-        };
         Ok(TetherProvider {
             inventory: Arc::new(inventory),
-            agents,
+            agents: config.agents.map(Arc::new),
             routes: Arc::new(super::host_routes::HostRoutes::new(config.routes)),
             load_balancers: lb.map(|c| Arc::new(super::tunnel_lb::TunnelLoadBalancers::new(c))),
         })
