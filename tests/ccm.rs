@@ -82,6 +82,15 @@ fn write_inventory(path: &Path, yaml: &str) {
     std::fs::rename(&tmp, path).unwrap();
 }
 
+/// Writes an inventory of `(name, InternalIP, shutdown)` machines.
+fn write_machines(path: &Path, machines: &[(&str, &str, bool)]) {
+    let entries: String = machines
+        .iter()
+        .map(|(name, ip, shutdown)| machine(name, ip, *shutdown))
+        .collect();
+    write_inventory(path, &format!("nodes:\n{entries}"));
+}
+
 fn machine(name: &str, ip: &str, shutdown: bool) -> String {
     format!(
         "- name: {name}\n  region: eu-west\n  zone: eu-west-1a\n  instanceType: bare-metal\n  shutdown: {shutdown}\n  addresses:\n  - {{type: ExternalIP, address: 203.0.113.{}}}\n  - {{type: InternalIP, address: {ip}}}\n",
@@ -133,13 +142,9 @@ fn inventory_dir() -> (TempDir, PathBuf) {
 fn nodes_are_initialized_tainted_on_shutdown_and_deleted_when_gone() {
     let cluster = Cluster::start(&Egress::Direct);
     let (_dir, inventory) = inventory_dir();
-    write_inventory(
+    write_machines(
         &inventory,
-        &format!(
-            "nodes:\n{}{}",
-            machine("node-a", "10.0.0.1", false),
-            machine("node-b", "10.0.0.2", false)
-        ),
+        &[("node-a", "10.0.0.1", false), ("node-b", "10.0.0.2", false)],
     );
     add_uninitialized_node(&cluster, "node-a", "10.0.0.1");
     add_uninitialized_node(&cluster, "node-b", "10.0.0.2");
@@ -193,13 +198,9 @@ fn nodes_are_initialized_tainted_on_shutdown_and_deleted_when_gone() {
     wait_node(&cluster, "node-b", "initialized", |n| {
         n["spec"]["providerID"] == "tether://node-b"
     });
-    write_inventory(
+    write_machines(
         &inventory,
-        &format!(
-            "nodes:\n{}{}",
-            machine("node-a", "10.0.0.1", true),
-            machine("node-b", "10.0.0.2", false)
-        ),
+        &[("node-a", "10.0.0.1", true), ("node-b", "10.0.0.2", false)],
     );
     cluster.set_node_ready("node-a", false);
     wait_node(&cluster, "node-a", "shutdown taint", |n| {
@@ -212,10 +213,7 @@ fn nodes_are_initialized_tainted_on_shutdown_and_deleted_when_gone() {
 
     // Gone from the inventory and NotReady: the Node is deleted. A Ready node that is
     // gone is left alone (upstream checks only nodes that are not Ready).
-    write_inventory(
-        &inventory,
-        &format!("nodes:\n{}", machine("node-a", "10.0.0.1", false)),
-    );
+    write_machines(&inventory, &[("node-a", "10.0.0.1", false)]);
     cluster.set_node_ready("node-b", false);
     wait_blocking("node-b deleted", Duration::from_secs(30), || {
         node_json(&cluster, "node-b").is_none().then_some(())
@@ -282,13 +280,9 @@ fn healthz_is_anonymous_and_metrics_need_an_authorized_token() {
 fn only_the_leader_acts_and_a_standby_takes_over_when_it_dies() {
     let cluster = Cluster::start(&Egress::Direct);
     let (_dir, inventory) = inventory_dir();
-    write_inventory(
+    write_machines(
         &inventory,
-        &format!(
-            "nodes:\n{}{}",
-            machine("node-a", "10.0.0.1", false),
-            machine("node-b", "10.0.0.2", false)
-        ),
+        &[("node-a", "10.0.0.1", false), ("node-b", "10.0.0.2", false)],
     );
     let mut first = start_ccm(&cluster, &inventory, "ccm-1");
     first.wait_event("became leader", START_TIMEOUT, |_| true);
@@ -408,10 +402,7 @@ fn a_load_balancer_service_is_reachable_through_the_tunnel() {
 
     let cluster = Cluster::start(&Egress::Direct);
     let (_dir, inventory) = inventory_dir();
-    write_inventory(
-        &inventory,
-        &format!("nodes:\n{}", machine("node-1", &node.node_ip, false)),
-    );
+    write_machines(&inventory, &[("node-1", &node.node_ip, false)]);
     cluster.add_node("node-1", &node.node_ip);
     cluster.set_node_ready("node-1", true);
     let port = free_port();
