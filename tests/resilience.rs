@@ -1,5 +1,6 @@
 //! Failures and lifecycle: agents killed mid-transfer, servers restarted, garbage and
-//! foreign certificates on the agent port, draining agents, destHost routing, health.
+//! foreign certificates on the agent port, draining agents, destHost routing, health,
+//! worker threads.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -298,6 +299,24 @@ async fn dest_host_routes_each_request_to_its_node() {
     }
     assert_eq!(dial_count(&node2).await, 10.0);
     assert_eq!(dial_count(&node3).await, 10.0);
+}
+
+/// The agent runs its tasks on one thread unless told otherwise (`--worker-threads`);
+/// the server on one per CPU.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn worker_threads() {
+    const WORKER: &str = "tokio-rt-worker";
+    let pki = Pki::new();
+    let server = grpc_server(&pki, &["--worker-threads=3"]);
+    let one = AgentProc::start(bin(), &pki, server.agent, &[]);
+    let two = AgentProc::start(bin(), &pki, server.agent, &["--worker-threads=2".into()]);
+    server.wait_agents(2).await;
+    assert_eq!(one.proc.threads_named(WORKER), 1);
+    assert_eq!(two.proc.threads_named(WORKER), 2);
+    assert_eq!(server.proc.threads_named(WORKER), 3);
+    let default = grpc_server(&Pki::new(), &[]);
+    let cpus = std::thread::available_parallelism().unwrap().get();
+    assert_eq!(default.proc.threads_named(WORKER), cpus);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -335,14 +335,32 @@ async fn dial_rate(
     Ok(total as f64 / start.elapsed().as_secs_f64())
 }
 
-fn rss_mib(pid: u32) -> f64 {
+fn mib(v: &Value) -> f64 {
+    v.as_f64().unwrap_or(f64::NAN)
+}
+
+/// One field of `/proc/PID/status` (kB there), in MiB.
+fn status_mib(pid: u32, field: &str) -> f64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
     status
         .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
         .and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok())
         .map(|kb| kb / 1024.0)
         .unwrap_or(f64::NAN)
+}
+
+/// Resident memory of server and agent with `tunnels` held: the total (VmRSS) and its
+/// anonymous part (heap and stacks; the rest is mapped program text).
+fn memory_point(env: &Env, tunnels: Value) -> Value {
+    let (s, a) = (env.grpc_server_pid, env.grpc_agent_pid);
+    json!({
+        "tunnels": tunnels,
+        "server_mib": status_mib(s, "VmRSS"),
+        "agent_mib": status_mib(a, "VmRSS"),
+        "server_anon_mib": status_mib(s, "RssAnon"),
+        "agent_anon_mib": status_mib(a, "RssAnon"),
+    })
 }
 
 async fn established(env: &Env) -> f64 {
@@ -370,9 +388,8 @@ async fn settle(env: &Env, want: f64) {
 async fn memory(env: &Env, max: usize) -> anyhow::Result<Value> {
     let mut rounds = Vec::new();
     for _ in 0..2 {
-        let idle = (rss_mib(env.grpc_server_pid), rss_mib(env.grpc_agent_pid));
         let mut held = Vec::with_capacity(max);
-        let mut points = vec![json!({"tunnels": 0, "server_mib": idle.0, "agent_mib": idle.1})];
+        let mut points = vec![memory_point(env, json!(0))];
         for target in [1_000usize.min(max), max] {
             while held.len() < target {
                 let batch: Vec<_> = futures::future::join_all(
@@ -388,7 +405,7 @@ async fn memory(env: &Env, max: usize) -> anyhow::Result<Value> {
                 }
             }
             settle(env, target as f64).await;
-            points.push(json!({"tunnels": target, "server_mib": rss_mib(env.grpc_server_pid), "agent_mib": rss_mib(env.grpc_agent_pid)}));
+            points.push(memory_point(env, json!(target)));
         }
         drop(held);
         settle(env, 0.0).await;
@@ -398,13 +415,16 @@ async fn memory(env: &Env, max: usize) -> anyhow::Result<Value> {
         let mut last = (f64::MAX, f64::MAX);
         loop {
             tokio::time::sleep(Duration::from_millis(1000)).await;
-            let now = (rss_mib(env.grpc_server_pid), rss_mib(env.grpc_agent_pid));
+            let now = (
+                status_mib(env.grpc_server_pid, "VmRSS"),
+                status_mib(env.grpc_agent_pid, "VmRSS"),
+            );
             if (now.0 >= last.0 && now.1 >= last.1) || Instant::now() > deadline {
                 break;
             }
             last = now;
         }
-        points.push(json!({"tunnels": "closed", "server_mib": rss_mib(env.grpc_server_pid), "agent_mib": rss_mib(env.grpc_agent_pid)}));
+        points.push(memory_point(env, json!("closed")));
         rounds.push(Value::Array(points));
     }
     Ok(Value::Array(rounds))
@@ -597,6 +617,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    // The gRPC client here is the client crate as the CCM runs it: same allocator policy.
+    tether_core::memory::tune_allocator();
     let args = Args::parse();
     let bin = match &args.tether {
         Some(p) => p.clone(),
@@ -733,10 +755,12 @@ async fn main() -> anyhow::Result<()> {
     for round in mem.as_array().unwrap() {
         for p in round.as_array().unwrap() {
             println!(
-                "  tunnels {:>6}: server {:>7.1}  agent {:>7.1}",
+                "  tunnels {:>8}: server {:>6.1} (heap+stacks {:>5.1})  agent {:>6.1} (heap+stacks {:>5.1})",
                 p["tunnels"].to_string(),
-                p["server_mib"].as_f64().unwrap_or(f64::NAN),
-                p["agent_mib"].as_f64().unwrap_or(f64::NAN)
+                mib(&p["server_mib"]),
+                mib(&p["server_anon_mib"]),
+                mib(&p["agent_mib"]),
+                mib(&p["agent_anon_mib"]),
             );
         }
     }

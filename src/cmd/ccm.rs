@@ -278,7 +278,7 @@ pub fn main(args: CcmArgs) -> anyhow::Result<()> {
         Arc::new(TokenBucket::new(args.provider_qps, args.provider_burst)),
         provider_calls.clone(),
     );
-    super::block_on(async move {
+    super::block_on(0, async move {
         let client = tether_core::kubeclient::limited_client(
             kubeconfig.as_deref(),
             Arc::new(TokenBucket::new(args.kube_api_qps, args.kube_api_burst)),

@@ -45,7 +45,7 @@ pub fn main(args: LocalArgs) -> anyhow::Result<()> {
     let pki = DevPki::generate(&dir)
         .with_context(|| format!("cannot create the throwaway PKI in {}", dir.display()))?;
     let socket = dir.join("konnectivity-server.socket");
-    let result = super::block_on(run(args, pki, socket));
+    let result = super::block_on(0, run(args, pki, socket));
     if temporary {
         let _ = std::fs::remove_dir_all(&dir);
     }

@@ -82,9 +82,15 @@ pub fn reject_unsupported(flags: &[(&str, bool)]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Builds a multi-threaded runtime and runs `fut`.
-pub fn block_on<F: std::future::Future>(fut: F) -> F::Output {
-    tokio::runtime::Builder::new_multi_thread()
+/// Builds the runtime and runs `fut` on it: `worker_threads` threads run tasks (0 = one
+/// per CPU the process may use, or `TOKIO_WORKER_THREADS`).
+pub fn block_on<F: std::future::Future>(worker_threads: usize, fut: F) -> F::Output {
+    tether_core::memory::tune_allocator();
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if worker_threads > 0 {
+        runtime.worker_threads(worker_threads);
+    }
+    runtime
         .enable_all()
         .build()
         .expect("tokio runtime")

@@ -102,6 +102,9 @@ pub struct ServerArgs {
     /// How long established tunnels may finish after SIGTERM (0 = close at once).
     #[arg(long, default_value = "0", value_parser = duration)]
     pub graceful_shutdown_timeout: Duration,
+    /// Threads running the server's tasks (0 = one per CPU the process may use).
+    #[arg(long, default_value_t = 0)]
+    pub worker_threads: usize,
 
     /// Refuse agents whose --agent-id or identifiers are not named by their client
     /// certificate (see `tether certs agent`); needs --cluster-ca-cert.
@@ -349,7 +352,7 @@ impl ServerArgs {
 pub fn main(args: ServerArgs) -> anyhow::Result<()> {
     args.log.init();
     let config = args.config()?;
-    super::block_on(async move {
+    super::block_on(args.worker_threads, async move {
         let server_id = config.server_id.clone();
         let bound = Server::bind(config)
             .await

@@ -33,6 +33,24 @@ impl std::fmt::Debug for Proc {
 }
 
 impl Proc {
+    /// The process ID.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Threads of the process named `name` (e.g. tokio's `tokio-rt-worker`).
+    pub fn threads_named(&self, name: &str) -> usize {
+        let dir = format!("/proc/{}/task", self.pid());
+        std::fs::read_dir(dir)
+            .map(|tasks| {
+                tasks
+                    .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+                    .filter(|comm| comm.trim_end() == name)
+                    .count()
+            })
+            .unwrap_or(0)
+    }
+
     /// Spawns `bin` with `args`; stderr lines are collected.
     pub fn spawn(name: &str, bin: &Path, args: &[String]) -> Proc {
         let mut child = Command::new(bin)
