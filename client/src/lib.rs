@@ -1,6 +1,7 @@
 //! A Rust konnectivity client: what kube-apiserver does with a proxy server's gRPC
 //! frontend, for the CCM, tests and benchmarks. [`Client::dial`] opens one Proxy stream
-//! per connection and returns a [`TunnelConn`] implementing `AsyncRead + AsyncWrite`.
+//! per connection and returns a [`TunnelConn`] implementing `AsyncRead + AsyncWrite`,
+//! read and written directly in the caller's task (no pump task, no extra copy).
 
 use std::io;
 use std::path::PathBuf;
@@ -9,14 +10,16 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use futures::StreamExt;
+use bytes::Bytes;
+use futures::{ready, StreamExt};
 use tether_core::transport::{grpc_channel_tls, grpc_channel_uds, ChannelSettings};
 use tether_proto::proxy_service_client::ProxyServiceClient;
 use tether_proto::{packet::Payload, Packet};
-use tokio::io::{AsyncRead, AsyncWrite, DuplexStream, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::runtime::Handle;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
-use tokio_util::sync::CancellationToken;
+use tokio_util::sync::PollSender;
 use tonic::transport::Channel;
 use tonic::Streaming;
 use tracing::Instrument;
@@ -84,19 +87,24 @@ impl Client {
         Ok((tx, inbound))
     }
 
-    /// Dials `address` (`host:port`) through the tunnel.
+    /// Dials `address` (`host:port`) through the tunnel. The DIAL_REQ leaves with the
+    /// stream's headers: the dial costs one round trip to the agent, not two.
     pub async fn dial(&self, address: &str) -> Result<TunnelConn, ClientError> {
-        let (tx, mut inbound) = self.open_stream().await?;
+        let (tx, rx) = mpsc::channel(64);
         let random = tether_core::random_id();
-        let _ = tx.send(Packet::dial_request("tcp", address, random)).await;
+        let _ = tx.try_send(Packet::dial_request("tcp", address, random));
+        let mut client = ProxyServiceClient::new(self.channel.clone())
+            .max_decoding_message_size(16 << 20)
+            .max_encoding_message_size(16 << 20);
         let answer = tokio::time::timeout(DIAL_TIMEOUT, async {
+            let mut inbound = client.proxy(ReceiverStream::new(rx)).await?.into_inner();
             loop {
                 match inbound.message().await? {
                     Some(Packet {
                         payload: Some(Payload::DialResponse(rsp)),
                         ..
                     }) if rsp.random == random => {
-                        return Ok::<_, ClientError>(rsp);
+                        return Ok::<_, ClientError>((rsp, inbound));
                     }
                     Some(Packet {
                         payload: Some(Payload::CloseDial(c)),
@@ -118,7 +126,7 @@ impl Client {
             }
         })
         .await;
-        let rsp = match answer {
+        let (rsp, inbound) = match answer {
             Ok(r) => r?,
             Err(_) => {
                 let _ = tx.send(Packet::close_dial(random)).await;
@@ -131,62 +139,44 @@ impl Client {
                 error: rsp.error,
             });
         }
-        let connect_id = rsp.connect_id;
-        let (user, pump_end) = tokio::io::duplex(256 * 1024);
-        let cancel = CancellationToken::new();
-        let span = tracing::debug_span!("tunnel_conn", %address, connect_id);
-        tokio::spawn(
-            async move {
-                let packets = inbound
-                    .take_while(|r| futures::future::ready(r.is_ok()))
-                    .filter_map(|r| futures::future::ready(r.ok()));
-                let mut packets = Box::pin(packets);
-                let (rd, wr) = tokio::io::split(pump_end);
-                let end = tether_core::pump::splice(
-                    tether_core::pump::Buffered(rd),
-                    wr,
-                    &mut packets,
-                    &tx,
-                    connect_id,
-                    &cancel,
-                    Default::default(),
-                )
-                .await;
-                use tether_core::pump::SpliceEnd;
-                if matches!(end, SpliceEnd::LocalEof | SpliceEnd::LocalError(_)) {
-                    // We closed: tell the server and wait (bounded) for its CLOSE_RSP.
-                    if tx.send(Packet::close_request(connect_id)).await.is_ok() {
-                        let _ = tokio::time::timeout(CLOSE_TIMEOUT, async {
-                            while let Some(p) = packets.next().await {
-                                if matches!(p.payload, Some(Payload::CloseResponse(_))) {
-                                    break;
-                                }
-                            }
-                        })
-                        .await;
-                    }
-                }
-            }
-            .instrument(span),
-        );
         Ok(TunnelConn {
-            io: user,
-            connect_id,
+            connect_id: rsp.connect_id,
+            out: PollSender::new(tx),
+            inbound: Some(inbound),
+            unread: Bytes::new(),
+            close_sent: false,
+            span: tracing::debug_span!("tunnel_conn", %address, connect_id = rsp.connect_id),
         })
     }
 }
 
-/// A connection through the tunnel. Dropping (or shutting down) it closes the
-/// connection on the agent: the pump sees end of file and sends CLOSE_REQ.
+/// A connection through the tunnel, read and written in the caller's task: bytes written
+/// leave as DATA packets, DATA arriving is what reads return. Shutting it down (or
+/// dropping it) closes the connection on the agent with CLOSE_REQ; reads end when the
+/// peer's CLOSE_RSP (or CLOSE_REQ) arrives.
 pub struct TunnelConn {
-    io: DuplexStream,
     connect_id: i64,
+    out: PollSender<Packet>,
+    /// The Proxy stream's packets; `None` once the peer closed or the stream ended.
+    inbound: Option<Streaming<Packet>>,
+    /// Received bytes the caller has not read yet.
+    unread: Bytes,
+    close_sent: bool,
+    span: tracing::Span,
 }
 
 impl TunnelConn {
     /// The connectID the agent assigned.
     pub fn connect_id(&self) -> i64 {
         self.connect_id
+    }
+
+    /// Queues one packet on the Proxy stream, waiting for room.
+    fn poll_send(&mut self, cx: &mut Context<'_>, packet: Packet) -> Poll<io::Result<()>> {
+        let closed = || io::Error::new(io::ErrorKind::BrokenPipe, "proxy stream closed");
+        ready!(self.out.poll_reserve(cx)).map_err(|_| closed())?;
+        self.out.send_item(packet).map_err(|_| closed())?;
+        Poll::Ready(Ok(()))
     }
 }
 
@@ -196,7 +186,50 @@ impl AsyncRead for TunnelConn {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_read(cx, buf)
+        let this = &mut *self;
+        loop {
+            if !this.unread.is_empty() {
+                let n = this.unread.len().min(buf.remaining());
+                buf.put_slice(&this.unread.split_to(n));
+                return Poll::Ready(Ok(()));
+            }
+            let Some(inbound) = this.inbound.as_mut() else {
+                return Poll::Ready(Ok(())); // end of file
+            };
+            let packet = match ready!(inbound.poll_next_unpin(cx)) {
+                Some(Ok(p)) => p,
+                Some(Err(status)) => {
+                    this.inbound = None;
+                    return Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::ConnectionReset,
+                        format!("proxy stream failed: {}", status.message()),
+                    )));
+                }
+                None => {
+                    this.inbound = None;
+                    continue;
+                }
+            };
+            match packet.payload {
+                Some(Payload::Data(d)) if d.error.is_empty() => this.unread = d.data,
+                Some(Payload::Data(d)) => {
+                    this.inbound = None;
+                    return Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::ConnectionReset,
+                        d.error,
+                    )));
+                }
+                Some(Payload::CloseResponse(c)) => {
+                    tracing::debug!(parent: &this.span, error = %c.error, "closed by the proxy");
+                    this.inbound = None;
+                }
+                Some(Payload::CloseRequest(_)) => {
+                    tracing::debug!(parent: &this.span, "close requested by the proxy");
+                    this.inbound = None;
+                }
+                _ => {}
+            }
+        }
     }
 }
 
@@ -206,12 +239,64 @@ impl AsyncWrite for TunnelConn {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write(cx, buf)
+        if self.close_sent {
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::BrokenPipe,
+                "tunnel connection shut down",
+            )));
+        }
+        let n = buf.len().min(tether_core::pump::READ_CHUNK);
+        let packet = Packet::data(self.connect_id, Bytes::copy_from_slice(&buf[..n]));
+        ready!(self.poll_send(cx, packet))?;
+        Poll::Ready(Ok(n))
     }
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_flush(cx)
+
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
     }
+
+    /// Sends CLOSE_REQ: the agent closes the target connection. Reads go on until the
+    /// proxy's CLOSE_RSP.
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_shutdown(cx)
+        if !self.close_sent {
+            let packet = Packet::close_request(self.connect_id);
+            ready!(self.poll_send(cx, packet))?;
+            self.close_sent = true;
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl Drop for TunnelConn {
+    /// A connection the peer has not closed yet is closed in the background: CLOSE_REQ,
+    /// then up to 10 s for the CLOSE_RSP (as upstream's client does) before the stream
+    /// goes.
+    fn drop(&mut self) {
+        let Some(mut inbound) = self.inbound.take() else {
+            return;
+        };
+        let (Some(tx), Ok(rt)) = (self.out.get_ref().cloned(), Handle::try_current()) else {
+            return;
+        };
+        let (connect_id, close_sent) = (self.connect_id, self.close_sent);
+        rt.spawn(
+            async move {
+                if !close_sent && tx.send(Packet::close_request(connect_id)).await.is_err() {
+                    return;
+                }
+                let _ = tokio::time::timeout(CLOSE_TIMEOUT, async {
+                    while let Ok(Some(p)) = inbound.message().await {
+                        if matches!(
+                            p.payload,
+                            Some(Payload::CloseResponse(_) | Payload::CloseRequest(_))
+                        ) {
+                            break;
+                        }
+                    }
+                })
+                .await;
+            }
+            .instrument(self.span.clone()),
+        );
     }
 }
