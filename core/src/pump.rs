@@ -14,7 +14,7 @@ use crate::flow::{Credit, Window};
 
 /// How much one socket read may take (and so the largest DATA packet we send). 128 KiB
 /// reads with 256 KiB HTTP/2 frames measured within the noise of this (tether-bench).
-pub const READ_CHUNK: usize = 32 * 1024;
+pub const READ_CHUNK: usize = 128 * 1024;
 
 /// Why a splice ended; the caller decides what to tell the peer.
 #[derive(Debug)]

@@ -210,6 +210,9 @@ pub const H2_STREAM_WINDOW: u32 = 1 << 20;
 /// HTTP/2 receive window per connection.
 pub const H2_CONN_WINDOW: u32 = 4 << 20;
 
+/// Largest HTTP/2 frame we accept.
+pub const H2_MAX_FRAME: u32 = 128 << 10;
+
 fn endpoint(
     authority: &str,
     settings: &ChannelSettings,
@@ -219,7 +222,8 @@ fn endpoint(
         .connect_timeout(settings.connect_timeout)
         .tcp_nodelay(true)
         .initial_stream_window_size(Some(H2_STREAM_WINDOW))
-        .initial_connection_window_size(Some(H2_CONN_WINDOW));
+        .initial_connection_window_size(Some(H2_CONN_WINDOW))
+        .max_frame_size(Some(H2_MAX_FRAME));
     if let Some(k) = settings.keepalive {
         ep = ep
             .http2_keep_alive_interval(k)

@@ -383,6 +383,7 @@ impl BoundServer {
             .http2_keepalive_timeout(Some(config.agent_keepalive.min(Duration::from_secs(20))))
             .initial_stream_window_size(Some(transport::H2_STREAM_WINDOW))
             .initial_connection_window_size(Some(transport::H2_CONN_WINDOW))
+            .max_frame_size(Some(transport::H2_MAX_FRAME))
             .add_service(
                 AgentServiceServer::new(link)
                     .max_decoding_message_size(MAX_MESSAGE)
@@ -477,6 +478,7 @@ async fn serve_frontend(
                     .http2_keepalive_interval(Some(keepalive))
                     .initial_stream_window_size(Some(transport::H2_STREAM_WINDOW))
                     .initial_connection_window_size(Some(transport::H2_CONN_WINDOW))
+                    .max_frame_size(Some(transport::H2_MAX_FRAME))
             };
             // Established streams keep running after `stop` until `hard_stop`.
             let result = match listener {
