@@ -85,7 +85,63 @@ struct Env {
     grpc_server_pid: u32,
     grpc_agent_pid: u32,
     grpc_health: SocketAddr,
+    /// The processes carrying each route's bytes (server and agent; ssh and sshd).
+    carriers: Vec<(Route, Vec<u32>)>,
     _procs: Vec<Proc>,
+}
+
+impl Env {
+    /// CPU time (seconds) the processes carrying `route` have used so far, their
+    /// children included (sshd forks one per session).
+    fn carrier_cpu(&self, route: Route) -> f64 {
+        let pids = self
+            .carriers
+            .iter()
+            .find(|(r, _)| *r == route)
+            .map(|(_, p)| p.clone())
+            .unwrap_or_default();
+        with_descendants(&pids).into_iter().map(cpu_seconds).sum()
+    }
+}
+
+/// `/proc/PID/stat` fields after the command name (which may hold spaces).
+fn stat_fields(pid: u32) -> Vec<String> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    stat.rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().map(str::to_string).collect())
+        .unwrap_or_default()
+}
+
+/// User plus system CPU seconds of `pid` (clock ticks are 1/100 s on Linux).
+fn cpu_seconds(pid: u32) -> f64 {
+    let f = stat_fields(pid);
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    // Fields 14 and 15 of stat(5), counted from the state field (3).
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+/// `pids` and every process below them.
+fn with_descendants(pids: &[u32]) -> Vec<u32> {
+    let mut all = pids.to_vec();
+    let procs: Vec<(u32, u32)> = std::fs::read_dir("/proc")
+        .map(|d| {
+            d.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+                .filter_map(|pid| Some((pid, stat_fields(pid).get(1)?.parse().ok()?)))
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut i = 0;
+    while i < all.len() {
+        let parent = all[i];
+        all.extend(
+            procs
+                .iter()
+                .filter(|(_, pp)| *pp == parent)
+                .map(|(p, _)| *p),
+        );
+        i += 1;
+    }
+    all
 }
 
 impl Env {
@@ -647,6 +703,13 @@ async fn main() -> anyhow::Result<()> {
         Some(port)
     };
     let (grpc_server_pid, grpc_agent_pid) = (gs.0.id(), ga.0.id());
+    let mut carriers = vec![
+        (Route::GrpcUds, vec![grpc_server_pid, grpc_agent_pid]),
+        (Route::HttpConnectUds, vec![cs.0.id(), ca.0.id()]),
+    ];
+    if ssh_port.is_some() {
+        carriers.push((Route::Ssh, procs.iter().map(|p| p.0.id()).collect()));
+    }
     procs.extend([gs, ga, cs, ca]);
     let env = Arc::new(Env {
         backend,
@@ -656,6 +719,7 @@ async fn main() -> anyhow::Result<()> {
         grpc_server_pid,
         grpc_agent_pid,
         grpc_health: gev["health"].as_str().unwrap_or_default().parse()?,
+        carriers,
         _procs: procs,
     });
     let mut routes = vec![Route::Direct, Route::GrpcUds, Route::HttpConnectUds];
@@ -667,6 +731,7 @@ async fn main() -> anyhow::Result<()> {
         "download MiB/s",
         "upload MiB/s",
         "16 conns MiB/s",
+        "proxy CPU s/GiB",
         "rtt p50 us",
         "rtt p99 us",
         "new conn p50 us",
@@ -681,32 +746,41 @@ async fn main() -> anyhow::Result<()> {
         for (ri, &route) in routes.iter().enumerate() {
             let s = &mut samples[ri];
             let on = |m: &str| args.only.is_empty() || args.only.iter().any(|o| o == m);
+            let cpu_before = env.carrier_cpu(route);
+            let mut moved = 0;
             if on("download") {
                 s[0].push(download(&env, route, n).await? / 1048576.0);
+                moved += n;
             }
             if on("upload") {
                 s[1].push(upload(&env, route, n).await? / 1048576.0);
+                moved += n;
             }
             if on("parallel") {
                 s[2].push(parallel(&env, route, n, 16).await? / 1048576.0);
+                moved += n;
+            }
+            if moved > 0 && route != Route::Direct {
+                let used = env.carrier_cpu(route) - cpu_before;
+                s[3].push(used / (moved as f64 / f64::from(1 << 30)));
             }
             if on("rtt") {
                 let (p50, p99) = rtt(&env, route, 2000).await?;
-                s[3].push(p50);
-                s[4].push(p99);
+                s[4].push(p50);
+                s[5].push(p99);
             }
             if on("newconn") {
                 let (p50, p99) = new_connections(&env, route, 300).await?;
-                s[5].push(p50);
-                s[6].push(p99);
+                s[6].push(p50);
+                s[7].push(p99);
             }
             if on("dialrate") {
-                s[7].push(dial_rate(&env, route, 64, Duration::from_secs(2)).await?);
+                s[8].push(dial_rate(&env, route, 64, Duration::from_secs(2)).await?);
             }
             if on("fairness") {
                 let (kept, buffered) = fairness(&env, route, n).await?;
-                s[8].push(kept);
-                s[9].push(buffered);
+                s[9].push(kept);
+                s[10].push(buffered);
             }
         }
     }
