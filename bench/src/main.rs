@@ -439,11 +439,34 @@ async fn settle(env: &Env, want: f64) {
     }
 }
 
+/// Lets server and agent idle for 5 s (two of their trim intervals), then waits until
+/// neither RSS fell during the last second (at most 15 s in all): they give memory
+/// back a few seconds after a burst ends.
+async fn settle_rss(env: &Env) {
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let deadline = Instant::now() + Duration::from_secs(11);
+    let mut last = (f64::MAX, f64::MAX);
+    loop {
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        let now = (
+            status_mib(env.grpc_server_pid, "VmRSS"),
+            status_mib(env.grpc_agent_pid, "VmRSS"),
+        );
+        if (now.0 >= last.0 && now.1 >= last.1) || Instant::now() > deadline {
+            return;
+        }
+        last = now;
+    }
+}
+
 /// RSS of server and agent at idle, holding 1,000 and `max` idle tunnels, and after
 /// they close; twice, to show whether memory grows across rounds.
 async fn memory(env: &Env, max: usize) -> anyhow::Result<Value> {
     let mut rounds = Vec::new();
     for _ in 0..2 {
+        // Idle means a few seconds after the last traffic: both processes give free
+        // heap back by then.
+        settle_rss(env).await;
         let mut held = Vec::with_capacity(max);
         let mut points = vec![memory_point(env, json!(0))];
         for target in [1_000usize.min(max), max] {
@@ -465,21 +488,7 @@ async fn memory(env: &Env, max: usize) -> anyhow::Result<Value> {
         }
         drop(held);
         settle(env, 0.0).await;
-        // Server and agent give memory back a few seconds after a burst closes: wait
-        // until both RSS figures stop falling (at most 15 s).
-        let deadline = Instant::now() + Duration::from_secs(15);
-        let mut last = (f64::MAX, f64::MAX);
-        loop {
-            tokio::time::sleep(Duration::from_millis(1000)).await;
-            let now = (
-                status_mib(env.grpc_server_pid, "VmRSS"),
-                status_mib(env.grpc_agent_pid, "VmRSS"),
-            );
-            if (now.0 >= last.0 && now.1 >= last.1) || Instant::now() > deadline {
-                break;
-            }
-            last = now;
-        }
+        settle_rss(env).await;
         points.push(memory_point(env, json!("closed")));
         rounds.push(Value::Array(points));
     }
