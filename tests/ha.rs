@@ -40,8 +40,10 @@ async fn streams(agent: &AgentProc) -> Option<f64> {
     )
 }
 
+/// Waits (60 s at most: agents re-count leases and back off between dials, and CI
+/// machines are slow) until every agent holds `n` streams.
 async fn wait_streams(agents: &[AgentProc], n: f64) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
     for (i, a) in agents.iter().enumerate() {
         loop {
             let have = streams(a).await;
@@ -52,7 +54,7 @@ async fn wait_streams(agents: &[AgentProc], n: f64) {
                 let log = a.proc.log_text();
                 let tail: Vec<&str> = log.lines().rev().take(40).collect();
                 panic!(
-                    "timed out after 30s waiting for agent {i} to hold {n} streams (it holds {have:?}); its last log lines, newest first:\n{}",
+                    "timed out after 60s waiting for agent {i} to hold {n} streams (it holds {have:?}); its last log lines, newest first:\n{}",
                     tail.join("\n")
                 );
             }

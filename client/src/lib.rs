@@ -3,14 +3,16 @@
 //! per connection and returns a [`TunnelConn`] implementing `AsyncRead + AsyncWrite`,
 //! read and written directly in the caller's task (no pump task, no extra copy).
 
+use std::collections::VecDeque;
 use std::io;
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures::task::AtomicWaker;
 use futures::{ready, StreamExt};
 use tether_core::transport::{grpc_channel_tls, grpc_channel_uds, ChannelSettings};
 use tether_proto::proxy_service_client::ProxyServiceClient;
@@ -139,36 +141,120 @@ impl Client {
                 error: rsp.error,
             });
         }
-        Ok(TunnelConn {
-            connect_id: rsp.connect_id,
-            out: PollSender::new(tx),
-            inbound: Some(inbound),
-            unread: Bytes::new(),
-            close_sent: false,
-            span: tracing::debug_span!("tunnel_conn", %address, connect_id = rsp.connect_id),
-        })
+        let span = tracing::debug_span!("tunnel_conn", %address, connect_id = rsp.connect_id);
+        Ok(TunnelConn::new(rsp.connect_id, tx, inbound, span))
     }
 }
+
+/// Received bytes held for the reader; past this the stream is not read further until
+/// the caller reads (the HTTP/2 stream window then holds the proxy back).
+const READ_AHEAD: usize = 256 * 1024;
 
 /// A connection through the tunnel, read and written in the caller's task: bytes written
 /// leave as DATA packets, DATA arriving is what reads return. Shutting it down (or
 /// dropping it) closes the connection on the agent with CLOSE_REQ; reads end when the
-/// peer's CLOSE_RSP (or CLOSE_REQ) arrives.
+/// peer's CLOSE_RSP (or CLOSE_REQ) arrives, and writes fail from then on, even if the
+/// caller never reads.
 pub struct TunnelConn {
     connect_id: i64,
     out: PollSender<Packet>,
     /// The Proxy stream's packets; `None` once the peer closed or the stream ended.
     inbound: Option<Streaming<Packet>>,
-    /// Received bytes the caller has not read yet.
-    unread: Bytes,
+    /// Received bytes the caller has not read yet (at most about `READ_AHEAD`).
+    unread: VecDeque<Bytes>,
+    unread_len: usize,
+    /// Why the stream failed, for the next read.
+    failure: Option<String>,
     close_sent: bool,
+    /// Reader and writer may be different tasks (`tokio::io::split`): whichever polls
+    /// the stream, a packet arriving wakes both.
+    wakers: Arc<BothWakers>,
     span: tracing::Span,
 }
 
+#[derive(Default)]
+struct BothWakers {
+    read: AtomicWaker,
+    write: AtomicWaker,
+}
+
+impl Wake for BothWakers {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.read.wake();
+        self.write.wake();
+    }
+}
+
 impl TunnelConn {
+    fn new(
+        connect_id: i64,
+        out: mpsc::Sender<Packet>,
+        inbound: Streaming<Packet>,
+        span: tracing::Span,
+    ) -> Self {
+        TunnelConn {
+            connect_id,
+            out: PollSender::new(out),
+            inbound: Some(inbound),
+            unread: VecDeque::new(),
+            unread_len: 0,
+            failure: None,
+            close_sent: false,
+            wakers: Arc::default(),
+            span,
+        }
+    }
+
     /// The connectID the agent assigned.
     pub fn connect_id(&self) -> i64 {
         self.connect_id
+    }
+
+    /// Takes packets off the stream until `READ_AHEAD` bytes wait unread, the peer
+    /// closes, or nothing more has arrived (the next packet then wakes both sides).
+    fn pull(&mut self) {
+        let waker = Waker::from(self.wakers.clone());
+        let mut cx = Context::from_waker(&waker);
+        while self.unread_len < READ_AHEAD {
+            let Some(inbound) = self.inbound.as_mut() else {
+                return;
+            };
+            let packet = match inbound.poll_next_unpin(&mut cx) {
+                Poll::Pending => return,
+                Poll::Ready(Some(Ok(p))) => p,
+                Poll::Ready(Some(Err(status))) => {
+                    self.inbound = None;
+                    self.failure = Some(format!("proxy stream failed: {}", status.message()));
+                    return;
+                }
+                Poll::Ready(None) => {
+                    self.inbound = None;
+                    return;
+                }
+            };
+            match packet.payload {
+                Some(Payload::Data(d)) if d.error.is_empty() && !d.data.is_empty() => {
+                    self.unread_len += d.data.len();
+                    self.unread.push_back(d.data);
+                }
+                Some(Payload::Data(d)) => {
+                    self.inbound = None;
+                    self.failure = Some(d.error);
+                }
+                Some(Payload::CloseResponse(c)) => {
+                    tracing::debug!(parent: &self.span, error = %c.error, "closed by the proxy");
+                    self.inbound = None;
+                }
+                Some(Payload::CloseRequest(_)) => {
+                    tracing::debug!(parent: &self.span, "close requested by the proxy");
+                    self.inbound = None;
+                }
+                _ => {}
+            }
+        }
     }
 
     /// Queues one packet on the Proxy stream, waiting for room.
@@ -187,49 +273,24 @@ impl AsyncRead for TunnelConn {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = &mut *self;
-        loop {
-            if !this.unread.is_empty() {
-                let n = this.unread.len().min(buf.remaining());
-                buf.put_slice(&this.unread.split_to(n));
-                return Poll::Ready(Ok(()));
+        this.wakers.read.register(cx.waker());
+        this.pull();
+        if let Some(front) = this.unread.front_mut() {
+            let n = front.len().min(buf.remaining());
+            buf.put_slice(&front.split_to(n));
+            this.unread_len -= n;
+            if front.is_empty() {
+                this.unread.pop_front();
             }
-            let Some(inbound) = this.inbound.as_mut() else {
-                return Poll::Ready(Ok(())); // end of file
-            };
-            let packet = match ready!(inbound.poll_next_unpin(cx)) {
-                Some(Ok(p)) => p,
-                Some(Err(status)) => {
-                    this.inbound = None;
-                    return Poll::Ready(Err(io::Error::new(
-                        io::ErrorKind::ConnectionReset,
-                        format!("proxy stream failed: {}", status.message()),
-                    )));
-                }
-                None => {
-                    this.inbound = None;
-                    continue;
-                }
-            };
-            match packet.payload {
-                Some(Payload::Data(d)) if d.error.is_empty() => this.unread = d.data,
-                Some(Payload::Data(d)) => {
-                    this.inbound = None;
-                    return Poll::Ready(Err(io::Error::new(
-                        io::ErrorKind::ConnectionReset,
-                        d.error,
-                    )));
-                }
-                Some(Payload::CloseResponse(c)) => {
-                    tracing::debug!(parent: &this.span, error = %c.error, "closed by the proxy");
-                    this.inbound = None;
-                }
-                Some(Payload::CloseRequest(_)) => {
-                    tracing::debug!(parent: &this.span, "close requested by the proxy");
-                    this.inbound = None;
-                }
-                _ => {}
-            }
+            return Poll::Ready(Ok(()));
         }
+        if let Some(why) = this.failure.take() {
+            return Poll::Ready(Err(io::Error::new(io::ErrorKind::ConnectionReset, why)));
+        }
+        if this.inbound.is_none() {
+            return Poll::Ready(Ok(())); // end of file
+        }
+        Poll::Pending
     }
 }
 
@@ -239,15 +300,25 @@ impl AsyncWrite for TunnelConn {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        if self.close_sent {
+        let this = &mut *self;
+        this.wakers.write.register(cx.waker());
+        // Notice a close even when nobody reads.
+        this.pull();
+        if this.close_sent {
             return Poll::Ready(Err(io::Error::new(
                 io::ErrorKind::BrokenPipe,
                 "tunnel connection shut down",
             )));
         }
+        if this.inbound.is_none() {
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::BrokenPipe,
+                "tunnel connection closed by the proxy",
+            )));
+        }
         let n = buf.len().min(tether_core::pump::READ_CHUNK);
-        let packet = Packet::data(self.connect_id, Bytes::copy_from_slice(&buf[..n]));
-        ready!(self.poll_send(cx, packet))?;
+        let packet = Packet::data(this.connect_id, Bytes::copy_from_slice(&buf[..n]));
+        ready!(this.poll_send(cx, packet))?;
         Poll::Ready(Ok(n))
     }
 
@@ -258,7 +329,7 @@ impl AsyncWrite for TunnelConn {
     /// Sends CLOSE_REQ: the agent closes the target connection. Reads go on until the
     /// proxy's CLOSE_RSP.
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        if !self.close_sent {
+        if !self.close_sent && self.inbound.is_some() {
             let packet = Packet::close_request(self.connect_id);
             ready!(self.poll_send(cx, packet))?;
             self.close_sent = true;
