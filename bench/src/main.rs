@@ -90,20 +90,6 @@ struct Env {
     _procs: Vec<Proc>,
 }
 
-impl Env {
-    /// CPU time (seconds) the processes carrying `route` have used so far, their
-    /// children included (sshd forks one per session).
-    fn carrier_cpu(&self, route: Route) -> f64 {
-        let pids = self
-            .carriers
-            .iter()
-            .find(|(r, _)| *r == route)
-            .map(|(_, p)| p.clone())
-            .unwrap_or_default();
-        with_descendants(&pids).into_iter().map(cpu_seconds).sum()
-    }
-}
-
 /// `/proc/PID/stat` fields after the command name (which may hold spaces).
 fn stat_fields(pid: u32) -> Vec<String> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
@@ -145,6 +131,18 @@ fn with_descendants(pids: &[u32]) -> Vec<u32> {
 }
 
 impl Env {
+    /// CPU time (seconds) the processes carrying `route` have used so far, their
+    /// children included (sshd forks one per session).
+    fn carrier_cpu(&self, route: Route) -> f64 {
+        let pids = self
+            .carriers
+            .iter()
+            .find(|(r, _)| *r == route)
+            .map(|(_, p)| p.clone())
+            .unwrap_or_default();
+        with_descendants(&pids).into_iter().map(cpu_seconds).sum()
+    }
+
     async fn connect(&self, route: Route, target: SocketAddr) -> anyhow::Result<Conn> {
         Ok(match route {
             Route::Direct => {

@@ -77,15 +77,23 @@ impl Client {
         Ok(Client { channel })
     }
 
+    /// A ProxyService client on the shared channel, taking messages up to 16 MiB.
+    fn proxy_client(&self) -> ProxyServiceClient<Channel> {
+        ProxyServiceClient::new(self.channel.clone())
+            .max_decoding_message_size(16 << 20)
+            .max_encoding_message_size(16 << 20)
+    }
+
     /// Opens a raw Proxy stream: packets sent on the returned sender go to the server.
     pub async fn open_stream(
         &self,
     ) -> Result<(mpsc::Sender<Packet>, Streaming<Packet>), ClientError> {
         let (tx, rx) = mpsc::channel(64);
-        let mut client = ProxyServiceClient::new(self.channel.clone())
-            .max_decoding_message_size(16 << 20)
-            .max_encoding_message_size(16 << 20);
-        let inbound = client.proxy(ReceiverStream::new(rx)).await?.into_inner();
+        let inbound = self
+            .proxy_client()
+            .proxy(ReceiverStream::new(rx))
+            .await?
+            .into_inner();
         Ok((tx, inbound))
     }
 
@@ -95,11 +103,12 @@ impl Client {
         let (tx, rx) = mpsc::channel(64);
         let random = tether_core::random_id();
         let _ = tx.try_send(Packet::dial_request("tcp", address, random));
-        let mut client = ProxyServiceClient::new(self.channel.clone())
-            .max_decoding_message_size(16 << 20)
-            .max_encoding_message_size(16 << 20);
         let answer = tokio::time::timeout(DIAL_TIMEOUT, async {
-            let mut inbound = client.proxy(ReceiverStream::new(rx)).await?.into_inner();
+            let mut inbound = self
+                .proxy_client()
+                .proxy(ReceiverStream::new(rx))
+                .await?
+                .into_inner();
             loop {
                 match inbound.message().await? {
                     Some(Packet {

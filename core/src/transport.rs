@@ -213,6 +213,15 @@ pub const H2_CONN_WINDOW: u32 = 4 << 20;
 /// Largest HTTP/2 frame we accept.
 pub const H2_MAX_FRAME: u32 = 128 << 10;
 
+/// A gRPC server builder with our HTTP/2 windows and frame size (what [`endpoint`] sets
+/// for clients).
+pub fn h2_server() -> tonic::transport::Server {
+    tonic::transport::Server::builder()
+        .initial_stream_window_size(Some(H2_STREAM_WINDOW))
+        .initial_connection_window_size(Some(H2_CONN_WINDOW))
+        .max_frame_size(Some(H2_MAX_FRAME))
+}
+
 fn endpoint(
     authority: &str,
     settings: &ChannelSettings,

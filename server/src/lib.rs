@@ -378,12 +378,9 @@ impl BoundServer {
         };
         let incoming =
             transport::tls_incoming(agent_listener, agent_tls, "agent", hard_stop.clone());
-        let agent_server = tonic::transport::Server::builder()
+        let agent_server = transport::h2_server()
             .http2_keepalive_interval(Some(config.agent_keepalive))
             .http2_keepalive_timeout(Some(config.agent_keepalive.min(Duration::from_secs(20))))
-            .initial_stream_window_size(Some(transport::H2_STREAM_WINDOW))
-            .initial_connection_window_size(Some(transport::H2_CONN_WINDOW))
-            .max_frame_size(Some(transport::H2_MAX_FRAME))
             .add_service(
                 AgentServiceServer::new(link)
                     .max_decoding_message_size(MAX_MESSAGE)
@@ -472,13 +469,10 @@ async fn serve_frontend(
                 .max_decoding_message_size(MAX_MESSAGE)
                 .max_encoding_message_size(MAX_MESSAGE);
             let builder = || {
-                tonic::transport::Server::builder()
+                transport::h2_server()
                     // One stream per dial: a client may hold thousands on one connection.
                     .max_concurrent_streams(Some(1 << 16))
                     .http2_keepalive_interval(Some(keepalive))
-                    .initial_stream_window_size(Some(transport::H2_STREAM_WINDOW))
-                    .initial_connection_window_size(Some(transport::H2_CONN_WINDOW))
-                    .max_frame_size(Some(transport::H2_MAX_FRAME))
             };
             // Established streams keep running after `stop` until `hard_stop`.
             let result = match listener {

@@ -163,10 +163,10 @@ impl Proc {
     pub fn signal(&self, sig: &str) {
         let status = Command::new("kill")
             .arg(format!("-{sig}"))
-            .arg(self.child.id().to_string())
+            .arg(self.pid().to_string())
             .status()
             .expect("run kill");
-        assert!(status.success(), "kill -{sig} {}", self.child.id());
+        assert!(status.success(), "kill -{sig} {}", self.pid());
     }
 
     /// Kills the process at once (SIGKILL) and reaps it.
