@@ -1,9 +1,8 @@
 //! The `tether` binary: `server`, `agent`, `local` (server + agent + demo backend in one
-//! process) and `certs`. Flags keep upstream's names and defaults.
-
-mod cmd;
+//! process), `ccm` and `certs`. Flags keep upstream's names and defaults.
 
 use clap::{Parser, Subcommand};
+use tether::cmd;
 
 /// Konnectivity-compatible tunnel for Kubernetes clusters whose nodes sit on private or
 /// untrusted networks.

@@ -16,6 +16,8 @@ use tether_testkit::{metric, AgentProc, Pki, Proc, ServerProc};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const BIN: &str = env!("CARGO_BIN_EXE_tether");
+/// The node agents are the agent-only binary, as the DaemonSet runs them.
+const AGENT_BIN: &str = env!("CARGO_BIN_EXE_tether-agent");
 
 fn bin() -> &'static Path {
     Path::new(BIN)
@@ -108,7 +110,7 @@ fn env(frontend: Frontend, n: usize, extra_server: &[&str]) -> Env {
             .unwrap();
         let agent = AgentProc::start_in(
             Some(&node),
-            bin(),
+            Path::new(AGENT_BIN),
             &pki,
             server_addr,
             &[

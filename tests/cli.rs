@@ -6,9 +6,14 @@ use std::process::Command;
 use tether_testkit::Pki;
 
 const BIN: &str = env!("CARGO_BIN_EXE_tether");
+const AGENT_BIN: &str = env!("CARGO_BIN_EXE_tether-agent");
 
 fn run(args: &[&str]) -> (bool, String) {
-    let out = Command::new(BIN).args(args).output().unwrap();
+    run_bin(BIN, args)
+}
+
+fn run_bin(bin: &str, args: &[&str]) -> (bool, String) {
+    let out = Command::new(bin).args(args).output().unwrap();
     (
         out.status.success(),
         String::from_utf8_lossy(&out.stderr).to_string(),
@@ -167,6 +172,35 @@ fn bad_certificates_name_the_file() {
     let (ok, err) = run(&["agent", &format!("--ca-cert={}", f.server_key.display())]);
     assert!(!ok);
     assert!(error_line(&err).contains("holds no CERTIFICATE"), "{err}");
+}
+
+#[test]
+fn agent_only_binary_validates_like_tether_agent() {
+    let pki = Pki::new();
+    let f = &pki.files;
+    let (ok, err) = run_bin(AGENT_BIN, &["--agent-identifiers=ipv4=not-an-ip"]);
+    assert!(!ok);
+    assert!(error_line(&err).contains("ipv4"), "{err}");
+
+    let (ok, err) = run_bin(
+        AGENT_BIN,
+        &[&format!("--ca-cert={}", f.server_key.display())],
+    );
+    assert!(!ok);
+    assert!(error_line(&err).contains("holds no CERTIFICATE"), "{err}");
+
+    // It has no subcommands: `tether-agent server` is refused, not half-understood.
+    let (ok, err) = run_bin(AGENT_BIN, &["server"]);
+    assert!(!ok);
+    assert!(error_line(&err).contains("'server'"), "{err}");
+
+    let out = Command::new(AGENT_BIN).arg("--help").output().unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    assert!(
+        help.contains("Usage: tether-agent") && help.contains("--proxy-server-host"),
+        "{help}"
+    );
 }
 
 #[test]

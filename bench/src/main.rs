@@ -33,9 +33,13 @@ struct Args {
     /// Write the figures as JSON here.
     #[arg(long, default_value = "bench-results.json")]
     json: PathBuf,
-    /// The tether binary (default: next to this one).
+    /// The tether binary, which runs the servers (default: next to this one).
     #[arg(long)]
     tether: Option<PathBuf>,
+    /// The agent binary the DaemonSet runs (default: `tether-agent` next to the tether
+    /// binary).
+    #[arg(long)]
+    tether_agent: Option<PathBuf>,
     /// Skip the ssh -L comparison.
     #[arg(long)]
     no_ssh: bool,
@@ -544,9 +548,11 @@ fn wait_connected(health: &str) -> anyhow::Result<()> {
     }
 }
 
-/// A server (mode `mode` on `socket`) and an agent connected to it.
+/// A server (mode `mode` on `socket`, run by `bin`) and an agent (run by `agent_bin`)
+/// connected to it.
 fn start_pair(
     bin: &Path,
+    agent_bin: &Path,
     pki: &tether_certs::DevPki,
     mode: &str,
     socket: &Path,
@@ -570,9 +576,8 @@ fn start_pair(
     )?;
     let agent_addr: SocketAddr = ev["agent"].as_str().unwrap_or_default().parse()?;
     let (agent, _) = spawn_tether(
-        bin,
+        agent_bin,
         &[
-            "agent".into(),
             "--proxy-server-host=127.0.0.1".into(),
             format!("--proxy-server-port={}", agent_addr.port()),
             format!("--ca-cert={}", pki.ca_cert.display()),
@@ -687,11 +692,17 @@ async fn main() -> anyhow::Result<()> {
         Some(p) => p.clone(),
         None => std::env::current_exe()?.with_file_name("tether"),
     };
-    if !bin.exists() {
-        bail!(
-            "{} not found: build it first (cargo build --release) or pass --tether",
-            bin.display()
-        );
+    let agent_bin = match &args.tether_agent {
+        Some(p) => p.clone(),
+        None => bin.with_file_name("tether-agent"),
+    };
+    for (path, flag) in [(&bin, "--tether"), (&agent_bin, "--tether-agent")] {
+        if !path.exists() {
+            bail!(
+                "{} not found: build it first (cargo build --release -p tether) or pass {flag}",
+                path.display()
+            );
+        }
     }
     let dir = std::env::temp_dir().join(format!("tether-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
@@ -699,8 +710,8 @@ async fn main() -> anyhow::Result<()> {
     let backend = backend().await;
     let grpc_socket = dir.join("grpc.sock");
     let connect_socket = dir.join("connect.sock");
-    let (gs, ga, gev) = start_pair(&bin, &pki, "grpc", &grpc_socket)?;
-    let (cs, ca, _) = start_pair(&bin, &pki, "http-connect", &connect_socket)?;
+    let (gs, ga, gev) = start_pair(&bin, &agent_bin, &pki, "grpc", &grpc_socket)?;
+    let (cs, ca, _) = start_pair(&bin, &agent_bin, &pki, "http-connect", &connect_socket)?;
     let mut procs = Vec::new();
     let ssh_port = if args.no_ssh {
         None

@@ -283,7 +283,8 @@ pub struct AgentProc {
 
 impl AgentProc {
     /// Starts `tether agent` against `server` with the PKI's agent certificate, plus
-    /// `args`, and waits for its "agent starting" event.
+    /// `args`, and waits for its "agent starting" event. A `bin` named `tether-agent` is
+    /// the agent-only binary and takes the same flags without the subcommand.
     pub fn start(bin: &Path, pki: &crate::Pki, server: SocketAddr, args: &[String]) -> AgentProc {
         Self::start_in(None, bin, pki, server, args)
     }
@@ -297,7 +298,11 @@ impl AgentProc {
         args: &[String],
     ) -> AgentProc {
         let f = &pki.files;
-        let mut all: Vec<String> = vec!["agent".into(), "--log-format=json".into()];
+        let mut all: Vec<String> = Vec::new();
+        if bin.file_name().is_none_or(|n| n != "tether-agent") {
+            all.push("agent".into());
+        }
+        all.push("--log-format=json".into());
         for (flag, default) in [
             ("--proxy-server-host", server.ip().to_string()),
             ("--proxy-server-port", server.port().to_string()),

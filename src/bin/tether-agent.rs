@@ -1,0 +1,23 @@
+//! `tether-agent`: the agent alone, for the per-node DaemonSet. It takes exactly the
+//! flags of `tether agent` (upstream `proxy-agent`'s names), and links none of the
+//! server, CCM or certificate-making code, so every node maps a smaller program.
+
+use clap::Parser;
+
+/// Konnectivity agent: dials out to the proxy server and opens the connections it asks for.
+#[derive(Parser, Debug)]
+#[command(name = "tether-agent", version, about)]
+struct Cli {
+    #[command(flatten)]
+    args: tether::cmd::agent::AgentArgs,
+}
+
+fn main() -> std::process::ExitCode {
+    match tether::cmd::agent::main(Cli::parse().args) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
