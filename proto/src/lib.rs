@@ -12,18 +12,21 @@ mod generated {
 pub use generated::*;
 
 pub mod codec {
-    //! The gRPC codec of every Tether stream: prost encoding with small initial
-    //! buffers. tonic's default gives each stream an 8 KiB encode and an 8 KiB decode
-    //! buffer up front; with one stream per tunnel that is most of an idle tunnel's
-    //! memory. The buffers still grow to the largest message a stream carries.
+    //! The gRPC codec of every Tether stream: prost encoding with no buffers up front.
+    //! tonic's default gives each stream an 8 KiB encode and an 8 KiB decode buffer
+    //! when it opens; with one stream per tunnel that is most of an idle tunnel's
+    //! memory. The buffers grow with the messages a stream carries (a few dozen bytes
+    //! for a tunnel that has only dialled), up to the largest one.
 
     use std::marker::PhantomData;
 
     use tonic::codec::{BufferSettings, Codec};
     use tonic_prost::{ProstCodec, ProstDecoder, ProstEncoder};
 
-    /// Initial encode/decode buffer per stream (a DIAL_REQ fits).
-    pub const INITIAL_BUFFER: usize = 512;
+    /// Initial encode/decode buffer per stream: none. (tonic also uses this size as
+    /// the growth step of (de)compression buffers, which would then divide by zero;
+    /// no stream enables compression, and upstream never does either.)
+    pub const INITIAL_BUFFER: usize = 0;
 
     /// Once this much is encoded, the batch is handed to HTTP/2.
     pub const YIELD_THRESHOLD: usize = 32 * 1024;
