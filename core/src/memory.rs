@@ -1,7 +1,7 @@
 //! The allocator's policy: keep freed memory while traffic flows (no page faults per
 //! buffer), give it back to the kernel once a burst is over (when the number of open
-//! tunnels has fallen well below its recent peak, or when the heap has held the same
-//! free megabytes for a whole interval), so RSS does not stay at the peak.
+//! tunnels has fallen well below its recent peak, or when the process has gone idle
+//! after doing work), so RSS does not stay at the peak.
 
 use std::time::Duration;
 
@@ -24,7 +24,12 @@ const TRIM_THRESHOLD: usize = 4 << 20;
 const MMAP_THRESHOLD: usize = 4 << 20;
 
 /// Free heap below this is not worth a trim.
-const MIN_FREE: usize = 4 << 20;
+const MIN_FREE: usize = 1 << 20;
+
+/// Idle means using at most 1/`IDLE_SHARE` of one CPU over the last interval (5%:
+/// 100 ms per 2 s, about 35 MiB tunnelled); after a trim the next one waits until the
+/// process has used that much CPU again, so an idle process is not trimmed over and over.
+const IDLE_SHARE: u32 = 20;
 
 /// Sets the allocator's thresholds; call once at start-up, before the runtime starts.
 ///
@@ -57,6 +62,21 @@ fn heap_free() -> Option<usize> {
     }
 }
 
+/// CPU time (user + system) this process has used so far.
+#[allow(unsafe_code)]
+fn cpu_time() -> Duration {
+    // SAFETY: getrusage writes only into the struct we pass.
+    let usage = unsafe {
+        let mut usage: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_SELF, &mut usage);
+        usage
+    };
+    let tv = |t: libc::timeval| {
+        Duration::from_secs(t.tv_sec as u64) + Duration::from_micros(t.tv_usec as u64)
+    };
+    tv(usage.ru_utime) + tv(usage.ru_stime)
+}
+
 /// Returns free heap pages to the kernel now.
 #[allow(unsafe_code)]
 pub fn trim() {
@@ -68,9 +88,13 @@ pub fn trim() {
 }
 
 /// Watches `open` (the number of open tunnels) and trims once it has fallen to half its
-/// peak or less, by at least 256 tunnels; also once the heap has held at least 4 MiB
-/// free, unchanged for a whole interval (traffic stopped), more than after the last
-/// trim. Runs until `shutdown`.
+/// peak or less, by at least 256 tunnels; also once the process has gone idle (under 5%
+/// of a CPU for a whole interval) after using at least that much CPU since the last
+/// trim, with at least 1 MiB of heap free. Runs until `shutdown`.
+///
+/// The free-heap figure cannot say what is still resident (pages already handed back
+/// stay "free" to the allocator), hence the CPU clock: it tells when traffic stopped,
+/// and that there was traffic since the last trim.
 pub fn spawn_trimmer(open: impl Fn() -> i64 + Send + 'static, shutdown: CancellationToken) {
     spawn_trimmer_every(INTERVAL, open, shutdown)
 }
@@ -83,7 +107,8 @@ fn spawn_trimmer_every(
     tokio::spawn(
         async move {
             let mut peak = 0i64;
-            let (mut last_free, mut after_trim) = (0usize, 0usize);
+            let idle_cpu = interval / IDLE_SHARE;
+            let (mut last_cpu, mut cpu_at_trim) = (cpu_time(), Duration::ZERO);
             let mut tick = tokio::time::interval(interval);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
@@ -93,21 +118,22 @@ fn spawn_trimmer_every(
                 }
                 let now = open();
                 peak = peak.max(now);
+                let cpu = cpu_time();
+                let went_idle = cpu.saturating_sub(last_cpu) <= idle_cpu
+                    && cpu.saturating_sub(cpu_at_trim) >= idle_cpu;
+                last_cpu = cpu;
                 let free = heap_free().unwrap_or(0);
-                let settled = free >= MIN_FREE
-                    && free.abs_diff(last_free) < 256 << 10
-                    && free > after_trim + (1 << 20);
-                last_free = free;
                 let burst_over = peak - now >= MIN_DROP && now <= peak / 2;
-                if burst_over || settled {
+                if free >= MIN_FREE && (burst_over || went_idle) {
                     tokio::task::spawn_blocking(trim).await.ok();
-                    after_trim = heap_free().unwrap_or(0);
-                    last_free = after_trim;
+                    cpu_at_trim = cpu_time();
+                    last_cpu = cpu_at_trim;
                     tracing::debug!(
                         peak,
                         now,
-                        free_before = free,
-                        free_after = after_trim,
+                        free,
+                        burst_over,
+                        went_idle,
                         "returned free memory to the kernel"
                     );
                     peak = now;
