@@ -198,7 +198,9 @@ fn agent_only_binary_validates_like_tether_agent() {
     let help = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success());
     assert!(
-        help.contains("Usage: tether-agent") && help.contains("--proxy-server-host"),
+        help.contains("Konnectivity agent")
+            && help.contains("Usage: tether-agent")
+            && help.contains("--proxy-server-host"),
         "{help}"
     );
 }

@@ -4,9 +4,13 @@
 
 use clap::Parser;
 
-/// Konnectivity agent: dials out to the proxy server and opens the connections it asks for.
+/// The Tether agent alone, with the flags of `tether agent`.
 #[derive(Parser, Debug)]
-#[command(name = "tether-agent", version, about)]
+#[command(
+    name = "tether-agent",
+    version,
+    about = "Konnectivity agent: dials out to the proxy server and opens the connections it asks for"
+)]
 struct Cli {
     #[command(flatten)]
     args: tether::cmd::agent::AgentArgs,
