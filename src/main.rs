@@ -37,11 +37,5 @@ fn main() -> std::process::ExitCode {
         Command::Ccm(args) => cmd::ccm::main(*args),
         Command::Certs(c) => cmd::certs::main(c),
     };
-    match result {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    cmd::exit_code(result)
 }

@@ -17,11 +17,5 @@ struct Cli {
 }
 
 fn main() -> std::process::ExitCode {
-    match tether::cmd::agent::main(Cli::parse().args) {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    tether::cmd::exit_code(tether::cmd::agent::main(Cli::parse().args))
 }

@@ -82,6 +82,18 @@ pub fn reject_unsupported(flags: &[(&str, bool)]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A command's outcome as the process exit code; an error is printed as one
+/// `error: ...` line with its causes.
+pub fn exit_code(result: anyhow::Result<()>) -> std::process::ExitCode {
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
 /// Builds the runtime and runs `fut` on it: `worker_threads` threads run tasks (0 = one
 /// per CPU the process may use, or `TOKIO_WORKER_THREADS`).
 pub fn block_on<F: std::future::Future>(worker_threads: usize, fut: F) -> F::Output {
