@@ -92,7 +92,7 @@ async fn unknown_connect_id_gets_close_rsp_and_stream_survives() {
     let s = setup(&[]).await;
     let echo = backend::echo().await;
     let client = Client::uds(socket_path(s.pki.dir())).await.unwrap();
-    let (tx, mut rx) = client.open_stream().await.unwrap();
+    let (mut tx, mut rx) = client.open_stream().await.unwrap();
 
     tx.send(Packet::data(424242, &b"nobody home"[..]))
         .await

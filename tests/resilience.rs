@@ -122,17 +122,15 @@ async fn agent_killed_mid_transfer_closes_connections_and_fails_pending_dial_fas
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn agent_reconnects_after_server_restart() {
+async fn agent_and_client_reconnect_after_server_restart() {
     let pki = Pki::new();
     let echo = backend::echo().await;
     let mut server = grpc_server(&pki, &[]);
     let agent = AgentProc::start(bin(), &pki, server.agent, &[]);
     server.wait_agents(1).await;
-    let roundtrip = |pki: &Pki| {
-        let socket = socket_path(pki.dir());
+    let roundtrip = |client: Client| {
         let target = echo.addr.to_string();
         async move {
-            let client = Client::uds(socket).await.unwrap();
             let mut c = client.dial(&target).await.unwrap();
             c.write_all(b"hi").await.unwrap();
             let mut b = [0u8; 2];
@@ -140,7 +138,9 @@ async fn agent_reconnects_after_server_restart() {
             assert_eq!(&b, b"hi");
         }
     };
-    roundtrip(&pki).await;
+    // A client made before the restart is used after it too (as the CCM keeps one).
+    let client = Client::uds(socket_path(pki.dir())).await.unwrap();
+    roundtrip(client.clone()).await;
 
     let agent_port = server.agent.port();
     server.proc.signal("TERM");
@@ -156,7 +156,7 @@ async fn agent_reconnects_after_server_restart() {
 
     let server = grpc_server(&pki, &[&format!("--agent-port={agent_port}")]);
     server.wait_agents(1).await;
-    roundtrip(&pki).await;
+    roundtrip(client).await;
     assert_eq!(http_get(agent.health, "/readyz").await.unwrap().0, 200);
 }
 

@@ -1,7 +1,10 @@
 //! A Rust konnectivity client: what kube-apiserver does with a proxy server's gRPC
 //! frontend, for the CCM, tests and benchmarks. [`Client::dial`] opens one Proxy stream
 //! per connection and returns a [`TunnelConn`] implementing `AsyncRead + AsyncWrite`,
-//! read and written directly in the caller's task (no pump task, no extra copy).
+//! read and written directly in the caller's task (no pump task, no extra copy). The
+//! streams run on a bare HTTP/2 connection (`grpc`), reconnected when it fails.
+
+mod grpc;
 
 use std::collections::VecDeque;
 use std::io;
@@ -12,19 +15,15 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures::ready;
 use futures::task::AtomicWaker;
-use futures::{ready, StreamExt};
-use tether_core::transport::{grpc_channel_tls, grpc_channel_uds, ChannelSettings};
-use tether_proto::proxy_service_client::ProxyServiceClient;
+use h2::client::SendRequest;
 use tether_proto::{packet::Payload, Packet};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::runtime::Handle;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
-use tokio_util::sync::PollSender;
-use tonic::transport::Channel;
-use tonic::Streaming;
 use tracing::Instrument;
+
+use grpc::{Inbound, Outbound, Target};
 
 /// How long to wait for the server's DIAL_RSP (upstream's client backstop).
 pub const DIAL_TIMEOUT: Duration = Duration::from_secs(30);
@@ -35,12 +34,12 @@ const CLOSE_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ClientError {
-    /// The gRPC connection to the proxy server failed.
+    /// The connection to the proxy server failed.
     #[error("cannot connect to proxy server: {0}")]
-    Connect(#[from] tonic::transport::Error),
+    Connect(#[from] io::Error),
     /// The Proxy stream failed.
-    #[error("proxy stream failed: {}", .0.message())]
-    Stream(#[from] tonic::Status),
+    #[error("proxy stream failed: {0}")]
+    Stream(String),
     /// The server or agent answered the dial with an error.
     #[error("dial {address} failed: {error}")]
     Dial {
@@ -54,63 +53,96 @@ pub enum ClientError {
     Timeout(String),
 }
 
-/// A connection to a proxy server's gRPC frontend.
+/// A connection to a proxy server's gRPC frontend. Clones share it.
 #[derive(Clone)]
 pub struct Client {
-    channel: Channel,
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    target: Target,
+    authority: String,
+    /// The current HTTP/2 connection and its generation (bumped on each reconnect).
+    conn: std::sync::Mutex<(u64, SendRequest<Bytes>)>,
+    /// Held while reconnecting, so that one dial reconnects and the others wait for it.
+    reconnecting: tokio::sync::Mutex<()>,
 }
 
 impl Client {
     /// Connects over the Unix socket at `path` (what kube-apiserver does).
     pub async fn uds(path: impl Into<PathBuf>) -> Result<Self, ClientError> {
-        let channel = grpc_channel_uds(path.into(), &ChannelSettings::default()).await?;
-        Ok(Client { channel })
+        Self::connect(Target::Uds(path.into())).await
     }
 
-    /// Connects over TCP with mutual TLS.
+    /// Connects over TCP with mutual TLS (the config must offer ALPN `h2`).
     pub async fn tls(
         host: &str,
         port: u16,
         tls: Arc<rustls::ClientConfig>,
     ) -> Result<Self, ClientError> {
-        let channel = grpc_channel_tls(host, port, tls, &ChannelSettings::default()).await?;
-        Ok(Client { channel })
+        let (host, port) = (host.to_string(), port);
+        Self::connect(Target::Tls { host, port, tls }).await
     }
 
-    /// A ProxyService client on the shared channel, taking messages up to 16 MiB.
-    fn proxy_client(&self) -> ProxyServiceClient<Channel> {
-        ProxyServiceClient::new(self.channel.clone())
-            .max_decoding_message_size(16 << 20)
-            .max_encoding_message_size(16 << 20)
+    async fn connect(target: Target) -> Result<Self, ClientError> {
+        let send = target.connect().await?;
+        Ok(Client {
+            shared: Arc::new(Shared {
+                authority: target.authority(),
+                target,
+                conn: std::sync::Mutex::new((0, send)),
+                reconnecting: tokio::sync::Mutex::new(()),
+            }),
+        })
     }
 
-    /// Opens a raw Proxy stream: packets sent on the returned sender go to the server.
-    pub async fn open_stream(
+    /// Opens a Proxy stream with `first` sent along with its headers. A connection
+    /// that has failed (the server restarted, say) is replaced once, here.
+    async fn open(
         &self,
-    ) -> Result<(mpsc::Sender<Packet>, Streaming<Packet>), ClientError> {
-        let (tx, rx) = mpsc::channel(64);
-        let inbound = self
-            .proxy_client()
-            .proxy(ReceiverStream::new(rx))
-            .await?
-            .into_inner();
-        Ok((tx, inbound))
+        first: Option<&Packet>,
+    ) -> Result<(Outbound, h2::client::ResponseFuture), ClientError> {
+        let current = || self.shared.conn.lock().expect("not poisoned").clone();
+        let (generation, send) = current();
+        if let Ok(mut send) = send.ready().await {
+            if let Ok(stream) = grpc::open(&mut send, &self.shared.authority, first) {
+                return Ok(stream);
+            }
+        }
+        let send = {
+            let _one_at_a_time = self.shared.reconnecting.lock().await;
+            let (now, send) = current();
+            if now != generation {
+                send // another dial has reconnected meanwhile
+            } else {
+                tracing::debug!("proxy connection failed; reconnecting");
+                let send = self.shared.target.connect().await?;
+                *self.shared.conn.lock().expect("not poisoned") = (generation + 1, send.clone());
+                send
+            }
+        };
+        let mut send = send.ready().await.map_err(grpc::h2_io)?;
+        grpc::open(&mut send, &self.shared.authority, first)
+            .map_err(|e| ClientError::Connect(grpc::h2_io(e)))
+    }
+
+    /// Opens a raw Proxy stream, for speaking the protocol packet by packet.
+    pub async fn open_stream(&self) -> Result<(PacketSender, PacketStream), ClientError> {
+        let (out, response) = self.open(None).await?;
+        let inbound = Inbound::new(response).await.map_err(ClientError::Stream)?;
+        Ok((PacketSender(out), PacketStream(inbound)))
     }
 
     /// Dials `address` (`host:port`) through the tunnel. The DIAL_REQ leaves with the
     /// stream's headers: the dial costs one round trip to the agent, not two.
     pub async fn dial(&self, address: &str) -> Result<TunnelConn, ClientError> {
-        let (tx, rx) = mpsc::channel(64);
         let random = tether_core::random_id();
-        let _ = tx.try_send(Packet::dial_request("tcp", address, random));
+        let dial = Packet::dial_request("tcp", address, random);
+        let (mut out, response) = self.open(Some(&dial)).await?;
         let answer = tokio::time::timeout(DIAL_TIMEOUT, async {
-            let mut inbound = self
-                .proxy_client()
-                .proxy(ReceiverStream::new(rx))
-                .await?
-                .into_inner();
+            let mut inbound = Inbound::new(response).await.map_err(ClientError::Stream)?;
             loop {
-                match inbound.message().await? {
+                match inbound.message().await.map_err(ClientError::Stream)? {
                     Some(Packet {
                         payload: Some(Payload::DialResponse(rsp)),
                         ..
@@ -138,20 +170,53 @@ impl Client {
         })
         .await;
         let (rsp, inbound) = match answer {
-            Ok(r) => r?,
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => {
+                out.finish();
+                return Err(e);
+            }
             Err(_) => {
-                let _ = tx.send(Packet::close_dial(random)).await;
+                out.send_now(&Packet::close_dial(random));
+                out.finish();
                 return Err(ClientError::Timeout(address.to_string()));
             }
         };
         if !rsp.error.is_empty() {
+            out.finish();
             return Err(ClientError::Dial {
                 address: address.to_string(),
                 error: rsp.error,
             });
         }
         let span = tracing::debug_span!("tunnel_conn", %address, connect_id = rsp.connect_id);
-        Ok(TunnelConn::new(rsp.connect_id, tx, inbound, span))
+        Ok(TunnelConn::new(rsp.connect_id, out, inbound, span))
+    }
+}
+
+/// The sending half of a raw Proxy stream ([`Client::open_stream`]). Dropping it ends
+/// the stream from the client's side.
+pub struct PacketSender(Outbound);
+
+impl PacketSender {
+    /// Sends `packet`, waiting for HTTP/2 flow control.
+    pub async fn send(&mut self, packet: Packet) -> Result<(), ClientError> {
+        self.0.send(&packet).await.map_err(ClientError::Connect)
+    }
+}
+
+impl Drop for PacketSender {
+    fn drop(&mut self) {
+        self.0.finish();
+    }
+}
+
+/// The receiving half of a raw Proxy stream.
+pub struct PacketStream(Inbound);
+
+impl PacketStream {
+    /// The next packet; `None` once the server ended the stream with status OK.
+    pub async fn message(&mut self) -> Result<Option<Packet>, ClientError> {
+        self.0.message().await.map_err(ClientError::Stream)
     }
 }
 
@@ -166,9 +231,9 @@ const READ_AHEAD: usize = 256 * 1024;
 /// caller never reads.
 pub struct TunnelConn {
     connect_id: i64,
-    out: PollSender<Packet>,
+    out: Outbound,
     /// The Proxy stream's packets; `None` once the peer closed or the stream ended.
-    inbound: Option<Streaming<Packet>>,
+    inbound: Option<Inbound>,
     /// Received bytes the caller has not read yet (at most about `READ_AHEAD`).
     unread: VecDeque<Bytes>,
     unread_len: usize,
@@ -198,15 +263,10 @@ impl Wake for BothWakers {
 }
 
 impl TunnelConn {
-    fn new(
-        connect_id: i64,
-        out: mpsc::Sender<Packet>,
-        inbound: Streaming<Packet>,
-        span: tracing::Span,
-    ) -> Self {
+    fn new(connect_id: i64, out: Outbound, inbound: Inbound, span: tracing::Span) -> Self {
         TunnelConn {
             connect_id,
-            out: PollSender::new(out),
+            out,
             inbound: Some(inbound),
             unread: VecDeque::new(),
             unread_len: 0,
@@ -231,12 +291,12 @@ impl TunnelConn {
             let Some(inbound) = self.inbound.as_mut() else {
                 return;
             };
-            let packet = match inbound.poll_next_unpin(&mut cx) {
+            let packet = match inbound.poll_packet(&mut cx) {
                 Poll::Pending => return,
                 Poll::Ready(Some(Ok(p))) => p,
-                Poll::Ready(Some(Err(status))) => {
+                Poll::Ready(Some(Err(why))) => {
                     self.inbound = None;
-                    self.failure = Some(format!("proxy stream failed: {}", status.message()));
+                    self.failure = Some(format!("proxy stream failed: {why}"));
                     return;
                 }
                 Poll::Ready(None) => {
@@ -264,14 +324,6 @@ impl TunnelConn {
                 _ => {}
             }
         }
-    }
-
-    /// Queues one packet on the Proxy stream, waiting for room.
-    fn poll_send(&mut self, cx: &mut Context<'_>, packet: Packet) -> Poll<io::Result<()>> {
-        let closed = || io::Error::new(io::ErrorKind::BrokenPipe, "proxy stream closed");
-        ready!(self.out.poll_reserve(cx)).map_err(|_| closed())?;
-        self.out.send_item(packet).map_err(|_| closed())?;
-        Poll::Ready(Ok(()))
     }
 }
 
@@ -326,8 +378,10 @@ impl AsyncWrite for TunnelConn {
             )));
         }
         let n = buf.len().min(tether_core::pump::READ_CHUNK);
-        let packet = Packet::data(this.connect_id, Bytes::copy_from_slice(&buf[..n]));
-        ready!(this.poll_send(cx, packet))?;
+        let connect_id = this.connect_id;
+        ready!(this
+            .out
+            .poll_send(cx, || grpc::frame_data(connect_id, &buf[..n])))?;
         Poll::Ready(Ok(n))
     }
 
@@ -340,7 +394,7 @@ impl AsyncWrite for TunnelConn {
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         if !self.close_sent && self.inbound.is_some() {
             let packet = Packet::close_request(self.connect_id);
-            ready!(self.poll_send(cx, packet))?;
+            ready!(self.out.poll_send(cx, || grpc::frame(&packet)))?;
             self.close_sent = true;
         }
         Poll::Ready(Ok(()))
@@ -350,18 +404,17 @@ impl AsyncWrite for TunnelConn {
 impl Drop for TunnelConn {
     /// A connection the peer has not closed yet is closed in the background: CLOSE_REQ,
     /// then up to 10 s for the CLOSE_RSP (as upstream's client does) before the stream
-    /// goes.
+    /// ends. Either way the client ends its half of the stream cleanly.
     fn drop(&mut self) {
-        let Some(mut inbound) = self.inbound.take() else {
+        let (Some(mut inbound), Ok(rt)) = (self.inbound.take(), Handle::try_current()) else {
+            self.out.finish();
             return;
         };
-        let (Some(tx), Ok(rt)) = (self.out.get_ref().cloned(), Handle::try_current()) else {
-            return;
-        };
+        let mut out = self.out.take();
         let (connect_id, close_sent) = (self.connect_id, self.close_sent);
         rt.spawn(
             async move {
-                if !close_sent && tx.send(Packet::close_request(connect_id)).await.is_err() {
+                if !close_sent && out.send(&Packet::close_request(connect_id)).await.is_err() {
                     return;
                 }
                 let _ = tokio::time::timeout(CLOSE_TIMEOUT, async {
@@ -375,6 +428,7 @@ impl Drop for TunnelConn {
                     }
                 })
                 .await;
+                out.finish();
             }
             .instrument(self.span.clone()),
         );
