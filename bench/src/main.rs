@@ -2,7 +2,10 @@
 //! processes) and a backend on loopback, then measures, through each frontend (gRPC
 //! over UDS with the Rust client, HTTP-CONNECT over UDS), a direct connection and an
 //! OpenSSH `ssh -L` forward: throughput, round-trip latency, new-connection latency,
-//! dial rate, and the server's and agent's resident memory holding idle tunnels.
+//! dial rate, and the server's and agent's resident memory holding idle tunnels. A
+//! fifth column, two plain TCP relays in a chain (no TLS, no framing, one thread each),
+//! is the floor: what any proxy with a server and an agent between client and target
+//! could reach on this machine.
 //! Rounds are interleaved and medians reported; every figure is also a ratio to direct.
 
 use std::io::{BufRead, BufReader};
@@ -47,6 +50,13 @@ struct Args {
     /// newconn, dialrate, fairness); all by default.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
+    /// Skip the two-relay floor.
+    #[arg(long)]
+    no_relay: bool,
+    /// (internal) Run as a plain TCP relay to this address: print the listening port,
+    /// then forward every connection.
+    #[arg(long, hide = true)]
+    relay_to: Option<SocketAddr>,
 }
 
 trait Io: AsyncRead + AsyncWrite + Send + Unpin {}
@@ -59,6 +69,7 @@ enum Route {
     GrpcUds,
     HttpConnectUds,
     Ssh,
+    Relay,
 }
 
 impl Route {
@@ -68,6 +79,7 @@ impl Route {
             Route::GrpcUds => "tether grpc/uds",
             Route::HttpConnectUds => "tether http-connect/uds",
             Route::Ssh => "ssh -L",
+            Route::Relay => "2 plain relays (floor)",
         }
     }
 }
@@ -86,6 +98,7 @@ struct Env {
     connect_socket: PathBuf,
     client: tether_client::Client,
     ssh_port: Option<u16>,
+    relay_port: Option<u16>,
     grpc_server_pid: u32,
     grpc_agent_pid: u32,
     grpc_health: SocketAddr,
@@ -161,21 +174,36 @@ impl Env {
                     format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n").as_bytes(),
                 )
                 .await?;
-                let mut head = Vec::new();
-                let mut b = [0u8; 1];
+                // Buffered, as kube-apiserver reads it (not a byte per read). The
+                // backend never speaks first, so nothing can follow the head yet.
+                let mut head = Vec::with_capacity(256);
+                let mut b = [0u8; 256];
                 while !head.ends_with(b"\r\n\r\n") {
-                    if s.read(&mut b).await? == 0 {
+                    let n = s.read(&mut b).await?;
+                    if n == 0 {
                         bail!("CONNECT: closed");
                     }
-                    head.push(b[0]);
+                    head.extend_from_slice(&b[..n]);
+                    if head.len() > 4096
+                        || head.windows(4).any(|w| w == b"\r\n\r\n") && !head.ends_with(b"\r\n\r\n")
+                    {
+                        bail!(
+                            "CONNECT: unexpected answer {:?}",
+                            String::from_utf8_lossy(&head)
+                        );
+                    }
                 }
                 if !head.starts_with(b"HTTP/1.1 200") {
                     bail!("CONNECT: {}", String::from_utf8_lossy(&head));
                 }
                 Box::pin(s)
             }
-            Route::Ssh => {
-                let port = self.ssh_port.context("ssh not set up")?;
+            Route::Ssh | Route::Relay => {
+                let port = if route == Route::Ssh {
+                    self.ssh_port.context("ssh not set up")?
+                } else {
+                    self.relay_port.context("relays not set up")?
+                };
                 let s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
                 s.set_nodelay(true)?;
                 Box::pin(s)
@@ -655,6 +683,44 @@ fn start_ssh(dir: &Path, backend: SocketAddr) -> anyhow::Result<(u16, Vec<Proc>)
     Ok((local, vec![forward, daemon]))
 }
 
+/// Two relay processes in a chain to `target`: the first one's port and both processes.
+fn start_relays(target: SocketAddr) -> anyhow::Result<(u16, Vec<Proc>)> {
+    let mut procs = Vec::new();
+    let mut to = target;
+    for _ in 0..2 {
+        let mut child = Command::new(std::env::current_exe()?)
+            .arg(format!("--relay-to={to}"))
+            .stdout(Stdio::piped())
+            .spawn()?;
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().context("relay stdout")?).read_line(&mut line)?;
+        procs.push(Proc(child));
+        let port: u16 = line
+            .trim()
+            .parse()
+            .context("relay did not report its port")?;
+        to = SocketAddr::from(([127, 0, 0, 1], port));
+    }
+    Ok((to.port(), procs))
+}
+
+/// A plain TCP relay on one thread: 128 KiB reads each way, nothing else.
+async fn relay(to: SocketAddr) -> anyhow::Result<()> {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    println!("{}", l.local_addr()?.port());
+    loop {
+        let (mut a, _) = l.accept().await?;
+        tokio::spawn(async move {
+            let Ok(mut b) = tokio::net::TcpStream::connect(to).await else {
+                return;
+            };
+            let _ = (a.set_nodelay(true), b.set_nodelay(true));
+            let _ = tokio::io::copy_bidirectional_with_sizes(&mut a, &mut b, 128 << 10, 128 << 10)
+                .await;
+        });
+    }
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -683,11 +749,20 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    if let Some(to) = args.relay_to {
+        return tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?
+            .block_on(relay(to));
+    }
     // The gRPC client here is the client crate as the CCM runs it: same allocator policy.
     tether_core::memory::tune_allocator();
-    let args = Args::parse();
+    tokio::runtime::Runtime::new()?.block_on(bench(args))
+}
+
+async fn bench(args: Args) -> anyhow::Result<()> {
     let bin = match &args.tether {
         Some(p) => p.clone(),
         None => std::env::current_exe()?.with_file_name("tether"),
@@ -728,12 +803,21 @@ async fn main() -> anyhow::Result<()> {
     if ssh_port.is_some() {
         carriers.push((Route::Ssh, procs.iter().map(|p| p.0.id()).collect()));
     }
+    let relay_port = if args.no_relay {
+        None
+    } else {
+        let (port, relays) = start_relays(backend)?;
+        carriers.push((Route::Relay, relays.iter().map(|p| p.0.id()).collect()));
+        procs.extend(relays);
+        Some(port)
+    };
     procs.extend([gs, ga, cs, ca]);
     let env = Arc::new(Env {
         backend,
         client: tether_client::Client::uds(&grpc_socket).await?,
         connect_socket,
         ssh_port,
+        relay_port,
         grpc_server_pid,
         grpc_agent_pid,
         grpc_health: gev["health"].as_str().unwrap_or_default().parse()?,
@@ -743,6 +827,9 @@ async fn main() -> anyhow::Result<()> {
     let mut routes = vec![Route::Direct, Route::GrpcUds, Route::HttpConnectUds];
     if env.ssh_port.is_some() {
         routes.push(Route::Ssh);
+    }
+    if env.relay_port.is_some() {
+        routes.push(Route::Relay);
     }
     let n = args.size_mib << 20;
     let metrics = [
