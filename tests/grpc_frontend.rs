@@ -252,3 +252,39 @@ async fn graceful_shutdown_lets_established_tunnels_finish() {
         .expect("server exits once idle");
     assert!(started.elapsed() < Duration::from_secs(10));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sigterm_ends_open_streams_and_the_server_exits_at_once() {
+    // The default --graceful-shutdown-timeout is 0: close at once. Open Proxy streams
+    // must not hold the gRPC frontend's HTTP/2 connections (and the exit) open.
+    let mut s = setup(&[]).await;
+    let echo = backend::echo().await;
+    let client = Client::uds(socket_path(s.pki.dir())).await.unwrap();
+    let mut conns = Vec::new();
+    for _ in 0..20 {
+        let mut c = client.dial(&echo.addr.to_string()).await.unwrap();
+        c.write_all(b"1").await.unwrap();
+        let mut b = [0u8; 1];
+        c.read_exact(&mut b).await.unwrap();
+        conns.push(c);
+    }
+    s.server.proc.signal("TERM");
+    s.server
+        .proc
+        .wait_event("server stopped", Duration::from_secs(10), |_| true);
+    assert!(
+        !s.server.proc.logged("listeners still open"),
+        "the server waited for open streams: {}",
+        s.server.proc.log_text()
+    );
+    s.server
+        .proc
+        .wait_exit(Duration::from_secs(10))
+        .expect("server exits");
+    // Every tunnel ends for its caller: end of file or an error, never a hang.
+    for mut c in conns {
+        let mut b = [0u8; 1];
+        let read = tokio::time::timeout(Duration::from_secs(10), c.read(&mut b)).await;
+        assert!(matches!(read, Ok(Ok(0)) | Ok(Err(_))), "{read:?}");
+    }
+}

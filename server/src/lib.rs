@@ -444,13 +444,16 @@ impl BoundServer {
             }
         }
         hard_stop.cancel();
-        let _ = tokio::time::timeout(Duration::from_secs(2), async {
+        let stopped = tokio::time::timeout(Duration::from_secs(2), async {
             for task in frontend_tasks {
                 let _ = task.await;
             }
             let _ = agent_task.await;
         })
         .await;
+        if stopped.is_err() {
+            tracing::warn!("listeners still open 2s after the hard stop; exiting anyway");
+        }
         tracing::info!("server stopped");
     }
 }
@@ -465,9 +468,12 @@ async fn serve_frontend(
 ) {
     match mode {
         Mode::Grpc => {
-            let svc = ProxyServiceServer::new(frontend::grpc::GrpcFrontend { tunnel })
-                .max_decoding_message_size(MAX_MESSAGE)
-                .max_encoding_message_size(MAX_MESSAGE);
+            let svc = ProxyServiceServer::new(frontend::grpc::GrpcFrontend {
+                tunnel,
+                stop: hard_stop.clone(),
+            })
+            .max_decoding_message_size(MAX_MESSAGE)
+            .max_encoding_message_size(MAX_MESSAGE);
             let builder = || {
                 transport::h2_server()
                     // One stream per dial: a client may hold thousands on one connection.

@@ -1,6 +1,7 @@
 //! The gRPC frontend (`/ProxyService/Proxy`): one task per client stream turns the
 //! client's packets into calls on the server core; the core's answers flow back through
-//! the stream's outbox.
+//! the stream's outbox. At the hard stop every stream ends, so the HTTP/2 connections
+//! can close at once.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -9,6 +10,7 @@ use futures::Stream;
 use tether_proto::proxy_service_server::ProxyService;
 use tether_proto::{packet::Payload, Packet};
 use tokio_stream::StreamExt;
+use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
 
@@ -18,6 +20,8 @@ use crate::tunnel::{outbox, Frontend, Tunnel, NO_AGENT};
 /// Serves `ProxyService`.
 pub struct GrpcFrontend {
     pub(crate) tunnel: Arc<Tunnel>,
+    /// The server's hard stop: every stream's task ends, and with it the stream.
+    pub(crate) stop: CancellationToken,
 }
 
 type PacketStream = Pin<Box<dyn Stream<Item = Result<Packet, Status>> + Send>>;
@@ -41,9 +45,14 @@ impl ProxyService for GrpcFrontend {
         let inbound = request.into_inner();
         // Debug level: an info-level span per tunnel costs ~0.4 KiB in the subscriber.
         let span = tracing::debug_span!("frontend", kind = "grpc", id = fe.id());
+        let stop = self.stop.clone();
         tokio::spawn(
             async move {
-                serve_client(&tunnel, &fe, inbound).await;
+                tokio::select! {
+                    _ = serve_client(&tunnel, &fe, inbound) => {}
+                    _ = stop.cancelled() => tracing::debug!("server stopping: stream ended"),
+                }
+                // The last sender of the outbox goes with `fe`: the response stream ends.
                 Box::pin(tunnel.frontend_gone(&fe)).await;
                 gauge.dec();
             }
