@@ -260,14 +260,7 @@ async fn sigterm_ends_open_streams_and_the_server_exits_at_once() {
     let mut s = setup(&[]).await;
     let echo = backend::echo().await;
     let client = Client::uds(socket_path(s.pki.dir())).await.unwrap();
-    let mut conns = Vec::new();
-    for _ in 0..20 {
-        let mut c = client.dial(&echo.addr.to_string()).await.unwrap();
-        c.write_all(b"1").await.unwrap();
-        let mut b = [0u8; 1];
-        c.read_exact(&mut b).await.unwrap();
-        conns.push(c);
-    }
+    let conns = backend::echo_tunnels(&client, echo.addr, 20).await;
     s.server.proc.signal("TERM");
     s.server
         .proc

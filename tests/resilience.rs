@@ -40,14 +40,7 @@ async fn agent_killed_mid_transfer_closes_connections_and_fails_pending_dial_fas
     let echo = backend::echo().await;
     let client = Client::uds(socket_path(pki.dir())).await.unwrap();
 
-    let mut conns = Vec::new();
-    for _ in 0..3 {
-        let mut c = client.dial(&echo.addr.to_string()).await.unwrap();
-        c.write_all(b"x").await.unwrap();
-        let mut b = [0u8; 1];
-        c.read_exact(&mut b).await.unwrap();
-        conns.push(c);
-    }
+    let mut conns = backend::echo_tunnels(&client, echo.addr, 3).await;
     // A dial the agent cannot complete: its connect hangs.
     let hole = Blackhole::new();
     let pending_client = client.clone();

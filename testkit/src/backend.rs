@@ -361,3 +361,22 @@ pub async fn sink() -> Backend {
     })
     .await
 }
+
+/// `n` tunnels through `client` to the echo backend at `echo`, each proven open by one
+/// echoed byte.
+pub async fn echo_tunnels(
+    client: &tether_client::Client,
+    echo: SocketAddr,
+    n: usize,
+) -> Vec<tether_client::TunnelConn> {
+    let mut conns = Vec::with_capacity(n);
+    for _ in 0..n {
+        let mut c = client.dial(&echo.to_string()).await.unwrap();
+        c.write_all(b"x").await.unwrap();
+        let mut b = [0u8; 1];
+        c.read_exact(&mut b).await.unwrap();
+        assert_eq!(&b, b"x");
+        conns.push(c);
+    }
+    conns
+}
