@@ -172,6 +172,11 @@ pub(crate) fn frame_data(connect_id: i64, data: &[u8]) -> Bytes {
 pub(crate) struct Outbound(Option<h2::SendStream<Bytes>>);
 
 impl Outbound {
+    /// A half with no stream (writes fail as closed).
+    pub(crate) fn closed() -> Outbound {
+        Outbound(None)
+    }
+
     /// Moves the stream out, leaving a closed half behind.
     pub(crate) fn take(&mut self) -> Outbound {
         Outbound(self.0.take())

@@ -134,12 +134,16 @@ impl Client {
     }
 
     /// Dials `address` (`host:port`) through the tunnel. The DIAL_REQ leaves with the
-    /// stream's headers: the dial costs one round trip to the agent, not two.
+    /// stream's headers: the dial costs one round trip to the agent, not two. Opening
+    /// the stream (waiting for a free stream slot, or reconnecting) counts towards
+    /// [`DIAL_TIMEOUT`] too.
     pub async fn dial(&self, address: &str) -> Result<TunnelConn, ClientError> {
         let random = tether_core::random_id();
         let dial = Packet::dial_request("tcp", address, random);
-        let (mut out, response) = self.open(Some(&dial)).await?;
+        let mut opened = Outbound::closed();
         let answer = tokio::time::timeout(DIAL_TIMEOUT, async {
+            let (out, response) = self.open(Some(&dial)).await?;
+            opened = out;
             let mut inbound = Inbound::new(response).await.map_err(ClientError::Stream)?;
             loop {
                 match inbound.message().await.map_err(ClientError::Stream)? {
@@ -169,6 +173,7 @@ impl Client {
             }
         })
         .await;
+        let mut out = opened;
         let (rsp, inbound) = match answer {
             Ok(Ok(r)) => r,
             Ok(Err(e)) => {
