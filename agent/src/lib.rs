@@ -361,8 +361,8 @@ impl Agent {
             );
         }
         let mut client = AgentServiceClient::new(channel)
-            .max_decoding_message_size(16 << 20)
-            .max_encoding_message_size(16 << 20);
+            .max_decoding_message_size(tether_proto::MAX_MESSAGE)
+            .max_encoding_message_size(tether_proto::MAX_MESSAGE);
         let response = client.connect(request).await?;
         let server_id = single_header(response.metadata(), header::SERVER_ID)?;
         let server_count: i64 = single_header(response.metadata(), header::SERVER_COUNT)?

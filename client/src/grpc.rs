@@ -15,7 +15,7 @@ use futures::ready;
 use h2::client::SendRequest;
 use prost::Message;
 use tether_core::transport::{H2_CONN_WINDOW, H2_MAX_FRAME, H2_STREAM_WINDOW};
-use tether_proto::{Packet, PacketType};
+use tether_proto::{Packet, PacketType, MAX_MESSAGE};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpStream, UnixStream};
 use tracing::Instrument;
@@ -24,8 +24,6 @@ use tracing::Instrument;
 const PROXY_PATH: &str = "/ProxyService/Proxy";
 /// gRPC's message prefix: a compressed flag and a big-endian length.
 const PREFIX: usize = 5;
-/// Largest message either way (what the proxy server accepts too).
-pub(crate) const MAX_MESSAGE: usize = 16 << 20;
 /// TCP connect plus TLS handshake plus HTTP/2 preface.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 

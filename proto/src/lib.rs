@@ -11,6 +11,10 @@ mod generated {
 
 pub use generated::*;
 
+/// Largest gRPC message (one `Packet`) any Tether endpoint sends or accepts, on the
+/// agent link and the frontend alike: upstream peers may send large DATA packets.
+pub const MAX_MESSAGE: usize = 16 << 20;
+
 pub mod codec {
     //! The gRPC codec of every Tether stream: prost encoding with no buffers up front.
     //! tonic's default gives each stream an 8 KiB encode and an 8 KiB decode buffer

@@ -23,6 +23,7 @@ use tether_core::tls::{self, TlsError, TlsFiles};
 use tether_core::transport::{self, ServerConfigSource};
 use tether_proto::agent_service_server::AgentServiceServer;
 use tether_proto::proxy_service_server::ProxyServiceServer;
+use tether_proto::MAX_MESSAGE;
 use tokio::net::{TcpListener, UnixListener};
 use tokio_stream::wrappers::{ReceiverStream, UnixListenerStream};
 use tokio_stream::StreamExt;
@@ -32,9 +33,6 @@ use tracing::Instrument;
 pub use backend::{parse_strategies, Strategy};
 pub use frontend::Mode;
 pub use tunnel::{Tunnel, TunnelConfig};
-
-/// Largest gRPC message accepted (upstream clients may send large DATA packets).
-const MAX_MESSAGE: usize = 16 << 20;
 
 /// Where a frontend listens.
 #[derive(Debug, Clone)]
