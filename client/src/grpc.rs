@@ -14,10 +14,10 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 use futures::ready;
 use h2::client::SendRequest;
 use prost::Message;
-use tether_core::transport::{H2_CONN_WINDOW, H2_MAX_FRAME, H2_STREAM_WINDOW};
+use tether_core::transport::{self, H2_CONN_WINDOW, H2_MAX_FRAME, H2_STREAM_WINDOW};
 use tether_proto::{Packet, PacketType, MAX_MESSAGE};
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::net::{TcpStream, UnixStream};
+use tokio::net::UnixStream;
 use tracing::Instrument;
 
 /// The gRPC method every konnectivity client calls.
@@ -43,8 +43,7 @@ impl Target {
     pub(crate) fn authority(&self) -> String {
         match self {
             Target::Uds(_) => "localhost".into(),
-            Target::Tls { host, port, .. } if host.contains(':') => format!("[{host}]:{port}"),
-            Target::Tls { host, port, .. } => format!("{host}:{port}"),
+            Target::Tls { host, port, .. } => transport::authority(host, *port),
         }
     }
 
@@ -57,11 +56,8 @@ impl Target {
                 Target::Tls { host, tls, .. } => {
                     let name = tether_core::tls::server_name(host)
                         .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-                    let tcp = TcpStream::connect(self.authority()).await?;
-                    tcp.set_nodelay(true)?;
-                    let tls = tokio_rustls::TlsConnector::from(tls.clone())
-                        .connect(name, tcp)
-                        .await?;
+                    let authority = self.authority();
+                    let tls = transport::connect_tls(&authority, name, tls.clone()).await?;
                     handshake(tls).await
                 }
             }

@@ -242,6 +242,27 @@ fn endpoint(
     Ok(ep)
 }
 
+/// `host:port` as a URI authority (an IPv6 literal in brackets).
+pub fn authority(host: &str, port: u16) -> String {
+    if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+/// Opens TCP to `authority` (no Nagle delay) and runs the TLS handshake, verifying the
+/// server as `name`.
+pub async fn connect_tls(
+    authority: &str,
+    name: rustls_pki_types::ServerName<'static>,
+    tls: Arc<rustls::ClientConfig>,
+) -> io::Result<tokio_rustls::client::TlsStream<TcpStream>> {
+    let tcp = TcpStream::connect(authority).await?;
+    tcp.set_nodelay(true)?;
+    TlsConnector::from(tls).connect(name, tcp).await
+}
+
 /// Connects a gRPC channel over TCP + TLS to `host:port`, verifying the server as `host`.
 pub async fn grpc_channel_tls(
     host: &str,
@@ -249,25 +270,14 @@ pub async fn grpc_channel_tls(
     tls: Arc<rustls::ClientConfig>,
     settings: &ChannelSettings,
 ) -> Result<Channel, tonic::transport::Error> {
-    let authority = if host.contains(':') {
-        format!("[{host}]:{port}")
-    } else {
-        format!("{host}:{port}")
-    };
+    let authority = authority(host, port);
     let name = crate::tls::server_name(host).unwrap_or_else(|_| {
         rustls_pki_types::ServerName::try_from("invalid.invalid").expect("static name")
     });
     let target = authority.clone();
     let connector = tower::service_fn(move |_uri| {
-        let tls = TlsConnector::from(tls.clone());
-        let name = name.clone();
-        let target = target.clone();
-        async move {
-            let tcp = TcpStream::connect(&target).await?;
-            tcp.set_nodelay(true)?;
-            let stream = tls.connect(name, tcp).await?;
-            Ok::<_, io::Error>(TokioIo::new(stream))
-        }
+        let (tls, name, target) = (tls.clone(), name.clone(), target.clone());
+        async move { Ok::<_, io::Error>(TokioIo::new(connect_tls(&target, name, tls).await?)) }
     });
     endpoint(&authority, settings)?
         .connect_with_connector(connector)
