@@ -178,20 +178,24 @@ impl Env {
                 // backend never speaks first, so nothing can follow the head yet.
                 let mut head = Vec::with_capacity(256);
                 let mut b = [0u8; 256];
-                while !head.ends_with(b"\r\n\r\n") {
+                let end = loop {
                     let n = s.read(&mut b).await?;
                     if n == 0 {
                         bail!("CONNECT: closed");
                     }
                     head.extend_from_slice(&b[..n]);
-                    if head.len() > 4096
-                        || head.windows(4).any(|w| w == b"\r\n\r\n") && !head.ends_with(b"\r\n\r\n")
-                    {
-                        bail!(
-                            "CONNECT: unexpected answer {:?}",
-                            String::from_utf8_lossy(&head)
-                        );
+                    if head.len() > 4096 {
+                        bail!("CONNECT: answer head over 4 KiB");
                     }
+                    if let Some(i) = head.windows(4).position(|w| w == b"\r\n\r\n") {
+                        break i + 4;
+                    }
+                };
+                if end != head.len() {
+                    bail!(
+                        "CONNECT: bytes after the answer {:?}",
+                        String::from_utf8_lossy(&head)
+                    );
                 }
                 if !head.starts_with(b"HTTP/1.1 200") {
                     bail!("CONNECT: {}", String::from_utf8_lossy(&head));
