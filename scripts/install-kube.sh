@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Installs what the real-cluster tests need, idempotently, with caches outside the repo:
 #   - etcd from Debian's etcd-server package;
-#   - kube-apiserver 1.20.2 built from Debian bookworm's `kubernetes` source package
-#     (full vendor/ tree) with golang-1.19-go, cached as $TETHER_CACHE/kube-apiserver-1.20.2.
+#   - kube-apiserver, kubelet and kube-controller-manager 1.20.2 built from Debian
+#     bookworm's `kubernetes` source package (full vendor/ tree) with golang-1.19-go,
+#     cached as $TETHER_CACHE/<name>-1.20.2;
+#   - the node runtime: containerd, runc, the CNI plugins, busybox-static, iptables, and the
+#     two local images (pause, busybox) written by scripts/node-images.sh.
 # A second run does nothing. Prints the apiserver binary path on its last line.
 set -euo pipefail
 
@@ -21,8 +24,22 @@ apt_install() {
 
 command -v etcd >/dev/null 2>&1 || apt_install etcd-server
 command -v kubectl >/dev/null 2>&1 || apt_install kubernetes-client
+# The real node: container runtime, CNI, the busybox the images are made of, and the
+# tools the node harness uses (nsenter, setpriv from util-linux; iptables; gcc for pause).
+command -v containerd >/dev/null 2>&1 || apt_install containerd
+command -v runc >/dev/null 2>&1 || apt_install runc
+[ -x /usr/lib/cni/bridge ] || [ -x /opt/cni/bin/bridge ] || apt_install containernetworking-plugins
+[ -x /bin/busybox ] && /bin/busybox --list 2>/dev/null | grep -qx httpd || apt_install busybox-static
+command -v iptables >/dev/null 2>&1 || apt_install iptables
+command -v socat >/dev/null 2>&1 || apt_install socat
+command -v script >/dev/null 2>&1 || apt_install bsdutils
+command -v gcc >/dev/null 2>&1 || apt_install gcc libc6-dev
+"$(dirname "$0")/node-images.sh" >/dev/null
 
-if [ -x "$BIN" ]; then
+KUBE_BINS=(kube-apiserver kubelet kube-controller-manager)
+missing=()
+for b in "${KUBE_BINS[@]}"; do [ -x "$CACHE/$b-$VERSION" ] || missing+=("$b"); done
+if [ ${#missing[@]} -eq 0 ]; then
   echo "$BIN"
   exit 0
 fi
@@ -66,8 +83,12 @@ tree=$(find "$work" -maxdepth 1 -mindepth 1 -type d -name 'kubernetes-*' | head 
   export PATH="/usr/lib/go-1.19/bin:$PATH"
   export KUBE_GIT_VERSION="v$VERSION" KUBE_GIT_TREE_STATE=clean
   cd .go/src/k8s.io/kubernetes
-  make WHAT=cmd/kube-apiserver >&2
-  cp _output/local/bin/linux/*/kube-apiserver "$BIN.tmp" 2>/dev/null || cp _output/bin/kube-apiserver "$BIN.tmp"
+  what=""
+  for b in "${missing[@]}"; do what="$what cmd/$b"; done
+  make WHAT="${what# }" >&2
+  for b in "${missing[@]}"; do
+    cp _output/local/bin/linux/*/"$b" "$CACHE/$b-$VERSION.tmp" 2>/dev/null || cp _output/bin/"$b" "$CACHE/$b-$VERSION.tmp"
+  done
 )
-mv "$BIN.tmp" "$BIN"
+for b in "${missing[@]}"; do mv "$CACHE/$b-$VERSION.tmp" "$CACHE/$b-$VERSION"; done
 echo "$BIN"

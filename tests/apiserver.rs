@@ -1,302 +1,470 @@
-//! End to end with a real kube-apiserver 1.20.2 + etcd: the apiserver's egress goes
-//! through Tether (GRPC over UDS, HTTPConnect over UDS, HTTPConnect over mTLS TCP) to
-//! agents in network namespaces. Each node's kubelet (a stand-in) and pods listen on
-//! addresses only reachable inside that node's namespace, so every byte that reaches
-//! them went through the tunnel.
+//! End to end with a real control plane (etcd, kube-apiserver and
+//! kube-controller-manager 1.20.2) and real nodes (kubelet 1.20.2, containerd, runc,
+//! busybox pods on a bridge network) in network namespaces, the apiserver's egress going
+//! through Tether (GRPC over UDS, HTTPConnect over UDS, HTTPConnect over mTLS TCP). Each
+//! node's InternalIP and pod addresses are reachable only inside its namespace (the host
+//! blackholes them, and the tests assert it), so every kubectl path that works went
+//! through the tunnel: logs, logs -f, exec with stdin, exec -t, attach, port-forward, cp
+//! both ways, and the nodes/pods/services proxies. kubectl newer than 1.29 tries
+//! WebSocket first for exec/attach/port-forward and falls back to SPDY against a 1.20
+//! kubelet; both ways are run.
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::path::Path;
-use std::process::{Command, Stdio};
-use std::time::Duration;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
-use tether_testkit::kube::{Cluster, Egress};
+use tether_testkit::kube::{wait_blocking, Cluster, ClusterOptions, Frontend};
 use tether_testkit::netns::Node;
-use tether_testkit::process::socket_path;
-use tether_testkit::{metric, AgentProc, Pki, Proc, ServerProc};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tether_testkit::node::{NodeOptions, RealNode, BUSYBOX_IMAGE};
+use tether_testkit::{metric, Pki, ServerProc};
 
 const BIN: &str = env!("CARGO_BIN_EXE_tether");
 /// The node agents are the agent-only binary, as the DaemonSet runs them.
 const AGENT_BIN: &str = env!("CARGO_BIN_EXE_tether-agent");
 
-fn bin() -> &'static Path {
-    Path::new(BIN)
-}
-
-#[derive(Clone, Copy, Debug)]
-enum Frontend {
-    GrpcUds,
-    HttpConnectUds,
-    HttpConnectTcp,
-}
-
-struct SimNode {
-    name: String,
-    node: Node,
-    _kubelet: Proc,
-    agent: AgentProc,
-}
-
+/// Tether, a cluster egressing through it, and real nodes with an agent each.
 struct Env {
+    nodes: Vec<RealNode>,
     cluster: Cluster,
-    server: ServerProc,
-    nodes: Vec<SimNode>,
-    _pki: Pki,
+    _server: ServerProc,
+    pki: Pki,
 }
 
-/// Server args for `frontend`, agent port on all interfaces (agents are in namespaces).
-fn server_args(pki: &Pki, frontend: Frontend) -> Vec<String> {
-    let f = &pki.files;
-    let mut args = vec![
-        "--agent-bind-address=0.0.0.0".to_string(),
-        format!("--cluster-cert={}", f.server_cert.display()),
-        format!("--cluster-key={}", f.server_key.display()),
-        format!("--cluster-ca-cert={}", f.ca_cert.display()),
-    ];
-    match frontend {
-        Frontend::GrpcUds | Frontend::HttpConnectUds => {
-            let mode = if matches!(frontend, Frontend::GrpcUds) {
-                "grpc"
-            } else {
-                "http-connect"
-            };
-            args.extend([
-                format!("--mode={mode}"),
-                format!("--uds-name={}", socket_path(pki.dir()).display()),
-                "--server-port=0".into(),
-            ]);
-        }
-        Frontend::HttpConnectTcp => args.extend([
-            "--mode=http-connect".to_string(),
-            "--server-port=0".into(),
-            "--server-bind-address=127.0.0.1".into(),
-            format!("--server-cert={}", f.server_cert.display()),
-            format!("--server-key={}", f.server_key.display()),
-            format!("--server-ca-cert={}", f.ca_cert.display()),
-        ]),
-    }
-    args
-}
-
-fn egress(pki: &Pki, frontend: Frontend, server: &ServerProc) -> Egress {
-    let f = &pki.files;
-    match frontend {
-        Frontend::GrpcUds => Egress::GrpcUds(socket_path(pki.dir())),
-        Frontend::HttpConnectUds => Egress::HttpConnectUds(socket_path(pki.dir())),
-        Frontend::HttpConnectTcp => Egress::HttpConnectTcp {
-            url: format!("https://{}", server.frontend),
-            ca: f.ca_cert.clone(),
-            cert: f.frontend_cert.clone(),
-            key: f.frontend_key.clone(),
-        },
-    }
-}
-
-/// Starts Tether, a cluster egressing through it, and `n` nodes with an agent each.
-fn env(frontend: Frontend, n: usize, extra_server: &[&str]) -> Env {
-    let nodes: Vec<Node> = (0..n).map(|_| Node::create()).collect();
-    let sans: Vec<String> = nodes.iter().map(|n| n.host_ip.clone()).collect();
+/// Starts everything for `frontend` with `n` nodes.
+fn env(
+    frontend: Frontend,
+    n: usize,
+    opts: &ClusterOptions,
+    node_opts: &NodeOptions,
+    extra_server: &[&str],
+) -> Env {
+    let nets: Vec<Node> = (0..n).map(|_| Node::create()).collect();
+    let sans: Vec<String> = nets.iter().map(|n| n.host_ip.clone()).collect();
     let pki = Pki::with_sans(&sans);
-    let mut args = server_args(&pki, frontend);
+    let mut args = frontend.server_args(&pki);
     args.extend(extra_server.iter().map(|s| s.to_string()));
-    let server = ServerProc::start(bin(), &args);
-    let cluster = Cluster::start(&egress(&pki, frontend, &server));
-    let mut sim = Vec::new();
-    for (i, node) in nodes.into_iter().enumerate() {
-        let name = format!("node-{i}");
-        let kubelet = node.start_kubelet(&name, &pki.files.server_cert, &pki.files.server_key);
-        let server_addr = format!("{}:{}", node.host_ip, server.agent.port())
-            .parse()
-            .unwrap();
-        let agent = AgentProc::start_in(
-            Some(&node),
-            Path::new(AGENT_BIN),
-            &pki,
-            server_addr,
-            &[
-                format!("--agent-id={name}"),
-                format!("--agent-identifiers=host={name}&ipv4={}", node.node_ip),
-                format!("--health-server-host={}", node.link_ip),
-            ],
-        );
-        cluster.add_node(&name, &node.node_ip);
-        cluster.add_pod(&format!("pod-{i}"), &name, &node.pod_ip);
-        sim.push(SimNode {
-            name,
-            node,
-            _kubelet: kubelet,
-            agent,
-        });
+    let server = ServerProc::start(Path::new(BIN), &args);
+    let opts = ClusterOptions {
+        reachable_from_nodes: true,
+        controller_manager: true,
+        ..opts.clone()
+    };
+    let cluster = Cluster::start_with(&frontend.egress(&pki, &server), &opts);
+    let mut nodes = Vec::new();
+    for (i, net) in nets.into_iter().enumerate() {
+        let mut node = RealNode::start_on(net, &cluster, &format!("node-{i}"), node_opts);
+        node.start_agent(Path::new(AGENT_BIN), &pki, server.agent.port(), &[]);
+        nodes.push(node);
     }
     Env {
+        nodes,
         cluster,
-        server,
-        nodes: sim,
-        _pki: pki,
+        _server: server,
+        pki,
     }
 }
 
-fn follow_logs(cluster: &Cluster, pod: &str, lines: usize) -> Vec<String> {
-    let mut child = Command::new("kubectl")
-        .arg(format!(
-            "--kubeconfig={}",
-            cluster.files.admin_kubeconfig.display()
-        ))
-        .args(["logs", "-f", pod])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let out = BufReader::new(child.stdout.take().unwrap());
-    let got: Vec<String> = out.lines().take(lines).map(|l| l.unwrap()).collect();
-    let _ = child.kill();
-    let _ = child.wait();
-    got
-}
-
-/// An exec- or portforward-style upgraded connection through the apiserver to the
-/// kubelet, carrying bytes both ways for a while, then closed cleanly.
-async fn upgraded_roundtrips(cluster: &Cluster, path: &str) {
-    let f = &cluster.files;
-    let tls = tether_core::tls::client_config(
-        &f.ca,
-        Some((&f.admin_cert, &f.admin_key)),
-        &[tether_core::tls::ALPN_HTTP11],
+/// The test pod: `web` serves /www with busybox httpd on 8080 and logs a numbered line
+/// every 200 ms; `echo` is `cat` on an open stdin (for attach).
+fn web_pod_containers() -> String {
+    format!(
+        "  - name: web\n    image: {BUSYBOX_IMAGE}\n    imagePullPolicy: Never\n    command: [sh, -c, 'i=0; while true; do i=$((i+1)); echo \"log line $i\"; sleep 0.2; done & exec httpd -f -p 8080 -h /www']\n    ports:\n    - containerPort: 8080\n  - name: echo\n    image: {BUSYBOX_IMAGE}\n    imagePullPolicy: Never\n    command: [cat]\n    stdin: true\n"
     )
-    .unwrap();
-    let addr: std::net::SocketAddr = cluster.url.trim_start_matches("https://").parse().unwrap();
-    let mut s = tether_testkit::tls_connect(addr, tls).await.unwrap();
-    let req = format!(
-        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: Upgrade\r\nUpgrade: SPDY/3.1\r\nX-Stream-Protocol-Version: v4.channel.k8s.io\r\nContent-Length: 0\r\n\r\n"
-    );
-    let head = tether_testkit::request_head(&mut s, req.as_bytes())
-        .await
-        .unwrap();
-    assert!(head.starts_with("HTTP/1.1 101"), "{path}: {head}");
-    for i in 0..50 {
-        let msg = format!("frame {i} through the tunnel;");
-        s.write_all(msg.as_bytes()).await.unwrap();
-        let mut buf = vec![0u8; msg.len()];
-        tokio::time::timeout(Duration::from_secs(10), s.read_exact(&mut buf))
-            .await
-            .unwrap()
-            .unwrap();
-        assert_eq!(buf, msg.as_bytes());
+}
+
+/// kubectl's two ways for exec/attach/port-forward against a 1.20 kubelet.
+#[derive(Clone, Copy, Debug)]
+enum Streams {
+    /// kubectl's default (WebSocket first, then SPDY when the server does not speak it).
+    Default,
+    /// `KUBECTL_REMOTE_COMMAND_WEBSOCKETS=false`, `KUBECTL_PORT_FORWARD_WEBSOCKETS=false`.
+    Spdy,
+}
+
+impl Streams {
+    fn apply(self, cmd: &mut Command) -> &mut Command {
+        let on = match self {
+            Streams::Default => "true",
+            Streams::Spdy => "false",
+        };
+        cmd.env("KUBECTL_REMOTE_COMMAND_WEBSOCKETS", on)
+            .env("KUBECTL_PORT_FORWARD_WEBSOCKETS", on)
     }
-    s.shutdown().await.unwrap();
-    let mut rest = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut rest)).await;
 }
 
-async fn every_path_through_the_tunnel(frontend: Frontend) {
-    let e = env(frontend, 1, &[]);
-    e.server.wait_agents(1).await;
-    let c = &e.cluster;
-    let node = &e.nodes[0];
-
-    // The kubelet's address is unreachable from here: only the tunnel gets there.
-    let direct = tokio::net::TcpStream::connect(format!("{}:10250", node.node.node_ip)).await;
-    assert!(direct.is_err(), "kubelet reachable without the tunnel");
-
-    // kubectl logs.
-    let logs = c.kubectl_ok(&["logs", "pod-0"]);
-    assert_eq!(
-        logs,
-        "log line 1 from node-0\nlog line 2 from node-0\nlog line 3 from node-0\n"
-    );
-
-    // kubectl logs -f, streaming for a while.
-    let lines = follow_logs(c, "pod-0", 40);
-    assert_eq!(lines.len(), 40);
-    assert_eq!(lines[39], "log line 40 from node-0");
-
-    // nodes/proxy, pods/proxy, services/proxy (the apiserver only proxies to service
-    // endpoints that reference a pod with that IP).
-    let out = c.kubectl_ok(&["get", "--raw", "/api/v1/nodes/node-0/proxy/healthz"]);
-    assert_eq!(out, "kubelet node-0: /healthz\n");
-    let out = c.kubectl_ok(&[
-        "get",
-        "--raw",
-        "/api/v1/namespaces/default/pods/pod-0:8080/proxy/hello",
-    ]);
-    assert_eq!(out, "pod node-0: /hello\n");
-    c.apply(&format!(
-        "apiVersion: v1\nkind: Service\nmetadata:\n  name: svc-0\n  namespace: default\nspec:\n  ports:\n  - name: http\n    port: 8080\n    targetPort: 8080\n---\napiVersion: v1\nkind: Endpoints\nmetadata:\n  name: svc-0\n  namespace: default\nsubsets:\n- addresses:\n  - ip: {}\n    targetRef:\n      kind: Pod\n      name: pod-0\n      namespace: default\n  ports:\n  - name: http\n    port: 8080\n",
-        node.node.pod_ip
-    ));
-    let out = c.kubectl_ok(&[
-        "get",
-        "--raw",
-        "/api/v1/namespaces/default/services/svc-0:http/proxy/hi",
-    ]);
-    assert_eq!(out, "pod node-0: /hi\n");
-
-    // exec and port-forward style upgrades.
-    upgraded_roundtrips(c, "/api/v1/namespaces/default/pods/pod-0/exec?command=cat&stdin=true&stdout=true&container=app").await;
-    upgraded_roundtrips(c, "/api/v1/namespaces/default/pods/pod-0/portforward").await;
-    e.nodes[0]
-        ._kubelet
-        .wait_event("upgrade closed", Duration::from_secs(10), |_| true);
-
-    // Every connection was closed again.
-    e.server
-        .wait_metric(
-            "konnectivity_network_proxy_server_established_connections",
-            0.0,
-        )
-        .await;
-    // logs, logs -f, three proxies, exec, port-forward: every one dialled by the agent.
-    let page = node.agent.metrics().await;
-    assert!(
-        metric(
-            &page,
-            "konnectivity_network_proxy_agent_dial_duration_seconds_count"
-        )
-        .unwrap()
-            >= 7.0
-    );
+fn output_of(mut cmd: Command, input: &[u8]) -> (bool, String, String) {
+    let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn kubectl");
+    let mut stdin = child.stdin.take().unwrap();
+    let input = input.to_vec();
+    let writer = std::thread::spawn(move || {
+        let _ = stdin.write_all(&input);
+    });
+    let out = child.wait_with_output().unwrap();
+    let _ = writer.join();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn grpc_over_uds() {
-    every_path_through_the_tunnel(Frontend::GrpcUds).await;
+/// Kills and reaps a child on drop (long-running kubectl commands).
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn http_connect_over_uds() {
-    every_path_through_the_tunnel(Frontend::HttpConnectUds).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn http_connect_over_mtls_tcp() {
-    every_path_through_the_tunnel(Frontend::HttpConnectTcp).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn two_nodes_dest_host_reaches_each_nodes_agent() {
-    let e = env(
-        Frontend::GrpcUds,
-        2,
-        &["--proxy-strategies=destHost,default"],
-    );
-    e.server.wait_agents(2).await;
-    for round in 0..5 {
-        for (i, n) in e.nodes.iter().enumerate() {
-            let logs = e.cluster.kubectl_ok(&["logs", &format!("pod-{i}")]);
-            assert!(
-                logs.contains(&format!("from {}", n.name)),
-                "round {round}: {logs}"
-            );
+/// Reads lines from `r` until one satisfies `pred` (within `timeout`); returns it.
+fn read_until(
+    r: impl Read + Send + 'static,
+    timeout: Duration,
+    what: &str,
+    pred: impl Fn(&str) -> bool + Send + 'static,
+) -> String {
+    let (tx, rx) = std::sync::mpsc::channel();
+    // Keeps reading after the match: a closed pipe would kill the writer (kubectl
+    // port-forward prints a line per connection).
+    std::thread::spawn(move || {
+        for line in BufReader::new(r).lines() {
+            let Ok(line) = line else { break };
+            if pred(&line) {
+                let _ = tx.send(line);
+            }
         }
+    });
+    rx.recv_timeout(timeout)
+        .unwrap_or_else(|_| panic!("no line of {what} within {timeout:?}"))
+}
+
+fn sha256_of(path: &Path) -> String {
+    let out = Command::new("sha256sum").arg(path).output().unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string()
+}
+
+fn exec(c: &Cluster, pod: &str, container: &str, script: &str) -> String {
+    c.kubectl_ok(&["exec", pod, "-c", container, "--", "sh", "-c", script])
+}
+
+/// Every kubectl path to pod `web` on `node`.
+fn every_kubectl_path(e: &Env, node: &RealNode) {
+    let c = &e.cluster;
+    let pod_ip = c.kubectl_ok(&["get", "pod", "web", "-o", "jsonpath={.status.podIP}"]);
+    // Nothing of the node is reachable from the control-plane host but through Tether.
+    for addr in [format!("{}:10250", node.ip()), format!("{pod_ip}:8080")] {
+        let direct =
+            std::net::TcpStream::connect_timeout(&addr.parse().unwrap(), Duration::from_secs(2));
+        assert!(direct.is_err(), "{addr} is reachable without the tunnel");
     }
-    for n in &e.nodes {
-        let page = n.agent.metrics().await;
-        assert_eq!(
-            metric(
-                &page,
-                "konnectivity_network_proxy_agent_dial_duration_seconds_count"
-            ),
-            Some(5.0)
+    let dials_before = agent_dials(node);
+
+    // kubectl logs, logs -f.
+    let logs = c.kubectl_ok(&["logs", "web", "-c", "web"]);
+    assert!(logs.starts_with("log line 1\n"), "{logs}");
+    let mut follow = c.kubectl_command();
+    follow
+        .args(["logs", "-f", "web", "-c", "web", "--tail=1"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    let mut child = Killed(follow.spawn().unwrap());
+    let out = child.0.stdout.take().unwrap();
+    let first: u64 = {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        let mut numbers = Vec::new();
+        while numbers.len() < 6 {
+            let line = rx
+                .recv_timeout(Duration::from_secs(20))
+                .expect("logs -f streams");
+            numbers.push(line.trim_start_matches("log line ").parse::<u64>().unwrap());
+        }
+        assert!(numbers.windows(2).all(|w| w[1] == w[0] + 1), "{numbers:?}");
+        numbers[0]
+    };
+    assert!(first > 0);
+    drop(child);
+
+    // nodes/proxy, pods/proxy, services/proxy.
+    assert_eq!(
+        c.kubectl_ok(&[
+            "get",
+            "--raw",
+            &format!("/api/v1/nodes/{}/proxy/healthz", node.name)
+        ]),
+        "ok"
+    );
+    let pods = c.kubectl_ok(&[
+        "get",
+        "--raw",
+        &format!("/api/v1/nodes/{}/proxy/pods", node.name),
+    ]);
+    assert!(pods.contains(r#""name":"web""#), "{pods}");
+    assert_eq!(
+        c.kubectl_ok(&[
+            "get",
+            "--raw",
+            "/api/v1/namespaces/default/pods/web:8080/proxy/"
+        ]),
+        "hello from the pod\n"
+    );
+    c.apply("apiVersion: v1\nkind: Service\nmetadata:\n  name: web\n  namespace: default\nspec:\n  selector:\n    app: web\n  ports:\n  - name: http\n    port: 80\n    targetPort: 8080\n");
+    let via_service = wait_blocking("services/proxy to the pod", Duration::from_secs(60), || {
+        let out = c.kubectl(&[
+            "get",
+            "--raw",
+            "/api/v1/namespaces/default/services/web:http/proxy/",
+        ]);
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    });
+    assert_eq!(via_service, "hello from the pod\n");
+
+    // 64 MiB in the pod, for port-forward and cp.
+    let big_sum = exec(
+        c,
+        "web",
+        "web",
+        "dd if=/dev/urandom of=/www/big bs=1048576 count=64 2>/dev/null && sha256sum /www/big",
+    );
+    let big_sum = big_sum.split_whitespace().next().unwrap().to_string();
+
+    for streams in [Streams::Default, Streams::Spdy] {
+        // exec with stdin.
+        let mut cmd = c.kubectl_command();
+        streams
+            .apply(&mut cmd)
+            .args(["exec", "-i", "web", "-c", "web", "--", "cat"]);
+        let (ok, out, err) = output_of(cmd, b"hi\nthrough the tunnel\n");
+        assert!(ok, "{streams:?} exec -i: {err}");
+        assert_eq!(out, "hi\nthrough the tunnel\n", "{streams:?}");
+
+        // exec -t: a terminal in the container (script gives kubectl one here).
+        let kubectl = format!(
+            "kubectl --kubeconfig={} exec -ti web -c web -- sh -c 'tty; echo cols=$(stty size)'",
+            c.files.admin_kubeconfig.display()
         );
+        let mut cmd = Command::new("script");
+        streams
+            .apply(&mut cmd)
+            .args(["-qec", &kubectl, "/dev/null"]);
+        let (ok, out, err) = output_of(cmd, b"");
+        assert!(
+            ok && out.contains("/dev/pts/"),
+            "{streams:?} exec -t: {out} {err}"
+        );
+
+        // attach to `echo` (cat): what we type comes back on its stdout.
+        let mut cmd = c.kubectl_command();
+        streams
+            .apply(&mut cmd)
+            .args(["attach", "-i", "web", "-c", "echo"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null());
+        let mut child = Killed(cmd.spawn().unwrap());
+        let marker = format!("attached {streams:?}");
+        let mut stdin = child.0.stdin.take().unwrap();
+        let line = marker.clone();
+        // Repeat until seen: the first line may be typed before the stream is up.
+        let typer = std::thread::spawn(move || {
+            for _ in 0..100 {
+                if writeln!(stdin, "{line}").is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        });
+        let m = marker.clone();
+        read_until(
+            child.0.stdout.take().unwrap(),
+            Duration::from_secs(30),
+            "attach",
+            move |l| l == m,
+        );
+        drop(child);
+        let _ = typer.join();
+
+        // exec's first output, measured.
+        let mut cmd = c.kubectl_command();
+        streams
+            .apply(&mut cmd)
+            .args(["exec", "web", "-c", "web", "--", "echo", "first"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null());
+        let started = Instant::now();
+        let mut child = Killed(cmd.spawn().unwrap());
+        read_until(
+            child.0.stdout.take().unwrap(),
+            Duration::from_secs(30),
+            "exec echo",
+            |l| l == "first",
+        );
+        let first_output = started.elapsed();
+        let _ = child.0.wait();
+        println!(
+            "[{:?}] kubectl exec to first output: {} ms",
+            streams,
+            first_output.as_millis()
+        );
+
+        // port-forward: the httpd, then 64 MiB checksummed.
+        let (port, pf) = port_forward(c, streams);
+        let out = Command::new("curl")
+            .args([
+                "-sf",
+                "--max-time",
+                "20",
+                &format!("http://127.0.0.1:{port}/"),
+            ])
+            .output()
+            .unwrap();
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            "hello from the pod\n",
+            "{streams:?}"
+        );
+        let file = e.pki.dir().join("big.download");
+        let started = Instant::now();
+        let out = Command::new("curl")
+            .args(["-sf", "--max-time", "120", "-o"])
+            .arg(&file)
+            .arg(format!("http://127.0.0.1:{port}/big"))
+            .output()
+            .unwrap();
+        let took = started.elapsed();
+        assert!(
+            out.status.success(),
+            "{streams:?} port-forward download: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(
+            sha256_of(&file),
+            big_sum,
+            "{streams:?} port-forward corrupted the transfer"
+        );
+        println!(
+            "[{:?}] port-forward through the tunnel: 64 MiB in {} ms = {:.1} MiB/s",
+            streams,
+            took.as_millis(),
+            64.0 / took.as_secs_f64()
+        );
+        drop(pf);
     }
+
+    // cp both ways.
+    let up = e.pki.dir().join("up.bin");
+    let data: Vec<u8> = (0..3 * 1024 * 1024u32)
+        .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+        .collect();
+    std::fs::write(&up, &data).unwrap();
+    c.kubectl_ok(&[
+        "cp",
+        &up.display().to_string(),
+        "default/web:/tmp/up.bin",
+        "-c",
+        "web",
+    ]);
+    let inside = exec(c, "web", "web", "sha256sum /tmp/up.bin");
+    assert_eq!(inside.split_whitespace().next().unwrap(), sha256_of(&up));
+    let down = e.pki.dir().join("down.bin");
+    c.kubectl_ok(&[
+        "cp",
+        "default/web:/tmp/up.bin",
+        &down.display().to_string(),
+        "-c",
+        "web",
+    ]);
+    assert_eq!(std::fs::read(&down).unwrap(), data, "cp from the pod");
+
+    // The agent dialled every one of them (the kubelet for all but the proxies to the
+    // pod, which it dialled at the pod address).
+    let dials = agent_dials(node) - dials_before;
+    assert!(dials >= 15.0, "only {dials} dials went through the agent");
+}
+
+/// `kubectl port-forward pod/web :8080`: the local port and the process.
+fn port_forward(c: &Cluster, streams: Streams) -> (u16, Killed) {
+    let mut cmd = c.kubectl_command();
+    streams
+        .apply(&mut cmd)
+        .args(["port-forward", "pod/web", ":8080"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    let mut child = Killed(cmd.spawn().unwrap());
+    let line = read_until(
+        child.0.stdout.take().unwrap(),
+        Duration::from_secs(30),
+        "port-forward",
+        |l| l.starts_with("Forwarding from 127.0.0.1:"),
+    );
+    let port = line
+        .trim_start_matches("Forwarding from 127.0.0.1:")
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    (port, child)
+}
+
+fn agent_dials(node: &RealNode) -> f64 {
+    let agent = node.agent.as_ref().unwrap();
+    let page = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(agent.metrics());
+    metric(
+        &page,
+        "konnectivity_network_proxy_agent_dial_duration_seconds_count",
+    )
+    .unwrap_or(0.0)
+}
+
+fn every_path(frontend: Frontend) {
+    let e = env(
+        frontend,
+        1,
+        &ClusterOptions::default(),
+        &NodeOptions::default(),
+        &[],
+    );
+    let node = &e.nodes[0];
+    node.run_pod(&e.cluster, "web", "app: web", &web_pod_containers());
+    every_kubectl_path(&e, node);
+}
+
+#[test]
+fn grpc_over_uds() {
+    every_path(Frontend::GrpcUds);
+}
+
+#[test]
+fn http_connect_over_uds() {
+    every_path(Frontend::HttpConnectUds);
+}
+
+#[test]
+fn http_connect_over_mtls_tcp() {
+    every_path(Frontend::HttpConnectTcp);
 }

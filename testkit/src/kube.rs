@@ -1,7 +1,8 @@
-//! A real control plane for tests: etcd (Debian's etcd-server) and kube-apiserver
-//! 1.20.2 (built once by `scripts/install-kube.sh`, cached outside the repo) on free
-//! loopback ports, with a throwaway PKI and an EgressSelectorConfiguration pointing at a
-//! Tether server. Everything is stopped and removed on drop.
+//! A real control plane for tests: etcd (Debian's etcd-server), kube-apiserver 1.20.2
+//! and, when asked, kube-controller-manager 1.20.2 (built once by
+//! `scripts/install-kube.sh`, cached outside the repo) on free ports, with a throwaway
+//! PKI and an EgressSelectorConfiguration pointing at a Tether server. Everything is
+//! stopped and removed on drop.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -14,16 +15,34 @@ use crate::{Proc, TempDir};
 /// kube-apiserver version the tests run.
 pub const APISERVER_VERSION: &str = "1.20.2";
 
+/// The test cache ($TETHER_CACHE, else ~/.cache/tether): binaries and images
+/// `scripts/install-kube.sh` built.
+pub fn cache_dir() -> Option<PathBuf> {
+    std::env::var_os("TETHER_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/tether")))
+}
+
+/// A cached Kubernetes binary (`kube-apiserver`, `kubelet`, `kube-controller-manager`),
+/// if built.
+pub fn kube_binary(name: &str) -> Option<PathBuf> {
+    let bin = cache_dir()?.join(format!("{name}-{APISERVER_VERSION}"));
+    bin.exists().then_some(bin)
+}
+
+/// A cached Kubernetes binary, or a panic telling how to build it.
+pub fn require_kube_binary(name: &str) -> PathBuf {
+    kube_binary(name).unwrap_or_else(|| {
+        panic!("{name} {APISERVER_VERSION} is not built: run scripts/install-kube.sh (scripts/test.sh does)")
+    })
+}
+
 /// The cached kube-apiserver binary ($TETHER_KUBE_APISERVER overrides), if built.
 pub fn apiserver_binary() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("TETHER_KUBE_APISERVER") {
         return Some(PathBuf::from(p));
     }
-    let cache = std::env::var_os("TETHER_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/tether")))?;
-    let bin = cache.join(format!("kube-apiserver-{APISERVER_VERSION}"));
-    bin.exists().then_some(bin)
+    kube_binary("kube-apiserver")
 }
 
 /// The apiserver binary, or a panic telling how to build it.
@@ -110,6 +129,76 @@ impl Egress {
     }
 }
 
+/// Which Tether frontend the apiserver's egress goes through in an end-to-end test.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Frontend {
+    /// GRPC over a Unix socket (what most deployments use).
+    GrpcUds,
+    /// HTTPConnect over a Unix socket.
+    HttpConnectUds,
+    /// HTTPConnect over TCP with mutual TLS.
+    HttpConnectTcp,
+}
+
+impl Frontend {
+    /// All three.
+    pub const ALL: [Frontend; 3] = [
+        Frontend::GrpcUds,
+        Frontend::HttpConnectUds,
+        Frontend::HttpConnectTcp,
+    ];
+
+    /// Server arguments for this frontend with the agent port on every interface
+    /// (agents run in node namespaces) and agents verified by the PKI's CA.
+    pub fn server_args(self, pki: &crate::Pki) -> Vec<String> {
+        let f = &pki.files;
+        let mut args = vec![
+            "--agent-bind-address=0.0.0.0".to_string(),
+            format!("--cluster-cert={}", f.server_cert.display()),
+            format!("--cluster-key={}", f.server_key.display()),
+            format!("--cluster-ca-cert={}", f.ca_cert.display()),
+        ];
+        let socket = crate::process::socket_path(pki.dir());
+        match self {
+            Frontend::GrpcUds => args.extend([
+                "--mode=grpc".to_string(),
+                format!("--uds-name={}", socket.display()),
+                "--server-port=0".into(),
+            ]),
+            Frontend::HttpConnectUds => args.extend([
+                "--mode=http-connect".to_string(),
+                format!("--uds-name={}", socket.display()),
+                "--server-port=0".into(),
+            ]),
+            Frontend::HttpConnectTcp => args.extend([
+                "--mode=http-connect".to_string(),
+                "--server-port=0".into(),
+                "--server-bind-address=127.0.0.1".into(),
+                format!("--server-cert={}", f.server_cert.display()),
+                format!("--server-key={}", f.server_key.display()),
+                format!("--server-ca-cert={}", f.ca_cert.display()),
+            ]),
+        }
+        args
+    }
+
+    /// The apiserver's egress to `server` through this frontend.
+    pub fn egress(self, pki: &crate::Pki, server: &crate::ServerProc) -> Egress {
+        let f = &pki.files;
+        let socket = crate::process::socket_path(pki.dir());
+        match self {
+            Frontend::GrpcUds => Egress::GrpcUds(socket),
+            Frontend::HttpConnectUds => Egress::HttpConnectUds(socket),
+            Frontend::HttpConnectTcp => Egress::HttpConnectTcp {
+                url: format!("https://{}", server.frontend),
+                ca: f.ca_cert.clone(),
+                cert: f.frontend_cert.clone(),
+                key: f.frontend_key.clone(),
+            },
+        }
+    }
+}
+
 /// Files of the cluster PKI.
 #[derive(Debug, Clone)]
 pub struct ClusterFiles {
@@ -131,14 +220,33 @@ pub struct ClusterFiles {
     pub admin_key: PathBuf,
 }
 
-/// A running etcd + kube-apiserver.
+/// How a test cluster differs from the default (loopback only, no controller manager,
+/// kubelet certificates not verified).
+#[derive(Debug, Clone, Default)]
+pub struct ClusterOptions {
+    /// The apiserver listens on every address (`--bind-address=0.0.0.0`), so that
+    /// kubelets in node namespaces reach it over their link; nothing leaves the machine
+    /// (test ranges are blackholed, see [`crate::netns`]).
+    pub reachable_from_nodes: bool,
+    /// Verify kubelets' serving certificates against the cluster CA
+    /// (`--kubelet-certificate-authority`): the hardened configuration.
+    pub verify_kubelet_certificates: bool,
+    /// Run kube-controller-manager 1.20.2: it signs approved CSRs with the cluster CA
+    /// (csrsigning) and keeps Endpoints/EndpointSlices of Services with selectors.
+    pub controller_manager: bool,
+}
+
+/// A running etcd + kube-apiserver (+ kube-controller-manager when asked).
 pub struct Cluster {
     /// `https://127.0.0.1:PORT`.
     pub url: String,
+    /// The apiserver's port.
+    pub port: u16,
     /// PKI and kubeconfigs.
     pub files: ClusterFiles,
     /// The apiserver's service-account issuer.
     pub issuer: String,
+    controller_manager: Option<Proc>,
     apiserver: Proc,
     _etcd: Proc,
     dir: TempDir,
@@ -162,6 +270,11 @@ fn kubeconfig(url: &str, ca: &Path, cert: &Path, key: &Path, user: &str) -> Stri
 impl Cluster {
     /// Starts etcd and kube-apiserver with `egress` and waits until /readyz is ok.
     pub fn start(egress: &Egress) -> Cluster {
+        Self::start_with(egress, &ClusterOptions::default())
+    }
+
+    /// Like [`Cluster::start`], with `opts`.
+    pub fn start_with(egress: &Egress, opts: &ClusterOptions) -> Cluster {
         let apiserver_bin = require_apiserver();
         let dir = TempDir::new("tether-cluster");
         let d = dir.path();
@@ -229,19 +342,32 @@ impl Cluster {
         let port = free_port();
         let url = format!("https://127.0.0.1:{port}");
         let issuer = "https://kubernetes.default.svc.cluster.local".to_string();
+        let bind = if opts.reachable_from_nodes {
+            "0.0.0.0"
+        } else {
+            "127.0.0.1"
+        };
+        let mut extra = Vec::new();
+        if opts.verify_kubelet_certificates {
+            extra.push(format!(
+                "--kubelet-certificate-authority={}",
+                ca_cert.display()
+            ));
+        }
         let apiserver = Proc::spawn(
             "kube-apiserver",
             &apiserver_bin,
             &[
                 format!("--etcd-servers={etcd_url}"),
-                "--bind-address=127.0.0.1".into(),
+                format!("--bind-address={bind}"),
                 "--advertise-address=127.0.0.1".into(),
                 format!("--secure-port={port}"),
                 "--insecure-port=0".into(),
                 format!("--tls-cert-file={}", serving_cert.display()),
                 format!("--tls-private-key-file={}", serving_key.display()),
                 format!("--client-ca-file={}", ca_cert.display()),
-                "--authorization-mode=RBAC".into(),
+                "--authorization-mode=Node,RBAC".into(),
+                "--enable-admission-plugins=NodeRestriction".into(),
                 format!("--service-account-issuer={issuer}"),
                 format!("--service-account-key-file={}", sa_pub.display()),
                 format!("--service-account-signing-key-file={}", sa_key.display()),
@@ -257,7 +383,10 @@ impl Cluster {
                 "--profiling=false".into(),
                 "--logtostderr=true".into(),
                 "--v=1".into(),
-            ],
+            ]
+            .into_iter()
+            .chain(extra)
+            .collect::<Vec<_>>(),
         );
         let admin_kubeconfig = d.join("admin.kubeconfig");
         write_file(
@@ -281,6 +410,8 @@ impl Cluster {
         .unwrap();
         let mut cluster = Cluster {
             url,
+            port,
+            controller_manager: None,
             files: ClusterFiles {
                 ca: ca_cert,
                 ca_key,
@@ -321,7 +452,104 @@ impl Cluster {
                 .success()
                 .then_some(())
         });
+        if opts.controller_manager {
+            cluster.controller_manager = Some(cluster.start_controller_manager());
+        }
         cluster
+    }
+
+    /// kube-controller-manager with the CSR signer (cluster CA) and the endpoint
+    /// controllers, as admin, no leader election, no serving port.
+    fn start_controller_manager(&self) -> Proc {
+        let bin = require_kube_binary("kube-controller-manager");
+        let f = &self.files;
+        Proc::spawn(
+            "kube-controller-manager",
+            &bin,
+            &[
+                format!("--kubeconfig={}", f.admin_kubeconfig.display()),
+                "--controllers=csrsigning,csrcleaner,endpoint,endpointslice".into(),
+                format!("--cluster-signing-cert-file={}", f.ca.display()),
+                format!("--cluster-signing-key-file={}", f.ca_key.display()),
+                "--leader-elect=false".into(),
+                "--use-service-account-credentials=false".into(),
+                "--port=0".into(),
+                "--secure-port=0".into(),
+                "--logtostderr=true".into(),
+                "--v=1".into(),
+            ],
+        )
+    }
+
+    /// A kubeconfig for kubelet `node` (user `system:node:NODE`, group `system:nodes`,
+    /// as the Node authorizer expects) that reaches the apiserver at `host:PORT` and
+    /// verifies it under the name `localhost` (a SAN of its certificate).
+    pub fn node_kubeconfig(&self, node: &str, host: &str, dir: &Path) -> PathBuf {
+        let ca = Ca::load(&self.files.ca, &self.files.ca_key).unwrap();
+        let leaf = ca
+            .issue(&LeafSpec {
+                common_name: format!("system:node:{node}"),
+                organization: Some("system:nodes".into()),
+                client: true,
+                ..Default::default()
+            })
+            .unwrap();
+        let (cert, key) = write_pair(dir, "kubelet-client", &leaf).unwrap();
+        let path = dir.join("kubelet.kubeconfig");
+        let url = format!("https://{host}:{}", self.port);
+        let text = kubeconfig(
+            &url,
+            &self.files.ca,
+            &cert,
+            &key,
+            &format!("system:node:{node}"),
+        )
+        .replace(
+            "    certificate-authority:",
+            "    tls-server-name: localhost\n    certificate-authority:",
+        );
+        write_file(&path, &text, true).unwrap();
+        path
+    }
+
+    /// Runs kubectl as admin with `input` on stdin; returns the output, success or not.
+    pub fn kubectl_input(&self, args: &[&str], input: &[u8]) -> Output {
+        use std::io::Write;
+        let mut child = Command::new("kubectl")
+            .arg(format!(
+                "--kubeconfig={}",
+                self.files.admin_kubeconfig.display()
+            ))
+            .args(args)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("run kubectl");
+        let mut stdin = child.stdin.take().unwrap();
+        let input = input.to_vec();
+        let writer = std::thread::spawn(move || {
+            let _ = stdin.write_all(&input);
+        });
+        let out = child.wait_with_output().expect("wait for kubectl");
+        let _ = writer.join();
+        out
+    }
+
+    /// A kubectl command as admin, not yet started (for long-running ones: logs -f,
+    /// port-forward, attach).
+    pub fn kubectl_command(&self) -> Command {
+        let mut cmd = Command::new("kubectl");
+        cmd.arg(format!(
+            "--kubeconfig={}",
+            self.files.admin_kubeconfig.display()
+        ));
+        cmd
+    }
+
+    /// The controller manager's log, when it runs.
+    pub fn controller_manager_log(&self) -> Option<String> {
+        self.controller_manager.as_ref().map(|p| p.log_text())
     }
 
     /// The directory holding the cluster's files.

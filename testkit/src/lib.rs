@@ -6,6 +6,7 @@ pub mod backend;
 pub mod fake_cloud;
 pub mod kube;
 pub mod netns;
+pub mod node;
 pub mod process;
 
 use std::future::Future;
@@ -88,11 +89,6 @@ impl Default for Pki {
     fn default() -> Self {
         Self::new()
     }
-}
-
-/// The stand-in kubelet script (a test double, see the file).
-pub fn kubelet_script() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/kubelet.py")
 }
 
 /// Polls `probe` until it returns `Some`, failing the test after `timeout`.

@@ -41,6 +41,9 @@ pub struct Node {
     pub node_ip: String,
     /// A pod IP inside the node, also private.
     pub pod_ip: String,
+    /// The subnet index of this node: its addresses are 10.231.K.x (link), 10.232.K.x
+    /// (private) and 10.234.K.0/24 (pods of a real node).
+    pub index: u32,
     host_if: String,
     node_if: String,
 }
@@ -57,7 +60,7 @@ impl Node {
         let node_if = format!("tn{}x{n}", pid % 100_000);
         // Nothing addressed to the test ranges may leave this machine: unroutable
         // addresses hit a local blackhole instead of the default route.
-        for net in ["10.231.0.0/16", "10.232.0.0/16"] {
+        for net in ["10.231.0.0/16", "10.232.0.0/16", "10.234.0.0/16"] {
             ip(&["route", "replace", "blackhole", net]);
         }
         let _ = Command::new("ip").args(["netns", "del", &ns]).output();
@@ -108,38 +111,10 @@ impl Node {
             link_ip,
             node_ip,
             pod_ip,
+            index: k,
             host_if,
             node_if,
         }
-    }
-
-    /// Starts the stand-in kubelet (HTTPS on `node_ip:10250`, HTTP on `pod_ip:8080`)
-    /// inside this node, serving with `cert`/`key`, and waits until it listens.
-    pub fn start_kubelet(
-        &self,
-        name: &str,
-        cert: &std::path::Path,
-        key: &std::path::Path,
-    ) -> crate::Proc {
-        let mut args = self.exec_prefix();
-        args.extend([
-            "python3".to_string(),
-            crate::kubelet_script().display().to_string(),
-            format!("--node={name}"),
-            format!("--node-ip={}", self.node_ip),
-            format!("--pod-ip={}", self.pod_ip),
-            format!("--cert={}", cert.display()),
-            format!("--key={}", key.display()),
-        ]);
-        let proc = crate::Proc::spawn(
-            &format!("kubelet@{name}"),
-            std::path::Path::new("ip"),
-            &args,
-        );
-        proc.wait_event("kubelet ready", std::time::Duration::from_secs(20), |_| {
-            true
-        });
-        proc
     }
 
     /// Takes the node's link down (a partition: packets vanish, nothing is reset) or
@@ -208,6 +183,13 @@ impl Node {
     /// `ip netns exec NS` + `program args`, as a prefix for spawning.
     pub fn exec_prefix(&self) -> Vec<String> {
         vec!["netns".into(), "exec".into(), self.ns.clone()]
+    }
+}
+
+impl Node {
+    /// The host side of the veth pair (gone once the node is dropped).
+    pub fn host_interface(&self) -> &str {
+        &self.host_if
     }
 }
 

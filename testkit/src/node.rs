@@ -1,0 +1,801 @@
+//! Real Kubernetes nodes for tests: containerd 1.6 + runc + kubelet 1.20.2 (+ a Tether
+//! agent) inside a network namespace of their own, registered to a test
+//! [`Cluster`](crate::kube::Cluster). The node's InternalIP and its pods' addresses are
+//! reachable only inside the namespace, so anything the apiserver gets from the kubelet
+//! or a pod came through the tunnel.
+//!
+//! Every process of a node (holder, containerd, shims, containers, kubelet, agent) runs
+//! in one cgroup of its own (`tether-node-PID-N` in every hierarchy); containerd and the
+//! kubelet share a private mount namespace held by a `sleep` process, in which the
+//! host's /var/log, /run/containerd, /var/lib/cni and the kubelet's sysctls are replaced
+//! by the node's own files. Dropping a [`RealNode`] (also while a test panics) kills the
+//! whole cgroup, removes it, the namespace, the veth and the node's files; nodes left by
+//! a killed test process are swept when the next one starts.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use crate::kube::{cache_dir, require_kube_binary, Cluster};
+use crate::netns::Node;
+use crate::{AgentProc, Pki, Proc, TempDir};
+
+/// The image every test pod runs (Debian's busybox-static, imported from the cache).
+pub const BUSYBOX_IMAGE: &str = "tether.local/busybox:1";
+/// The pod sandbox image.
+pub const PAUSE_IMAGE: &str = "tether.local/pause:1";
+/// How long a cold node may take to become Ready (27-30 s seen on 2 cores).
+pub const READY_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// How a node's kubelet is configured.
+#[derive(Debug, Clone, Default)]
+pub struct NodeOptions {
+    /// `serverTLSBootstrap: true`: the kubelet asks for its serving certificate with a
+    /// `kubernetes.io/kubelet-serving` CSR instead of signing one itself, and serves no
+    /// TLS until it is issued.
+    pub server_tls_bootstrap: bool,
+    /// `--cloud-provider=external`: the node registers with the uninitialized taint and
+    /// waits for a cloud-controller-manager.
+    pub external_cloud_provider: bool,
+}
+
+/// A running real node. See the module documentation.
+pub struct RealNode {
+    /// Node name (`--hostname-override`).
+    pub name: String,
+    /// The network namespace, its link and its private InternalIP.
+    pub net: Node,
+    /// This node's pod range (bridge CNI, host-local IPAM).
+    pub pod_cidr: String,
+    /// The Tether agent, once [`RealNode::start_agent`] ran.
+    pub agent: Option<AgentProc>,
+    kubelet: Option<Proc>,
+    containerd: Option<Proc>,
+    holder: Option<Proc>,
+    cgroup: NodeCgroup,
+    dir: Option<TempDir>,
+}
+
+impl std::fmt::Debug for RealNode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RealNode")
+            .field("name", &self.name)
+            .field("ns", &self.net.ns)
+            .finish()
+    }
+}
+
+/// Can this machine run real nodes (root, the cached kubelet, containerd, the images)?
+pub fn available() -> Result<(), String> {
+    if !crate::netns::available() {
+        return Err("network namespaces need root and iproute2".into());
+    }
+    for tool in ["containerd", "runc", "nsenter", "unshare", "ctr"] {
+        if !Command::new("sh")
+            .args(["-c", &format!("command -v {tool}")])
+            .output()
+            .map(|o| o.status.success())
+            .unwrap_or(false)
+        {
+            return Err(format!("{tool} is missing: run scripts/install-kube.sh"));
+        }
+    }
+    if crate::kube::kube_binary("kubelet").is_none() {
+        return Err("kubelet is not built: run scripts/install-kube.sh".into());
+    }
+    if !images_dir().join("busybox.tar").exists() {
+        return Err("node images are missing: run scripts/install-kube.sh".into());
+    }
+    Ok(())
+}
+
+fn images_dir() -> PathBuf {
+    cache_dir().unwrap_or_default().join("images")
+}
+
+fn cni_bin_dir() -> &'static str {
+    if Path::new("/usr/lib/cni/bridge").exists() {
+        "/usr/lib/cni"
+    } else {
+        "/opt/cni/bin"
+    }
+}
+
+fn run(what: &str, cmd: &mut Command) -> String {
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("{what}: cannot run: {e}"));
+    assert!(
+        out.status.success(),
+        "{what} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+impl RealNode {
+    /// Creates the namespace, starts containerd and the kubelet registered to `cluster`
+    /// (which must have been started with `reachable_from_nodes`), and waits until the
+    /// Node is Ready.
+    pub fn start(cluster: &Cluster, name: &str, opts: &NodeOptions) -> RealNode {
+        Self::start_on(Node::create(), cluster, name, opts)
+    }
+
+    /// Like [`RealNode::start`] in a namespace made beforehand (so that its host address
+    /// can go into a certificate first).
+    pub fn start_on(net: Node, cluster: &Cluster, name: &str, opts: &NodeOptions) -> RealNode {
+        available().unwrap_or_else(|e| panic!("real node {name}: {e}"));
+        sweep_stale_nodes();
+        let dir = TempDir::new("tether-node");
+        let cgroup = NodeCgroup::create(&net);
+        let pod_cidr = format!("10.234.{}.0/24", net.index);
+        let mut node = RealNode {
+            name: name.to_string(),
+            net,
+            pod_cidr,
+            agent: None,
+            kubelet: None,
+            containerd: None,
+            holder: None,
+            cgroup,
+            dir: Some(dir),
+        };
+        node.start_holder();
+        node.start_containerd();
+        node.start_kubelet(cluster, opts);
+        node.wait_ready(cluster);
+        node
+    }
+
+    /// The node's directory (its kubelet, containerd and log files).
+    pub fn dir(&self) -> &Path {
+        self.dir.as_ref().expect("node directory").path()
+    }
+
+    /// The InternalIP the kubelet reports (reachable only inside the node).
+    pub fn ip(&self) -> &str {
+        &self.net.node_ip
+    }
+
+    /// A command run inside the node's namespaces and cgroup (`sh -c` joins the cgroup,
+    /// then `nsenter` enters the holder's mount and network namespaces).
+    fn in_node(&self, program: &str, args: &[String]) -> Vec<String> {
+        let holder = self.holder.as_ref().expect("holder runs").pid();
+        let mut v = vec![
+            "-c".to_string(),
+            format!("{} exec \"$@\"", self.cgroup.join_script()),
+            "sh".into(),
+            "nsenter".into(),
+            "-t".into(),
+            holder.to_string(),
+            "-m".into(),
+            "-n".into(),
+            "--".into(),
+            program.into(),
+        ];
+        v.extend(args.iter().cloned());
+        v
+    }
+
+    /// The process that holds the node's mount namespace, and the mounts in it.
+    fn start_holder(&mut self) {
+        let d = self.dir().to_path_buf();
+        for sub in [
+            "log",
+            "run-containerd",
+            "cni-state",
+            "cni/net.d",
+            "cni/ipam",
+            "sysctl",
+            "kubelet/pki",
+            "kubelet/volume-plugins",
+            "containerd/root",
+            "containerd/state",
+        ] {
+            std::fs::create_dir_all(d.join(sub)).unwrap();
+        }
+        // The kubelet sets these sysctls unless they already have its values: give it
+        // private files that do, so the host's stay as they are.
+        let sysctls = [
+            ("vm/overcommit_memory", "1"),
+            ("vm/panic_on_oom", "0"),
+            ("kernel/panic", "10"),
+            ("kernel/panic_on_oops", "1"),
+            ("kernel/keys/root_maxkeys", "1000000"),
+            ("kernel/keys/root_maxbytes", "25000000"),
+        ];
+        let mut script = String::from("set -e\n");
+        for (path, value) in sysctls {
+            let file = d.join("sysctl").join(path.replace('/', "."));
+            std::fs::write(&file, format!("{value}\n")).unwrap();
+            script.push_str(&format!(
+                "mount --bind {} /proc/sys/{path}\n",
+                file.display()
+            ));
+        }
+        // Mount points the node covers with its own directories.
+        for host_dir in ["/run/containerd", "/var/lib/cni"] {
+            std::fs::create_dir_all(host_dir).unwrap();
+        }
+        for (own, host) in [
+            ("log", "/var/log"),
+            ("run-containerd", "/run/containerd"),
+            ("cni-state", "/var/lib/cni"),
+        ] {
+            script.push_str(&format!("mount --bind {} {host}\n", d.join(own).display()));
+        }
+        std::fs::create_dir_all(d.join("log/pods")).unwrap();
+        std::fs::create_dir_all(d.join("log/containers")).unwrap();
+
+        let args = vec![
+            "-c".to_string(),
+            format!(
+                "{} exec nsenter --net=/run/netns/{} -- unshare --mount --propagation private -- sleep infinity",
+                self.cgroup.join_script(),
+                self.net.ns
+            ),
+        ];
+        let holder = Proc::spawn(&format!("holder@{}", self.name), Path::new("sh"), &args);
+        let pid = holder.pid();
+        self.holder = Some(holder);
+        // Wait until the holder has its own mount namespace (sh -> nsenter -> unshare
+        // -> sleep, all by exec, so the pid stays).
+        let own = std::fs::read_link("/proc/self/ns/mnt").unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+            let mnt = std::fs::read_link(format!("/proc/{pid}/ns/mnt")).ok();
+            if comm.trim() == "sleep" && mnt.is_some_and(|m| m != own) {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "node {}: the namespace holder did not start",
+                self.name
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        run(
+            &format!("node {}: mounts", self.name),
+            Command::new("nsenter").args(["-t", &pid.to_string(), "-m", "--", "sh", "-c", &script]),
+        );
+    }
+
+    fn containerd_socket(&self) -> PathBuf {
+        self.dir().join("containerd.sock")
+    }
+
+    fn start_containerd(&mut self) {
+        let d = self.dir().to_path_buf();
+        let config = d.join("containerd.toml");
+        let cni_conf = format!(
+            r#"{{"cniVersion":"0.4.0","name":"tether-pods","plugins":[{{"type":"bridge","bridge":"cni0","isGateway":true,"ipMasq":false,"hairpinMode":true,"ipam":{{"type":"host-local","ranges":[[{{"subnet":"{}"}}]],"routes":[{{"dst":"0.0.0.0/0"}}],"dataDir":"{}"}}}}]}}"#,
+            self.pod_cidr,
+            d.join("cni/ipam").display()
+        );
+        std::fs::write(d.join("cni/net.d/10-tether.conflist"), cni_conf).unwrap();
+        let toml = format!(
+            r#"version = 2
+root = "{root}"
+state = "{state}"
+disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.aufs", "io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing"]
+[grpc]
+  address = "{sock}"
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "{pause}"
+  restrict_oom_score_adj = true
+  netns_mounts_under_state_dir = true
+  disable_apparmor = true
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        SystemdCgroup = false
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "{cni_bin}"
+    conf_dir = "{cni_dir}"
+[plugins."io.containerd.internal.v1.opt"]
+  path = "{opt}"
+"#,
+            root = d.join("containerd/root").display(),
+            state = d.join("containerd/state").display(),
+            sock = self.containerd_socket().display(),
+            pause = PAUSE_IMAGE,
+            cni_bin = cni_bin_dir(),
+            cni_dir = d.join("cni/net.d").display(),
+            opt = d.join("containerd/opt").display(),
+        );
+        std::fs::write(&config, toml).unwrap();
+        let args = self.in_node("containerd", &[format!("--config={}", config.display())]);
+        let mut proc = Proc::spawn(&format!("containerd@{}", self.name), Path::new("sh"), &args);
+        let sock = self.containerd_socket();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !sock.exists() {
+            assert!(
+                !proc.exited(),
+                "node {}: containerd exited:\n{}",
+                self.name,
+                proc.log_text()
+            );
+            assert!(
+                Instant::now() < deadline,
+                "node {}: containerd did not create its socket in 30s:\n{}",
+                self.name,
+                proc.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.containerd = Some(proc);
+        // The images cannot be pulled here: import the cached archives.
+        let images = images_dir();
+        run(
+            &format!("node {}: import images", self.name),
+            Command::new("ctr")
+                .arg("--address")
+                .arg(&sock)
+                .args(["-n", "k8s.io", "images", "import"])
+                .arg(images.join("pause.tar")),
+        );
+        run(
+            &format!("node {}: import images", self.name),
+            Command::new("ctr")
+                .arg("--address")
+                .arg(&sock)
+                .args(["-n", "k8s.io", "images", "import"])
+                .arg(images.join("busybox.tar")),
+        );
+    }
+
+    fn start_kubelet(&mut self, cluster: &Cluster, opts: &NodeOptions) {
+        let d = self.dir().to_path_buf();
+        let kubeconfig = cluster.node_kubeconfig(&self.name, &self.net.host_ip, &d);
+        let config = d.join("kubelet.yaml");
+        let yaml = format!(
+            r#"apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+address: 0.0.0.0
+port: 10250
+readOnlyPort: 0
+healthzBindAddress: 127.0.0.1
+healthzPort: 10248
+authentication:
+  anonymous:
+    enabled: false
+  webhook:
+    enabled: true
+  x509:
+    clientCAFile: {ca}
+authorization:
+  mode: Webhook
+serverTLSBootstrap: {bootstrap}
+rotateCertificates: false
+cgroupDriver: cgroupfs
+cgroupRoot: /{cgroup}
+cgroupsPerQOS: true
+enforceNodeAllocatable: ["pods"]
+failSwapOn: false
+makeIPTablesUtilChains: false
+protectKernelDefaults: false
+resolvConf: ""
+volumePluginDir: {plugins}
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+evictionHard:
+  memory.available: "1Mi"
+  nodefs.available: "1%"
+  nodefs.inodesFree: "1%"
+  imagefs.available: "1%"
+evictionPressureTransitionPeriod: 5s
+nodeStatusUpdateFrequency: 5s
+syncFrequency: 10s
+fileCheckFrequency: 10s
+containerLogMaxSize: 10Mi
+serializeImagePulls: false
+"#,
+            ca = cluster.files.ca.display(),
+            bootstrap = opts.server_tls_bootstrap,
+            cgroup = self.cgroup.name,
+            plugins = d.join("kubelet/volume-plugins").display(),
+        );
+        std::fs::write(&config, yaml).unwrap();
+        let mut args = vec![
+            format!("--config={}", config.display()),
+            format!("--kubeconfig={}", kubeconfig.display()),
+            "--container-runtime=remote".into(),
+            format!(
+                "--container-runtime-endpoint=unix://{}",
+                self.containerd_socket().display()
+            ),
+            format!("--hostname-override={}", self.name),
+            format!("--node-ip={}", self.net.node_ip),
+            format!("--root-dir={}", d.join("kubelet").display()),
+            format!("--cert-dir={}", d.join("kubelet/pki").display()),
+            "--logtostderr=true".into(),
+            "--v=1".into(),
+        ];
+        if opts.external_cloud_provider {
+            args.push("--cloud-provider=external".into());
+        }
+        let bin = require_kube_binary("kubelet");
+        let args = self.in_node(&bin.display().to_string(), &args);
+        self.kubelet = Some(Proc::spawn(
+            &format!("kubelet@{}", self.name),
+            Path::new("sh"),
+            &args,
+        ));
+    }
+
+    fn wait_ready(&mut self, cluster: &Cluster) {
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            let out = cluster.kubectl(&[
+                "get",
+                "node",
+                &self.name,
+                "-o",
+                r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#,
+            ]);
+            if String::from_utf8_lossy(&out.stdout).trim() == "True" {
+                return;
+            }
+            let kubelet = self.kubelet.as_mut().unwrap();
+            assert!(
+                !kubelet.exited(),
+                "node {}: kubelet exited:\n{}",
+                self.name,
+                kubelet.log_text()
+            );
+            assert!(
+                Instant::now() < deadline,
+                "node {}: not Ready after {READY_TIMEOUT:?}; kubelet log:\n{}\ncontainerd log:\n{}",
+                self.name,
+                tail(&kubelet.log_text(), 60),
+                tail(&self.containerd.as_ref().unwrap().log_text(), 30)
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// Starts the agent-only binary `bin` inside the node (its network namespace and
+    /// cgroup), dialling the server's agent port on the host side of the link, with the
+    /// node's name and InternalIP as identifiers, plus `args`.
+    pub fn start_agent(&mut self, bin: &Path, pki: &Pki, agent_port: u16, args: &[String]) {
+        let server = format!("{}:{agent_port}", self.net.host_ip)
+            .parse()
+            .unwrap();
+        let mut all = vec![
+            format!("--agent-id={}", self.name),
+            format!(
+                "--agent-identifiers=host={}&ipv4={}",
+                self.name, self.net.node_ip
+            ),
+            format!("--health-server-host={}", self.net.link_ip),
+        ];
+        all.extend(args.iter().cloned());
+        let agent = AgentProc::start_in(Some(&self.net), bin, pki, server, &all);
+        self.cgroup.adopt(agent.proc.pid());
+        self.agent = Some(agent);
+    }
+
+    /// The kubelet's log so far.
+    pub fn kubelet_log(&self) -> String {
+        self.kubelet
+            .as_ref()
+            .map(|k| k.log_text())
+            .unwrap_or_default()
+    }
+
+    /// Writes a pod on this node running busybox `command` (one container `main`,
+    /// image never pulled) and waits until it is Ready.
+    pub fn run_pod(&self, cluster: &Cluster, name: &str, labels: &str, containers: &str) {
+        cluster.apply(&format!(
+            "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\n  namespace: default\n  labels: {{{labels}}}\nspec:\n  nodeName: {node}\n  automountServiceAccountToken: false\n  enableServiceLinks: false\n  terminationGracePeriodSeconds: 1\n  containers:\n{containers}",
+            node = self.name
+        ));
+        let out = cluster.kubectl(&[
+            "wait",
+            "--for=condition=Ready",
+            &format!("pod/{name}"),
+            "--timeout=120s",
+        ]);
+        assert!(
+            out.status.success(),
+            "pod {name} on {} not Ready: {}\n{}\nkubelet log:\n{}",
+            self.name,
+            String::from_utf8_lossy(&out.stderr),
+            cluster
+                .kubectl(&["describe", "pod", name])
+                .stdout
+                .iter()
+                .map(|&b| b as char)
+                .collect::<String>(),
+            tail(&self.kubelet_log(), 40)
+        );
+    }
+
+    /// What a node leaves behind if teardown missed something: (what, detail) pairs.
+    /// Empty once the node is gone; see [`Leftovers`].
+    pub fn leftovers(&self) -> Leftovers {
+        Leftovers {
+            ns: self.net.ns.clone(),
+            veth: self.net.host_interface().to_string(),
+            cgroup: self.cgroup.name.clone(),
+            dir: self.dir().to_path_buf(),
+        }
+    }
+
+    fn teardown(&mut self) {
+        // Everything in the cgroup: holder, containerd, shims, containers, kubelet, agent.
+        self.cgroup.kill_all();
+        for p in [
+            self.kubelet.take(),
+            self.containerd.take(),
+            self.holder.take(),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            drop(p);
+        }
+        drop(self.agent.take());
+        self.cgroup.kill_all();
+        self.cgroup.remove();
+    }
+}
+
+impl Drop for RealNode {
+    fn drop(&mut self) {
+        self.teardown();
+        // Then the namespace and veth (Node's drop) and the files (TempDir's drop); the
+        // node's mounts lived in its own mount namespace, which ended with its last
+        // process.
+        drop(self.dir.take());
+    }
+}
+
+/// What to look for after a node is dropped: a test asserts [`Leftovers::found`] is
+/// empty.
+#[derive(Debug, Clone)]
+pub struct Leftovers {
+    ns: String,
+    veth: String,
+    cgroup: String,
+    dir: PathBuf,
+}
+
+impl Leftovers {
+    /// Everything of the node still present on the machine.
+    pub fn found(&self) -> Vec<String> {
+        let mut found = Vec::new();
+        let netns = Command::new("ip")
+            .args(["netns", "list"])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default();
+        if netns
+            .lines()
+            .any(|l| l.split_whitespace().next() == Some(&self.ns))
+        {
+            found.push(format!("network namespace {}", self.ns));
+        }
+        if Path::new("/sys/class/net").join(&self.veth).exists() {
+            found.push(format!("interface {}", self.veth));
+        }
+        for h in hierarchies() {
+            if h.join(&self.cgroup).exists() {
+                found.push(format!("cgroup {}", h.join(&self.cgroup).display()));
+            }
+        }
+        if self.dir.exists() {
+            found.push(format!("directory {}", self.dir.display()));
+        }
+        let dir = self.dir.display().to_string();
+        for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+            let pid = entry.file_name().to_string_lossy().into_owned();
+            if !pid.bytes().all(|b| b.is_ascii_digit()) {
+                continue;
+            }
+            let cgroups = std::fs::read_to_string(entry.path().join("cgroup")).unwrap_or_default();
+            let cmdline = std::fs::read(entry.path().join("cmdline"))
+                .map(|b| String::from_utf8_lossy(&b).replace('\0', " "))
+                .unwrap_or_default();
+            if cgroups.contains(&self.cgroup) || cmdline.contains(&dir) {
+                found.push(format!("process {pid}: {}", cmdline.trim()));
+            }
+            let mounts =
+                std::fs::read_to_string(entry.path().join("mountinfo")).unwrap_or_default();
+            if mounts.contains(&dir) {
+                found.push(format!("mounts of {dir} seen by process {pid}"));
+            }
+        }
+        found
+    }
+}
+
+fn tail(text: &str, lines: usize) -> String {
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+/// The cgroup hierarchies mounted under /sys/fs/cgroup (v1: one per controller; v2:
+/// the one).
+fn hierarchies() -> Vec<PathBuf> {
+    let root = Path::new("/sys/fs/cgroup");
+    if root.join("cgroup.procs").exists() {
+        return vec![root.to_path_buf()];
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    for entry in std::fs::read_dir(root).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.join("cgroup.procs").exists() {
+            if let Ok(real) = std::fs::canonicalize(&path) {
+                seen.insert(real);
+            }
+        }
+    }
+    seen.into_iter().collect()
+}
+
+/// One cgroup per node in every hierarchy.
+#[derive(Debug)]
+struct NodeCgroup {
+    /// `tether-node-PID-N` (PID: the test process that made it).
+    name: String,
+}
+
+impl NodeCgroup {
+    fn create(net: &Node) -> NodeCgroup {
+        let name = format!("tether-node-{}-{}", std::process::id(), net.index);
+        let cg = NodeCgroup { name };
+        for h in hierarchies() {
+            let dir = h.join(&cg.name);
+            std::fs::create_dir_all(&dir)
+                .unwrap_or_else(|e| panic!("create cgroup {}: {e}", dir.display()));
+            // cgroup v1 cpuset: a new group has no CPUs or memory nodes until given.
+            for file in ["cpuset.cpus", "cpuset.mems"] {
+                let own = dir.join(file);
+                if own.exists()
+                    && std::fs::read_to_string(&own)
+                        .unwrap_or_default()
+                        .trim()
+                        .is_empty()
+                {
+                    let parent = std::fs::read_to_string(h.join(file)).unwrap_or_default();
+                    std::fs::write(&own, parent.trim()).unwrap();
+                }
+            }
+        }
+        cg
+    }
+
+    /// Shell that moves the running shell into this cgroup (every hierarchy).
+    fn join_script(&self) -> String {
+        hierarchies()
+            .iter()
+            .map(|h| format!("echo $$ > {}/cgroup.procs;", h.join(&self.name).display()))
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    /// Moves process `pid` into this cgroup.
+    fn adopt(&self, pid: u32) {
+        for h in hierarchies() {
+            let _ = std::fs::write(h.join(&self.name).join("cgroup.procs"), pid.to_string());
+        }
+    }
+
+    /// Every pid in the cgroup or below it, in any hierarchy.
+    fn pids(&self) -> Vec<u32> {
+        let mut pids = std::collections::BTreeSet::new();
+        for h in hierarchies() {
+            for dir in walk(&h.join(&self.name)) {
+                let procs = std::fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default();
+                pids.extend(procs.lines().filter_map(|l| l.trim().parse::<u32>().ok()));
+            }
+        }
+        pids.into_iter().collect()
+    }
+
+    /// SIGKILLs every process in the cgroup until none is left (20 s at most).
+    fn kill_all(&self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let pids = self.pids();
+            if pids.is_empty() {
+                return;
+            }
+            for pid in &pids {
+                let _ = Command::new("kill")
+                    .args(["-KILL", &pid.to_string()])
+                    .output();
+            }
+            if Instant::now() > deadline {
+                eprintln!(
+                    "cgroup {}: processes {pids:?} survived SIGKILL for 20s",
+                    self.name
+                );
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Removes the cgroup and everything the kubelet made below it.
+    fn remove(&self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        for h in hierarchies() {
+            let mut dirs = walk(&h.join(&self.name));
+            dirs.reverse();
+            for dir in dirs {
+                while std::fs::remove_dir(&dir).is_err() && dir.exists() {
+                    if Instant::now() > deadline {
+                        eprintln!("cgroup {} could not be removed", dir.display());
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+        }
+    }
+}
+
+/// `dir` and every directory below it, parents first.
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    if !dir.is_dir() {
+        return out;
+    }
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            if entry.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                stack.push(entry.path());
+            }
+        }
+        out.push(d);
+    }
+    out.sort_by_key(|p| p.components().count());
+    out
+}
+
+/// Removes nodes (cgroups, namespaces, veths) left by test processes that no longer
+/// run: a test killed by a timeout never ran its drops.
+fn sweep_stale_nodes() {
+    let alive = |pid: &str| Path::new("/proc").join(pid).exists();
+    for h in hierarchies() {
+        for entry in std::fs::read_dir(&h).into_iter().flatten().flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(rest) = name.strip_prefix("tether-node-") else {
+                continue;
+            };
+            let pid = rest.split('-').next().unwrap_or_default();
+            if !alive(pid) {
+                let cg = NodeCgroup { name };
+                cg.kill_all();
+                cg.remove();
+            }
+        }
+    }
+    let netns = Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    for ns in netns.lines().filter_map(|l| l.split_whitespace().next()) {
+        // Test namespaces are named ttPIDnN (see netns::Node::create).
+        let Some(rest) = ns.strip_prefix("tt") else {
+            continue;
+        };
+        let Some((pid, _)) = rest.split_once('n') else {
+            continue;
+        };
+        if pid.bytes().all(|b| b.is_ascii_digit()) && !alive(pid) {
+            let _ = Command::new("ip").args(["netns", "del", ns]).output();
+        }
+    }
+}
