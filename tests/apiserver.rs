@@ -468,3 +468,205 @@ fn http_connect_over_uds() {
 fn http_connect_over_mtls_tcp() {
     every_path(Frontend::HttpConnectTcp);
 }
+
+/// The CSRs of signer `kubernetes.io/kubelet-serving`: (name, username, approved,
+/// issued).
+fn serving_csrs(c: &Cluster) -> Vec<(String, String, bool, bool)> {
+    let v: serde_json::Value =
+        serde_json::from_str(&c.kubectl_ok(&["get", "csr", "-o", "json"])).unwrap();
+    v["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|i| i["spec"]["signerName"] == "kubernetes.io/kubelet-serving")
+        .map(|i| {
+            let approved = i["status"]["conditions"]
+                .as_array()
+                .is_some_and(|cs| cs.iter().any(|c| c["type"] == "Approved"));
+            let issued = i["status"]["certificate"]
+                .as_str()
+                .is_some_and(|s| !s.is_empty());
+            (
+                i["metadata"]["name"].as_str().unwrap().to_string(),
+                i["spec"]["username"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string(),
+                approved,
+                issued,
+            )
+        })
+        .collect()
+}
+
+/// A kubelet-serving CSR as node `node` would send it, for `sans`, submitted with the
+/// node's own credentials.
+fn submit_serving_csr(c: &Cluster, node: &RealNode, name: &str, sans: &[&str]) {
+    let mut params =
+        rcgen::CertificateParams::new(sans.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+            .unwrap();
+    params.distinguished_name = rcgen::DistinguishedName::new();
+    params.distinguished_name.push(
+        rcgen::DnType::CommonName,
+        format!("system:node:{}", node.name),
+    );
+    params
+        .distinguished_name
+        .push(rcgen::DnType::OrganizationName, "system:nodes");
+    let key = rcgen::KeyPair::generate().unwrap();
+    let pem = params.serialize_request(&key).unwrap().pem().unwrap();
+    use base64::Engine;
+    let request = base64::engine::general_purpose::STANDARD.encode(pem);
+    let yaml = format!(
+        "apiVersion: certificates.k8s.io/v1\nkind: CertificateSigningRequest\nmetadata:\n  name: {name}\nspec:\n  signerName: kubernetes.io/kubelet-serving\n  usages: [digital signature, key encipherment, server auth]\n  request: {request}\n"
+    );
+    let kubeconfig = node.dir().join("kubelet.kubeconfig");
+    let out = c.kubectl_input(
+        &[
+            &format!("--kubeconfig={}", kubeconfig.display()),
+            "create",
+            "-f",
+            "-",
+        ],
+        yaml.as_bytes(),
+    );
+    assert!(
+        out.status.success(),
+        "create CSR as {}: {}",
+        node.name,
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The hardened configuration: kubelets get their serving certificates through CSRs
+/// (`serverTLSBootstrap`), Tether's CCM approves those whose names are the node's by
+/// the inventory, kube-controller-manager signs them with the cluster CA, and
+/// kube-apiserver verifies every kubelet against that CA
+/// (`--kubelet-certificate-authority`). Two nodes, initialised by the CCM
+/// (`--cloud-provider=external`), reached through the tunnel by destHost (kubelets) and
+/// destCIDR (pods, by the node's pod range); every kubectl
+/// path still works; a CSR naming an address that is not the node's stays pending.
+#[test]
+fn hardened_kubelet_certificates_verified_through_the_tunnel() {
+    let opts = ClusterOptions {
+        verify_kubelet_certificates: true,
+        ..Default::default()
+    };
+    let node_opts = NodeOptions {
+        server_tls_bootstrap: true,
+        external_cloud_provider: true,
+    };
+    let e = env(
+        Frontend::GrpcUds,
+        2,
+        &opts,
+        &node_opts,
+        &["--proxy-strategies=destHost,destCIDR,default"],
+    );
+    let c = &e.cluster;
+    let inventory = e.pki.dir().join("inventory.yaml");
+    let machines: String = e
+        .nodes
+        .iter()
+        .map(|n| {
+            format!(
+                "- name: {}\n  addresses:\n  - {{type: InternalIP, address: {}}}\n",
+                n.name,
+                n.ip()
+            )
+        })
+        .collect();
+    std::fs::write(&inventory, format!("nodes:\n{machines}")).unwrap();
+    let ccm = tether_testkit::Proc::spawn(
+        "ccm",
+        Path::new(BIN),
+        &[
+            "ccm".into(),
+            "--log-format=json".into(),
+            format!("--cloud-config={}", inventory.display()),
+            format!("--kubeconfig={}", c.ccm_kubeconfig().display()),
+            "--leader-elect=false".into(),
+            "--secure-port=0".into(),
+        ],
+    );
+    ccm.wait_event("controllers started", Duration::from_secs(30), |_| true);
+
+    // One approved and issued serving certificate per node.
+    wait_blocking(
+        "both kubelets' serving certificates issued",
+        Duration::from_secs(90),
+        || {
+            let csrs = serving_csrs(c);
+            e.nodes
+                .iter()
+                .all(|n| {
+                    csrs.iter().any(|(_, user, approved, issued)| {
+                        *user == format!("system:node:{}", n.name) && *approved && *issued
+                    })
+                })
+                .then_some(())
+        },
+    );
+    // The nodes were initialised by the CCM (the uninitialized taint is gone).
+    for n in &e.nodes {
+        wait_blocking("node initialised", Duration::from_secs(30), || {
+            let id = c.kubectl_ok(&["get", "node", &n.name, "-o", "jsonpath={.spec.providerID}"]);
+            (id == format!("tether://{}", n.name)).then_some(())
+        });
+    }
+
+    // A request for an address that is not node-0's stays pending, with an event
+    // naming it.
+    let node0 = &e.nodes[0];
+    submit_serving_csr(
+        c,
+        node0,
+        "not-node-0s-address",
+        &["node-0", node0.ip(), "10.9.9.9"],
+    );
+    wait_blocking(
+        "the approver's event on the foreign CSR",
+        Duration::from_secs(30),
+        || {
+            let out = c.kubectl_ok(&[
+                "get",
+                "events",
+                "-n",
+                "default",
+                "--field-selector=involvedObject.name=not-node-0s-address",
+                "-o",
+                "jsonpath={.items[*].message}",
+            ]);
+            out.contains("IP 10.9.9.9").then_some(out)
+        },
+    );
+    let pending = serving_csrs(c)
+        .into_iter()
+        .find(|(name, ..)| name == "not-node-0s-address")
+        .unwrap();
+    assert!(!pending.2 && !pending.3, "{pending:?}");
+
+    // Both kubelets answer through the tunnel with a verified certificate: a web pod on
+    // each, reached by destHost.
+    for n in &e.nodes {
+        n.run_pod(
+            c,
+            &format!("web-{}", n.name),
+            &format!("node: {}", n.name),
+            &web_pod_containers(),
+        );
+        let out = wait_blocking(
+            "logs through a verified kubelet",
+            Duration::from_secs(60),
+            || {
+                let out = c.kubectl(&["logs", &format!("web-{}", n.name), "-c", "web"]);
+                out.status
+                    .success()
+                    .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+            },
+        );
+        assert!(out.starts_with("log line 1\n"), "{out}");
+    }
+    node0.run_pod(c, "web", "app: web", &web_pod_containers());
+    every_kubectl_path(&e, node0);
+}

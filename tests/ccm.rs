@@ -43,7 +43,7 @@ fn start_ccm_in(
         "ccm".into(),
         "--log-format=json".into(),
         format!("--cloud-config={}", inventory.display()),
-        format!("--kubeconfig={}", ccm_kubeconfig(cluster).display()),
+        format!("--kubeconfig={}", cluster.ccm_kubeconfig().display()),
         format!("--leader-elect-lease-duration={}s", LEASE.as_secs()),
         "--leader-elect-renew-deadline=3s".into(),
         "--leader-elect-retry-period=500ms".into(),
@@ -64,15 +64,6 @@ fn start_ccm_in(
     };
     proc.wait_event("cloud-controller-manager starting", START_TIMEOUT, |_| true);
     proc
-}
-
-/// Applies deploy/tether-ccm.yaml (RBAC, ServiceAccount, Deployment: no scheduler
-/// runs here, so it stays unscheduled) and returns a kubeconfig for that
-/// ServiceAccount's user: the CCM runs with exactly the RBAC the manifest grants.
-fn ccm_kubeconfig(cluster: &Cluster) -> PathBuf {
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/tether-ccm.yaml");
-    cluster.kubectl_ok(&["apply", "-f", manifest.to_str().unwrap()]);
-    cluster.kubeconfig_for("system:serviceaccount:kube-system:cloud-controller-manager")
 }
 
 fn write_inventory(path: &Path, yaml: &str) {

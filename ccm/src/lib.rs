@@ -23,7 +23,13 @@ use crate::controllers::{node::NodeController, node_lifecycle::NodeLifecycleCont
 use crate::workqueue::WorkQueue;
 
 /// The controllers `--controllers` can name.
-pub const CONTROLLERS: [&str; 4] = ["cloud-node", "cloud-node-lifecycle", "route", "service"];
+pub const CONTROLLERS: [&str; 5] = [
+    "cloud-node",
+    "cloud-node-lifecycle",
+    "route",
+    "service",
+    controllers::csr_approver::NAME,
+];
 
 /// Which controllers run.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,6 +42,8 @@ pub struct Enabled {
     pub route: bool,
     /// `service`.
     pub service: bool,
+    /// `kubelet-serving-csr-approver`.
+    pub csr_approver: bool,
 }
 
 impl Enabled {
@@ -67,6 +75,7 @@ impl Enabled {
             node_lifecycle: is_on("cloud-node-lifecycle"),
             route: is_on("route"),
             service: is_on("service"),
+            csr_approver: is_on(controllers::csr_approver::NAME),
         })
     }
 }
@@ -251,6 +260,33 @@ pub async fn run(
             }
         }
     }
+    match (&instances, config.enabled.csr_approver) {
+        (Some(i), true) => {
+            use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
+            let queue = WorkQueue::new("csr-approver");
+            let csrs = informer::spawn(
+                "certificatesigningrequests",
+                Api::<CertificateSigningRequest>::all(client.clone()),
+                vec![queue.clone()],
+                stop.clone(),
+            );
+            tokio::select! {
+                r = csrs.wait_until_ready() => r.map_err(|e| CcmError::CacheSync(e.to_string()))?,
+                _ = shutdown.cancelled() => return Ok(()),
+            }
+            let c =
+                controllers::csr_approver::CsrApprover::new(ctx.clone(), i.clone(), csrs, queue);
+            spawn(
+                controllers::csr_approver::NAME,
+                Box::pin(c.run(stop.clone())),
+            );
+        }
+        (None, true) => tracing::warn!(
+            provider = provider.name(),
+            "kubelet-serving CSR approver disabled: the provider has no instances interface"
+        ),
+        _ => {}
+    }
     if let (Some(lbs), true) = (lbs, run_service) {
         let queue = WorkQueue::new("service");
         let services = informer::spawn(
@@ -309,7 +345,12 @@ mod tests {
     fn controllers_flag_follows_upstream_syntax() {
         let p = |s: &[&str]| Enabled::parse(&s.iter().map(|s| s.to_string()).collect::<Vec<_>>());
         let all = p(&["*"]).unwrap();
-        assert!(all.node && all.node_lifecycle && all.route && all.service);
+        assert!(all.node && all.node_lifecycle && all.route && all.service && all.csr_approver);
+        assert!(
+            !p(&["*", "-kubelet-serving-csr-approver"])
+                .unwrap()
+                .csr_approver
+        );
         let no_route = p(&["*", "-route"]).unwrap();
         assert!(no_route.node && !no_route.route);
         let only = p(&["cloud-node"]).unwrap();

@@ -3,6 +3,7 @@
 //! keys mode 0600 or as Kubernetes Secret YAML, certificate inspection, and the
 //! throwaway bundle `tether local` and the tests use.
 
+pub mod csr;
 pub mod inspect;
 
 use std::io::Write;

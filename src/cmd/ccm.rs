@@ -27,7 +27,7 @@ pub struct CcmArgs {
     #[arg(long, default_value = "")]
     pub kubeconfig: String,
     /// Controllers to run: `*`, names, `-name` to disable (cloud-node,
-    /// cloud-node-lifecycle, route, service).
+    /// cloud-node-lifecycle, route, service, kubelet-serving-csr-approver).
     #[arg(long, default_value = "*", value_delimiter = ',')]
     pub controllers: Vec<String>,
     /// Elect a leader among replicas on a Lease.

@@ -735,6 +735,15 @@ impl Cluster {
         path
     }
 
+    /// Applies deploy/tether-ccm.yaml (RBAC, ServiceAccount, Deployment: no scheduler
+    /// runs here, so it stays unscheduled) and returns a kubeconfig for that
+    /// ServiceAccount's user: a CCM run with it has exactly the RBAC the manifest grants.
+    pub fn ccm_kubeconfig(&self) -> PathBuf {
+        let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/tether-ccm.yaml");
+        self.kubectl_ok(&["apply", "-f", manifest.to_str().unwrap()]);
+        self.kubeconfig_for("system:serviceaccount:kube-system:cloud-controller-manager")
+    }
+
     /// Does the apiserver log contain `needle`?
     pub fn apiserver_logged(&self, needle: &str) -> bool {
         self.apiserver.logged(needle)

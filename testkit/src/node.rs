@@ -463,7 +463,7 @@ serializeImagePulls: false
 
     /// Starts the agent-only binary `bin` inside the node (its network namespace and
     /// cgroup), dialling the server's agent port on the host side of the link, with the
-    /// node's name and InternalIP as identifiers, plus `args`.
+    /// node's name, InternalIP and pod range as identifiers, plus `args`.
     pub fn start_agent(&mut self, bin: &Path, pki: &Pki, agent_port: u16, args: &[String]) {
         let server = format!("{}:{agent_port}", self.net.host_ip)
             .parse()
@@ -471,8 +471,8 @@ serializeImagePulls: false
         let mut all = vec![
             format!("--agent-id={}", self.name),
             format!(
-                "--agent-identifiers=host={}&ipv4={}",
-                self.name, self.net.node_ip
+                "--agent-identifiers=host={}&ipv4={}&cidr={}",
+                self.name, self.net.node_ip, self.pod_cidr
             ),
             format!("--health-server-host={}", self.net.link_ip),
         ];

@@ -1,8 +1,10 @@
 //! The controllers: `node` (initialise nodes from the provider, keep addresses in
 //! sync), `node_lifecycle` (shutdown taint, delete nodes gone from the provider),
 //! `route` (pod-network routes per node podCIDR), `service` (load balancers for
-//! Services of type LoadBalancer).
+//! Services of type LoadBalancer), `csr_approver` (kubelet serving certificates for the
+//! addresses the provider knows).
 
+pub mod csr_approver;
 pub mod node;
 pub mod node_lifecycle;
 pub mod route;
