@@ -247,6 +247,7 @@ pub struct Cluster {
     /// The apiserver's service-account issuer.
     pub issuer: String,
     controller_manager: Option<Proc>,
+    apiserver_args: Vec<String>,
     apiserver: Proc,
     _etcd: Proc,
     dir: TempDir,
@@ -354,38 +355,45 @@ impl Cluster {
                 ca_cert.display()
             ));
         }
+        // Everything but the port and the egress: a peer apiserver on the same etcd
+        // (see `start_peer_apiserver`) takes the same.
+        let shared_args: Vec<String> = [
+            format!("--etcd-servers={etcd_url}"),
+            format!("--bind-address={bind}"),
+            "--advertise-address=127.0.0.1".into(),
+            "--insecure-port=0".into(),
+            format!("--tls-cert-file={}", serving_cert.display()),
+            format!("--tls-private-key-file={}", serving_key.display()),
+            format!("--client-ca-file={}", ca_cert.display()),
+            "--authorization-mode=Node,RBAC".into(),
+            "--enable-admission-plugins=NodeRestriction".into(),
+            format!("--service-account-issuer={issuer}"),
+            format!("--service-account-key-file={}", sa_pub.display()),
+            format!("--service-account-signing-key-file={}", sa_key.display()),
+            "--service-cluster-ip-range=10.96.0.0/16".into(),
+            "--kubelet-preferred-address-types=InternalIP".into(),
+            format!("--kubelet-client-certificate={}", kubelet_cert.display()),
+            format!("--kubelet-client-key={}", kubelet_key.display()),
+            "--disable-admission-plugins=ServiceAccount".into(),
+            "--endpoint-reconciler-type=none".into(),
+            "--enable-priority-and-fairness=false".into(),
+            "--allow-privileged=true".into(),
+            "--profiling=false".into(),
+            "--logtostderr=true".into(),
+            "--v=1".into(),
+        ]
+        .into_iter()
+        .chain(extra)
+        .collect();
         let apiserver = Proc::spawn(
             "kube-apiserver",
             &apiserver_bin,
             &[
-                format!("--etcd-servers={etcd_url}"),
-                format!("--bind-address={bind}"),
-                "--advertise-address=127.0.0.1".into(),
                 format!("--secure-port={port}"),
-                "--insecure-port=0".into(),
-                format!("--tls-cert-file={}", serving_cert.display()),
-                format!("--tls-private-key-file={}", serving_key.display()),
-                format!("--client-ca-file={}", ca_cert.display()),
-                "--authorization-mode=Node,RBAC".into(),
-                "--enable-admission-plugins=NodeRestriction".into(),
-                format!("--service-account-issuer={issuer}"),
-                format!("--service-account-key-file={}", sa_pub.display()),
-                format!("--service-account-signing-key-file={}", sa_key.display()),
-                "--service-cluster-ip-range=10.96.0.0/16".into(),
                 format!("--egress-selector-config-file={}", egress_file.display()),
-                "--kubelet-preferred-address-types=InternalIP".into(),
-                format!("--kubelet-client-certificate={}", kubelet_cert.display()),
-                format!("--kubelet-client-key={}", kubelet_key.display()),
-                "--disable-admission-plugins=ServiceAccount".into(),
-                "--endpoint-reconciler-type=none".into(),
-                "--enable-priority-and-fairness=false".into(),
-                "--allow-privileged=true".into(),
-                "--profiling=false".into(),
-                "--logtostderr=true".into(),
-                "--v=1".into(),
             ]
             .into_iter()
-            .chain(extra)
+            .chain(shared_args.iter().cloned())
             .collect::<Vec<_>>(),
         );
         let admin_kubeconfig = d.join("admin.kubeconfig");
@@ -412,6 +420,7 @@ impl Cluster {
             url,
             port,
             controller_manager: None,
+            apiserver_args: shared_args,
             files: ClusterFiles {
                 ca: ca_cert,
                 ca_key,
@@ -545,6 +554,53 @@ impl Cluster {
             self.files.admin_kubeconfig.display()
         ));
         cmd
+    }
+
+    /// A second kube-apiserver of this cluster (same etcd, certificates and users) whose
+    /// egress is `egress`: the same kubectl command against both compares two paths to
+    /// the kubelets. Runs until dropped.
+    pub fn start_peer_apiserver(&self, egress: &Egress) -> PeerApiserver {
+        let port = free_port();
+        let egress_file = self.dir.path().join(format!("egress-selector-{port}.yaml"));
+        write_file(&egress_file, &egress.config_yaml(), false).unwrap();
+        let args: Vec<String> = [
+            format!("--secure-port={port}"),
+            format!("--egress-selector-config-file={}", egress_file.display()),
+        ]
+        .into_iter()
+        .chain(self.apiserver_args.iter().cloned())
+        .collect();
+        let mut proc = Proc::spawn("kube-apiserver-peer", &require_apiserver(), &args);
+        let url = format!("https://127.0.0.1:{port}");
+        let peer_kubeconfig = self.dir.path().join(format!("admin-{port}.kubeconfig"));
+        let text = std::fs::read_to_string(&self.files.admin_kubeconfig)
+            .unwrap()
+            .replace(&self.url, &url);
+        write_file(&peer_kubeconfig, &text, true).unwrap();
+        wait_blocking(
+            "the peer apiserver's /readyz",
+            Duration::from_secs(120),
+            || {
+                assert!(
+                    !proc.exited(),
+                    "peer kube-apiserver exited:\n{}",
+                    proc.log_text()
+                );
+                Command::new("kubectl")
+                    .arg(format!("--kubeconfig={}", peer_kubeconfig.display()))
+                    .args(["get", "--raw", "/readyz"])
+                    .output()
+                    .ok()?
+                    .status
+                    .success()
+                    .then_some(())
+            },
+        );
+        PeerApiserver {
+            url,
+            admin_kubeconfig: peer_kubeconfig,
+            _proc: proc,
+        }
     }
 
     /// The controller manager's log, when it runs.
@@ -747,6 +803,24 @@ impl Cluster {
     /// Does the apiserver log contain `needle`?
     pub fn apiserver_logged(&self, needle: &str) -> bool {
         self.apiserver.logged(needle)
+    }
+}
+
+/// A second apiserver of a [`Cluster`], see [`Cluster::start_peer_apiserver`].
+pub struct PeerApiserver {
+    /// `https://127.0.0.1:PORT`.
+    pub url: String,
+    /// Admin kubeconfig pointing at this apiserver.
+    pub admin_kubeconfig: PathBuf,
+    _proc: Proc,
+}
+
+impl PeerApiserver {
+    /// A kubectl command as admin against this apiserver, not yet started.
+    pub fn kubectl_command(&self) -> Command {
+        let mut cmd = Command::new("kubectl");
+        cmd.arg(format!("--kubeconfig={}", self.admin_kubeconfig.display()));
+        cmd
     }
 }
 

@@ -482,6 +482,20 @@ serializeImagePulls: false
         self.agent = Some(agent);
     }
 
+    /// Routes the host to this node's InternalIP and pod range over its link, until the
+    /// guard drops: for measuring the path without the tunnel. (Every other node stays
+    /// unreachable.)
+    pub fn direct_route(&self) -> DirectRoute {
+        let targets = vec![format!("{}/32", self.net.node_ip), self.pod_cidr.clone()];
+        for t in &targets {
+            run(
+                "ip route replace",
+                Command::new("ip").args(["route", "replace", t, "via", &self.net.link_ip]),
+            );
+        }
+        DirectRoute { targets }
+    }
+
     /// The kubelet's log so far.
     pub fn kubelet_log(&self) -> String {
         self.kubelet
@@ -558,6 +572,20 @@ impl Drop for RealNode {
     }
 }
 
+/// Host routes to one node; removed on drop (the blackhole behind them takes over).
+#[derive(Debug)]
+pub struct DirectRoute {
+    targets: Vec<String>,
+}
+
+impl Drop for DirectRoute {
+    fn drop(&mut self) {
+        for t in &self.targets {
+            let _ = Command::new("ip").args(["route", "del", t]).output();
+        }
+    }
+}
+
 /// What to look for after a node is dropped: a test asserts [`Leftovers::found`] is
 /// empty.
 #[derive(Debug, Clone)]
@@ -598,6 +626,15 @@ impl Leftovers {
         for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
             let pid = entry.file_name().to_string_lossy().into_owned();
             if !pid.bytes().all(|b| b.is_ascii_digit()) {
+                continue;
+            }
+            // A zombie (killed, not yet reaped by init) holds no memory, file, mount or
+            // cgroup.
+            let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+            if stat
+                .rsplit_once(')')
+                .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'))
+            {
                 continue;
             }
             let cgroups = std::fs::read_to_string(entry.path().join("cgroup")).unwrap_or_default();
