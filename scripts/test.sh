@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: installs test dependencies (idempotent), then formatting,
-# lints, and every unit and integration test of the workspace.
+# lints, every unit and integration test of the workspace, then a check that nothing
+# (node, namespace, process, mount) was left behind.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -9,3 +10,4 @@ scripts/install-kube.sh >/dev/null
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo test --workspace --locked
+scripts/check-clean.sh

@@ -14,7 +14,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use tether_testkit::kube::{wait_blocking, Cluster, ClusterOptions, Frontend};
+use tether_testkit::kube::{run_with_input, wait_blocking, Cluster, ClusterOptions, Frontend};
 use tether_testkit::netns::Node;
 use tether_testkit::node::{NodeOptions, RealNode, BUSYBOX_IMAGE};
 use tether_testkit::{metric, Pki, ServerProc};
@@ -93,20 +93,8 @@ impl Streams {
     }
 }
 
-fn output_of(mut cmd: Command, input: &[u8]) -> (bool, String, String) {
-    let mut child = cmd
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn kubectl");
-    let mut stdin = child.stdin.take().unwrap();
-    let input = input.to_vec();
-    let writer = std::thread::spawn(move || {
-        let _ = stdin.write_all(&input);
-    });
-    let out = child.wait_with_output().unwrap();
-    let _ = writer.join();
+fn output_of(cmd: Command, input: &[u8]) -> (bool, String, String) {
+    let out = run_with_input(cmd, input);
     (
         out.status.success(),
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -510,19 +498,9 @@ fn serving_csrs(c: &Cluster) -> Vec<(String, String, bool, bool)> {
 /// A kubelet-serving CSR as node `node` would send it, for `sans`, submitted with the
 /// node's own credentials.
 fn submit_serving_csr(c: &Cluster, node: &RealNode, name: &str, sans: &[&str]) {
-    let mut params =
-        rcgen::CertificateParams::new(sans.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+    let (pem, _key) =
+        tether_certs::csr::request_pem(&format!("system:node:{}", node.name), "system:nodes", sans)
             .unwrap();
-    params.distinguished_name = rcgen::DistinguishedName::new();
-    params.distinguished_name.push(
-        rcgen::DnType::CommonName,
-        format!("system:node:{}", node.name),
-    );
-    params
-        .distinguished_name
-        .push(rcgen::DnType::OrganizationName, "system:nodes");
-    let key = rcgen::KeyPair::generate().unwrap();
-    let pem = params.serialize_request(&key).unwrap().pem().unwrap();
     use base64::Engine;
     let request = base64::engine::general_purpose::STANDARD.encode(pem);
     let yaml = format!(

@@ -523,26 +523,9 @@ impl Cluster {
 
     /// Runs kubectl as admin with `input` on stdin; returns the output, success or not.
     pub fn kubectl_input(&self, args: &[&str], input: &[u8]) -> Output {
-        use std::io::Write;
-        let mut child = Command::new("kubectl")
-            .arg(format!(
-                "--kubeconfig={}",
-                self.files.admin_kubeconfig.display()
-            ))
-            .args(args)
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .expect("run kubectl");
-        let mut stdin = child.stdin.take().unwrap();
-        let input = input.to_vec();
-        let writer = std::thread::spawn(move || {
-            let _ = stdin.write_all(&input);
-        });
-        let out = child.wait_with_output().expect("wait for kubectl");
-        let _ = writer.join();
-        out
+        let mut cmd = self.kubectl_command();
+        cmd.args(args);
+        run_with_input(cmd, input)
     }
 
     /// A kubectl command as admin, not yet started (for long-running ones: logs -f,
@@ -644,25 +627,7 @@ impl Cluster {
 
     /// Runs kubectl with `input` on stdin; panics on failure; returns stdout.
     pub fn kubectl_stdin(&self, args: &[&str], input: &str) -> String {
-        use std::io::Write;
-        let mut child = Command::new("kubectl")
-            .arg(format!(
-                "--kubeconfig={}",
-                self.files.admin_kubeconfig.display()
-            ))
-            .args(args)
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        child
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(input.as_bytes())
-            .unwrap();
-        let out = child.wait_with_output().unwrap();
+        let out = self.kubectl_input(args, input.as_bytes());
         assert!(
             out.status.success(),
             "kubectl {}: {}\ninput:\n{input}",
@@ -822,6 +787,27 @@ impl PeerApiserver {
         cmd.arg(format!("--kubeconfig={}", self.admin_kubeconfig.display()));
         cmd
     }
+}
+
+/// Runs `cmd` with `input` written to its stdin (from a thread, so a large input never
+/// blocks against a full stdout pipe) and returns its output.
+pub fn run_with_input(mut cmd: Command, input: &[u8]) -> Output {
+    use std::io::Write;
+    use std::process::Stdio;
+    let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn {:?}: {e}", cmd.get_program()));
+    let mut stdin = child.stdin.take().unwrap();
+    let input = input.to_vec();
+    let writer = std::thread::spawn(move || {
+        let _ = stdin.write_all(&input);
+    });
+    let out = child.wait_with_output().expect("wait for the child");
+    let _ = writer.join();
+    out
 }
 
 /// Starts etcd with its data in `data_dir`, waits until /health says true; returns the

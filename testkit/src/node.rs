@@ -314,41 +314,25 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
         let args = self.in_node("containerd", &[format!("--config={}", config.display())]);
         let mut proc = Proc::spawn(&format!("containerd@{}", self.name), Path::new("sh"), &args);
         let sock = self.containerd_socket();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while !sock.exists() {
-            assert!(
-                !proc.exited(),
-                "node {}: containerd exited:\n{}",
-                self.name,
-                proc.log_text()
-            );
-            assert!(
-                Instant::now() < deadline,
-                "node {}: containerd did not create its socket in 30s:\n{}",
-                self.name,
-                proc.log_text()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        wait_alive(
+            &mut proc,
+            &format!("node {}: containerd's socket", self.name),
+            Duration::from_secs(30),
+            || sock.exists(),
+            String::new,
+        );
         self.containerd = Some(proc);
         // The images cannot be pulled here: import the cached archives.
-        let images = images_dir();
-        run(
-            &format!("node {}: import images", self.name),
-            Command::new("ctr")
-                .arg("--address")
-                .arg(&sock)
-                .args(["-n", "k8s.io", "images", "import"])
-                .arg(images.join("pause.tar")),
-        );
-        run(
-            &format!("node {}: import images", self.name),
-            Command::new("ctr")
-                .arg("--address")
-                .arg(&sock)
-                .args(["-n", "k8s.io", "images", "import"])
-                .arg(images.join("busybox.tar")),
-        );
+        for image in ["pause.tar", "busybox.tar"] {
+            run(
+                &format!("node {}: import {image}", self.name),
+                Command::new("ctr")
+                    .arg("--address")
+                    .arg(&sock)
+                    .args(["-n", "k8s.io", "images", "import"])
+                    .arg(images_dir().join(image)),
+            );
+        }
     }
 
     fn start_kubelet(&mut self, cluster: &Cluster, opts: &NodeOptions) {
@@ -431,34 +415,24 @@ serializeImagePulls: false
     }
 
     fn wait_ready(&mut self, cluster: &Cluster) {
-        let deadline = Instant::now() + READY_TIMEOUT;
-        loop {
-            let out = cluster.kubectl(&[
-                "get",
-                "node",
-                &self.name,
-                "-o",
-                r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#,
-            ]);
-            if String::from_utf8_lossy(&out.stdout).trim() == "True" {
-                return;
-            }
-            let kubelet = self.kubelet.as_mut().unwrap();
-            assert!(
-                !kubelet.exited(),
-                "node {}: kubelet exited:\n{}",
-                self.name,
-                kubelet.log_text()
-            );
-            assert!(
-                Instant::now() < deadline,
-                "node {}: not Ready after {READY_TIMEOUT:?}; kubelet log:\n{}\ncontainerd log:\n{}",
-                self.name,
-                tail(&kubelet.log_text(), 60),
-                tail(&self.containerd.as_ref().unwrap().log_text(), 30)
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
+        let name = self.name.clone();
+        let containerd = self.containerd.as_ref().unwrap();
+        wait_alive(
+            self.kubelet.as_mut().unwrap(),
+            &format!("node {name}: Ready"),
+            READY_TIMEOUT,
+            || {
+                let out = cluster.kubectl(&[
+                    "get",
+                    "node",
+                    &name,
+                    "-o",
+                    r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#,
+                ]);
+                String::from_utf8_lossy(&out.stdout).trim() == "True"
+            },
+            || format!("containerd log:\n{}", tail(&containerd.log_text(), 30)),
+        );
     }
 
     /// Starts the agent-only binary `bin` inside the node (its network namespace and
@@ -651,6 +625,33 @@ impl Leftovers {
             }
         }
         found
+    }
+}
+
+/// Polls `ready` until it holds, failing with `proc`'s log (and `context()`) when `proc`
+/// exits first or `timeout` passes.
+fn wait_alive(
+    proc: &mut Proc,
+    what: &str,
+    timeout: Duration,
+    mut ready: impl FnMut() -> bool,
+    context: impl Fn() -> String,
+) {
+    let deadline = Instant::now() + timeout;
+    while !ready() {
+        assert!(
+            !proc.exited(),
+            "{what}: {proc:?} exited:\n{}\n{}",
+            tail(&proc.log_text(), 60),
+            context()
+        );
+        assert!(
+            Instant::now() < deadline,
+            "{what}: not within {timeout:?}; {proc:?} log:\n{}\n{}",
+            tail(&proc.log_text(), 60),
+            context()
+        );
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 

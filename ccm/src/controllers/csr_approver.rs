@@ -355,43 +355,9 @@ mod tests {
     use k8s_openapi::ByteString;
 
     fn request(cn: &str, org: &str, sans: &[&str]) -> Vec<u8> {
-        let mut params =
-            rcgen::CertificateParams::new(sans.iter().map(|s| s.to_string()).collect::<Vec<_>>())
-                .unwrap();
-        params.distinguished_name = rcgen::DistinguishedName::new();
-        params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, cn);
-        params
-            .distinguished_name
-            .push(rcgen::DnType::OrganizationName, org);
-        let key = rcgen::KeyPair::generate().unwrap();
-        params
-            .serialize_request(&key)
+        tether_certs::csr::request_pem(cn, org, sans)
             .unwrap()
-            .pem()
-            .unwrap()
-            .into_bytes()
-    }
-
-    fn email_request() -> Vec<u8> {
-        let mut params = rcgen::CertificateParams::new(vec!["n1".to_string()]).unwrap();
-        params.subject_alt_names.push(rcgen::SanType::Rfc822Name(
-            "admin@example.com".try_into().unwrap(),
-        ));
-        params.distinguished_name = rcgen::DistinguishedName::new();
-        params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, "system:node:n1");
-        params
-            .distinguished_name
-            .push(rcgen::DnType::OrganizationName, NODES_GROUP);
-        let key = rcgen::KeyPair::generate().unwrap();
-        params
-            .serialize_request(&key)
-            .unwrap()
-            .pem()
-            .unwrap()
+            .0
             .into_bytes()
     }
 
@@ -481,7 +447,14 @@ mod tests {
                 ),
                 "subject O",
             ),
-            (csr("system:node:n1", &SERVING, email_request()), "e-mail"),
+            (
+                csr(
+                    "system:node:n1",
+                    &SERVING,
+                    request("system:node:n1", NODES_GROUP, &["n1", "admin@example.com"]),
+                ),
+                "e-mail",
+            ),
             (
                 csr("system:node:n1", &SERVING, b"garbage".to_vec()),
                 "spec.request",
