@@ -29,7 +29,8 @@ command -v kubectl >/dev/null 2>&1 || apt_install kubernetes-client
 command -v containerd >/dev/null 2>&1 || apt_install containerd
 command -v runc >/dev/null 2>&1 || apt_install runc
 [ -x /usr/lib/cni/bridge ] || [ -x /opt/cni/bin/bridge ] || apt_install containernetworking-plugins
-[ -x /bin/busybox ] && /bin/busybox --list 2>/dev/null | grep -qx httpd || apt_install busybox-static
+# The images need a static busybox (Debian's `busybox` package is dynamic).
+if ! { [ -x /bin/busybox ] && ! ldd /bin/busybox >/dev/null 2>&1; }; then apt_install busybox-static; fi
 command -v iptables >/dev/null 2>&1 || apt_install iptables
 command -v socat >/dev/null 2>&1 || apt_install socat
 command -v script >/dev/null 2>&1 || apt_install bsdutils

@@ -17,6 +17,10 @@ if [ -f "$OUT/pause.tar" ] && [ -f "$OUT/busybox.tar" ] && [ "$(cat "$OUT/stamp"
   exit 0
 fi
 
+if ldd /bin/busybox >/dev/null 2>&1; then
+  echo "/bin/busybox is dynamically linked: install busybox-static (scripts/install-kube.sh does)" >&2
+  exit 1
+fi
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 
