@@ -261,10 +261,13 @@ fn healthz_is_anonymous_and_metrics_need_an_authorized_token() {
     let reader = sa_token(&cluster, "prometheus");
     let (code, page) = https_get(&format!("{base}/metrics"), Some(&reader));
     assert_eq!(code, 200, "{page}");
-    assert!(
-        page.contains("tether_ccm_kube_api_requests_total"),
-        "{page}"
-    );
+    for name in [
+        "rest_client_requests_total{code=\"200\",host=",
+        "workqueue_adds_total{name=\"node\"}",
+        "leader_election_master_status{name=\"cloud-controller-manager\"} 1",
+    ] {
+        assert!(page.contains(name), "{name} missing:\n{page}");
+    }
 }
 
 #[test]
@@ -528,7 +531,8 @@ fn pod_routes_are_programmed_in_the_hosts_routing_table() {
     add_node_with_pod_cidr(&cluster, "n4", "10.233.0.5", "10.97.0.0/24");
 
     let (_dir, inventory) = inventory_dir();
-    write_inventory(&inventory, "nodes: []\n");
+    // Routes are opt-in: the `routes:` section makes this host the pod-network router.
+    write_inventory(&inventory, "routes: {}\nnodes: []\n");
     let mut ccm = start_ccm_in(
         Some(&host),
         &cluster,
@@ -566,12 +570,9 @@ fn pod_routes_are_programmed_in_the_hosts_routing_table() {
             network_unavailable(v) == Some(("False".into(), "RouteCreated".into()))
         });
     }
-    wait_node(
-        &cluster,
-        "n3",
-        "NetworkUnavailable True/NoRouteCreated",
-        |v| network_unavailable(v) == Some(("True".into(), "NoRouteCreated".into())),
-    );
+    // The kernel refuses n3's route (its next hop is not on a local link): one event,
+    // and no NetworkUnavailable=True, which would keep every pod off the node (its
+    // condition is not ours to flip).
     wait_blocking(
         "FailedToCreateRoute event for n3",
         Duration::from_secs(20),
@@ -581,6 +582,32 @@ fn pod_routes_are_programmed_in_the_hosts_routing_table() {
                 .then_some(())
         },
     );
+    let n3 = node_json(&cluster, "n3").unwrap();
+    assert!(network_unavailable(&n3).is_none(), "{n3}");
+    // Repeats count into the one event instead of making new ones.
+    let count = |c: &Cluster| -> (usize, i64) {
+        let v: Value = serde_json::from_str(&c.kubectl_ok(&[
+            "get",
+            "events",
+            "-n",
+            "default",
+            "--field-selector=involvedObject.name=n3,reason=FailedToCreateRoute",
+            "-o",
+            "json",
+        ]))
+        .unwrap();
+        let items = v["items"].as_array().unwrap().clone();
+        let n = items
+            .first()
+            .map(|e| e["count"].as_i64().unwrap_or(0))
+            .unwrap_or(0);
+        (items.len(), n)
+    };
+    wait_blocking("the event's count rises", Duration::from_secs(30), || {
+        let (objects, n) = count(&cluster);
+        assert_eq!(objects, 1, "one Event object per reason and node");
+        (n >= 2).then_some(())
+    });
     assert!(network_unavailable(&node_json(&cluster, "n4").unwrap()).is_none());
 
     // Drift: a route deleted by hand comes back; a node's new address moves its
@@ -603,6 +630,19 @@ fn pod_routes_are_programmed_in_the_hosts_routing_table() {
         (!ours().contains("10.244.1.0/24")).then_some(())
     });
     assert!(!ccm.exited(), "the CCM exited:\n{}", ccm.log_text());
+    // Stopping: the routes are the leader's alone, and they go with it.
+    ccm.signal("TERM");
+    ccm.wait_exit(Duration::from_secs(30))
+        .expect("the CCM stops");
+    let left = ours();
+    assert!(
+        !left.contains("10.244."),
+        "routes left behind after shutdown:\n{left}"
+    );
+    assert!(
+        left.contains("10.98.0.0/24"),
+        "ours outside --cluster-cidr: {left}"
+    );
 }
 
 #[test]
@@ -618,8 +658,10 @@ fn a_node_whose_agent_is_connected_exists_without_being_in_the_inventory() {
     let (_dir, inventory) = inventory_dir();
     write_inventory(
         &inventory,
+        // Lab settings: the test server does not verify identifiers, and deletion is
+        // opted in with no delay.
         &format!(
-            "agents:\n  urls: [http://{}/agents]\n  gracePeriodSeconds: 0\nnodes: []\n",
+            "agents:\n  urls: [http://{}/agents]\n  deleteNodesAfterSeconds: 0\n  trustUnverifiedIdentifiers: true\nnodes: []\n",
             server.admin
         ),
     );
@@ -633,13 +675,25 @@ fn a_node_whose_agent_is_connected_exists_without_being_in_the_inventory() {
         n["status"]["addresses"][0]["address"],
         node.node_ip.as_str()
     );
+    assert_eq!(
+        n["metadata"]["labels"]["tether.dev/instance-source"],
+        "agent"
+    );
     // NotReady but its agent is connected: it exists, so it stays. A NotReady node
-    // with neither inventory entry nor agent is deleted in the same lifecycle pass,
-    // which proves the pass ran.
+    // this CCM initialised from the inventory and no longer listed is deleted in the
+    // same lifecycle pass, which proves the pass ran.
     cluster.set_node_ready("edge-1", false);
     // (No Ready condition at all counts as not Ready, as upstream; it may be deleted
     // at once, so nothing else is written to it.)
-    cluster.apply("apiVersion: v1\nkind: Node\nmetadata:\n  name: ghost\n");
+    cluster.apply("apiVersion: v1\nkind: Node\nmetadata:\n  name: ghost\n  labels: {tether.dev/instance-source: inventory}\nspec:\n  providerID: tether://ghost\n");
+    // Never initialised by us: never deleted, one Warning event instead.
+    cluster.apply("apiVersion: v1\nkind: Node\nmetadata:\n  name: stray\n");
+    wait_blocking("stray: DeletionWithheld", Duration::from_secs(30), || {
+        cluster
+            .has_event("default", "stray", "DeletionWithheld")
+            .then_some(())
+    });
+    assert!(node_json(&cluster, "stray").is_some());
     wait_blocking("ghost deleted", Duration::from_secs(30), || {
         node_json(&cluster, "ghost").is_none().then_some(())
     });
@@ -652,4 +706,343 @@ fn a_node_whose_agent_is_connected_exists_without_being_in_the_inventory() {
     wait_blocking("edge-1 deleted", Duration::from_secs(30), || {
         node_json(&cluster, "edge-1").is_none().then_some(())
     });
+}
+
+/// A pod in kube-system on `node`, run as the agents' ServiceAccount, and a token for
+/// that account bound to it (what a DaemonSet pod's projected token is): (pod, token).
+fn pod_bound_agent_token(cluster: &Cluster, pod: &str, node: &str) -> String {
+    cluster.apply(&format!(
+        "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {pod}\n  namespace: kube-system\nspec:\n  nodeName: {node}\n  serviceAccountName: konnectivity-agent\n  automountServiceAccountToken: false\n  containers:\n  - name: agent\n    image: tether:v0.1.0\n"
+    ));
+    let uid = cluster.kubectl_ok(&[
+        "get",
+        "pod",
+        pod,
+        "-n",
+        "kube-system",
+        "-o",
+        "jsonpath={.metadata.uid}",
+    ]);
+    let body = format!(
+        r#"{{"apiVersion":"authentication.k8s.io/v1","kind":"TokenRequest","spec":{{"expirationSeconds":3600,"audiences":["system:konnectivity-server"],"boundObjectRef":{{"kind":"Pod","apiVersion":"v1","name":"{pod}","uid":"{uid}"}}}}}}"#
+    );
+    let out = cluster.kubectl_stdin(
+        &[
+            "create",
+            "--raw",
+            "/api/v1/namespaces/kube-system/serviceaccounts/konnectivity-agent/token",
+            "-f",
+            "-",
+        ],
+        &body,
+    );
+    let v: Value = serde_json::from_str(&out).unwrap();
+    v["status"]["token"].as_str().unwrap().to_string()
+}
+
+fn token_agent(
+    pki: &Pki,
+    server: &ServerProc,
+    dir: &Path,
+    id: &str,
+    ids: &str,
+    token: &str,
+) -> AgentProc {
+    let path = dir.join(format!("{id}.token"));
+    std::fs::write(&path, token).unwrap();
+    AgentProc::start(
+        Path::new(BIN),
+        pki,
+        server.agent,
+        &[
+            format!("--agent-id={id}"),
+            format!("--agent-identifiers={ids}"),
+            format!("--service-account-token-path={}", path.display()),
+            "--agent-cert=".into(),
+            "--agent-key=".into(),
+        ],
+    )
+}
+
+fn agents_listing(server: &ServerProc) -> Value {
+    let out = Command::new("curl")
+        .args([
+            "-s",
+            "--max-time",
+            "5",
+            &format!("http://{}/agents", server.admin),
+        ])
+        .output()
+        .unwrap();
+    serde_json::from_slice(&out.stdout).unwrap_or(Value::Null)
+}
+
+/// With the shipped token authentication: an agent whose token is bound to a Pod on
+/// node edge-1 is vouched for by the server as edge-1, and that node is initialised from
+/// it; another agent's bare claim to be edge-2 changes nothing but one event. When
+/// edge-1's agent goes away for good, the NotReady node stays (many lifecycle passes
+/// later, each proven by a node deleted beside it); only the opt-in policy deletes it.
+#[test]
+fn only_verified_agents_vouch_for_nodes_and_an_absent_agent_costs_no_node() {
+    let cluster = Cluster::start(&Egress::Direct);
+    let rbac = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/rbac.yaml");
+    cluster.kubectl_ok(&["apply", "-f", rbac.to_str().unwrap()]);
+    let pki = Pki::new();
+    let f = &pki.files;
+    let server = ServerProc::start(
+        Path::new(BIN),
+        &[
+            format!("--uds-name={}", socket_path(pki.dir()).display()),
+            "--server-port=0".into(),
+            format!("--cluster-cert={}", f.server_cert.display()),
+            format!("--cluster-key={}", f.server_key.display()),
+            "--agent-namespace=kube-system".into(),
+            "--agent-service-account=konnectivity-agent".into(),
+            "--authentication-audience=system:konnectivity-server".into(),
+            format!("--kubeconfig={}", cluster.files.server_kubeconfig.display()),
+        ],
+    );
+    let tokens = TempDir::new("tether-tokens");
+    let bound = pod_bound_agent_token(&cluster, "konnectivity-agent-edge-1", "edge-1");
+    let mut verified = token_agent(
+        &pki,
+        &server,
+        tokens.path(),
+        "edge-1",
+        "host=edge-1&ipv4=127.0.0.1",
+        &bound,
+    );
+    // A valid token of the right ServiceAccount, bound to no pod: admitted, unverified.
+    let unbound =
+        cluster.service_account_token("konnectivity-agent", Some("system:konnectivity-server"));
+    let _claimer = token_agent(
+        &pki,
+        &server,
+        tokens.path(),
+        "edge-2",
+        "host=edge-2&ipv4=127.0.0.2",
+        &unbound,
+    );
+    let listing = wait_blocking("both agents listed", Duration::from_secs(30), || {
+        let v = agents_listing(&server);
+        (v["agents"].as_array().map(|a| a.len()) == Some(2)).then_some(v)
+    });
+    let agent = |id: &str| {
+        listing["agents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|a| a["id"] == id)
+            .unwrap()
+            .clone()
+    };
+    assert_eq!(
+        agent("edge-1")["verifiedBy"],
+        "serviceaccount-token",
+        "{listing}"
+    );
+    assert_eq!(
+        agent("edge-1")["verifiedHosts"],
+        serde_json::json!(["edge-1"]),
+        "{listing}"
+    );
+    assert!(
+        agent("edge-1")["verifiedIps"]
+            .as_array()
+            .unwrap()
+            .is_empty(),
+        "a token proves no address: {listing}"
+    );
+    assert_eq!(agent("edge-2")["verifiedBy"], "", "{listing}");
+    assert!(
+        agent("edge-2")["verifiedHosts"]
+            .as_array()
+            .unwrap()
+            .is_empty(),
+        "{listing}"
+    );
+
+    let (_dir, inventory) = inventory_dir();
+    let agents_only = format!(
+        "agents:\n  urls: [http://{}/agents]\nnodes: []\n",
+        server.admin
+    );
+    write_inventory(&inventory, &agents_only);
+    add_uninitialized_node(&cluster, "edge-1", "");
+    add_uninitialized_node(&cluster, "edge-2", "");
+    let mut ccm = start_ccm(&cluster, &inventory, "ccm");
+    let n = wait_node(
+        &cluster,
+        "edge-1",
+        "initialised from its verified agent",
+        |n| !taint_keys(n).contains(&"node.cloudprovider.kubernetes.io/uninitialized".into()),
+    );
+    assert_eq!(n["spec"]["providerID"], "tether://edge-1");
+    assert_eq!(
+        n["metadata"]["labels"]["tether.dev/instance-source"],
+        "agent"
+    );
+    wait_blocking(
+        "edge-2: UnverifiedAgentIdentity",
+        Duration::from_secs(30),
+        || {
+            cluster
+                .has_event("default", "edge-2", "UnverifiedAgentIdentity")
+                .then_some(())
+        },
+    );
+    let edge2 = node_json(&cluster, "edge-2").unwrap();
+    assert!(
+        taint_keys(&edge2).contains(&"node.cloudprovider.kubernetes.io/uninitialized".into())
+            && edge2["spec"]["providerID"].is_null(),
+        "an unverified claim initialised edge-2: {edge2}"
+    );
+
+    // The WAN link to edge-1 goes: NotReady, its agent gone from every server.
+    cluster.set_node_ready("edge-1", false);
+    verified.proc.kill();
+    wait_blocking("edge-1's agent gone", Duration::from_secs(30), || {
+        let v = agents_listing(&server);
+        (!v.to_string().contains("\"edge-1\"")).then_some(())
+    });
+    let gone_since = Instant::now();
+    // Lifecycle passes keep running (each deletes a node this CCM initialised from an
+    // inventory that no longer lists it) well past the agents' cache.
+    let mut round = 0;
+    while gone_since.elapsed() < Duration::from_secs(6) {
+        round += 1;
+        let ghost = format!("ghost-{round}");
+        cluster.apply(&format!(
+            "apiVersion: v1\nkind: Node\nmetadata:\n  name: {ghost}\n  labels: {{tether.dev/instance-source: inventory}}\nspec:\n  providerID: tether://{ghost}\n"
+        ));
+        wait_blocking(&format!("{ghost} deleted"), Duration::from_secs(30), || {
+            node_json(&cluster, &ghost).is_none().then_some(())
+        });
+    }
+    assert!(round >= 2, "the lifecycle passes did not run");
+    let kept = node_json(&cluster, "edge-1").expect("edge-1 was deleted while its agent was away");
+    assert_eq!(kept["spec"]["providerID"], "tether://edge-1");
+    assert!(!ccm.exited(), "{}", ccm.log_text());
+    drop(ccm);
+
+    // The operator opts in: away longer than 1 s (since this CCM started) and NotReady.
+    write_inventory(
+        &inventory,
+        &format!(
+            "agents:\n  urls: [http://{}/agents]\n  deleteNodesAfterSeconds: 1\nnodes: []\n",
+            server.admin
+        ),
+    );
+    let _ccm = start_ccm(&cluster, &inventory, "ccm-opt-in");
+    wait_blocking(
+        "edge-1 deleted under the opt-in policy",
+        Duration::from_secs(30),
+        || node_json(&cluster, "edge-1").is_none().then_some(()),
+    );
+    assert!(
+        node_json(&cluster, "edge-2").is_some(),
+        "edge-2 was never ours to delete"
+    );
+}
+
+/// A kubelet 1.29+ dual-stack registration (`--node-ip v4,v6` in the provided-node-ip
+/// annotation, its Hostname address) under an upstream CCM command line: canonical
+/// controller names, --use-service-account-credentials, the delegated-auth kubeconfigs,
+/// --concurrent-node-syncs. Then the upstream metrics are scraped.
+#[test]
+fn an_upstream_command_line_initialises_a_dual_stack_node_and_serves_upstream_metrics() {
+    let cluster = Cluster::start(&Egress::Direct);
+    let (_dir, inventory) = inventory_dir();
+    write_inventory(
+        &inventory,
+        "nodes:\n- name: dual-1\n  zone: z1\n  labels: {example.com/rack: r1}\n  addresses:\n  - {type: InternalIP, address: 10.0.0.5}\n  - {type: InternalIP, address: 10.0.0.99}\n  - {type: InternalIP, address: fd00::5}\n  - {type: ExternalIP, address: 203.0.113.5}\n",
+    );
+    cluster.apply(
+        "apiVersion: v1\nkind: Node\nmetadata:\n  name: dual-1\n  annotations:\n    alpha.kubernetes.io/provided-node-ip: \"10.0.0.5,fd00::5\"\nspec:\n  taints:\n  - key: node.cloudprovider.kubernetes.io/uninitialized\n    value: \"true\"\n    effect: NoSchedule\n",
+    );
+    cluster.patch_node_status(
+        "dual-1",
+        r#"{"addresses":[{"type":"InternalIP","address":"10.0.0.5"},{"type":"Hostname","address":"dual-1"}]}"#,
+    );
+    let kubeconfig = cluster.ccm_kubeconfig();
+    let port = free_port();
+    let upstream: Vec<String> = vec![
+        "--controllers=*,-node-route-controller,-service-lb-controller,cloud-node-controller"
+            .into(),
+        "--use-service-account-credentials=true".into(),
+        format!("--authentication-kubeconfig={}", kubeconfig.display()),
+        format!("--authorization-kubeconfig={}", kubeconfig.display()),
+        "--concurrent-node-syncs=2".into(),
+        "--leader-elect-resource-lock=leases".into(),
+        "--allocate-node-cidrs=false".into(),
+        "--configure-cloud-routes=false".into(),
+        "--cloud-provider=tether".into(),
+        format!("--secure-port={port}"),
+        "--bind-address=127.0.0.1".into(),
+        "--v=2".into(),
+    ];
+    let ccm = start_ccm_with(&cluster, &inventory, "ccm", &upstream);
+    let n = wait_node(&cluster, "dual-1", "initialised", |n| {
+        n["spec"]["providerID"] == "tether://dual-1"
+    });
+    let addresses: Vec<(String, String)> = n["status"]["addresses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| {
+            (
+                a["type"].as_str().unwrap().into(),
+                a["address"].as_str().unwrap().into(),
+            )
+        })
+        .collect();
+    let pair = |t: &str, a: &str| (t.to_string(), a.to_string());
+    assert_eq!(
+        addresses,
+        vec![
+            pair("InternalIP", "10.0.0.5"),
+            pair("InternalIP", "fd00::5"),
+            pair("ExternalIP", "203.0.113.5"),
+            pair("Hostname", "dual-1"),
+        ],
+        "provided IPs first, the other v4 InternalIP left out as upstream, the kubelet's Hostname kept"
+    );
+    assert_eq!(n["metadata"]["labels"]["example.com/rack"], "r1");
+    // It acted as node-controller, with a token of its own.
+    let sa = cluster.kubectl_ok(&[
+        "get",
+        "serviceaccount",
+        "node-controller",
+        "-n",
+        "kube-system",
+        "-o",
+        "name",
+    ]);
+    assert!(sa.contains("node-controller"), "{sa}");
+    assert!(
+        ccm.logged("controllers use their own ServiceAccount credentials"),
+        "{}",
+        ccm.log_text()
+    );
+
+    cluster.apply(
+        "apiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRole\nmetadata:\n  name: metrics-reader\nrules:\n- nonResourceURLs: [/metrics]\n  verbs: [get]\n---\napiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRoleBinding\nmetadata:\n  name: metrics-reader\nroleRef:\n  apiGroup: rbac.authorization.k8s.io\n  kind: ClusterRole\n  name: metrics-reader\nsubjects:\n- kind: ServiceAccount\n  name: prometheus\n  namespace: kube-system\n",
+    );
+    let reader = sa_token(&cluster, "prometheus");
+    let (code, page) = https_get(&format!("https://127.0.0.1:{port}/metrics"), Some(&reader));
+    assert_eq!(code, 200, "{page}");
+    for name in [
+        "workqueue_adds_total{name=\"node\"}",
+        "workqueue_depth{name=\"node\"}",
+        "workqueue_work_duration_seconds_count{name=\"node\"}",
+        "workqueue_queue_duration_seconds_count{name=\"node\"}",
+        "leader_election_master_status{name=\"cloud-controller-manager\"} 1",
+        "rest_client_requests_total{code=\"201\",host=",
+        "rest_client_request_duration_seconds_count{",
+        "node_controller_node_initializations_total{result=\"initialized\"} 1",
+        "service_controller_loadbalancer_sync_total 0",
+        "route_controller_route_sync_total 0",
+    ] {
+        assert!(page.contains(name), "{name} missing:\n{page}");
+    }
 }

@@ -22,6 +22,7 @@ fn config(enabled: Enabled) -> CcmConfig {
         load_balancer_class: None,
         lb_resync_period: Duration::from_secs(60),
         concurrent_service_syncs: 2,
+        concurrent_node_syncs: 2,
         cluster_cidrs: vec!["10.244.0.0/16".parse().unwrap()],
         configure_cloud_routes: true,
         route_reconciliation_period: Duration::from_millis(500),

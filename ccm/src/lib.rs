@@ -6,8 +6,10 @@
 
 pub mod cloud;
 pub mod controllers;
+pub mod credentials;
 pub mod informer;
 pub mod leader;
+pub mod metrics;
 pub mod serving;
 pub mod workqueue;
 
@@ -17,65 +19,88 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::Node;
 use kube::Api;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use crate::cloud::Provider;
 use crate::controllers::{node::NodeController, node_lifecycle::NodeLifecycleController, Context};
 use crate::workqueue::WorkQueue;
 
-/// The controllers `--controllers` can name.
-pub const CONTROLLERS: [&str; 5] = [
-    "cloud-node",
-    "cloud-node-lifecycle",
-    "route",
-    "service",
-    controllers::csr_approver::NAME,
+/// The controllers `--controllers` can name: (canonical name, alias). The canonical
+/// names are upstream's (k8s.io/cloud-provider `names`), the aliases its older short
+/// names; both are accepted wherever a name is.
+pub const CONTROLLERS: [(&str, &str); 5] = [
+    ("cloud-node-controller", "cloud-node"),
+    ("cloud-node-lifecycle-controller", "cloud-node-lifecycle"),
+    ("node-route-controller", "route"),
+    ("service-lb-controller", "service"),
+    (
+        controllers::csr_approver::NAME,
+        controllers::csr_approver::NAME,
+    ),
 ];
 
 /// Which controllers run.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Enabled {
-    /// `cloud-node`.
+    /// `cloud-node-controller`.
     pub node: bool,
-    /// `cloud-node-lifecycle`.
+    /// `cloud-node-lifecycle-controller`.
     pub node_lifecycle: bool,
-    /// `route`.
+    /// `node-route-controller`.
     pub route: bool,
-    /// `service`.
+    /// `service-lb-controller`.
     pub service: bool,
     /// `kubelet-serving-csr-approver`.
     pub csr_approver: bool,
 }
 
 impl Enabled {
-    /// Parses `--controllers` (`*`, names, `-name` to disable; upstream's syntax).
+    /// Parses `--controllers` with upstream's rules: `*` turns on every controller not
+    /// named otherwise, `name` turns one on, `-name` off, and for each controller the
+    /// first entry naming it (by canonical name or alias) wins.
     pub fn parse(list: &[String]) -> Result<Self, String> {
-        let mut star = false;
-        let mut on = std::collections::BTreeSet::new();
-        let mut off = std::collections::BTreeSet::new();
-        for item in list.iter().map(|s| s.trim()).filter(|s| !s.is_empty()) {
-            if item == "*" {
-                star = true;
-                continue;
-            }
-            let (set, name) = match item.strip_prefix('-') {
-                Some(n) => (&mut off, n),
-                None => (&mut on, item),
-            };
-            if !CONTROLLERS.contains(&name) {
+        let items: Vec<&str> = list
+            .iter()
+            .map(|s| s.trim())
+            .filter(|s| !s.is_empty())
+            .collect();
+        for item in &items {
+            let name = item.strip_prefix('-').unwrap_or(item);
+            if *item != "*" && !CONTROLLERS.iter().any(|(c, a)| name == *c || name == *a) {
                 return Err(format!(
-                    "--controllers: unknown controller {name:?} (known: {})",
-                    CONTROLLERS.join(", ")
+                    "--controllers: unknown controller {name:?} (known: {}; or * for all)",
+                    CONTROLLERS
+                        .iter()
+                        .map(|(c, a)| if c == a {
+                            c.to_string()
+                        } else {
+                            format!("{c} ({a})")
+                        })
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 ));
             }
-            set.insert(name.to_string());
         }
-        let is_on = |n: &str| !off.contains(n) && (star || on.contains(n));
+        let star = items.contains(&"*");
+        let is_on = |index: usize| {
+            let (canonical, alias) = CONTROLLERS[index];
+            for item in &items {
+                let (on, name) = match item.strip_prefix('-') {
+                    Some(n) => (false, n),
+                    None => (true, *item),
+                };
+                if name == canonical || name == alias {
+                    return on;
+                }
+            }
+            star
+        };
         Ok(Enabled {
-            node: is_on("cloud-node"),
-            node_lifecycle: is_on("cloud-node-lifecycle"),
-            route: is_on("route"),
-            service: is_on("service"),
-            csr_approver: is_on(controllers::csr_approver::NAME),
+            node: is_on(0),
+            node_lifecycle: is_on(1),
+            route: is_on(2),
+            service: is_on(3),
+            csr_approver: is_on(4),
         })
     }
 }
@@ -97,6 +122,8 @@ pub struct CcmConfig {
     pub lb_resync_period: Duration,
     /// `--concurrent-service-syncs` (1).
     pub concurrent_service_syncs: usize,
+    /// `--concurrent-node-syncs` (1).
+    pub concurrent_node_syncs: usize,
     /// `--cluster-cidr` (comma-separated, one per family); the route controller runs
     /// only when it is set and `--configure-cloud-routes` is true.
     pub cluster_cidrs: Vec<tether_core::identifiers::Cidr>,
@@ -125,19 +152,65 @@ pub enum CcmError {
 /// Runs the controllers (once leader, if electing) until `shutdown`. `health` gets a
 /// `leader-election` check and one check per running controller.
 pub async fn run(
-    client: kube::Client,
+    clients: impl Into<credentials::Clients>,
     provider: Arc<dyn Provider>,
     config: CcmConfig,
     health: serving::Health,
     shutdown: CancellationToken,
 ) -> Result<(), CcmError> {
+    let clients: credentials::Clients = clients.into();
+    let client = clients.root.clone();
+    let routes = match (
+        config.enabled.route,
+        provider.routes(),
+        config.configure_cloud_routes,
+        config.cluster_cidrs.is_empty(),
+    ) {
+        (false, ..) => None,
+        (true, None, ..) => {
+            tracing::info!(
+                provider = provider.name(),
+                "route controller not started: the provider has no routes configured"
+            );
+            None
+        }
+        (true, Some(_), false, _) => {
+            tracing::info!("route controller not started: --configure-cloud-routes=false");
+            None
+        }
+        (true, Some(_), true, true) => {
+            tracing::info!("route controller not started: --cluster-cidr is not set");
+            None
+        }
+        (true, Some(r), true, false) => Some(r),
+    };
+    let leader_metric = crate::metrics::get().leader.with_label_values(&[config
+        .leader_election
+        .as_ref()
+        .map(|le| le.name.as_str())
+        .unwrap_or("cloud-controller-manager")]);
+    leader_metric.set(0);
     let lost = match &config.leader_election {
-        Some(le) => match leader::lead(client.clone(), le.clone(), shutdown.clone()).await {
-            Some(lost) => lost,
-            None => return Ok(()),
-        },
+        Some(le) => {
+            // Routes a former leader on this host left behind (it crashed, or lost
+            // its lease) go before we stand by: only the leader's host routes.
+            if let Some(r) = &routes {
+                controllers::route::remove_ours(
+                    r.as_ref(),
+                    &config.cluster_name,
+                    &config.cluster_cidrs,
+                )
+                .instrument(tracing::info_span!("route_cleanup"))
+                .await;
+            }
+            match leader::lead(client.clone(), le.clone(), shutdown.clone()).await {
+                Some(lost) => lost,
+                None => return Ok(()),
+            }
+        }
         None => CancellationToken::new(),
     };
+    leader_metric.set(1);
     {
         let lost = lost.clone();
         health.add("leader-election", move || {
@@ -202,15 +275,22 @@ pub async fn run(
         client: client.clone(),
         identity: config.identity.clone(),
         nodes,
+        recorder: Default::default(),
+    };
+    // Each controller acts (and records events) as its own identity.
+    let ctx_for = |service_account: &str| Context {
+        client: clients.controller(service_account),
+        ..ctx.clone()
     };
     let instances = provider.instances();
     match (&instances, config.enabled.node) {
         (Some(i), true) => {
             let c = NodeController::new(
-                ctx.clone(),
+                ctx_for(credentials::NODE),
                 i.clone(),
                 node_queue,
                 config.node_status_update_frequency,
+                config.concurrent_node_syncs,
             );
             spawn("cloud-node", Box::pin(c.run(stop.clone())));
         }
@@ -222,8 +302,11 @@ pub async fn run(
     }
     match (&instances, config.enabled.node_lifecycle) {
         (Some(i), true) => {
-            let c =
-                NodeLifecycleController::new(ctx.clone(), i.clone(), config.node_monitor_period);
+            let c = NodeLifecycleController::new(
+                ctx_for(credentials::NODE),
+                i.clone(),
+                config.node_monitor_period,
+            );
             spawn("cloud-node-lifecycle", Box::pin(c.run(stop.clone())));
         }
         (None, true) => tracing::warn!(
@@ -232,33 +315,15 @@ pub async fn run(
         ),
         _ => {}
     }
-    if config.enabled.route {
-        match (
-            provider.routes(),
-            config.configure_cloud_routes,
-            config.cluster_cidrs.is_empty(),
-        ) {
-            (_, false, _) => {
-                tracing::info!("route controller not started: --configure-cloud-routes=false")
-            }
-            (_, true, true) => {
-                tracing::info!("route controller not started: --cluster-cidr is not set")
-            }
-            (None, true, false) => tracing::warn!(
-                provider = provider.name(),
-                "route controller not started: the provider has no routes interface"
-            ),
-            (Some(routes), true, false) => {
-                let c = controllers::route::RouteController::new(
-                    ctx.clone(),
-                    routes,
-                    config.cluster_name.clone(),
-                    config.cluster_cidrs.clone(),
-                    config.route_reconciliation_period,
-                );
-                spawn("route", Box::pin(c.run(stop.clone())));
-            }
-        }
+    if let Some(routes) = routes {
+        let c = controllers::route::RouteController::new(
+            ctx_for(credentials::ROUTE),
+            routes,
+            config.cluster_name.clone(),
+            config.cluster_cidrs.clone(),
+            config.route_reconciliation_period,
+        );
+        spawn("route", Box::pin(c.run(stop.clone())));
     }
     match (&instances, config.enabled.csr_approver) {
         (Some(i), true) => {
@@ -274,8 +339,12 @@ pub async fn run(
                 r = csrs.wait_until_ready() => r.map_err(|e| CcmError::CacheSync(e.to_string()))?,
                 _ = shutdown.cancelled() => return Ok(()),
             }
-            let c =
-                controllers::csr_approver::CsrApprover::new(ctx.clone(), i.clone(), csrs, queue);
+            let c = controllers::csr_approver::CsrApprover::new(
+                ctx_for(credentials::CSR_APPROVER),
+                i.clone(),
+                csrs,
+                queue,
+            );
             spawn(
                 controllers::csr_approver::NAME,
                 Box::pin(c.run(stop.clone())),
@@ -300,7 +369,7 @@ pub async fn run(
             _ = shutdown.cancelled() => return Ok(()),
         }
         let c = controllers::service::ServiceController::new(
-            ctx.clone(),
+            ctx_for(credentials::SERVICE),
             lbs,
             services,
             queue,
@@ -315,18 +384,26 @@ pub async fn run(
         spawn("service", Box::pin(c.run(stop.clone())));
     }
     tracing::info!(cluster = %config.cluster_name, enabled = ?config.enabled, "controllers started");
-    tokio::select! {
-        _ = shutdown.cancelled() => {
-            stop.cancel();
-            while tasks.join_next().await.is_some() {}
-            Ok(())
-        }
-        _ = lost.cancelled() => {
-            stop.cancel();
-            Err(CcmError::LeadershipLost)
-        }
+    let result = tokio::select! {
+        _ = shutdown.cancelled() => Ok(()),
+        _ = lost.cancelled() => Err(CcmError::LeadershipLost),
+    };
+    // Controllers clean up what only the leader may hold (the route controller its
+    // host's routes) before we go.
+    stop.cancel();
+    leader_metric.set(0);
+    let drained = tokio::time::timeout(STOP_TIMEOUT, async {
+        while tasks.join_next().await.is_some() {}
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!(timeout = ?STOP_TIMEOUT, "controllers did not stop in time");
     }
+    result
 }
+
+/// How long controllers get to stop (and clean up) at shutdown or step-down.
+const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Marks a controller dead (its health check fails) when dropped.
 struct ExitFlag(Arc<std::sync::atomic::AtomicBool>);
@@ -345,6 +422,15 @@ mod tests {
     fn controllers_flag_follows_upstream_syntax() {
         let p = |s: &[&str]| Enabled::parse(&s.iter().map(|s| s.to_string()).collect::<Vec<_>>());
         let all = p(&["*"]).unwrap();
+        // Upstream's canonical names, aliases, and the first match winning.
+        let upstream = p(&["*", "-node-route-controller", "-service-lb-controller"]).unwrap();
+        assert!(upstream.node && upstream.node_lifecycle && !upstream.route && !upstream.service);
+        assert!(!p(&["-cloud-node", "cloud-node-controller"]).unwrap().node);
+        assert!(p(&["cloud-node-controller", "-cloud-node"]).unwrap().node);
+        assert_eq!(
+            p(&["cloud-node-controller", "cloud-node-lifecycle-controller"]).unwrap(),
+            p(&["cloud-node", "cloud-node-lifecycle"]).unwrap()
+        );
         assert!(all.node && all.node_lifecycle && all.route && all.service && all.csr_approver);
         assert!(
             !p(&["*", "-kubelet-serving-csr-approver"])

@@ -72,7 +72,7 @@ impl Health {
 
 #[derive(Clone)]
 struct Ctx {
-    client: kube::Client,
+    delegation: Delegation,
     health: Health,
     registry: prometheus::Registry,
     decisions: Arc<DecisionCache>,
@@ -120,17 +120,28 @@ impl DecisionCache {
     }
 }
 
+/// The clients delegated authentication and authorization use
+/// (`--authentication-kubeconfig`, `--authorization-kubeconfig`; by default the
+/// controller manager's own).
+#[derive(Clone)]
+pub struct Delegation {
+    /// Sends TokenReviews.
+    pub authentication: kube::Client,
+    /// Sends SubjectAccessReviews.
+    pub authorization: kube::Client,
+}
+
 /// Serves until `shutdown` on `listener` with `tls`.
 pub fn spawn(
     listener: TcpListener,
     tls: ServerConfigSource,
-    client: kube::Client,
+    delegation: Delegation,
     health: Health,
     registry: prometheus::Registry,
     shutdown: CancellationToken,
 ) {
     let ctx = Ctx {
-        client,
+        delegation,
         health,
         registry,
         decisions: Arc::default(),
@@ -205,7 +216,7 @@ async fn metrics(State(ctx): State<Ctx>, headers: HeaderMap) -> Response {
     let decision = match ctx.decisions.get(token, now) {
         Some(d) => d,
         None => {
-            let d = authorize(&ctx.client, token, "/metrics").await;
+            let d = authorize(&ctx.delegation, token, "/metrics").await;
             ctx.decisions.put(token, &d, now);
             d
         }
@@ -221,11 +232,11 @@ async fn metrics(State(ctx): State<Ctx>, headers: HeaderMap) -> Response {
 
 /// TokenReview, then SubjectAccessReview for `get` on `path`.
 async fn authorize(
-    client: &kube::Client,
+    delegation: &Delegation,
     token: &str,
     path: &str,
 ) -> Result<(), (StatusCode, String)> {
-    let reviews: Api<TokenReview> = Api::all(client.clone());
+    let reviews: Api<TokenReview> = Api::all(delegation.authentication.clone());
     let review = TokenReview {
         spec: TokenReviewSpec {
             token: Some(token.into()),
@@ -248,7 +259,7 @@ async fn authorize(
         return Err((StatusCode::UNAUTHORIZED, "Unauthorized".into()));
     }
     let user = status.user.unwrap_or_default();
-    let sars: Api<SubjectAccessReview> = Api::all(client.clone());
+    let sars: Api<SubjectAccessReview> = Api::all(delegation.authorization.clone());
     let sar = SubjectAccessReview {
         spec: SubjectAccessReviewSpec {
             user: user.username.clone(),

@@ -2,13 +2,16 @@
 //! once, never handled by two workers at once (a key added while it is being handled
 //! comes back afterwards), and a key whose sync failed comes back after a per-key
 //! exponential backoff (5 s doubling up to 300 s), or when the provider says, even if
-//! the object changes meanwhile.
+//! the object changes meanwhile. Every queue reports client-go's `workqueue_*{name}`
+//! metrics, and [`WorkQueue::work`] is the worker loop every controller runs.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 /// First retry delay.
@@ -25,6 +28,10 @@ struct State {
     /// Keys waiting out a backoff: changes to the object do not cut it short.
     waiting: HashSet<String>,
     failures: HashMap<String, u32>,
+    /// When each queued key was added (queue latency).
+    added: HashMap<String, Instant>,
+    /// When each active key was handed out (work duration).
+    started: HashMap<String, Instant>,
     closed: bool,
 }
 
@@ -54,6 +61,15 @@ impl WorkQueue {
 
     /// A queue with a custom backoff (tests).
     pub fn with_backoff(name: &'static str, base: Duration, max: Duration) -> Arc<Self> {
+        // Every queue's series exist from the start, at zero (as client-go's).
+        let m = crate::metrics::get();
+        m.queue_adds.with_label_values(&[name]);
+        m.queue_depth.with_label_values(&[name]);
+        m.queue_retries.with_label_values(&[name]);
+        m.queue_latency.with_label_values(&[name]);
+        m.work_duration.with_label_values(&[name]);
+        m.unfinished_work.with_label_values(&[name]);
+        m.longest_running.with_label_values(&[name]);
         Arc::new(WorkQueue {
             name,
             state: Mutex::new(State::default()),
@@ -79,7 +95,14 @@ impl WorkQueue {
         }
         s.queued.insert(key.to_string());
         s.queue.push_back(key.to_string());
+        s.added.insert(key.to_string(), Instant::now());
+        let depth = s.queue.len();
         drop(s);
+        let m = crate::metrics::get();
+        m.queue_adds.with_label_values(&[self.name]).inc();
+        m.queue_depth
+            .with_label_values(&[self.name])
+            .set(depth as i64);
         self.notify.notify_one();
     }
 
@@ -110,6 +133,18 @@ impl WorkQueue {
                 if let Some(key) = s.queue.pop_front() {
                     s.queued.remove(&key);
                     s.active.insert(key.clone());
+                    let now = Instant::now();
+                    let m = crate::metrics::get();
+                    if let Some(at) = s.added.remove(&key) {
+                        m.queue_latency
+                            .with_label_values(&[self.name])
+                            .observe((now - at).as_secs_f64());
+                    }
+                    m.queue_depth
+                        .with_label_values(&[self.name])
+                        .set(s.queue.len() as i64);
+                    s.started.insert(key.clone(), now);
+                    self.report_unfinished(&s, now);
                     if !s.queue.is_empty() {
                         // Wake another worker for the rest.
                         self.notify.notify_one();
@@ -125,6 +160,14 @@ impl WorkQueue {
     pub fn done(self: &Arc<Self>, key: String, outcome: Outcome) {
         let mut s = self.state();
         s.active.remove(&key);
+        let now = Instant::now();
+        let m = crate::metrics::get();
+        if let Some(at) = s.started.remove(&key) {
+            m.work_duration
+                .with_label_values(&[self.name])
+                .observe((now - at).as_secs_f64());
+        }
+        self.report_unfinished(&s, now);
         let again = s.dirty.remove(&key);
         match outcome {
             Outcome::Done => {
@@ -139,6 +182,7 @@ impl WorkQueue {
                 *n += 1;
                 let delay = after.unwrap_or_else(|| self.backoff(*n));
                 drop(s);
+                m.queue_retries.with_label_values(&[self.name]).inc();
                 // The backoff holds even if the object changed meanwhile: the retry
                 // reads the latest state anyway, and a busy object must not turn a
                 // failing provider into a hot loop.
@@ -147,6 +191,49 @@ impl WorkQueue {
                 self.add_after(key, delay);
             }
         }
+    }
+
+    /// `workqueue_unfinished_work_seconds` and `..._longest_running_processor_seconds`.
+    fn report_unfinished(&self, s: &State, now: Instant) {
+        let running = s.started.values().map(|at| (now - *at).as_secs_f64());
+        let (total, longest) = running.fold((0.0, 0.0f64), |(t, l), d| (t + d, l.max(d)));
+        let m = crate::metrics::get();
+        m.unfinished_work.with_label_values(&[self.name]).set(total);
+        m.longest_running
+            .with_label_values(&[self.name])
+            .set(longest);
+    }
+
+    /// Runs `workers` workers until `shutdown`: each takes a key, awaits `sync` on it and
+    /// reports the outcome; the queue never hands one key to two workers at once.
+    pub async fn work<F, Fut>(self: Arc<Self>, workers: usize, shutdown: CancellationToken, sync: F)
+    where
+        F: Fn(String) -> Fut + Clone + Send + Sync + 'static,
+        Fut: Future<Output = Outcome> + Send + 'static,
+    {
+        let queue = self.clone();
+        tokio::spawn(async move {
+            shutdown.cancelled().await;
+            queue.shut_down();
+        });
+        let mut set = tokio::task::JoinSet::new();
+        for worker in 0..workers.max(1) {
+            let (queue, sync) = (self.clone(), sync.clone());
+            set.spawn(
+                async move {
+                    while let Some(key) = queue.next().await {
+                        let outcome = sync(key.clone()).await;
+                        queue.done(key, outcome);
+                    }
+                }
+                .instrument(tracing::debug_span!(
+                    "worker",
+                    queue = self.name,
+                    worker
+                )),
+            );
+        }
+        while set.join_next().await.is_some() {}
     }
 
     /// The delay before the `n`th retry.

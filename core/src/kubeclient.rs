@@ -28,23 +28,92 @@ pub async fn client(kubeconfig: Option<&Path>) -> Result<kube::Client, KubeSetup
     kube::Client::try_from(config(kubeconfig).await?).map_err(KubeSetupError::Client)
 }
 
-/// Like [`client`], with every request first taking a token from `limit` (client-go's
-/// `--kube-api-qps`/`--kube-api-burst`) and counted in `calls`.
-pub async fn limited_client(
-    kubeconfig: Option<&Path>,
-    limit: std::sync::Arc<crate::ratelimit::TokenBucket>,
-    calls: prometheus::IntCounter,
-) -> Result<kube::Client, KubeSetupError> {
-    let builder = kube::client::ClientBuilder::try_from(config(kubeconfig).await?)
-        .map_err(KubeSetupError::Client)?;
-    Ok(builder.with_layer(&RateLimitLayer { limit, calls }).build())
+/// client-go's REST client metrics: `rest_client_requests_total{code,method,host}` and
+/// `rest_client_request_duration_seconds{verb,host}`. Clones share the series.
+#[derive(Clone)]
+pub struct RestMetrics {
+    requests: prometheus::IntCounterVec,
+    duration: prometheus::HistogramVec,
 }
 
-/// Rate limit and count requests (see [`limited_client`]).
+impl Default for RestMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl RestMetrics {
+    /// Unregistered metrics.
+    pub fn new() -> Self {
+        RestMetrics {
+            requests: prometheus::IntCounterVec::new(
+                prometheus::Opts::new(
+                    "rest_client_requests_total",
+                    "Number of HTTP requests, partitioned by status code, method, and host.",
+                ),
+                &["code", "method", "host"],
+            )
+            .expect("valid metric"),
+            duration: prometheus::HistogramVec::new(
+                prometheus::HistogramOpts::new(
+                    "rest_client_request_duration_seconds",
+                    "Request latency in seconds. Broken down by verb, and host.",
+                )
+                .buckets(vec![
+                    0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0,
+                ]),
+                &["verb", "host"],
+            )
+            .expect("valid metric"),
+        }
+    }
+
+    /// Registers both on `registry`.
+    pub fn register(&self, registry: &prometheus::Registry) -> Result<(), prometheus::Error> {
+        registry.register(Box::new(self.requests.clone()))?;
+        registry.register(Box::new(self.duration.clone()))
+    }
+
+    /// Requests sent so far, every code and method.
+    pub fn total(&self) -> u64 {
+        use prometheus::core::Collector;
+        self.requests
+            .collect()
+            .iter()
+            .flat_map(|f| f.get_metric())
+            .map(|m| m.get_counter().get_value() as u64)
+            .sum()
+    }
+}
+
+/// A client for `config` with every request first taking a token from `limit`
+/// (client-go's `--kube-api-qps`/`--kube-api-burst`) and counted in `metrics`.
+pub fn limited_client_from(
+    config: kube::Config,
+    limit: std::sync::Arc<crate::ratelimit::TokenBucket>,
+    metrics: RestMetrics,
+) -> Result<kube::Client, KubeSetupError> {
+    let host = config
+        .cluster_url
+        .authority()
+        .map(|a| a.to_string())
+        .unwrap_or_default();
+    let builder = kube::client::ClientBuilder::try_from(config).map_err(KubeSetupError::Client)?;
+    Ok(builder
+        .with_layer(&RateLimitLayer {
+            limit,
+            metrics,
+            host,
+        })
+        .build())
+}
+
+/// Rate limit and count requests (see [`limited_client_from`]).
 #[derive(Clone)]
 struct RateLimitLayer {
     limit: std::sync::Arc<crate::ratelimit::TokenBucket>,
-    calls: prometheus::IntCounter,
+    metrics: RestMetrics,
+    host: String,
 }
 
 impl<S> tower::Layer<S> for RateLimitLayer {
@@ -70,13 +139,15 @@ struct RateLimited<S> {
     ready: bool,
 }
 
-impl<S, R> tower::Service<R> for RateLimited<S>
+impl<S, B, RB> tower::Service<http::Request<B>> for RateLimited<S>
 where
-    S: tower::Service<R>,
+    S: tower::Service<http::Request<B>, Response = http::Response<RB>>,
+    S::Future: Send + 'static,
 {
     type Response = S::Response;
     type Error = S::Error;
-    type Future = S::Future;
+    type Future =
+        std::pin::Pin<Box<dyn std::future::Future<Output = Result<S::Response, S::Error>> + Send>>;
 
     fn poll_ready(
         &mut self,
@@ -94,14 +165,33 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: R) -> Self::Future {
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
         self.ready = false;
-        self.layer.calls.inc();
-        self.inner.call(req)
+        let method = req.method().as_str().to_string();
+        let (metrics, host) = (self.layer.metrics.clone(), self.layer.host.clone());
+        let started = std::time::Instant::now();
+        let fut = self.inner.call(req);
+        Box::pin(async move {
+            let result = fut.await;
+            let code = match &result {
+                Ok(resp) => resp.status().as_u16().to_string(),
+                Err(_) => "<error>".to_string(),
+            };
+            metrics
+                .requests
+                .with_label_values(&[code.as_str(), method.as_str(), host.as_str()])
+                .inc();
+            metrics
+                .duration
+                .with_label_values(&[method.as_str(), host.as_str()])
+                .observe(started.elapsed().as_secs_f64());
+            result
+        })
     }
 }
 
-async fn config(kubeconfig: Option<&Path>) -> Result<kube::Config, KubeSetupError> {
+/// The configuration `kubeconfig` (or the in-cluster one) gives.
+pub async fn config(kubeconfig: Option<&Path>) -> Result<kube::Config, KubeSetupError> {
     Ok(match kubeconfig {
         Some(path) => {
             let err = |source| KubeSetupError::Kubeconfig {

@@ -181,6 +181,34 @@ pub fn bind_uds(path: &Path, delete_existing: bool) -> io::Result<UnixListener> 
     UnixListener::bind(path)
 }
 
+/// Who may connect to a Unix socket: its mode (connecting needs write permission) and
+/// group. `None` leaves what bind(2) made (umask, our own group).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SocketAccess {
+    /// Permission bits, e.g. 0o660.
+    pub mode: Option<u32>,
+    /// Group ID given the socket.
+    pub group: Option<u32>,
+}
+
+/// [`bind_uds`], then the socket's group and mode set as `access` says (the group
+/// first, so the socket is never open wider than asked).
+pub fn bind_uds_with(
+    path: &Path,
+    delete_existing: bool,
+    access: &SocketAccess,
+) -> io::Result<UnixListener> {
+    let listener = bind_uds(path, delete_existing)?;
+    if let Some(gid) = access.group {
+        std::os::unix::fs::chown(path, None, Some(gid))?;
+    }
+    if let Some(mode) = access.mode {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
+    }
+    Ok(listener)
+}
+
 /// HTTP/2 settings for gRPC channels.
 #[derive(Debug, Clone)]
 pub struct ChannelSettings {

@@ -76,6 +76,47 @@ fn identity_matches(
     Ok(())
 }
 
+/// What the server vouches for: everything the certificate matched (checked above when
+/// `cert_matched`), else the names equal to the node a pod-bound token runs on.
+fn verified(
+    cert_matched: bool,
+    bound_node: Option<&str>,
+    agent_id: &str,
+    ids: &AgentIdentifiers,
+) -> crate::backend::Verified {
+    let mut names: Vec<String> = Vec::new();
+    for n in std::iter::once(agent_id).chain(ids.hosts.iter().map(String::as_str)) {
+        if !names.iter().any(|m| m.eq_ignore_ascii_case(n)) {
+            names.push(n.to_string());
+        }
+    }
+    if cert_matched {
+        return crate::backend::Verified {
+            by: "certificate",
+            hosts: names,
+            ips: ids.ips.clone(),
+        };
+    }
+    match bound_node {
+        Some(node) => {
+            let hosts: Vec<String> = names
+                .into_iter()
+                .filter(|n| n.eq_ignore_ascii_case(node))
+                .collect();
+            crate::backend::Verified {
+                by: if hosts.is_empty() {
+                    ""
+                } else {
+                    "serviceaccount-token"
+                },
+                hosts,
+                ips: Vec::new(),
+            }
+        }
+        None => crate::backend::Verified::default(),
+    }
+}
+
 type PacketStream = Pin<Box<dyn Stream<Item = Result<Packet, Status>> + Send>>;
 
 #[tonic::async_trait]
@@ -110,11 +151,15 @@ impl AgentService for AgentLink {
         if agent_id.is_empty() {
             return Err(Status::invalid_argument("empty agentid"));
         }
+        let mut bound_node = None;
         if let Some(auth) = &self.authenticator {
             let header = md.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
-            if let Err(e) = auth.authenticate(header).await {
-                tracing::warn!(%agent_id, %peer, error = %e, "agent authentication failed; stream refused");
-                return Err(Status::unauthenticated(e.to_string()));
+            match auth.authenticate(header).await {
+                Ok(node) => bound_node = node,
+                Err(e) => {
+                    tracing::warn!(%agent_id, %peer, error = %e, "agent authentication failed; stream refused");
+                    return Err(Status::unauthenticated(e.to_string()));
+                }
             }
         }
         let identifiers = md
@@ -133,6 +178,12 @@ impl AgentService for AgentLink {
                 return Err(Status::permission_denied(why));
             }
         }
+        let verified = verified(
+            self.require_identity_match,
+            bound_node.as_deref(),
+            &agent_id,
+            &identifiers,
+        );
         // Credit flow control when the agent offers it (Tether) and we allow it.
         let peer_window = self
             .tunnel
@@ -148,6 +199,7 @@ impl AgentService for AgentLink {
         let backend = Arc::new(Backend::new(
             agent_id.clone(),
             identifiers,
+            verified,
             tx,
             ctl,
             peer_window,

@@ -2,7 +2,9 @@
 //! service-account token (`authorization: Bearer ...`); the server checks it with a
 //! TokenReview against kube-apiserver (audience and `system:serviceaccount:<ns>:<sa>`).
 //! Positive reviews are cached briefly and reviews are rate limited, so a thousand
-//! agents reconnecting at once cannot flood the apiserver.
+//! agents reconnecting at once cannot flood the apiserver. A token bound to a Pod also
+//! says which node the agent runs on (the review's `node-name`, or the bound Pod's
+//! `spec.nodeName`): the identifiers naming that node count as verified.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -10,6 +12,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
+use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, PostParams};
 use prometheus::IntCounterVec;
 use tether_core::ratelimit::TokenBucket;
@@ -67,9 +70,10 @@ pub enum AuthError {
 /// Checks agent tokens by TokenReview.
 pub struct TokenAuthenticator {
     reviews: Api<TokenReview>,
+    pods: Api<Pod>,
     expected_user: String,
     audience: String,
-    cache: Mutex<HashMap<[u8; 32], Instant>>,
+    cache: Mutex<HashMap<[u8; 32], (Instant, Option<String>)>>,
     limiter: TokenBucket,
     counter: IntCounterVec,
 }
@@ -85,7 +89,8 @@ impl TokenAuthenticator {
             counter.with_label_values(&[result]);
         }
         Ok(TokenAuthenticator {
-            reviews: Api::all(client),
+            reviews: Api::all(client.clone()),
+            pods: Api::namespaced(client, &config.namespace),
             expected_user: format!(
                 "system:serviceaccount:{}:{}",
                 config.namespace, config.service_account
@@ -97,12 +102,16 @@ impl TokenAuthenticator {
         })
     }
 
-    fn cache(&self) -> std::sync::MutexGuard<'_, HashMap<[u8; 32], Instant>> {
+    fn cache(&self) -> std::sync::MutexGuard<'_, HashMap<[u8; 32], (Instant, Option<String>)>> {
         self.cache.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Checks the `authorization` metadata value of an agent stream.
-    pub async fn authenticate(&self, authorization: Option<&str>) -> Result<(), AuthError> {
+    /// Checks the `authorization` metadata value of an agent stream; answers the node
+    /// the token is bound to, if it is.
+    pub async fn authenticate(
+        &self,
+        authorization: Option<&str>,
+    ) -> Result<Option<String>, AuthError> {
         let header = authorization.ok_or(AuthError::Missing)?;
         let token = header
             .strip_prefix("Bearer ")
@@ -113,13 +122,11 @@ impl TokenAuthenticator {
             .as_ref()
             .try_into()
             .expect("sha256 is 32 bytes");
-        if self
-            .cache()
-            .get(&key)
-            .is_some_and(|until| *until > Instant::now())
-        {
-            self.counter.with_label_values(&["cached"]).inc();
-            return Ok(());
+        if let Some((until, node)) = self.cache().get(&key) {
+            if *until > Instant::now() {
+                self.counter.with_label_values(&["cached"]).inc();
+                return Ok(node.clone());
+            }
         }
         self.limiter.acquire().await;
         let review = TokenReview {
@@ -153,7 +160,9 @@ impl TokenAuthenticator {
                 self.audience
             )));
         }
-        let user = status.user.and_then(|u| u.username).unwrap_or_default();
+        let user_info = status.user.unwrap_or_default();
+        let extra = user_info.extra.clone().unwrap_or_default();
+        let user = user_info.username.unwrap_or_default();
         if user != self.expected_user {
             self.counter.with_label_values(&["rejected"]).inc();
             return Err(AuthError::WrongIdentity {
@@ -162,15 +171,44 @@ impl TokenAuthenticator {
             });
         }
         self.counter.with_label_values(&["authenticated"]).inc();
+        let node = self.bound_node(&extra).await;
         let now = Instant::now();
         let mut cache = self.cache();
         if cache.len() >= CACHE_CAP {
-            cache.retain(|_, until| *until > now);
+            cache.retain(|_, (until, _)| *until > now);
             if cache.len() >= CACHE_CAP {
                 cache.clear();
             }
         }
-        cache.insert(key, now + POSITIVE_CACHE_TTL);
-        Ok(())
+        cache.insert(key, (now + POSITIVE_CACHE_TTL, node.clone()));
+        Ok(node)
+    }
+
+    /// The node a pod-bound token's review names: `authentication.kubernetes.io/
+    /// node-name` (Kubernetes 1.30+), else the bound Pod's `spec.nodeName` when its UID
+    /// matches. `None` when the token is not pod-bound or the Pod cannot be read (the
+    /// agent is still admitted; its identifiers just count as unverified).
+    async fn bound_node(
+        &self,
+        extra: &std::collections::BTreeMap<String, Vec<String>>,
+    ) -> Option<String> {
+        let one = |k: &str| extra.get(k).and_then(|v| v.first()).cloned();
+        if let Some(node) = one("authentication.kubernetes.io/node-name") {
+            return Some(node);
+        }
+        let (name, uid) = (
+            one("authentication.kubernetes.io/pod-name")?,
+            one("authentication.kubernetes.io/pod-uid")?,
+        );
+        match self.pods.get_opt(&name).await {
+            Ok(Some(pod)) if pod.metadata.uid.as_deref() == Some(uid.as_str()) => {
+                pod.spec.and_then(|s| s.node_name).filter(|n| !n.is_empty())
+            }
+            Ok(_) => None,
+            Err(e) => {
+                tracing::warn!(pod = %name, error = %e, "cannot read the agent's Pod; its identifiers stay unverified (the server needs get on pods in the agent namespace)");
+                None
+            }
+        }
     }
 }

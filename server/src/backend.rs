@@ -82,6 +82,8 @@ pub struct Backend {
     pub agent_id: String,
     /// What the agent said it can reach.
     pub identifiers: AgentIdentifiers,
+    /// Which of its names and addresses the server checked.
+    pub verified: Verified,
     /// Packets to the agent.
     pub(crate) tx: mpsc::Sender<Packet>,
     /// WINDOW_UPDATEs to the agent: never blocked behind DATA, merged into its stream.
@@ -95,12 +97,25 @@ pub struct Backend {
     pub(crate) closed: CancellationToken,
 }
 
+/// The agent ID, `host=` and IP identifiers the server verified, and how.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Verified {
+    /// `certificate` (`--require-agent-identity-match`) or `serviceaccount-token` (a
+    /// token bound to a Pod on that node); empty when nothing was verified.
+    pub by: &'static str,
+    /// Verified names (the agent ID and hosts).
+    pub hosts: Vec<String>,
+    /// Verified addresses.
+    pub ips: Vec<std::net::IpAddr>,
+}
+
 static NEXT_BACKEND: AtomicU64 = AtomicU64::new(1);
 
 impl Backend {
     pub(crate) fn new(
         agent_id: String,
         identifiers: AgentIdentifiers,
+        verified: Verified,
         tx: mpsc::Sender<Packet>,
         ctl: mpsc::UnboundedSender<Packet>,
         peer_window: Option<u32>,
@@ -109,6 +124,7 @@ impl Backend {
             key: NEXT_BACKEND.fetch_add(1, Ordering::Relaxed),
             agent_id,
             identifiers,
+            verified,
             tx,
             ctl,
             peer_window,
@@ -175,7 +191,9 @@ impl Registry {
     }
 
     /// The connected agents as JSON for the admin endpoint's `/agents`: one entry per
-    /// agent ID with its identifiers, whether it drains, and its stream count.
+    /// agent ID with its identifiers, which of them the server verified
+    /// (`verifiedHosts`, `verifiedIps`, `verifiedBy`; from its first stream), whether it
+    /// drains, and its stream count.
     pub fn agents_json(&self) -> String {
         let mut by_id: std::collections::BTreeMap<String, serde_json::Value> = Default::default();
         for b in self.snapshot() {
@@ -184,6 +202,9 @@ impl Registry {
                     "id": b.agent_id,
                     "hosts": b.identifiers.hosts,
                     "ips": b.identifiers.ips.iter().map(|ip| ip.to_string()).collect::<Vec<_>>(),
+                    "verifiedHosts": b.verified.hosts,
+                    "verifiedIps": b.verified.ips.iter().map(|ip| ip.to_string()).collect::<Vec<_>>(),
+                    "verifiedBy": b.verified.by,
                     "draining": true,
                     "streams": 0,
                 })
@@ -238,6 +259,7 @@ mod tests {
         Arc::new(Backend::new(
             id.into(),
             AgentIdentifiers::parse(ids, true).unwrap(),
+            Verified::default(),
             tx,
             ctl,
             None,

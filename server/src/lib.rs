@@ -43,6 +43,8 @@ pub enum Listen {
         path: PathBuf,
         /// Remove a stale socket file first.
         delete_existing: bool,
+        /// Access to the socket: mode and group (None: as created, owned by us).
+        access: transport::SocketAccess,
     },
     /// TCP with mandatory mutual TLS.
     Tcp {
@@ -198,14 +200,15 @@ impl Server {
                 Listen::Uds {
                     path,
                     delete_existing,
+                    access,
                 } => {
-                    let l = transport::bind_uds(path, *delete_existing).map_err(|source| {
-                        StartError::Bind {
+                    let l = transport::bind_uds_with(path, *delete_existing, access).map_err(
+                        |source| StartError::Bind {
                             what: "frontend socket",
                             addr: path.display().to_string(),
                             source,
-                        }
-                    })?;
+                        },
+                    )?;
                     frontend_addrs.push(path.display().to_string());
                     FrontendListener::Uds(l, path.clone())
                 }

@@ -26,8 +26,10 @@ pub struct CcmArgs {
     /// Kubeconfig (empty: in-cluster).
     #[arg(long, default_value = "")]
     pub kubeconfig: String,
-    /// Controllers to run: `*`, names, `-name` to disable (cloud-node,
-    /// cloud-node-lifecycle, route, service, kubelet-serving-csr-approver).
+    /// Controllers to run: `*`, names, `-name` to disable; the first entry naming a
+    /// controller wins (cloud-node-controller, cloud-node-lifecycle-controller,
+    /// node-route-controller, service-lb-controller, kubelet-serving-csr-approver; the
+    /// aliases cloud-node, cloud-node-lifecycle, route, service).
     #[arg(long, default_value = "*", value_delimiter = ',')]
     pub controllers: Vec<String>,
     /// Elect a leader among replicas on a Lease.
@@ -70,10 +72,26 @@ pub struct CcmArgs {
     /// routes are made for podCIDRs inside it and only ours inside it are deleted.
     #[arg(long, default_value = "")]
     pub cluster_cidr: String,
-    /// Accepted for compatibility with upstream command lines: Tether's CCM does not
-    /// allocate podCIDRs (kube-controller-manager's node-ipam controller does).
+    /// Must stay false: Tether's CCM has no node-IPAM controller (kube-controller-manager
+    /// allocates podCIDRs with its own --allocate-node-cidrs).
     #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
     pub allocate_node_cidrs: bool,
+    /// Nodes initialised at once.
+    #[arg(long, default_value_t = 1)]
+    pub concurrent_node_syncs: usize,
+    /// Each controller calls the API as its own ServiceAccount in kube-system
+    /// (node-controller, service-controller, route-controller,
+    /// kubelet-serving-csr-approver) with short-lived tokens from the TokenRequest API,
+    /// renewed before they expire; watches and leader election stay on --kubeconfig's
+    /// identity.
+    #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
+    pub use_service_account_credentials: bool,
+    /// Kubeconfig for TokenReviews of /metrics callers (empty: --kubeconfig).
+    #[arg(long, default_value = "")]
+    pub authentication_kubeconfig: String,
+    /// Kubeconfig for SubjectAccessReviews of /metrics callers (empty: --kubeconfig).
+    #[arg(long, default_value = "")]
+    pub authorization_kubeconfig: String,
     /// Services synced at once.
     #[arg(long, default_value_t = 1)]
     pub concurrent_service_syncs: usize,
@@ -175,14 +193,20 @@ impl CcmArgs {
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
         let named = |n: &str| self.controllers.iter().any(|c| c.trim() == n);
-        if named("route") && self.configure_cloud_routes && cluster_cidrs.is_empty() {
+        if (named("route") || named("node-route-controller"))
+            && self.configure_cloud_routes
+            && cluster_cidrs.is_empty()
+        {
             bail!("--controllers names route but --cluster-cidr is not set: give the pod network, e.g. --cluster-cidr=10.244.0.0/16");
         }
         if self.route_reconciliation_period.is_zero() {
             bail!("--route-reconciliation-period must be positive");
         }
         if self.allocate_node_cidrs {
-            tracing::info!("--allocate-node-cidrs is accepted but does nothing here: podCIDRs come from kube-controller-manager");
+            bail!("--allocate-node-cidrs=true: tether ccm has no node-IPAM controller; drop the flag (or set it false) and let kube-controller-manager allocate podCIDRs (its --allocate-node-cidrs --cluster-cidr)");
+        }
+        if self.concurrent_node_syncs == 0 {
+            bail!("--concurrent-node-syncs must be at least 1");
         }
         let lb = match (self.lb_bind_address.as_str(), self.tunnel_uds.as_str()) {
             ("", "") => None,
@@ -233,6 +257,7 @@ impl CcmArgs {
                 .then(|| self.load_balancer_class.clone()),
             lb_resync_period: self.lb_resync_period,
             concurrent_service_syncs: self.concurrent_service_syncs,
+            concurrent_node_syncs: self.concurrent_node_syncs,
             cluster_cidrs,
             configure_cloud_routes: self.configure_cloud_routes,
             route_reconciliation_period: self.route_reconciliation_period,
@@ -256,21 +281,19 @@ pub fn main(args: CcmArgs) -> anyhow::Result<()> {
     let (config, provider) = args.config()?;
     let kubeconfig = (!args.kubeconfig.is_empty()).then(|| PathBuf::from(&args.kubeconfig));
     let registry = prometheus::Registry::new();
-    let counter = |name: &str, help: &str| {
-        let c = prometheus::IntCounter::new(name, help).expect("valid metric");
-        registry
-            .register(Box::new(c.clone()))
-            .expect("registered once");
-        c
-    };
-    let kube_calls = counter(
-        "tether_ccm_kube_api_requests_total",
-        "Requests sent to the Kubernetes API.",
-    );
-    let provider_calls = counter(
+    tether_ccm::metrics::register(&registry).expect("metrics registered once");
+    let rest_metrics = tether_core::kubeclient::RestMetrics::new();
+    rest_metrics
+        .register(&registry)
+        .expect("metrics registered once");
+    let provider_calls = prometheus::IntCounter::new(
         "tether_ccm_provider_calls_total",
         "Calls made to the cloud provider.",
-    );
+    )
+    .expect("valid metric");
+    registry
+        .register(Box::new(provider_calls.clone()))
+        .expect("registered once");
     let secure = args.secure_listener()?;
     let health = tether_ccm::serving::Health::default();
     let provider = tether_ccm::cloud::rate_limited(
@@ -278,18 +301,56 @@ pub fn main(args: CcmArgs) -> anyhow::Result<()> {
         Arc::new(TokenBucket::new(args.provider_qps, args.provider_burst)),
         provider_calls.clone(),
     );
+    let kube_limit = Arc::new(TokenBucket::new(args.kube_api_qps, args.kube_api_burst));
     super::block_on(0, async move {
-        let client = tether_core::kubeclient::limited_client(
-            kubeconfig.as_deref(),
-            Arc::new(TokenBucket::new(args.kube_api_qps, args.kube_api_burst)),
-            kube_calls.clone(),
-        )
-        .await
-        .context("cannot build the Kubernetes client")?;
-        tokio::spawn(
-            report_usage(kube_calls, provider_calls).instrument(tracing::info_span!("api_usage")),
-        );
+        let build = |path: Option<PathBuf>| {
+            let (limit, rest) = (kube_limit.clone(), rest_metrics.clone());
+            async move {
+                let config = tether_core::kubeclient::config(path.as_deref()).await?;
+                tether_core::kubeclient::limited_client_from(config, limit, rest)
+            }
+        };
+        let client = build(kubeconfig.clone())
+            .await
+            .context("cannot build the Kubernetes client")?;
+        let delegated = |flag: &str| {
+            (!flag.is_empty())
+                .then(|| PathBuf::from(flag))
+                .or(kubeconfig.clone())
+        };
+        let delegation = tether_ccm::serving::Delegation {
+            authentication: build(delegated(&args.authentication_kubeconfig))
+                .await
+                .context("--authentication-kubeconfig")?,
+            authorization: build(delegated(&args.authorization_kubeconfig))
+                .await
+                .context("--authorization-kubeconfig")?,
+        };
         let shutdown = tokio_util::sync::CancellationToken::new();
+        let clients = if args.use_service_account_credentials {
+            let base = tether_core::kubeclient::config(kubeconfig.as_deref()).await?;
+            let (limit, rest) = (kube_limit.clone(), rest_metrics.clone());
+            tether_ccm::credentials::service_account_clients(
+                client.clone(),
+                base,
+                move |config| {
+                    tether_core::kubeclient::limited_client_from(
+                        config,
+                        limit.clone(),
+                        rest.clone(),
+                    )
+                },
+                shutdown.clone(),
+            )
+            .await
+            .context("--use-service-account-credentials")?
+        } else {
+            tether_ccm::credentials::Clients::from(client.clone())
+        };
+        tokio::spawn(
+            report_usage(rest_metrics.clone(), provider_calls)
+                .instrument(tracing::info_span!("api_usage")),
+        );
         if let Some((addr, tls)) = secure {
             let listener = tokio::net::TcpListener::bind(addr)
                 .await
@@ -299,7 +360,7 @@ pub fn main(args: CcmArgs) -> anyhow::Result<()> {
             tether_ccm::serving::spawn(
                 listener,
                 Arc::new(move || tls.clone()),
-                client.clone(),
+                delegation,
                 health.clone(),
                 registry,
                 shutdown.clone(),
@@ -311,18 +372,21 @@ pub fn main(args: CcmArgs) -> anyhow::Result<()> {
             tether_core::shutdown::signal().await;
             stop.cancel();
         });
-        tether_ccm::run(client, provider, config, health, shutdown).await?;
+        tether_ccm::run(clients, provider, config, health, shutdown).await?;
         Ok(())
     })
 }
 
 /// Logs the running totals of API calls every 10 s while they change.
-async fn report_usage(kube: prometheus::IntCounter, provider: prometheus::IntCounter) {
+async fn report_usage(
+    kube: tether_core::kubeclient::RestMetrics,
+    provider: prometheus::IntCounter,
+) {
     let mut last = (0, 0);
     let mut tick = tokio::time::interval(Duration::from_secs(10));
     loop {
         tick.tick().await;
-        let now = (kube.get(), provider.get());
+        let now = (kube.total(), provider.get());
         if now != last {
             tracing::info!(kube_api_calls = now.0, provider_calls = now.1, "api usage");
             last = now;

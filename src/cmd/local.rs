@@ -70,6 +70,7 @@ async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()
                 listen: Listen::Uds {
                     path: socket.clone(),
                     delete_existing: true,
+                    access: Default::default(),
                 },
             },
             FrontendConfig {

@@ -23,6 +23,14 @@ pub struct ServerArgs {
     /// Remove a stale socket file at --uds-name before listening.
     #[arg(long, default_value = "true", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
     pub delete_existing_uds_file: bool,
+    /// Permission bits of the --uds-name socket, octal (e.g. 0660: owner and group may
+    /// connect). Empty: as created (the umask's).
+    #[arg(long, default_value = "")]
+    pub uds_socket_mode: String,
+    /// Numeric group ID given the --uds-name socket, so that a non-root client in that
+    /// group (the CCM's load balancers) can connect. Empty: the server's group.
+    #[arg(long, default_value = "")]
+    pub uds_socket_group: String,
     /// Frontend TCP port (must be 0 with --uds-name).
     #[arg(long, default_value_t = 8090)]
     pub server_port: u16,
@@ -165,6 +173,32 @@ fn opt_path(s: &str) -> Option<PathBuf> {
 }
 
 impl ServerArgs {
+    /// `--uds-socket-mode` and `--uds-socket-group`.
+    fn socket_access(&self) -> anyhow::Result<tether_core::transport::SocketAccess> {
+        let mode = match self.uds_socket_mode.trim() {
+            "" => None,
+            m => {
+                let bits = u32::from_str_radix(m.trim_start_matches("0o"), 8)
+                    .ok()
+                    .filter(|b| *b <= 0o777)
+                    .ok_or_else(|| {
+                        anyhow::anyhow!("--uds-socket-mode {m:?} is not an octal mode like 0660")
+                    })?;
+                Some(bits)
+            }
+        };
+        let group = match self.uds_socket_group.trim() {
+            "" => None,
+            g => Some(g.parse::<u32>().map_err(|_| {
+                anyhow::anyhow!("--uds-socket-group {g:?} is not a numeric group ID (e.g. 65532)")
+            })?),
+        };
+        if (mode.is_some() || group.is_some()) && self.uds_name.is_empty() {
+            bail!("--uds-socket-mode and --uds-socket-group apply to the --uds-name socket: set --uds-name too");
+        }
+        Ok(tether_core::transport::SocketAccess { mode, group })
+    }
+
     /// Validates the flags into a [`ServerConfig`].
     pub fn config(&self) -> anyhow::Result<ServerConfig> {
         super::reject_unsupported(&[
@@ -212,6 +246,7 @@ impl ServerArgs {
             Listen::Uds {
                 path: self.uds_name.clone().into(),
                 delete_existing: self.delete_existing_uds_file,
+                access: self.socket_access()?,
             }
         } else {
             let (Some(cert), Some(key), Some(ca)) = (

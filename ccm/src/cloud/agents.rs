@@ -1,8 +1,11 @@
 //! Which machines have a Tether agent connected, read from the Tether servers' admin
 //! endpoint (`GET /agents` on `--admin-port`). The `tether` provider counts a node
-//! whose agent is connected as existing even when the inventory does not list it, and
-//! keeps counting it for a grace period after its agent goes away (a reboot or a
-//! DaemonSet rollout must not get its Node deleted).
+//! whose agent is connected as existing even when the inventory does not list it, but
+//! only by identifiers the server verified (its client certificate under
+//! `--require-agent-identity-match`, or the node its ServiceAccount token is bound to):
+//! with the shipped token authentication any agent may claim any identifier. A node
+//! whose agent went away keeps existing (a WAN outage must never cost a node) unless
+//! the operator opts in to deletion after a duration.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
@@ -20,24 +23,28 @@ const CACHE_FOR: Duration = Duration::from_secs(2);
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// `agents:` in the tether provider's cloud config.
-#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct AgentsConfig {
     /// The servers' admin endpoints, e.g. `http://127.0.0.1:8133/agents`. Agents hold
     /// a stream to every server, so any one that answers is enough.
     pub urls: Vec<String>,
-    /// How long a node counts as existing after its agent was last seen (and, for a
-    /// node never seen, after the CCM started). Default 600.
-    #[serde(default = "default_grace")]
-    pub grace_period_seconds: u64,
-}
-
-fn default_grace() -> u64 {
-    600
+    /// Opt-in: a node known only through its agent is deleted once it is not Ready and
+    /// its agent has been away this long. Absent (the default): never deleted for
+    /// that; the operator deletes it.
+    #[serde(default)]
+    pub delete_nodes_after_seconds: Option<u64>,
+    /// For labs: use identifiers the server did not verify as if it had.
+    #[serde(default)]
+    pub trust_unverified_identifiers: bool,
+    /// Replaced by `deleteNodesAfterSeconds` (refused with a message saying so).
+    #[serde(default)]
+    pub grace_period_seconds: Option<u64>,
 }
 
 /// A connected agent, as the server reports it.
 #[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
 pub struct Agent {
     /// `--agent-id`.
     pub id: String,
@@ -47,6 +54,41 @@ pub struct Agent {
     /// `ipv4=`/`ipv6=` identifiers.
     #[serde(default)]
     pub ips: Vec<String>,
+    /// The agent ID and hosts the server verified.
+    #[serde(default)]
+    pub verified_hosts: Vec<String>,
+    /// The IPs the server verified.
+    #[serde(default)]
+    pub verified_ips: Vec<String>,
+    /// How the server verified them (`certificate`, `serviceaccount-token`), or empty.
+    #[serde(default)]
+    pub verified_by: String,
+}
+
+impl Agent {
+    /// Names (agent ID, hosts) and IPs that count: the verified ones, or all of them
+    /// when unverified identifiers are trusted.
+    fn trusted(&self, trust_all: bool) -> (Vec<String>, Vec<String>) {
+        if trust_all {
+            let names = std::iter::once(&self.id)
+                .chain(&self.hosts)
+                .map(|n| n.to_ascii_lowercase())
+                .collect();
+            return (names, self.ips.clone());
+        }
+        (
+            self.verified_hosts
+                .iter()
+                .map(|n| n.to_ascii_lowercase())
+                .collect(),
+            self.verified_ips.clone(),
+        )
+    }
+
+    fn claims(&self, name: &str) -> bool {
+        self.id.eq_ignore_ascii_case(name)
+            || self.hosts.iter().any(|h| h.eq_ignore_ascii_case(name))
+    }
 }
 
 #[derive(Deserialize)]
@@ -57,11 +99,13 @@ struct Listing {
 /// What the servers say about one node.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Presence {
-    /// Its agent is connected now.
+    /// Its agent is connected now; `ips` holds only the addresses that count.
     Connected(Agent),
-    /// Its agent is not connected but was (or the CCM started) within the grace period.
-    Recent,
-    /// Not connected for longer than the grace period.
+    /// An agent claims the name but nobody verified the claim: why, for an event.
+    Unverified(String),
+    /// Its agent is not connected and the deletion policy keeps the node.
+    Absent,
+    /// Its agent has been away longer than the opt-in `deleteNodesAfterSeconds`.
     Gone,
 }
 
@@ -77,13 +121,17 @@ struct State {
 #[derive(Debug)]
 pub struct ConnectedAgents {
     urls: Vec<hyper::Uri>,
-    grace: Duration,
+    delete_after: Option<Duration>,
+    trust_all: bool,
     state: Mutex<State>,
 }
 
 impl ConnectedAgents {
-    /// Validates the URLs (start-up errors).
+    /// Validates the configuration (start-up errors).
     pub fn new(config: &AgentsConfig) -> Result<Self, String> {
+        if config.grace_period_seconds.is_some() {
+            return Err("agents.gracePeriodSeconds is gone: nodes are no longer deleted when their agent leaves unless you opt in with agents.deleteNodesAfterSeconds (see README, CCM policies)".into());
+        }
         if config.urls.is_empty() {
             return Err("agents.urls is empty: list the servers' admin /agents URLs".into());
         }
@@ -104,7 +152,8 @@ impl ConnectedAgents {
             .collect::<Result<_, _>>()?;
         Ok(ConnectedAgents {
             urls,
-            grace: Duration::from_secs(config.grace_period_seconds),
+            delete_after: config.delete_nodes_after_seconds.map(Duration::from_secs),
+            trust_all: config.trust_unverified_identifiers,
             state: Mutex::new(State {
                 fetched: None,
                 last_seen: HashMap::new(),
@@ -114,7 +163,7 @@ impl ConnectedAgents {
     }
 
     /// Is the agent of node `name` connected (agent ID or `host=` identifier equal to
-    /// the name)? Errors when no server answers.
+    /// the name, verified)? Errors when no server answers.
     pub async fn presence(&self, name: &str) -> Result<Presence, CloudError> {
         let mut state = self.state.lock().await;
         let fresh = matches!(&state.fetched, Some((at, _)) if at.elapsed() < CACHE_FOR);
@@ -122,8 +171,8 @@ impl ConnectedAgents {
             let agents = self.fetch().await?;
             let now = Instant::now();
             for a in &agents {
-                for key in std::iter::once(&a.id).chain(&a.hosts) {
-                    state.last_seen.insert(key.to_ascii_lowercase(), now);
+                for key in a.trusted(self.trust_all).0 {
+                    state.last_seen.insert(key, now);
                 }
             }
             state.baseline.get_or_insert(now);
@@ -131,11 +180,22 @@ impl ConnectedAgents {
         }
         let name = name.to_ascii_lowercase();
         let (_, agents) = state.fetched.as_ref().expect("fetched above");
-        if let Some(a) = agents
-            .iter()
-            .find(|a| a.id.eq_ignore_ascii_case(&name) || a.hosts.contains(&name))
-        {
-            return Ok(Presence::Connected(a.clone()));
+        for a in agents {
+            let (names, ips) = a.trusted(self.trust_all);
+            if names.contains(&name) {
+                return Ok(Presence::Connected(Agent { ips, ..a.clone() }));
+            }
+        }
+        if let Some(a) = agents.iter().find(|a| a.claims(&name)) {
+            return Ok(Presence::Unverified(format!(
+                "agent {:?} claims to be node {name} but the Tether server did not verify that ({}); its identifiers are ignored (set --require-agent-identity-match with agent certificates, or use a pod-bound ServiceAccount token)",
+                a.id,
+                if a.verified_by.is_empty() {
+                    "no verification".to_string()
+                } else {
+                    format!("verified by {} as {:?}", a.verified_by, a.verified_hosts)
+                }
+            )));
         }
         let since = state
             .last_seen
@@ -143,10 +203,9 @@ impl ConnectedAgents {
             .copied()
             .or(state.baseline)
             .unwrap_or_else(Instant::now);
-        Ok(if since.elapsed() < self.grace {
-            Presence::Recent
-        } else {
-            Presence::Gone
+        Ok(match self.delete_after {
+            Some(after) if since.elapsed() >= after => Presence::Gone,
+            _ => Presence::Absent,
         })
     }
 
@@ -216,17 +275,20 @@ mod tests {
     fn rejects_urls_an_operator_would_get_wrong() {
         let cfg = |u: &str| AgentsConfig {
             urls: vec![u.into()],
-            grace_period_seconds: 1,
+            ..Default::default()
         };
         assert!(ConnectedAgents::new(&cfg("http://127.0.0.1:8133/agents")).is_ok());
         let https = ConnectedAgents::new(&cfg("https://127.0.0.1:8133/agents"))
             .err()
             .unwrap();
         assert!(https.contains("admin port"), "{https}");
-        assert!(ConnectedAgents::new(&AgentsConfig {
-            urls: vec![],
-            grace_period_seconds: 1
+        assert!(ConnectedAgents::new(&AgentsConfig::default()).is_err());
+        let old = ConnectedAgents::new(&AgentsConfig {
+            grace_period_seconds: Some(600),
+            ..cfg("http://127.0.0.1:8133/agents")
         })
-        .is_err());
+        .err()
+        .unwrap();
+        assert!(old.contains("deleteNodesAfterSeconds"), "{old}");
     }
 }

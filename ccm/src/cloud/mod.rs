@@ -24,6 +24,10 @@ pub enum CloudError {
     /// The provider does not know this node.
     #[error("instance not found")]
     InstanceNotFound,
+    /// The node is known only from claims nobody vouched for (an agent's identifiers
+    /// the server did not verify); nothing is taken from them.
+    #[error("{0}")]
+    Unverified(String),
     /// Try again after `after` (the provider is rate limited or busy).
     #[error("provider asked to retry after {after:?}: {reason}")]
     RetryAfter {
@@ -44,6 +48,8 @@ pub struct NodeInfo {
     pub name: String,
     /// `spec.providerID`, when set.
     pub provider_id: Option<String>,
+    /// `metadata.labels`.
+    pub labels: BTreeMap<String, String>,
 }
 
 /// A node address as the provider knows it.
@@ -81,6 +87,11 @@ pub trait Instances: Send + Sync {
     async fn shutdown(&self, node: &NodeInfo) -> Result<bool, CloudError>;
     /// The node's provider ID, type, addresses, zone, region and labels.
     async fn metadata(&self, node: &NodeInfo) -> Result<InstanceMetadata, CloudError>;
+    /// Is `provider_id` one this provider gives out? Nodes initialised by someone else
+    /// are never deleted by the lifecycle controller.
+    fn owns(&self, provider_id: &str) -> bool {
+        !provider_id.is_empty()
+    }
 }
 
 /// A Service as a load balancer implementation sees it.
@@ -268,6 +279,9 @@ impl Instances for Limited<dyn Instances> {
     async fn metadata(&self, node: &NodeInfo) -> Result<InstanceMetadata, CloudError> {
         self.gate.pass().await;
         self.inner.metadata(node).await
+    }
+    fn owns(&self, provider_id: &str) -> bool {
+        self.inner.owns(provider_id)
     }
 }
 

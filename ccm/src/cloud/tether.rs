@@ -4,11 +4,12 @@
 //! load balancers forward through the tunnel.
 //!
 //! ```yaml
-//! agents:                    # optional: a node whose agent is connected exists
+//! agents:                    # optional: a node whose (verified) agent is connected exists
 //!   urls: [http://127.0.0.1:8133/agents]   # the Tether servers' admin endpoints
-//!   gracePeriodSeconds: 600  # it keeps existing this long after its agent left
-//! routes:                    # optional: where pod-network routes go
-//!   table: 254               # main
+//!   deleteNodesAfterSeconds: 86400  # opt-in; absent: never deleted for its agent leaving
+//!   trustUnverifiedIdentifiers: false  # labs only
+//! routes:                    # optional, off when absent: THIS HOST is the pod-network
+//!   table: 254               # router; main table
 //!   protocol: 84             # marks our routes (`ip route show proto 84`)
 //! nodes:
 //!   - name: node-a
@@ -21,7 +22,10 @@
 //!     shutdown: false        # true: the machine exists but is powered off
 //! ```
 //!
-//! Provider IDs are `tether://NAME`.
+//! Provider IDs are `tether://NAME`. Each node initialised gets the label
+//! `tether.dev/instance-source` (`inventory` or `agent`): the deletion policy follows
+//! it. An inventory node is deleted (once not Ready) only when the inventory no longer
+//! lists it; an agent node only under `deleteNodesAfterSeconds`.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -37,6 +41,27 @@ use super::{
 
 /// The `--cloud-provider` name.
 pub const NAME: &str = "tether";
+
+/// The label saying where a node's instance is known from.
+pub const SOURCE_LABEL: &str = "tether.dev/instance-source";
+/// [`SOURCE_LABEL`] of a node listed in the inventory.
+pub const FROM_INVENTORY: &str = "inventory";
+/// [`SOURCE_LABEL`] of a node known through its connected agent.
+pub const FROM_AGENT: &str = "agent";
+
+/// Is `key` a label in a domain Kubernetes reserves (`kubernetes.io`, `k8s.io` and
+/// their subdomains)? The inventory may not set those: they are the kubelet's, the
+/// scheduler's and this CCM's own (topology, instance type).
+pub fn reserved_label(key: &str) -> bool {
+    let Some((domain, _)) = key.split_once('/') else {
+        return false;
+    };
+    let domain = domain.to_ascii_lowercase();
+    ["kubernetes.io", "k8s.io"]
+        .iter()
+        .any(|r| domain == *r || domain.ends_with(&format!(".{r}")))
+        || domain == "tether.dev"
+}
 
 /// Why the inventory could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -124,8 +149,8 @@ pub struct CloudConfig {
     pub machines: BTreeMap<String, Machine>,
     /// Where to learn which agents are connected, if anywhere (URLs validated).
     pub agents: Option<super::agents::ConnectedAgents>,
-    /// Where routes go.
-    pub routes: super::host_routes::HostRoutesConfig,
+    /// Where routes go; `None` (no `routes:` section): no routes at all.
+    pub routes: Option<super::host_routes::HostRoutesConfig>,
 }
 
 const ADDRESS_TYPES: [&str; 5] = [
@@ -161,6 +186,15 @@ pub fn parse(path: &Path, text: &str) -> Result<CloudConfig, InventoryError> {
                 )),
             });
         }
+        if let Some(key) = m.labels.keys().find(|k| reserved_label(k)) {
+            return Err(InventoryError::Parse {
+                path: path.into(),
+                source: serde::de::Error::custom(format!(
+                    "node {:?}: label {key:?} is in a reserved domain (kubernetes.io, k8s.io, tether.dev): use region/zone/instanceType for topology, and your own domain for the rest",
+                    m.name
+                )),
+            });
+        }
         let name = m.name.clone();
         if machines.insert(name.clone(), m).is_some() {
             return Err(InventoryError::Duplicate {
@@ -183,7 +217,7 @@ pub fn parse(path: &Path, text: &str) -> Result<CloudConfig, InventoryError> {
     Ok(CloudConfig {
         machines,
         agents,
-        routes: file.routes.unwrap_or_default(),
+        routes: file.routes,
     })
 }
 
@@ -263,7 +297,7 @@ fn read(path: &Path) -> Result<(Option<SystemTime>, String), InventoryError> {
 pub struct TetherProvider {
     inventory: Arc<Inventory>,
     agents: Option<Arc<super::agents::ConnectedAgents>>,
-    routes: Arc<super::host_routes::HostRoutes>,
+    routes: Option<Arc<super::host_routes::HostRoutes>>,
     load_balancers: Option<Arc<super::tunnel_lb::TunnelLoadBalancers>>,
 }
 
@@ -278,7 +312,9 @@ impl TetherProvider {
         Ok(TetherProvider {
             inventory: Arc::new(inventory),
             agents: config.agents.map(Arc::new),
-            routes: Arc::new(super::host_routes::HostRoutes::new(config.routes)),
+            routes: config
+                .routes
+                .map(|r| Arc::new(super::host_routes::HostRoutes::new(r))),
             load_balancers: lb.map(|c| Arc::new(super::tunnel_lb::TunnelLoadBalancers::new(c))),
         })
     }
@@ -295,7 +331,7 @@ impl Provider for TetherProvider {
         }))
     }
     fn routes(&self) -> Option<Arc<dyn super::Routes>> {
-        Some(self.routes.clone())
+        self.routes.clone().map(|r| r as Arc<dyn super::Routes>)
     }
     fn load_balancers(&self) -> Option<Arc<dyn super::LoadBalancers>> {
         self.load_balancers
@@ -313,14 +349,17 @@ struct InventoryInstances {
 enum Found {
     Inventory(Machine, String),
     Agent(super::agents::Agent, String),
-    /// Not listed, its agent left within the grace period.
-    Recent,
+    /// Not listed, and known only through an agent that is away; the policy keeps it.
+    Absent,
+    /// An agent claims it without verification.
+    Unverified(String),
     Gone,
 }
 
 impl InventoryInstances {
     /// The node's inventory name (from its provider ID when it has ours, else its
-    /// name), looked up in the inventory, then among the connected agents.
+    /// name), looked up in the inventory, then among the connected agents; a node no
+    /// longer in either goes by its source label and the deletion policy.
     async fn find(&self, node: &NodeInfo) -> Result<Found, CloudError> {
         let name = node
             .provider_id
@@ -331,17 +370,27 @@ impl InventoryInstances {
         if let Some(m) = self.inventory.get(&name) {
             return Ok(Found::Inventory(m, name));
         }
-        let Some(agents) = &self.agents else {
-            return Ok(Found::Gone);
+        let source = node.labels.get(SOURCE_LABEL).map(String::as_str);
+        let presence = match &self.agents {
+            Some(agents) => Some(agents.presence(&name).await?),
+            None => None,
         };
-        Ok(match agents.presence(&name).await? {
-            super::agents::Presence::Connected(a) => Found::Agent(a, name),
-            super::agents::Presence::Recent => Found::Recent,
-            super::agents::Presence::Gone => Found::Gone,
+        Ok(match presence {
+            Some(super::agents::Presence::Connected(a)) => Found::Agent(a, name),
+            // The operator took it out of the inventory.
+            _ if source == Some(FROM_INVENTORY) => Found::Gone,
+            Some(super::agents::Presence::Unverified(why)) => Found::Unverified(why),
+            Some(super::agents::Presence::Absent) => Found::Absent,
+            Some(super::agents::Presence::Gone) => Found::Gone,
+            // No agents section: an agent node keeps existing (the section may come
+            // back); anything else was the inventory's.
+            None if source == Some(FROM_AGENT) => Found::Absent,
+            None => Found::Gone,
         })
     }
 
-    /// The agent's addresses as InternalIPs, when the node's agent is connected.
+    /// The agent's (counted) addresses as InternalIPs, when the node's agent is
+    /// connected.
     async fn agent_addresses(&self, name: &str) -> Vec<Address> {
         let Some(agents) = &self.agents else {
             return Vec::new();
@@ -373,7 +422,7 @@ impl Instances for InventoryInstances {
     async fn shutdown(&self, node: &NodeInfo) -> Result<bool, CloudError> {
         match self.find(node).await? {
             Found::Inventory(m, _) => Ok(m.shutdown),
-            Found::Agent(..) | Found::Recent => Ok(false),
+            Found::Agent(..) | Found::Absent | Found::Unverified(_) => Ok(false),
             Found::Gone => Err(CloudError::InstanceNotFound),
         }
     }
@@ -392,26 +441,34 @@ impl Instances for InventoryInstances {
                 if addresses.is_empty() {
                     addresses = self.agent_addresses(&name).await;
                 }
+                let mut extra_labels = m.labels;
+                extra_labels.insert(SOURCE_LABEL.into(), FROM_INVENTORY.into());
                 Ok(InstanceMetadata {
                     provider_id: format!("{TETHER_PROVIDER_ID_PREFIX}{name}"),
                     instance_type: m.instance_type,
                     addresses,
                     zone: m.zone,
                     region: m.region,
-                    extra_labels: m.labels,
+                    extra_labels,
                 })
             }
             Found::Agent(a, name) => Ok(InstanceMetadata {
                 provider_id: format!("{TETHER_PROVIDER_ID_PREFIX}{name}"),
                 addresses: internal_ips(&a),
+                extra_labels: [(SOURCE_LABEL.to_string(), FROM_AGENT.to_string())].into(),
                 ..Default::default()
             }),
-            Found::Recent => Err(CloudError::RetryAfter {
+            Found::Absent => Err(CloudError::RetryAfter {
                 after: Duration::from_secs(30),
                 reason: "the node is not in the inventory and its agent is not connected".into(),
             }),
+            Found::Unverified(why) => Err(CloudError::Unverified(why)),
             Found::Gone => Err(CloudError::InstanceNotFound),
         }
+    }
+
+    fn owns(&self, provider_id: &str) -> bool {
+        provider_id.starts_with(TETHER_PROVIDER_ID_PREFIX)
     }
 }
 
@@ -428,7 +485,9 @@ mod tests {
         )
         .unwrap();
         assert_eq!(ok.machines["a"].zone, "z1");
-        assert_eq!(ok.routes.table, 254);
+        assert!(ok.routes.is_none(), "routes are opt-in");
+        let routes = parse(p, "routes: {}\n").unwrap().routes.unwrap();
+        assert_eq!(routes.table, 254);
         assert!(parse(p, "").unwrap().machines.is_empty());
         let agents = parse(p, "agents: {urls: [\"127.0.0.1:8133\"]}\n").unwrap_err();
         assert!(agents.to_string().contains("admin port"), "{agents}");
@@ -442,5 +501,20 @@ mod tests {
         )
         .unwrap_err();
         assert!(kind.to_string().contains("InternalIP"), "{kind}");
+        for key in [
+            "node-role.kubernetes.io/edge",
+            "kubernetes.io/hostname",
+            "k8s.io/x",
+            "tether.dev/instance-source",
+        ] {
+            let e = parse(p, &format!("nodes:\n- name: a\n  labels: {{{key}: x}}\n")).unwrap_err();
+            assert!(e.to_string().contains("reserved domain"), "{key}: {e}");
+        }
+        assert!(parse(
+            p,
+            "nodes:\n- name: a\n  labels: {example.com/rack: r1, plain: x}\n"
+        )
+        .is_ok());
+        assert!(!reserved_label("notkubernetes.io/x"));
     }
 }

@@ -200,26 +200,23 @@ impl CsrApprover {
 
     /// Runs until `shutdown`.
     pub async fn run(self, shutdown: CancellationToken) {
-        let queue = self.queue.clone();
-        let stop = shutdown.clone();
-        tokio::spawn(async move {
-            stop.cancelled().await;
-            queue.shut_down();
-        });
-        while let Some(name) = self.queue.next().await {
-            let outcome = match self
-                .sync(&name)
-                .instrument(tracing::debug_span!("sync_csr", csr = %name))
-                .await
-            {
-                Ok(outcome) => outcome,
-                Err(e) => {
-                    tracing::warn!(csr = %name, error = %e, "CSR sync failed; retrying");
-                    e.outcome()
+        let this = Arc::new(self);
+        let queue = this.queue.clone();
+        queue
+            .work(1, shutdown, move |name| {
+                let this = this.clone();
+                async move {
+                    let result = this
+                        .sync(&name)
+                        .instrument(tracing::debug_span!("sync_csr", csr = %name))
+                        .await;
+                    result.unwrap_or_else(|e| {
+                        tracing::warn!(csr = %name, error = %e, "CSR sync failed; retrying");
+                        e.outcome()
+                    })
                 }
-            };
-            self.queue.done(name, outcome);
-        }
+            })
+            .await;
     }
 
     /// Decides one CSR and acts on it.
@@ -254,16 +251,15 @@ impl CsrApprover {
             Ok(v) => v,
             Err(why) => return Ok(Verdict::Refuse(why)),
         };
-        let provider_id = self
+        let info_for = self
             .ctx
             .nodes
             .get(&ObjectRef::<Node>::new(&node))
-            .and_then(|n| n.spec.as_ref().and_then(|s| s.provider_id.clone()))
-            .filter(|p| !p.is_empty());
-        let info_for = NodeInfo {
-            name: node.clone(),
-            provider_id,
-        };
+            .map(|n| super::node_info(&n))
+            .unwrap_or_else(|| NodeInfo {
+                name: node.clone(),
+                ..Default::default()
+            });
         let addresses = match self.instances.metadata(&info_for).await {
             Ok(m) => m.addresses,
             Err(CloudError::InstanceNotFound) => {

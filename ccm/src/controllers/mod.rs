@@ -39,6 +39,7 @@ pub fn node_info(node: &Node) -> crate::cloud::NodeInfo {
             .as_ref()
             .and_then(|s| s.provider_id.clone())
             .filter(|p| !p.is_empty()),
+        labels: node.metadata.labels.clone().unwrap_or_default(),
     }
 }
 
@@ -117,10 +118,86 @@ pub struct Context {
     pub identity: String,
     /// The shared node cache.
     pub nodes: kube::runtime::reflector::Store<Node>,
+    /// Events already published, for aggregation.
+    pub recorder: std::sync::Arc<Recorder>,
 }
 
 /// The events' source component.
 pub const COMPONENT: &str = "cloud-controller-manager";
+
+/// How often one aggregated event is written at most; occurrences in between are
+/// counted and written with the next one.
+const EVENT_WRITE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
+/// Aggregation entries kept (client-go's LRU holds 4096).
+const EVENT_CACHE: usize = 4096;
+
+/// One published event, aggregated like client-go's recorder: repeated occurrences of
+/// the same reason and type about the same object raise `count` and `lastTimestamp`
+/// on one Event instead of creating new ones.
+#[derive(Default)]
+pub struct Recorder {
+    seen: std::sync::Mutex<std::collections::HashMap<EventKey, Published>>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct EventKey {
+    namespace: String,
+    kind: &'static str,
+    name: String,
+    uid: Option<String>,
+    reason: String,
+    warning: bool,
+}
+
+struct Published {
+    /// The Event object's name.
+    name: String,
+    /// Occurrences so far (written or not).
+    count: i32,
+    last_write: std::time::Instant,
+}
+
+/// What to do with one occurrence.
+enum Write {
+    Create(String),
+    Patch(String, i32),
+    Skip,
+}
+
+impl Recorder {
+    fn seen(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<EventKey, Published>> {
+        self.seen.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn occurrence(&self, key: &EventKey, fresh_name: String) -> Write {
+        let mut seen = self.seen();
+        if let Some(p) = seen.get_mut(key) {
+            p.count += 1;
+            if p.last_write.elapsed() < EVENT_WRITE_INTERVAL {
+                return Write::Skip;
+            }
+            p.last_write = std::time::Instant::now();
+            return Write::Patch(p.name.clone(), p.count);
+        }
+        if seen.len() >= EVENT_CACHE {
+            seen.clear();
+        }
+        seen.insert(
+            key.clone(),
+            Published {
+                name: fresh_name.clone(),
+                count: 1,
+                last_write: std::time::Instant::now(),
+            },
+        );
+        Write::Create(fresh_name)
+    }
+
+    /// The Event behind `key` is gone (expired): the next occurrence creates one.
+    fn forget(&self, key: &EventKey) {
+        self.seen().remove(key);
+    }
+}
 
 impl Context {
     /// Publishes a core/v1 event about `node` (in `default`, as client-go's recorder does
@@ -144,7 +221,9 @@ impl Context {
         self.event(&target, warning, reason, action, note).await;
     }
 
-    /// Publishes a core/v1 event about `target` in its namespace (or `default`).
+    /// Publishes a core/v1 event about `target` in its namespace (or `default`). An
+    /// event repeating an earlier one (same object, reason and type) raises that one's
+    /// count and lastTimestamp (and takes the newest message) instead.
     pub async fn event(
         &self,
         target: &Target,
@@ -157,9 +236,52 @@ impl Context {
         use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
         let now = k8s_openapi::jiff::Timestamp::now();
         let namespace = target.namespace.clone().unwrap_or_else(|| "default".into());
+        let api: kube::Api<Event> = kube::Api::namespaced(self.client.clone(), &namespace);
+        let key = EventKey {
+            namespace: namespace.clone(),
+            kind: target.kind,
+            name: target.name.clone(),
+            uid: target.uid.clone(),
+            reason: reason.into(),
+            warning,
+        };
+        let fresh = || format!("{}.{:x}", target.name, now.as_nanosecond());
+        let name = match self.recorder.occurrence(&key, fresh()) {
+            Write::Skip => return,
+            Write::Create(name) => name,
+            Write::Patch(name, count) => {
+                let patch = serde_json::json!({
+                    "count": count,
+                    "lastTimestamp": Time(now),
+                    "message": note,
+                });
+                match api
+                    .patch(
+                        &name,
+                        &kube::api::PatchParams::default(),
+                        &kube::api::Patch::Merge(patch),
+                    )
+                    .await
+                {
+                    Ok(_) => return,
+                    Err(kube::Error::Api(e)) if e.code == 404 => {
+                        // Expired (the apiserver's --event-ttl): start a new one.
+                        self.recorder.forget(&key);
+                        match self.recorder.occurrence(&key, fresh()) {
+                            Write::Create(name) => name,
+                            _ => return,
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, reason, object = %target.name, "cannot update event");
+                        return;
+                    }
+                }
+            }
+        };
         let event = Event {
             metadata: ObjectMeta {
-                name: Some(format!("{}.{:x}", target.name, now.as_nanosecond())),
+                name: Some(name),
                 namespace: Some(namespace.clone()),
                 ..Default::default()
             },
@@ -186,9 +308,10 @@ impl Context {
             count: Some(1),
             ..Default::default()
         };
-        let api: kube::Api<Event> = kube::Api::namespaced(self.client.clone(), &namespace);
         if let Err(e) = api.create(&Default::default(), &event).await {
             tracing::warn!(error = %e, reason, object = %target.name, "cannot publish event");
+            // Let the next occurrence try to create it again.
+            self.recorder.forget(&key);
         }
     }
 }

@@ -1,7 +1,10 @@
 //! The node controller: a node tainted `node.cloudprovider.kubernetes.io/uninitialized`
 //! gets its provider ID, addresses, topology and instance-type labels (and their beta
 //! twins) from the provider, then the taint is removed and an event says so. Every
-//! `--node-status-update-frequency` the addresses of all nodes are synced again.
+//! `--node-status-update-frequency` the addresses and the provider's own labels of all
+//! nodes are synced again. The kubelet's `provided-node-ip` (one address, or two for
+//! dual stack) goes first and must be the provider's; the kubelet's `Hostname` address
+//! is kept when the provider reports none.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -19,8 +22,12 @@ use super::{has_taint, node_info, taints, Context, SyncError, TAINT_UNINITIALIZE
 use crate::cloud::{Address, CloudError, InstanceMetadata, Instances};
 use crate::workqueue::{Outcome, WorkQueue};
 
-/// Kubelet's annotation naming the address the operator chose for the node.
+/// Kubelet's annotation naming the address(es) the operator chose for the node
+/// (`--node-ip`; two, comma-separated, for dual stack from kubelet 1.29).
 pub const PROVIDED_NODE_IP: &str = "alpha.kubernetes.io/provided-node-ip";
+
+/// The reason of the event about a node claimed only by unverified identifiers.
+pub const UNVERIFIED_REASON: &str = "UnverifiedAgentIdentity";
 
 /// Labels set from the provider's answer: (GA, beta) pairs.
 pub const ZONE_LABELS: [&str; 2] = [
@@ -44,21 +51,25 @@ pub struct NodeController {
     instances: Arc<dyn Instances>,
     queue: Arc<WorkQueue>,
     status_period: Duration,
+    workers: usize,
 }
 
 impl NodeController {
-    /// A controller working off `queue` (fed by the node informer).
+    /// A controller working off `queue` (fed by the node informer) with `workers`
+    /// workers (`--concurrent-node-syncs`).
     pub fn new(
         ctx: Context,
         instances: Arc<dyn Instances>,
         queue: Arc<WorkQueue>,
         status_period: Duration,
+        workers: usize,
     ) -> Self {
         NodeController {
             ctx,
             instances,
             queue,
             status_period,
+            workers,
         }
     }
 
@@ -90,25 +101,25 @@ impl NodeController {
         };
         tokio::spawn(periodic.instrument(tracing::info_span!("node_status_sync")));
         let queue = this.queue.clone();
-        let stop = shutdown.clone();
-        tokio::spawn(async move {
-            stop.cancelled().await;
-            queue.shut_down();
-        });
-        while let Some(name) = this.queue.next().await {
-            let outcome = match this
-                .sync(&name)
-                .instrument(tracing::debug_span!("sync_node", node = %name))
-                .await
-            {
-                Ok(()) => Outcome::Done,
-                Err(e) => {
-                    tracing::warn!(node = %name, error = %e, "node sync failed; retrying");
-                    e.outcome()
+        let workers = this.workers;
+        queue
+            .work(workers, shutdown, move |name| {
+                let this = this.clone();
+                async move {
+                    let result = this
+                        .sync(&name)
+                        .instrument(tracing::debug_span!("sync_node", node = %name))
+                        .await;
+                    match result {
+                        Ok(()) => Outcome::Done,
+                        Err(e) => {
+                            tracing::warn!(node = %name, error = %e, "node sync failed; retrying");
+                            e.outcome()
+                        }
+                    }
                 }
-            };
-            this.queue.done(name, outcome);
-        }
+            })
+            .await;
     }
 
     /// Initialises the node if it is still tainted uninitialized.
@@ -126,7 +137,21 @@ impl NodeController {
         let name = node.name_any();
         let meta = match self.instances.metadata(&node_info(node)).await {
             Ok(m) => m,
+            Err(CloudError::Unverified(why)) => {
+                crate::metrics::get()
+                    .node_inits
+                    .with_label_values(&["failed"])
+                    .inc();
+                self.ctx
+                    .node_event(node, true, UNVERIFIED_REASON, "InitializeNode", why.clone())
+                    .await;
+                return Err(CloudError::Unverified(why).into());
+            }
             Err(CloudError::InstanceNotFound) => {
+                crate::metrics::get()
+                    .node_inits
+                    .with_label_values(&["failed"])
+                    .inc();
                 self.ctx
                     .node_event(
                         node,
@@ -186,6 +211,10 @@ impl NodeController {
             })),
         )
         .await?;
+        crate::metrics::get()
+            .node_inits
+            .with_label_values(&["initialized"])
+            .inc();
         tracing::info!(node = %name, provider_id = %meta.provider_id, zone = %meta.zone, region = %meta.region, "node initialized");
         self.ctx
             .node_event(
@@ -203,30 +232,36 @@ impl NodeController {
         let meta = match self.instances.metadata(&node_info(node)).await {
             Ok(m) => m,
             // Gone from the provider: the lifecycle controller deals with it.
-            Err(CloudError::InstanceNotFound | CloudError::NotImplemented) => return Ok(()),
+            Err(
+                CloudError::InstanceNotFound
+                | CloudError::NotImplemented
+                | CloudError::Unverified(_),
+            ) => return Ok(()),
             Err(e) => return Err(e.into()),
         };
+        let api: Api<Node> = Api::all(self.ctx.client.clone());
+        let have = node.metadata.labels.clone().unwrap_or_default();
+        let changed: BTreeMap<&String, &String> = meta
+            .extra_labels
+            .iter()
+            .filter(|(k, v)| have.get(*k) != Some(*v))
+            .collect();
+        if !changed.is_empty() {
+            api.patch(
+                &node.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(json!({ "metadata": { "labels": changed } })),
+            )
+            .await?;
+            tracing::info!(node = %node.name_any(), labels = ?changed, "node labels updated from the provider");
+        }
         if meta.addresses.is_empty() {
             return Ok(());
         }
         let wanted = ordered_addresses(node, &meta.addresses).map_err(SyncError::Invalid)?;
-        let current: Vec<Address> = node
-            .status
-            .as_ref()
-            .and_then(|s| s.addresses.as_ref())
-            .map(|a| {
-                a.iter()
-                    .map(|a| Address {
-                        kind: a.type_.clone(),
-                        address: a.address.clone(),
-                    })
-                    .collect()
-            })
-            .unwrap_or_default();
-        if current == wanted {
+        if current_addresses(node) == wanted {
             return Ok(());
         }
-        let api: Api<Node> = Api::all(self.ctx.client.clone());
         api.patch_status(
             &node.name_any(),
             &PatchParams::default(),
@@ -238,18 +273,48 @@ impl NodeController {
     }
 }
 
-/// The provider's addresses, with the kubelet's `provided-node-ip` first. That address
-/// must be one the provider knows (else the node is misconfigured: error).
+fn current_addresses(node: &Node) -> Vec<Address> {
+    node.status
+        .as_ref()
+        .and_then(|s| s.addresses.as_ref())
+        .map(|a| {
+            a.iter()
+                .map(|a| Address {
+                    kind: a.type_.clone(),
+                    address: a.address.clone(),
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The provider's addresses, with the kubelet's `provided-node-ip` address(es) first,
+/// in its order. Each must be one the provider knows (else the node is misconfigured:
+/// error); as upstream, another address of the same type and family as a provided one
+/// is left out. When the provider reports no `Hostname`, the kubelet's is kept.
 pub fn ordered_addresses(node: &Node, cloud: &[Address]) -> Result<Vec<Address>, String> {
-    let provided = node
+    let provided: Vec<&str> = node
         .metadata
         .annotations
         .as_ref()
         .and_then(|a| a.get(PROVIDED_NODE_IP))
-        .filter(|ip| !ip.is_empty());
-    let mut out: Vec<Address> = Vec::with_capacity(cloud.len());
-    if let Some(ip) = provided {
-        let first: Vec<&Address> = cloud.iter().filter(|a| &a.address == ip).collect();
+        .map(|v| {
+            v.split(',')
+                .map(str::trim)
+                .filter(|ip| !ip.is_empty())
+                .collect()
+        })
+        .unwrap_or_default();
+    let same_ip =
+        |a: &str, b: &str| match (a.parse::<std::net::IpAddr>(), b.parse::<std::net::IpAddr>()) {
+            (Ok(x), Ok(y)) => x == y,
+            _ => a == b,
+        };
+    let family = |a: &str| a.parse::<std::net::IpAddr>().ok().map(|ip| ip.is_ipv4());
+    let mut out: Vec<Address> = Vec::with_capacity(cloud.len() + 1);
+    let mut claimed: Vec<(String, Option<bool>)> = Vec::new();
+    for ip in &provided {
+        let first: Vec<&Address> = cloud.iter().filter(|a| same_ip(&a.address, ip)).collect();
         if first.is_empty() {
             return Err(format!(
                 "node {}: {PROVIDED_NODE_IP}={ip} is not one of the provider's addresses {:?}",
@@ -257,11 +322,26 @@ pub fn ordered_addresses(node: &Node, cloud: &[Address]) -> Result<Vec<Address>,
                 cloud.iter().map(|a| &a.address).collect::<Vec<_>>()
             ));
         }
-        out.extend(first.into_iter().cloned());
+        for a in first {
+            claimed.push((a.kind.clone(), family(&a.address)));
+            if !out.contains(a) {
+                out.push(a.clone());
+            }
+        }
     }
     for a in cloud {
-        if !out.contains(a) {
+        let shadowed = claimed
+            .iter()
+            .any(|(kind, fam)| *kind == a.kind && fam.is_some() && *fam == family(&a.address));
+        if !shadowed && !out.contains(a) {
             out.push(a.clone());
+        }
+    }
+    if !cloud.iter().any(|a| a.kind == "Hostname") {
+        for a in current_addresses(node) {
+            if a.kind == "Hostname" && !out.contains(&a) {
+                out.push(a);
+            }
         }
     }
     Ok(out)
@@ -331,6 +411,49 @@ mod tests {
         assert!(ordered_addresses(&node, &cloud)
             .unwrap_err()
             .contains("10.9.9.9"));
+    }
+
+    #[test]
+    fn dual_stack_provided_ips_go_first_and_the_kubelets_hostname_stays() {
+        let cloud = [
+            addr("InternalIP", "10.0.0.9"),
+            addr("InternalIP", "10.0.0.1"),
+            addr("InternalIP", "fd00::1"),
+            addr("ExternalIP", "1.2.3.4"),
+        ];
+        let mut node = Node::default();
+        node.metadata.name = Some("n".into());
+        node.metadata.annotations = Some(
+            [(
+                PROVIDED_NODE_IP.to_string(),
+                "fd00:0::1,10.0.0.1".to_string(),
+            )]
+            .into_iter()
+            .collect(),
+        );
+        node.status = Some(k8s_openapi::api::core::v1::NodeStatus {
+            addresses: Some(vec![k8s_openapi::api::core::v1::NodeAddress {
+                type_: "Hostname".into(),
+                address: "n".into(),
+            }]),
+            ..Default::default()
+        });
+        assert_eq!(
+            ordered_addresses(&node, &cloud).unwrap(),
+            vec![
+                addr("InternalIP", "fd00::1"),
+                addr("InternalIP", "10.0.0.1"),
+                addr("ExternalIP", "1.2.3.4"),
+                addr("Hostname", "n"),
+            ]
+        );
+        // A provider Hostname wins over the kubelet's.
+        let mut with_host = cloud.to_vec();
+        with_host.push(addr("Hostname", "n.example"));
+        let out = ordered_addresses(&node, &with_host).unwrap();
+        assert!(
+            out.contains(&addr("Hostname", "n.example")) && !out.contains(&addr("Hostname", "n"))
+        );
     }
 
     #[test]

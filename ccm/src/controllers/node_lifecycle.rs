@@ -1,8 +1,12 @@
 //! The node-lifecycle controller: every `--node-monitor-period` each node that is not
 //! Ready (including one with no Ready condition yet, as upstream) is checked with the
-//! provider. A machine the provider no longer knows has its Node deleted; a shut-down
-//! machine gets the taint `node.cloudprovider.kubernetes.io/shutdown:NoSchedule`,
-//! removed again once the node is Ready.
+//! provider. A machine the provider no longer knows has its Node deleted, but only
+//! if this CCM initialised it (its providerID is one the provider owns): any other
+//! node is kept and a Warning event (aggregated) says why. Whether "no longer knows"
+//! is ever answered for a node that is merely unreachable is the provider's deletion
+//! policy (the `tether` provider: never, unless opted in). A shut-down machine gets the
+//! taint `node.cloudprovider.kubernetes.io/shutdown:NoSchedule`, removed again once the
+//! node is Ready.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,6 +20,9 @@ use tracing::Instrument;
 
 use super::{has_taint, node_info, ready_status, taints, Context, SyncError, TAINT_SHUTDOWN};
 use crate::cloud::{CloudError, Instances};
+
+/// The reason of the event about a node kept although the provider does not know it.
+pub const DELETION_WITHHELD: &str = "DeletionWithheld";
 
 /// The node-lifecycle controller.
 pub struct NodeLifecycleController {
@@ -77,6 +84,32 @@ impl NodeLifecycleController {
             }
             return Ok(());
         }
+        let owned = info
+            .provider_id
+            .as_deref()
+            .is_some_and(|p| self.instances.owns(p));
+        let metrics = crate::metrics::get();
+        if !owned {
+            metrics
+                .deletions_withheld
+                .with_label_values(&["uninitialized"])
+                .inc();
+            tracing::warn!(node = %name, provider_id = ?info.provider_id, "node is not Ready and unknown to the cloud provider, but not ours to delete");
+            self.ctx
+                .node_event(
+                    node,
+                    true,
+                    DELETION_WITHHELD,
+                    "DeleteNode",
+                    format!("Node {name} is not Ready and the cloud provider does not know it, but this cloud-controller-manager never initialised it (no providerID of this provider): it is not deleted; delete it yourself if its machine is gone"),
+                )
+                .await;
+            return Ok(());
+        }
+        metrics
+            .node_deletions
+            .with_label_values(&["instance-gone"])
+            .inc();
         tracing::info!(node = %name, "machine no longer exists in the cloud provider; deleting the node");
         self.ctx
             .node_event(

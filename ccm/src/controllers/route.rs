@@ -1,9 +1,13 @@
 //! The route controller: every `--route-reconciliation-period` each node podCIDR inside
 //! `--cluster-cidr` gets one route via the node's InternalIP (of the same family), and
 //! routes of ours inside `--cluster-cidr` that no node needs any more are deleted. A
-//! node's `NetworkUnavailable` condition says whether all its routes exist
-//! (False/RouteCreated) or not (True/NoRouteCreated), patched on `nodes/status` only
-//! when it changes.
+//! node whose routes all exist gets `NetworkUnavailable` False/RouteCreated; a route
+//! that cannot be made gives a Warning event (aggregated), and sets True/NoRouteCreated
+//! only on a node whose condition this controller set before: a condition someone
+//! else owns (or none) is never turned into "network unavailable" by us, since that
+//! keeps every pod off the node. Patched on `nodes/status` only when it changes. When
+//! the controller stops (shutdown, or the replica loses its lease) it removes its
+//! routes: they are the leader's alone.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
@@ -23,6 +27,32 @@ use crate::cloud::{Route, Routes};
 
 /// The node condition this controller owns.
 pub const NETWORK_UNAVAILABLE: &str = "NetworkUnavailable";
+/// Reasons this controller writes on [`NETWORK_UNAVAILABLE`].
+pub const OUR_REASONS: [&str; 2] = ["RouteCreated", "NoRouteCreated"];
+
+/// Deletes every route `routes` lists inside `cluster_cidrs` (a leader stepping down,
+/// or a replica cleaning up after a former leader on its host). Errors are logged.
+pub async fn remove_ours(routes: &dyn Routes, cluster: &str, cluster_cidrs: &[Cidr]) {
+    let listed = match routes.list(cluster).await {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot list routes to remove them");
+            return;
+        }
+    };
+    let inside = |cidr: &str| {
+        cidr.parse::<Cidr>()
+            .is_ok_and(|c| cluster_cidrs.iter().any(|cc| cc.covers(&c)))
+    };
+    for r in listed.into_iter().filter(|r| inside(&r.cidr)) {
+        match routes.delete(cluster, &r).await {
+            Ok(()) => tracing::info!(cidr = %r.cidr, via = %r.via, "route removed: not the leader"),
+            Err(e) => {
+                tracing::warn!(cidr = %r.cidr, via = %r.via, error = %e, "cannot remove route")
+            }
+        }
+    }
+}
 
 /// The route controller.
 pub struct RouteController {
@@ -111,10 +141,11 @@ impl RouteController {
         }
     }
 
-    /// Runs until `shutdown`: once at once, then every period.
+    /// Runs until `shutdown`: once at once, then every period; then removes its routes.
     pub async fn run(self, shutdown: CancellationToken) {
         let mut tick = super::Ticker::new(self.period);
         while tick.next(&shutdown).await {
+            crate::metrics::get().route_syncs.inc();
             if let Err(e) = self
                 .reconcile()
                 .instrument(tracing::debug_span!("reconcile_routes"))
@@ -123,6 +154,13 @@ impl RouteController {
                 tracing::warn!(error = %e, "route reconciliation failed; next period retries");
             }
         }
+        remove_ours(
+            self.routes.as_ref(),
+            &self.cluster_name,
+            &self.cluster_cidrs,
+        )
+        .instrument(tracing::info_span!("route_cleanup"))
+        .await;
     }
 
     /// One pass: create what is missing, delete what is stale, update conditions.
@@ -210,11 +248,14 @@ impl RouteController {
             .unwrap_or(false)
     }
 
-    /// NetworkUnavailable False/RouteCreated or True/NoRouteCreated, patched only when
-    /// its status changes.
+    /// NetworkUnavailable False/RouteCreated, or True/NoRouteCreated when the condition
+    /// is already ours; patched only when its status changes.
     async fn set_condition(&self, node: &Node, routes_created: bool) -> Result<(), SyncError> {
         let want = if routes_created { "False" } else { "True" };
         if super::condition_status(node, NETWORK_UNAVAILABLE) == Some(want) {
+            return Ok(());
+        }
+        if !routes_created && !condition_is_ours(node) {
             return Ok(());
         }
         let (reason, message) = if routes_created {
@@ -241,6 +282,18 @@ impl RouteController {
         .await?;
         Ok(())
     }
+}
+
+/// Did this controller write `node`'s NetworkUnavailable condition?
+fn condition_is_ours(node: &Node) -> bool {
+    node.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .into_iter()
+        .flatten()
+        .find(|c| c.type_ == NETWORK_UNAVAILABLE)
+        .and_then(|c| c.reason.as_deref())
+        .is_some_and(|r| OUR_REASONS.contains(&r))
 }
 
 #[cfg(test)]

@@ -139,43 +139,32 @@ impl ServiceController {
             );
         }
         {
-            let (q, n, stop) = (
-                this.queue.clone(),
-                this.node_events.clone(),
-                shutdown.clone(),
-            );
+            let (n, stop) = (this.node_events.clone(), shutdown.clone());
             tokio::spawn(async move {
                 stop.cancelled().await;
-                q.shut_down();
                 n.shut_down();
             });
         }
-        // `--concurrent-service-syncs` workers; the queue never hands one Service to
-        // two of them at once.
-        let mut workers = tokio::task::JoinSet::new();
-        for worker in 0..this.cfg.workers.max(1) {
-            let this = this.clone();
-            workers.spawn(
+        // `--concurrent-service-syncs` workers.
+        let (queue, workers) = (this.queue.clone(), this.cfg.workers);
+        queue
+            .work(workers, shutdown, move |key| {
+                let this = this.clone();
                 async move {
-                    while let Some(key) = this.queue.next().await {
-                        let outcome = match this
-                            .sync(&key)
-                            .instrument(tracing::debug_span!("sync_service", service = %key))
-                            .await
-                        {
-                            Ok(()) => Outcome::Done,
-                            Err(e) => {
-                                tracing::warn!(service = %key, error = %e, "service sync failed; retrying with backoff");
-                                e.outcome()
-                            }
-                        };
-                        this.queue.done(key, outcome);
+                    let result = this
+                        .sync(&key)
+                        .instrument(tracing::debug_span!("sync_service", service = %key))
+                        .await;
+                    match result {
+                        Ok(()) => Outcome::Done,
+                        Err(e) => {
+                            tracing::warn!(service = %key, error = %e, "service sync failed; retrying with backoff");
+                            e.outcome()
+                        }
                     }
                 }
-                .instrument(tracing::debug_span!("service_worker", worker)),
-            );
-        }
-        while workers.join_next().await.is_some() {}
+            })
+            .await;
     }
 
     /// Nodes eligible as backends: Ready, not excluded, not being deleted, with an
@@ -236,7 +225,13 @@ impl ServiceController {
         // Same Service, new node set: just point the balancer at the new nodes.
         if let Some((applied, old_nodes)) = &before {
             if *applied == info && *old_nodes != nodes && has_ingress(svc) {
-                if let Err(e) = self.lbs.update(&self.cfg.cluster_name, &info, &nodes).await {
+                crate::metrics::get().lb_syncs.inc();
+                let started = std::time::Instant::now();
+                let updated = self.lbs.update(&self.cfg.cluster_name, &info, &nodes).await;
+                crate::metrics::get()
+                    .lb_nodesync_latency
+                    .observe(started.elapsed().as_secs_f64());
+                if let Err(e) = updated {
                     self.ctx
                         .event(
                             &target,
@@ -277,6 +272,7 @@ impl ServiceController {
                 )
                 .await;
         }
+        crate::metrics::get().lb_syncs.inc();
         let status = match self.lbs.ensure(&self.cfg.cluster_name, &info, &nodes).await {
             Ok(s) => s,
             Err(e) => {
@@ -399,7 +395,9 @@ async fn set_finalizers(
     svc: &Service,
     finalizers: &[String],
 ) -> Result<(), kube::Error> {
-    api.patch(
+    // Through services/status, as upstream: the finalizer is metadata, which the status
+    // subresource writes too, and it is all the service controller's role may patch.
+    api.patch_status(
         &svc.name_any(),
         &PatchParams::default(),
         &Patch::Merge(json!({

@@ -1,0 +1,254 @@
+//! Which identity each controller calls the API with. By default all use the
+//! controller manager's own client; with `--use-service-account-credentials` each
+//! controller gets a client of its own ServiceAccount in kube-system, under upstream's
+//! names (`node-controller` for the node and lifecycle controllers,
+//! `service-controller`, `route-controller`), so that audit logs and RBAC see which
+//! controller acted. Tokens come from the TokenRequest API (served by every supported
+//! Kubernetes, unlike the legacy token Secrets upstream 1.20 waited for), last an hour
+//! and are renewed at 80% of their life into a private file the client re-reads.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+use k8s_openapi::api::core::v1::ServiceAccount;
+use kube::api::{Api, PostParams};
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+/// The namespace of the controllers' ServiceAccounts.
+pub const NAMESPACE: &str = "kube-system";
+/// The ServiceAccount of the node and node-lifecycle controllers.
+pub const NODE: &str = "node-controller";
+/// The ServiceAccount of the service controller.
+pub const SERVICE: &str = "service-controller";
+/// The ServiceAccount of the route controller.
+pub const ROUTE: &str = "route-controller";
+/// The ServiceAccount of the kubelet-serving CSR approver.
+pub const CSR_APPROVER: &str = "kubelet-serving-csr-approver";
+
+/// How long a requested token lasts.
+const TOKEN_LIFETIME: Duration = Duration::from_secs(3600);
+
+/// Clients by controller ServiceAccount name, and the controller manager's own.
+#[derive(Clone)]
+pub struct Clients {
+    /// The controller manager's identity: watches, leader election.
+    pub root: kube::Client,
+    per_controller: BTreeMap<&'static str, kube::Client>,
+}
+
+impl From<kube::Client> for Clients {
+    fn from(root: kube::Client) -> Self {
+        Clients {
+            root,
+            per_controller: BTreeMap::new(),
+        }
+    }
+}
+
+impl Clients {
+    /// The client controller `service_account` acts with.
+    pub fn controller(&self, service_account: &str) -> kube::Client {
+        self.per_controller
+            .get(service_account)
+            .cloned()
+            .unwrap_or_else(|| self.root.clone())
+    }
+}
+
+/// Why per-controller credentials could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum CredentialsError {
+    /// The ServiceAccount could not be read or created.
+    #[error("ServiceAccount {NAMESPACE}/{name}: {source} (the CCM needs get and create on serviceaccounts in {NAMESPACE})")]
+    ServiceAccount {
+        /// Its name.
+        name: String,
+        /// What the API said.
+        #[source]
+        source: kube::Error,
+    },
+    /// No token could be requested.
+    #[error("token for ServiceAccount {NAMESPACE}/{name}: {source} (the CCM needs create on serviceaccounts/token in {NAMESPACE})")]
+    Token {
+        /// Its name.
+        name: String,
+        /// What the API said.
+        #[source]
+        source: kube::Error,
+    },
+    /// The token file could not be written.
+    #[error("cannot write token file {path}: {source}")]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The client could not be built.
+    #[error("{0}")]
+    Client(#[from] tether_core::kubeclient::KubeSetupError),
+}
+
+/// One client per controller ServiceAccount: each account is created if missing, a
+/// token requested, and renewed in the background until `shutdown`. `base` is the
+/// controller manager's configuration (its server and CA are kept, its credentials
+/// replaced); `build` makes the client (rate limits, metrics).
+pub async fn service_account_clients(
+    root: kube::Client,
+    base: kube::Config,
+    build: impl Fn(kube::Config) -> Result<kube::Client, tether_core::kubeclient::KubeSetupError>,
+    shutdown: CancellationToken,
+) -> Result<Clients, CredentialsError> {
+    let dir = std::env::temp_dir().join(format!("tether-ccm-tokens-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|source| CredentialsError::File {
+        path: dir.clone(),
+        source,
+    })?;
+    restrict(&dir, 0o700)?;
+    let accounts: Api<ServiceAccount> = Api::namespaced(root.clone(), NAMESPACE);
+    let mut per_controller = BTreeMap::new();
+    for name in [NODE, SERVICE, ROUTE, CSR_APPROVER] {
+        ensure_account(&accounts, name).await?;
+        let path = dir.join(name);
+        let lifetime = write_token(&accounts, name, &path).await?;
+        let mut config = base.clone();
+        config.auth_info = kube::config::AuthInfo {
+            token_file: Some(path.display().to_string()),
+            ..Default::default()
+        };
+        per_controller.insert(name, build(config)?);
+        tokio::spawn(
+            renew(accounts.clone(), name, path, lifetime, shutdown.clone())
+                .instrument(tracing::info_span!("token_renewal", service_account = name)),
+        );
+    }
+    tracing::info!(
+        accounts = ?per_controller.keys().collect::<Vec<_>>(),
+        "controllers use their own ServiceAccount credentials"
+    );
+    Ok(Clients {
+        root,
+        per_controller,
+    })
+}
+
+async fn ensure_account(
+    accounts: &Api<ServiceAccount>,
+    name: &str,
+) -> Result<(), CredentialsError> {
+    let err = |source| CredentialsError::ServiceAccount {
+        name: name.into(),
+        source,
+    };
+    if accounts.get_opt(name).await.map_err(err)?.is_some() {
+        return Ok(());
+    }
+    let sa = ServiceAccount {
+        metadata: kube::api::ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some(NAMESPACE.into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    match accounts.create(&PostParams::default(), &sa).await {
+        Ok(_) => {
+            tracing::info!(service_account = name, "ServiceAccount created");
+            Ok(())
+        }
+        Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
+        Err(e) => Err(err(e)),
+    }
+}
+
+/// Requests a token and writes it (mode 0600, via rename); returns how long it lasts.
+async fn write_token(
+    accounts: &Api<ServiceAccount>,
+    name: &str,
+    path: &std::path::Path,
+) -> Result<Duration, CredentialsError> {
+    let request = TokenRequest {
+        spec: TokenRequestSpec {
+            audiences: Vec::new(),
+            expiration_seconds: Some(TOKEN_LIFETIME.as_secs() as i64),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let answer = accounts
+        .create_token_request(name, &PostParams::default(), &request)
+        .await
+        .map_err(|source| CredentialsError::Token {
+            name: name.into(),
+            source,
+        })?;
+    let Some(status) = answer.status else {
+        return Err(CredentialsError::Token {
+            name: name.into(),
+            source: kube::Error::Service("the TokenRequest answer has no status".into()),
+        });
+    };
+    let lifetime = Duration::from_secs(
+        status
+            .expiration_timestamp
+            .0
+            .duration_since(k8s_openapi::jiff::Timestamp::now())
+            .as_secs()
+            .max(60) as u64,
+    );
+    let tmp = path.with_extension("tmp");
+    let file_err = |source| CredentialsError::File {
+        path: path.into(),
+        source,
+    };
+    std::fs::write(&tmp, status.token.as_bytes()).map_err(file_err)?;
+    restrict(&tmp, 0o600)?;
+    std::fs::rename(&tmp, path).map_err(file_err)?;
+    Ok(lifetime)
+}
+
+fn restrict(path: &std::path::Path, mode: u32) -> Result<(), CredentialsError> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(|source| {
+        CredentialsError::File {
+            path: path.into(),
+            source,
+        }
+    })
+}
+
+/// Renews at 80% of the token's life; on failure retries every 10 s (the old token
+/// stays valid until it expires).
+async fn renew(
+    accounts: Api<ServiceAccount>,
+    name: &'static str,
+    path: PathBuf,
+    mut lifetime: Duration,
+    shutdown: CancellationToken,
+) {
+    let mut wait = lifetime.mul_f64(0.8);
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = shutdown.cancelled() => {
+                let _ = std::fs::remove_file(&path);
+                return;
+            }
+        }
+        match write_token(&accounts, name, &path).await {
+            Ok(l) => {
+                lifetime = l;
+                wait = lifetime.mul_f64(0.8);
+                tracing::debug!(?lifetime, "token renewed");
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot renew token; retrying in 10s");
+                wait = Duration::from_secs(10);
+            }
+        }
+    }
+}

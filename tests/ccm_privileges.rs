@@ -1,0 +1,256 @@
+//! `tether ccm` run exactly as deploy/tether-ccm.yaml runs it: the uid, gid and
+//! capability set are read from the manifest's securityContext and applied with
+//! `setpriv`; the Tether server gets the socket flags deploy/konnectivity-server.yaml
+//! passes. What needs the privilege then works: the load balancer connects to the
+//! server's socket and reaches a node only its agent can reach.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use serde_json::Value;
+use tether_testkit::kube::{free_port, wait_blocking, Cluster, Egress};
+use tether_testkit::netns::Node;
+use tether_testkit::process::{uds_frontend_args, Proc, START_TIMEOUT};
+use tether_testkit::{AgentProc, Pki, ServerProc, TempDir};
+
+const BIN: &str = env!("CARGO_BIN_EXE_tether");
+
+fn manifest(name: &str) -> Vec<serde_yaml::Value> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("deploy")
+        .join(name);
+    let text = std::fs::read_to_string(path).unwrap();
+    serde_yaml::Deserializer::from_str(&text)
+        .filter_map(|d| serde::Deserialize::deserialize(d).ok())
+        .filter(|v: &serde_yaml::Value| !v.is_null())
+        .collect()
+}
+
+/// The CCM container's (uid, gid, capabilities added) from the Deployment, which must
+/// drop ALL.
+fn ccm_security() -> (u32, u32, Vec<String>) {
+    let docs = manifest("tether-ccm.yaml");
+    let deploy = docs
+        .iter()
+        .find(|d| d["kind"] == "Deployment")
+        .expect("a Deployment");
+    let sc = &deploy["spec"]["template"]["spec"]["containers"][0]["securityContext"];
+    let caps = &sc["capabilities"];
+    let drop: Vec<&str> = caps["drop"]
+        .as_sequence()
+        .map(|s| s.iter().filter_map(|v| v.as_str()).collect())
+        .unwrap_or_default();
+    assert_eq!(
+        drop,
+        ["ALL"],
+        "the CCM must drop every capability it does not add"
+    );
+    let add = caps["add"]
+        .as_sequence()
+        .map(|s| {
+            s.iter()
+                .filter_map(|v| v.as_str().map(str::to_lowercase))
+                .collect()
+        })
+        .unwrap_or_default();
+    let id = |k: &str| {
+        sc[k]
+            .as_u64()
+            .unwrap_or_else(|| panic!("securityContext.{k} is set")) as u32
+    };
+    (id("runAsUser"), id("runAsGroup"), add)
+}
+
+/// The server's `--uds-socket-*` flags from its static pod.
+fn server_socket_flags() -> Vec<String> {
+    let docs = manifest("konnectivity-server.yaml");
+    let pod = docs.iter().find(|d| d["kind"] == "Pod").expect("a Pod");
+    pod["spec"]["containers"][0]["args"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .filter_map(|a| a.as_str())
+        .filter(|a| a.starts_with("--uds-socket-"))
+        .map(str::to_string)
+        .collect()
+}
+
+fn give(path: &Path, uid: u32, gid: u32) {
+    std::os::unix::fs::chown(path, Some(uid), Some(gid)).unwrap();
+}
+
+#[test]
+fn the_ccm_runs_with_exactly_the_manifests_uid_and_capabilities() {
+    let (uid, gid, caps) = ccm_security();
+    assert_ne!(uid, 0, "the default manifest runs the CCM as non-root");
+    let socket_flags = server_socket_flags();
+    assert!(
+        !socket_flags.is_empty(),
+        "the server manifest opens its socket to the CCM"
+    );
+
+    let node = Node::create();
+    let pki = Pki::with_sans(std::slice::from_ref(&node.host_ip));
+    // The socket's directory is world-traversable, like the hostPath directory.
+    let sock_dir = TempDir::new("tether-sock");
+    std::fs::set_permissions(sock_dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let socket = sock_dir.path().join("konnectivity-server.socket");
+    let mut args = uds_frontend_args(&pki, "grpc", &socket);
+    args.push("--agent-bind-address=0.0.0.0".into());
+    args.extend(socket_flags);
+    let server = ServerProc::start(Path::new(BIN), &args);
+    {
+        use std::os::unix::fs::MetadataExt;
+        let meta = std::fs::metadata(&socket).unwrap();
+        assert_eq!(meta.mode() & 0o777, 0o660, "socket mode");
+        assert_eq!(meta.gid(), gid, "the socket's group is the CCM's");
+    }
+    let _agent = AgentProc::start_in(
+        Some(&node),
+        Path::new(BIN),
+        &pki,
+        format!("{}:{}", node.host_ip, server.agent.port())
+            .parse()
+            .unwrap(),
+        &[
+            "--agent-id=node-1".into(),
+            format!("--agent-identifiers=ipv4={}", node.node_ip),
+        ],
+    );
+    let www = TempDir::new("tether-www");
+    std::fs::write(www.path().join("index.html"), "hello from node-1\n").unwrap();
+    let _http = Proc::spawn(
+        "http",
+        Path::new("ip"),
+        &[
+            "netns".into(),
+            "exec".into(),
+            node.ns.clone(),
+            "python3".into(),
+            "-m".into(),
+            "http.server".into(),
+            "30080".into(),
+            "--bind".into(),
+            node.node_ip.clone(),
+            "--directory".into(),
+            www.path().display().to_string(),
+        ],
+    );
+
+    let cluster = Cluster::start(&Egress::Direct);
+    // The files the pod would mount, readable by the CCM's uid as in the pod.
+    let kubeconfig = cluster.ccm_kubeconfig();
+    let text = std::fs::read_to_string(&kubeconfig).unwrap();
+    give(&kubeconfig, uid, gid);
+    for line in text.lines() {
+        let line = line.trim();
+        for key in ["client-certificate:", "client-key:"] {
+            if let Some(p) = line.strip_prefix(key) {
+                give(Path::new(p.trim()), uid, gid);
+            }
+        }
+        if let Some(p) = line.strip_prefix("certificate-authority:") {
+            std::fs::set_permissions(p.trim(), std::fs::Permissions::from_mode(0o644)).unwrap();
+        }
+    }
+    let conf = TempDir::new("tether-ccm-conf");
+    std::fs::set_permissions(conf.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let inventory = conf.path().join("inventory.yaml");
+    std::fs::write(
+        &inventory,
+        format!(
+            "nodes:\n- name: node-1\n  addresses:\n  - {{type: InternalIP, address: {}}}\n",
+            node.node_ip
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&inventory, std::fs::Permissions::from_mode(0o644)).unwrap();
+    cluster.add_node("node-1", &node.node_ip);
+    cluster.set_node_ready("node-1", true);
+    let port = free_port();
+    cluster.apply(&format!(
+        "apiVersion: v1\nkind: Service\nmetadata:\n  name: web\n  namespace: default\nspec:\n  type: LoadBalancer\n  ports:\n  - name: http\n    port: {port}\n    nodePort: 30080\n"
+    ));
+
+    let bounding = std::iter::once("-all".to_string())
+        .chain(caps.iter().map(|c| format!("+{}", c.to_lowercase())))
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut all: Vec<String> = vec![
+        format!("--reuid={uid}"),
+        format!("--regid={gid}"),
+        "--clear-groups".into(),
+        format!("--bounding-set={bounding}"),
+        "--inh-caps=-all".into(),
+        "--no-new-privs".into(),
+        "--".into(),
+        BIN.into(),
+        "ccm".into(),
+        "--log-format=json".into(),
+        format!("--cloud-config={}", inventory.display()),
+        format!("--kubeconfig={}", kubeconfig.display()),
+        "--leader-elect=false".into(),
+        "--secure-port=0".into(),
+        "--lb-bind-address=127.0.0.1".into(),
+        format!("--tunnel-uds={}", socket.display()),
+    ];
+    // The manifest's other flags that matter to privileges.
+    all.push("--use-service-account-credentials".into());
+    let ccm = Proc::spawn("ccm", Path::new("setpriv"), &all);
+    ccm.wait_event("cloud-controller-manager starting", START_TIMEOUT, |_| true);
+
+    // It really runs as that user with no capabilities at all.
+    let status = std::fs::read_to_string(format!("/proc/{}/status", ccm.pid())).unwrap();
+    let field = |k: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(k))
+            .unwrap()
+            .split_whitespace()
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(field("Uid:")[0], uid.to_string(), "{status}");
+    assert_eq!(field("Gid:")[0], gid.to_string(), "{status}");
+    if caps.is_empty() {
+        assert_eq!(field("CapEff:")[0], "0000000000000000", "{status}");
+        assert_eq!(field("CapPrm:")[0], "0000000000000000", "{status}");
+    }
+
+    wait_blocking("ingress IP", Duration::from_secs(30), || {
+        let log = ccm.log_text();
+        assert!(
+            !log.contains("\"level\":\"WARN\"") && !log.contains("\"level\":\"ERROR\""),
+            "the CCM complains:\n{log}"
+        );
+        let out = cluster.kubectl_ok(&["get", "service", "web", "-o", "json"]);
+        let v: Value = serde_json::from_str(&out).unwrap();
+        (v["status"]["loadBalancer"]["ingress"][0]["ip"] == "127.0.0.1").then_some(())
+    });
+    let body = wait_blocking(
+        "page through the load balancer",
+        Duration::from_secs(30),
+        || {
+            let out = Command::new("curl")
+                .args([
+                    "-sf",
+                    "--max-time",
+                    "5",
+                    &format!("http://127.0.0.1:{port}/"),
+                ])
+                .output()
+                .unwrap();
+            out.status
+                .success()
+                .then(|| String::from_utf8_lossy(&out.stdout).to_string())
+        },
+    );
+    assert_eq!(body, "hello from node-1\n");
+    assert!(
+        !ccm.logged("Permission denied"),
+        "a privilege was missing:\n{}",
+        ccm.log_text()
+    );
+}
