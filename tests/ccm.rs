@@ -477,11 +477,9 @@ fn add_node_with_pod_cidr(cluster: &Cluster, name: &str, ip: &str, pod_cidr: &st
     );
 }
 
-#[test]
-fn pod_routes_are_programmed_in_the_hosts_routing_table() {
-    // The CCM runs in a namespace of its own (its "host"); 10.233.0.0/24 is a network
-    // directly attached there (a veth pair inside the namespace), where the nodes'
-    // InternalIPs live.
+/// A namespace standing for the CCM's host, with 10.233.0.0/24 (where the nodes'
+/// InternalIPs live) directly attached (a veth pair inside it).
+fn router_host() -> Node {
     let host = Node::create();
     host.ip(&[
         "link", "add", "nodes0", "type", "veth", "peer", "name", "nodes1",
@@ -489,6 +487,15 @@ fn pod_routes_are_programmed_in_the_hosts_routing_table() {
     host.ip(&["addr", "add", "10.233.0.1/24", "dev", "nodes0"]);
     host.ip(&["link", "set", "nodes1", "up"]);
     host.ip(&["link", "set", "nodes0", "up"]);
+    host
+}
+
+#[test]
+fn pod_routes_are_programmed_in_the_hosts_routing_table() {
+    // The CCM runs in a namespace of its own (its "host"); 10.233.0.0/24 is a network
+    // directly attached there (a veth pair inside the namespace), where the nodes'
+    // InternalIPs live.
+    let host = router_host();
     // Routes that are not ours to touch: a foreign one in the pod network, one of ours
     // (protocol 84) outside --cluster-cidr; and a stale one of ours that must go.
     host.ip(&[
@@ -708,6 +715,26 @@ fn a_node_whose_agent_is_connected_exists_without_being_in_the_inventory() {
     });
 }
 
+/// Waits, without sleeping, until lifecycle passes have run for `long` from now: each
+/// round registers a node this CCM initialised from an inventory that no longer lists it
+/// (NotReady), which the next pass deletes. (The agent listing is cached for 2 s, so
+/// passes past that have seen a fresh one.)
+fn prove_lifecycle_passes_for(cluster: &Cluster, long: Duration) {
+    let since = Instant::now();
+    let mut round = 0;
+    while since.elapsed() < long {
+        round += 1;
+        let ghost = format!("ghost-{round}");
+        cluster.apply(&format!(
+            "apiVersion: v1\nkind: Node\nmetadata:\n  name: {ghost}\n  labels: {{tether.dev/instance-source: inventory}}\nspec:\n  providerID: tether://{ghost}\n"
+        ));
+        wait_blocking(&format!("{ghost} deleted"), Duration::from_secs(30), || {
+            node_json(cluster, &ghost).is_none().then_some(())
+        });
+    }
+    assert!(round >= 2, "the lifecycle passes did not run");
+}
+
 /// A pod in kube-system on `node`, run as the agents' ServiceAccount, and a token for
 /// that account bound to it (what a DaemonSet pod's projected token is): (pod, token).
 fn pod_bound_agent_token(cluster: &Cluster, pod: &str, node: &str) -> String {
@@ -905,21 +932,7 @@ fn only_verified_agents_vouch_for_nodes_and_an_absent_agent_costs_no_node() {
         let v = agents_listing(&server);
         (!v.to_string().contains("\"edge-1\"")).then_some(())
     });
-    let gone_since = Instant::now();
-    // Lifecycle passes keep running (each deletes a node this CCM initialised from an
-    // inventory that no longer lists it) well past the agents' cache.
-    let mut round = 0;
-    while gone_since.elapsed() < Duration::from_secs(6) {
-        round += 1;
-        let ghost = format!("ghost-{round}");
-        cluster.apply(&format!(
-            "apiVersion: v1\nkind: Node\nmetadata:\n  name: {ghost}\n  labels: {{tether.dev/instance-source: inventory}}\nspec:\n  providerID: tether://{ghost}\n"
-        ));
-        wait_blocking(&format!("{ghost} deleted"), Duration::from_secs(30), || {
-            node_json(&cluster, &ghost).is_none().then_some(())
-        });
-    }
-    assert!(round >= 2, "the lifecycle passes did not run");
+    prove_lifecycle_passes_for(&cluster, Duration::from_secs(6));
     let kept = node_json(&cluster, "edge-1").expect("edge-1 was deleted while its agent was away");
     assert_eq!(kept["spec"]["providerID"], "tether://edge-1");
     assert!(!ccm.exited(), "{}", ccm.log_text());
@@ -1045,4 +1058,182 @@ fn an_upstream_command_line_initialises_a_dual_stack_node_and_serves_upstream_me
     ] {
         assert!(page.contains(name), "{name} missing:\n{page}");
     }
+}
+
+/// Two replicas, each on its own host: routes live only in the leader's table. A leader
+/// that steps down (SIGTERM) takes its routes with it and the other host gets them; a
+/// leader that crashes (SIGKILL) leaves them, and they are removed when it comes back as
+/// a standby.
+#[test]
+fn routes_follow_the_leader_and_leave_no_stale_entry() {
+    let cluster = Cluster::start(&Egress::Direct);
+    add_node_with_pod_cidr(&cluster, "n1", "10.233.0.2", "10.244.1.0/24");
+    add_node_with_pod_cidr(&cluster, "n2", "10.233.0.3", "10.244.2.0/24");
+    let (_dir, inventory) = inventory_dir();
+    write_inventory(&inventory, "routes: {}\nnodes: []\n");
+    let hosts: Vec<Node> = (0..2).map(|_| router_host()).collect();
+    let relay_dirs: Vec<TempDir> = (0..2).map(|_| TempDir::new("tether-relay")).collect();
+    let _relays: Vec<_> = hosts
+        .iter()
+        .zip(&relay_dirs)
+        .map(|(h, d)| h.reach_host_port(cluster.port, d.path()))
+        .collect();
+    let start = |i: usize, name: &str| {
+        start_ccm_in(
+            Some(&hosts[i]),
+            &cluster,
+            &inventory,
+            name,
+            &[
+                "--controllers=route".into(),
+                "--secure-port=0".into(),
+                "--cluster-cidr=10.244.0.0/16".into(),
+                "--route-reconciliation-period=500ms".into(),
+            ],
+        )
+    };
+    let table = |i: usize| hosts[i].ip(&["route", "show", "proto", "84"]);
+    let routed = |i: usize| {
+        let t = table(i);
+        t.contains("10.244.1.0/24 via 10.233.0.2") && t.contains("10.244.2.0/24 via 10.233.0.3")
+    };
+    let mut a = start(0, "ccm-a");
+    wait_blocking("routes on host A (leader)", Duration::from_secs(30), || {
+        routed(0).then_some(())
+    });
+    let mut b = start(1, "ccm-b");
+    b.wait_event("waiting to become leader", START_TIMEOUT, |_| true);
+    assert!(
+        table(1).trim().is_empty(),
+        "a standby made routes: {}",
+        table(1)
+    );
+
+    // A steps down: its routes go, B's host gets them.
+    a.signal("TERM");
+    a.wait_exit(Duration::from_secs(30)).expect("A stops");
+    assert!(
+        table(0).trim().is_empty(),
+        "A left routes behind: {}",
+        table(0)
+    );
+    wait_blocking(
+        "routes on host B (new leader)",
+        Duration::from_secs(30),
+        || routed(1).then_some(()),
+    );
+
+    // B crashes: nothing can clean its table, until it comes back as a standby.
+    let a = start(0, "ccm-a2");
+    a.wait_event("waiting to become leader", START_TIMEOUT, |_| true);
+    b.kill();
+    wait_blocking("routes on host A again", Duration::from_secs(30), || {
+        routed(0).then_some(())
+    });
+    assert!(
+        routed(1),
+        "the crashed leader's routes are still there (expected)"
+    );
+    let b = start(1, "ccm-b2");
+    b.wait_event("waiting to become leader", START_TIMEOUT, |_| true);
+    assert!(
+        table(1).trim().is_empty(),
+        "the former leader's stale routes survived its restart: {}",
+        table(1)
+    );
+    assert!(routed(0));
+    drop(a);
+}
+
+/// A real node (containerd, kubelet with --cloud-provider=external, the agent-only
+/// binary) known only through its agent is initialised from it; the site then goes dark
+/// (its agent gone, the link down so the kubelet cannot report) and the node is marked
+/// NotReady: it stays, with its pod, through lifecycle passes well past every grace
+/// period; only the operator's opt-in deletes it.
+#[test]
+fn a_real_node_survives_its_agents_long_absence() {
+    if let Err(why) = tether_testkit::node::available() {
+        panic!("real nodes unavailable: {why} (run scripts/install-kube.sh)");
+    }
+    let net = Node::create();
+    let pki = Pki::with_sans(std::slice::from_ref(&net.host_ip));
+    let frontend = tether_testkit::kube::Frontend::GrpcUds;
+    let server = ServerProc::start(Path::new(BIN), &frontend.server_args(&pki));
+    let cluster = Cluster::start_with(
+        &frontend.egress(&pki, &server),
+        &tether_testkit::kube::ClusterOptions {
+            reachable_from_nodes: true,
+            ..Default::default()
+        },
+    );
+    let opts = tether_testkit::node::NodeOptions {
+        external_cloud_provider: true,
+        ..Default::default()
+    };
+    let mut node = tether_testkit::node::RealNode::start_on(net, &cluster, "edge-real", &opts);
+    node.start_agent(
+        Path::new(env!("CARGO_BIN_EXE_tether-agent")),
+        &pki,
+        server.agent.port(),
+        &[],
+    );
+    let (_dir, inventory) = inventory_dir();
+    // The test server does not verify identifiers (see the verified-agent test for that).
+    let lab = format!(
+        "agents:\n  urls: [http://{}/agents]\n  trustUnverifiedIdentifiers: true\nnodes: []\n",
+        server.admin
+    );
+    write_inventory(&inventory, &lab);
+    let ccm = start_ccm(&cluster, &inventory, "ccm");
+    let n = wait_node(&cluster, "edge-real", "initialised from its agent", |n| {
+        !taint_keys(n).contains(&"node.cloudprovider.kubernetes.io/uninitialized".into())
+    });
+    assert_eq!(n["spec"]["providerID"], "tether://edge-real");
+    assert_eq!(n["status"]["addresses"][0]["address"], node.ip());
+    node.run_pod(
+        &cluster,
+        "survivor",
+        "app: survivor",
+        &format!("  - name: c\n    image: {}\n    imagePullPolicy: Never\n    command: [sleep, '3600']\n", tether_testkit::node::BUSYBOX_IMAGE),
+    );
+
+    // The site goes dark: its agent's stream ends, then the WAN link goes down so that
+    // the kubelet cannot report either.
+    node.agent.as_mut().unwrap().proc.kill();
+    node.net.set_link(false);
+    wait_blocking(
+        "the agent gone from the server",
+        Duration::from_secs(60),
+        || {
+            (!agents_listing(&server)
+                .to_string()
+                .contains("\"edge-real\""))
+            .then_some(())
+        },
+    );
+    cluster.set_node_ready("edge-real", false);
+    prove_lifecycle_passes_for(&cluster, Duration::from_secs(6));
+    let kept = node_json(&cluster, "edge-real").expect("the node was deleted during the outage");
+    assert_eq!(kept["spec"]["providerID"], "tether://edge-real");
+    assert!(
+        cluster
+            .kubectl(&["get", "pod", "survivor"])
+            .status
+            .success(),
+        "the node's pod is gone"
+    );
+    drop(ccm);
+
+    // The operator opts in to deleting nodes whose agent is away (here: 1 s).
+    write_inventory(
+        &inventory,
+        &lab.replace("nodes: []", "  deleteNodesAfterSeconds: 1\nnodes: []"),
+    );
+    let _ccm = start_ccm(&cluster, &inventory, "ccm-opt-in");
+    wait_blocking(
+        "edge-real deleted under the opt-in policy",
+        Duration::from_secs(30),
+        || node_json(&cluster, "edge-real").is_none().then_some(()),
+    );
+    node.net.set_link(true);
 }

@@ -254,3 +254,127 @@ fn the_ccm_runs_with_exactly_the_manifests_uid_and_capabilities() {
         ccm.log_text()
     );
 }
+
+/// The manifest's commented securityContext for `routes:` (the lines after its marker,
+/// uncommented): (uid, capabilities added).
+fn routes_variant() -> (u32, Vec<String>) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/tether-ccm.yaml");
+    let text = std::fs::read_to_string(path).unwrap();
+    let mut lines = text
+        .lines()
+        .skip_while(|l| !l.contains("With `routes:` in the inventory, instead:"));
+    lines
+        .next()
+        .expect("the routes variant is documented in the manifest");
+    let yaml: String = lines
+        .map_while(|l| l.trim_start().strip_prefix('#'))
+        .map(|l| format!("{}\n", l.strip_prefix(' ').unwrap_or(l)))
+        .collect();
+    let v: serde_yaml::Value = serde_yaml::from_str(&yaml).unwrap();
+    let sc = &v["securityContext"];
+    let add = sc["capabilities"]["add"]
+        .as_sequence()
+        .map(|s| {
+            s.iter()
+                .filter_map(|c| c.as_str().map(str::to_lowercase))
+                .collect()
+        })
+        .unwrap_or_default();
+    (sc["runAsUser"].as_u64().unwrap() as u32, add)
+}
+
+/// With `routes:`, the manifest's variant (root with only NET_ADMIN) programs routes in
+/// the host's table; without that one capability the kernel refuses and the CCM says
+/// what is missing.
+#[test]
+fn routes_need_exactly_net_admin() {
+    let (uid, caps) = routes_variant();
+    assert_eq!(
+        caps,
+        ["net_admin"],
+        "the routes variant adds NET_ADMIN only"
+    );
+    let host = Node::create();
+    host.ip(&[
+        "link", "add", "nodes0", "type", "veth", "peer", "name", "nodes1",
+    ]);
+    host.ip(&["addr", "add", "10.233.0.1/24", "dev", "nodes0"]);
+    host.ip(&["link", "set", "nodes1", "up"]);
+    host.ip(&["link", "set", "nodes0", "up"]);
+    let cluster = Cluster::start(&Egress::Direct);
+    let relay = TempDir::new("tether-relay");
+    let _relays = host.reach_host_port(cluster.port, relay.path());
+    cluster.add_node("n1", "10.233.0.2");
+    cluster.kubectl_ok(&[
+        "patch",
+        "node",
+        "n1",
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"podCIDR":"10.244.1.0/24","podCIDRs":["10.244.1.0/24"]}}"#,
+    ]);
+    let conf = TempDir::new("tether-ccm-conf");
+    let inventory = conf.path().join("inventory.yaml");
+    std::fs::write(&inventory, "routes: {}\nnodes: []\n").unwrap();
+    let kubeconfig = cluster.ccm_kubeconfig();
+    let run = |name: &str, caps: &[String]| {
+        let bounding = std::iter::once("-all".to_string())
+            .chain(caps.iter().map(|c| format!("+{c}")))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut args = host.exec_prefix();
+        args.extend([
+            "setpriv".into(),
+            format!("--reuid={uid}"),
+            format!("--regid={uid}"),
+            "--clear-groups".into(),
+            format!("--bounding-set={bounding}"),
+            "--inh-caps=-all".into(),
+            "--no-new-privs".into(),
+            "--".into(),
+            BIN.into(),
+            "ccm".into(),
+            "--log-format=json".into(),
+            format!("--cloud-config={}", inventory.display()),
+            format!("--kubeconfig={}", kubeconfig.display()),
+            "--leader-elect=false".into(),
+            "--secure-port=0".into(),
+            "--controllers=route".into(),
+            "--cluster-cidr=10.244.0.0/16".into(),
+            "--route-reconciliation-period=500ms".into(),
+        ]);
+        let p = Proc::spawn(name, Path::new("ip"), &args);
+        p.wait_event("cloud-controller-manager starting", START_TIMEOUT, |_| true);
+        p
+    };
+    let without = run("ccm-no-caps", &[]);
+    wait_blocking(
+        "the refusal, saying what is missing",
+        Duration::from_secs(30),
+        || without.logged("needs CAP_NET_ADMIN").then_some(()),
+    );
+    assert!(!host
+        .ip(&["route", "show", "proto", "84"])
+        .contains("10.244.1.0"));
+    drop(without);
+    let with = run("ccm-net-admin", &caps);
+    wait_blocking(
+        "the route, made with NET_ADMIN only",
+        Duration::from_secs(30),
+        || {
+            host.ip(&["route", "show", "proto", "84"])
+                .contains("10.244.1.0/24 via 10.233.0.2")
+                .then_some(())
+        },
+    );
+    let status = std::fs::read_to_string(format!("/proc/{}/status", with.pid())).unwrap();
+    let eff = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .unwrap()
+        .trim();
+    assert_eq!(
+        eff, "0000000000001000",
+        "only CAP_NET_ADMIN (bit 12): {status}"
+    );
+}

@@ -125,6 +125,58 @@ fn bad_flags_fail_with_one_clear_line() {
     let (ok, err) = run(&["ccm", &cloud_config, "--kube-api-qps=0"]);
     assert!(!ok);
     assert!(error_line(&err).contains("--kube-api-qps"), "{err}");
+
+    // Upstream flags: node IPAM is kube-controller-manager's; names are checked.
+    let (ok, err) = run(&["ccm", &cloud_config, "--allocate-node-cidrs=true"]);
+    assert!(!ok);
+    assert!(
+        error_line(&err).contains("kube-controller-manager"),
+        "{err}"
+    );
+    let (ok, err) = run(&[
+        "ccm",
+        &cloud_config,
+        "--controllers=*,-cloud-node-controllers",
+    ]);
+    assert!(!ok);
+    assert!(error_line(&err).contains("cloud-node-controller"), "{err}");
+    // The old agent grace period is refused with what replaced it.
+    std::fs::write(
+        &inventory,
+        "agents: {urls: [\"http://127.0.0.1:8133/agents\"], gracePeriodSeconds: 600}\n",
+    )
+    .unwrap();
+    let (ok, err) = run(&["ccm", &cloud_config]);
+    assert!(!ok);
+    assert!(
+        error_line(&err).contains("deleteNodesAfterSeconds"),
+        "{err}"
+    );
+    std::fs::write(
+        &inventory,
+        "nodes:\n- name: a\n  labels: {node-role.kubernetes.io/edge: \"\"}\n",
+    )
+    .unwrap();
+    let (ok, err) = run(&["ccm", &cloud_config]);
+    assert!(!ok);
+    assert!(error_line(&err).contains("reserved domain"), "{err}");
+
+    let (ok, err) = run(&[
+        "server",
+        "--uds-name=/tmp/x.sock",
+        "--server-port=0",
+        "--uds-socket-mode=rw",
+    ]);
+    assert!(!ok);
+    assert!(error_line(&err).contains("--uds-socket-mode"), "{err}");
+    let (ok, err) = run(&[
+        "server",
+        "--uds-name=/tmp/x.sock",
+        "--server-port=0",
+        "--uds-socket-group=wheel",
+    ]);
+    assert!(!ok);
+    assert!(error_line(&err).contains("numeric group"), "{err}");
 }
 
 #[test]
