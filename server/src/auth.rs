@@ -67,13 +67,16 @@ pub enum AuthError {
     Api(#[source] kube::Error),
 }
 
+/// Positive reviews by token hash: until when, and the node the token is bound to.
+type ReviewCache = HashMap<[u8; 32], (Instant, Option<String>)>;
+
 /// Checks agent tokens by TokenReview.
 pub struct TokenAuthenticator {
     reviews: Api<TokenReview>,
     pods: Api<Pod>,
     expected_user: String,
     audience: String,
-    cache: Mutex<HashMap<[u8; 32], (Instant, Option<String>)>>,
+    cache: Mutex<ReviewCache>,
     limiter: TokenBucket,
     counter: IntCounterVec,
 }
@@ -102,7 +105,7 @@ impl TokenAuthenticator {
         })
     }
 
-    fn cache(&self) -> std::sync::MutexGuard<'_, HashMap<[u8; 32], (Instant, Option<String>)>> {
+    fn cache(&self) -> std::sync::MutexGuard<'_, ReviewCache> {
         self.cache.lock().unwrap_or_else(|e| e.into_inner())
     }
 
