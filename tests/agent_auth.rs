@@ -7,7 +7,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use base64::Engine;
 use tether_testkit::kube::{Cluster, Egress};
-use tether_testkit::process::socket_path;
+use tether_testkit::process::{socket_path, token_auth_server_args};
 use tether_testkit::{metric, AgentProc, Pki, ServerProc, TempDir};
 
 const BIN: &str = env!("CARGO_BIN_EXE_tether");
@@ -63,19 +63,7 @@ fn agent_with_token(
     name: &str,
     token: &str,
 ) -> AgentProc {
-    let path = dir.join(format!("{name}.token"));
-    std::fs::write(&path, token).unwrap();
-    AgentProc::start(
-        bin(),
-        pki,
-        server.agent,
-        &[
-            format!("--agent-id={name}"),
-            format!("--service-account-token-path={}", path.display()),
-            "--agent-cert=".into(),
-            "--agent-key=".into(),
-        ],
-    )
+    AgentProc::start_with_token(bin(), pki, server.agent, dir, name, token, &[])
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -95,20 +83,9 @@ async fn tokens_are_checked_by_token_review() {
         "jsonpath={.metadata.uid}",
     ]);
 
-    let f = &pki.files;
     let server = ServerProc::start(
         bin(),
-        &[
-            "--mode=grpc".into(),
-            format!("--uds-name={}", socket_path(pki.dir()).display()),
-            "--server-port=0".into(),
-            format!("--cluster-cert={}", f.server_cert.display()),
-            format!("--cluster-key={}", f.server_key.display()),
-            "--agent-namespace=kube-system".into(),
-            "--agent-service-account=konnectivity-agent".into(),
-            format!("--authentication-audience={AUDIENCE}"),
-            format!("--kubeconfig={}", cluster.files.server_kubeconfig.display()),
-        ],
+        &token_auth_server_args(&pki, &cluster.files.server_kubeconfig),
     );
     let tokens = TempDir::new("tether-tokens");
 

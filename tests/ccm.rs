@@ -14,7 +14,9 @@ use std::process::Command;
 use serde_json::Value;
 use tether_testkit::kube::{free_port, wait_blocking, Cluster, Egress};
 use tether_testkit::netns::Node;
-use tether_testkit::process::{socket_path, uds_frontend_args, Proc, START_TIMEOUT};
+use tether_testkit::process::{
+    socket_path, token_auth_server_args, uds_frontend_args, Proc, START_TIMEOUT,
+};
 use tether_testkit::{AgentProc, Pki, ServerProc, TempDir};
 
 const BIN: &str = env!("CARGO_BIN_EXE_tether");
@@ -226,6 +228,14 @@ fn https_get(url: &str, token: Option<&str>) -> (u16, String) {
     (code.trim().parse().unwrap_or(0), body.to_string())
 }
 
+/// A token of a new ServiceAccount `kube-system/prometheus` allowed to get /metrics.
+fn metrics_reader_token(cluster: &Cluster) -> String {
+    cluster.apply(
+        "apiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRole\nmetadata:\n  name: metrics-reader\nrules:\n- nonResourceURLs: [/metrics]\n  verbs: [get]\n---\napiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRoleBinding\nmetadata:\n  name: metrics-reader\nroleRef:\n  apiGroup: rbac.authorization.k8s.io\n  kind: ClusterRole\n  name: metrics-reader\nsubjects:\n- kind: ServiceAccount\n  name: prometheus\n  namespace: kube-system\n",
+    );
+    sa_token(cluster, "prometheus")
+}
+
 /// A new ServiceAccount `kube-system/sa` and a token for it.
 fn sa_token(cluster: &Cluster, sa: &str) -> String {
     cluster.kubectl_ok(&["create", "serviceaccount", sa, "-n", "kube-system"]);
@@ -255,10 +265,7 @@ fn healthz_is_anonymous_and_metrics_need_an_authorized_token() {
     assert_eq!(https_get(&format!("{base}/metrics"), None).0, 401);
     let nobody = sa_token(&cluster, "nobody");
     assert_eq!(https_get(&format!("{base}/metrics"), Some(&nobody)).0, 403);
-    cluster.apply(
-        "apiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRole\nmetadata:\n  name: metrics-reader\nrules:\n- nonResourceURLs: [/metrics]\n  verbs: [get]\n---\napiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRoleBinding\nmetadata:\n  name: metrics-reader\nroleRef:\n  apiGroup: rbac.authorization.k8s.io\n  kind: ClusterRole\n  name: metrics-reader\nsubjects:\n- kind: ServiceAccount\n  name: prometheus\n  namespace: kube-system\n",
-    );
-    let reader = sa_token(&cluster, "prometheus");
+    let reader = metrics_reader_token(&cluster);
     let (code, page) = https_get(&format!("{base}/metrics"), Some(&reader));
     assert_eq!(code, 200, "{page}");
     for name in [
@@ -477,25 +484,12 @@ fn add_node_with_pod_cidr(cluster: &Cluster, name: &str, ip: &str, pod_cidr: &st
     );
 }
 
-/// A namespace standing for the CCM's host, with 10.233.0.0/24 (where the nodes'
-/// InternalIPs live) directly attached (a veth pair inside it).
-fn router_host() -> Node {
-    let host = Node::create();
-    host.ip(&[
-        "link", "add", "nodes0", "type", "veth", "peer", "name", "nodes1",
-    ]);
-    host.ip(&["addr", "add", "10.233.0.1/24", "dev", "nodes0"]);
-    host.ip(&["link", "set", "nodes1", "up"]);
-    host.ip(&["link", "set", "nodes0", "up"]);
-    host
-}
-
 #[test]
 fn pod_routes_are_programmed_in_the_hosts_routing_table() {
     // The CCM runs in a namespace of its own (its "host"); 10.233.0.0/24 is a network
     // directly attached there (a veth pair inside the namespace), where the nodes'
     // InternalIPs live.
-    let host = router_host();
+    let host = Node::router_host();
     // Routes that are not ours to touch: a foreign one in the pod network, one of ours
     // (protocol 84) outside --cluster-cidr; and a stale one of ours that must go.
     host.ip(&[
@@ -775,19 +769,14 @@ fn token_agent(
     ids: &str,
     token: &str,
 ) -> AgentProc {
-    let path = dir.join(format!("{id}.token"));
-    std::fs::write(&path, token).unwrap();
-    AgentProc::start(
+    AgentProc::start_with_token(
         Path::new(BIN),
         pki,
         server.agent,
-        &[
-            format!("--agent-id={id}"),
-            format!("--agent-identifiers={ids}"),
-            format!("--service-account-token-path={}", path.display()),
-            "--agent-cert=".into(),
-            "--agent-key=".into(),
-        ],
+        dir,
+        id,
+        token,
+        &[format!("--agent-identifiers={ids}")],
     )
 }
 
@@ -815,19 +804,9 @@ fn only_verified_agents_vouch_for_nodes_and_an_absent_agent_costs_no_node() {
     let rbac = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/rbac.yaml");
     cluster.kubectl_ok(&["apply", "-f", rbac.to_str().unwrap()]);
     let pki = Pki::new();
-    let f = &pki.files;
     let server = ServerProc::start(
         Path::new(BIN),
-        &[
-            format!("--uds-name={}", socket_path(pki.dir()).display()),
-            "--server-port=0".into(),
-            format!("--cluster-cert={}", f.server_cert.display()),
-            format!("--cluster-key={}", f.server_key.display()),
-            "--agent-namespace=kube-system".into(),
-            "--agent-service-account=konnectivity-agent".into(),
-            "--authentication-audience=system:konnectivity-server".into(),
-            format!("--kubeconfig={}", cluster.files.server_kubeconfig.display()),
-        ],
+        &token_auth_server_args(&pki, &cluster.files.server_kubeconfig),
     );
     let tokens = TempDir::new("tether-tokens");
     let bound = pod_bound_agent_token(&cluster, "konnectivity-agent-edge-1", "edge-1");
@@ -1038,10 +1017,7 @@ fn an_upstream_command_line_initialises_a_dual_stack_node_and_serves_upstream_me
         ccm.log_text()
     );
 
-    cluster.apply(
-        "apiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRole\nmetadata:\n  name: metrics-reader\nrules:\n- nonResourceURLs: [/metrics]\n  verbs: [get]\n---\napiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRoleBinding\nmetadata:\n  name: metrics-reader\nroleRef:\n  apiGroup: rbac.authorization.k8s.io\n  kind: ClusterRole\n  name: metrics-reader\nsubjects:\n- kind: ServiceAccount\n  name: prometheus\n  namespace: kube-system\n",
-    );
-    let reader = sa_token(&cluster, "prometheus");
+    let reader = metrics_reader_token(&cluster);
     let (code, page) = https_get(&format!("https://127.0.0.1:{port}/metrics"), Some(&reader));
     assert_eq!(code, 200, "{page}");
     for name in [
@@ -1071,7 +1047,7 @@ fn routes_follow_the_leader_and_leave_no_stale_entry() {
     add_node_with_pod_cidr(&cluster, "n2", "10.233.0.3", "10.244.2.0/24");
     let (_dir, inventory) = inventory_dir();
     write_inventory(&inventory, "routes: {}\nnodes: []\n");
-    let hosts: Vec<Node> = (0..2).map(|_| router_host()).collect();
+    let hosts: Vec<Node> = (0..2).map(|_| Node::router_host()).collect();
     let relay_dirs: Vec<TempDir> = (0..2).map(|_| TempDir::new("tether-relay")).collect();
     let _relays: Vec<_> = hosts
         .iter()

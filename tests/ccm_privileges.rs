@@ -77,6 +77,38 @@ fn server_socket_flags() -> Vec<String> {
         .collect()
 }
 
+/// `setpriv` arguments running `tether ccm` as uid/gid with only `caps` (lowercase
+/// names) in its bounding set, no supplementary groups and no inheritable capabilities,
+/// followed by the CCM's common flags.
+fn as_manifest(
+    uid: u32,
+    gid: u32,
+    caps: &[String],
+    inventory: &Path,
+    kubeconfig: &Path,
+) -> Vec<String> {
+    let bounding = std::iter::once("-all".to_string())
+        .chain(caps.iter().map(|c| format!("+{}", c.to_lowercase())))
+        .collect::<Vec<_>>()
+        .join(",");
+    vec![
+        format!("--reuid={uid}"),
+        format!("--regid={gid}"),
+        "--clear-groups".into(),
+        format!("--bounding-set={bounding}"),
+        "--inh-caps=-all".into(),
+        "--no-new-privs".into(),
+        "--".into(),
+        BIN.into(),
+        "ccm".into(),
+        "--log-format=json".into(),
+        format!("--cloud-config={}", inventory.display()),
+        format!("--kubeconfig={}", kubeconfig.display()),
+        "--leader-elect=false".into(),
+        "--secure-port=0".into(),
+    ]
+}
+
 fn give(path: &Path, uid: u32, gid: u32) {
     std::os::unix::fs::chown(path, Some(uid), Some(gid)).unwrap();
 }
@@ -174,30 +206,13 @@ fn the_ccm_runs_with_exactly_the_manifests_uid_and_capabilities() {
         "apiVersion: v1\nkind: Service\nmetadata:\n  name: web\n  namespace: default\nspec:\n  type: LoadBalancer\n  ports:\n  - name: http\n    port: {port}\n    nodePort: 30080\n"
     ));
 
-    let bounding = std::iter::once("-all".to_string())
-        .chain(caps.iter().map(|c| format!("+{}", c.to_lowercase())))
-        .collect::<Vec<_>>()
-        .join(",");
-    let mut all: Vec<String> = vec![
-        format!("--reuid={uid}"),
-        format!("--regid={gid}"),
-        "--clear-groups".into(),
-        format!("--bounding-set={bounding}"),
-        "--inh-caps=-all".into(),
-        "--no-new-privs".into(),
-        "--".into(),
-        BIN.into(),
-        "ccm".into(),
-        "--log-format=json".into(),
-        format!("--cloud-config={}", inventory.display()),
-        format!("--kubeconfig={}", kubeconfig.display()),
-        "--leader-elect=false".into(),
-        "--secure-port=0".into(),
+    let mut all = as_manifest(uid, gid, &caps, &inventory, &kubeconfig);
+    all.extend([
         "--lb-bind-address=127.0.0.1".into(),
         format!("--tunnel-uds={}", socket.display()),
-    ];
-    // The manifest's other flags that matter to privileges.
-    all.push("--use-service-account-credentials".into());
+        // The manifest's other flag that matters to privileges.
+        "--use-service-account-credentials".into(),
+    ]);
     let ccm = Proc::spawn("ccm", Path::new("setpriv"), &all);
     ccm.wait_event("cloud-controller-manager starting", START_TIMEOUT, |_| true);
 
@@ -294,13 +309,7 @@ fn routes_need_exactly_net_admin() {
         ["net_admin"],
         "the routes variant adds NET_ADMIN only"
     );
-    let host = Node::create();
-    host.ip(&[
-        "link", "add", "nodes0", "type", "veth", "peer", "name", "nodes1",
-    ]);
-    host.ip(&["addr", "add", "10.233.0.1/24", "dev", "nodes0"]);
-    host.ip(&["link", "set", "nodes1", "up"]);
-    host.ip(&["link", "set", "nodes0", "up"]);
+    let host = Node::router_host();
     let cluster = Cluster::start(&Egress::Direct);
     let relay = TempDir::new("tether-relay");
     let _relays = host.reach_host_port(cluster.port, relay.path());
@@ -318,27 +327,10 @@ fn routes_need_exactly_net_admin() {
     std::fs::write(&inventory, "routes: {}\nnodes: []\n").unwrap();
     let kubeconfig = cluster.ccm_kubeconfig();
     let run = |name: &str, caps: &[String]| {
-        let bounding = std::iter::once("-all".to_string())
-            .chain(caps.iter().map(|c| format!("+{c}")))
-            .collect::<Vec<_>>()
-            .join(",");
         let mut args = host.exec_prefix();
+        args.push("setpriv".into());
+        args.extend(as_manifest(uid, uid, caps, &inventory, &kubeconfig));
         args.extend([
-            "setpriv".into(),
-            format!("--reuid={uid}"),
-            format!("--regid={uid}"),
-            "--clear-groups".into(),
-            format!("--bounding-set={bounding}"),
-            "--inh-caps=-all".into(),
-            "--no-new-privs".into(),
-            "--".into(),
-            BIN.into(),
-            "ccm".into(),
-            "--log-format=json".into(),
-            format!("--cloud-config={}", inventory.display()),
-            format!("--kubeconfig={}", kubeconfig.display()),
-            "--leader-elect=false".into(),
-            "--secure-port=0".into(),
             "--controllers=route".into(),
             "--cluster-cidr=10.244.0.0/16".into(),
             "--route-reconciliation-period=500ms".into(),

@@ -180,6 +180,19 @@ impl Node {
         [host, inside]
     }
 
+    /// A namespace standing for a router host (the CCM's, say): 10.233.0.0/24, where
+    /// test nodes' InternalIPs live, is directly attached (a veth pair inside it).
+    pub fn router_host() -> Node {
+        let host = Node::create();
+        host.ip(&[
+            "link", "add", "nodes0", "type", "veth", "peer", "name", "nodes1",
+        ]);
+        host.ip(&["addr", "add", "10.233.0.1/24", "dev", "nodes0"]);
+        host.ip(&["link", "set", "nodes1", "up"]);
+        host.ip(&["link", "set", "nodes0", "up"]);
+        host
+    }
+
     /// `ip netns exec NS` + `program args`, as a prefix for spawning.
     pub fn exec_prefix(&self) -> Vec<String> {
         vec!["netns".into(), "exec".into(), self.ns.clone()]

@@ -289,6 +289,29 @@ impl AgentProc {
         Self::start_in(None, bin, pki, server, args)
     }
 
+    /// Starts an agent with id `id` that authenticates with `token` (written to
+    /// `dir/ID.token`) instead of a client certificate, plus `args`.
+    pub fn start_with_token(
+        bin: &Path,
+        pki: &crate::Pki,
+        server: SocketAddr,
+        dir: &Path,
+        id: &str,
+        token: &str,
+        args: &[String],
+    ) -> AgentProc {
+        let path = dir.join(format!("{id}.token"));
+        std::fs::write(&path, token).unwrap();
+        let mut all = vec![
+            format!("--agent-id={id}"),
+            format!("--service-account-token-path={}", path.display()),
+            "--agent-cert=".into(),
+            "--agent-key=".into(),
+        ];
+        all.extend(args.iter().cloned());
+        Self::start(bin, pki, server, &all)
+    }
+
     /// Like [`AgentProc::start`], inside the network namespace of `node` when given.
     pub fn start_in(
         node: Option<&crate::netns::Node>,
@@ -375,4 +398,23 @@ pub fn tcp_frontend_args(pki: &crate::Pki, mode: &str) -> Vec<String> {
 /// A socket path inside `dir`.
 pub fn socket_path(dir: &Path) -> PathBuf {
     dir.join("konnectivity.sock")
+}
+
+/// Server flags for a gRPC frontend on a socket in the PKI's directory with agents
+/// authenticated by ServiceAccount token (TokenReview through `kubeconfig`), as
+/// deploy/konnectivity-server.yaml does: namespace kube-system, ServiceAccount
+/// konnectivity-agent, audience system:konnectivity-server.
+pub fn token_auth_server_args(pki: &crate::Pki, kubeconfig: &Path) -> Vec<String> {
+    let f = &pki.files;
+    vec![
+        "--mode=grpc".into(),
+        format!("--uds-name={}", socket_path(pki.dir()).display()),
+        "--server-port=0".into(),
+        format!("--cluster-cert={}", f.server_cert.display()),
+        format!("--cluster-key={}", f.server_key.display()),
+        "--agent-namespace=kube-system".into(),
+        "--agent-service-account=konnectivity-agent".into(),
+        "--authentication-audience=system:konnectivity-server".into(),
+        format!("--kubeconfig={}", kubeconfig.display()),
+    ]
 }

@@ -93,6 +93,21 @@ pub enum SyncError {
     Invalid(String),
 }
 
+/// The worker's verdict on one sync of `key` (a `kind`): done, or logged and retried.
+pub fn outcome_of(
+    result: Result<(), SyncError>,
+    kind: &str,
+    key: &str,
+) -> crate::workqueue::Outcome {
+    match result {
+        Ok(()) => crate::workqueue::Outcome::Done,
+        Err(e) => {
+            tracing::warn!(%kind, %key, error = %e, "sync failed; retrying with backoff");
+            e.outcome()
+        }
+    }
+}
+
 impl SyncError {
     /// When to try again.
     pub fn outcome(&self) -> crate::workqueue::Outcome {

@@ -20,7 +20,7 @@ use tracing::Instrument;
 
 use super::{has_taint, node_info, taints, Context, SyncError, TAINT_UNINITIALIZED};
 use crate::cloud::{Address, CloudError, InstanceMetadata, Instances};
-use crate::workqueue::{Outcome, WorkQueue};
+use crate::workqueue::WorkQueue;
 
 /// Kubelet's annotation naming the address(es) the operator chose for the node
 /// (`--node-ip`; two, comma-separated, for dual stack from kubelet 1.29).
@@ -110,13 +110,7 @@ impl NodeController {
                         .sync(&name)
                         .instrument(tracing::debug_span!("sync_node", node = %name))
                         .await;
-                    match result {
-                        Ok(()) => Outcome::Done,
-                        Err(e) => {
-                            tracing::warn!(node = %name, error = %e, "node sync failed; retrying");
-                            e.outcome()
-                        }
-                    }
+                    super::outcome_of(result, "node", &name)
                 }
             })
             .await;

@@ -155,13 +155,7 @@ impl ServiceController {
                         .sync(&key)
                         .instrument(tracing::debug_span!("sync_service", service = %key))
                         .await;
-                    match result {
-                        Ok(()) => Outcome::Done,
-                        Err(e) => {
-                            tracing::warn!(service = %key, error = %e, "service sync failed; retrying with backoff");
-                            e.outcome()
-                        }
-                    }
+                    super::outcome_of(result, "service", &key)
                 }
             })
             .await;
