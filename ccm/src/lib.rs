@@ -39,6 +39,13 @@ pub const CONTROLLERS: [(&str, &str); 5] = [
     ),
 ];
 
+/// Upstream controllers this build does not have: naming them off (`-name`) is accepted
+/// so that upstream command lines start; turning one on is refused with the reason.
+pub const UNSUPPORTED: [(&str, &str); 1] = [(
+    "node-ipam-controller",
+    "node IPAM is kube-controller-manager's (its --allocate-node-cidrs)",
+)];
+
 /// Which controllers run.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Enabled {
@@ -66,6 +73,14 @@ impl Enabled {
             .collect();
         for item in &items {
             let name = item.strip_prefix('-').unwrap_or(item);
+            if let Some((_, why)) = UNSUPPORTED.iter().find(|(n, _)| *n == name) {
+                if !item.starts_with('-') {
+                    return Err(format!(
+                        "--controllers: {name} is not in this build: {why}; leave it off (-{name})"
+                    ));
+                }
+                continue;
+            }
             if *item != "*" && !CONTROLLERS.iter().any(|(c, a)| name == *c || name == *a) {
                 return Err(format!(
                     "--controllers: unknown controller {name:?} (known: {}; or * for all)",
@@ -444,5 +459,9 @@ mod tests {
         assert!(p(&["cloud-nodes"])
             .unwrap_err()
             .contains("unknown controller"));
+        assert!(p(&["*", "-node-ipam-controller"]).unwrap().node);
+        assert!(p(&["*", "node-ipam-controller"])
+            .unwrap_err()
+            .contains("kube-controller-manager"));
     }
 }
