@@ -444,6 +444,76 @@ fn a_load_balancer_service_is_reachable_through_the_tunnel() {
         );
     }
 
+    // A long-lived connection on one port survives another port being added: only what
+    // changed is rebound. (An echo server on the node, port 30081.)
+    let _echo = Proc::spawn(
+        "echo",
+        Path::new("ip"),
+        &[
+            "netns".into(),
+            "exec".into(),
+            node.ns.clone(),
+            "socat".into(),
+            format!("TCP-LISTEN:30081,bind={},fork,reuseaddr", node.node_ip),
+            "EXEC:cat".into(),
+        ],
+    );
+    let add_port = |name: &str, port: u16, node_port: u16| {
+        cluster.kubectl_ok(&[
+            "patch",
+            "service",
+            "web",
+            "--type=json",
+            "-p",
+            &format!(r#"[{{"op":"add","path":"/spec/ports/-","value":{{"name":"{name}","port":{port},"nodePort":{node_port}}}}}]"#),
+        ]);
+    };
+    let echo_port = free_port();
+    add_port("echo", echo_port, 30081);
+    let mut held = wait_blocking(
+        "echo through the load balancer",
+        Duration::from_secs(30),
+        || {
+            use std::io::{Read, Write};
+            let mut c = std::net::TcpStream::connect(("127.0.0.1", echo_port)).ok()?;
+            c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            c.write_all(b"a").ok()?;
+            let mut b = [0u8; 1];
+            c.read_exact(&mut b).ok()?;
+            (&b == b"a").then_some(c)
+        },
+    );
+    let third = free_port();
+    add_port("third", third, 30082);
+    wait_blocking("the third port listening", Duration::from_secs(30), || {
+        std::net::TcpStream::connect(("127.0.0.1", third)).ok()
+    });
+    {
+        use std::io::{Read, Write};
+        held.write_all(b"b").expect("the held connection was cut");
+        let mut b = [0u8; 1];
+        held.read_exact(&mut b)
+            .expect("the held connection was cut");
+        assert_eq!(&b, b"b");
+    }
+    assert_eq!(
+        wait_blocking("page after the change", Duration::from_secs(20), || curl(
+            None, &lb_url
+        )),
+        "hello from node-1\n"
+    );
+    // UDP cannot go through Konnectivity: one Warning event, nothing else breaks.
+    cluster.apply(&format!(
+        "apiVersion: v1\nkind: Service\nmetadata:\n  name: dns\n  namespace: default\nspec:\n  type: LoadBalancer\n  ports:\n  - name: dns\n    protocol: UDP\n    port: {}\n",
+        free_port()
+    ));
+    wait_blocking("UnsupportedProtocol event", Duration::from_secs(30), || {
+        cluster
+            .has_event("default", "dns", "UnsupportedProtocol")
+            .then_some(())
+    });
+    cluster.kubectl_ok(&["delete", "service", "dns"]);
+
     // Deleting the Service removes the listener, then the finalizer (and so the
     // Service).
     cluster.kubectl_ok(&["delete", "service", "web", "--wait=false"]);

@@ -121,6 +121,14 @@ fn bad_flags_fail_with_one_clear_line() {
     let (ok, err) = run(&["ccm", &cloud_config, "--lb-bind-address=127.0.0.1"]);
     assert!(!ok);
     assert!(error_line(&err).contains("go together"), "{err}");
+    let (ok, err) = run(&[
+        "ccm",
+        &cloud_config,
+        "--lb-bind-address=0.0.0.0",
+        "--tunnel-uds=/tmp/x.sock",
+    ]);
+    assert!(!ok);
+    assert!(error_line(&err).contains("clients can reach"), "{err}");
 
     let (ok, err) = run(&["ccm", &cloud_config, "--kube-api-qps=0"]);
     assert!(!ok);

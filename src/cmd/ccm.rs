@@ -212,7 +212,15 @@ impl CcmArgs {
             ("", "") => None,
             ("", _) | (_, "") => bail!("--lb-bind-address and --tunnel-uds go together: load balancers listen on the first and reach nodes through the second"),
             (bind, uds) => Some(tether_ccm::cloud::tunnel_lb::TunnelLbConfig {
-                bind: bind.parse().with_context(|| format!("--lb-bind-address {bind:?} is not an IP address"))?,
+                bind: bind
+                    .parse::<std::net::IpAddr>()
+                    .with_context(|| format!("--lb-bind-address {bind:?} is not an IP address"))
+                    .and_then(|ip| {
+                        if ip.is_unspecified() {
+                            bail!("--lb-bind-address {bind} is not an address clients can reach: it becomes every Service's ingress IP; give this host's address (the manifest uses $(HOST_IP))")
+                        }
+                        Ok(ip)
+                    })?,
                 tunnel_uds: PathBuf::from(uds),
             }),
         };

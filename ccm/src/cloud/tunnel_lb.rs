@@ -3,12 +3,14 @@
 //! the Service's ports) and forwards every connection through the Tether server's gRPC
 //! frontend to a backend node's NodePort, round-robin, trying the next node when a dial
 //! fails. So Services in NAT-ed clusters are reachable with no cloud at all; the ingress
-//! IP is the bind address.
+//! IP is the bind address. Konnectivity dials TCP only: other ports are left out (the
+//! service controller says so in an event). A changed Service rebinds only the ports
+//! that changed; connections on the others carry on.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use async_trait::async_trait;
@@ -29,11 +31,16 @@ pub struct TunnelLbConfig {
     pub tunnel_uds: PathBuf,
 }
 
+/// One port's listener: where it forwards (changed in place) and its stop token.
+struct Listener {
+    node_port: Arc<AtomicU16>,
+    stop: CancellationToken,
+}
+
 struct Balancer {
-    /// Ports served, each with its listener's stop token.
-    listeners: Vec<(u16, CancellationToken)>,
+    /// Listeners by Service port.
+    listeners: HashMap<u16, Listener>,
     nodes: Arc<RwLock<Vec<Backend>>>,
-    ports: Vec<super::ServicePort>,
 }
 
 /// The balancers, by Service UID.
@@ -99,43 +106,64 @@ impl LoadBalancers for TunnelLoadBalancers {
         svc: &ServiceInfo,
         nodes: &[Backend],
     ) -> Result<LoadBalancerStatus, CloudError> {
-        if let Some(p) = svc.ports.iter().find(|p| p.protocol != "TCP") {
-            return Err(CloudError::Provider(format!(
-                "port {} is {}: the tether load balancer forwards TCP only",
-                p.port, p.protocol
-            )));
-        }
-        if let Some(p) = svc.ports.iter().find(|p| p.node_port == 0) {
+        let tcp: Vec<&super::ServicePort> =
+            svc.ports.iter().filter(|p| p.protocol == "TCP").collect();
+        if let Some(p) = tcp.iter().find(|p| p.node_port == 0) {
             return Err(CloudError::Provider(format!(
                 "port {} has no nodePort yet",
                 p.port
             )));
         }
         let client = self.client().await?;
-        // Same ports as before: only the node set may have changed.
-        {
+        let (nodes_ref, mut keep) = {
             let mut all = self.lock();
-            if let Some(b) = all.get_mut(&svc.uid) {
-                if b.ports == svc.ports {
+            match all.remove(&svc.uid) {
+                Some(b) => {
                     *b.nodes.write().unwrap_or_else(|e| e.into_inner()) = nodes.to_vec();
-                    return Ok(self.status());
+                    (b.nodes, b.listeners)
                 }
-                let old = all.remove(&svc.uid).expect("present");
-                for (_, stop) in old.listeners {
-                    stop.cancel();
+                None => (Arc::new(RwLock::new(nodes.to_vec())), HashMap::new()),
+            }
+        };
+        // Ports gone: their listeners (and connections) stop. Ports kept: a new
+        // nodePort is picked up in place.
+        keep.retain(|port, l| {
+            let wanted = tcp.iter().find(|p| p.port == *port);
+            match wanted {
+                Some(p) => {
+                    l.node_port.store(p.node_port, Ordering::Relaxed);
+                    true
+                }
+                None => {
+                    l.stop.cancel();
+                    false
                 }
             }
-        }
-        let nodes_ref = Arc::new(RwLock::new(nodes.to_vec()));
-        let mut listeners = Vec::new();
-        for port in &svc.ports {
+        });
+        let mut added = Vec::new();
+        let new: Vec<&super::ServicePort> = tcp
+            .iter()
+            .copied()
+            .filter(|p| !keep.contains_key(&p.port))
+            .collect();
+        for port in new {
             let addr = SocketAddr::new(self.cfg.bind, port.port);
             let listener = match TcpListener::bind(addr).await {
                 Ok(l) => l,
                 Err(e) => {
-                    for (_, stop) in listeners {
-                        CancellationToken::cancel(&stop);
+                    // What was serving before keeps serving; the new ports are retried.
+                    for p in added {
+                        if let Some(l) = keep.remove(&p) {
+                            l.stop.cancel();
+                        }
                     }
+                    self.lock().insert(
+                        svc.uid.clone(),
+                        Balancer {
+                            listeners: keep,
+                            nodes: nodes_ref,
+                        },
+                    );
                     return Err(CloudError::Provider(format!(
                         "cannot listen on {addr} for {}: {e}",
                         label(svc)
@@ -143,26 +171,29 @@ impl LoadBalancers for TunnelLoadBalancers {
                 }
             };
             let stop = CancellationToken::new();
+            let node_port = Arc::new(AtomicU16::new(port.node_port));
             let span = tracing::info_span!("load_balancer", service = %label(svc), %addr);
             tokio::spawn(
                 serve(
                     listener,
                     client.clone(),
                     nodes_ref.clone(),
-                    port.node_port,
+                    node_port.clone(),
                     stop.clone(),
                 )
                 .instrument(span),
             );
-            listeners.push((port.port, stop));
+            keep.insert(port.port, Listener { node_port, stop });
+            added.push(port.port);
         }
-        tracing::info!(service = %label(svc), bind = %self.cfg.bind, ports = ?svc.ports.iter().map(|p| p.port).collect::<Vec<_>>(), nodes = nodes.len(), "load balancer listening");
+        if !added.is_empty() {
+            tracing::info!(service = %label(svc), bind = %self.cfg.bind, ports = ?added, nodes = nodes.len(), "load balancer listening");
+        }
         self.lock().insert(
             svc.uid.clone(),
             Balancer {
-                listeners,
+                listeners: keep,
                 nodes: nodes_ref,
-                ports: svc.ports.clone(),
             },
         );
         Ok(self.status())
@@ -188,8 +219,8 @@ impl LoadBalancers for TunnelLoadBalancers {
 
     async fn delete(&self, _cluster: &str, svc: &ServiceInfo) -> Result<(), CloudError> {
         if let Some(b) = self.lock().remove(&svc.uid) {
-            for (_, stop) in b.listeners {
-                stop.cancel();
+            for l in b.listeners.into_values() {
+                l.stop.cancel();
             }
             tracing::info!(service = %label(svc), "load balancer removed");
         }
@@ -202,7 +233,7 @@ async fn serve(
     listener: TcpListener,
     client: Client,
     nodes: Arc<RwLock<Vec<Backend>>>,
-    node_port: u16,
+    node_port: Arc<AtomicU16>,
     stop: CancellationToken,
 ) {
     let next = Arc::new(AtomicUsize::new(0));
@@ -219,6 +250,7 @@ async fn serve(
         };
         let (client, nodes, next, stop) =
             (client.clone(), nodes.clone(), next.clone(), stop.clone());
+        let node_port = node_port.load(Ordering::Relaxed);
         tokio::spawn(
             async move {
                 let candidates = nodes.read().unwrap_or_else(|e| e.into_inner()).clone();

@@ -26,6 +26,8 @@ use crate::workqueue::{Outcome, WorkQueue};
 
 /// Our finalizer on Services with a balancer.
 pub const FINALIZER: &str = "service.kubernetes.io/load-balancer-cleanup";
+/// The reason of the event about ports of a protocol other than TCP.
+pub const UNSUPPORTED_PROTOCOL: &str = "UnsupportedProtocol";
 /// Nodes with this label are never backends.
 pub const EXCLUDE_LABEL: &str = "node.kubernetes.io/exclude-from-external-load-balancers";
 /// Nodes the cluster autoscaler is removing are never backends.
@@ -253,6 +255,26 @@ impl ServiceController {
                     .await;
                 return Ok(());
             }
+        }
+        let unsupported: Vec<String> = info
+            .ports
+            .iter()
+            .filter(|p| p.protocol != "TCP")
+            .map(|p| format!("{}/{}", p.port, p.protocol))
+            .collect();
+        if !unsupported.is_empty() {
+            self.ctx
+                .event(
+                    &target,
+                    true,
+                    UNSUPPORTED_PROTOCOL,
+                    "EnsureLoadBalancer",
+                    format!(
+                        "port(s) {} not served: the tether load balancer forwards TCP only (Konnectivity dials TCP); the TCP ports are served",
+                        unsupported.join(", ")
+                    ),
+                )
+                .await;
         }
         let first = before.is_none();
         if first {
