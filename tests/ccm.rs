@@ -410,6 +410,7 @@ fn a_load_balancer_service_is_reachable_through_the_tunnel() {
     cluster.apply(&format!(
         "apiVersion: v1\nkind: Service\nmetadata:\n  name: web\n  namespace: default\nspec:\n  type: LoadBalancer\n  ports:\n  - name: http\n    port: {port}\n    nodePort: 30080\n"
     ));
+    let secure = free_port();
     let _ccm = start_ccm_with(
         &cluster,
         &inventory,
@@ -417,6 +418,7 @@ fn a_load_balancer_service_is_reachable_through_the_tunnel() {
         &[
             "--lb-bind-address=127.0.0.1".into(),
             format!("--tunnel-uds={}", socket.display()),
+            format!("--secure-port={secure}"),
         ],
     );
     let svc = wait_blocking("ingress IP", Duration::from_secs(30), || {
@@ -513,6 +515,61 @@ fn a_load_balancer_service_is_reachable_through_the_tunnel() {
             .then_some(())
     });
     cluster.kubectl_ok(&["delete", "service", "dns"]);
+
+    // Source ranges are enforced at accept, changed in place, and counted.
+    let ranges = |list: &str| {
+        cluster.kubectl_ok(&[
+            "patch",
+            "service",
+            "web",
+            "--type=merge",
+            "-p",
+            &format!(r#"{{"spec":{{"loadBalancerSourceRanges":{list}}}}}"#),
+        ]);
+    };
+    ranges(r#"["10.99.0.0/24"]"#);
+    wait_blocking(
+        "a client outside the ranges refused",
+        Duration::from_secs(30),
+        || curl(None, &lb_url).is_none().then_some(()),
+    );
+    ranges(r#"["10.99.0.0/24","127.0.0.0/8"]"#);
+    assert_eq!(
+        wait_blocking("admitted again", Duration::from_secs(30), || curl(
+            None, &lb_url
+        )),
+        "hello from node-1\n"
+    );
+    let reader = metrics_reader_token(&cluster);
+    let (code, page) = https_get(
+        &format!("https://127.0.0.1:{secure}/metrics"),
+        Some(&reader),
+    );
+    assert_eq!(code, 200, "{page}");
+    let value = |needles: &[&str]| -> f64 {
+        page.lines()
+            .find(|l| needles.iter().all(|n| l.contains(n)))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0)
+    };
+    let web = "service=\"default/web\"";
+    assert!(
+        value(&[
+            "tether_ccm_lb_connections_total{",
+            web,
+            "refused_source_range"
+        ]) >= 1.0,
+        "{page}"
+    );
+    assert!(
+        value(&["tether_ccm_lb_connections_total{", web, "\"accepted\""]) >= 6.0,
+        "{page}"
+    );
+    assert!(
+        value(&["tether_ccm_lb_bytes_total{", web, "to_client"]) > 0.0,
+        "{page}"
+    );
 
     // Deleting the Service removes the listener, then the finalizer (and so the
     // Service).

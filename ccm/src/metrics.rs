@@ -44,6 +44,12 @@ pub struct Metrics {
     /// `node_lifecycle_controller_deletions_withheld_total{reason}`: nodes the provider
     /// does not know that were kept by policy.
     pub deletions_withheld: IntCounterVec,
+    /// `tether_ccm_lb_connections_total{service,result}`.
+    pub lb_connections: IntCounterVec,
+    /// `tether_ccm_lb_active_connections{service}`.
+    pub lb_active: IntGaugeVec,
+    /// `tether_ccm_lb_bytes_total{service,direction}`.
+    pub lb_bytes: IntCounterVec,
 }
 
 fn latency_buckets() -> Vec<f64> {
@@ -142,6 +148,24 @@ impl Metrics {
                 "Nodes deleted because the cloud provider no longer knows them, by reason.",
                 &["reason"],
             ),
+            lb_connections: counter_vec(
+                "tether_ccm_lb_connections_total",
+                "Client connections to load balancers by Service and result: accepted, refused_source_range, no_backend (no node answered).",
+                &["service", "result"],
+            ),
+            lb_active: IntGaugeVec::new(
+                Opts::new(
+                    "tether_ccm_lb_active_connections",
+                    "Connections a load balancer is forwarding now, by Service.",
+                ),
+                &["service"],
+            )
+            .expect("valid metric"),
+            lb_bytes: counter_vec(
+                "tether_ccm_lb_bytes_total",
+                "Bytes forwarded by load balancers, by Service and direction (to_backend, to_client).",
+                &["service", "direction"],
+            ),
             deletions_withheld: counter_vec(
                 "node_lifecycle_controller_deletions_withheld_total",
                 "Checks of not-Ready nodes unknown to the provider that were not deleted, by reason (uninitialized: never initialised by this CCM).",
@@ -166,6 +190,9 @@ impl Metrics {
             Box::new(self.node_inits.clone()),
             Box::new(self.node_deletions.clone()),
             Box::new(self.deletions_withheld.clone()),
+            Box::new(self.lb_connections.clone()),
+            Box::new(self.lb_active.clone()),
+            Box::new(self.lb_bytes.clone()),
         ]
     }
 }

@@ -105,6 +105,12 @@ pub struct ServiceInfo {
     pub uid: String,
     /// Ports: (name, protocol, port, nodePort).
     pub ports: Vec<ServicePort>,
+    /// Client ranges allowed (`spec.loadBalancerSourceRanges`, else the annotation
+    /// `service.beta.kubernetes.io/load-balancer-source-ranges`); empty: everyone.
+    pub source_ranges: Vec<tether_core::identifiers::Cidr>,
+    /// Source ranges that could not be parsed (reported, never widening access: a
+    /// Service with only invalid ranges admits nobody).
+    pub invalid_source_ranges: Vec<String>,
 }
 
 /// One port of a LoadBalancer Service.

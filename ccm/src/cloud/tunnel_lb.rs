@@ -37,10 +37,43 @@ struct Listener {
     stop: CancellationToken,
 }
 
+/// Who may connect: everyone, or clients inside the ranges (none when every range the
+/// Service gave was invalid).
+#[derive(Debug, Clone, Default)]
+struct Access {
+    restricted: bool,
+    ranges: Vec<tether_core::identifiers::Cidr>,
+}
+
+impl Access {
+    fn of(svc: &ServiceInfo) -> Self {
+        Access {
+            restricted: !svc.source_ranges.is_empty() || !svc.invalid_source_ranges.is_empty(),
+            ranges: svc.source_ranges.clone(),
+        }
+    }
+
+    fn admits(&self, ip: IpAddr) -> bool {
+        let ip = match ip {
+            IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(ip),
+            v4 => v4,
+        };
+        !self.restricted || self.ranges.iter().any(|r| r.contains(ip))
+    }
+}
+
+/// What every listener of one Service shares (changed in place on updates).
+#[derive(Clone)]
+struct Shared {
+    service: String,
+    nodes: Arc<RwLock<Vec<Backend>>>,
+    access: Arc<RwLock<Access>>,
+}
+
 struct Balancer {
     /// Listeners by Service port.
     listeners: HashMap<u16, Listener>,
-    nodes: Arc<RwLock<Vec<Backend>>>,
+    shared: Shared,
 }
 
 /// The balancers, by Service UID.
@@ -115,14 +148,22 @@ impl LoadBalancers for TunnelLoadBalancers {
             )));
         }
         let client = self.client().await?;
-        let (nodes_ref, mut keep) = {
+        let (shared, mut keep) = {
             let mut all = self.lock();
             match all.remove(&svc.uid) {
                 Some(b) => {
-                    *b.nodes.write().unwrap_or_else(|e| e.into_inner()) = nodes.to_vec();
-                    (b.nodes, b.listeners)
+                    *b.shared.nodes.write().unwrap_or_else(|e| e.into_inner()) = nodes.to_vec();
+                    *b.shared.access.write().unwrap_or_else(|e| e.into_inner()) = Access::of(svc);
+                    (b.shared, b.listeners)
                 }
-                None => (Arc::new(RwLock::new(nodes.to_vec())), HashMap::new()),
+                None => (
+                    Shared {
+                        service: label(svc),
+                        nodes: Arc::new(RwLock::new(nodes.to_vec())),
+                        access: Arc::new(RwLock::new(Access::of(svc))),
+                    },
+                    HashMap::new(),
+                ),
             }
         };
         // Ports gone: their listeners (and connections) stop. Ports kept: a new
@@ -161,7 +202,7 @@ impl LoadBalancers for TunnelLoadBalancers {
                         svc.uid.clone(),
                         Balancer {
                             listeners: keep,
-                            nodes: nodes_ref,
+                            shared,
                         },
                     );
                     return Err(CloudError::Provider(format!(
@@ -177,7 +218,7 @@ impl LoadBalancers for TunnelLoadBalancers {
                 serve(
                     listener,
                     client.clone(),
-                    nodes_ref.clone(),
+                    shared.clone(),
                     node_port.clone(),
                     stop.clone(),
                 )
@@ -193,7 +234,7 @@ impl LoadBalancers for TunnelLoadBalancers {
             svc.uid.clone(),
             Balancer {
                 listeners: keep,
-                nodes: nodes_ref,
+                shared,
             },
         );
         Ok(self.status())
@@ -207,7 +248,7 @@ impl LoadBalancers for TunnelLoadBalancers {
     ) -> Result<(), CloudError> {
         match self.lock().get(&svc.uid) {
             Some(b) => {
-                *b.nodes.write().unwrap_or_else(|e| e.into_inner()) = nodes.to_vec();
+                *b.shared.nodes.write().unwrap_or_else(|e| e.into_inner()) = nodes.to_vec();
                 Ok(())
             }
             None => Err(CloudError::Provider(format!(
@@ -228,15 +269,28 @@ impl LoadBalancers for TunnelLoadBalancers {
     }
 }
 
-/// Accepts until `stop`; each connection goes to the next node that answers.
+/// Accepts until `stop`; a client outside the Service's source ranges is closed at
+/// once; each other connection goes to the next node that answers.
 async fn serve(
     listener: TcpListener,
     client: Client,
-    nodes: Arc<RwLock<Vec<Backend>>>,
+    shared: Shared,
     node_port: Arc<AtomicU16>,
     stop: CancellationToken,
 ) {
     let next = Arc::new(AtomicUsize::new(0));
+    let m = crate::metrics::get();
+    let result = |r: &str| {
+        m.lb_connections
+            .with_label_values(&[shared.service.as_str(), r])
+    };
+    let active = m.lb_active.with_label_values(&[shared.service.as_str()]);
+    let to_backend = m
+        .lb_bytes
+        .with_label_values(&[shared.service.as_str(), "to_backend"]);
+    let to_client = m
+        .lb_bytes
+        .with_label_values(&[shared.service.as_str(), "to_client"]);
     loop {
         let (mut conn, peer) = tokio::select! {
             a = listener.accept() => match a {
@@ -248,13 +302,36 @@ async fn serve(
             },
             _ = stop.cancelled() => return,
         };
-        let (client, nodes, next, stop) =
-            (client.clone(), nodes.clone(), next.clone(), stop.clone());
+        let admitted = shared
+            .access
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .admits(peer.ip());
+        if !admitted {
+            result("refused_source_range").inc();
+            tracing::debug!(%peer, "client outside loadBalancerSourceRanges refused");
+            drop(conn);
+            continue;
+        }
+        result("accepted").inc();
+        let (client, nodes, next, stop) = (
+            client.clone(),
+            shared.nodes.clone(),
+            next.clone(),
+            stop.clone(),
+        );
+        let (no_backend, active, to_backend, to_client) = (
+            result("no_backend"),
+            active.clone(),
+            to_backend.clone(),
+            to_client.clone(),
+        );
         let node_port = node_port.load(Ordering::Relaxed);
         tokio::spawn(
             async move {
                 let candidates = nodes.read().unwrap_or_else(|e| e.into_inner()).clone();
                 if candidates.is_empty() {
+                    no_backend.inc();
                     tracing::info!("no ready node to forward to; connection closed");
                     return;
                 }
@@ -270,14 +347,20 @@ async fn serve(
                     );
                     match client.dial(&target.to_string()).await {
                         Ok(mut upstream) => {
+                            active.inc();
                             tokio::select! {
                                 r = tokio::io::copy_bidirectional(&mut conn, &mut upstream) => {
-                                    if let Err(e) = r {
-                                        tracing::debug!(error = %e, node = %node.name, "forwarded connection ended with an error");
+                                    match r {
+                                        Ok((up, down)) => {
+                                            to_backend.inc_by(up);
+                                            to_client.inc_by(down);
+                                        }
+                                        Err(e) => tracing::debug!(error = %e, node = %node.name, "forwarded connection ended with an error"),
                                     }
                                 }
                                 _ = stop.cancelled() => {}
                             }
+                            active.dec();
                             return;
                         }
                         Err(e) => {
@@ -285,6 +368,7 @@ async fn serve(
                         }
                     }
                 }
+                no_backend.inc();
                 tracing::warn!("no node answered; connection closed");
             }
             .instrument(tracing::debug_span!("lb_conn", %peer)),

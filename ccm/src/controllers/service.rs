@@ -256,6 +256,20 @@ impl ServiceController {
                 return Ok(());
             }
         }
+        if !info.invalid_source_ranges.is_empty() {
+            self.ctx
+                .event(
+                    &target,
+                    true,
+                    "InvalidSourceRanges",
+                    "EnsureLoadBalancer",
+                    format!(
+                        "source range(s) {} are not CIDRs and admit nobody; fix loadBalancerSourceRanges",
+                        info.invalid_source_ranges.join(", ")
+                    ),
+                )
+                .await;
+        }
         let unsupported: Vec<String> = info
             .ports
             .iter()
@@ -467,13 +481,44 @@ pub fn service_info(svc: &Service) -> ServiceInfo {
                 .collect()
         })
         .unwrap_or_default();
+    let spec_ranges: Vec<String> = svc
+        .spec
+        .as_ref()
+        .and_then(|s| s.load_balancer_source_ranges.clone())
+        .unwrap_or_default();
+    let ranges: Vec<String> = if spec_ranges.is_empty() {
+        svc.annotations()
+            .get(SOURCE_RANGES_ANNOTATION)
+            .map(|v| {
+                v.split(',')
+                    .map(|r| r.trim().to_string())
+                    .filter(|r| !r.is_empty())
+                    .collect()
+            })
+            .unwrap_or_default()
+    } else {
+        spec_ranges
+    };
+    let mut source_ranges = Vec::new();
+    let mut invalid_source_ranges = Vec::new();
+    for r in ranges {
+        match r.parse::<tether_core::identifiers::Cidr>() {
+            Ok(c) => source_ranges.push(c),
+            Err(_) => invalid_source_ranges.push(r),
+        }
+    }
     ServiceInfo {
         namespace: svc.namespace().unwrap_or_default(),
         name: svc.name_any(),
         uid: svc.uid().unwrap_or_default(),
         ports,
+        source_ranges,
+        invalid_source_ranges,
     }
 }
+
+/// The legacy annotation for source ranges (used when the spec field is empty).
+pub const SOURCE_RANGES_ANNOTATION: &str = "service.beta.kubernetes.io/load-balancer-source-ranges";
 
 /// `node` as a backend, if eligible.
 pub fn eligible(node: &Node) -> Option<Backend> {
