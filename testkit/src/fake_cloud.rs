@@ -178,6 +178,7 @@ impl LoadBalancers for FakeCloud {
         Ok(LoadBalancerStatus {
             ips: vec!["192.0.2.10".into()],
             hostnames: Vec::new(),
+            proxy: false,
         })
     }
     async fn update(

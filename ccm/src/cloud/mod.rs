@@ -142,6 +142,9 @@ pub struct LoadBalancerStatus {
     pub ips: Vec<String>,
     /// Hostname ingress points.
     pub hostnames: Vec<String>,
+    /// The balancer is a proxy (`ipMode: Proxy`, Kubernetes 1.30+): kube-proxy must not
+    /// capture the address and bypass it.
+    pub proxy: bool,
 }
 
 /// Load balancers for Services of type LoadBalancer.

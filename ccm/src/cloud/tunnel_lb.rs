@@ -111,6 +111,8 @@ impl TunnelLoadBalancers {
         LoadBalancerStatus {
             ips: vec![self.cfg.bind.to_string()],
             hostnames: Vec::new(),
+            // Traffic must reach this proxy, never be short-cut by kube-proxy.
+            proxy: true,
         }
     }
 

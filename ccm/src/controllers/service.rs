@@ -326,7 +326,9 @@ impl ServiceController {
             .and_then(|l| l.ingress.as_ref())
             .map(|i| serde_json::to_value(i).unwrap_or_default())
             .unwrap_or(json!([]));
-        if current != wanted {
+        // An apiserver older than 1.29 drops ipMode: compare without it, or every sync
+        // would patch again.
+        if without_ip_mode(&current) != without_ip_mode(&wanted) {
             api.patch_status(
                 &svc.name_any(),
                 &PatchParams::default(),
@@ -544,8 +546,27 @@ pub fn eligible(node: &Node) -> Option<Backend> {
     })
 }
 
+fn without_ip_mode(ingress: &serde_json::Value) -> serde_json::Value {
+    let mut v = ingress.clone();
+    if let Some(list) = v.as_array_mut() {
+        for i in list {
+            if let Some(o) = i.as_object_mut() {
+                o.remove("ipMode");
+            }
+        }
+    }
+    v
+}
+
 fn ingress_json(status: &LoadBalancerStatus) -> serde_json::Value {
-    let mut out: Vec<serde_json::Value> = status.ips.iter().map(|ip| json!({ "ip": ip })).collect();
+    let mut out: Vec<serde_json::Value> = status
+        .ips
+        .iter()
+        .map(|ip| match status.proxy {
+            true => json!({ "ip": ip, "ipMode": "Proxy" }),
+            false => json!({ "ip": ip }),
+        })
+        .collect();
     out.extend(status.hostnames.iter().map(|h| json!({ "hostname": h })));
     json!(out)
 }
@@ -553,6 +574,19 @@ fn ingress_json(status: &LoadBalancerStatus) -> serde_json::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_proxy_balancer_says_ip_mode_proxy_and_an_old_apiserver_dropping_it_is_no_change() {
+        let status = LoadBalancerStatus {
+            ips: vec!["192.0.2.1".into()],
+            hostnames: vec![],
+            proxy: true,
+        };
+        let wanted = ingress_json(&status);
+        assert_eq!(wanted, json!([{ "ip": "192.0.2.1", "ipMode": "Proxy" }]));
+        let stored_by_1_20 = json!([{ "ip": "192.0.2.1" }]);
+        assert_eq!(without_ip_mode(&stored_by_1_20), without_ip_mode(&wanted));
+    }
     use k8s_openapi::api::core::v1::{NodeAddress, NodeCondition, NodeSpec, NodeStatus, Taint};
 
     fn node(name: &str, ready: bool) -> Node {
