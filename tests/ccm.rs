@@ -540,6 +540,47 @@ fn a_load_balancer_service_is_reachable_through_the_tunnel() {
         )),
         "hello from node-1\n"
     );
+    // Limits: one connection at a time, closed after 1 s idle.
+    drop(held);
+    cluster.kubectl_ok(&[
+        "annotate",
+        "service",
+        "web",
+        "tether.dev/lb-max-connections=1",
+        "tether.dev/lb-idle-timeout=1s",
+    ]);
+    let echo = |c: &mut std::net::TcpStream, byte: u8| -> bool {
+        use std::io::{Read, Write};
+        let mut b = [0u8; 1];
+        c.write_all(&[byte]).is_ok() && c.read_exact(&mut b).is_ok() && b[0] == byte
+    };
+    let mut first = wait_blocking("the limit applied", Duration::from_secs(30), || {
+        let mut a = std::net::TcpStream::connect(("127.0.0.1", echo_port)).ok()?;
+        a.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        if !echo(&mut a, b'c') {
+            return None;
+        }
+        // A second one at once is refused while the first is open.
+        let mut b = std::net::TcpStream::connect(("127.0.0.1", echo_port)).ok()?;
+        b.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        (!echo(&mut b, b'd')).then_some(a)
+    });
+    // Idle for 1 s: the balancer closes it (EOF within the read deadline).
+    {
+        use std::io::Read;
+        let mut b = [0u8; 1];
+        let n = first.read(&mut b).unwrap_or(0);
+        assert_eq!(n, 0, "the idle connection was not closed");
+    }
+    wait_blocking(
+        "a new connection after the idle one closed",
+        Duration::from_secs(30),
+        || {
+            let mut c = std::net::TcpStream::connect(("127.0.0.1", echo_port)).ok()?;
+            c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            echo(&mut c, b'e').then_some(())
+        },
+    );
     let reader = metrics_reader_token(&cluster);
     let (code, page) = https_get(
         &format!("https://127.0.0.1:{secure}/metrics"),
@@ -568,6 +609,10 @@ fn a_load_balancer_service_is_reachable_through_the_tunnel() {
     );
     assert!(
         value(&["tether_ccm_lb_bytes_total{", web, "to_client"]) > 0.0,
+        "{page}"
+    );
+    assert!(
+        value(&["tether_ccm_lb_connections_total{", web, "refused_limit"]) >= 1.0,
         "{page}"
     );
 

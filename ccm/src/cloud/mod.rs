@@ -95,7 +95,7 @@ pub trait Instances: Send + Sync {
 }
 
 /// A Service as a load balancer implementation sees it.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServiceInfo {
     /// Namespace.
     pub namespace: String,
@@ -111,7 +111,16 @@ pub struct ServiceInfo {
     /// Source ranges that could not be parsed (reported, never widening access: a
     /// Service with only invalid ranges admits nobody).
     pub invalid_source_ranges: Vec<String>,
+    /// Connections forwarded at once at most; more are refused.
+    pub max_connections: usize,
+    /// A forwarded connection with no byte either way for this long is closed.
+    pub idle_timeout: Duration,
 }
+
+/// Default of [`ServiceInfo::max_connections`] (annotation `tether.dev/lb-max-connections`).
+pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
+/// Default of [`ServiceInfo::idle_timeout`] (annotation `tether.dev/lb-idle-timeout`).
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(3600);
 
 /// One port of a LoadBalancer Service.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

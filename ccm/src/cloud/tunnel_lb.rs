@@ -62,12 +62,31 @@ impl Access {
     }
 }
 
+/// A Service's connection limits (changed in place on updates).
+#[derive(Debug, Clone, Copy)]
+struct Limits {
+    max_connections: usize,
+    idle_timeout: std::time::Duration,
+}
+
+impl Limits {
+    fn of(svc: &ServiceInfo) -> Self {
+        Limits {
+            max_connections: svc.max_connections,
+            idle_timeout: svc.idle_timeout,
+        }
+    }
+}
+
 /// What every listener of one Service shares (changed in place on updates).
 #[derive(Clone)]
 struct Shared {
     service: String,
     nodes: Arc<RwLock<Vec<Backend>>>,
     access: Arc<RwLock<Access>>,
+    limits: Arc<RwLock<Limits>>,
+    /// Connections being forwarded now, every port.
+    active: Arc<AtomicUsize>,
 }
 
 struct Balancer {
@@ -156,6 +175,7 @@ impl LoadBalancers for TunnelLoadBalancers {
                 Some(b) => {
                     *b.shared.nodes.write().unwrap_or_else(|e| e.into_inner()) = nodes.to_vec();
                     *b.shared.access.write().unwrap_or_else(|e| e.into_inner()) = Access::of(svc);
+                    *b.shared.limits.write().unwrap_or_else(|e| e.into_inner()) = Limits::of(svc);
                     (b.shared, b.listeners)
                 }
                 None => (
@@ -163,6 +183,8 @@ impl LoadBalancers for TunnelLoadBalancers {
                         service: label(svc),
                         nodes: Arc::new(RwLock::new(nodes.to_vec())),
                         access: Arc::new(RwLock::new(Access::of(svc))),
+                        limits: Arc::new(RwLock::new(Limits::of(svc))),
+                        active: Arc::new(AtomicUsize::new(0)),
                     },
                     HashMap::new(),
                 ),
@@ -315,7 +337,15 @@ async fn serve(
             drop(conn);
             continue;
         }
+        let limits = *shared.limits.read().unwrap_or_else(|e| e.into_inner());
+        if shared.active.load(Ordering::Relaxed) >= limits.max_connections {
+            result("refused_limit").inc();
+            tracing::debug!(%peer, max = limits.max_connections, "connection limit reached; refused");
+            drop(conn);
+            continue;
+        }
         result("accepted").inc();
+        let counted = ActiveGuard::new(shared.active.clone());
         let (client, nodes, next, stop) = (
             client.clone(),
             shared.nodes.clone(),
@@ -348,10 +378,14 @@ async fn serve(
                         node_port,
                     );
                     match client.dial(&target.to_string()).await {
-                        Ok(mut upstream) => {
+                        Ok(upstream) => {
                             active.inc();
+                            let last = Arc::new(std::sync::atomic::AtomicU64::new(0));
+                            let epoch = tokio::time::Instant::now();
+                            let mut a = Tracked { inner: &mut conn, last: last.clone(), epoch };
+                            let mut b = Tracked { inner: upstream, last: last.clone(), epoch };
                             tokio::select! {
-                                r = tokio::io::copy_bidirectional(&mut conn, &mut upstream) => {
+                                r = tokio::io::copy_bidirectional(&mut a, &mut b) => {
                                     match r {
                                         Ok((up, down)) => {
                                             to_backend.inc_by(up);
@@ -360,9 +394,13 @@ async fn serve(
                                         Err(e) => tracing::debug!(error = %e, node = %node.name, "forwarded connection ended with an error"),
                                     }
                                 }
+                                _ = idle(last, epoch, limits.idle_timeout) => {
+                                    tracing::debug!(timeout = ?limits.idle_timeout, "idle connection closed");
+                                }
                                 _ = stop.cancelled() => {}
                             }
                             active.dec();
+                            drop(counted);
                             return;
                         }
                         Err(e) => {
@@ -375,5 +413,81 @@ async fn serve(
             }
             .instrument(tracing::debug_span!("lb_conn", %peer)),
         );
+    }
+}
+
+/// Counts a connection in a Service's active total until dropped.
+struct ActiveGuard(Arc<AtomicUsize>);
+
+impl ActiveGuard {
+    fn new(count: Arc<AtomicUsize>) -> Self {
+        count.fetch_add(1, Ordering::Relaxed);
+        ActiveGuard(count)
+    }
+}
+
+impl Drop for ActiveGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A stream that notes (in ms since `epoch`) when it last read bytes.
+struct Tracked<S> {
+    inner: S,
+    last: Arc<std::sync::atomic::AtomicU64>,
+    epoch: tokio::time::Instant,
+}
+
+impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Tracked<S> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let r = std::pin::Pin::new(&mut self.inner).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            let ms = self.epoch.elapsed().as_millis() as u64;
+            self.last.store(ms, Ordering::Relaxed);
+        }
+        r
+    }
+}
+
+impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Tracked<S> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// Resolves once no byte was read either way for `timeout`.
+async fn idle(
+    last: Arc<std::sync::atomic::AtomicU64>,
+    epoch: tokio::time::Instant,
+    timeout: std::time::Duration,
+) {
+    loop {
+        let at = epoch + std::time::Duration::from_millis(last.load(Ordering::Relaxed)) + timeout;
+        if tokio::time::Instant::now() >= at {
+            return;
+        }
+        tokio::time::sleep_until(at).await;
     }
 }

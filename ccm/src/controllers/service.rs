@@ -256,6 +256,18 @@ impl ServiceController {
                 return Ok(());
             }
         }
+        let bad_limits = limit_errors(svc);
+        if !bad_limits.is_empty() {
+            self.ctx
+                .event(
+                    &target,
+                    true,
+                    "InvalidAnnotation",
+                    "EnsureLoadBalancer",
+                    format!("{}; the defaults apply", bad_limits.join("; ")),
+                )
+                .await;
+        }
         if !info.invalid_source_ranges.is_empty() {
             self.ctx
                 .event(
@@ -509,6 +521,7 @@ pub fn service_info(svc: &Service) -> ServiceInfo {
             Err(_) => invalid_source_ranges.push(r),
         }
     }
+    let (max_connections, idle_timeout) = limits(svc);
     ServiceInfo {
         namespace: svc.namespace().unwrap_or_default(),
         name: svc.name_any(),
@@ -516,7 +529,47 @@ pub fn service_info(svc: &Service) -> ServiceInfo {
         ports,
         source_ranges,
         invalid_source_ranges,
+        max_connections: max_connections.unwrap_or(crate::cloud::DEFAULT_MAX_CONNECTIONS),
+        idle_timeout: idle_timeout.unwrap_or(crate::cloud::DEFAULT_IDLE_TIMEOUT),
     }
+}
+
+/// Annotation: connections one Service's balancer forwards at once (default 1024).
+pub const MAX_CONNECTIONS_ANNOTATION: &str = "tether.dev/lb-max-connections";
+/// Annotation: idle time after which a forwarded connection is closed (default 1h;
+/// Go duration syntax).
+pub const IDLE_TIMEOUT_ANNOTATION: &str = "tether.dev/lb-idle-timeout";
+
+/// The Service's limit annotations; `None` where absent or invalid (see
+/// [`limit_errors`]).
+fn limits(svc: &Service) -> (Option<usize>, Option<std::time::Duration>) {
+    let a = svc.annotations();
+    (
+        a.get(MAX_CONNECTIONS_ANNOTATION)
+            .and_then(|v| v.trim().parse().ok())
+            .filter(|n: &usize| *n > 0),
+        a.get(IDLE_TIMEOUT_ANNOTATION)
+            .and_then(|v| tether_core::duration::parse(v.trim()).ok())
+            .filter(|d| !d.is_zero()),
+    )
+}
+
+/// What is wrong with the Service's limit annotations (the defaults apply instead).
+fn limit_errors(svc: &Service) -> Vec<String> {
+    let a = svc.annotations();
+    let (max, idle) = limits(svc);
+    let mut out = Vec::new();
+    if let (Some(v), None) = (a.get(MAX_CONNECTIONS_ANNOTATION), max) {
+        out.push(format!(
+            "{MAX_CONNECTIONS_ANNOTATION}={v:?} is not a positive number"
+        ));
+    }
+    if let (Some(v), None) = (a.get(IDLE_TIMEOUT_ANNOTATION), idle) {
+        out.push(format!(
+            "{IDLE_TIMEOUT_ANNOTATION}={v:?} is not a positive duration like 10m"
+        ));
+    }
+    out
 }
 
 /// The legacy annotation for source ranges (used when the spec field is empty).
