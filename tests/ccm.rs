@@ -616,6 +616,33 @@ fn a_load_balancer_service_is_reachable_through_the_tunnel() {
         "{page}"
     );
 
+    // externalTrafficPolicy: Local: only nodes with a ready endpoint are backends.
+    cluster.kubectl_ok(&[
+        "patch",
+        "service",
+        "web",
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"externalTrafficPolicy":"Local"}}"#,
+    ]);
+    wait_blocking(
+        "no node has an endpoint: nothing served",
+        Duration::from_secs(30),
+        || curl(None, &lb_url).is_none().then_some(()),
+    );
+    cluster.apply(&format!(
+        "apiVersion: v1\nkind: Endpoints\nmetadata:\n  name: web\n  namespace: default\nsubsets:\n- addresses:\n  - ip: {}\n    nodeName: node-1\n  ports:\n  - name: http\n    port: 30080\n",
+        node.node_ip
+    ));
+    assert_eq!(
+        wait_blocking(
+            "node-1 has a ready endpoint: served",
+            Duration::from_secs(30),
+            || curl(None, &lb_url)
+        ),
+        "hello from node-1\n"
+    );
+
     // Deleting the Service removes the listener, then the finalizer (and so the
     // Service).
     cluster.kubectl_ok(&["delete", "service", "web", "--wait=false"]);

@@ -379,14 +379,25 @@ pub async fn run(
             vec![queue.clone()],
             stop.clone(),
         );
+        // Endpoints changes re-sync their Service (same key): Local policy backends.
+        let endpoints = informer::spawn(
+            "endpoints",
+            Api::<k8s_openapi::api::core::v1::Endpoints>::all(client.clone()),
+            vec![queue.clone()],
+            stop.clone(),
+        );
         tokio::select! {
-            r = services.wait_until_ready() => r.map_err(|e| CcmError::CacheSync(e.to_string()))?,
+            r = async {
+                services.wait_until_ready().await?;
+                endpoints.wait_until_ready().await
+            } => r.map_err(|e| CcmError::CacheSync(e.to_string()))?,
             _ = shutdown.cancelled() => return Ok(()),
         }
         let c = controllers::service::ServiceController::new(
             ctx_for(credentials::SERVICE),
             lbs,
             services,
+            endpoints,
             queue,
             lb_node_events,
             controllers::service::ServiceConfig {

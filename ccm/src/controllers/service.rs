@@ -51,6 +51,7 @@ pub struct ServiceController {
     ctx: Context,
     lbs: Arc<dyn LoadBalancers>,
     services: Store<Service>,
+    endpoints: Store<k8s_openapi::api::core::v1::Endpoints>,
     queue: Arc<WorkQueue>,
     node_events: Arc<WorkQueue>,
     cfg: ServiceConfig,
@@ -60,12 +61,14 @@ pub struct ServiceController {
 }
 
 impl ServiceController {
-    /// A controller over `services` (fed into `queue`); `node_events` receives node keys
-    /// from the node watch.
+    /// A controller over `services` (fed into `queue`, as are `endpoints`' changes, for
+    /// `externalTrafficPolicy: Local`); `node_events` receives node keys from the node
+    /// watch.
     pub fn new(
         ctx: Context,
         lbs: Arc<dyn LoadBalancers>,
         services: Store<Service>,
+        endpoints: Store<k8s_openapi::api::core::v1::Endpoints>,
         queue: Arc<WorkQueue>,
         node_events: Arc<WorkQueue>,
         cfg: ServiceConfig,
@@ -74,6 +77,7 @@ impl ServiceController {
             ctx,
             lbs,
             services,
+            endpoints,
             queue,
             node_events,
             cfg,
@@ -177,6 +181,37 @@ impl ServiceController {
         out
     }
 
+    /// The backends of `svc`: every eligible node, or with `externalTrafficPolicy:
+    /// Local` only those with a ready endpoint of the Service (core/v1 Endpoints, served
+    /// by every Kubernetes version; a node without one would drop the traffic).
+    pub fn backends_for(&self, svc: &Service) -> Vec<Backend> {
+        let all = self.backends();
+        let local = svc
+            .spec
+            .as_ref()
+            .and_then(|s| s.external_traffic_policy.as_deref())
+            == Some("Local");
+        if !local {
+            return all;
+        }
+        let key = ObjectRef::new(&svc.name_any()).within(&svc.namespace().unwrap_or_default());
+        let with_endpoints: std::collections::HashSet<String> = self
+            .endpoints
+            .get(&key)
+            .map(|ep| {
+                ep.subsets
+                    .iter()
+                    .flatten()
+                    .flat_map(|s| s.addresses.iter().flatten())
+                    .filter_map(|a| a.node_name.clone())
+                    .collect()
+            })
+            .unwrap_or_default();
+        all.into_iter()
+            .filter(|b| with_endpoints.contains(&b.name))
+            .collect()
+    }
+
     /// Brings the balancer of Service `key` (`namespace/name`) in line.
     pub async fn sync(&self, key: &str) -> Result<(), SyncError> {
         let (ns, name) = key.split_once('/').unwrap_or(("default", key));
@@ -216,7 +251,7 @@ impl ServiceController {
             set_finalizers(&api, svc, &finalizers).await?;
         }
         let info = service_info(svc);
-        let nodes = self.backends();
+        let nodes = self.backends_for(svc);
         let before = self.applied().get(key).cloned();
         // Same Service, new node set: just point the balancer at the new nodes.
         if let Some((applied, old_nodes)) = &before {
