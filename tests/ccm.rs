@@ -99,6 +99,15 @@ fn add_uninitialized_node(cluster: &Cluster, name: &str, ip: &str) {
     ));
 }
 
+/// Waits for an event with `reason` about object `name` in `default`.
+fn wait_for_event(cluster: &Cluster, name: &str, reason: &str) {
+    wait_blocking(
+        &format!("{reason} event about {name}"),
+        Duration::from_secs(30),
+        || cluster.has_event("default", name, reason).then_some(()),
+    );
+}
+
 fn node_json(cluster: &Cluster, name: &str) -> Option<Value> {
     let out = cluster.kubectl(&["get", "node", name, "-o", "json"]);
     out.status
@@ -170,18 +179,10 @@ fn nodes_are_initialized_tainted_on_shutdown_and_deleted_when_gone() {
     assert_eq!(addresses[0]["address"], "10.0.0.1", "{addresses}");
     assert_eq!(addresses[0]["type"], "InternalIP");
     assert_eq!(addresses[1]["address"], "203.0.113.1");
-    wait_blocking("Synced event for node-a", Duration::from_secs(20), || {
-        cluster
-            .has_event("default", "node-a", "Synced")
-            .then_some(())
-    });
+    wait_for_event(&cluster, "node-a", "Synced");
 
     // A node the provider does not know stays uninitialized, with a warning event.
-    wait_blocking("InstanceNotFound event", Duration::from_secs(20), || {
-        cluster
-            .has_event("default", "stranger", "InstanceNotFound")
-            .then_some(())
-    });
+    wait_for_event(&cluster, "stranger", "InstanceNotFound");
     let stranger = node_json(&cluster, "stranger").unwrap();
     assert!(
         taint_keys(&stranger).contains(&"node.cloudprovider.kubernetes.io/uninitialized".into())
@@ -228,6 +229,18 @@ fn https_get(url: &str, token: Option<&str>) -> (u16, String) {
     (code.trim().parse().unwrap_or(0), body.to_string())
 }
 
+/// `/metrics` of the CCM at `url` (`https://127.0.0.1:PORT`), read as an authorized
+/// scraper; each of `names` must appear in it.
+fn scrape(cluster: &Cluster, url: &str, names: &[&str]) -> String {
+    let reader = metrics_reader_token(cluster);
+    let (code, page) = https_get(&format!("{url}/metrics"), Some(&reader));
+    assert_eq!(code, 200, "{page}");
+    for name in names {
+        assert!(page.contains(name), "{name} missing:\n{page}");
+    }
+    page
+}
+
 /// A token of a new ServiceAccount `kube-system/prometheus` allowed to get /metrics.
 fn metrics_reader_token(cluster: &Cluster) -> String {
     cluster.apply(
@@ -265,16 +278,15 @@ fn healthz_is_anonymous_and_metrics_need_an_authorized_token() {
     assert_eq!(https_get(&format!("{base}/metrics"), None).0, 401);
     let nobody = sa_token(&cluster, "nobody");
     assert_eq!(https_get(&format!("{base}/metrics"), Some(&nobody)).0, 403);
-    let reader = metrics_reader_token(&cluster);
-    let (code, page) = https_get(&format!("{base}/metrics"), Some(&reader));
-    assert_eq!(code, 200, "{page}");
-    for name in [
-        "rest_client_requests_total{code=\"200\",host=",
-        "workqueue_adds_total{name=\"node\"}",
-        "leader_election_master_status{name=\"cloud-controller-manager\"} 1",
-    ] {
-        assert!(page.contains(name), "{name} missing:\n{page}");
-    }
+    scrape(
+        &cluster,
+        &base,
+        &[
+            "rest_client_requests_total{code=\"200\",host=",
+            "workqueue_adds_total{name=\"node\"}",
+            "leader_election_master_status{name=\"cloud-controller-manager\"} 1",
+        ],
+    );
 }
 
 #[test]
@@ -509,24 +521,21 @@ fn a_load_balancer_service_is_reachable_through_the_tunnel() {
         "apiVersion: v1\nkind: Service\nmetadata:\n  name: dns\n  namespace: default\nspec:\n  type: LoadBalancer\n  ports:\n  - name: dns\n    protocol: UDP\n    port: {}\n",
         free_port()
     ));
-    wait_blocking("UnsupportedProtocol event", Duration::from_secs(30), || {
-        cluster
-            .has_event("default", "dns", "UnsupportedProtocol")
-            .then_some(())
-    });
+    wait_for_event(&cluster, "dns", "UnsupportedProtocol");
     cluster.kubectl_ok(&["delete", "service", "dns"]);
 
     // Source ranges are enforced at accept, changed in place, and counted.
-    let ranges = |list: &str| {
+    let patch_web = |spec: &str| {
         cluster.kubectl_ok(&[
             "patch",
             "service",
             "web",
             "--type=merge",
             "-p",
-            &format!(r#"{{"spec":{{"loadBalancerSourceRanges":{list}}}}}"#),
+            &format!(r#"{{"spec":{spec}}}"#),
         ]);
     };
+    let ranges = |list: &str| patch_web(&format!(r#"{{"loadBalancerSourceRanges":{list}}}"#));
     ranges(r#"["10.99.0.0/24"]"#);
     wait_blocking(
         "a client outside the ranges refused",
@@ -581,12 +590,7 @@ fn a_load_balancer_service_is_reachable_through_the_tunnel() {
             echo(&mut c, b'e').then_some(())
         },
     );
-    let reader = metrics_reader_token(&cluster);
-    let (code, page) = https_get(
-        &format!("https://127.0.0.1:{secure}/metrics"),
-        Some(&reader),
-    );
-    assert_eq!(code, 200, "{page}");
+    let page = scrape(&cluster, &format!("https://127.0.0.1:{secure}"), &[]);
     let value = |needles: &[&str]| -> f64 {
         page.lines()
             .find(|l| needles.iter().all(|n| l.contains(n)))
@@ -617,14 +621,7 @@ fn a_load_balancer_service_is_reachable_through_the_tunnel() {
     );
 
     // externalTrafficPolicy: Local: only nodes with a ready endpoint are backends.
-    cluster.kubectl_ok(&[
-        "patch",
-        "service",
-        "web",
-        "--type=merge",
-        "-p",
-        r#"{"spec":{"externalTrafficPolicy":"Local"}}"#,
-    ]);
+    patch_web(r#"{"externalTrafficPolicy":"Local"}"#);
     wait_blocking(
         "no node has an endpoint: nothing served",
         Duration::from_secs(30),
@@ -773,15 +770,7 @@ fn pod_routes_are_programmed_in_the_hosts_routing_table() {
     // The kernel refuses n3's route (its next hop is not on a local link): one event,
     // and no NetworkUnavailable=True, which would keep every pod off the node (its
     // condition is not ours to flip).
-    wait_blocking(
-        "FailedToCreateRoute event for n3",
-        Duration::from_secs(20),
-        || {
-            cluster
-                .has_event("default", "n3", "FailedToCreateRoute")
-                .then_some(())
-        },
-    );
+    wait_for_event(&cluster, "n3", "FailedToCreateRoute");
     let n3 = node_json(&cluster, "n3").unwrap();
     assert!(network_unavailable(&n3).is_none(), "{n3}");
     // Repeats count into the one event instead of making new ones.
@@ -888,11 +877,7 @@ fn a_node_whose_agent_is_connected_exists_without_being_in_the_inventory() {
     cluster.apply("apiVersion: v1\nkind: Node\nmetadata:\n  name: ghost\n  labels: {tether.dev/instance-source: inventory}\nspec:\n  providerID: tether://ghost\n");
     // Never initialised by us: never deleted, one Warning event instead.
     cluster.apply("apiVersion: v1\nkind: Node\nmetadata:\n  name: stray\n");
-    wait_blocking("stray: DeletionWithheld", Duration::from_secs(30), || {
-        cluster
-            .has_event("default", "stray", "DeletionWithheld")
-            .then_some(())
-    });
+    wait_for_event(&cluster, "stray", "DeletionWithheld");
     assert!(node_json(&cluster, "stray").is_some());
     wait_blocking("ghost deleted", Duration::from_secs(30), || {
         node_json(&cluster, "ghost").is_none().then_some(())
@@ -1087,15 +1072,7 @@ fn only_verified_agents_vouch_for_nodes_and_an_absent_agent_costs_no_node() {
         n["metadata"]["labels"]["tether.dev/instance-source"],
         "agent"
     );
-    wait_blocking(
-        "edge-2: UnverifiedAgentIdentity",
-        Duration::from_secs(30),
-        || {
-            cluster
-                .has_event("default", "edge-2", "UnverifiedAgentIdentity")
-                .then_some(())
-        },
-    );
+    wait_for_event(&cluster, "edge-2", "UnverifiedAgentIdentity");
     let edge2 = node_json(&cluster, "edge-2").unwrap();
     assert!(
         taint_keys(&edge2).contains(&"node.cloudprovider.kubernetes.io/uninitialized".into())
@@ -1216,23 +1193,22 @@ fn an_upstream_command_line_initialises_a_dual_stack_node_and_serves_upstream_me
         ccm.log_text()
     );
 
-    let reader = metrics_reader_token(&cluster);
-    let (code, page) = https_get(&format!("https://127.0.0.1:{port}/metrics"), Some(&reader));
-    assert_eq!(code, 200, "{page}");
-    for name in [
-        "workqueue_adds_total{name=\"node\"}",
-        "workqueue_depth{name=\"node\"}",
-        "workqueue_work_duration_seconds_count{name=\"node\"}",
-        "workqueue_queue_duration_seconds_count{name=\"node\"}",
-        "leader_election_master_status{name=\"cloud-controller-manager\"} 1",
-        "rest_client_requests_total{code=\"201\",host=",
-        "rest_client_request_duration_seconds_count{",
-        "node_controller_node_initializations_total{result=\"initialized\"} 1",
-        "service_controller_loadbalancer_sync_total 0",
-        "route_controller_route_sync_total 0",
-    ] {
-        assert!(page.contains(name), "{name} missing:\n{page}");
-    }
+    scrape(
+        &cluster,
+        &format!("https://127.0.0.1:{port}"),
+        &[
+            "workqueue_adds_total{name=\"node\"}",
+            "workqueue_depth{name=\"node\"}",
+            "workqueue_work_duration_seconds_count{name=\"node\"}",
+            "workqueue_queue_duration_seconds_count{name=\"node\"}",
+            "leader_election_master_status{name=\"cloud-controller-manager\"} 1",
+            "rest_client_requests_total{code=\"201\",host=",
+            "rest_client_request_duration_seconds_count{",
+            "node_controller_node_initializations_total{result=\"initialized\"} 1",
+            "service_controller_loadbalancer_sync_total 0",
+            "route_controller_route_sync_total 0",
+        ],
+    );
 }
 
 /// Two replicas, each on its own host: routes live only in the leader's table. A leader
