@@ -280,3 +280,27 @@ async fn serve_agent(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_server_vouches_only_for_what_it_checked() {
+        let ids = AgentIdentifiers::parse("host=edge-1&host=Edge-1&ipv4=10.0.0.1", false).unwrap();
+        let cert = verified(true, None, "edge-1", &ids);
+        assert_eq!(
+            (cert.by, cert.hosts.clone(), cert.ips.len()),
+            ("certificate", vec!["edge-1".to_string()], 1)
+        );
+        let token = verified(false, Some("edge-1"), "agent-x", &ids);
+        assert_eq!(
+            (token.by, token.hosts.clone(), token.ips.len()),
+            ("serviceaccount-token", vec!["edge-1".to_string()], 0),
+            "a token proves the node name, no address"
+        );
+        let elsewhere = verified(false, Some("edge-9"), "edge-1", &ids);
+        assert!(elsewhere.by.is_empty() && elsewhere.hosts.is_empty());
+        assert_eq!(verified(false, None, "edge-1", &ids), Default::default());
+    }
+}
