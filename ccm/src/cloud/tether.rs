@@ -49,9 +49,9 @@ pub const FROM_INVENTORY: &str = "inventory";
 /// [`SOURCE_LABEL`] of a node known through its connected agent.
 pub const FROM_AGENT: &str = "agent";
 
-/// Is `key` a label in a domain Kubernetes reserves (`kubernetes.io`, `k8s.io` and
-/// their subdomains)? The inventory may not set those: they are the kubelet's, the
-/// scheduler's and this CCM's own (topology, instance type).
+/// Is `key` a label in a reserved domain: Kubernetes' (`kubernetes.io`, `k8s.io` and
+/// their subdomains) or ours (`tether.dev`)? The inventory may not set those: they are
+/// the kubelet's, the scheduler's and this CCM's own (topology, instance type, source).
 pub fn reserved_label(key: &str) -> bool {
     let Some((domain, _)) = key.split_once('/') else {
         return false;

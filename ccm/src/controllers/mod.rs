@@ -50,13 +50,20 @@ pub fn ready_status(node: &Node) -> Option<&str> {
 
 /// The status of `node`'s condition `kind`, if reported.
 pub fn condition_status<'a>(node: &'a Node, kind: &str) -> Option<&'a str> {
+    condition(node, kind).map(|c| c.status.as_str())
+}
+
+/// `node`'s condition `kind`, if reported.
+pub fn condition<'a>(
+    node: &'a Node,
+    kind: &str,
+) -> Option<&'a k8s_openapi::api::core::v1::NodeCondition> {
     node.status
         .as_ref()?
         .conditions
         .as_ref()?
         .iter()
         .find(|c| c.type_ == kind)
-        .map(|c| c.status.as_str())
 }
 
 /// A period that does not catch up on missed ticks (a slow pass delays the next).

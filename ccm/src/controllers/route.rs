@@ -40,11 +40,10 @@ pub async fn remove_ours(routes: &dyn Routes, cluster: &str, cluster_cidrs: &[Ci
             return;
         }
     };
-    let inside = |cidr: &str| {
-        cidr.parse::<Cidr>()
-            .is_ok_and(|c| cluster_cidrs.iter().any(|cc| cc.covers(&c)))
-    };
-    for r in listed.into_iter().filter(|r| inside(&r.cidr)) {
+    for r in listed
+        .into_iter()
+        .filter(|r| inside(cluster_cidrs, &r.cidr))
+    {
         match routes.delete(cluster, &r).await {
             Ok(()) => tracing::info!(cidr = %r.cidr, via = %r.via, "route removed: not the leader"),
             Err(e) => {
@@ -172,7 +171,7 @@ impl RouteController {
             .list(&self.cluster_name)
             .await?
             .into_iter()
-            .filter(|r| self.in_cluster(&r.cidr))
+            .filter(|r| inside(&self.cluster_cidrs, &r.cidr))
             .map(|r| (r.cidr, r.via))
             .collect();
         let needed: BTreeSet<(String, String)> = wanted
@@ -242,12 +241,6 @@ impl RouteController {
         Ok(())
     }
 
-    fn in_cluster(&self, cidr: &str) -> bool {
-        cidr.parse::<Cidr>()
-            .map(|c| self.cluster_cidrs.iter().any(|cc| cc.covers(&c)))
-            .unwrap_or(false)
-    }
-
     /// NetworkUnavailable False/RouteCreated, or True/NoRouteCreated when the condition
     /// is already ours; patched only when its status changes.
     async fn set_condition(&self, node: &Node, routes_created: bool) -> Result<(), SyncError> {
@@ -286,14 +279,16 @@ impl RouteController {
 
 /// Did this controller write `node`'s NetworkUnavailable condition?
 fn condition_is_ours(node: &Node) -> bool {
-    node.status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .into_iter()
-        .flatten()
-        .find(|c| c.type_ == NETWORK_UNAVAILABLE)
+    super::condition(node, NETWORK_UNAVAILABLE)
         .and_then(|c| c.reason.as_deref())
         .is_some_and(|r| OUR_REASONS.contains(&r))
+}
+
+/// Is route destination `cidr` inside one of `cluster_cidrs` (only those are ours to
+/// delete)?
+fn inside(cluster_cidrs: &[Cidr], cidr: &str) -> bool {
+    cidr.parse::<Cidr>()
+        .is_ok_and(|c| cluster_cidrs.iter().any(|cc| cc.covers(&c)))
 }
 
 #[cfg(test)]
