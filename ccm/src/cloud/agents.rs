@@ -84,11 +84,6 @@ impl Agent {
             self.verified_ips.clone(),
         )
     }
-
-    fn claims(&self, name: &str) -> bool {
-        self.id.eq_ignore_ascii_case(name)
-            || self.hosts.iter().any(|h| h.eq_ignore_ascii_case(name))
-    }
 }
 
 #[derive(Deserialize)]
@@ -111,10 +106,43 @@ pub enum Presence {
 
 #[derive(Debug)]
 struct State {
-    fetched: Option<(Instant, Vec<Agent>)>,
+    fetched: Option<(Instant, Index)>,
     last_seen: HashMap<String, Instant>,
     /// The first successful answer: nodes never seen count from here.
     baseline: Option<Instant>,
+}
+
+/// One answer from the servers, indexed once for the lookups until the next (every
+/// node's check asks, so a lookup must not walk every agent).
+#[derive(Debug, Default)]
+struct Index {
+    /// By name that counts (lowercase): the agent, its `ips` narrowed to those that count.
+    trusted: HashMap<String, Agent>,
+    /// By any name an agent claims (lowercase): for the unverified-claim message.
+    claimed: HashMap<String, Agent>,
+}
+
+impl Index {
+    /// The first agent (by ID) wins a name, in both maps.
+    fn new(agents: Vec<Agent>, trust_all: bool) -> Self {
+        let mut index = Index::default();
+        for a in agents {
+            let (names, ips) = a.trusted(trust_all);
+            for n in names {
+                index.trusted.entry(n).or_insert_with(|| Agent {
+                    ips: ips.clone(),
+                    ..a.clone()
+                });
+            }
+            for n in std::iter::once(&a.id).chain(&a.hosts) {
+                index
+                    .claimed
+                    .entry(n.to_ascii_lowercase())
+                    .or_insert_with(|| a.clone());
+            }
+        }
+        index
+    }
 }
 
 /// The connected agents, fetched at most every couple of seconds.
@@ -168,25 +196,20 @@ impl ConnectedAgents {
         let mut state = self.state.lock().await;
         let fresh = matches!(&state.fetched, Some((at, _)) if at.elapsed() < CACHE_FOR);
         if !fresh {
-            let agents = self.fetch().await?;
+            let index = Index::new(self.fetch().await?, self.trust_all);
             let now = Instant::now();
-            for a in &agents {
-                for key in a.trusted(self.trust_all).0 {
-                    state.last_seen.insert(key, now);
-                }
+            for key in index.trusted.keys() {
+                state.last_seen.insert(key.clone(), now);
             }
             state.baseline.get_or_insert(now);
-            state.fetched = Some((now, agents));
+            state.fetched = Some((now, index));
         }
         let name = name.to_ascii_lowercase();
-        let (_, agents) = state.fetched.as_ref().expect("fetched above");
-        for a in agents {
-            let (names, ips) = a.trusted(self.trust_all);
-            if names.contains(&name) {
-                return Ok(Presence::Connected(Agent { ips, ..a.clone() }));
-            }
+        let (_, index) = state.fetched.as_ref().expect("fetched above");
+        if let Some(a) = index.trusted.get(&name) {
+            return Ok(Presence::Connected(a.clone()));
         }
-        if let Some(a) = agents.iter().find(|a| a.claims(&name)) {
+        if let Some(a) = index.claimed.get(&name) {
             return Ok(Presence::Unverified(format!(
                 "agent {:?} claims to be node {name} but the Tether server did not verify that ({}); its identifiers are ignored (set --require-agent-identity-match with agent certificates, or use a pod-bound ServiceAccount token)",
                 a.id,
@@ -270,6 +293,26 @@ async fn get(uri: &hyper::Uri) -> Result<Listing, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_verified_names_and_ips_count_unless_trusted() {
+        let agents = || {
+            vec![Agent {
+                id: "Edge-1".into(),
+                hosts: vec!["edge-1".into(), "edge-2".into()],
+                ips: vec!["10.0.0.1".into()],
+                verified_hosts: vec!["Edge-1".into()],
+                verified_ips: vec![],
+                verified_by: "serviceaccount-token".into(),
+            }]
+        };
+        let strict = Index::new(agents(), false);
+        assert!(strict.trusted["edge-1"].ips.is_empty());
+        assert!(!strict.trusted.contains_key("edge-2"));
+        assert_eq!(strict.claimed["edge-2"].id, "Edge-1");
+        let lab = Index::new(agents(), true);
+        assert_eq!(lab.trusted["edge-2"].ips, ["10.0.0.1"]);
+    }
 
     #[test]
     fn rejects_urls_an_operator_would_get_wrong() {
