@@ -156,7 +156,7 @@ impl Metrics {
             lb_active: IntGaugeVec::new(
                 Opts::new(
                     "tether_ccm_lb_active_connections",
-                    "Connections a load balancer is forwarding now, by Service.",
+                    "Connections a load balancer has open now (dialing or forwarding), by Service; what its connection limit counts.",
                 ),
                 &["service"],
             )

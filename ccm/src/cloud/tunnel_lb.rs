@@ -37,19 +37,24 @@ struct Listener {
     stop: CancellationToken,
 }
 
-/// Who may connect: everyone, or clients inside the ranges (none when every range the
-/// Service gave was invalid).
-#[derive(Debug, Clone, Default)]
-struct Access {
+/// Who may connect and for how long, from the Service (changed in place on updates):
+/// everyone, or clients inside the ranges (none when every range the Service gave was
+/// invalid); at most `max_connections` at once; closed after `idle_timeout` idle.
+#[derive(Debug, Clone)]
+struct Policy {
     restricted: bool,
     ranges: Vec<tether_core::identifiers::Cidr>,
+    max_connections: usize,
+    idle_timeout: std::time::Duration,
 }
 
-impl Access {
+impl Policy {
     fn of(svc: &ServiceInfo) -> Self {
-        Access {
+        Policy {
             restricted: !svc.source_ranges.is_empty() || !svc.invalid_source_ranges.is_empty(),
             ranges: svc.source_ranges.clone(),
+            max_connections: svc.max_connections,
+            idle_timeout: svc.idle_timeout,
         }
     }
 
@@ -62,31 +67,15 @@ impl Access {
     }
 }
 
-/// A Service's connection limits (changed in place on updates).
-#[derive(Debug, Clone, Copy)]
-struct Limits {
-    max_connections: usize,
-    idle_timeout: std::time::Duration,
-}
-
-impl Limits {
-    fn of(svc: &ServiceInfo) -> Self {
-        Limits {
-            max_connections: svc.max_connections,
-            idle_timeout: svc.idle_timeout,
-        }
-    }
-}
-
 /// What every listener of one Service shares (changed in place on updates).
 #[derive(Clone)]
 struct Shared {
     service: String,
     nodes: Arc<RwLock<Vec<Backend>>>,
-    access: Arc<RwLock<Access>>,
-    limits: Arc<RwLock<Limits>>,
-    /// Connections being forwarded now, every port.
-    active: Arc<AtomicUsize>,
+    policy: Arc<RwLock<Policy>>,
+    /// Connections open now, every port (`tether_ccm_lb_active_connections{service}`,
+    /// also what the limit counts).
+    active: prometheus::IntGauge,
 }
 
 struct Balancer {
@@ -174,17 +163,17 @@ impl LoadBalancers for TunnelLoadBalancers {
             match all.remove(&svc.uid) {
                 Some(b) => {
                     *b.shared.nodes.write().unwrap_or_else(|e| e.into_inner()) = nodes.to_vec();
-                    *b.shared.access.write().unwrap_or_else(|e| e.into_inner()) = Access::of(svc);
-                    *b.shared.limits.write().unwrap_or_else(|e| e.into_inner()) = Limits::of(svc);
+                    *b.shared.policy.write().unwrap_or_else(|e| e.into_inner()) = Policy::of(svc);
                     (b.shared, b.listeners)
                 }
                 None => (
                     Shared {
                         service: label(svc),
                         nodes: Arc::new(RwLock::new(nodes.to_vec())),
-                        access: Arc::new(RwLock::new(Access::of(svc))),
-                        limits: Arc::new(RwLock::new(Limits::of(svc))),
-                        active: Arc::new(AtomicUsize::new(0)),
+                        policy: Arc::new(RwLock::new(Policy::of(svc))),
+                        active: crate::metrics::get()
+                            .lb_active
+                            .with_label_values(&[label(svc).as_str()]),
                     },
                     HashMap::new(),
                 ),
@@ -308,7 +297,6 @@ async fn serve(
         m.lb_connections
             .with_label_values(&[shared.service.as_str(), r])
     };
-    let active = m.lb_active.with_label_values(&[shared.service.as_str()]);
     let to_backend = m
         .lb_bytes
         .with_label_values(&[shared.service.as_str(), "to_backend"]);
@@ -326,38 +314,34 @@ async fn serve(
             },
             _ = stop.cancelled() => return,
         };
-        let admitted = shared
-            .access
+        let policy = shared
+            .policy
             .read()
             .unwrap_or_else(|e| e.into_inner())
-            .admits(peer.ip());
-        if !admitted {
+            .clone();
+        if !policy.admits(peer.ip()) {
             result("refused_source_range").inc();
             tracing::debug!(%peer, "client outside loadBalancerSourceRanges refused");
             drop(conn);
             continue;
         }
-        let limits = *shared.limits.read().unwrap_or_else(|e| e.into_inner());
-        if shared.active.load(Ordering::Relaxed) >= limits.max_connections {
+        if shared.active.get() >= policy.max_connections as i64 {
             result("refused_limit").inc();
-            tracing::debug!(%peer, max = limits.max_connections, "connection limit reached; refused");
+            tracing::debug!(%peer, max = policy.max_connections, "connection limit reached; refused");
             drop(conn);
             continue;
         }
         result("accepted").inc();
-        let counted = ActiveGuard::new(shared.active.clone());
+        let open = OpenGuard::new(shared.active.clone());
         let (client, nodes, next, stop) = (
             client.clone(),
             shared.nodes.clone(),
             next.clone(),
             stop.clone(),
         );
-        let (no_backend, active, to_backend, to_client) = (
-            result("no_backend"),
-            active.clone(),
-            to_backend.clone(),
-            to_client.clone(),
-        );
+        let (no_backend, to_backend, to_client) =
+            (result("no_backend"), to_backend.clone(), to_client.clone());
+        let idle_timeout = policy.idle_timeout;
         let node_port = node_port.load(Ordering::Relaxed);
         tokio::spawn(
             async move {
@@ -379,7 +363,6 @@ async fn serve(
                     );
                     match client.dial(&target.to_string()).await {
                         Ok(upstream) => {
-                            active.inc();
                             let last = Arc::new(std::sync::atomic::AtomicU64::new(0));
                             let epoch = tokio::time::Instant::now();
                             let mut a = Tracked { inner: &mut conn, last: last.clone(), epoch };
@@ -394,13 +377,12 @@ async fn serve(
                                         Err(e) => tracing::debug!(error = %e, node = %node.name, "forwarded connection ended with an error"),
                                     }
                                 }
-                                _ = idle(last, epoch, limits.idle_timeout) => {
-                                    tracing::debug!(timeout = ?limits.idle_timeout, "idle connection closed");
+                                _ = idle(last, epoch, idle_timeout) => {
+                                    tracing::debug!(timeout = ?idle_timeout, "idle connection closed");
                                 }
                                 _ = stop.cancelled() => {}
                             }
-                            active.dec();
-                            drop(counted);
+                            drop(open);
                             return;
                         }
                         Err(e) => {
@@ -416,19 +398,19 @@ async fn serve(
     }
 }
 
-/// Counts a connection in a Service's active total until dropped.
-struct ActiveGuard(Arc<AtomicUsize>);
+/// Counts a connection among a Service's open ones until dropped.
+struct OpenGuard(prometheus::IntGauge);
 
-impl ActiveGuard {
-    fn new(count: Arc<AtomicUsize>) -> Self {
-        count.fetch_add(1, Ordering::Relaxed);
-        ActiveGuard(count)
+impl OpenGuard {
+    fn new(open: prometheus::IntGauge) -> Self {
+        open.inc();
+        OpenGuard(open)
     }
 }
 
-impl Drop for ActiveGuard {
+impl Drop for OpenGuard {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        self.0.dec();
     }
 }
 
