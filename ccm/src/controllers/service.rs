@@ -291,50 +291,9 @@ impl ServiceController {
                 return Ok(());
             }
         }
-        let bad_limits = limit_errors(svc);
-        if !bad_limits.is_empty() {
+        for (reason, note) in service_warnings(svc, &info) {
             self.ctx
-                .event(
-                    &target,
-                    true,
-                    "InvalidAnnotation",
-                    "EnsureLoadBalancer",
-                    format!("{}; the defaults apply", bad_limits.join("; ")),
-                )
-                .await;
-        }
-        if !info.invalid_source_ranges.is_empty() {
-            self.ctx
-                .event(
-                    &target,
-                    true,
-                    "InvalidSourceRanges",
-                    "EnsureLoadBalancer",
-                    format!(
-                        "source range(s) {} are not CIDRs and admit nobody; fix loadBalancerSourceRanges",
-                        info.invalid_source_ranges.join(", ")
-                    ),
-                )
-                .await;
-        }
-        let unsupported: Vec<String> = info
-            .ports
-            .iter()
-            .filter(|p| p.protocol != "TCP")
-            .map(|p| format!("{}/{}", p.port, p.protocol))
-            .collect();
-        if !unsupported.is_empty() {
-            self.ctx
-                .event(
-                    &target,
-                    true,
-                    UNSUPPORTED_PROTOCOL,
-                    "EnsureLoadBalancer",
-                    format!(
-                        "port(s) {} not served: the tether load balancer forwards TCP only (Konnectivity dials TCP); the TCP ports are served",
-                        unsupported.join(", ")
-                    ),
-                )
+                .event(&target, true, reason, "EnsureLoadBalancer", note)
                 .await;
         }
         let first = before.is_none();
@@ -556,7 +515,7 @@ pub fn service_info(svc: &Service) -> ServiceInfo {
             Err(_) => invalid_source_ranges.push(r),
         }
     }
-    let (max_connections, idle_timeout) = limits(svc);
+    let (max_connections, idle_timeout, _) = limits(svc);
     ServiceInfo {
         namespace: svc.namespace().unwrap_or_default(),
         name: svc.name_any(),
@@ -564,8 +523,8 @@ pub fn service_info(svc: &Service) -> ServiceInfo {
         ports,
         source_ranges,
         invalid_source_ranges,
-        max_connections: max_connections.unwrap_or(crate::cloud::DEFAULT_MAX_CONNECTIONS),
-        idle_timeout: idle_timeout.unwrap_or(crate::cloud::DEFAULT_IDLE_TIMEOUT),
+        max_connections,
+        idle_timeout,
     }
 }
 
@@ -575,33 +534,71 @@ pub const MAX_CONNECTIONS_ANNOTATION: &str = "tether.dev/lb-max-connections";
 /// Go duration syntax).
 pub const IDLE_TIMEOUT_ANNOTATION: &str = "tether.dev/lb-idle-timeout";
 
-/// The Service's limit annotations; `None` where absent or invalid (see
-/// [`limit_errors`]).
-fn limits(svc: &Service) -> (Option<usize>, Option<std::time::Duration>) {
+/// The Service's limits from its annotations, the defaults where absent or invalid,
+/// and what was invalid.
+fn limits(svc: &Service) -> (usize, std::time::Duration, Vec<String>) {
     let a = svc.annotations();
-    (
-        a.get(MAX_CONNECTIONS_ANNOTATION)
-            .and_then(|v| v.trim().parse().ok())
-            .filter(|n: &usize| *n > 0),
-        a.get(IDLE_TIMEOUT_ANNOTATION)
-            .and_then(|v| tether_core::duration::parse(v.trim()).ok())
-            .filter(|d| !d.is_zero()),
-    )
+    let mut problems = Vec::new();
+    let max = match a.get(MAX_CONNECTIONS_ANNOTATION) {
+        None => crate::cloud::DEFAULT_MAX_CONNECTIONS,
+        Some(v) => match v.trim().parse::<usize>() {
+            Ok(n) if n > 0 => n,
+            _ => {
+                problems.push(format!(
+                    "{MAX_CONNECTIONS_ANNOTATION}={v:?} is not a positive number"
+                ));
+                crate::cloud::DEFAULT_MAX_CONNECTIONS
+            }
+        },
+    };
+    let idle = match a.get(IDLE_TIMEOUT_ANNOTATION) {
+        None => crate::cloud::DEFAULT_IDLE_TIMEOUT,
+        Some(v) => match tether_core::duration::parse(v.trim()) {
+            Ok(d) if !d.is_zero() => d,
+            _ => {
+                problems.push(format!(
+                    "{IDLE_TIMEOUT_ANNOTATION}={v:?} is not a positive duration like 10m"
+                ));
+                crate::cloud::DEFAULT_IDLE_TIMEOUT
+            }
+        },
+    };
+    (max, idle, problems)
 }
 
-/// What is wrong with the Service's limit annotations (the defaults apply instead).
-fn limit_errors(svc: &Service) -> Vec<String> {
-    let a = svc.annotations();
-    let (max, idle) = limits(svc);
+/// The Warning events `svc`'s balancer owes (reason, message): what in the Service
+/// cannot be served as written.
+fn service_warnings(svc: &Service, info: &ServiceInfo) -> Vec<(&'static str, String)> {
     let mut out = Vec::new();
-    if let (Some(v), None) = (a.get(MAX_CONNECTIONS_ANNOTATION), max) {
-        out.push(format!(
-            "{MAX_CONNECTIONS_ANNOTATION}={v:?} is not a positive number"
+    let (_, _, bad_limits) = limits(svc);
+    if !bad_limits.is_empty() {
+        out.push((
+            "InvalidAnnotation",
+            format!("{}; the defaults apply", bad_limits.join("; ")),
         ));
     }
-    if let (Some(v), None) = (a.get(IDLE_TIMEOUT_ANNOTATION), idle) {
-        out.push(format!(
-            "{IDLE_TIMEOUT_ANNOTATION}={v:?} is not a positive duration like 10m"
+    if !info.invalid_source_ranges.is_empty() {
+        out.push((
+            "InvalidSourceRanges",
+            format!(
+                "source range(s) {} are not CIDRs and admit nobody; fix loadBalancerSourceRanges",
+                info.invalid_source_ranges.join(", ")
+            ),
+        ));
+    }
+    let unsupported: Vec<String> = info
+        .ports
+        .iter()
+        .filter(|p| p.protocol != "TCP")
+        .map(|p| format!("{}/{}", p.port, p.protocol))
+        .collect();
+    if !unsupported.is_empty() {
+        out.push((
+            UNSUPPORTED_PROTOCOL,
+            format!(
+                "port(s) {} not served: the tether load balancer forwards TCP only (Konnectivity dials TCP); the TCP ports are served",
+                unsupported.join(", ")
+            ),
         ));
     }
     out
@@ -662,6 +659,41 @@ fn ingress_json(status: &LoadBalancerStatus) -> serde_json::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use k8s_openapi::api::core::v1::{NodeAddress, NodeCondition, NodeSpec, NodeStatus, Taint};
+
+    #[test]
+    fn what_cannot_be_served_as_written_is_said_and_the_defaults_apply() {
+        let mut svc: Service = serde_json::from_value(json!({
+            "metadata": {"name": "s", "namespace": "d", "annotations": {
+                MAX_CONNECTIONS_ANNOTATION: "0", IDLE_TIMEOUT_ANNOTATION: "90s"}},
+            "spec": {"type": "LoadBalancer", "loadBalancerSourceRanges": ["10.0.0.0/8", "nope"],
+                     "ports": [{"port": 53, "protocol": "UDP"}, {"port": 80, "nodePort": 30080}]}
+        }))
+        .unwrap();
+        let info = service_info(&svc);
+        assert_eq!(
+            (info.max_connections, info.idle_timeout),
+            (
+                crate::cloud::DEFAULT_MAX_CONNECTIONS,
+                std::time::Duration::from_secs(90)
+            )
+        );
+        let reasons: Vec<&str> = service_warnings(&svc, &info).iter().map(|w| w.0).collect();
+        assert_eq!(
+            reasons,
+            [
+                "InvalidAnnotation",
+                "InvalidSourceRanges",
+                UNSUPPORTED_PROTOCOL
+            ]
+        );
+        svc.metadata.annotations = None;
+        svc.spec.as_mut().unwrap().load_balancer_source_ranges = None;
+        svc.spec.as_mut().unwrap().ports.as_mut().unwrap().remove(0);
+        let info = service_info(&svc);
+        assert!(service_warnings(&svc, &info).is_empty());
+        assert_eq!(info.idle_timeout, crate::cloud::DEFAULT_IDLE_TIMEOUT);
+    }
 
     #[test]
     fn a_proxy_balancer_says_ip_mode_proxy_and_an_old_apiserver_dropping_it_is_no_change() {
@@ -675,7 +707,6 @@ mod tests {
         let stored_by_1_20 = json!([{ "ip": "192.0.2.1" }]);
         assert_eq!(without_ip_mode(&stored_by_1_20), without_ip_mode(&wanted));
     }
-    use k8s_openapi::api::core::v1::{NodeAddress, NodeCondition, NodeSpec, NodeStatus, Taint};
 
     fn node(name: &str, ready: bool) -> Node {
         let mut n = Node::default();
