@@ -1,6 +1,6 @@
 //! `tether ccm`: the cloud-controller-manager, with upstream's flag names and defaults.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -311,43 +311,42 @@ pub fn main(args: CcmArgs) -> anyhow::Result<()> {
     );
     let kube_limit = Arc::new(TokenBucket::new(args.kube_api_qps, args.kube_api_burst));
     super::block_on(0, async move {
-        let build = |path: Option<PathBuf>| {
-            let (limit, rest) = (kube_limit.clone(), rest_metrics.clone());
-            async move {
-                let config = tether_core::kubeclient::config(path.as_deref()).await?;
-                tether_core::kubeclient::limited_client_from(config, limit, rest)
-            }
+        let build = |config| {
+            tether_core::kubeclient::limited_client_from(
+                config,
+                kube_limit.clone(),
+                rest_metrics.clone(),
+            )
         };
-        let client = build(kubeconfig.clone())
+        let root_config = tether_core::kubeclient::config(kubeconfig.as_deref())
             .await
             .context("cannot build the Kubernetes client")?;
+        let client = build(root_config.clone()).context("cannot build the Kubernetes client")?;
+        // The delegated-auth kubeconfigs default to the controller manager's own client.
         let delegated = |flag: &str| {
-            (!flag.is_empty())
-                .then(|| PathBuf::from(flag))
-                .or(kubeconfig.clone())
+            let (flag, client) = (flag.to_string(), client.clone());
+            async move {
+                if flag.is_empty() {
+                    return Ok(client);
+                }
+                let config = tether_core::kubeclient::config(Some(Path::new(&flag))).await?;
+                build(config)
+            }
         };
         let delegation = tether_ccm::serving::Delegation {
-            authentication: build(delegated(&args.authentication_kubeconfig))
+            authentication: delegated(&args.authentication_kubeconfig)
                 .await
                 .context("--authentication-kubeconfig")?,
-            authorization: build(delegated(&args.authorization_kubeconfig))
+            authorization: delegated(&args.authorization_kubeconfig)
                 .await
                 .context("--authorization-kubeconfig")?,
         };
         let shutdown = tokio_util::sync::CancellationToken::new();
         let clients = if args.use_service_account_credentials {
-            let base = tether_core::kubeclient::config(kubeconfig.as_deref()).await?;
-            let (limit, rest) = (kube_limit.clone(), rest_metrics.clone());
             tether_ccm::credentials::service_account_clients(
                 client.clone(),
-                base,
-                move |config| {
-                    tether_core::kubeclient::limited_client_from(
-                        config,
-                        limit.clone(),
-                        rest.clone(),
-                    )
-                },
+                root_config,
+                build,
                 shutdown.clone(),
             )
             .await
