@@ -66,22 +66,27 @@ impl Enabled {
     /// named otherwise, `name` turns one on, `-name` off, and for each controller the
     /// first entry naming it (by canonical name or alias) wins.
     pub fn parse(list: &[String]) -> Result<Self, String> {
-        let items: Vec<&str> = list
+        // (on, name) per entry; `*` stays as a name of its own.
+        let items: Vec<(bool, &str)> = list
             .iter()
             .map(|s| s.trim())
             .filter(|s| !s.is_empty())
+            .map(|s| match s.strip_prefix('-') {
+                Some(name) => (false, name),
+                None => (true, s),
+            })
             .collect();
-        for item in &items {
-            let name = item.strip_prefix('-').unwrap_or(item);
+        for &(on, name) in &items {
             if let Some((_, why)) = UNSUPPORTED.iter().find(|(n, _)| *n == name) {
-                if !item.starts_with('-') {
+                if on {
                     return Err(format!(
                         "--controllers: {name} is not in this build: {why}; leave it off (-{name})"
                     ));
                 }
                 continue;
             }
-            if *item != "*" && !CONTROLLERS.iter().any(|(c, a)| name == *c || name == *a) {
+            let known = CONTROLLERS.iter().any(|(c, a)| name == *c || name == *a);
+            if !(known || (on && name == "*")) {
                 return Err(format!(
                     "--controllers: unknown controller {name:?} (known: {}; or * for all)",
                     CONTROLLERS
@@ -96,19 +101,14 @@ impl Enabled {
                 ));
             }
         }
-        let star = items.contains(&"*");
+        let star = items.contains(&(true, "*"));
+        // The first entry naming the controller wins; otherwise `*` decides.
         let is_on = |index: usize| {
             let (canonical, alias) = CONTROLLERS[index];
-            for item in &items {
-                let (on, name) = match item.strip_prefix('-') {
-                    Some(n) => (false, n),
-                    None => (true, *item),
-                };
-                if name == canonical || name == alias {
-                    return on;
-                }
-            }
-            star
+            items
+                .iter()
+                .find(|(_, name)| *name == canonical || *name == alias)
+                .map_or(star, |&(on, _)| on)
         };
         Ok(Enabled {
             node: is_on(0),
