@@ -56,12 +56,7 @@ fn start_ccm_in(
     }
     args.extend(extra.iter().cloned());
     let proc = match netns {
-        Some(node) => {
-            let mut all = node.exec_prefix();
-            all.push(BIN.into());
-            all.extend(args);
-            Proc::spawn(name, Path::new("ip"), &all)
-        }
+        Some(node) => node.spawn(name, BIN, &args),
         None => Proc::spawn(name, Path::new(BIN), &args),
     };
     proc.wait_event("cloud-controller-manager starting", START_TIMEOUT, |_| true);
@@ -386,24 +381,7 @@ fn a_load_balancer_service_is_reachable_through_the_tunnel() {
     let tunnel = Tunnel::start(&node, "node-1", &format!("ipv4={}", node.node_ip));
     let socket = &tunnel.socket;
     // The "NodePort": an HTTP server on the node's private address.
-    let www = TempDir::new("tether-www");
-    std::fs::write(www.path().join("index.html"), "hello from node-1\n").unwrap();
-    let mut http = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &node.ns,
-            "python3",
-            "-m",
-            "http.server",
-            "30080",
-        ])
-        .args(["--bind", &node.node_ip, "--directory"])
-        .arg(www.path())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+    let _page = node.serve_page(30080, "hello from node-1\n");
     let node_url = format!("http://{}:30080/", node.node_ip);
     wait_blocking("node port serving", Duration::from_secs(20), || {
         curl(Some(&node.ns), &node_url)
@@ -460,14 +438,10 @@ fn a_load_balancer_service_is_reachable_through_the_tunnel() {
 
     // A long-lived connection on one port survives another port being added: only what
     // changed is rebound. (An echo server on the node, port 30081.)
-    let _echo = Proc::spawn(
+    let _echo = node.spawn(
         "echo",
-        Path::new("ip"),
+        "socat",
         &[
-            "netns".into(),
-            "exec".into(),
-            node.ns.clone(),
-            "socat".into(),
             format!("TCP-LISTEN:30081,bind={},fork,reuseaddr", node.node_ip),
             "EXEC:cat".into(),
         ],
@@ -650,8 +624,6 @@ fn a_load_balancer_service_is_reachable_through_the_tunnel() {
         std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
         "listener still open after the Service was deleted"
     );
-    let _ = http.kill();
-    let _ = http.wait();
     drop(tunnel);
 }
 

@@ -151,25 +151,7 @@ fn the_ccm_runs_with_exactly_the_manifests_uid_and_capabilities() {
             format!("--agent-identifiers=ipv4={}", node.node_ip),
         ],
     );
-    let www = TempDir::new("tether-www");
-    std::fs::write(www.path().join("index.html"), "hello from node-1\n").unwrap();
-    let _http = Proc::spawn(
-        "http",
-        Path::new("ip"),
-        &[
-            "netns".into(),
-            "exec".into(),
-            node.ns.clone(),
-            "python3".into(),
-            "-m".into(),
-            "http.server".into(),
-            "30080".into(),
-            "--bind".into(),
-            node.node_ip.clone(),
-            "--directory".into(),
-            www.path().display().to_string(),
-        ],
-    );
+    let _page = node.serve_page(30080, "hello from node-1\n");
 
     let cluster = Cluster::start(&Egress::Direct);
     // The files the pod would mount, readable by the CCM's uid as in the pod.
@@ -327,15 +309,13 @@ fn routes_need_exactly_net_admin() {
     std::fs::write(&inventory, "routes: {}\nnodes: []\n").unwrap();
     let kubeconfig = cluster.ccm_kubeconfig();
     let run = |name: &str, caps: &[String]| {
-        let mut args = host.exec_prefix();
-        args.push("setpriv".into());
-        args.extend(as_manifest(uid, uid, caps, &inventory, &kubeconfig));
+        let mut args = as_manifest(uid, uid, caps, &inventory, &kubeconfig);
         args.extend([
             "--controllers=route".into(),
             "--cluster-cidr=10.244.0.0/16".into(),
             "--route-reconciliation-period=500ms".into(),
         ]);
-        let p = Proc::spawn(name, Path::new("ip"), &args);
+        let p = host.spawn(name, "setpriv", &args);
         p.wait_event("cloud-controller-manager starting", START_TIMEOUT, |_| true);
         p
     };

@@ -164,17 +164,14 @@ impl Node {
             ],
         );
         host.wait_event("relay ready", ready, |_| true);
-        let mut args = self.exec_prefix();
-        args.extend([
-            "python3".to_string(),
-            script.display().to_string(),
-            format!("--listen=tcp:127.0.0.1:{port}"),
-            format!("--connect=unix:{}", socket.display()),
-        ]);
-        let inside = crate::Proc::spawn(
+        let inside = self.spawn(
             &format!("relay@{}", self.ns),
-            std::path::Path::new("ip"),
-            &args,
+            "python3",
+            &[
+                script.display().to_string(),
+                format!("--listen=tcp:127.0.0.1:{port}"),
+                format!("--connect=unix:{}", socket.display()),
+            ],
         );
         inside.wait_event("relay ready", ready, |_| true);
         [host, inside]
@@ -197,6 +194,44 @@ impl Node {
     pub fn exec_prefix(&self) -> Vec<String> {
         vec!["netns".into(), "exec".into(), self.ns.clone()]
     }
+
+    /// Runs `program args` inside the namespace as a [`crate::Proc`] called `name`.
+    pub fn spawn(&self, name: &str, program: &str, args: &[String]) -> crate::Proc {
+        let mut all = self.exec_prefix();
+        all.push(program.into());
+        all.extend(args.iter().cloned());
+        crate::Proc::spawn(name, std::path::Path::new("ip"), &all)
+    }
+
+    /// Serves `body` as `/` over HTTP on `node_ip:port` inside the namespace (a
+    /// NodePort stand-in) until the returned value drops.
+    pub fn serve_page(&self, port: u16, body: &str) -> ServedPage {
+        let dir = crate::TempDir::new("tether-www");
+        std::fs::write(dir.path().join("index.html"), body).unwrap();
+        let proc = self.spawn(
+            &format!("http@{}", self.ns),
+            "python3",
+            &[
+                "-m".into(),
+                "http.server".into(),
+                port.to_string(),
+                "--bind".into(),
+                self.node_ip.clone(),
+                "--directory".into(),
+                dir.path().display().to_string(),
+            ],
+        );
+        ServedPage {
+            _proc: proc,
+            _dir: dir,
+        }
+    }
+}
+
+/// A page served inside a namespace, see [`Node::serve_page`].
+pub struct ServedPage {
+    _proc: crate::Proc,
+    _dir: crate::TempDir,
 }
 
 impl Node {

@@ -344,12 +344,11 @@ impl AgentProc {
         }
         all.extend(args.iter().cloned());
         let proc = match node {
-            Some(node) => {
-                let mut wrapped = node.exec_prefix();
-                wrapped.push(bin.display().to_string());
-                wrapped.extend(all);
-                Proc::spawn(&format!("agent@{}", node.ns), Path::new("ip"), &wrapped)
-            }
+            Some(node) => node.spawn(
+                &format!("agent@{}", node.ns),
+                &bin.display().to_string(),
+                &all,
+            ),
             None => Proc::spawn("agent", bin, &all),
         };
         let ev = proc.wait_event("agent starting", START_TIMEOUT, |_| true);
