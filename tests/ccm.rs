@@ -1360,3 +1360,559 @@ fn a_real_node_survives_its_agents_long_absence() {
     );
     node.net.set_link(true);
 }
+
+/// Creates (or replaces) LoadBalancer Service `ns/name` with one TCP port named `p`
+/// (`node_port` when given), `annotations`, and `spec` merged into its spec.
+fn lb_service(
+    cluster: &Cluster,
+    ns: &str,
+    name: &str,
+    port: u16,
+    node_port: Option<u16>,
+    annotations: Value,
+    spec: Value,
+) {
+    let mut port_spec = serde_json::json!({"name": "p", "port": port});
+    if let Some(np) = node_port {
+        port_spec["nodePort"] = np.into();
+    }
+    let mut svc = serde_json::json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": name, "namespace": ns, "annotations": annotations},
+        "spec": {"type": "LoadBalancer", "ports": [port_spec]},
+    });
+    for (k, v) in spec.as_object().into_iter().flatten() {
+        svc["spec"][k] = v.clone();
+    }
+    cluster.apply(&svc.to_string());
+}
+
+/// The ingress IPs of Service `ns/name`.
+fn ingress_ips(cluster: &Cluster, ns: &str, name: &str) -> Vec<String> {
+    let out = cluster.kubectl(&["get", "service", "-n", ns, name, "-o", "json"]);
+    if !out.status.success() {
+        return Vec::new();
+    }
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    v["status"]["loadBalancer"]["ingress"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|i| i["ip"].as_str().map(str::to_string))
+        .collect()
+}
+
+/// Waits until Service `ns/name` has exactly one ingress IP; returns it.
+fn wait_ingress(cluster: &Cluster, ns: &str, name: &str) -> String {
+    wait_blocking(
+        &format!("an ingress IP for {ns}/{name}"),
+        Duration::from_secs(30),
+        || match ingress_ips(cluster, ns, name).as_slice() {
+            [ip] => Some(ip.clone()),
+            _ => None,
+        },
+    )
+}
+
+/// The count of the (aggregated) event with `reason` about `name` in `default`.
+fn event_count(cluster: &Cluster, name: &str, reason: &str) -> u64 {
+    let out = cluster.kubectl_ok(&[
+        "get",
+        "events",
+        "-n",
+        "default",
+        &format!("--field-selector=involvedObject.name={name},reason={reason}"),
+        "-o",
+        "json",
+    ]);
+    let v: Value = serde_json::from_str(&out).unwrap();
+    v["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|e| e["count"].as_u64().unwrap_or(1))
+        .sum()
+}
+
+/// Address pools against the real apiserver: two Services on port 443 get distinct
+/// addresses and both serve; `loadBalancerIP` is honoured; an address taken, outside
+/// the pools (or in another namespace's pool) or of the wrong family is one Warning
+/// event; a sharing key shares an address until ports collide; a namespace's pool
+/// serves it first; allocations survive a restart (a Service created meanwhile does
+/// not take them); an exhausted pool is an event, and the Service gets the address a
+/// deleted one frees; `allocateLoadBalancerNodePorts: false` reaches the pod; a PROXY
+/// header carries the client's address.
+#[test]
+fn services_get_their_own_addresses_from_the_pools() {
+    use serde_json::json;
+    let node = Node::create();
+    let tunnel = Tunnel::start(&node, "node-1", &format!("ipv4={}", node.node_ip));
+    let _page_a = node.serve_page(30080, "page a\n");
+    let _page_b = node.serve_page(30081, "page b\n");
+    let _pod = node.serve_page_at(&node.pod_ip, 8080, "from the pod\n");
+    let _echo = node.spawn(
+        "echo",
+        "socat",
+        &[
+            format!("TCP-LISTEN:30090,bind={},fork,reuseaddr", node.node_ip),
+            "EXEC:cat".into(),
+        ],
+    );
+    wait_blocking("node pages serving", Duration::from_secs(20), || {
+        curl(Some(&node.ns), &format!("http://{}:30081/", node.node_ip))
+    });
+
+    let cluster = Cluster::start(&Egress::Direct);
+    cluster.add_node("node-1", &node.node_ip);
+    cluster.set_node_ready("node-1", true);
+    cluster.kubectl_ok(&["create", "namespace", "team"]);
+    let k = std::process::id() % 250;
+    let addr = |n: u8| format!("127.77.{k}.{n}");
+    let (_dir, inventory) = inventory_dir();
+    write_inventory(
+        &inventory,
+        &format!(
+            "nodes:\n{}loadBalancer:\n  pools:\n  - name: general\n    addresses: [{}-{}]\n  - name: team\n    addresses: [{}]\n    namespaces: [team]\n",
+            machine("node-1", &node.node_ip, false),
+            addr(10),
+            addr(17),
+            addr(30)
+        ),
+    );
+    let no = json!({});
+    lb_service(
+        &cluster,
+        "default",
+        "web-a",
+        443,
+        Some(30080),
+        json!({}),
+        json!({}),
+    );
+    lb_service(
+        &cluster,
+        "default",
+        "web-b",
+        443,
+        Some(30081),
+        json!({}),
+        json!({}),
+    );
+    let ccm_args = [
+        format!("--tunnel-uds={}", tunnel.socket.display()),
+        "--lb-resync-period=1s".into(),
+    ];
+    let mut ccm = start_ccm_with(&cluster, &inventory, "ccm", &ccm_args);
+
+    // Two Services on 443: their own addresses, both serving.
+    let ip_a = wait_ingress(&cluster, "default", "web-a");
+    let ip_b = wait_ingress(&cluster, "default", "web-b");
+    assert_ne!(ip_a, ip_b);
+    for (ip, page) in [(&ip_a, "page a\n"), (&ip_b, "page b\n")] {
+        let got = wait_blocking(
+            &format!("{page:?} at {ip}:443"),
+            Duration::from_secs(20),
+            || curl(None, &format!("http://{ip}:443/")),
+        );
+        assert_eq!(got, page);
+    }
+
+    // Asked for: honoured; taken, outside every pool, another namespace's, the wrong
+    // family: one event naming why, and no address.
+    lb_service(
+        &cluster,
+        "default",
+        "web-c",
+        8080,
+        None,
+        json!({}),
+        json!({"loadBalancerIP": addr(17)}),
+    );
+    assert_eq!(wait_ingress(&cluster, "default", "web-c"), addr(17));
+    lb_service(
+        &cluster,
+        "default",
+        "web-d",
+        8080,
+        None,
+        json!({}),
+        json!({"loadBalancerIP": ip_a}),
+    );
+    lb_service(
+        &cluster,
+        "default",
+        "web-e",
+        8080,
+        None,
+        json!({}),
+        json!({"loadBalancerIP": "127.99.0.1"}),
+    );
+    lb_service(
+        &cluster,
+        "default",
+        "web-t",
+        8080,
+        None,
+        json!({}),
+        json!({"loadBalancerIP": addr(30)}),
+    );
+    lb_service(
+        &cluster,
+        "default",
+        "web-f",
+        8080,
+        None,
+        json!({"tether.dev/load-balancer-ips": "fd00::1"}),
+        no.clone(),
+    );
+    for (name, reason) in [
+        ("web-d", "AddressInUse"),
+        ("web-e", "AddressNotInPool"),
+        ("web-t", "AddressNotInPool"),
+        ("web-f", "AddressFamilyMismatch"),
+    ] {
+        wait_for_event(&cluster, name, reason);
+        assert!(
+            ingress_ips(&cluster, "default", name).is_empty(),
+            "{name} got an address"
+        );
+    }
+    for name in ["web-e", "web-t", "web-f"] {
+        cluster.kubectl_ok(&["delete", "service", name]);
+    }
+    // A namespace's own pool first.
+    lb_service(&cluster, "team", "t1", 8080, None, json!({}), no.clone());
+    assert_eq!(wait_ingress(&cluster, "team", "t1"), addr(30));
+
+    // A sharing key shares an address while the ports differ.
+    let key = json!({"tether.dev/lb-sharing-key": "dns"});
+    lb_service(
+        &cluster,
+        "default",
+        "s1",
+        8053,
+        None,
+        key.clone(),
+        no.clone(),
+    );
+    let ip_s = wait_ingress(&cluster, "default", "s1");
+    lb_service(
+        &cluster,
+        "default",
+        "s2",
+        8054,
+        None,
+        key.clone(),
+        no.clone(),
+    );
+    assert_eq!(wait_ingress(&cluster, "default", "s2"), ip_s);
+    lb_service(
+        &cluster,
+        "default",
+        "s3",
+        8053,
+        None,
+        key.clone(),
+        json!({"loadBalancerIP": ip_s}),
+    );
+    wait_for_event(&cluster, "s3", "PortCollision");
+    cluster.kubectl_ok(&["delete", "service", "s3"]);
+
+    // No node ports: straight to the ready endpoint's pod IP and targetPort.
+    lb_service(
+        &cluster,
+        "default",
+        "web-p",
+        80,
+        None,
+        no.clone(),
+        json!({"allocateLoadBalancerNodePorts": false, "ports": [{"name": "p", "port": 80, "targetPort": 8080}]}),
+    );
+    let svc_p: Value =
+        serde_json::from_str(&cluster.kubectl_ok(&["get", "service", "web-p", "-o", "json"]))
+            .unwrap();
+    assert!(
+        svc_p["spec"]["ports"][0]["nodePort"].is_null(),
+        "the apiserver allocated a nodePort: {svc_p}"
+    );
+    cluster.apply(&format!(
+        "apiVersion: v1\nkind: Endpoints\nmetadata:\n  name: web-p\n  namespace: default\nsubsets:\n- addresses:\n  - ip: {}\n    nodeName: node-1\n  ports:\n  - name: p\n    port: 8080\n",
+        node.pod_ip
+    ));
+    let ip_p = wait_ingress(&cluster, "default", "web-p");
+    assert_eq!(
+        wait_blocking(
+            "the pod through the balancer",
+            Duration::from_secs(30),
+            || curl(None, &format!("http://{ip_p}:80/"))
+        ),
+        "from the pod\n"
+    );
+
+    // PROXY protocol v1: the echo backend sends back what it got first.
+    lb_service(
+        &cluster,
+        "default",
+        "web-pp",
+        7000,
+        Some(30090),
+        json!({"tether.dev/lb-proxy-protocol": "v1"}),
+        no.clone(),
+    );
+    let ip_pp = wait_ingress(&cluster, "default", "web-pp");
+    let (line, client_port) =
+        wait_blocking("a PROXY header echoed", Duration::from_secs(30), || {
+            use std::io::{BufRead, BufReader};
+            let c = std::net::TcpStream::connect((ip_pp.as_str(), 7000)).ok()?;
+            c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            let port = c.local_addr().unwrap().port();
+            let mut line = String::new();
+            BufReader::new(c).read_line(&mut line).ok()?;
+            (!line.is_empty()).then_some((line, port))
+        });
+    assert_eq!(
+        line,
+        format!("PROXY TCP4 127.0.0.1 {ip_pp} {client_port} 7000\r\n")
+    );
+
+    // Said once, though resyncs (every second) came and went meanwhile.
+    assert_eq!(event_count(&cluster, "web-d", "AddressInUse"), 1);
+
+    // A restart: allocations read back; a Service created while no CCM ran does not
+    // take any of them.
+    let before: Vec<(String, String)> = ["web-a", "web-b", "web-c", "s1", "s2", "web-p", "web-pp"]
+        .iter()
+        .map(|n| (n.to_string(), wait_ingress(&cluster, "default", n)))
+        .collect();
+    ccm.kill();
+    lb_service(
+        &cluster,
+        "default",
+        "web-n",
+        8080,
+        None,
+        no.clone(),
+        no.clone(),
+    );
+    let ccm = start_ccm_with(&cluster, &inventory, "ccm-2", &ccm_args);
+    let ip_n = wait_ingress(&cluster, "default", "web-n");
+    assert!(
+        before.iter().all(|(_, ip)| *ip != ip_n),
+        "{ip_n} handed out twice: {before:?}"
+    );
+    for (name, ip) in &before {
+        assert_eq!(&wait_ingress(&cluster, "default", name), ip, "{name} moved");
+    }
+    assert_eq!(
+        wait_blocking("web-a after the restart", Duration::from_secs(20), || curl(
+            None,
+            &format!("http://{ip_a}:443/")
+        )),
+        "page a\n"
+    );
+
+    // The pool runs out: an event; a deleted Service's address goes to the waiting one.
+    lb_service(
+        &cluster,
+        "default",
+        "x1",
+        8080,
+        None,
+        no.clone(),
+        no.clone(),
+    );
+    wait_ingress(&cluster, "default", "x1");
+    lb_service(
+        &cluster,
+        "default",
+        "x2",
+        8080,
+        None,
+        no.clone(),
+        no.clone(),
+    );
+    wait_for_event(&cluster, "x2", "NoAddressAvailable");
+    cluster.kubectl_ok(&["delete", "service", "web-c"]);
+    assert_eq!(wait_ingress(&cluster, "default", "x2"), addr(17));
+    drop(ccm);
+    drop(tunnel);
+}
+
+/// One quick try at `url` from inside `netns` (half a second at most).
+fn curl_quick(netns: &str, url: &str) -> Option<String> {
+    let out = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            netns,
+            "curl",
+            "-sf",
+            "--max-time",
+            "0.5",
+            url,
+        ])
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// The MAC address of `interface` inside `node`.
+fn mac_of(node: &Node, interface: &str) -> String {
+    let out = node.ip(&["link", "show", interface]);
+    out.split_whitespace()
+        .skip_while(|w| *w != "link/ether")
+        .nth(1)
+        .expect("an ethernet address")
+        .to_string()
+}
+
+/// The MAC `node` has cached for `ip`, if any.
+fn neighbour(node: &Node, ip: &str) -> Option<String> {
+    let out = node.ip(&["neigh", "show", ip]);
+    out.split_whitespace()
+        .skip_while(|w| *w != "lladdr")
+        .nth(1)
+        .map(str::to_string)
+}
+
+/// Two CCM replicas on two "control-plane hosts" sharing a LAN with a client: the
+/// leader holds the Service's address on its interface and announces it; SIGKILL it
+/// while the client keeps connecting, and the address answers again through the new
+/// leader within lease duration + 2 s, with the same IP (the gap is printed). The
+/// crashed leader's host keeps the address only until its CCM comes back as a standby.
+#[test]
+fn a_load_balancer_address_fails_over_with_the_leader() {
+    use tether_testkit::netns::Lan;
+    let node = Node::create();
+    let tunnel = Tunnel::start(&node, "node-1", &format!("ipv4={}", node.node_ip));
+    let _page = node.serve_page(30080, "hello over the lan\n");
+    let cluster = Cluster::start(&Egress::Direct);
+    cluster.add_node("node-1", &node.node_ip);
+    cluster.set_node_ready("node-1", true);
+
+    let lan = Lan::create();
+    let hosts: Vec<Node> = (0..2).map(|_| Node::create()).collect();
+    let client = Node::create();
+    for n in hosts.iter().chain([&client]) {
+        lan.attach(n);
+    }
+    let relay_dirs: Vec<TempDir> = (0..2).map(|_| TempDir::new("tether-relay")).collect();
+    let _relays: Vec<_> = hosts
+        .iter()
+        .zip(&relay_dirs)
+        .map(|(h, d)| h.reach_host_port(cluster.port, d.path()))
+        .collect();
+    let vip = lan.address(100);
+    let (_dir, inventory) = inventory_dir();
+    write_inventory(
+        &inventory,
+        &format!(
+            "nodes:\n{}loadBalancer:\n  interface: {}\n  pools:\n  - name: lan\n    addresses: [{vip}]\n",
+            machine("node-1", &node.node_ip, false),
+            Lan::INTERFACE
+        ),
+    );
+    lb_service(
+        &cluster,
+        "default",
+        "web",
+        80,
+        Some(30080),
+        serde_json::json!({}),
+        serde_json::json!({}),
+    );
+    let start = |i: usize, name: &str| {
+        start_ccm_in(
+            Some(&hosts[i]),
+            &cluster,
+            &inventory,
+            name,
+            &[
+                "--secure-port=0".into(),
+                format!("--tunnel-uds={}", tunnel.socket.display()),
+            ],
+        )
+    };
+    let holds = |i: usize| {
+        hosts[i]
+            .ip(&["addr", "show", "dev", Lan::INTERFACE])
+            .contains(&format!("{vip}/32"))
+    };
+    let url = format!("http://{vip}/");
+    let mut a = start(0, "ccm-a");
+    assert_eq!(wait_ingress(&cluster, "default", "web"), vip);
+    wait_blocking(
+        "the leader holds the address",
+        Duration::from_secs(30),
+        || holds(0).then_some(()),
+    );
+    let b = start(1, "ccm-b");
+    b.wait_event("waiting to become leader", START_TIMEOUT, |_| true);
+    assert!(!holds(1), "a standby holds the address");
+    assert_eq!(
+        wait_blocking(
+            "the client reaches the service",
+            Duration::from_secs(30),
+            || { curl_quick(&client.ns, &url) }
+        ),
+        "hello over the lan\n"
+    );
+    assert_eq!(
+        neighbour(&client, &vip).as_deref(),
+        Some(mac_of(&hosts[0], Lan::INTERFACE).as_str())
+    );
+
+    // SIGKILL: nothing is released; the lease runs out and the standby takes over.
+    a.kill();
+    let killed = Instant::now();
+    let mut last_failure = killed;
+    loop {
+        match curl_quick(&client.ns, &url) {
+            Some(body) => {
+                assert_eq!(body, "hello over the lan\n");
+                break;
+            }
+            None => last_failure = Instant::now(),
+        }
+        assert!(
+            killed.elapsed() < LEASE * 4,
+            "the address never answered again"
+        );
+    }
+    let gap = killed.elapsed();
+    eprintln!(
+        "failover: the address answered again {gap:?} after SIGKILL of the leader (last failure at {:?}; lease {LEASE:?})",
+        last_failure - killed
+    );
+    assert!(
+        gap <= LEASE + Duration::from_secs(2),
+        "failover took {gap:?}"
+    );
+    assert!(holds(1), "the new leader holds the address");
+    assert_eq!(
+        ingress_ips(&cluster, "default", "web"),
+        std::slice::from_ref(&vip)
+    );
+    assert_eq!(
+        neighbour(&client, &vip).as_deref(),
+        Some(mac_of(&hosts[1], Lan::INTERFACE).as_str()),
+        "the client's cache moved to the new leader"
+    );
+
+    // The crashed replica comes back as a standby: the stale address goes first.
+    assert!(holds(0), "nothing could have removed it (expected)");
+    let a2 = start(0, "ccm-a2");
+    a2.wait_event("waiting to become leader", START_TIMEOUT, |_| true);
+    assert!(
+        !holds(0),
+        "the former leader's stale address survived its restart"
+    );
+    assert_eq!(
+        curl_quick(&client.ns, &url).as_deref(),
+        Some("hello over the lan\n")
+    );
+    drop(b);
+    drop(tunnel);
+}

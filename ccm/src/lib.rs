@@ -218,6 +218,12 @@ pub async fn run(
                 .instrument(tracing::info_span!("route_cleanup"))
                 .await;
             }
+            // Likewise load-balancer addresses left on this host's interface.
+            if let (true, Some(lbs)) = (config.enabled.service, provider.load_balancers()) {
+                lbs.release_all(&config.cluster_name)
+                    .instrument(tracing::info_span!("lb_cleanup"))
+                    .await;
+            }
             match leader::lead(client.clone(), le.clone(), shutdown.clone()).await {
                 Some(lost) => lost,
                 None => return Ok(()),
@@ -264,7 +270,7 @@ pub async fn run(
     let run_service = match (&lbs, config.enabled.service) {
         (Some(_), true) => true,
         (None, true) => {
-            tracing::warn!(provider = provider.name(), "service controller disabled: the provider has no load balancers (tether: set --lb-bind-address and --tunnel-uds)");
+            tracing::warn!(provider = provider.name(), "service controller disabled: the provider has no load balancers (tether: set --tunnel-uds, and loadBalancer pools in the cloud config or --lb-bind-address)");
             false
         }
         _ => false,

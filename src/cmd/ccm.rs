@@ -99,12 +99,12 @@ pub struct CcmArgs {
     /// always are).
     #[arg(long, default_value = "")]
     pub load_balancer_class: String,
-    /// tether provider: load balancers listen on this address (the ingress IP). Empty:
-    /// no load balancers.
+    /// tether provider, without loadBalancer pools in the cloud config: every load
+    /// balancer listens on this address (the ingress IP all Services share).
     #[arg(long, default_value = "")]
     pub lb_bind_address: String,
     /// tether provider: the Tether server's gRPC frontend socket, through which load
-    /// balancers reach the nodes.
+    /// balancers reach the nodes. Empty: no load balancers.
     #[arg(long, default_value = "")]
     pub tunnel_uds: String,
     /// How often every load balancer is ensured again (drift repair).
@@ -208,19 +208,24 @@ impl CcmArgs {
         if self.concurrent_node_syncs == 0 {
             bail!("--concurrent-node-syncs must be at least 1");
         }
-        let lb = match (self.lb_bind_address.as_str(), self.tunnel_uds.as_str()) {
-            ("", "") => None,
-            ("", _) | (_, "") => bail!("--lb-bind-address and --tunnel-uds go together: load balancers listen on the first and reach nodes through the second"),
-            (bind, uds) => Some(tether_ccm::cloud::tunnel_lb::TunnelLbConfig {
-                bind: bind
-                    .parse::<std::net::IpAddr>()
+        let bind = match self.lb_bind_address.as_str() {
+            "" => None,
+            bind => Some(
+                bind.parse::<std::net::IpAddr>()
                     .with_context(|| format!("--lb-bind-address {bind:?} is not an IP address"))
                     .and_then(|ip| {
                         if ip.is_unspecified() {
-                            bail!("--lb-bind-address {bind} is not an address clients can reach: it becomes every Service's ingress IP; give this host's address (the manifest uses $(HOST_IP))")
+                            bail!("--lb-bind-address {bind} is not an address clients can reach: it becomes every Service's ingress IP; give this host's address, or configure loadBalancer pools in the cloud config")
                         }
                         Ok(ip)
                     })?,
+            ),
+        };
+        let lb = match (bind, self.tunnel_uds.as_str()) {
+            (Some(_), "") => bail!("--lb-bind-address needs --tunnel-uds: load balancers reach the nodes through the Tether server's socket"),
+            (_, "") => None,
+            (bind, uds) => Some(tether_ccm::cloud::tunnel_lb::TunnelLbConfig {
+                bind,
                 tunnel_uds: PathBuf::from(uds),
             }),
         };

@@ -371,6 +371,9 @@ impl Cluster {
             format!("--service-account-key-file={}", sa_pub.display()),
             format!("--service-account-signing-key-file={}", sa_key.display()),
             "--service-cluster-ip-range=10.96.0.0/16".into(),
+            // 1.20 serves allocateLoadBalancerNodePorts only behind this gate (on by
+            // default from 1.22).
+            "--feature-gates=ServiceLBNodePortControl=true".into(),
             "--kubelet-preferred-address-types=InternalIP".into(),
             format!("--kubelet-client-certificate={}", kubelet_cert.display()),
             format!("--kubelet-client-key={}", kubelet_key.display()),

@@ -206,6 +206,12 @@ impl Node {
     /// Serves `body` as `/` over HTTP on `node_ip:port` inside the namespace (a
     /// NodePort stand-in) until the returned value drops.
     pub fn serve_page(&self, port: u16, body: &str) -> ServedPage {
+        self.serve_page_at(&self.node_ip, port, body)
+    }
+
+    /// Serves `body` as `/` over HTTP on `ip:port` inside the namespace (say, on the
+    /// pod IP: a pod's server) until the returned value drops.
+    pub fn serve_page_at(&self, ip: &str, port: u16, body: &str) -> ServedPage {
         let dir = crate::TempDir::new("tether-www");
         std::fs::write(dir.path().join("index.html"), body).unwrap();
         let proc = self.spawn(
@@ -216,7 +222,7 @@ impl Node {
                 "http.server".into(),
                 port.to_string(),
                 "--bind".into(),
-                self.node_ip.clone(),
+                ip.to_string(),
                 "--directory".into(),
                 dir.path().display().to_string(),
             ],
@@ -232,6 +238,58 @@ impl Node {
 pub struct ServedPage {
     _proc: crate::Proc,
     _dir: crate::TempDir,
+}
+
+/// A layer-2 segment: a bridge in a namespace of its own, into which nodes are plugged
+/// (interface `lan0` inside each, address 10.235.K.N/24): hosts that share a LAN, the
+/// way two control-plane machines and their clients do. Deleted on drop.
+#[derive(Debug)]
+pub struct Lan {
+    bridge: Node,
+    /// The subnet index K.
+    pub index: u32,
+    next: AtomicU32,
+}
+
+impl Lan {
+    /// The interface name inside each attached namespace.
+    pub const INTERFACE: &'static str = "lan0";
+
+    /// An empty segment.
+    pub fn create() -> Lan {
+        ip(&["route", "replace", "blackhole", "10.235.0.0/16"]);
+        let bridge = Node::create();
+        bridge.ip(&["link", "add", "br0", "type", "bridge"]);
+        bridge.ip(&["link", "set", "br0", "up"]);
+        let index = bridge.index;
+        Lan {
+            bridge,
+            index,
+            next: AtomicU32::new(1),
+        }
+    }
+
+    /// 10.235.K.`host`.
+    pub fn address(&self, host: u8) -> String {
+        format!("10.235.{}.{host}", self.index)
+    }
+
+    /// Plugs `node` in; returns its address on the segment.
+    pub fn attach(&self, node: &Node) -> String {
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        let tag = format!("{}y{}x{n}", std::process::id() % 100_000, self.index);
+        let (port, peer) = (format!("lp{tag}"), format!("lq{tag}"));
+        ip(&["link", "add", &port, "type", "veth", "peer", "name", &peer]);
+        ip(&["link", "set", &port, "netns", &self.bridge.ns]);
+        ip(&["link", "set", &peer, "netns", &node.ns]);
+        self.bridge.ip(&["link", "set", &port, "master", "br0"]);
+        self.bridge.ip(&["link", "set", &port, "up"]);
+        node.ip(&["link", "set", &peer, "name", Self::INTERFACE]);
+        let addr = self.address(n as u8);
+        node.ip(&["addr", "add", &format!("{addr}/24"), "dev", Self::INTERFACE]);
+        node.ip(&["link", "set", Self::INTERFACE, "up"]);
+        addr
+    }
 }
 
 impl Node {

@@ -10,9 +10,8 @@ use futures::TryStreamExt;
 use rtnetlink::packet_route::route::{
     RouteAddress, RouteAttribute, RouteMessage, RouteProtocol, RouteType,
 };
-use rtnetlink::{Handle, RouteMessageBuilder};
+use rtnetlink::RouteMessageBuilder;
 use serde::Deserialize;
-use tokio::sync::Mutex;
 
 use super::{CloudError, Route, Routes};
 
@@ -53,8 +52,7 @@ impl Default for HostRoutesConfig {
 /// Routes in the host's routing table.
 pub struct HostRoutes {
     config: HostRoutesConfig,
-    /// The netlink connection, opened on first use and again after it fails.
-    handle: Mutex<Option<Handle>>,
+    netlink: super::netlink::Netlink,
 }
 
 impl HostRoutes {
@@ -62,26 +60,7 @@ impl HostRoutes {
     pub fn new(config: HostRoutesConfig) -> Self {
         HostRoutes {
             config,
-            handle: Mutex::new(None),
-        }
-    }
-
-    async fn handle(&self) -> Result<Handle, CloudError> {
-        let mut slot = self.handle.lock().await;
-        if let Some(h) = slot.as_ref() {
-            return Ok(h.clone());
-        }
-        let (conn, handle, _) = rtnetlink::new_connection()
-            .map_err(|e| CloudError::Provider(format!("cannot open a netlink socket: {e}")))?;
-        tokio::spawn(conn);
-        *slot = Some(handle.clone());
-        Ok(handle)
-    }
-
-    /// Forgets the connection after an I/O-level failure so the next call reopens it.
-    async fn reset(&self, e: &rtnetlink::Error) {
-        if !matches!(e, rtnetlink::Error::NetlinkError(_)) {
-            *self.handle.lock().await = None;
+            netlink: Default::default(),
         }
     }
 
@@ -147,22 +126,10 @@ impl HostRoutes {
     }
 }
 
-fn netlink_error(what: String, e: &rtnetlink::Error) -> CloudError {
-    let hint = match e {
-        rtnetlink::Error::NetlinkError(m) => match m.code.map(|c| -c.get()) {
-            Some(1) => " (the CCM needs CAP_NET_ADMIN in the host network namespace)",
-            Some(101) => " (the next hop is not on a directly connected network)",
-            _ => "",
-        },
-        _ => "",
-    };
-    CloudError::Provider(format!("{what}: {e}{hint}"))
-}
-
 #[async_trait]
 impl Routes for HostRoutes {
     async fn list(&self, _cluster: &str) -> Result<Vec<Route>, CloudError> {
-        let handle = self.handle().await?;
+        let handle = self.netlink.handle().await?;
         let mut out = Vec::new();
         for query in [
             RouteMessageBuilder::<std::net::Ipv4Addr>::new().build(),
@@ -174,8 +141,7 @@ impl Routes for HostRoutes {
                     Ok(Some(msg)) => out.extend(self.ours(&msg)),
                     Ok(None) => break,
                     Err(e) => {
-                        self.reset(&e).await;
-                        return Err(netlink_error("cannot list routes".into(), &e));
+                        return Err(self.netlink.failed("cannot list routes".into(), &e).await);
                     }
                 }
             }
@@ -186,33 +152,35 @@ impl Routes for HostRoutes {
 
     async fn create(&self, _cluster: &str, route: &Route) -> Result<(), CloudError> {
         let msg = self.message(route)?;
-        let handle = self.handle().await?;
+        let handle = self.netlink.handle().await?;
         // Replace: a route to the same CIDR (say, via the node's old address) is
         // swapped atomically, never left missing.
         if let Err(e) = handle.route().add(msg).replace().execute().await {
-            self.reset(&e).await;
-            return Err(netlink_error(
-                format!("cannot add route {} via {}", route.cidr, route.via),
-                &e,
-            ));
+            return Err(self
+                .netlink
+                .failed(
+                    format!("cannot add route {} via {}", route.cidr, route.via),
+                    &e,
+                )
+                .await);
         }
         Ok(())
     }
 
     async fn delete(&self, _cluster: &str, route: &Route) -> Result<(), CloudError> {
         let msg = self.message(route)?;
-        let handle = self.handle().await?;
+        let handle = self.netlink.handle().await?;
         match handle.route().del(msg).execute().await {
             Ok(()) => Ok(()),
             // Already gone (ESRCH).
-            Err(rtnetlink::Error::NetlinkError(m)) if m.code.map(|c| -c.get()) == Some(3) => Ok(()),
-            Err(e) => {
-                self.reset(&e).await;
-                Err(netlink_error(
+            Err(e) if super::netlink::errno(&e) == Some(libc::ESRCH) => Ok(()),
+            Err(e) => Err(self
+                .netlink
+                .failed(
                     format!("cannot delete route {} via {}", route.cidr, route.via),
                     &e,
-                ))
-            }
+                )
+                .await),
         }
     }
 }

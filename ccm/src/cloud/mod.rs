@@ -4,7 +4,10 @@
 //! their configuration from `--cloud-config`.
 
 pub mod agents;
+pub mod announce;
 pub mod host_routes;
+pub mod lb_addresses;
+pub mod netlink;
 pub mod tether;
 pub mod tunnel_lb;
 
@@ -35,6 +38,16 @@ pub enum CloudError {
         after: Duration,
         /// Why.
         reason: String,
+    },
+    /// The request cannot be met as written (an address in use, outside every pool,
+    /// ...): said once in a Warning event with `reason`, and not retried until the
+    /// object or what it waits for changes.
+    #[error("{message}")]
+    Refused {
+        /// The event reason.
+        reason: String,
+        /// What is wrong, for the event.
+        message: String,
     },
     /// Anything else; retried with backoff.
     #[error("{0}")]
@@ -115,6 +128,49 @@ pub struct ServiceInfo {
     pub max_connections: usize,
     /// A forwarded connection with no byte either way for this long is closed.
     pub idle_timeout: Duration,
+    /// `spec.ipFamilies` (`IPv4`, `IPv6`), in order.
+    pub families: Vec<String>,
+    /// `ipFamilyPolicy: RequireDualStack`: every family needs an address.
+    pub require_dual_stack: bool,
+    /// Addresses asked for (`spec.loadBalancerIP`, or the annotation
+    /// [`annotations::LOAD_BALANCER_IPS`]), as written.
+    pub requested_ips: Vec<String>,
+    /// The ingress IPs its status shows now (kept across restarts and leader changes).
+    pub current_ips: Vec<String>,
+    /// [`annotations::SHARING_KEY`]: Services with the same key may share an address.
+    pub sharing_key: Option<String>,
+    /// [`annotations::PROXY_PROTOCOL`]: a PROXY protocol header goes to backends first.
+    pub proxy_protocol: Option<ProxyProtocol>,
+    /// Traffic goes to NodePorts (`allocateLoadBalancerNodePorts` is not `false`);
+    /// otherwise straight to the ready endpoints ([`ServicePort::endpoints`]).
+    pub node_ports: bool,
+}
+
+/// A PROXY protocol version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProxyProtocol {
+    /// The text header.
+    V1,
+    /// The binary header.
+    V2,
+}
+
+/// Annotations a Service gives load balancers.
+pub mod annotations {
+    /// Connections one Service's balancer forwards at once (default 1024).
+    pub const MAX_CONNECTIONS: &str = "tether.dev/lb-max-connections";
+    /// Idle time after which a forwarded connection is closed (default 1h; Go
+    /// duration syntax).
+    pub const IDLE_TIMEOUT: &str = "tether.dev/lb-idle-timeout";
+    /// The addresses wanted, comma-separated, at most one per family (dual-stack);
+    /// instead of the deprecated `spec.loadBalancerIP`.
+    pub const LOAD_BALANCER_IPS: &str = "tether.dev/load-balancer-ips";
+    /// Services naming the same key may share an address when their ports differ.
+    pub const SHARING_KEY: &str = "tether.dev/lb-sharing-key";
+    /// `v1` or `v2`: backends get a PROXY protocol header with the client's address.
+    pub const PROXY_PROTOCOL: &str = "tether.dev/lb-proxy-protocol";
+    /// The legacy annotation for source ranges (used when the spec field is empty).
+    pub const SOURCE_RANGES: &str = "service.beta.kubernetes.io/load-balancer-source-ranges";
 }
 
 /// Default of [`ServiceInfo::max_connections`] (annotation `tether.dev/lb-max-connections`).
@@ -133,6 +189,9 @@ pub struct ServicePort {
     pub port: u16,
     /// The node port traffic goes to.
     pub node_port: u16,
+    /// The ready endpoints (pod IP, targetPort) of this port, used when the Service
+    /// has no node ports.
+    pub endpoints: Vec<std::net::SocketAddr>,
 }
 
 /// A backend node of a load balancer.
@@ -181,6 +240,13 @@ pub trait LoadBalancers: Send + Sync {
     ) -> Result<(), CloudError>;
     /// Deletes the balancer (no error if it does not exist).
     async fn delete(&self, cluster: &str, svc: &ServiceInfo) -> Result<(), CloudError>;
+    /// Before any sync: what these Services' status shows they hold (their ingress
+    /// addresses) is theirs, never handed to another.
+    async fn restore(&self, _cluster: &str, _services: &[ServiceInfo]) {}
+    /// The controller stops (shutdown, lost lease) or is about to stand by: let go of
+    /// what only the leader may hold (listeners, addresses on this host), leaving the
+    /// balancers' recorded state for the next leader.
+    async fn release_all(&self, _cluster: &str) {}
 }
 
 /// A route: traffic for `cidr` goes to `node`'s address.
@@ -334,6 +400,12 @@ impl LoadBalancers for Limited<dyn LoadBalancers> {
     async fn delete(&self, cluster: &str, svc: &ServiceInfo) -> Result<(), CloudError> {
         self.gate.pass().await;
         self.inner.delete(cluster, svc).await
+    }
+    async fn restore(&self, cluster: &str, services: &[ServiceInfo]) {
+        self.inner.restore(cluster, services).await
+    }
+    async fn release_all(&self, cluster: &str) {
+        self.inner.release_all(cluster).await
     }
 }
 

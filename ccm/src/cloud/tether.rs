@@ -11,6 +11,10 @@
 //! routes:                    # optional, off when absent: THIS HOST is the pod-network
 //!   table: 254               # router; main table
 //!   protocol: 84             # marks our routes (`ip route show proto 84`)
+//! loadBalancer:              # addresses for LoadBalancer Services (see lb_addresses)
+//!   interface: eth0          # the leader adds and announces them here
+//!   pools:
+//!   - {name: public, addresses: [192.0.2.10-192.0.2.49]}
 //! nodes:
 //!   - name: node-a
 //!     region: eu-west
@@ -84,6 +88,9 @@ pub enum InventoryError {
         #[source]
         source: serde_yaml::Error,
     },
+    /// Load balancers are configured inconsistently (flags against the file).
+    #[error("{0}")]
+    LoadBalancer(String),
     /// Two entries for one node.
     #[error("cloud config {path}: node {name:?} is listed twice")]
     Duplicate {
@@ -132,7 +139,7 @@ pub struct InventoryAddress {
 }
 
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct File {
     #[serde(default)]
     nodes: Vec<Machine>,
@@ -140,6 +147,8 @@ struct File {
     agents: Option<super::agents::AgentsConfig>,
     #[serde(default)]
     routes: Option<super::host_routes::HostRoutesConfig>,
+    #[serde(default)]
+    load_balancer: Option<super::lb_addresses::LoadBalancerConfig>,
 }
 
 /// A parsed cloud config.
@@ -151,6 +160,8 @@ pub struct CloudConfig {
     pub agents: Option<super::agents::ConnectedAgents>,
     /// Where routes go; `None` (no `routes:` section): no routes at all.
     pub routes: Option<super::host_routes::HostRoutesConfig>,
+    /// Load-balancer address pools (validated); `None`: no `loadBalancer:` section.
+    pub load_balancer: Option<super::lb_addresses::Pools>,
 }
 
 const ADDRESS_TYPES: [&str; 5] = [
@@ -214,10 +225,22 @@ pub fn parse(path: &Path, text: &str) -> Result<CloudConfig, InventoryError> {
         }
         None => None,
     };
+    let load_balancer = match &file.load_balancer {
+        Some(lb) => {
+            Some(
+                super::lb_addresses::Pools::new(lb).map_err(|e| InventoryError::Parse {
+                    path: path.into(),
+                    source: serde::de::Error::custom(e),
+                })?,
+            )
+        }
+        None => None,
+    };
     Ok(CloudConfig {
         machines,
         agents,
         routes: file.routes,
+        load_balancer,
     })
 }
 
@@ -303,7 +326,8 @@ pub struct TetherProvider {
 
 impl TetherProvider {
     /// A provider over the inventory at `cloud_config`, with load balancers over the
-    /// tunnel when `lb` is given.
+    /// tunnel when `lb` is given (their addresses from the file's `loadBalancer:`
+    /// pools, else `lb.bind`).
     pub fn new(
         cloud_config: &Path,
         lb: Option<super::tunnel_lb::TunnelLbConfig>,
@@ -315,7 +339,19 @@ impl TetherProvider {
             routes: config
                 .routes
                 .map(|r| Arc::new(super::host_routes::HostRoutes::new(r))),
-            load_balancers: lb.map(|c| Arc::new(super::tunnel_lb::TunnelLoadBalancers::new(c))),
+            load_balancers: match (lb, config.load_balancer) {
+                (Some(c), pools) => Some(Arc::new(
+                    super::tunnel_lb::TunnelLoadBalancers::new(c, pools)
+                        .map_err(InventoryError::LoadBalancer)?,
+                )),
+                (None, Some(_)) => {
+                    return Err(InventoryError::LoadBalancer(format!(
+                        "cloud config {}: loadBalancer pools are configured but --tunnel-uds is not set: load balancers reach the nodes through the Tether server's socket",
+                        cloud_config.display()
+                    )))
+                }
+                (None, None) => None,
+            },
         })
     }
 }

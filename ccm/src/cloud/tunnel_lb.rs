@@ -1,39 +1,71 @@
-//! Load balancers over the tunnel, the `tether` provider's LoadBalancers: for each
-//! LoadBalancer Service the CCM listens on the control-plane side (`--lb-bind-address`,
-//! the Service's ports) and forwards every connection through the Tether server's gRPC
-//! frontend to a backend node's NodePort, round-robin, trying the next node when a dial
-//! fails. So Services in NAT-ed clusters are reachable with no cloud at all; the ingress
-//! IP is the bind address. Konnectivity dials TCP only: other ports are left out (the
-//! service controller says so in an event). A changed Service rebinds only the ports
-//! that changed; connections on the others carry on.
+//! Load balancers over the tunnel, the `tether` provider's LoadBalancers: each
+//! LoadBalancer Service gets its own addresses from the `loadBalancer:` pools (see
+//! [`super::lb_addresses`]; without pools, every Service shares `--lb-bind-address`
+//! and colliding ports are refused), held on the leader's interface (see
+//! [`super::announce`]). For each address and TCP port the CCM listens, and forwards
+//! every connection through the Tether server's gRPC frontend to a backend node's
+//! NodePort (round-robin, the next node when a dial fails), or with
+//! `allocateLoadBalancerNodePorts: false` to a ready endpoint's pod IP and targetPort.
+//! So Services in NAT-ed clusters are reachable with no cloud at all and no L2
+//! adjacency to the nodes. Konnectivity dials TCP only: other ports are left out (the
+//! service controller says so in an event). A changed Service rebinds only the
+//! listeners that changed; connections on the others carry on. An optional PROXY
+//! protocol header tells backends the client's address.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU16, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use async_trait::async_trait;
 use tether_client::Client;
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpListener;
 use tokio::sync::OnceCell;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use super::{Backend, CloudError, LoadBalancerStatus, LoadBalancers, ServiceInfo};
+use super::announce::Announcer;
+use super::lb_addresses::{Allocator, Family, Pools, Refusal, Request};
+use super::{
+    Backend, CloudError, LoadBalancerStatus, LoadBalancers, ProxyProtocol, ServiceInfo, ServicePort,
+};
 
-/// Where the balancers listen and how they reach the nodes.
+/// Where the balancers get their addresses and how they reach the nodes.
 #[derive(Debug, Clone)]
 pub struct TunnelLbConfig {
-    /// `--lb-bind-address`: listeners bind here; it is the ingress IP.
-    pub bind: IpAddr,
+    /// `--lb-bind-address`: without pools, every Service listens here (its ingress IP).
+    pub bind: Option<IpAddr>,
     /// The Tether server's gRPC frontend socket (`--tunnel-uds`).
     pub tunnel_uds: PathBuf,
 }
 
-/// One port's listener: where it forwards (changed in place) and its stop token.
+/// The implicit sharing key of Services sharing `--lb-bind-address`.
+const BIND_ADDRESS_SHARING: &str = "--lb-bind-address";
+
+/// Where one port's connections go (changed in place).
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum PortTarget {
+    /// The backend nodes' NodePort.
+    NodePort(u16),
+    /// Ready endpoints (pod IP, targetPort).
+    Endpoints(Vec<SocketAddr>),
+}
+
+impl PortTarget {
+    fn of(svc: &ServiceInfo, port: &ServicePort) -> PortTarget {
+        if svc.node_ports {
+            PortTarget::NodePort(port.node_port)
+        } else {
+            PortTarget::Endpoints(port.endpoints.clone())
+        }
+    }
+}
+
+/// One listener: where it forwards (changed in place) and its stop token.
 struct Listener {
-    node_port: Arc<AtomicU16>,
+    target: Arc<RwLock<PortTarget>>,
     stop: CancellationToken,
 }
 
@@ -46,6 +78,7 @@ struct Policy {
     ranges: Vec<tether_core::identifiers::Cidr>,
     max_connections: usize,
     idle_timeout: std::time::Duration,
+    proxy_protocol: Option<ProxyProtocol>,
 }
 
 impl Policy {
@@ -55,15 +88,19 @@ impl Policy {
             ranges: svc.source_ranges.clone(),
             max_connections: svc.max_connections,
             idle_timeout: svc.idle_timeout,
+            proxy_protocol: svc.proxy_protocol,
         }
     }
 
     fn admits(&self, ip: IpAddr) -> bool {
-        let ip = match ip {
-            IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(ip),
-            v4 => v4,
-        };
-        !self.restricted || self.ranges.iter().any(|r| r.contains(ip))
+        !self.restricted || self.ranges.iter().any(|r| r.contains(unmapped(ip)))
+    }
+}
+
+fn unmapped(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(ip),
+        v4 => v4,
     }
 }
 
@@ -79,35 +116,74 @@ struct Shared {
 }
 
 struct Balancer {
-    /// Listeners by Service port.
-    listeners: HashMap<u16, Listener>,
+    /// Its addresses, in the Service's family order.
+    addresses: Vec<IpAddr>,
+    /// Listeners by (address, port).
+    listeners: HashMap<SocketAddr, Listener>,
     shared: Shared,
 }
 
 /// The balancers, by Service UID.
 pub struct TunnelLoadBalancers {
-    cfg: TunnelLbConfig,
+    tunnel_uds: PathBuf,
     client: OnceCell<Client>,
+    allocator: Mutex<Allocator>,
+    /// Without pools: the one address every Service shares.
+    bind: Option<IpAddr>,
+    announcer: Option<Announcer>,
     balancers: Mutex<HashMap<String, Balancer>>,
 }
 
 impl TunnelLoadBalancers {
-    /// Balancers per `cfg` (the tunnel is connected on first use).
-    pub fn new(cfg: TunnelLbConfig) -> Self {
-        TunnelLoadBalancers {
-            cfg,
+    /// Balancers with addresses from `pools`, else `cfg.bind` (the tunnel is connected
+    /// on first use).
+    pub fn new(cfg: TunnelLbConfig, pools: Option<Pools>) -> Result<Self, String> {
+        let (pools, bind) = match (pools, cfg.bind) {
+            (Some(_), Some(bind)) => {
+                return Err(format!(
+                    "--lb-bind-address {bind} and loadBalancer pools in the cloud config: addresses come from the pools; drop --lb-bind-address"
+                ))
+            }
+            (Some(p), None) => (p, None),
+            (None, Some(bind)) => {
+                let single = super::lb_addresses::LoadBalancerConfig {
+                    interface: None,
+                    pools: vec![super::lb_addresses::PoolConfig {
+                        name: BIND_ADDRESS_SHARING.into(),
+                        addresses: vec![bind.to_string()],
+                        namespaces: Vec::new(),
+                    }],
+                };
+                (Pools::new(&single)?, Some(bind))
+            }
+            (None, None) => {
+                return Err(
+                    "load balancers need addresses: a loadBalancer section with pools in the cloud config (or --lb-bind-address)"
+                        .into(),
+                )
+            }
+        };
+        let announcer = pools
+            .interface
+            .clone()
+            .map(|i| Announcer::new(i, pools.clone()));
+        Ok(TunnelLoadBalancers {
+            tunnel_uds: cfg.tunnel_uds,
             client: OnceCell::new(),
+            allocator: Mutex::new(Allocator::new(pools)),
+            bind,
+            announcer,
             balancers: Mutex::new(HashMap::new()),
-        }
+        })
     }
 
     async fn client(&self) -> Result<Client, CloudError> {
         self.client
             .get_or_try_init(|| async {
-                Client::uds(&self.cfg.tunnel_uds).await.map_err(|e| {
+                Client::uds(&self.tunnel_uds).await.map_err(|e| {
                     CloudError::Provider(format!(
                         "cannot reach the Tether server at {}: {e}",
-                        self.cfg.tunnel_uds.display()
+                        self.tunnel_uds.display()
                     ))
                 })
             })
@@ -115,17 +191,87 @@ impl TunnelLoadBalancers {
             .cloned()
     }
 
-    fn status(&self) -> LoadBalancerStatus {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Balancer>> {
+        self.balancers.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn allocator(&self) -> std::sync::MutexGuard<'_, Allocator> {
+        self.allocator.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// What `svc` asks of the allocator; an unparsable requested address is refused.
+    fn request(&self, svc: &ServiceInfo) -> Result<Request, Refusal> {
+        let mut requested = Vec::new();
+        for r in &svc.requested_ips {
+            match r.parse::<IpAddr>() {
+                Ok(ip) => requested.push(ip),
+                Err(_) => {
+                    return Err(Refusal {
+                        reason: super::lb_addresses::reasons::INVALID,
+                        message: format!(
+                            "requested load-balancer address {r:?} is not an IP address"
+                        ),
+                    })
+                }
+            }
+        }
+        let families: Vec<Family> = match self.bind {
+            // The one shared address decides.
+            Some(bind) => vec![Family::of(bind)],
+            None => svc
+                .families
+                .iter()
+                .filter_map(|f| match f.as_str() {
+                    "IPv4" => Some(Family::V4),
+                    "IPv6" => Some(Family::V6),
+                    _ => None,
+                })
+                .collect(),
+        };
+        Ok(Request {
+            uid: svc.uid.clone(),
+            service: label(svc),
+            namespace: svc.namespace.clone(),
+            families,
+            require_all: svc.require_dual_stack,
+            requested,
+            current: svc
+                .current_ips
+                .iter()
+                .filter_map(|ip| ip.parse().ok())
+                .collect(),
+            sharing_key: match self.bind {
+                Some(_) => Some(BIND_ADDRESS_SHARING.into()),
+                None => svc.sharing_key.clone(),
+            },
+            ports: svc
+                .ports
+                .iter()
+                .filter(|p| p.protocol == "TCP")
+                .map(|p| (p.protocol.clone(), p.port))
+                .collect(),
+        })
+    }
+
+    fn status(addresses: &[IpAddr]) -> LoadBalancerStatus {
         LoadBalancerStatus {
-            ips: vec![self.cfg.bind.to_string()],
+            ips: addresses.iter().map(ToString::to_string).collect(),
             hostnames: Vec::new(),
             // Traffic must reach this proxy, never be short-cut by kube-proxy.
             proxy: true,
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Balancer>> {
-        self.balancers.lock().unwrap_or_else(|e| e.into_inner())
+    /// Lets go of addresses nobody holds any more (logged: the next ensure or the
+    /// start-up clean-up retries).
+    async fn let_go(&self, freed: Vec<IpAddr>) {
+        if let Some(a) = &self.announcer {
+            for ip in freed {
+                if let Err(e) = a.release(ip).await {
+                    tracing::warn!(%ip, error = %e, "cannot remove a load-balancer address");
+                }
+            }
+        }
     }
 }
 
@@ -140,7 +286,43 @@ impl LoadBalancers for TunnelLoadBalancers {
         _cluster: &str,
         svc: &ServiceInfo,
     ) -> Result<Option<LoadBalancerStatus>, CloudError> {
-        Ok(self.lock().contains_key(&svc.uid).then(|| self.status()))
+        Ok(self
+            .lock()
+            .get(&svc.uid)
+            .map(|b| Self::status(&b.addresses)))
+    }
+
+    async fn restore(&self, _cluster: &str, services: &[ServiceInfo]) {
+        let mut allocator = self.allocator();
+        for svc in services {
+            if let Ok(req) = self.request(svc) {
+                let kept = allocator.restore(&req);
+                if !kept.is_empty() {
+                    tracing::info!(service = %label(svc), addresses = ?kept, "load-balancer addresses read back");
+                }
+            }
+        }
+    }
+
+    async fn release_all(&self, _cluster: &str) {
+        let all: Vec<Balancer> = self.lock().drain().map(|(_, b)| b).collect();
+        for b in &all {
+            for l in b.listeners.values() {
+                l.stop.cancel();
+            }
+        }
+        self.allocator().clear();
+        if let Some(a) = &self.announcer {
+            match a.release_all().await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(
+                    addresses = n,
+                    interface = a.interface(),
+                    "load-balancer addresses let go"
+                ),
+                Err(e) => tracing::warn!(error = %e, "cannot remove load-balancer addresses"),
+            }
+        }
     }
 
     async fn ensure(
@@ -149,15 +331,24 @@ impl LoadBalancers for TunnelLoadBalancers {
         svc: &ServiceInfo,
         nodes: &[Backend],
     ) -> Result<LoadBalancerStatus, CloudError> {
-        let tcp: Vec<&super::ServicePort> =
-            svc.ports.iter().filter(|p| p.protocol == "TCP").collect();
-        if let Some(p) = tcp.iter().find(|p| p.node_port == 0) {
-            return Err(CloudError::Provider(format!(
-                "port {} has no nodePort yet",
-                p.port
-            )));
+        let tcp: Vec<&ServicePort> = svc.ports.iter().filter(|p| p.protocol == "TCP").collect();
+        if svc.node_ports {
+            if let Some(p) = tcp.iter().find(|p| p.node_port == 0) {
+                return Err(CloudError::Provider(format!(
+                    "port {} has no nodePort yet",
+                    p.port
+                )));
+            }
         }
         let client = self.client().await?;
+        let req = self.request(svc).map_err(refused)?;
+        let before: Vec<IpAddr> = self.allocator().holding(&svc.uid).to_vec();
+        let addresses = self.allocator().assign(&req).map_err(refused)?;
+        if let Some(a) = &self.announcer {
+            for ip in &addresses {
+                a.hold(*ip).await?;
+            }
+        }
         let (shared, mut keep) = {
             let mut all = self.lock();
             match all.remove(&svc.uid) {
@@ -179,78 +370,97 @@ impl LoadBalancers for TunnelLoadBalancers {
                 ),
             }
         };
-        // Ports gone: their listeners (and connections) stop. Ports kept: a new
-        // nodePort is picked up in place.
-        keep.retain(|port, l| {
-            let wanted = tcp.iter().find(|p| p.port == *port);
-            match wanted {
-                Some(p) => {
-                    l.node_port.store(p.node_port, Ordering::Relaxed);
-                    true
-                }
-                None => {
-                    l.stop.cancel();
-                    false
-                }
+        let wanted: Vec<(SocketAddr, PortTarget)> = addresses
+            .iter()
+            .flat_map(|ip| {
+                tcp.iter()
+                    .map(move |p| (SocketAddr::new(*ip, p.port), PortTarget::of(svc, p)))
+            })
+            .collect();
+        // Listeners gone: they stop (with their connections). Kept: a new target is
+        // picked up in place.
+        keep.retain(|addr, l| match wanted.iter().find(|(a, _)| a == addr) {
+            Some((_, target)) => {
+                *l.target.write().unwrap_or_else(|e| e.into_inner()) = target.clone();
+                true
+            }
+            None => {
+                l.stop.cancel();
+                false
             }
         });
         let mut added = Vec::new();
-        let new: Vec<&super::ServicePort> = tcp
+        let mut failed = None;
+        let new: Vec<&(SocketAddr, PortTarget)> = wanted
             .iter()
-            .copied()
-            .filter(|p| !keep.contains_key(&p.port))
+            .filter(|(a, _)| !keep.contains_key(a))
             .collect();
-        for port in new {
-            let addr = SocketAddr::new(self.cfg.bind, port.port);
+        for (addr, target) in new {
             let listener = match TcpListener::bind(addr).await {
                 Ok(l) => l,
                 Err(e) => {
-                    // What was serving before keeps serving; the new ports are retried.
-                    for p in added {
-                        if let Some(l) = keep.remove(&p) {
-                            l.stop.cancel();
-                        }
-                    }
-                    self.lock().insert(
-                        svc.uid.clone(),
-                        Balancer {
-                            listeners: keep,
-                            shared,
-                        },
-                    );
-                    return Err(CloudError::Provider(format!(
+                    failed = Some(CloudError::Provider(format!(
                         "cannot listen on {addr} for {}: {e}",
                         label(svc)
                     )));
+                    break;
                 }
             };
             let stop = CancellationToken::new();
-            let node_port = Arc::new(AtomicU16::new(port.node_port));
+            let target = Arc::new(RwLock::new(target.clone()));
             let span = tracing::info_span!("load_balancer", service = %label(svc), %addr);
             tokio::spawn(
                 serve(
                     listener,
                     client.clone(),
                     shared.clone(),
-                    node_port.clone(),
+                    target.clone(),
                     stop.clone(),
                 )
                 .instrument(span),
             );
-            keep.insert(port.port, Listener { node_port, stop });
-            added.push(port.port);
+            keep.insert(*addr, Listener { target, stop });
+            added.push(*addr);
+        }
+        if let Some(e) = failed {
+            // What was serving before keeps serving; the new listeners are retried.
+            for a in added {
+                if let Some(l) = keep.remove(&a) {
+                    l.stop.cancel();
+                }
+            }
+            let old = before.clone();
+            self.lock().insert(
+                svc.uid.clone(),
+                Balancer {
+                    addresses: old,
+                    listeners: keep,
+                    shared,
+                },
+            );
+            return Err(e);
         }
         if !added.is_empty() {
-            tracing::info!(service = %label(svc), bind = %self.cfg.bind, ports = ?added, nodes = nodes.len(), "load balancer listening");
+            tracing::info!(service = %label(svc), listeners = ?added, nodes = nodes.len(), "load balancer listening");
         }
         self.lock().insert(
             svc.uid.clone(),
             Balancer {
+                addresses: addresses.clone(),
                 listeners: keep,
                 shared,
             },
         );
-        Ok(self.status())
+        // Addresses this Service moved off, if nobody else holds them.
+        let gone: Vec<IpAddr> = {
+            let allocator = self.allocator();
+            before
+                .into_iter()
+                .filter(|ip| !addresses.contains(ip) && !allocator.is_held(*ip))
+                .collect()
+        };
+        self.let_go(gone).await;
+        Ok(Self::status(&addresses))
     }
 
     async fn update(
@@ -272,23 +482,34 @@ impl LoadBalancers for TunnelLoadBalancers {
     }
 
     async fn delete(&self, _cluster: &str, svc: &ServiceInfo) -> Result<(), CloudError> {
-        if let Some(b) = self.lock().remove(&svc.uid) {
+        let removed = self.lock().remove(&svc.uid);
+        let freed = self.allocator().release(&svc.uid);
+        if let Some(b) = removed {
             for l in b.listeners.into_values() {
                 l.stop.cancel();
             }
             tracing::info!(service = %label(svc), "load balancer removed");
         }
+        self.let_go(freed).await;
         Ok(())
     }
 }
 
-/// Accepts until `stop`; a client outside the Service's source ranges is closed at
-/// once; each other connection goes to the next node that answers.
+fn refused(r: Refusal) -> CloudError {
+    CloudError::Refused {
+        reason: r.reason.into(),
+        message: r.message,
+    }
+}
+
+/// Accepts until `stop`; a client outside the Service's source ranges, or over its
+/// connection limit, is closed at once; each other connection goes to the next backend
+/// that answers.
 async fn serve(
     listener: TcpListener,
     client: Client,
     shared: Shared,
-    node_port: Arc<AtomicU16>,
+    target: Arc<RwLock<PortTarget>>,
     stop: CancellationToken,
 ) {
     let next = Arc::new(AtomicUsize::new(0));
@@ -333,36 +554,46 @@ async fn serve(
         }
         result("accepted").inc();
         let open = OpenGuard::new(shared.active.clone());
-        let (client, nodes, next, stop) = (
-            client.clone(),
-            shared.nodes.clone(),
-            next.clone(),
-            stop.clone(),
-        );
+        // The backends now: the nodes' NodePort, or the ready endpoints.
+        let candidates: Vec<(String, SocketAddr)> =
+            match &*target.read().unwrap_or_else(|e| e.into_inner()) {
+                PortTarget::NodePort(port) => shared
+                    .nodes
+                    .read()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .iter()
+                    .filter_map(|n| {
+                        Some((
+                            n.name.clone(),
+                            SocketAddr::new(n.address.parse().ok()?, *port),
+                        ))
+                    })
+                    .collect(),
+                PortTarget::Endpoints(eps) => eps.iter().map(|e| (e.to_string(), *e)).collect(),
+            };
+        let (client, next, stop) = (client.clone(), next.clone(), stop.clone());
         let (no_backend, to_backend, to_client) =
             (result("no_backend"), to_backend.clone(), to_client.clone());
-        let idle_timeout = policy.idle_timeout;
-        let node_port = node_port.load(Ordering::Relaxed);
         tokio::spawn(
             async move {
-                let candidates = nodes.read().unwrap_or_else(|e| e.into_inner()).clone();
                 if candidates.is_empty() {
                     no_backend.inc();
-                    tracing::info!("no ready node to forward to; connection closed");
+                    tracing::info!("no ready backend to forward to; connection closed");
                     return;
                 }
+                let local = conn.local_addr().ok();
                 let start = next.fetch_add(1, Ordering::Relaxed);
                 for i in 0..candidates.len() {
-                    let node = &candidates[(start + i) % candidates.len()];
-                    let target = SocketAddr::new(
-                        match node.address.parse() {
-                            Ok(ip) => ip,
-                            Err(_) => continue,
-                        },
-                        node_port,
-                    );
+                    let (name, target) = &candidates[(start + i) % candidates.len()];
                     match client.dial(&target.to_string()).await {
-                        Ok(upstream) => {
+                        Ok(mut upstream) => {
+                            if let (Some(version), Some(local)) = (policy.proxy_protocol, local) {
+                                let header = proxy_header(version, peer, local);
+                                if let Err(e) = upstream.write_all(&header).await {
+                                    tracing::debug!(error = %e, backend = %name, "cannot send the PROXY header");
+                                    return;
+                                }
+                            }
                             let last = Arc::new(std::sync::atomic::AtomicU64::new(0));
                             let epoch = tokio::time::Instant::now();
                             let mut a = Tracked { inner: &mut conn, last: last.clone(), epoch };
@@ -374,11 +605,11 @@ async fn serve(
                                             to_backend.inc_by(up);
                                             to_client.inc_by(down);
                                         }
-                                        Err(e) => tracing::debug!(error = %e, node = %node.name, "forwarded connection ended with an error"),
+                                        Err(e) => tracing::debug!(error = %e, backend = %name, "forwarded connection ended with an error"),
                                     }
                                 }
-                                _ = idle(last, epoch, idle_timeout) => {
-                                    tracing::debug!(timeout = ?idle_timeout, "idle connection closed");
+                                _ = idle(last, epoch, policy.idle_timeout) => {
+                                    tracing::debug!(timeout = ?policy.idle_timeout, "idle connection closed");
                                 }
                                 _ = stop.cancelled() => {}
                             }
@@ -386,15 +617,59 @@ async fn serve(
                             return;
                         }
                         Err(e) => {
-                            tracing::warn!(node = %node.name, %target, error = %e, "dial through the tunnel failed; trying the next node");
+                            tracing::warn!(backend = %name, %target, error = %e, "dial through the tunnel failed; trying the next backend");
                         }
                     }
                 }
                 no_backend.inc();
-                tracing::warn!("no node answered; connection closed");
+                tracing::warn!("no backend answered; connection closed");
             }
             .instrument(tracing::debug_span!("lb_conn", %peer)),
         );
+    }
+}
+
+/// The PROXY protocol header telling a backend that `client` connected to `local`
+/// (v1: the text line; v2: the binary form). IPv4-mapped addresses count as IPv4.
+fn proxy_header(version: ProxyProtocol, client: SocketAddr, local: SocketAddr) -> Vec<u8> {
+    let (src, dst) = (unmapped(client.ip()), unmapped(local.ip()));
+    // Mixed families (cannot happen on one socket, but be safe): as IPv6.
+    let (src, dst) = match (src, dst) {
+        (IpAddr::V4(s), IpAddr::V6(d)) => (IpAddr::V6(s.to_ipv6_mapped()), IpAddr::V6(d)),
+        (IpAddr::V6(s), IpAddr::V4(d)) => (IpAddr::V6(s), IpAddr::V6(d.to_ipv6_mapped())),
+        other => other,
+    };
+    match version {
+        ProxyProtocol::V1 => {
+            let family = if src.is_ipv4() { "TCP4" } else { "TCP6" };
+            format!(
+                "PROXY {family} {src} {dst} {} {}\r\n",
+                client.port(),
+                local.port()
+            )
+            .into_bytes()
+        }
+        ProxyProtocol::V2 => {
+            let mut h = b"\r\n\r\n\0\r\nQUIT\n".to_vec();
+            // Version 2, PROXY command.
+            h.push(0x21);
+            let addresses: Vec<u8> = match (src, dst) {
+                (IpAddr::V4(s), IpAddr::V4(d)) => {
+                    h.push(0x11); // TCP over IPv4
+                    [&s.octets()[..], &d.octets()[..]].concat()
+                }
+                (IpAddr::V6(s), IpAddr::V6(d)) => {
+                    h.push(0x21); // TCP over IPv6
+                    [&s.octets()[..], &d.octets()[..]].concat()
+                }
+                _ => unreachable!("families made equal above"),
+            };
+            h.extend(((addresses.len() + 4) as u16).to_be_bytes());
+            h.extend(addresses);
+            h.extend(client.port().to_be_bytes());
+            h.extend(local.port().to_be_bytes());
+            h
+        }
     }
 }
 
@@ -471,5 +746,38 @@ async fn idle(
             return;
         }
         tokio::time::sleep_until(at).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proxy_headers_follow_the_spec() {
+        let client: SocketAddr = "192.0.2.7:51000".parse().unwrap();
+        let local: SocketAddr = "[::ffff:198.51.100.1]:443".parse().unwrap();
+        assert_eq!(
+            proxy_header(ProxyProtocol::V1, client, local),
+            b"PROXY TCP4 192.0.2.7 198.51.100.1 51000 443\r\n"
+        );
+        let v2 = proxy_header(ProxyProtocol::V2, client, local);
+        assert_eq!(&v2[..12], b"\r\n\r\n\0\r\nQUIT\n");
+        assert_eq!(&v2[12..16], &[0x21, 0x11, 0, 12]);
+        assert_eq!(&v2[16..20], &[192, 0, 2, 7]);
+        assert_eq!(&v2[24..28], &[0xc7, 0x38, 0x01, 0xbb]);
+        let six = proxy_header(
+            ProxyProtocol::V1,
+            "[2001:db8::7]:1".parse().unwrap(),
+            "[2001:db8::1]:2".parse().unwrap(),
+        );
+        assert_eq!(six, b"PROXY TCP6 2001:db8::7 2001:db8::1 1 2\r\n");
+        let six2 = proxy_header(
+            ProxyProtocol::V2,
+            "[2001:db8::7]:1".parse().unwrap(),
+            "[2001:db8::1]:2".parse().unwrap(),
+        );
+        assert_eq!(&six2[13..16], &[0x21, 0, 36]);
+        assert_eq!(six2.len(), 16 + 36);
     }
 }

@@ -21,7 +21,10 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::{ready_status, taints, Context, SyncError, Target};
-use crate::cloud::{Backend, LoadBalancerStatus, LoadBalancers, ServiceInfo, ServicePort};
+use crate::cloud::{
+    annotations, Backend, CloudError, LoadBalancerStatus, LoadBalancers, ProxyProtocol,
+    ServiceInfo, ServicePort,
+};
 use crate::workqueue::{Outcome, WorkQueue};
 
 /// Our finalizer on Services with a balancer.
@@ -58,6 +61,9 @@ pub struct ServiceController {
     /// Balancers we ensured, by Service key, with the nodes they were given (to clean
     /// up one whose Service vanished, and to call `update` when only nodes changed).
     applied: Mutex<HashMap<String, (ServiceInfo, Vec<Backend>)>>,
+    /// Services the provider refused as written (event sent), by key: not asked again
+    /// until the Service changes or a balancer goes away (freeing what it held).
+    refused: Mutex<HashMap<String, ServiceInfo>>,
 }
 
 impl ServiceController {
@@ -82,6 +88,7 @@ impl ServiceController {
             node_events,
             cfg,
             applied: Mutex::new(HashMap::new()),
+            refused: Mutex::new(HashMap::new()),
         }
     }
 
@@ -104,9 +111,20 @@ impl ServiceController {
         }
     }
 
-    /// Runs until `shutdown`.
+    /// Runs until `shutdown`, then lets the provider release what only the leader
+    /// holds.
     pub async fn run(self, shutdown: CancellationToken) {
         let this = Arc::new(self);
+        // What the Services' status shows they hold stays theirs, whatever order they
+        // sync in.
+        let held: Vec<ServiceInfo> = this
+            .services
+            .state()
+            .iter()
+            .filter(|s| this.ours(s) && has_ingress(s))
+            .map(|s| service_info(s, &this.endpoints))
+            .collect();
+        this.lbs.restore(&this.cfg.cluster_name, &held).await;
         // Node set changes: update every balancer.
         {
             let this = this.clone();
@@ -153,6 +171,7 @@ impl ServiceController {
         }
         // `--concurrent-service-syncs` workers.
         let (queue, workers) = (this.queue.clone(), this.cfg.workers);
+        let last = this.clone();
         queue
             .work(workers, shutdown, move |key| {
                 let this = this.clone();
@@ -165,6 +184,7 @@ impl ServiceController {
                 }
             })
             .await;
+        last.lbs.release_all(&last.cfg.cluster_name).await;
     }
 
     /// Nodes eligible as backends: Ready, not excluded, not being deleted, with an
@@ -219,9 +239,11 @@ impl ServiceController {
         let Some(svc) = svc else {
             // Gone (without our finalizer, e.g. deleted with --cascade=orphan of
             // finalizers): drop any balancer we made for it.
+            self.refused().remove(key);
             let info = self.applied().remove(key);
             if let Some((info, _)) = info {
                 self.lbs.delete(&self.cfg.cluster_name, &info).await?;
+                self.retry_refused();
             }
             return Ok(());
         };
@@ -239,6 +261,17 @@ impl ServiceController {
         self.applied.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    fn refused(&self) -> std::sync::MutexGuard<'_, HashMap<String, ServiceInfo>> {
+        self.refused.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A balancer went away: what was refused for want of its addresses may fit now.
+    fn retry_refused(&self) {
+        for key in std::mem::take(&mut *self.refused()).into_keys() {
+            self.queue.add(&key);
+        }
+    }
+
     async fn ensure(&self, key: &str, svc: &Service) -> Result<(), SyncError> {
         let api: Api<Service> = Api::namespaced(
             self.ctx.client.clone(),
@@ -250,7 +283,12 @@ impl ServiceController {
             finalizers.push(FINALIZER.into());
             set_finalizers(&api, svc, &finalizers).await?;
         }
-        let info = service_info(svc);
+        let info = service_info(svc, &self.endpoints);
+        if self.refused().get(key) == Some(&info) {
+            // Said once already; nothing changed since.
+            return Ok(());
+        }
+        self.refused().remove(key);
         let nodes = self.backends_for(svc);
         let before = self.applied().get(key).cloned();
         // Same Service, new node set: just point the balancer at the new nodes.
@@ -311,6 +349,14 @@ impl ServiceController {
         crate::metrics::get().lb_syncs.inc();
         let status = match self.lbs.ensure(&self.cfg.cluster_name, &info, &nodes).await {
             Ok(s) => s,
+            Err(CloudError::Refused { reason, message }) => {
+                tracing::info!(service = %key, %reason, %message, "load balancer refused as written");
+                self.ctx
+                    .event(&target, true, &reason, "EnsureLoadBalancer", message)
+                    .await;
+                self.refused().insert(key.to_string(), info);
+                return Ok(());
+            }
             Err(e) => {
                 self.ctx
                     .event(
@@ -378,7 +424,8 @@ impl ServiceController {
             .applied()
             .get(key)
             .map(|(info, _)| info.clone())
-            .unwrap_or_else(|| service_info(svc));
+            .unwrap_or_else(|| service_info(svc, &self.endpoints));
+        self.refused().remove(key);
         if let Err(e) = self.lbs.delete(&self.cfg.cluster_name, &info).await {
             self.ctx
                 .event(
@@ -392,6 +439,7 @@ impl ServiceController {
             return Err(e.into());
         }
         self.applied().remove(key);
+        self.retry_refused();
         if has_ingress(svc) && svc.metadata.deletion_timestamp.is_none() {
             api.patch_status(
                 &svc.name_any(),
@@ -471,39 +519,39 @@ fn target(svc: &Service) -> Target {
     }
 }
 
-/// The provider's view of `svc`.
-pub fn service_info(svc: &Service) -> ServiceInfo {
-    let ports = svc
-        .spec
-        .as_ref()
-        .and_then(|s| s.ports.as_ref())
-        .map(|ports| {
-            ports
-                .iter()
-                .map(|p| ServicePort {
-                    name: p.name.clone().unwrap_or_default(),
-                    protocol: p.protocol.clone().unwrap_or_else(|| "TCP".into()),
-                    port: u16::try_from(p.port).unwrap_or(0),
-                    node_port: p.node_port.and_then(|n| u16::try_from(n).ok()).unwrap_or(0),
-                })
-                .collect()
+/// The provider's view of `svc`, with the ready endpoints of each port from `endpoints`
+/// (the Service's Endpoints object, if any).
+pub fn service_info(
+    svc: &Service,
+    endpoints: &Store<k8s_openapi::api::core::v1::Endpoints>,
+) -> ServiceInfo {
+    let key = ObjectRef::new(&svc.name_any()).within(&svc.namespace().unwrap_or_default());
+    info_of(svc, endpoints.get(&key).as_deref())
+}
+
+fn info_of(
+    svc: &Service,
+    endpoints: Option<&k8s_openapi::api::core::v1::Endpoints>,
+) -> ServiceInfo {
+    let spec = svc.spec.clone().unwrap_or_default();
+    let ports = spec
+        .ports
+        .iter()
+        .flatten()
+        .map(|p| {
+            let name = p.name.clone().unwrap_or_default();
+            ServicePort {
+                protocol: p.protocol.clone().unwrap_or_else(|| "TCP".into()),
+                port: u16::try_from(p.port).unwrap_or(0),
+                node_port: p.node_port.and_then(|n| u16::try_from(n).ok()).unwrap_or(0),
+                endpoints: ready_endpoints(endpoints, &name),
+                name,
+            }
         })
-        .unwrap_or_default();
-    let spec_ranges: Vec<String> = svc
-        .spec
-        .as_ref()
-        .and_then(|s| s.load_balancer_source_ranges.clone())
-        .unwrap_or_default();
+        .collect();
+    let spec_ranges: Vec<String> = spec.load_balancer_source_ranges.clone().unwrap_or_default();
     let ranges: Vec<String> = if spec_ranges.is_empty() {
-        svc.annotations()
-            .get(SOURCE_RANGES_ANNOTATION)
-            .map(|v| {
-                v.split(',')
-                    .map(|r| r.trim().to_string())
-                    .filter(|r| !r.is_empty())
-                    .collect()
-            })
-            .unwrap_or_default()
+        list_annotation(svc, annotations::SOURCE_RANGES)
     } else {
         spec_ranges
     };
@@ -515,7 +563,37 @@ pub fn service_info(svc: &Service) -> ServiceInfo {
             Err(_) => invalid_source_ranges.push(r),
         }
     }
-    let (max_connections, idle_timeout, _) = limits(svc);
+    let (max_connections, idle_timeout, proxy_protocol, _) = limits(svc);
+    let families = match &spec.ip_families {
+        Some(f) if !f.is_empty() => f.clone(),
+        // Before dual-stack (1.20 without the gate): the cluster IP's family.
+        _ => match spec
+            .cluster_ip
+            .as_deref()
+            .map(str::parse::<std::net::IpAddr>)
+        {
+            Some(Ok(std::net::IpAddr::V6(_))) => vec!["IPv6".into()],
+            _ => vec!["IPv4".into()],
+        },
+    };
+    let requested_ips = match list_annotation(svc, annotations::LOAD_BALANCER_IPS) {
+        list if !list.is_empty() => list,
+        _ => spec
+            .load_balancer_ip
+            .clone()
+            .filter(|ip| !ip.is_empty())
+            .into_iter()
+            .collect(),
+    };
+    let current_ips = svc
+        .status
+        .as_ref()
+        .and_then(|s| s.load_balancer.as_ref())
+        .and_then(|l| l.ingress.as_ref())
+        .into_iter()
+        .flatten()
+        .filter_map(|i| i.ip.clone())
+        .collect();
     ServiceInfo {
         namespace: svc.namespace().unwrap_or_default(),
         name: svc.name_any(),
@@ -525,52 +603,121 @@ pub fn service_info(svc: &Service) -> ServiceInfo {
         invalid_source_ranges,
         max_connections,
         idle_timeout,
+        families,
+        require_dual_stack: spec.ip_family_policy.as_deref() == Some("RequireDualStack"),
+        requested_ips,
+        current_ips,
+        sharing_key: svc
+            .annotations()
+            .get(annotations::SHARING_KEY)
+            .map(|k| k.trim().to_string())
+            .filter(|k| !k.is_empty()),
+        proxy_protocol,
+        node_ports: spec.allocate_load_balancer_node_ports != Some(false),
     }
 }
 
-/// Annotation: connections one Service's balancer forwards at once (default 1024).
-pub const MAX_CONNECTIONS_ANNOTATION: &str = "tether.dev/lb-max-connections";
-/// Annotation: idle time after which a forwarded connection is closed (default 1h;
-/// Go duration syntax).
-pub const IDLE_TIMEOUT_ANNOTATION: &str = "tether.dev/lb-idle-timeout";
+/// A comma-separated annotation's entries.
+fn list_annotation(svc: &Service, name: &str) -> Vec<String> {
+    svc.annotations()
+        .get(name)
+        .map(|v| {
+            v.split(',')
+                .map(|r| r.trim().to_string())
+                .filter(|r| !r.is_empty())
+                .collect()
+        })
+        .unwrap_or_default()
+}
 
-/// The Service's limits from its annotations, the defaults where absent or invalid,
-/// and what was invalid.
-fn limits(svc: &Service) -> (usize, std::time::Duration, Vec<String>) {
+/// The ready (pod IP, targetPort) pairs of the Service port called `port_name`.
+fn ready_endpoints(
+    endpoints: Option<&k8s_openapi::api::core::v1::Endpoints>,
+    port_name: &str,
+) -> Vec<std::net::SocketAddr> {
+    let mut out = Vec::new();
+    for subset in endpoints
+        .into_iter()
+        .flat_map(|e| e.subsets.iter().flatten())
+    {
+        let port = subset
+            .ports
+            .iter()
+            .flatten()
+            .find(|p| p.name.as_deref().unwrap_or("") == port_name)
+            .and_then(|p| u16::try_from(p.port).ok());
+        let Some(port) = port else { continue };
+        for a in subset.addresses.iter().flatten() {
+            if let Ok(ip) = a.ip.parse() {
+                out.push(std::net::SocketAddr::new(ip, port));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// The Service's limits and PROXY protocol version from its annotations, the defaults
+/// where absent or invalid, and what was invalid.
+fn limits(
+    svc: &Service,
+) -> (
+    usize,
+    std::time::Duration,
+    Option<ProxyProtocol>,
+    Vec<String>,
+) {
     let a = svc.annotations();
     let mut problems = Vec::new();
-    let max = match a.get(MAX_CONNECTIONS_ANNOTATION) {
+    let max = match a.get(annotations::MAX_CONNECTIONS) {
         None => crate::cloud::DEFAULT_MAX_CONNECTIONS,
         Some(v) => match v.trim().parse::<usize>() {
             Ok(n) if n > 0 => n,
             _ => {
                 problems.push(format!(
-                    "{MAX_CONNECTIONS_ANNOTATION}={v:?} is not a positive number"
+                    "{}={v:?} is not a positive number",
+                    annotations::MAX_CONNECTIONS
                 ));
                 crate::cloud::DEFAULT_MAX_CONNECTIONS
             }
         },
     };
-    let idle = match a.get(IDLE_TIMEOUT_ANNOTATION) {
+    let idle = match a.get(annotations::IDLE_TIMEOUT) {
         None => crate::cloud::DEFAULT_IDLE_TIMEOUT,
         Some(v) => match tether_core::duration::parse(v.trim()) {
             Ok(d) if !d.is_zero() => d,
             _ => {
                 problems.push(format!(
-                    "{IDLE_TIMEOUT_ANNOTATION}={v:?} is not a positive duration like 10m"
+                    "{}={v:?} is not a positive duration like 10m",
+                    annotations::IDLE_TIMEOUT
                 ));
                 crate::cloud::DEFAULT_IDLE_TIMEOUT
             }
         },
     };
-    (max, idle, problems)
+    let proxy = match a
+        .get(annotations::PROXY_PROTOCOL)
+        .map(|v| v.trim().to_ascii_lowercase())
+    {
+        None => None,
+        Some(v) if v == "v1" => Some(ProxyProtocol::V1),
+        Some(v) if v == "v2" => Some(ProxyProtocol::V2),
+        Some(v) => {
+            problems.push(format!(
+                "{}={v:?} is not v1 or v2 (no PROXY header is sent)",
+                annotations::PROXY_PROTOCOL
+            ));
+            None
+        }
+    };
+    (max, idle, proxy, problems)
 }
 
 /// The Warning events `svc`'s balancer owes (reason, message): what in the Service
 /// cannot be served as written.
 fn service_warnings(svc: &Service, info: &ServiceInfo) -> Vec<(&'static str, String)> {
     let mut out = Vec::new();
-    let (_, _, bad_limits) = limits(svc);
+    let (_, _, _, bad_limits) = limits(svc);
     if !bad_limits.is_empty() {
         out.push((
             "InvalidAnnotation",
@@ -603,9 +750,6 @@ fn service_warnings(svc: &Service, info: &ServiceInfo) -> Vec<(&'static str, Str
     }
     out
 }
-
-/// The legacy annotation for source ranges (used when the spec field is empty).
-pub const SOURCE_RANGES_ANNOTATION: &str = "service.beta.kubernetes.io/load-balancer-source-ranges";
 
 /// `node` as a backend, if eligible.
 pub fn eligible(node: &Node) -> Option<Backend> {
@@ -665,12 +809,12 @@ mod tests {
     fn what_cannot_be_served_as_written_is_said_and_the_defaults_apply() {
         let mut svc: Service = serde_json::from_value(json!({
             "metadata": {"name": "s", "namespace": "d", "annotations": {
-                MAX_CONNECTIONS_ANNOTATION: "0", IDLE_TIMEOUT_ANNOTATION: "90s"}},
+                annotations::MAX_CONNECTIONS: "0", annotations::IDLE_TIMEOUT: "90s"}},
             "spec": {"type": "LoadBalancer", "loadBalancerSourceRanges": ["10.0.0.0/8", "nope"],
                      "ports": [{"port": 53, "protocol": "UDP"}, {"port": 80, "nodePort": 30080}]}
         }))
         .unwrap();
-        let info = service_info(&svc);
+        let info = info_of(&svc, None);
         assert_eq!(
             (info.max_connections, info.idle_timeout),
             (
@@ -690,7 +834,7 @@ mod tests {
         svc.metadata.annotations = None;
         svc.spec.as_mut().unwrap().load_balancer_source_ranges = None;
         svc.spec.as_mut().unwrap().ports.as_mut().unwrap().remove(0);
-        let info = service_info(&svc);
+        let info = info_of(&svc, None);
         assert!(service_warnings(&svc, &info).is_empty());
         assert_eq!(info.idle_timeout, crate::cloud::DEFAULT_IDLE_TIMEOUT);
     }

@@ -1,0 +1,363 @@
+//! Holding load-balancer addresses on the leader's host: each address is added to the
+//! configured interface over rtnetlink (/32 or /128; IPv6 without duplicate address
+//! detection, which would delay a takeover by seconds) and announced so that neighbours
+//! move their caches to this host at once: gratuitous ARP for IPv4, an unsolicited
+//! neighbour advertisement (override set) for IPv6, sent three times a second apart.
+//! Addresses go again when the leader steps down; a replica about to stand by removes
+//! any pool address a crashed predecessor left on its interface. Adding and removing
+//! need CAP_NET_ADMIN, announcing CAP_NET_RAW.
+
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::TryStreamExt;
+use rtnetlink::packet_route::address::{AddressAttribute, AddressFlags, AddressHeaderFlags};
+use rtnetlink::packet_route::link::LinkAttribute;
+
+use super::lb_addresses::Pools;
+use super::netlink::{errno, Netlink};
+use super::CloudError;
+
+/// Announcements per address taken (the first at once, then one a second).
+const ANNOUNCEMENTS: u32 = 3;
+
+/// Adds, announces and removes pool addresses on one interface.
+pub struct Announcer {
+    interface: String,
+    pools: Pools,
+    netlink: Netlink,
+}
+
+/// The interface's index and hardware address.
+#[derive(Debug, Clone, Copy)]
+struct Link {
+    index: u32,
+    mac: [u8; 6],
+}
+
+impl Announcer {
+    /// Addresses of `pools` on `interface`.
+    pub fn new(interface: String, pools: Pools) -> Self {
+        Announcer {
+            interface,
+            pools,
+            netlink: Netlink::default(),
+        }
+    }
+
+    /// The interface it announces on.
+    pub fn interface(&self) -> &str {
+        &self.interface
+    }
+
+    async fn link(&self) -> Result<Link, CloudError> {
+        let handle = self.netlink.handle().await?;
+        let mut links = handle
+            .link()
+            .get()
+            .match_name(self.interface.clone())
+            .execute();
+        let msg = match links.try_next().await {
+            Ok(Some(m)) => m,
+            Ok(None) => return Err(self.no_interface()),
+            Err(e) if errno(&e) == Some(libc::ENODEV) => return Err(self.no_interface()),
+            Err(e) => {
+                return Err(self
+                    .netlink
+                    .failed(format!("cannot read interface {}", self.interface), &e)
+                    .await)
+            }
+        };
+        let mac = msg
+            .attributes
+            .iter()
+            .find_map(|a| match a {
+                LinkAttribute::Address(m) if m.len() == 6 => {
+                    let mut mac = [0u8; 6];
+                    mac.copy_from_slice(m);
+                    Some(mac)
+                }
+                _ => None,
+            })
+            .unwrap_or([0; 6]);
+        Ok(Link {
+            index: msg.header.index,
+            mac,
+        })
+    }
+
+    fn no_interface(&self) -> CloudError {
+        CloudError::Provider(format!(
+            "loadBalancer.interface {:?} does not exist on this host",
+            self.interface
+        ))
+    }
+
+    /// Adds `ip` to the interface (already there is fine) and announces it.
+    pub async fn hold(&self, ip: IpAddr) -> Result<(), CloudError> {
+        let link = self.link().await?;
+        let handle = self.netlink.handle().await?;
+        let prefix = if ip.is_ipv4() { 32 } else { 128 };
+        let mut add = handle.address().add(link.index, ip, prefix);
+        if ip.is_ipv6() {
+            let msg = add.message_mut();
+            msg.header.flags = AddressHeaderFlags::Nodad;
+            msg.attributes
+                .push(AddressAttribute::Flags(AddressFlags::Nodad));
+        }
+        match add.execute().await {
+            Ok(()) => {
+                tracing::info!(%ip, interface = %self.interface, "load-balancer address added")
+            }
+            Err(e) if errno(&e) == Some(libc::EEXIST) => {}
+            Err(e) => {
+                return Err(self
+                    .netlink
+                    .failed(
+                        format!("cannot add {ip} to interface {}", self.interface),
+                        &e,
+                    )
+                    .await)
+            }
+        }
+        // The first announcement now (a failure is the caller's to report), the rest in
+        // the background for neighbours that missed it.
+        announce(link, ip).map_err(|e| {
+            CloudError::Provider(format!(
+                "cannot announce {ip} on {}: {e}{}",
+                self.interface,
+                if e.raw_os_error() == Some(libc::EPERM) {
+                    " (the CCM needs CAP_NET_RAW to announce addresses)"
+                } else {
+                    ""
+                }
+            ))
+        })?;
+        let iface: Arc<str> = self.interface.as_str().into();
+        tokio::spawn(async move {
+            for _ in 1..ANNOUNCEMENTS {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                if let Err(e) = announce(link, ip) {
+                    tracing::warn!(%ip, interface = %iface, error = %e, "announcement failed");
+                }
+            }
+        });
+        Ok(())
+    }
+
+    /// Removes `ip` from the interface (not there is fine).
+    pub async fn release(&self, ip: IpAddr) -> Result<(), CloudError> {
+        let link = self.link().await?;
+        let handle = self.netlink.handle().await?;
+        let mut dump = handle
+            .address()
+            .get()
+            .set_link_index_filter(link.index)
+            .set_address_filter(ip)
+            .execute();
+        loop {
+            match dump.try_next().await {
+                Ok(Some(msg)) => match handle.address().del(msg).execute().await {
+                    Ok(()) => {
+                        tracing::info!(%ip, interface = %self.interface, "load-balancer address removed")
+                    }
+                    Err(e) if errno(&e) == Some(libc::EADDRNOTAVAIL) => {}
+                    Err(e) => {
+                        return Err(self
+                            .netlink
+                            .failed(
+                                format!("cannot remove {ip} from interface {}", self.interface),
+                                &e,
+                            )
+                            .await)
+                    }
+                },
+                Ok(None) => return Ok(()),
+                Err(e) => {
+                    return Err(self
+                        .netlink
+                        .failed(format!("cannot list addresses of {}", self.interface), &e)
+                        .await)
+                }
+            }
+        }
+    }
+
+    /// Removes every address of the pools from the interface; returns how many.
+    pub async fn release_all(&self) -> Result<usize, CloudError> {
+        let link = self.link().await?;
+        let handle = self.netlink.handle().await?;
+        let mut ours = Vec::new();
+        let mut dump = handle
+            .address()
+            .get()
+            .set_link_index_filter(link.index)
+            .execute();
+        loop {
+            match dump.try_next().await {
+                Ok(Some(msg)) => {
+                    let ip = msg.attributes.iter().find_map(|a| match a {
+                        AddressAttribute::Address(ip) => Some(*ip),
+                        _ => None,
+                    });
+                    if ip.is_some_and(|ip| self.pools.contains(ip)) {
+                        ours.extend(ip);
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    return Err(self
+                        .netlink
+                        .failed(format!("cannot list addresses of {}", self.interface), &e)
+                        .await)
+                }
+            }
+        }
+        for ip in &ours {
+            self.release(*ip).await?;
+        }
+        Ok(ours.len())
+    }
+}
+
+/// Sends one announcement of `ip` on `link` (a raw packet socket: the only unsafe
+/// code of the CCM, four libc calls).
+#[allow(unsafe_code)]
+fn announce(link: Link, ip: IpAddr) -> std::io::Result<()> {
+    let frames = match ip {
+        IpAddr::V4(v4) => vec![
+            garp(link.mac, v4.octets(), 1),
+            garp(link.mac, v4.octets(), 2),
+        ],
+        IpAddr::V6(v6) => vec![unsolicited_na(link.mac, v6.octets())],
+    };
+    // SAFETY: plain socket calls on a descriptor we own and close below.
+    let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let mut result = Ok(());
+    for frame in frames {
+        let mut to: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+        to.sll_family = libc::AF_PACKET as u16;
+        to.sll_ifindex = link.index as i32;
+        to.sll_halen = 6;
+        to.sll_addr[..6].copy_from_slice(&frame[..6]);
+        to.sll_protocol = u16::from_be_bytes([frame[12], frame[13]]).to_be();
+        // SAFETY: `frame` outlives the call; `to` is a valid sockaddr_ll.
+        let sent = unsafe {
+            libc::sendto(
+                fd,
+                frame.as_ptr().cast(),
+                frame.len(),
+                0,
+                (&to as *const libc::sockaddr_ll).cast(),
+                std::mem::size_of::<libc::sockaddr_ll>() as u32,
+            )
+        };
+        if sent < 0 {
+            result = Err(std::io::Error::last_os_error());
+            break;
+        }
+    }
+    // SAFETY: `fd` is ours.
+    unsafe { libc::close(fd) };
+    result
+}
+
+/// A gratuitous ARP frame (`op` 1: request, 2: reply) saying `ip` is at `mac`.
+fn garp(mac: [u8; 6], ip: [u8; 4], op: u8) -> Vec<u8> {
+    let mut f = Vec::with_capacity(42);
+    f.extend([0xff; 6]);
+    f.extend(mac);
+    f.extend([0x08, 0x06]);
+    // Ethernet, IPv4, 6-byte and 4-byte addresses, the operation.
+    f.extend([0x00, 0x01, 0x08, 0x00, 6, 4, 0x00, op]);
+    f.extend(mac);
+    f.extend(ip);
+    f.extend(if op == 1 { [0x00; 6] } else { [0xff; 6] });
+    f.extend(ip);
+    f
+}
+
+/// An unsolicited neighbour advertisement to all nodes (override set, with the target
+/// link-layer address option) saying `ip` is at `mac`.
+fn unsolicited_na(mac: [u8; 6], ip: [u8; 16]) -> Vec<u8> {
+    let all_nodes: [u8; 16] = [0xff, 0x02, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1];
+    let mut icmp = Vec::with_capacity(32);
+    icmp.extend([136, 0, 0, 0]);
+    // Flags: Override.
+    icmp.extend([0x20, 0, 0, 0]);
+    icmp.extend(ip);
+    icmp.extend([2, 1]);
+    icmp.extend(mac);
+    // Checksum over the pseudo-header (source, destination, length, next header).
+    let mut sum: u32 = 0;
+    let mut add = |bytes: &[u8]| {
+        for pair in bytes.chunks(2) {
+            sum += u32::from(u16::from_be_bytes([pair[0], *pair.get(1).unwrap_or(&0)]));
+        }
+    };
+    add(&ip);
+    add(&all_nodes);
+    add(&(icmp.len() as u32).to_be_bytes());
+    add(&[0, 0, 0, 58]);
+    add(&icmp);
+    while sum >> 16 != 0 {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    let checksum = !(sum as u16);
+    icmp[2..4].copy_from_slice(&checksum.to_be_bytes());
+
+    let mut f = Vec::with_capacity(14 + 40 + icmp.len());
+    f.extend([0x33, 0x33, 0, 0, 0, 1]);
+    f.extend(mac);
+    f.extend([0x86, 0xdd]);
+    f.extend([0x60, 0, 0, 0]);
+    f.extend((icmp.len() as u16).to_be_bytes());
+    // Next header ICMPv6, hop limit 255 (required of neighbour discovery).
+    f.extend([58, 255]);
+    f.extend(ip);
+    f.extend(all_nodes);
+    f.extend(icmp);
+    f
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn announcements_are_well_formed() {
+        let mac = [0x02, 0, 0, 0, 0, 0x01];
+        let a = garp(mac, [192, 0, 2, 10], 1);
+        assert_eq!(a.len(), 42);
+        assert_eq!(&a[12..14], &[0x08, 0x06]);
+        assert_eq!(&a[28..32], &[192, 0, 2, 10], "sender IP");
+        assert_eq!(&a[38..42], &[192, 0, 2, 10], "target IP: gratuitous");
+        let ip: std::net::Ipv6Addr = "2001:db8::10".parse().unwrap();
+        let na = unsolicited_na(mac, ip.octets());
+        assert_eq!(na.len(), 14 + 40 + 32);
+        assert_eq!(na[20], 58);
+        assert_eq!(na[21], 255);
+        // The checksum verifies: summing the pseudo-header and the message gives 0xffff.
+        let icmp = &na[54..];
+        let mut sum: u32 = 0;
+        for chunk in [
+            &na[22..38],
+            &na[38..54],
+            &(32u32).to_be_bytes()[..],
+            &[0, 0, 0, 58][..],
+            icmp,
+        ] {
+            for pair in chunk.chunks(2) {
+                sum += u32::from(u16::from_be_bytes([pair[0], pair[1]]));
+            }
+        }
+        while sum >> 16 != 0 {
+            sum = (sum & 0xffff) + (sum >> 16);
+        }
+        assert_eq!(sum, 0xffff);
+    }
+}
