@@ -109,14 +109,39 @@ fn as_manifest(
     ]
 }
 
+/// The agent of `node` (as node-1, its private address its identifier) connected to
+/// `server`.
+fn node_1_agent(node: &Node, pki: &Pki, server: &ServerProc) -> AgentProc {
+    AgentProc::start_in(
+        Some(node),
+        Path::new(BIN),
+        pki,
+        format!("{}:{}", node.host_ip, server.agent.port())
+            .parse()
+            .unwrap(),
+        &[
+            "--agent-id=node-1".into(),
+            format!("--agent-identifiers=ipv4={}", node.node_ip),
+        ],
+    )
+}
+
 fn give(path: &Path, uid: u32, gid: u32) {
     std::os::unix::fs::chown(path, Some(uid), Some(gid)).unwrap();
 }
 
+/// The non-root variant (no interface, no routes): no capability at all, and the
+/// server's socket opened by group.
 #[test]
 fn the_ccm_runs_with_exactly_the_manifests_uid_and_capabilities() {
-    let (uid, gid, caps) = ccm_security();
-    assert_ne!(uid, 0, "the default manifest runs the CCM as non-root");
+    let (uid, gid, caps) = unprivileged_variant();
+    assert_ne!(uid, 0, "the variant runs the CCM as non-root");
+    assert!(caps.is_empty(), "the variant adds no capability");
+    assert_eq!(
+        gid,
+        ccm_security().1,
+        "both variants open the socket by the same group"
+    );
     let socket_flags = server_socket_flags();
     assert!(
         !socket_flags.is_empty(),
@@ -139,18 +164,7 @@ fn the_ccm_runs_with_exactly_the_manifests_uid_and_capabilities() {
         assert_eq!(meta.mode() & 0o777, 0o660, "socket mode");
         assert_eq!(meta.gid(), gid, "the socket's group is the CCM's");
     }
-    let _agent = AgentProc::start_in(
-        Some(&node),
-        Path::new(BIN),
-        &pki,
-        format!("{}:{}", node.host_ip, server.agent.port())
-            .parse()
-            .unwrap(),
-        &[
-            "--agent-id=node-1".into(),
-            format!("--agent-identifiers=ipv4={}", node.node_ip),
-        ],
-    );
+    let _agent = node_1_agent(&node, &pki, &server);
     let _page = node.serve_page(30080, "hello from node-1\n");
 
     let cluster = Cluster::start(&Egress::Direct);
@@ -252,23 +266,24 @@ fn the_ccm_runs_with_exactly_the_manifests_uid_and_capabilities() {
     );
 }
 
-/// The manifest's commented securityContext for `routes:` (the lines after its marker,
-/// uncommented): (uid, capabilities added).
-fn routes_variant() -> (u32, Vec<String>) {
+/// The manifest's commented non-root variant (the lines after its marker,
+/// uncommented): (uid, gid, capabilities added).
+fn unprivileged_variant() -> (u32, u32, Vec<String>) {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/tether-ccm.yaml");
     let text = std::fs::read_to_string(path).unwrap();
     let mut lines = text
         .lines()
-        .skip_while(|l| !l.contains("With `routes:` in the inventory, instead:"));
+        .skip_while(|l| !l.contains("Without loadBalancer.interface and without routes, instead:"));
     lines
         .next()
-        .expect("the routes variant is documented in the manifest");
+        .expect("the non-root variant is documented in the manifest");
     let yaml: String = lines
         .map_while(|l| l.trim_start().strip_prefix('#'))
         .map(|l| format!("{}\n", l.strip_prefix(' ').unwrap_or(l)))
         .collect();
     let v: serde_yaml::Value = serde_yaml::from_str(&yaml).unwrap();
     let sc = &v["securityContext"];
+    assert_eq!(sc["capabilities"]["drop"][0], "ALL");
     let add = sc["capabilities"]["add"]
         .as_sequence()
         .map(|s| {
@@ -277,20 +292,43 @@ fn routes_variant() -> (u32, Vec<String>) {
                 .collect()
         })
         .unwrap_or_default();
-    (sc["runAsUser"].as_u64().unwrap() as u32, add)
+    let id = |k: &str| sc[k].as_u64().unwrap() as u32;
+    (id("runAsUser"), id("runAsGroup"), add)
 }
 
-/// With `routes:`, the manifest's variant (root with only NET_ADMIN) programs routes in
-/// the host's table; without that one capability the kernel refuses and the CCM says
-/// what is missing.
-#[test]
-fn routes_need_exactly_net_admin() {
-    let (uid, caps) = routes_variant();
+/// The effective capability set of process `pid` (`CapEff` of /proc/PID/status).
+fn effective_caps(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let eff = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .unwrap()
+        .trim();
+    u64::from_str_radix(eff, 16).unwrap()
+}
+
+/// Capability bits: NET_BIND_SERVICE 10, NET_ADMIN 12, NET_RAW 13.
+const NET_BIND_SERVICE: u64 = 1 << 10;
+const NET_ADMIN: u64 = 1 << 12;
+const NET_RAW: u64 = 1 << 13;
+
+/// The manifest's privileges are exactly what holding addresses needs.
+fn announcing_caps() -> (u32, u32, Vec<String>) {
+    let (uid, gid, mut caps) = ccm_security();
+    caps.sort();
     assert_eq!(
         caps,
-        ["net_admin"],
-        "the routes variant adds NET_ADMIN only"
+        ["net_admin", "net_bind_service", "net_raw"],
+        "the manifest adds exactly what announcing addresses needs"
     );
+    (uid, gid, caps)
+}
+
+/// With `routes:`, the manifest's privileges program routes in the host's table;
+/// without NET_ADMIN the kernel refuses and the CCM says what is missing.
+#[test]
+fn routes_need_net_admin() {
+    let (uid, gid, caps) = announcing_caps();
     let host = Node::router_host();
     let cluster = Cluster::start(&Egress::Direct);
     let relay = TempDir::new("tether-relay");
@@ -309,7 +347,7 @@ fn routes_need_exactly_net_admin() {
     std::fs::write(&inventory, "routes: {}\nnodes: []\n").unwrap();
     let kubeconfig = cluster.ccm_kubeconfig();
     let run = |name: &str, caps: &[String]| {
-        let mut args = as_manifest(uid, uid, caps, &inventory, &kubeconfig);
+        let mut args = as_manifest(uid, gid, caps, &inventory, &kubeconfig);
         args.extend([
             "--controllers=route".into(),
             "--cluster-cidr=10.244.0.0/16".into(),
@@ -319,7 +357,8 @@ fn routes_need_exactly_net_admin() {
         p.wait_event("cloud-controller-manager starting", START_TIMEOUT, |_| true);
         p
     };
-    let without = run("ccm-no-caps", &[]);
+    let without: Vec<String> = caps.iter().filter(|c| *c != "net_admin").cloned().collect();
+    let without = run("ccm-no-net-admin", &without);
     wait_blocking(
         "the refusal, saying what is missing",
         Duration::from_secs(30),
@@ -329,9 +368,9 @@ fn routes_need_exactly_net_admin() {
         .ip(&["route", "show", "proto", "84"])
         .contains("10.244.1.0"));
     drop(without);
-    let with = run("ccm-net-admin", &caps);
+    let with = run("ccm-manifest-caps", &caps);
     wait_blocking(
-        "the route, made with NET_ADMIN only",
+        "the route, made with the manifest's capabilities",
         Duration::from_secs(30),
         || {
             host.ip(&["route", "show", "proto", "84"])
@@ -339,14 +378,138 @@ fn routes_need_exactly_net_admin() {
                 .then_some(())
         },
     );
-    let status = std::fs::read_to_string(format!("/proc/{}/status", with.pid())).unwrap();
-    let eff = status
-        .lines()
-        .find_map(|l| l.strip_prefix("CapEff:"))
-        .unwrap()
-        .trim();
     assert_eq!(
-        eff, "0000000000001000",
-        "only CAP_NET_ADMIN (bit 12): {status}"
+        effective_caps(with.pid()),
+        NET_ADMIN | NET_RAW | NET_BIND_SERVICE
     );
+}
+
+/// The manifest's privileges, and nothing more, hold a Service's address: the CCM (root
+/// with exactly NET_ADMIN, NET_RAW and NET_BIND_SERVICE, on a control-plane "host"
+/// sharing a LAN with a client) adds the address to its interface, announces it (a
+/// client that never asked learns it from the gratuitous ARP) and serves port 443
+/// through the tunnel. Without any one of the three it says what is missing.
+#[test]
+fn holding_load_balancer_addresses_needs_exactly_the_manifests_capabilities() {
+    use tether_testkit::netns::Lan;
+    let (uid, gid, caps) = announcing_caps();
+    let node = Node::create();
+    let pki = Pki::with_sans(std::slice::from_ref(&node.host_ip));
+    let socket = tether_testkit::process::socket_path(pki.dir());
+    let mut args = uds_frontend_args(&pki, "grpc", &socket);
+    args.push("--agent-bind-address=0.0.0.0".into());
+    args.extend(server_socket_flags());
+    let server = ServerProc::start(Path::new(BIN), &args);
+    let _agent = node_1_agent(&node, &pki, &server);
+    let _page = node.serve_page(30080, "hello from node-1\n");
+    let cluster = Cluster::start(&Egress::Direct);
+    cluster.add_node("node-1", &node.node_ip);
+    cluster.set_node_ready("node-1", true);
+    cluster.apply(
+        "apiVersion: v1\nkind: Service\nmetadata:\n  name: web\n  namespace: default\nspec:\n  type: LoadBalancer\n  ports:\n  - name: https\n    port: 443\n    nodePort: 30080\n",
+    );
+
+    let lan = Lan::create();
+    let host = Node::create();
+    let client = Node::create();
+    lan.attach(&host);
+    lan.attach(&client);
+    // The client takes addresses from announcements it did not ask for.
+    let sysctl = Command::new("ip")
+        .args(["netns", "exec", &client.ns, "sysctl", "-qw"])
+        .arg(format!("net.ipv4.conf.{}.arp_accept=1", Lan::INTERFACE))
+        .status()
+        .unwrap();
+    assert!(sysctl.success());
+    let relay = TempDir::new("tether-relay");
+    let _relays = host.reach_host_port(cluster.port, relay.path());
+    let vip = lan.address(100);
+    let conf = TempDir::new("tether-ccm-conf");
+    let inventory = conf.path().join("inventory.yaml");
+    std::fs::write(
+        &inventory,
+        format!(
+            "nodes:\n- name: node-1\n  addresses:\n  - {{type: InternalIP, address: {}}}\nloadBalancer:\n  interface: {}\n  pools:\n  - name: lan\n    addresses: [{vip}]\n",
+            node.node_ip,
+            Lan::INTERFACE
+        ),
+    )
+    .unwrap();
+    let kubeconfig = cluster.ccm_kubeconfig();
+    let run = |name: &str, caps: &[String]| {
+        let mut args = as_manifest(uid, gid, caps, &inventory, &kubeconfig);
+        args.push(format!("--tunnel-uds={}", socket.display()));
+        let p = host.spawn(name, "setpriv", &args);
+        p.wait_event("cloud-controller-manager starting", START_TIMEOUT, |_| true);
+        p
+    };
+    for (missing, says) in [
+        ("net_admin", "needs CAP_NET_ADMIN"),
+        ("net_raw", "needs CAP_NET_RAW"),
+        ("net_bind_service", "Permission denied"),
+    ] {
+        let fewer: Vec<String> = caps.iter().filter(|c| *c != missing).cloned().collect();
+        let ccm = run(&format!("ccm-no-{missing}"), &fewer);
+        wait_blocking(
+            &format!("without {missing}: a refusal saying {says:?}"),
+            Duration::from_secs(30),
+            || ccm.logged(says).then_some(()),
+        );
+    }
+
+    client.ip(&["neigh", "flush", "dev", Lan::INTERFACE]);
+    let ccm = run("ccm-manifest-caps", &caps);
+    wait_blocking("the address announced", Duration::from_secs(30), || {
+        let seen = client.ip(&["neigh", "show", &vip]);
+        seen.contains("lladdr").then_some(())
+    });
+    let page = wait_blocking(
+        "the Service on 443 from the client",
+        Duration::from_secs(30),
+        || {
+            let out = Command::new("ip")
+                .args([
+                    "netns",
+                    "exec",
+                    &client.ns,
+                    "curl",
+                    "-sf",
+                    "--max-time",
+                    "5",
+                ])
+                .arg(format!("http://{vip}:443/"))
+                .output()
+                .unwrap();
+            out.status
+                .success()
+                .then(|| String::from_utf8_lossy(&out.stdout).to_string())
+        },
+    );
+    assert_eq!(page, "hello from node-1\n");
+    assert_eq!(
+        effective_caps(ccm.pid()),
+        NET_ADMIN | NET_RAW | NET_BIND_SERVICE
+    );
+    assert!(
+        !ccm.logged("Permission denied") && !ccm.logged("needs CAP_"),
+        "a privilege was missing:\n{}",
+        ccm.log_text()
+    );
+}
+
+/// The inventory the manifest ships (its ConfigMap) is one `tether ccm` accepts,
+/// `loadBalancer:` pools included.
+#[test]
+fn the_manifests_inventory_is_valid() {
+    let docs = manifest("tether-ccm.yaml");
+    let cm = docs
+        .iter()
+        .find(|d| d["kind"] == "ConfigMap")
+        .expect("the inventory ConfigMap");
+    let text = cm["data"]["inventory.yaml"].as_str().unwrap();
+    let config = tether_ccm::cloud::tether::parse(Path::new("inventory.yaml"), text)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let pools = config.load_balancer.expect("the manifest shows pools");
+    assert_eq!(pools.interface.as_deref(), Some("eth0"));
+    assert!(pools.contains("192.0.2.10".parse().unwrap()));
 }

@@ -120,7 +120,36 @@ fn bad_flags_fail_with_one_clear_line() {
 
     let (ok, err) = run(&["ccm", &cloud_config, "--lb-bind-address=127.0.0.1"]);
     assert!(!ok);
-    assert!(error_line(&err).contains("go together"), "{err}");
+    assert!(error_line(&err).contains("needs --tunnel-uds"), "{err}");
+    let (ok, err) = run(&["ccm", &cloud_config, "--tunnel-uds=/tmp/x.sock"]);
+    assert!(!ok);
+    assert!(error_line(&err).contains("need addresses"), "{err}");
+    // Pools: checked at start-up, and not mixed with --lb-bind-address.
+    let pools = "loadBalancer:\n  interface: eth0\n  pools:\n  - {name: a, addresses: [192.0.2.10-192.0.2.20]}\n";
+    std::fs::write(&inventory, pools).unwrap();
+    let (ok, err) = run(&["ccm", &cloud_config]);
+    assert!(!ok);
+    assert!(
+        error_line(&err).contains("--tunnel-uds is not set"),
+        "{err}"
+    );
+    let (ok, err) = run(&[
+        "ccm",
+        &cloud_config,
+        "--tunnel-uds=/tmp/x.sock",
+        "--lb-bind-address=127.0.0.1",
+    ]);
+    assert!(!ok);
+    assert!(error_line(&err).contains("drop --lb-bind-address"), "{err}");
+    std::fs::write(
+        &inventory,
+        "loadBalancer:\n  pools:\n  - {name: a, addresses: [192.0.2.0/24]}\n  - {name: b, addresses: [192.0.2.7]}\n",
+    )
+    .unwrap();
+    let (ok, err) = run(&["ccm", &cloud_config, "--tunnel-uds=/tmp/x.sock"]);
+    assert!(!ok);
+    assert!(error_line(&err).contains("overlaps"), "{err}");
+    std::fs::write(&inventory, "nodes: []\n").unwrap();
     let (ok, err) = run(&[
         "ccm",
         &cloud_config,

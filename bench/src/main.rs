@@ -5,7 +5,9 @@
 //! dial rate, and the server's and agent's resident memory holding idle tunnels. A
 //! fifth column, two plain TCP relays in a chain (no TLS, no framing, one thread each),
 //! is the floor: what any proxy with a server and an agent between client and target
-//! could reach on this machine.
+//! could reach on this machine. A sixth, `tether ccm` LoadBalancer, is one Service's
+//! balancer (the CCM's own code, in a process of its own) in front of the gRPC route:
+//! client -> balancer -> server -> agent -> backend, beside the server alone.
 //! Rounds are interleaved and medians reported; every figure is also a ratio to direct.
 
 use std::io::{BufRead, BufReader};
@@ -53,6 +55,16 @@ struct Args {
     /// Skip the two-relay floor.
     #[arg(long)]
     no_relay: bool,
+    /// Skip the CCM load-balancer route.
+    #[arg(long)]
+    no_lb: bool,
+    /// (internal) Run as one CCM load balancer forwarding to this NodePort target
+    /// through `--lb-tunnel-uds`: print the listening port, then serve.
+    #[arg(long, hide = true)]
+    lb_to: Option<SocketAddr>,
+    /// (internal) The gRPC frontend socket for `--lb-to`.
+    #[arg(long, hide = true)]
+    lb_tunnel_uds: Option<PathBuf>,
     /// (internal) Run as a plain TCP relay to this address: print the listening port,
     /// then forward every connection.
     #[arg(long, hide = true)]
@@ -70,6 +82,7 @@ enum Route {
     HttpConnectUds,
     Ssh,
     Relay,
+    LoadBalancer,
 }
 
 impl Route {
@@ -80,6 +93,7 @@ impl Route {
             Route::HttpConnectUds => "tether http-connect/uds",
             Route::Ssh => "ssh -L",
             Route::Relay => "2 plain relays (floor)",
+            Route::LoadBalancer => "ccm LB + grpc/uds",
         }
     }
 }
@@ -99,6 +113,7 @@ struct Env {
     client: tether_client::Client,
     ssh_port: Option<u16>,
     relay_port: Option<u16>,
+    lb_port: Option<u16>,
     grpc_server_pid: u32,
     grpc_agent_pid: u32,
     grpc_health: SocketAddr,
@@ -202,11 +217,11 @@ impl Env {
                 }
                 Box::pin(s)
             }
-            Route::Ssh | Route::Relay => {
-                let port = if route == Route::Ssh {
-                    self.ssh_port.context("ssh not set up")?
-                } else {
-                    self.relay_port.context("relays not set up")?
+            Route::Ssh | Route::Relay | Route::LoadBalancer => {
+                let port = match route {
+                    Route::Ssh => self.ssh_port.context("ssh not set up")?,
+                    Route::Relay => self.relay_port.context("relays not set up")?,
+                    _ => self.lb_port.context("load balancer not set up")?,
                 };
                 let s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
                 s.set_nodelay(true)?;
@@ -725,6 +740,66 @@ async fn relay(to: SocketAddr) -> anyhow::Result<()> {
     }
 }
 
+/// Starts this binary as one CCM load balancer in front of `target` (its "NodePort")
+/// over the gRPC frontend at `uds`; returns the Service port.
+fn start_load_balancer(target: SocketAddr, uds: &Path) -> anyhow::Result<(u16, Proc)> {
+    let mut child = Command::new(std::env::current_exe()?)
+        .arg(format!("--lb-to={target}"))
+        .arg(format!("--lb-tunnel-uds={}", uds.display()))
+        .stdout(Stdio::piped())
+        .spawn()?;
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().context("balancer stdout")?).read_line(&mut line)?;
+    let proc = Proc(child);
+    let port: u16 = line
+        .trim()
+        .parse()
+        .context("the load balancer did not report its port")?;
+    Ok((port, proc))
+}
+
+/// The CCM's tunnel load balancer for one Service (port: a free one; one node at
+/// `to`'s address with `to`'s port as its NodePort), as `tether ccm` runs it.
+async fn load_balancer(to: SocketAddr, uds: PathBuf) -> anyhow::Result<()> {
+    use tether_ccm::cloud::{tunnel_lb, Backend, LoadBalancers, ServiceInfo, ServicePort};
+    let lbs = tunnel_lb::TunnelLoadBalancers::new(
+        tunnel_lb::TunnelLbConfig {
+            bind: Some(std::net::Ipv4Addr::LOCALHOST.into()),
+            tunnel_uds: uds,
+        },
+        None,
+    )
+    .map_err(anyhow::Error::msg)?;
+    let port = free_port();
+    let svc = ServiceInfo {
+        namespace: "bench".into(),
+        name: "lb".into(),
+        uid: "bench-lb".into(),
+        ports: vec![ServicePort {
+            name: "tcp".into(),
+            protocol: "TCP".into(),
+            port,
+            node_port: to.port(),
+            endpoints: Vec::new(),
+        }],
+        max_connections: 1 << 20,
+        idle_timeout: tether_ccm::cloud::DEFAULT_IDLE_TIMEOUT,
+        families: vec!["IPv4".into()],
+        node_ports: true,
+        ..Default::default()
+    };
+    let node = Backend {
+        name: "backend".into(),
+        address: to.ip().to_string(),
+    };
+    lbs.ensure("bench", &svc, &[node])
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    println!("{port}");
+    std::future::pending::<()>().await;
+    Ok(())
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -760,6 +835,10 @@ fn main() -> anyhow::Result<()> {
             .enable_all()
             .build()?
             .block_on(relay(to));
+    }
+    if let (Some(to), Some(uds)) = (args.lb_to, &args.lb_tunnel_uds) {
+        tether_core::memory::tune_allocator();
+        return tokio::runtime::Runtime::new()?.block_on(load_balancer(to, uds.clone()));
     }
     // The gRPC client here is the client crate as the CCM runs it: same allocator policy.
     tether_core::memory::tune_allocator();
@@ -815,6 +894,18 @@ async fn bench(args: Args) -> anyhow::Result<()> {
         procs.extend(relays);
         Some(port)
     };
+    let lb_port = if args.no_lb {
+        None
+    } else {
+        let (port, lb) = start_load_balancer(backend, &grpc_socket)?;
+        // The balancer's own CPU, and the pair it rides on.
+        carriers.push((
+            Route::LoadBalancer,
+            vec![lb.0.id(), grpc_server_pid, grpc_agent_pid],
+        ));
+        procs.push(lb);
+        Some(port)
+    };
     procs.extend([gs, ga, cs, ca]);
     let env = Arc::new(Env {
         backend,
@@ -822,6 +913,7 @@ async fn bench(args: Args) -> anyhow::Result<()> {
         connect_socket,
         ssh_port,
         relay_port,
+        lb_port,
         grpc_server_pid,
         grpc_agent_pid,
         grpc_health: gev["health"].as_str().unwrap_or_default().parse()?,
@@ -834,6 +926,9 @@ async fn bench(args: Args) -> anyhow::Result<()> {
     }
     if env.relay_port.is_some() {
         routes.push(Route::Relay);
+    }
+    if env.lb_port.is_some() {
+        routes.push(Route::LoadBalancer);
     }
     let n = args.size_mib << 20;
     let metrics = [

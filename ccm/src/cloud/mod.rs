@@ -108,7 +108,7 @@ pub trait Instances: Send + Sync {
 }
 
 /// A Service as a load balancer implementation sees it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ServiceInfo {
     /// Namespace.
     pub namespace: String,
