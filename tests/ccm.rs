@@ -360,6 +360,11 @@ impl Tunnel {
 
 /// curl `url`, optionally inside a network namespace; the body on success.
 fn curl(netns: Option<&str>, url: &str) -> Option<String> {
+    curl_within(netns, url, "5")
+}
+
+/// Like [`curl`], giving up after `max_time` seconds.
+fn curl_within(netns: Option<&str>, url: &str, max_time: &str) -> Option<String> {
     let mut cmd = match netns {
         Some(ns) => {
             let mut c = Command::new("ip");
@@ -368,7 +373,10 @@ fn curl(netns: Option<&str>, url: &str) -> Option<String> {
         }
         None => Command::new("curl"),
     };
-    let out = cmd.args(["-sf", "--max-time", "5", url]).output().ok()?;
+    let out = cmd
+        .args(["-sf", "--max-time", max_time, url])
+        .output()
+        .ok()?;
     out.status
         .success()
         .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
@@ -1740,22 +1748,7 @@ fn services_get_their_own_addresses_from_the_pools() {
 
 /// One quick try at `url` from inside `netns` (half a second at most).
 fn curl_quick(netns: &str, url: &str) -> Option<String> {
-    let out = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            netns,
-            "curl",
-            "-sf",
-            "--max-time",
-            "0.5",
-            url,
-        ])
-        .output()
-        .ok()?;
-    out.status
-        .success()
-        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    curl_within(Some(netns), url, "0.5")
 }
 
 /// The MAC address of `interface` inside `node`.

@@ -47,14 +47,7 @@ fn ccm_security() -> (u32, u32, Vec<String>) {
         ["ALL"],
         "the CCM must drop every capability it does not add"
     );
-    let add = caps["add"]
-        .as_sequence()
-        .map(|s| {
-            s.iter()
-                .filter_map(|v| v.as_str().map(str::to_lowercase))
-                .collect()
-        })
-        .unwrap_or_default();
+    let add = added_caps(sc);
     let id = |k: &str| {
         sc[k]
             .as_u64()
@@ -124,6 +117,34 @@ fn node_1_agent(node: &Node, pki: &Pki, server: &ServerProc) -> AgentProc {
             format!("--agent-identifiers=ipv4={}", node.node_ip),
         ],
     )
+}
+
+/// curl `url` (inside `netns` when given); the body on success.
+fn curl(netns: Option<&str>, url: &str) -> Option<String> {
+    let mut cmd = match netns {
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns, "curl"]);
+            c
+        }
+        None => Command::new("curl"),
+    };
+    let out = cmd.args(["-sf", "--max-time", "5", url]).output().ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).to_string())
+}
+
+/// The capabilities a securityContext adds, lowercase.
+fn added_caps(sc: &serde_yaml::Value) -> Vec<String> {
+    sc["capabilities"]["add"]
+        .as_sequence()
+        .map(|s| {
+            s.iter()
+                .filter_map(|c| c.as_str().map(str::to_lowercase))
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 fn give(path: &Path, uid: u32, gid: u32) {
@@ -243,20 +264,7 @@ fn the_ccm_runs_with_exactly_the_manifests_uid_and_capabilities() {
     let body = wait_blocking(
         "page through the load balancer",
         Duration::from_secs(30),
-        || {
-            let out = Command::new("curl")
-                .args([
-                    "-sf",
-                    "--max-time",
-                    "5",
-                    &format!("http://127.0.0.1:{port}/"),
-                ])
-                .output()
-                .unwrap();
-            out.status
-                .success()
-                .then(|| String::from_utf8_lossy(&out.stdout).to_string())
-        },
+        || curl(None, &format!("http://127.0.0.1:{port}/")),
     );
     assert_eq!(body, "hello from node-1\n");
     assert!(
@@ -284,14 +292,7 @@ fn unprivileged_variant() -> (u32, u32, Vec<String>) {
     let v: serde_yaml::Value = serde_yaml::from_str(&yaml).unwrap();
     let sc = &v["securityContext"];
     assert_eq!(sc["capabilities"]["drop"][0], "ALL");
-    let add = sc["capabilities"]["add"]
-        .as_sequence()
-        .map(|s| {
-            s.iter()
-                .filter_map(|c| c.as_str().map(str::to_lowercase))
-                .collect()
-        })
-        .unwrap_or_default();
+    let add = added_caps(sc);
     let id = |k: &str| sc[k].as_u64().unwrap() as u32;
     (id("runAsUser"), id("runAsGroup"), add)
 }
@@ -466,24 +467,7 @@ fn holding_load_balancer_addresses_needs_exactly_the_manifests_capabilities() {
     let page = wait_blocking(
         "the Service on 443 from the client",
         Duration::from_secs(30),
-        || {
-            let out = Command::new("ip")
-                .args([
-                    "netns",
-                    "exec",
-                    &client.ns,
-                    "curl",
-                    "-sf",
-                    "--max-time",
-                    "5",
-                ])
-                .arg(format!("http://{vip}:443/"))
-                .output()
-                .unwrap();
-            out.status
-                .success()
-                .then(|| String::from_utf8_lossy(&out.stdout).to_string())
-        },
+        || curl(Some(&client.ns), &format!("http://{vip}:443/")),
     );
     assert_eq!(page, "hello from node-1\n");
     assert_eq!(

@@ -707,20 +707,32 @@ fn start_relays(target: SocketAddr) -> anyhow::Result<(u16, Vec<Proc>)> {
     let mut procs = Vec::new();
     let mut to = target;
     for _ in 0..2 {
-        let mut child = Command::new(std::env::current_exe()?)
-            .arg(format!("--relay-to={to}"))
-            .stdout(Stdio::piped())
-            .spawn()?;
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().context("relay stdout")?).read_line(&mut line)?;
-        procs.push(Proc(child));
-        let port: u16 = line
-            .trim()
-            .parse()
-            .context("relay did not report its port")?;
+        let (port, relay) = spawn_self("relay", &[format!("--relay-to={to}")])?;
+        procs.push(relay);
         to = SocketAddr::from(([127, 0, 0, 1], port));
     }
     Ok((to.port(), procs))
+}
+
+/// Runs this binary with `args` as a helper (`what`) that prints its listening port
+/// first; returns the port.
+fn spawn_self(what: &str, args: &[String]) -> anyhow::Result<(u16, Proc)> {
+    let mut child = Command::new(std::env::current_exe()?)
+        .args(args)
+        .stdout(Stdio::piped())
+        .spawn()?;
+    let mut line = String::new();
+    let out = child
+        .stdout
+        .take()
+        .with_context(|| format!("{what} stdout"));
+    let proc = Proc(child);
+    BufReader::new(out?).read_line(&mut line)?;
+    let port: u16 = line
+        .trim()
+        .parse()
+        .with_context(|| format!("the {what} did not report its port"))?;
+    Ok((port, proc))
 }
 
 /// A plain TCP relay on one thread: 128 KiB reads each way, nothing else.
@@ -743,19 +755,13 @@ async fn relay(to: SocketAddr) -> anyhow::Result<()> {
 /// Starts this binary as one CCM load balancer in front of `target` (its "NodePort")
 /// over the gRPC frontend at `uds`; returns the Service port.
 fn start_load_balancer(target: SocketAddr, uds: &Path) -> anyhow::Result<(u16, Proc)> {
-    let mut child = Command::new(std::env::current_exe()?)
-        .arg(format!("--lb-to={target}"))
-        .arg(format!("--lb-tunnel-uds={}", uds.display()))
-        .stdout(Stdio::piped())
-        .spawn()?;
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().context("balancer stdout")?).read_line(&mut line)?;
-    let proc = Proc(child);
-    let port: u16 = line
-        .trim()
-        .parse()
-        .context("the load balancer did not report its port")?;
-    Ok((port, proc))
+    spawn_self(
+        "load balancer",
+        &[
+            format!("--lb-to={target}"),
+            format!("--lb-tunnel-uds={}", uds.display()),
+        ],
+    )
 }
 
 /// The CCM's tunnel load balancer for one Service (port: a free one; one node at

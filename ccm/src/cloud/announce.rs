@@ -12,7 +12,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::TryStreamExt;
-use rtnetlink::packet_route::address::{AddressAttribute, AddressFlags, AddressHeaderFlags};
+use rtnetlink::packet_route::address::{
+    AddressAttribute, AddressFlags, AddressHeaderFlags, AddressMessage,
+};
 use rtnetlink::packet_route::link::LinkAttribute;
 
 use super::lb_addresses::Pools;
@@ -27,6 +29,9 @@ pub struct Announcer {
     interface: String,
     pools: Pools,
     netlink: Netlink,
+    /// Addresses added and announced: one already there and announced is not
+    /// announced again on every ensure (a resync, an endpoint change).
+    announced: std::sync::Mutex<std::collections::HashSet<IpAddr>>,
 }
 
 /// The interface's index and hardware address.
@@ -43,7 +48,12 @@ impl Announcer {
             interface,
             pools,
             netlink: Netlink::default(),
+            announced: Default::default(),
         }
+    }
+
+    fn announced(&self) -> std::sync::MutexGuard<'_, std::collections::HashSet<IpAddr>> {
+        self.announced.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The interface it announces on.
@@ -94,7 +104,8 @@ impl Announcer {
         ))
     }
 
-    /// Adds `ip` to the interface (already there is fine) and announces it.
+    /// Adds `ip` to the interface (already there is fine) and announces it, unless it
+    /// was there already and announced since it was added.
     pub async fn hold(&self, ip: IpAddr) -> Result<(), CloudError> {
         let link = self.link().await?;
         let handle = self.netlink.handle().await?;
@@ -108,9 +119,14 @@ impl Announcer {
         }
         match add.execute().await {
             Ok(()) => {
+                self.announced().remove(&ip);
                 tracing::info!(%ip, interface = %self.interface, "load-balancer address added")
             }
-            Err(e) if errno(&e) == Some(libc::EEXIST) => {}
+            Err(e) if errno(&e) == Some(libc::EEXIST) => {
+                if self.announced().contains(&ip) {
+                    return Ok(());
+                }
+            }
             Err(e) => {
                 return Err(self
                     .netlink
@@ -134,6 +150,7 @@ impl Announcer {
                 }
             ))
         })?;
+        self.announced().insert(ip);
         let iface: Arc<str> = self.interface.as_str().into();
         tokio::spawn(async move {
             for _ in 1..ANNOUNCEMENTS {
@@ -146,34 +163,29 @@ impl Announcer {
         Ok(())
     }
 
-    /// Removes `ip` from the interface (not there is fine).
-    pub async fn release(&self, ip: IpAddr) -> Result<(), CloudError> {
-        let link = self.link().await?;
+    /// The interface's addresses (only `ip`, when given), each with its message.
+    async fn addresses(
+        &self,
+        link: Link,
+        only: Option<IpAddr>,
+    ) -> Result<Vec<(IpAddr, AddressMessage)>, CloudError> {
         let handle = self.netlink.handle().await?;
-        let mut dump = handle
-            .address()
-            .get()
-            .set_link_index_filter(link.index)
-            .set_address_filter(ip)
-            .execute();
+        let mut get = handle.address().get().set_link_index_filter(link.index);
+        if let Some(ip) = only {
+            get = get.set_address_filter(ip);
+        }
+        let mut dump = get.execute();
+        let mut out = Vec::new();
         loop {
             match dump.try_next().await {
-                Ok(Some(msg)) => match handle.address().del(msg).execute().await {
-                    Ok(()) => {
-                        tracing::info!(%ip, interface = %self.interface, "load-balancer address removed")
-                    }
-                    Err(e) if errno(&e) == Some(libc::EADDRNOTAVAIL) => {}
-                    Err(e) => {
-                        return Err(self
-                            .netlink
-                            .failed(
-                                format!("cannot remove {ip} from interface {}", self.interface),
-                                &e,
-                            )
-                            .await)
-                    }
-                },
-                Ok(None) => return Ok(()),
+                Ok(Some(msg)) => {
+                    let ip = msg.attributes.iter().find_map(|a| match a {
+                        AddressAttribute::Address(ip) => Some(*ip),
+                        _ => None,
+                    });
+                    out.extend(ip.map(|ip| (ip, msg)));
+                }
+                Ok(None) => return Ok(out),
                 Err(e) => {
                     return Err(self
                         .netlink
@@ -184,40 +196,47 @@ impl Announcer {
         }
     }
 
-    /// Removes every address of the pools from the interface; returns how many.
-    pub async fn release_all(&self) -> Result<usize, CloudError> {
-        let link = self.link().await?;
+    /// Deletes the listed addresses (already gone is fine) and forgets their
+    /// announcement.
+    async fn remove(&self, found: Vec<(IpAddr, AddressMessage)>) -> Result<(), CloudError> {
         let handle = self.netlink.handle().await?;
-        let mut ours = Vec::new();
-        let mut dump = handle
-            .address()
-            .get()
-            .set_link_index_filter(link.index)
-            .execute();
-        loop {
-            match dump.try_next().await {
-                Ok(Some(msg)) => {
-                    let ip = msg.attributes.iter().find_map(|a| match a {
-                        AddressAttribute::Address(ip) => Some(*ip),
-                        _ => None,
-                    });
-                    if ip.is_some_and(|ip| self.pools.contains(ip)) {
-                        ours.extend(ip);
-                    }
+        for (ip, msg) in found {
+            self.announced().remove(&ip);
+            match handle.address().del(msg).execute().await {
+                Ok(()) => {
+                    tracing::info!(%ip, interface = %self.interface, "load-balancer address removed")
                 }
-                Ok(None) => break,
+                Err(e) if errno(&e) == Some(libc::EADDRNOTAVAIL) => {}
                 Err(e) => {
                     return Err(self
                         .netlink
-                        .failed(format!("cannot list addresses of {}", self.interface), &e)
+                        .failed(
+                            format!("cannot remove {ip} from interface {}", self.interface),
+                            &e,
+                        )
                         .await)
                 }
             }
         }
-        for ip in &ours {
-            self.release(*ip).await?;
-        }
-        Ok(ours.len())
+        Ok(())
+    }
+
+    /// Removes `ip` from the interface (not there is fine).
+    pub async fn release(&self, ip: IpAddr) -> Result<(), CloudError> {
+        let link = self.link().await?;
+        let found = self.addresses(link, Some(ip)).await?;
+        self.remove(found).await
+    }
+
+    /// Removes every address of the pools from the interface; returns how many.
+    pub async fn release_all(&self) -> Result<usize, CloudError> {
+        let link = self.link().await?;
+        let mut ours = self.addresses(link, None).await?;
+        ours.retain(|(ip, _)| self.pools.contains(*ip));
+        let n = ours.len();
+        self.remove(ours).await?;
+        self.announced().clear();
+        Ok(n)
     }
 }
 

@@ -355,11 +355,6 @@ impl Allocator {
         }
     }
 
-    /// The pools.
-    pub fn pools(&self) -> &Pools {
-        &self.pools
-    }
-
     /// What `uid` holds now.
     pub fn holding(&self, uid: &str) -> &[IpAddr] {
         self.by_uid.get(uid).map(Vec::as_slice).unwrap_or(&[])

@@ -377,33 +377,34 @@ impl LoadBalancers for TunnelLoadBalancers {
                     .map(move |p| (SocketAddr::new(*ip, p.port), PortTarget::of(svc, p)))
             })
             .collect();
-        // Listeners gone: they stop (with their connections). Kept: a new target is
-        // picked up in place.
-        keep.retain(|addr, l| match wanted.iter().find(|(a, _)| a == addr) {
-            Some((_, target)) => {
+        // Listeners kept pick up a new target in place.
+        for (addr, target) in &wanted {
+            if let Some(l) = keep.get(addr) {
                 *l.target.write().unwrap_or_else(|e| e.into_inner()) = target.clone();
-                true
             }
-            None => {
-                l.stop.cancel();
-                false
-            }
-        });
-        let mut added = Vec::new();
-        let mut failed = None;
-        let new: Vec<&(SocketAddr, PortTarget)> = wanted
-            .iter()
-            .filter(|(a, _)| !keep.contains_key(a))
-            .collect();
-        for (addr, target) in new {
+        }
+        // New listeners are bound before any old one stops, so a failed bind leaves
+        // what was serving before serving (and the new ones are retried).
+        let mut fresh: Vec<(SocketAddr, Listener)> = Vec::new();
+        for (addr, target) in wanted.iter().filter(|(a, _)| !keep.contains_key(a)) {
             let listener = match TcpListener::bind(addr).await {
                 Ok(l) => l,
                 Err(e) => {
-                    failed = Some(CloudError::Provider(format!(
+                    for (_, l) in fresh {
+                        l.stop.cancel();
+                    }
+                    self.lock().insert(
+                        svc.uid.clone(),
+                        Balancer {
+                            addresses: before,
+                            listeners: keep,
+                            shared,
+                        },
+                    );
+                    return Err(CloudError::Provider(format!(
                         "cannot listen on {addr} for {}: {e}",
                         label(svc)
                     )));
-                    break;
                 }
             };
             let stop = CancellationToken::new();
@@ -419,30 +420,21 @@ impl LoadBalancers for TunnelLoadBalancers {
                 )
                 .instrument(span),
             );
-            keep.insert(*addr, Listener { target, stop });
-            added.push(*addr);
+            fresh.push((*addr, Listener { target, stop }));
         }
-        if let Some(e) = failed {
-            // What was serving before keeps serving; the new listeners are retried.
-            for a in added {
-                if let Some(l) = keep.remove(&a) {
-                    l.stop.cancel();
-                }
+        // Listeners no longer wanted stop (with their connections).
+        keep.retain(|addr, l| {
+            let wanted = wanted.iter().any(|(a, _)| a == addr);
+            if !wanted {
+                l.stop.cancel();
             }
-            let old = before.clone();
-            self.lock().insert(
-                svc.uid.clone(),
-                Balancer {
-                    addresses: old,
-                    listeners: keep,
-                    shared,
-                },
-            );
-            return Err(e);
-        }
-        if !added.is_empty() {
+            wanted
+        });
+        if !fresh.is_empty() {
+            let added: Vec<SocketAddr> = fresh.iter().map(|(a, _)| *a).collect();
             tracing::info!(service = %label(svc), listeners = ?added, nodes = nodes.len(), "load balancer listening");
         }
+        keep.extend(fresh);
         self.lock().insert(
             svc.uid.clone(),
             Balancer {
