@@ -1746,6 +1746,133 @@ fn services_get_their_own_addresses_from_the_pools() {
     drop(tunnel);
 }
 
+/// `allocateLoadBalancerNodePorts: false` with pod networks that are not routed between
+/// nodes: the server (`destCIDR` with `--watch-node-pod-cidrs`, RBAC from
+/// deploy/rbac.yaml) sends each dial to a pod IP to the agent on that pod's node, so
+/// every connection through the balancer reaches its pod, on either node.
+#[test]
+fn a_pod_ip_is_dialled_by_the_agent_on_its_node() {
+    use serde_json::json;
+    let nodes = [Node::create(), Node::create()];
+    let pki = Pki::with_sans(&[nodes[0].host_ip.clone(), nodes[1].host_ip.clone()]);
+    let socket = socket_path(pki.dir());
+    let cluster = Cluster::start(&Egress::Direct);
+    let rbac = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/rbac.yaml");
+    cluster.kubectl_ok(&["apply", "-f", rbac.to_str().unwrap()]);
+    let mut args = uds_frontend_args(&pki, "grpc", &socket);
+    args.extend([
+        "--agent-bind-address=0.0.0.0".into(),
+        "--proxy-strategies=destHost,destCIDR".into(),
+        "--watch-node-pod-cidrs".into(),
+        format!("--kubeconfig={}", cluster.files.server_kubeconfig.display()),
+    ]);
+    let server = ServerProc::start(Path::new(BIN), &args);
+    let mut machines = String::new();
+    let mut endpoints = String::new();
+    let mut _running = Vec::new();
+    for (i, node) in nodes.iter().enumerate() {
+        let name = format!("node-{i}");
+        _running.push(AgentProc::start_in(
+            Some(node),
+            Path::new(BIN),
+            &pki,
+            format!("{}:{}", node.host_ip, server.agent.port())
+                .parse()
+                .unwrap(),
+            &[
+                format!("--agent-id={name}"),
+                format!("--agent-identifiers=ipv4={}", node.node_ip),
+            ],
+        ));
+        let pod_cidr = format!("{}.0/24", &node.pod_ip[..node.pod_ip.rfind('.').unwrap()]);
+        add_node_with_pod_cidr(&cluster, &name, &node.node_ip, &pod_cidr);
+        cluster.set_node_ready(&name, true);
+        machines.push_str(&machine(&name, &node.node_ip, false));
+        endpoints.push_str(&format!("  - ip: {}\n    nodeName: {name}\n", node.pod_ip));
+    }
+    let _pods: Vec<_> = nodes
+        .iter()
+        .enumerate()
+        .map(|(i, n)| n.serve_page_at(&n.pod_ip, 8080, &format!("pod on node-{i}\n")))
+        .collect();
+    for (i, node) in nodes.iter().enumerate() {
+        let url = format!("http://{}:8080/", node.pod_ip);
+        wait_blocking("pod serving", Duration::from_secs(20), || {
+            curl(Some(&node.ns), &url)
+        });
+        assert!(
+            curl_within(Some(&nodes[1 - i].ns), &url, "2").is_none(),
+            "pod networks must not be routed between the nodes"
+        );
+    }
+
+    let k = std::process::id() % 250;
+    let (_dir, inventory) = inventory_dir();
+    write_inventory(
+        &inventory,
+        &format!("nodes:\n{machines}loadBalancer:\n  pools:\n  - name: general\n    addresses: [127.78.{k}.10]\n"),
+    );
+    lb_service(
+        &cluster,
+        "default",
+        "pods",
+        80,
+        None,
+        json!({}),
+        json!({"allocateLoadBalancerNodePorts": false, "ports": [{"name": "p", "port": 80, "targetPort": 8080}]}),
+    );
+    cluster.apply(&format!(
+        "apiVersion: v1\nkind: Endpoints\nmetadata:\n  name: pods\n  namespace: default\nsubsets:\n- addresses:\n{endpoints}  ports:\n  - name: p\n    port: 8080\n"
+    ));
+    let _ccm = start_ccm_with(
+        &cluster,
+        &inventory,
+        "ccm",
+        &[format!("--tunnel-uds={}", socket.display())],
+    );
+    let ip = wait_ingress(&cluster, "default", "pods");
+    let url = format!("http://{ip}:80/");
+    // Both pods answer once the server knows the nodes' pod networks...
+    let mut seen = std::collections::BTreeSet::new();
+    wait_blocking(
+        "both pods through the balancer",
+        Duration::from_secs(30),
+        || {
+            seen.extend(curl(None, &url));
+            (seen.len() == 2).then_some(())
+        },
+    );
+    // ...and from then on every connection reaches its pod, whichever node it is on.
+    let mut seen = std::collections::BTreeSet::new();
+    for n in 0..16 {
+        let body = curl(None, &url).unwrap_or_else(|| panic!("connection {n} failed"));
+        seen.insert(body);
+    }
+    assert_eq!(
+        seen.into_iter().collect::<Vec<_>>(),
+        ["pod on node-0\n", "pod on node-1\n"]
+    );
+    // No dial ever went to the wrong node's agent (the balancer would have hidden it by
+    // trying the next endpoint).
+    let out = Command::new("curl")
+        .args([
+            "-s",
+            "--max-time",
+            "5",
+            &format!("http://{}/metrics", server.health),
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(
+        tether_testkit::metric(
+            &String::from_utf8_lossy(&out.stdout),
+            r#"konnectivity_network_proxy_server_dial_failure_count{reason="error_response"}"#
+        ),
+        Some(0.0),
+        "a pod IP was sent to the wrong agent"
+    );
+}
+
 /// One quick try at `url` from inside `netns` (half a second at most).
 fn curl_quick(netns: &str, url: &str) -> Option<String> {
     curl_within(Some(netns), url, "0.5")

@@ -76,6 +76,17 @@ fn bad_flags_fail_with_one_clear_line() {
     assert!(!ok);
     assert!(err.contains("unknown proxy strategy \"nearest\""), "{err}");
 
+    let (ok, err) = run(&[
+        "server",
+        "--proxy-strategies=destHost,default",
+        "--watch-node-pod-cidrs",
+    ]);
+    assert!(!ok);
+    assert!(
+        error_line(&err).contains("add destCIDR to --proxy-strategies"),
+        "{err}"
+    );
+
     let (ok, err) = run(&["agent", "--agent-identifiers=ipv4=not-an-ip"]);
     assert!(!ok);
     assert!(error_line(&err).contains("ipv4"), "{err}");

@@ -12,6 +12,7 @@ use tether_proto::Packet;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use crate::pod_networks::PodNetworks;
 use crate::tunnel::{Conn, Frontend};
 
 /// How to pick an agent for a dial; several are tried in order.
@@ -23,7 +24,8 @@ pub enum Strategy {
     DestHost,
     /// An agent that advertised `default-route=true`.
     DefaultRoute,
-    /// An agent that advertised a `cidr` containing the dial host (Tether only).
+    /// An agent that advertised a `cidr` containing the dial host, or the agent on the
+    /// node whose pod network holds it (with `--watch-node-pod-cidrs`); Tether only.
     DestCidr,
 }
 
@@ -143,12 +145,25 @@ impl Backend {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn eligible(&self, strategy: Strategy, host: &str) -> bool {
+    /// Is this agent the one on `node`? Where the server verified the agent, only its
+    /// verified names count; otherwise (no agent authentication) its ID and `host=`
+    /// identifiers, the trust `destHost` gives them.
+    pub fn runs_on(&self, node: &str) -> bool {
+        if !self.verified.by.is_empty() {
+            return self.verified.hosts.iter().any(|h| h == node);
+        }
+        self.agent_id == node || self.identifiers.hosts.iter().any(|h| h == node)
+    }
+
+    /// `pod_node`: the node whose pod network holds the dial host, if known.
+    fn eligible(&self, strategy: Strategy, host: &str, pod_node: Option<&str>) -> bool {
         match strategy {
             Strategy::Default => true,
             Strategy::DestHost => self.identifiers.matches_host(host),
             Strategy::DefaultRoute => self.identifiers.default_route,
-            Strategy::DestCidr => self.identifiers.matches_cidr(host),
+            Strategy::DestCidr => {
+                self.identifiers.matches_cidr(host) || pod_node.is_some_and(|n| self.runs_on(n))
+            }
         }
     }
 }
@@ -157,9 +172,16 @@ impl Backend {
 #[derive(Default)]
 pub struct Registry {
     backends: RwLock<Vec<Arc<Backend>>>,
+    /// The nodes' pod networks, for `destCIDR` (empty unless the server watches Nodes).
+    pod_networks: Arc<PodNetworks>,
 }
 
 impl Registry {
+    /// The nodes' pod networks `destCIDR` consults.
+    pub fn pod_networks(&self) -> &Arc<PodNetworks> {
+        &self.pod_networks
+    }
+
     pub(crate) fn add(&self, backend: Arc<Backend>) -> usize {
         let mut list = self.backends.write().unwrap_or_else(|e| e.into_inner());
         list.push(backend);
@@ -226,10 +248,18 @@ impl Registry {
     /// candidates one is chosen at random, preferring agents that are not draining.
     pub fn select(&self, strategies: &[Strategy], address: &str) -> Option<Arc<Backend>> {
         let host = dial_host(address);
+        let pod_node = if strategies.contains(&Strategy::DestCidr) && !self.pod_networks.is_empty()
+        {
+            self.pod_networks.node_of(host)
+        } else {
+            None
+        };
         let list = self.backends.read().unwrap_or_else(|e| e.into_inner());
         for &strategy in strategies {
-            let candidates: Vec<&Arc<Backend>> =
-                list.iter().filter(|b| b.eligible(strategy, host)).collect();
+            let candidates: Vec<&Arc<Backend>> = list
+                .iter()
+                .filter(|b| b.eligible(strategy, host, pod_node.as_deref()))
+                .collect();
             if candidates.is_empty() {
                 continue;
             }
@@ -286,6 +316,48 @@ mod tests {
         );
         assert!(pick("destHost,default", "10.9.9.9:1").is_some());
         assert!(parse_strategies("destHost,bogus").is_err());
+    }
+
+    #[test]
+    fn a_pod_ip_goes_to_the_agent_on_its_node() {
+        let reg = Registry::default();
+        let node = |name: &str, cidr: &str| -> k8s_openapi::api::core::v1::Node {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": name}, "spec": {"podCIDRs": [cidr]}
+            }))
+            .unwrap()
+        };
+        reg.pod_networks()
+            .set(&[node("n1", "10.244.1.0/24"), node("n2", "10.244.2.0/24")]);
+        reg.add(backend("n1", ""));
+        reg.add(backend("x", "host=n2"));
+        // Verified as n2 by its token: its own claims no longer count.
+        let (tx, _rx) = mpsc::channel(1);
+        let (ctl, _ctl_rx) = mpsc::unbounded_channel();
+        let claims_n1 = Arc::new(Backend::new(
+            "n1".into(),
+            AgentIdentifiers::default(),
+            Verified {
+                by: "serviceaccount-token",
+                hosts: vec!["n3".into()],
+                ips: vec![],
+            },
+            tx,
+            ctl,
+            None,
+        ));
+        reg.add(claims_n1);
+        let s = parse_strategies("destCIDR").unwrap();
+        for _ in 0..20 {
+            let b = reg.select(&s, "10.244.1.9:8080").unwrap();
+            assert!(b.agent_id == "n1" && b.verified.by.is_empty());
+            assert_eq!(reg.select(&s, "10.244.2.9:80").unwrap().agent_id, "x");
+        }
+        assert!(reg.select(&s, "10.244.3.9:80").is_none());
+        // Without destCIDR the pod networks change nothing.
+        assert!(reg
+            .select(&parse_strategies("destHost").unwrap(), "10.244.1.9:80")
+            .is_none());
     }
 
     #[test]

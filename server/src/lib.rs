@@ -11,6 +11,7 @@ pub mod backend;
 pub mod frontend;
 pub mod lease;
 pub mod metrics;
+pub mod pod_networks;
 pub mod tunnel;
 
 use std::net::SocketAddr;
@@ -99,6 +100,8 @@ pub struct ServerConfig {
     pub cert_reload_interval: Duration,
     /// Publish a Lease and tell agents the number of live servers.
     pub lease: Option<lease::LeaseConfig>,
+    /// Watch Nodes so that `destCIDR` routes pod IPs to the agent on their node.
+    pub pod_networks: Option<pod_networks::WatchConfig>,
 }
 
 /// Why the server could not start.
@@ -119,7 +122,7 @@ pub enum StartError {
     /// TLS material is unusable.
     #[error(transparent)]
     Tls(#[from] TlsError),
-    /// The Kubernetes client (agent authentication, leases) could not be set up.
+    /// The Kubernetes client (agent authentication, leases, Nodes) could not be set up.
     #[error(transparent)]
     Kube(#[from] tether_core::kubeclient::KubeSetupError),
 }
@@ -145,6 +148,7 @@ enum FrontendListener {
 /// The server, bound and ready to run.
 pub struct BoundServer {
     lease_client: Option<kube::Client>,
+    nodes_client: Option<kube::Client>,
     reloadables: Vec<Arc<dyn tether_core::reload::Reload>>,
     authenticator: Option<Arc<auth::TokenAuthenticator>>,
     config: ServerConfig,
@@ -249,9 +253,14 @@ impl Server {
             Some(l) => Some(tether_core::kubeclient::client(l.kubeconfig.as_deref()).await?),
             None => None,
         };
+        let nodes_client = match &config.pod_networks {
+            Some(w) => Some(tether_core::kubeclient::client(w.kubeconfig.as_deref()).await?),
+            None => None,
+        };
         let tunnel = Tunnel::new(config.tunnel.clone(), metrics);
         Ok(BoundServer {
             lease_client,
+            nodes_client,
             reloadables,
             authenticator,
             config,
@@ -283,6 +292,7 @@ impl BoundServer {
     pub async fn run(self, shutdown: CancellationToken) {
         let BoundServer {
             lease_client,
+            nodes_client,
             reloadables,
             authenticator,
             config,
@@ -311,6 +321,13 @@ impl BoundServer {
             config.cert_reload_interval,
             hard_stop.clone(),
         );
+        if let Some(client) = nodes_client {
+            pod_networks::spawn(
+                client,
+                tunnel.registry().pod_networks().clone(),
+                hard_stop.clone(),
+            );
+        }
         let server_count = Arc::new(std::sync::atomic::AtomicU32::new(config.server_count));
         let lease_task = match (lease_client, &config.lease) {
             (Some(client), Some(cfg)) => Some(tokio::spawn(lease::run(

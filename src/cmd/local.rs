@@ -105,6 +105,7 @@ async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()
         graceful_shutdown_timeout: Duration::from_secs(5),
         agent_auth: None,
         require_agent_identity_match: false,
+        pod_networks: None,
         cert_reload_interval: Duration::from_secs(60),
         lease: None,
     };

@@ -107,6 +107,11 @@ pub struct ServerArgs {
     /// Admin bind address.
     #[arg(long, default_value = "127.0.0.1")]
     pub admin_bind_address: String,
+    /// Watch the cluster's Nodes so that destCIDR sends a dial to a pod IP to the agent
+    /// on that pod's node (by its spec.podCIDRs); needs destCIDR in --proxy-strategies,
+    /// --kubeconfig or in-cluster configuration, and list/watch on nodes. Tether only.
+    #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
+    pub watch_node_pod_cidrs: bool,
     /// How long established tunnels may finish after SIGTERM (0 = close at once).
     #[arg(long, default_value = "0", value_parser = duration)]
     pub graceful_shutdown_timeout: Duration,
@@ -134,7 +139,7 @@ pub struct ServerArgs {
     /// Audience agent tokens must carry (token authentication).
     #[arg(long, default_value = "")]
     pub authentication_audience: String,
-    /// Kubeconfig for TokenReviews (empty = in-cluster configuration).
+    /// Kubeconfig for TokenReviews, Leases and Nodes (empty = in-cluster configuration).
     #[arg(long, default_value = "")]
     pub kubeconfig: String,
     /// TokenReviews per second (0 = 50).
@@ -226,6 +231,16 @@ impl ServerArgs {
                 kubeconfig: opt_path(&self.kubeconfig),
                 renew_interval: tether_server::lease::RENEW_INTERVAL,
                 duration: tether_server::lease::LEASE_DURATION,
+            })
+        } else {
+            None
+        };
+        let pod_networks = if self.watch_node_pod_cidrs {
+            if !strategies.contains(&tether_server::backend::Strategy::DestCidr) {
+                bail!("--watch-node-pod-cidrs routes pod IPs by destCIDR: add destCIDR to --proxy-strategies (e.g. destHost,destCIDR,default)");
+            }
+            Some(tether_server::pod_networks::WatchConfig {
+                kubeconfig: opt_path(&self.kubeconfig),
             })
         } else {
             None
@@ -335,6 +350,7 @@ impl ServerArgs {
             require_agent_identity_match: self.require_agent_identity_match,
             cert_reload_interval: self.cert_reload_interval,
             lease,
+            pod_networks,
         })
     }
 }
@@ -348,8 +364,11 @@ impl ServerArgs {
         ];
         let set = parts.iter().filter(|p| !p.is_empty()).count();
         if set == 0 {
-            if !self.kubeconfig.is_empty() && !self.enable_lease_controller {
-                bail!("--kubeconfig is only used for agent token authentication or the lease controller: also set --agent-namespace, --agent-service-account and --authentication-audience, or --enable-lease-controller");
+            if !self.kubeconfig.is_empty()
+                && !self.enable_lease_controller
+                && !self.watch_node_pod_cidrs
+            {
+                bail!("--kubeconfig is only used for agent token authentication, the lease controller or --watch-node-pod-cidrs: also set --agent-namespace, --agent-service-account and --authentication-audience, --enable-lease-controller or --watch-node-pod-cidrs");
             }
             return Ok(None);
         }
