@@ -2,6 +2,7 @@
 //! process), `ccm` and `certs`. Flags keep upstream's names and defaults.
 
 use clap::{Parser, Subcommand};
+
 use tether::cmd;
 
 /// Konnectivity-compatible tunnel for Kubernetes clusters whose nodes sit on private or
@@ -28,8 +29,18 @@ enum Command {
     Certs(cmd::certs::CertsCommand),
 }
 
+/// The system allocator, sampled for `/debug/pprof/heap` once `--enable-profiling`
+/// turns it on.
+#[global_allocator]
+static ALLOC: tether_core::heap_profile::Sampling<std::alloc::System> =
+    tether_core::heap_profile::Sampling(std::alloc::System);
+
 fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
+    tether_core::heap_profile::mark_installed();
+    let cli: Cli = match cmd::parse_args() {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
     let result = match cli.command {
         Command::Server(args) => cmd::server::main(*args),
         Command::Agent(args) => cmd::agent::main(*args),

@@ -128,7 +128,10 @@ async fn tokens_are_checked_by_token_review() {
         );
         let page = server.metrics().await;
         assert_eq!(
-            metric(&page, "konnectivity_network_proxy_server_ready_backends"),
+            metric(
+                &page,
+                "konnectivity_network_proxy_server_ready_backend_connections"
+            ),
             Some(0.0),
             "{name} got in"
         );

@@ -358,7 +358,10 @@ async fn agent_certificates_bind_identity() {
     }
     let page = server.metrics().await;
     assert_eq!(
-        metric(&page, "konnectivity_network_proxy_server_ready_backends"),
+        metric(
+            &page,
+            "konnectivity_network_proxy_server_ready_backend_connections"
+        ),
         Some(0.0)
     );
     let _agent = AgentProc::start(

@@ -38,15 +38,39 @@ fn bad_flags_fail_with_one_clear_line() {
 
     let (ok, err) = run(&[
         "server",
-        "--enable-profiling",
+        "--enable-contention-profiling",
         "--uds-name=/tmp/x.sock",
         "--server-port=0",
     ]);
     assert!(!ok);
     assert!(
-        error_line(&err).contains("--enable-profiling is an upstream flag"),
+        error_line(&err).contains("needs --enable-profiling"),
         "{err}"
     );
+
+    for (args, says) in [
+        (
+            &["server", "--cipher-suites=TLS_RSA_WITH_AES_128_CBC_SHA"][..],
+            "TLS_RSA_WITH_AES_128_CBC_SHA is not offered",
+        ),
+        (
+            &["server", "--tls-min-version=VersionTLS10"][..],
+            "TLS 1.0 and 1.1",
+        ),
+        (
+            &["agent", "--no-such-flag=1"][..],
+            "unknown flag --no-such-flag",
+        ),
+        (
+            &["server", "--stderrthreshold=LOUD"][..],
+            "is not a severity",
+        ),
+        (&["server", "--vmodule=tunnel"][..], "--vmodule"),
+    ] {
+        let (ok, err) = run(args);
+        assert!(!ok);
+        assert!(error_line(&err).contains(says), "{args:?}: {err}");
+    }
 
     let (ok, err) = run(&["server", "--agent-namespace=kube-system"]);
     assert!(!ok);
@@ -337,5 +361,6 @@ fn upstream_manifest_flags_are_accepted() {
         std::time::Duration::from_secs(20),
         |_| true,
     );
-    assert!(proc.logged("accepted for klog compatibility"));
+    // --log-format=json took effect on stderr (klog's flags did not swallow it).
+    assert!(proc.logged("\"message\":\"server listening\""));
 }

@@ -194,6 +194,38 @@ async fn agents_follow_server_leases() {
         !leases.contains("ghost"),
         "expired lease not garbage-collected: {leases}"
     );
+    // Upstream's lease metrics: exactly one server culled the ghost (the delete carries
+    // the listed resourceVersion), both listed; agents list once and watch.
+    let p = "konnectivity_network_proxy_server_";
+    let mut culled = 0.0;
+    for s in [&s1, &s2] {
+        let page = s.metrics().await;
+        culled += metric(&page, &format!("{p}culled_leases_count")).unwrap();
+        for sample in [
+            format!(r#"{p}lease_list_total{{http_status_code="200",reason=""}}"#),
+            format!(r#"{p}lease_list_latency_seconds_count{{http_status_code="200"}}"#),
+        ] {
+            assert!(
+                metric(&page, &sample).unwrap_or(0.0) >= 1.0,
+                "{sample}:\n{page}"
+            );
+        }
+    }
+    assert_eq!(culled, 1.0);
+    let a = "konnectivity_network_proxy_agent_";
+    for agent in &agents {
+        let page = agent.metrics().await;
+        for sample in [
+            format!(r#"{a}lease_lists_total{{http_response_code="200",reason=""}}"#),
+            format!(r#"{a}lease_list_latency_seconds_count{{http_response_code="200"}}"#),
+            format!(r#"{a}lease_watches_total{{http_response_code="200",reason=""}}"#),
+        ] {
+            assert!(
+                metric(&page, &sample).unwrap_or(0.0) >= 1.0,
+                "{sample}:\n{page}"
+            );
+        }
+    }
 
     // A third server appears: its lease raises the count and agents open a third stream.
     let mut s3 = server(&pki, dir.path(), "s3", &lease_args);

@@ -102,7 +102,10 @@ async fn agent_killed_mid_transfer_closes_connections_and_fails_pending_dial_fas
         Some(0.0)
     );
     assert_eq!(
-        metric(&page, "konnectivity_network_proxy_server_ready_backends"),
+        metric(
+            &page,
+            "konnectivity_network_proxy_server_ready_backend_connections"
+        ),
         Some(0.0)
     );
     assert_eq!(
@@ -187,7 +190,10 @@ async fn garbage_and_foreign_certificates_on_the_agent_port() {
     );
     let page = server.metrics().await;
     assert_eq!(
-        metric(&page, "konnectivity_network_proxy_server_ready_backends"),
+        metric(
+            &page,
+            "konnectivity_network_proxy_server_ready_backend_connections"
+        ),
         Some(0.0)
     );
     assert!(server.proc.logged("TLS handshake failed"));
@@ -204,7 +210,7 @@ async fn garbage_and_foreign_certificates_on_the_agent_port() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn draining_agent_is_last_choice_and_exits_when_idle() {
+async fn draining_agent_is_last_choice_serves_when_alone_and_exits_when_idle() {
     let pki = Pki::new();
     let server = grpc_server(&pki, &[]);
     let mut a = AgentProc::start(bin(), &pki, server.agent, &["--agent-id=a".into()]);
@@ -244,6 +250,18 @@ async fn draining_agent_is_last_choice_and_exits_when_idle() {
         "a draining agent took new dials"
     );
     assert_eq!(dial_count(&b).await, b_before + 20.0);
+
+    // With b gone the draining agent is the only one: as upstream's, it still serves
+    // the dials the server sends it (a rolling update never fails a kubectl command).
+    drop(b);
+    server.wait_agents(1).await;
+    let mut late = client.dial(&echo.addr.to_string()).await.unwrap();
+    late.write_all(b"y").await.unwrap();
+    let mut y = [0u8; 1];
+    late.read_exact(&mut y).await.unwrap();
+    assert_eq!(&y, b"y");
+    assert_eq!(dial_count(&a).await, a_before + 1.0);
+    drop(late);
 
     // The held connection keeps working, and closing it lets agent a exit.
     held.write_all(b"q").await.unwrap();
@@ -331,7 +349,7 @@ async fn health_readiness_and_metrics() {
     assert!(body.contains("1 proxy server stream"), "{body}");
     let page = server.metrics().await;
     for name in [
-        "konnectivity_network_proxy_server_ready_backends",
+        "konnectivity_network_proxy_server_ready_backend_connections",
         "konnectivity_network_proxy_server_established_connections",
         "konnectivity_network_proxy_server_pending_backend_dials",
         "konnectivity_network_proxy_server_dial_duration_seconds",
@@ -352,4 +370,120 @@ async fn health_readiness_and_metrics() {
     let (code, _) = http_get(server.admin, "/metrics").await.unwrap();
     assert_eq!(code, 200);
     assert!(server.admin.ip().is_loopback());
+}
+
+/// An agent stream that takes one dial and then never reads again, speaking the real
+/// agent protocol over mTLS with HTTP/2's default 64 KiB receive window (so the
+/// server's sends towards it block soon). The handles keep it connected.
+struct StuckAgent {
+    out: tokio::sync::mpsc::Sender<tether_proto::Packet>,
+    inbound: tonic::Streaming<tether_proto::Packet>,
+}
+
+impl StuckAgent {
+    async fn connect(pki: &Pki, server: std::net::SocketAddr) -> Self {
+        use tether_proto::agent_service_client::AgentServiceClient;
+        let f = &pki.files;
+        let tls = tether_core::tls::client_config(
+            &f.ca_cert,
+            Some((&f.agent_cert, &f.agent_key)),
+            &[b"h2"],
+        )
+        .unwrap();
+        let authority = server.to_string();
+        let connector = tower::service_fn(move |_| {
+            let (tls, authority) = (tls.clone(), authority.clone());
+            async move {
+                let name = tether_core::tls::server_name("127.0.0.1").unwrap();
+                let tls = tether_core::transport::connect_tls(&authority, name, tls).await?;
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tls))
+            }
+        });
+        let channel = tonic::transport::Endpoint::from_static("http://127.0.0.1")
+            .connect_with_connector(connector)
+            .await
+            .unwrap();
+        let (out, rx) = tokio::sync::mpsc::channel(4);
+        let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+        request
+            .metadata_mut()
+            .insert("agentid", "stuck".parse().unwrap());
+        let inbound = AgentServiceClient::new(channel)
+            .connect(request)
+            .await
+            .unwrap()
+            .into_inner();
+        StuckAgent { out, inbound }
+    }
+
+    /// Answers the next dial, after which the stream reads nothing more.
+    async fn answer_one_dial(&mut self) {
+        use tether_proto::{packet::Payload, Packet};
+        let first = self.inbound.message().await.unwrap().unwrap();
+        let Some(Payload::DialRequest(req)) = first.payload else {
+            panic!("expected a DIAL_REQ, got {first:?}");
+        };
+        self.out
+            .send(Packet::dial_response(req.random, 1, ""))
+            .await
+            .unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn backend_dial_timeout_bounds_queueing_on_a_stuck_agent_which_is_retired() {
+    let pki = Pki::new();
+    let server = grpc_server(&pki, &["--backend-dial-timeout=2s", "--xfr-channel-size=1"]);
+    let mut agent = StuckAgent::connect(&pki, server.agent).await;
+    server.wait_agents(1).await;
+    let client = Client::uds(socket_path(pki.dir())).await.unwrap();
+    let first = {
+        let client = client.clone();
+        tokio::spawn(async move { client.dial("10.255.255.1:80").await })
+    };
+    agent.answer_one_dial().await;
+    let mut conn = first.await.unwrap().expect("the first dial is answered");
+    // Fill the agent's stream: its 64 KiB window, the one-packet queue, then a writer
+    // the server cannot serve.
+    let writer = tokio::spawn(async move {
+        let chunk = vec![7u8; 16 * 1024];
+        while conn.write_all(&chunk).await.is_ok() {}
+    });
+    let to_agent = r#"konnectivity_network_proxy_server_stream_packets_total{packet_type="DATA",segment="to_agent"}"#;
+    wait_until(
+        "DATA towards the stuck agent beyond what its stream can hold",
+        Duration::from_secs(20),
+        || async {
+            (metric(&server.metrics().await, to_agent).unwrap_or(0.0) >= 12.0).then_some(())
+        },
+    )
+    .await;
+
+    let started = Instant::now();
+    let second = tokio::time::timeout(Duration::from_secs(10), client.dial("10.255.255.2:80"))
+        .await
+        .expect("the dial ends within --backend-dial-timeout, not when the queue frees");
+    let err = second.err().expect("the dial fails").to_string();
+    assert!(err.contains("timeout"), "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    // The stuck stream is retired.
+    server
+        .wait_metric(
+            "konnectivity_network_proxy_server_ready_backend_connections",
+            0.0,
+        )
+        .await;
+    assert_eq!(
+        metric(
+            &server.metrics().await,
+            r#"konnectivity_network_proxy_server_dial_failure_count{reason="backend_dial_timeout"}"#
+        ),
+        Some(1.0)
+    );
+    writer.abort();
+    drop(agent);
 }

@@ -177,15 +177,6 @@ impl Session {
 
     async fn dial(self: &Arc<Self>, req: DialRequest) {
         let random = req.random;
-        if self.draining.load(Ordering::Relaxed) {
-            self.send(Packet::dial_response(
-                random,
-                0,
-                "agent is draining; dial another agent",
-            ))
-            .await;
-            return;
-        }
         if req.protocol != "tcp" && !req.protocol.is_empty() {
             self.send(Packet::dial_response(
                 random,

@@ -3,6 +3,7 @@
 //! which opens the target connection and pumps its bytes. Never depends on the server.
 
 pub mod dialer;
+pub mod lease_count;
 pub mod metrics;
 
 use std::collections::HashMap;
@@ -24,6 +25,7 @@ use tonic::metadata::MetadataValue;
 use tracing::Instrument;
 
 use crate::dialer::Session;
+use crate::lease_count::LeaseCounter;
 use crate::metrics::Metrics;
 
 /// Everything the agent needs, already validated.
@@ -63,7 +65,12 @@ pub struct AgentConfig {
     /// With an upstream server: how long one connection's full queue may hold up the
     /// stream before that connection is closed.
     pub stall_timeout: Duration,
+    /// Serve pprof profiles on the admin port (`--enable-profiling`).
+    pub profiling: bool,
 }
+
+/// How long opening one stream (TCP, TLS, the server's response headers) may take.
+const ESTABLISH_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// Where server Leases are counted.
 #[derive(Debug, Clone)]
@@ -127,6 +134,9 @@ pub enum LinkError {
     /// The server's response headers were not as the protocol requires.
     #[error("proxy server response: {0}")]
     Protocol(String),
+    /// Connecting and reading the response headers took too long.
+    #[error("proxy server did not answer within {0:?}")]
+    Timeout(Duration),
 }
 
 /// A running agent's shared state.
@@ -211,7 +221,7 @@ impl Agent {
         tether_core::health::spawn(
             "admin",
             listener,
-            tether_core::health::admin_router(self.metrics.registry.clone()),
+            tether_core::health::admin_router(self.metrics.registry.clone(), self.config.profiling),
             shutdown,
         );
     }
@@ -230,9 +240,14 @@ impl Agent {
         );
         let sessions: Arc<Mutex<HashMap<String, CancellationToken>>> = Arc::default();
         let ended = Arc::new(tokio::sync::Notify::new());
-        let mut leases = match &self.config.lease_count {
+        let leases = match &self.config.lease_count {
             Some(lc) => match tether_core::kubeclient::client(lc.kubeconfig.as_deref()).await {
-                Ok(c) => Some(LeaseCounter::new(c, lc)),
+                Ok(c) => Some(LeaseCounter::spawn(
+                    c,
+                    lc,
+                    self.metrics.lease_metrics(),
+                    shutdown.clone(),
+                )),
                 Err(e) => {
                     tracing::error!(error = %e, "cannot count server leases; using the servers' servercount");
                     None
@@ -247,19 +262,23 @@ impl Agent {
                 break;
             }
             let have = sessions.lock().unwrap_or_else(|e| e.into_inner()).len() as i64;
-            let target = self.target_count(leases.as_mut()).await;
+            let target = self.target_count(leases.as_ref());
             self.metrics.known_server_count.set(target);
             let want_more = !drain.is_cancelled() && (have < target || self.config.sync_forever);
             let mut backoff = false;
             if want_more {
                 let (host, port) = &self.config.servers[next % self.config.servers.len()];
                 next = next.wrapping_add(1);
-                match self.establish(host, *port).await {
+                let established =
+                    tokio::time::timeout(ESTABLISH_TIMEOUT, self.establish(host, *port))
+                        .await
+                        .unwrap_or(Err(LinkError::Timeout(ESTABLISH_TIMEOUT)));
+                match established {
                     Ok(est) => {
                         let server_id = est.server_id.clone();
                         let mut set = sessions.lock().unwrap_or_else(|e| e.into_inner());
                         if set.contains_key(&server_id) {
-                            tracing::debug!(%server_id, %host, "already connected to this server; closing the duplicate stream");
+                            tracing::info!(%server_id, %host, have, target, "reached a server this agent is already connected to; closing the duplicate stream and retrying");
                             backoff = true;
                         } else {
                             let stop = shutdown.child_token();
@@ -307,10 +326,10 @@ impl Agent {
         }
     }
 
-    async fn target_count(&self, leases: Option<&mut LeaseCounter>) -> i64 {
+    fn target_count(&self, leases: Option<&LeaseCounter>) -> i64 {
         let header = self.header_count.load(Ordering::Relaxed).max(1);
         let Some(leases) = leases else { return header };
-        let counted = leases.count().await;
+        let counted = leases.count();
         match (self.config.count_source, counted) {
             (_, None) => header,
             (CountSource::Default, Some(n)) => n.max(1),
@@ -431,7 +450,7 @@ impl Agent {
                     p = inbound.message() => p,
                     _ = drain.cancelled(), if !draining => {
                         draining = true;
-                        tracing::info!("draining: DRAIN sent, no new dials accepted");
+                        tracing::info!("draining: DRAIN sent; dials the server still sends are served");
                         session.drain().await;
                         continue;
                     }
@@ -447,7 +466,15 @@ impl Agent {
                     Err(status) => {
                         self.metrics
                             .stream_errors
-                            .with_label_values(&["from_server", &format!("{:?}", status.code())])
+                            .with_label_values(&[
+                                "to_agent",
+                                tether_core::metrics::grpc_code_name(status.code()),
+                                tether_core::metrics::NO_PACKET,
+                            ])
+                            .inc();
+                        self.metrics
+                            .server_connection_failures
+                            .with_label_values(&["from_server"])
                             .inc();
                         return Err(status.into());
                     }
@@ -467,54 +494,6 @@ struct Established {
     peer_window: Option<u32>,
     out_tx: mpsc::Sender<tether_proto::Packet>,
     inbound: tonic::Streaming<tether_proto::Packet>,
-}
-
-/// Counts live server Leases, at most every few seconds (one list per agent per
-/// interval, however often the sync loop runs).
-struct LeaseCounter {
-    api: kube::Api<k8s_openapi::api::coordination::v1::Lease>,
-    selector: String,
-    last: Option<(tokio::time::Instant, i64)>,
-}
-
-const LEASE_COUNT_TTL: Duration = Duration::from_secs(5);
-
-impl LeaseCounter {
-    fn new(client: kube::Client, lc: &LeaseCount) -> Self {
-        LeaseCounter {
-            api: kube::Api::namespaced(client, &lc.namespace),
-            selector: lc.selector.clone(),
-            last: None,
-        }
-    }
-
-    async fn count(&mut self) -> Option<i64> {
-        if let Some((at, n)) = self.last {
-            if at.elapsed() < LEASE_COUNT_TTL {
-                return Some(n);
-            }
-        }
-        match self
-            .api
-            .list(&kube::api::ListParams::default().labels(&self.selector))
-            .await
-        {
-            Ok(list) => {
-                let now = k8s_openapi::jiff::Timestamp::now();
-                let n = list
-                    .items
-                    .iter()
-                    .filter(|l| tether_core::kubeclient::lease_is_live(l, now))
-                    .count() as i64;
-                self.last = Some((tokio::time::Instant::now(), n));
-                Some(n)
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot list server leases");
-                self.last.map(|(_, n)| n)
-            }
-        }
-    }
 }
 
 struct Decrement(Arc<AtomicI64>, prometheus::IntGauge);

@@ -1,10 +1,15 @@
 //! Agent metrics under upstream's names (`konnectivity_network_proxy_agent_*`).
 
-use prometheus::{Histogram, HistogramOpts, IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry};
+use tether_core::kubeclient::CallMetrics;
+
+use crate::lease_count::LeaseMetrics;
 use tether_core::metrics::PacketCounters;
 
 const NAMESPACE: &str = "konnectivity_network_proxy";
 const SUBSYSTEM: &str = "agent";
+/// Upstream's agent `latencyBuckets` (5 ms to 30 s).
+const LATENCY_BUCKETS: [f64; 7] = [0.005, 0.025, 0.1, 0.5, 2.5, 10.0, 30.0];
 
 /// Every agent metric, registered in one registry.
 #[derive(Clone)]
@@ -25,12 +30,17 @@ pub struct Metrics {
     pub packets: PacketCounters,
     /// Stream errors by direction.
     pub stream_errors: IntCounterVec,
+    /// `server_connection_failure_count{direction}` (deprecated upstream).
+    pub server_connection_failures: IntCounterVec,
+    lease_lists: IntCounterVec,
+    lease_watches: IntCounterVec,
+    lease_list_latency: HistogramVec,
 }
 
 impl Metrics {
     /// Creates and registers every metric.
     pub fn new() -> Self {
-        let registry = Registry::new();
+        let registry = tether_core::metrics::registry_with_process();
         let opts = |n: &str, h: &str| Opts::new(n, h).namespace(NAMESPACE).subsystem(SUBSYSTEM);
         let dial_duration = Histogram::with_opts(
             HistogramOpts::new(
@@ -39,7 +49,7 @@ impl Metrics {
             )
             .namespace(NAMESPACE)
             .subsystem(SUBSYSTEM)
-            .buckets(vec![0.005, 0.025, 0.1, 0.5, 2.5, 12.5]),
+            .buckets(LATENCY_BUCKETS.to_vec()),
         )
         .unwrap();
         let dial_failures = IntCounterVec::new(
@@ -71,18 +81,48 @@ impl Metrics {
         let packets_vec = IntCounterVec::new(
             opts(
                 "stream_packets_total",
-                "Count of packets processed, by direction and packet type.",
+                "Count of packets processed, by segment and packet type (example: from_agent, DIAL_RSP).",
             ),
-            &["direction", "packet_type"],
+            &["segment", "packet_type"],
         )
         .unwrap();
-        let packets = PacketCounters::new(&packets_vec, &["from_server", "to_server"]);
+        // Upstream's segments: what the agent receives travels to_agent, what it sends
+        // from_agent (indexes FROM_SERVER and TO_SERVER).
+        let packets = PacketCounters::new(&packets_vec, &["to_agent", "from_agent"]);
         let stream_errors = IntCounterVec::new(
             opts(
                 "stream_errors_total",
-                "Count of gRPC stream errors, by direction and gRPC code.",
+                "Count of gRPC stream errors, by segment, grpc Code, packet type. (example: from_agent, Code.Unavailable, DIAL_RSP)",
             ),
-            &["direction", "code"],
+            &["segment", "code", "packet_type"],
+        )
+        .unwrap();
+        let server_connection_failures = IntCounterVec::new(
+            opts(
+                "server_connection_failure_count",
+                "Count of failures to send to or receive from the proxy server, labeled by the direction (from_server or to_server). DEPRECATED, please use stream_errors_total",
+            ),
+            &["direction"],
+        )
+        .unwrap();
+        let lease_calls = |name: &str, verb: &str| {
+            IntCounterVec::new(
+                opts(name, &format!("Count of server lease {verb} calls made by the agent to the k8s apiserver, labeled by HTTP response code and reason")),
+                &["http_response_code", "reason"],
+            )
+            .unwrap()
+        };
+        let lease_lists = lease_calls("lease_lists_total", "list");
+        let lease_watches = lease_calls("lease_watches_total", "watch");
+        let lease_list_latency = HistogramVec::new(
+            HistogramOpts::new(
+                "lease_list_latency_seconds",
+                "Latency of server lease listing in seconds",
+            )
+            .namespace(NAMESPACE)
+            .subsystem(SUBSYSTEM)
+            .buckets(LATENCY_BUCKETS.to_vec()),
+            &["http_response_code"],
         )
         .unwrap();
         for c in [
@@ -93,6 +133,10 @@ impl Metrics {
             Box::new(open_endpoint_connections.clone()),
             Box::new(packets_vec),
             Box::new(stream_errors.clone()),
+            Box::new(server_connection_failures.clone()),
+            Box::new(lease_lists.clone()),
+            Box::new(lease_watches.clone()),
+            Box::new(lease_list_latency.clone()),
         ] {
             registry.register(c).expect("metric names are unique");
         }
@@ -105,6 +149,21 @@ impl Metrics {
             open_endpoint_connections,
             packets,
             stream_errors,
+            server_connection_failures,
+            lease_lists,
+            lease_watches,
+            lease_list_latency,
+        }
+    }
+
+    /// The lease counter's metrics.
+    pub fn lease_metrics(&self) -> LeaseMetrics {
+        LeaseMetrics {
+            lists: CallMetrics::new(
+                self.lease_lists.clone(),
+                Some(self.lease_list_latency.clone()),
+            ),
+            watches: CallMetrics::new(self.lease_watches.clone(), None),
         }
     }
 }

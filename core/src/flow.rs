@@ -154,6 +154,11 @@ impl Window {
         self.queued.load(Ordering::Acquire)
     }
 
+    /// Would [`Window::admit`] wait (no credit and the queue full)?
+    pub fn is_full(&self) -> bool {
+        !self.credit_based && self.queued() >= self.size
+    }
+
     /// Accounts `n` bytes arriving for the queue. A credit-based peer must stay within
     /// the window (plus the packet that overdrew it); an upstream peer is
     /// held (the caller blocks, like upstream) while the queue is full, for at most

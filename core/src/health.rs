@@ -37,9 +37,14 @@ pub fn health_router(registry: Registry, ready: ReadyCheck, not_ready: StatusCod
         })
 }
 
-/// The admin endpoint: `/metrics` only (profiling is not offered).
-pub fn admin_router(registry: Registry) -> Router {
-    health_router(registry, Arc::new(|| Ok("ok".into())), StatusCode::OK)
+/// The admin endpoint: `/metrics`, and with `profiling` the pprof endpoints.
+pub fn admin_router(registry: Registry, profiling: bool) -> Router {
+    let router = health_router(registry, Arc::new(|| Ok("ok".into())), StatusCode::OK);
+    if profiling {
+        router.merge(crate::profiling::router())
+    } else {
+        router
+    }
 }
 
 async fn readyz(

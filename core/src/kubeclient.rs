@@ -225,3 +225,45 @@ pub fn lease_is_live(
         _ => false,
     }
 }
+
+/// The HTTP status code and reason of an apiserver call's outcome, as upstream's lease
+/// metrics label it: `("200", "")` for success, the API status's code and reason for
+/// an API error, `None` when no status came back (connection refused, timeout):
+/// upstream does not record those either.
+pub fn call_status<T>(result: &Result<T, kube::Error>) -> Option<(String, String)> {
+    match result {
+        Ok(_) => Some(("200".into(), String::new())),
+        Err(kube::Error::Api(status)) => Some((status.code.to_string(), status.reason.clone())),
+        Err(_) => None,
+    }
+}
+
+/// Counts (`<name>_total{code,reason}`) and times (`<name>_latency_seconds{code}`) one
+/// kind of apiserver call, the shape of upstream's lease list/delete/watch metrics.
+#[derive(Clone)]
+pub struct CallMetrics {
+    total: prometheus::IntCounterVec,
+    latency: Option<prometheus::HistogramVec>,
+}
+
+impl CallMetrics {
+    /// Wraps a counter labelled (code, reason) and an optional histogram labelled (code).
+    pub fn new(
+        total: prometheus::IntCounterVec,
+        latency: Option<prometheus::HistogramVec>,
+    ) -> Self {
+        CallMetrics { total, latency }
+    }
+
+    /// Records one call that started at `started`.
+    pub fn observe<T>(&self, started: std::time::Instant, result: &Result<T, kube::Error>) {
+        let Some((code, reason)) = call_status(result) else {
+            return;
+        };
+        self.total.with_label_values(&[&code, &reason]).inc();
+        if let Some(h) = &self.latency {
+            h.with_label_values(&[&code])
+                .observe(started.elapsed().as_secs_f64());
+        }
+    }
+}

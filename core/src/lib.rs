@@ -7,10 +7,12 @@
 pub mod duration;
 pub mod flow;
 pub mod health;
+pub mod heap_profile;
 pub mod identifiers;
 pub mod kubeclient;
 pub mod memory;
 pub mod metrics;
+pub mod profiling;
 pub mod pump;
 pub mod queue;
 pub mod ratelimit;

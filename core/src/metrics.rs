@@ -16,6 +16,46 @@ pub const PACKET_TYPES: [&str; 8] = [
     "WINDOW_UPDATE",
 ];
 
+/// A gRPC status code spelled as grpc-go prints it (the `code` label upstream's
+/// `stream_errors_total` carries): `OK`, `Canceled`, `Unavailable`, ...
+pub fn grpc_code_name(code: tonic::Code) -> &'static str {
+    use tonic::Code::*;
+    match code {
+        Ok => "OK",
+        Cancelled => "Canceled",
+        Unknown => "Unknown",
+        InvalidArgument => "InvalidArgument",
+        DeadlineExceeded => "DeadlineExceeded",
+        NotFound => "NotFound",
+        AlreadyExists => "AlreadyExists",
+        PermissionDenied => "PermissionDenied",
+        ResourceExhausted => "ResourceExhausted",
+        FailedPrecondition => "FailedPrecondition",
+        Aborted => "Aborted",
+        OutOfRange => "OutOfRange",
+        Unimplemented => "Unimplemented",
+        Internal => "Internal",
+        Unavailable => "Unavailable",
+        DataLoss => "DataLoss",
+        Unauthenticated => "Unauthenticated",
+    }
+}
+
+/// A registry holding the standard `process_*` metrics (CPU seconds, resident and
+/// virtual memory, open and maximum fds, start time), as every Go binary exports.
+pub fn registry_with_process() -> prometheus::Registry {
+    let registry = prometheus::Registry::new();
+    registry
+        .register(Box::new(
+            prometheus::process_collector::ProcessCollector::for_self(),
+        ))
+        .expect("process metrics registered once");
+    registry
+}
+
+/// The `packet_type` label of a stream error that carried no packet.
+pub const NO_PACKET: &str = "Unknown";
+
 /// Index of a packet type in `PACKET_TYPES`.
 fn type_index(ty: PacketType) -> usize {
     match ty {

@@ -122,6 +122,135 @@ pub struct TlsFiles {
     pub key: PathBuf,
     /// CA bundle used to verify the peer; `None` = no peer verification (servers only).
     pub ca: Option<PathBuf>,
+    /// Cipher suites and lowest version a server accepts.
+    pub policy: TlsPolicy,
+}
+
+/// What a server offers (`--cipher-suites`, `--tls-min-version`), as Go's crypto/tls
+/// applies them: the TLS 1.2 suites are chosen, the TLS 1.3 ones always on.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TlsPolicy {
+    /// TLS 1.2 suites to offer, by IANA name; empty = rustls' defaults.
+    pub tls12_suites: Vec<&'static str>,
+    /// Refuse TLS 1.2.
+    pub tls13_only: bool,
+}
+
+/// Go's IANA cipher suite names rustls offers, and the TLS 1.3 ones (always on).
+const OFFERED_TLS12: [&str; 6] = [
+    "TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256",
+    "TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384",
+    "TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256",
+    "TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256",
+    "TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384",
+    "TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256",
+];
+const TLS13: [&str; 3] = [
+    "TLS_AES_128_GCM_SHA256",
+    "TLS_AES_256_GCM_SHA384",
+    "TLS_CHACHA20_POLY1305_SHA256",
+];
+static TLS13_ONLY: [&rustls::SupportedProtocolVersion; 1] = [&rustls::version::TLS13];
+/// Go names rustls deliberately lacks (CBC, static RSA key exchange, RC4, 3DES).
+const GO_ONLY: [&str; 16] = [
+    "TLS_RSA_WITH_RC4_128_SHA",
+    "TLS_RSA_WITH_3DES_EDE_CBC_SHA",
+    "TLS_RSA_WITH_AES_128_CBC_SHA",
+    "TLS_RSA_WITH_AES_256_CBC_SHA",
+    "TLS_RSA_WITH_AES_128_CBC_SHA256",
+    "TLS_RSA_WITH_AES_128_GCM_SHA256",
+    "TLS_RSA_WITH_AES_256_GCM_SHA384",
+    "TLS_ECDHE_ECDSA_WITH_RC4_128_SHA",
+    "TLS_ECDHE_ECDSA_WITH_AES_128_CBC_SHA",
+    "TLS_ECDHE_ECDSA_WITH_AES_256_CBC_SHA",
+    "TLS_ECDHE_RSA_WITH_RC4_128_SHA",
+    "TLS_ECDHE_RSA_WITH_3DES_EDE_CBC_SHA",
+    "TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA",
+    "TLS_ECDHE_RSA_WITH_AES_256_CBC_SHA",
+    "TLS_ECDHE_ECDSA_WITH_AES_128_CBC_SHA256",
+    "TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA256",
+];
+
+impl TlsPolicy {
+    /// Parses `--cipher-suites` (comma-separated Go names) and `--tls-min-version`.
+    pub fn parse(cipher_suites: &str, min_version: &str) -> Result<TlsPolicy, String> {
+        let tls13_only = match min_version {
+            "" | "VersionTLS12" => false,
+            "VersionTLS13" => true,
+            "VersionTLS10" | "VersionTLS11" => {
+                return Err(format!("--tls-min-version {min_version}: TLS 1.0 and 1.1 are not offered (rustls speaks TLS 1.2 and 1.3); use VersionTLS12 or VersionTLS13"))
+            }
+            other => {
+                return Err(format!(
+                    "--tls-min-version {other:?}: use VersionTLS12 or VersionTLS13"
+                ))
+            }
+        };
+        let mut tls12_suites = Vec::new();
+        for name in cipher_suites
+            .split(',')
+            .map(str::trim)
+            .filter(|n| !n.is_empty())
+        {
+            // Go also knows the CHACHA20 suites without their _SHA256 suffix.
+            let full = match name {
+                "TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305" => {
+                    "TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256"
+                }
+                "TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305" => {
+                    "TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256"
+                }
+                n => n,
+            };
+            if let Some(known) = OFFERED_TLS12.iter().find(|s| **s == full) {
+                if !tls12_suites.contains(known) {
+                    tls12_suites.push(*known);
+                }
+            } else if TLS13.contains(&full) {
+                // Always on, as in Go.
+            } else if GO_ONLY.contains(&full) {
+                return Err(format!("--cipher-suites: {name} is not offered by Tether's TLS library (rustls has no CBC, RC4, 3DES or static-RSA suites); remove it, e.g. keep the ECDHE ..._GCM_... and CHACHA20 ones"));
+            } else {
+                return Err(format!(
+                    "--cipher-suites: {name:?} is not a Go cipher suite name (e.g. TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256)"
+                ));
+            }
+        }
+        if !cipher_suites.trim().is_empty() && tls12_suites.is_empty() && !tls13_only {
+            return Err("--cipher-suites names no TLS 1.2 suite: TLS 1.2 clients could not connect; add one (e.g. TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256) or set --tls-min-version=VersionTLS13".into());
+        }
+        Ok(TlsPolicy {
+            tls12_suites,
+            tls13_only,
+        })
+    }
+
+    /// The crypto provider and protocol versions for a server with this policy.
+    fn server_provider(
+        &self,
+    ) -> (
+        Arc<rustls::crypto::CryptoProvider>,
+        &'static [&'static rustls::SupportedProtocolVersion],
+    ) {
+        let mut provider = rustls::crypto::ring::default_provider();
+        if !self.tls12_suites.is_empty() || self.tls13_only {
+            provider.cipher_suites.retain(|s| match s {
+                rustls::SupportedCipherSuite::Tls13(_) => true,
+                rustls::SupportedCipherSuite::Tls12(_) => {
+                    !self.tls13_only
+                        && s.suite()
+                            .as_str()
+                            .is_some_and(|n| self.tls12_suites.contains(&n))
+                }
+            });
+        }
+        let versions: &'static [&'static rustls::SupportedProtocolVersion] = if self.tls13_only {
+            &TLS13_ONLY
+        } else {
+            rustls::DEFAULT_VERSIONS
+        };
+        (Arc::new(provider), versions)
+    }
 }
 
 /// A server config presenting `files.cert`; when `files.ca` is set, clients must present
@@ -129,9 +258,10 @@ pub struct TlsFiles {
 pub fn server_config(files: &TlsFiles, alpn: &[&[u8]]) -> Result<Arc<ServerConfig>, TlsError> {
     let certs = load_certs("server certificate", &files.cert)?;
     let key = load_key("server key", &files.key)?;
-    let builder = ServerConfig::builder_with_provider(provider())
-        .with_safe_default_protocol_versions()
-        .expect("ring supports the default protocol versions");
+    let (suites, versions) = files.policy.server_provider();
+    let builder = ServerConfig::builder_with_provider(suites)
+        .with_protocol_versions(versions)
+        .expect("ring supports TLS 1.2 and 1.3");
     let builder = match &files.ca {
         Some(ca) => {
             let roots = Arc::new(load_roots(ca)?);
@@ -188,4 +318,53 @@ pub fn server_name(host: &str) -> Result<rustls_pki_types::ServerName<'static>, 
     let host = host.trim_start_matches('[').trim_end_matches(']');
     rustls_pki_types::ServerName::try_from(host.to_string())
         .map_err(|_| format!("{host:?} is neither a DNS name nor an IP address"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn go_cipher_suite_names() {
+        let p = TlsPolicy::parse(
+            "TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256, TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305,TLS_AES_128_GCM_SHA256",
+            "",
+        )
+        .unwrap();
+        assert_eq!(
+            p.tls12_suites,
+            [
+                "TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256",
+                "TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256"
+            ]
+        );
+        let (provider, _) = p.server_provider();
+        assert_eq!(provider.cipher_suites.len(), 3 + 2);
+        let e = TlsPolicy::parse("TLS_RSA_WITH_AES_128_CBC_SHA", "").unwrap_err();
+        assert!(
+            e.contains("TLS_RSA_WITH_AES_128_CBC_SHA is not offered"),
+            "{e}"
+        );
+        assert!(TlsPolicy::parse("NOPE", "")
+            .unwrap_err()
+            .contains("not a Go cipher"));
+        assert!(TlsPolicy::parse("TLS_AES_128_GCM_SHA256", "").is_err());
+        assert!(TlsPolicy::parse("TLS_AES_128_GCM_SHA256", "VersionTLS13").is_ok());
+        assert!(TlsPolicy::parse("", "VersionTLS11")
+            .unwrap_err()
+            .contains("TLS 1.0 and 1.1"));
+        let (_, v) = TlsPolicy::parse("", "VersionTLS13")
+            .unwrap()
+            .server_provider();
+        assert_eq!(v.len(), 1);
+        // Every suite rustls offers has its Go name here.
+        for s in rustls::crypto::ring::default_provider().cipher_suites {
+            // rustls spells TLS 1.3 suites `TLS13_...`, Go and IANA `TLS_...`.
+            let n = s.suite().as_str().unwrap().replace("TLS13_", "TLS_");
+            assert!(
+                OFFERED_TLS12.contains(&n.as_str()) || TLS13.contains(&n.as_str()),
+                "{n}"
+            );
+        }
+    }
 }

@@ -214,6 +214,7 @@ impl AgentService for AgentLink {
         tracing::info!(%agent_id, %peer, identifiers = ?backend.identifiers, flow_control = peer_window.is_some(), "agent connected");
 
         let inbound = request.into_inner();
+        let (server_stop, retired) = (self.shutdown.clone(), backend.closed.clone());
         let tunnel = self.tunnel.clone();
         let shutdown = self.shutdown.clone();
         let span = tracing::info_span!("agent_stream", %agent_id, %peer);
@@ -228,14 +229,19 @@ impl AgentService for AgentLink {
         );
 
         // The stream to the agent ends when the backend is removed (its senders dropped
-        // with the last reference) or when the server shuts down. WINDOW_UPDATEs
-        // overtake queued DATA.
-        let closed = self.shutdown.clone();
+        // with the last reference), when the server retires it (`closed`) or when the
+        // server shuts down. WINDOW_UPDATEs overtake queued DATA.
+        let ended = async move {
+            tokio::select! {
+                _ = server_stop.cancelled() => {}
+                _ = retired.cancelled() => {}
+            }
+        };
         let out = futures::StreamExt::take_until(
             UnboundedReceiverStream::new(ctl_rx)
                 .merge(ReceiverStream::new(rx))
                 .map(Ok),
-            closed.cancelled_owned(),
+            Box::pin(ended),
         );
         let mut response = Response::new(Box::pin(out) as PacketStream);
         let meta = response.metadata_mut();
@@ -266,6 +272,7 @@ async fn serve_agent(
         let next = tokio::select! {
             next = inbound.message() => next,
             _ = shutdown.cancelled() => return,
+            _ = backend.closed.cancelled() => return,
         };
         match next {
             Ok(Some(packet)) => tunnel.handle_agent_packet(backend, packet).await,

@@ -29,6 +29,18 @@ pub enum Strategy {
     DestCidr,
 }
 
+impl Strategy {
+    /// The flag spelling, also the `proxy_strategy` metric label.
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Default => "default",
+            Strategy::DestHost => "destHost",
+            Strategy::DefaultRoute => "defaultRoute",
+            Strategy::DestCidr => "destCIDR",
+        }
+    }
+}
+
 impl std::str::FromStr for Strategy {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
@@ -153,6 +165,18 @@ impl Backend {
             return self.verified.hosts.iter().any(|h| h == node);
         }
         self.agent_id == node || self.identifiers.hosts.iter().any(|h| h == node)
+    }
+
+    /// Could `strategy` ever pick this agent? (`ready_backends{proxy_strategy}`;
+    /// `pod_networks`: pod IPs are routed by node.)
+    pub(crate) fn counts_for(&self, strategy: Strategy, pod_networks: bool) -> bool {
+        let ids = &self.identifiers;
+        match strategy {
+            Strategy::Default => true,
+            Strategy::DestHost => !ids.hosts.is_empty() || !ids.ips.is_empty(),
+            Strategy::DefaultRoute => ids.default_route,
+            Strategy::DestCidr => !ids.cidrs.is_empty() || pod_networks,
+        }
     }
 
     /// `pod_node`: the node whose pod network holds the dial host, if known.

@@ -11,7 +11,9 @@ use std::time::Duration;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
+
+use crate::metrics::Metrics;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -66,6 +68,7 @@ pub async fn run(
     cfg: LeaseConfig,
     server_id: String,
     live: Arc<AtomicU32>,
+    metrics: Metrics,
     shutdown: CancellationToken,
 ) {
     let api: Api<Lease> = Api::namespaced(client, &cfg.namespace);
@@ -76,7 +79,7 @@ pub async fn run(
             if let Err(e) = renew(&api, &cfg, &name, &server_id).await {
                 tracing::warn!(error = %e, "cannot renew lease; retrying");
             }
-            match count_and_collect(&api, &cfg, &name).await {
+            match count_and_collect(&api, &cfg, &name, &metrics).await {
                 Ok(n) => live.store(n.max(1), Ordering::Relaxed),
                 Err(e) => tracing::warn!(error = %e, "cannot list leases"),
             }
@@ -138,24 +141,42 @@ async fn renew(
     Ok(())
 }
 
+/// Counts the live leases and deletes expired ones (only if unchanged since the list:
+/// a lease renewed in between is kept), recording upstream's lease metrics.
 async fn count_and_collect(
     api: &Api<Lease>,
     cfg: &LeaseConfig,
     own: &str,
+    metrics: &Metrics,
 ) -> Result<u32, kube::Error> {
-    let leases = api
+    let started = std::time::Instant::now();
+    let listed = api
         .list(&ListParams::default().labels(&selector(&cfg.labels)))
-        .await?;
+        .await;
+    metrics.lease_lists.observe(started, &listed);
     let now = Timestamp::now();
     let mut live = 0;
-    for lease in leases {
+    for lease in listed? {
         let name = lease.metadata.name.clone().unwrap_or_default();
         if is_live(&lease, now) || name == own {
             live += 1;
-        } else {
-            tracing::info!(lease = %name, "garbage-collecting expired lease");
-            if let Err(e) = api.delete(&name, &DeleteParams::default()).await {
-                tracing::debug!(lease = %name, error = %e, "lease already gone");
+            continue;
+        }
+        tracing::info!(lease = %name, "garbage-collecting expired lease");
+        let params = DeleteParams {
+            preconditions: Some(Preconditions {
+                resource_version: lease.metadata.resource_version.clone(),
+                uid: None,
+            }),
+            ..Default::default()
+        };
+        let started = std::time::Instant::now();
+        let deleted = api.delete(&name, &params).await;
+        metrics.lease_deletes.observe(started, &deleted);
+        match deleted {
+            Ok(_) => metrics.culled_leases.inc(),
+            Err(e) => {
+                tracing::debug!(lease = %name, error = %e, "expired lease not deleted (gone or renewed meanwhile)")
             }
         }
     }

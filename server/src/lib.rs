@@ -102,6 +102,8 @@ pub struct ServerConfig {
     pub lease: Option<lease::LeaseConfig>,
     /// Watch Nodes so that `destCIDR` routes pod IPs to the agent on their node.
     pub pod_networks: Option<pod_networks::WatchConfig>,
+    /// Serve pprof profiles on the admin port (`--enable-profiling`).
+    pub profiling: bool,
 }
 
 /// Why the server could not start.
@@ -335,6 +337,7 @@ impl BoundServer {
                 cfg.clone(),
                 config.server_id.clone(),
                 server_count.clone(),
+                tunnel.metrics.clone(),
                 shutdown.clone(),
             ))),
             _ => None,
@@ -367,7 +370,7 @@ impl BoundServer {
                 l,
                 {
                     let t = tunnel.clone();
-                    tether_core::health::admin_router(registry.clone()).route(
+                    tether_core::health::admin_router(registry.clone(), config.profiling).route(
                         "/agents",
                         axum::routing::get(move || {
                             let body = t.registry().agents_json();

@@ -1,7 +1,11 @@
 //! Server metrics under upstream's names (`konnectivity_network_proxy_server_*`), so
 //! existing dashboards and alerts keep working.
 
-use prometheus::{Histogram, HistogramOpts, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
+use prometheus::{
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry,
+};
+use tether_core::kubeclient::CallMetrics;
 use tether_core::metrics::PacketCounters;
 
 const NAMESPACE: &str = "konnectivity_network_proxy";
@@ -19,6 +23,10 @@ pub enum Segment {
     /// Sent to an agent.
     ToAgent = 3,
 }
+
+/// Upstream's `latencyBuckets` (1 us to 12.5 s) for dial, frontend-write and lease
+/// call latencies.
+const LATENCY_BUCKETS: [f64; 9] = [0.000001, 0.00001, 0.0001, 0.005, 0.025, 0.1, 0.5, 2.5, 12.5];
 
 const SEGMENTS: [&str; 4] = ["from_client", "to_client", "from_agent", "to_agent"];
 
@@ -79,7 +87,11 @@ pub struct Metrics {
     /// Open HTTP-CONNECT connections.
     pub http_connections: IntGauge,
     /// Connected agent streams.
-    pub ready_backends: IntGauge,
+    pub ready_backends: IntGaugeVec,
+    /// Lifespan of established connections (`connection_duration_seconds`).
+    pub connection_duration: Histogram,
+    /// Agent streams connected (`ready_backend_connections`, deprecated upstream).
+    pub ready_backend_connections: IntGauge,
     /// Dials sent to an agent and not yet answered.
     pub pending_backend_dials: IntGauge,
     /// Tunnelled connections currently open.
@@ -91,12 +103,18 @@ pub struct Metrics {
     pub token_reviews: IntCounterVec,
     packets: PacketCounters,
     stream_errors: IntCounterVec,
+    /// Expired leases the lease controller deleted (`culled_leases_count`).
+    pub culled_leases: IntCounter,
+    /// Lease list calls (`lease_list_total`, `lease_list_latency_seconds`).
+    pub lease_lists: CallMetrics,
+    /// Lease delete calls (`lease_delete_total`, `lease_delete_latency_seconds`).
+    pub lease_deletes: CallMetrics,
 }
 
 impl Metrics {
     /// Creates and registers every metric.
     pub fn new() -> Self {
-        let registry = Registry::new();
+        let registry = tether_core::metrics::registry_with_process();
         let opts = |name: &str, help: &str| {
             Opts::new(name, help)
                 .namespace(NAMESPACE)
@@ -106,20 +124,27 @@ impl Metrics {
             HistogramOpts::new(name, help)
                 .namespace(NAMESPACE)
                 .subsystem(SUBSYSTEM)
-                .buckets(vec![0.005, 0.025, 0.1, 0.5, 2.5, 12.5])
+                .buckets(LATENCY_BUCKETS.to_vec())
         };
         let dial_duration = Histogram::with_opts(hopts(
             "dial_duration_seconds",
             "Latency of dial to the remote endpoint in seconds",
         ))
         .unwrap();
-        let frontend_write_duration = Histogram::with_opts(
+        let connection_duration = Histogram::with_opts(
             hopts(
-                "frontend_write_duration_seconds",
-                "Latency of write to the frontend in seconds",
+                "connection_duration_seconds",
+                "Duration of established connections, from a successful dial until close, in seconds",
             )
-            .buckets(vec![0.00001, 0.0001, 0.001, 0.01, 0.1, 1.0, 10.0]),
+            .buckets(vec![
+                0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 1800.0, 3600.0,
+            ]),
         )
+        .unwrap();
+        let frontend_write_duration = Histogram::with_opts(hopts(
+            "frontend_write_duration_seconds",
+            "Latency of write to the frontend in seconds",
+        ))
         .unwrap();
         let grpc_connections = IntGaugeVec::new(
             opts(
@@ -134,9 +159,17 @@ impl Metrics {
             "Number of current HTTP CONNECT connections",
         ))
         .unwrap();
-        let ready_backends = IntGauge::with_opts(opts(
-            "ready_backends",
-            "Number of konnectivity agent connected to the proxy server",
+        let ready_backends = IntGaugeVec::new(
+            opts(
+                "ready_backends",
+                "Number of konnectivity agent connected to the proxy server",
+            ),
+            &["proxy_strategy"],
+        )
+        .unwrap();
+        let ready_backend_connections = IntGauge::with_opts(opts(
+            "ready_backend_connections",
+            "Number of konnectivity agent connected to the proxy server. DEPRECATED, please use ready_backends",
         ))
         .unwrap();
         let pending_backend_dials = IntGauge::with_opts(opts(
@@ -154,6 +187,7 @@ impl Metrics {
             &["service_method"],
         )
         .unwrap();
+        full_receive_channels.with_label_values(&["Proxy"]);
         let dial_failures = IntCounterVec::new(
             opts(
                 "dial_failure_count",
@@ -178,6 +212,34 @@ impl Metrics {
         )
         .unwrap();
         let packets = PacketCounters::new(&packets_vec, &SEGMENTS);
+        let culled_leases = IntCounter::with_opts(opts(
+            "culled_leases_count",
+            "Count of expired leases that the lease garbage collection controller has culled.",
+        ))
+        .unwrap();
+        let calls = |verb: &str| {
+            let total = IntCounterVec::new(
+                opts(
+                    &format!("lease_{verb}_total"),
+                    &format!("Count of lease {verb} calls made by the server to the k8s apiserver, labeled by HTTP status code and reason"),
+                ),
+                &["http_status_code", "reason"],
+            )
+            .unwrap();
+            let latency = HistogramVec::new(
+                hopts(
+                    &format!("lease_{verb}_latency_seconds"),
+                    &format!(
+                        "Latency of lease {verb} calls by the server to the apiserver in seconds"
+                    ),
+                ),
+                &["http_status_code"],
+            )
+            .unwrap();
+            (total, latency)
+        };
+        let (list_total, list_latency) = calls("list");
+        let (delete_total, delete_latency) = calls("delete");
         // Every reason exists from the start at 0, so rate() and alerts work at once.
         for reason in DialFailure::ALL {
             dial_failures.with_label_values(&[reason.label()]);
@@ -188,6 +250,7 @@ impl Metrics {
             Box::new(grpc_connections.clone()),
             Box::new(http_connections.clone()),
             Box::new(ready_backends.clone()),
+            Box::new(ready_backend_connections.clone()),
             Box::new(pending_backend_dials.clone()),
             Box::new(established_connections.clone()),
             Box::new(full_receive_channels.clone()),
@@ -195,6 +258,12 @@ impl Metrics {
             Box::new(packets_vec),
             Box::new(stream_errors.clone()),
             Box::new(token_reviews.clone()),
+            Box::new(connection_duration.clone()),
+            Box::new(culled_leases.clone()),
+            Box::new(list_total.clone()),
+            Box::new(list_latency.clone()),
+            Box::new(delete_total.clone()),
+            Box::new(delete_latency.clone()),
         ] {
             registry.register(c).expect("metric names are unique");
         }
@@ -205,6 +274,8 @@ impl Metrics {
             grpc_connections,
             http_connections,
             ready_backends,
+            ready_backend_connections,
+            connection_duration,
             pending_backend_dials,
             established_connections,
             full_receive_channels,
@@ -212,6 +283,9 @@ impl Metrics {
             token_reviews,
             packets,
             stream_errors,
+            culled_leases,
+            lease_lists: CallMetrics::new(list_total, Some(list_latency)),
+            lease_deletes: CallMetrics::new(delete_total, Some(delete_latency)),
         }
     }
 
@@ -227,10 +301,21 @@ impl Metrics {
         self.packets.inc(segment as usize, ty);
     }
 
+    /// An established connection closed: the gauge and its lifespan.
+    pub fn connection_ended(&self, established: std::time::Instant) {
+        self.established_connections.dec();
+        self.connection_duration
+            .observe(established.elapsed().as_secs_f64());
+    }
+
     /// Counts one stream error.
     pub fn stream_error(&self, segment: Segment, code: tonic::Code) {
         self.stream_errors
-            .with_label_values(&[SEGMENTS[segment as usize], &format!("{code:?}"), ""])
+            .with_label_values(&[
+                SEGMENTS[segment as usize],
+                tether_core::metrics::grpc_code_name(code),
+                tether_core::metrics::NO_PACKET,
+            ])
             .inc();
     }
 }

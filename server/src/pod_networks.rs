@@ -25,6 +25,8 @@ pub struct WatchConfig {
 #[derive(Default)]
 pub struct PodNetworks {
     table: RwLock<Vec<(Cidr, String)>>,
+    /// Set for good when the watch starts.
+    watched: std::sync::atomic::AtomicBool,
 }
 
 impl PodNetworks {
@@ -60,6 +62,11 @@ impl PodNetworks {
         *self.table.write().unwrap_or_else(|e| e.into_inner()) = table;
     }
 
+    /// Does the server watch Nodes (so any agent may be picked for a pod IP)?
+    pub fn is_watched(&self) -> bool {
+        self.watched.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// How many pod networks are known.
     pub fn len(&self) -> usize {
         self.table.read().unwrap_or_else(|e| e.into_inner()).len()
@@ -78,6 +85,9 @@ pub fn spawn(
     networks: Arc<PodNetworks>,
     shutdown: CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
+    networks
+        .watched
+        .store(true, std::sync::atomic::Ordering::Relaxed);
     let (store, writer) = reflector::store::<Node>();
     let stream = reflector::reflector(
         writer,

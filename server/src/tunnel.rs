@@ -76,6 +76,8 @@ pub struct Conn {
     pub(crate) credit: Option<Credit>,
     /// DATA from the agent queued towards the client.
     window: Window,
+    /// When the dial succeeded (`connection_duration_seconds`).
+    established: Instant,
 }
 
 impl Conn {
@@ -86,6 +88,7 @@ impl Conn {
             backend: Arc::downgrade(backend),
             credit: backend.peer_window.map(Credit::new),
             window: Window::for_peer(backend.peer_window.is_some()),
+            established: Instant::now(),
         })
     }
 
@@ -247,7 +250,24 @@ impl Tunnel {
             r#type: tether_proto::PacketType::DialReq as i32,
             payload: Some(Payload::DialRequest(req)),
         };
-        if backend.closed.is_cancelled() || !self.to_agent(&backend, packet).await {
+        // --backend-dial-timeout bounds the wait to enqueue the DIAL_REQ too.
+        let enqueued = match self.config.backend_dial_timeout {
+            _ if backend.closed.is_cancelled() => Ok(false),
+            Some(timeout) => {
+                let remaining = timeout.saturating_sub(started.elapsed());
+                tokio::time::timeout(remaining, self.to_agent(&backend, packet)).await
+            }
+            None => Ok(self.to_agent(&backend, packet).await),
+        };
+        let Ok(enqueued) = enqueued else {
+            // The agent's stream took nothing for the whole dial timeout: it is stuck
+            // (not reading), so it is retired as upstream does; the agent reconnects.
+            self.fail_pending(&backend, random, DialFailure::BackendDialTimeout, "dial timeout: the agent's stream did not accept the dial request in time (--backend-dial-timeout)").await;
+            tracing::warn!(agent_id = %backend.agent_id, "agent stream stuck: a dial request waited --backend-dial-timeout to be queued; disconnecting the agent");
+            backend.closed.cancel();
+            return;
+        };
+        if !enqueued {
             // The stream is going away. Whoever takes the pending entry (this code or
             // the stream's removal) re-dispatches it.
             if let Some(pending) = self.take_pending(&backend, random) {
@@ -396,7 +416,7 @@ impl Tunnel {
                 continue;
             };
             if backend.state().conns.remove(&connect_id).is_some() {
-                self.metrics.established_connections.dec();
+                self.metrics.connection_ended(conn.established);
                 self.to_agent(&backend, Packet::close_request(connect_id))
                     .await;
             }
@@ -472,7 +492,19 @@ impl Tunnel {
                     return;
                 };
                 let start = Instant::now();
+                // The agent's stream waits for this client: upstream's full receive channel.
+                let full = conn.window.is_full().then(|| {
+                    let g = self
+                        .metrics
+                        .full_receive_channels
+                        .with_label_values(&["Proxy"]);
+                    g.inc();
+                    g
+                });
                 let admitted = conn.window.admit(len, self.config.stall_timeout).await;
+                if let Some(g) = full {
+                    g.dec();
+                }
                 self.metrics
                     .frontend_write_duration
                     .observe(start.elapsed().as_secs_f64());
@@ -543,15 +575,30 @@ impl Tunnel {
 
     /// Registers a new agent stream.
     pub(crate) fn add_backend(&self, backend: Arc<Backend>) {
-        let n = self.registry.add(backend);
-        self.metrics.ready_backends.set(n as i64);
+        self.count_backend(&backend, 1);
+        self.registry.add(backend);
+    }
+
+    /// Moves `ready_backends{proxy_strategy}` and `ready_backend_connections` by `by`
+    /// for `backend`: each strategy counts the agents it could ever pick.
+    fn count_backend(&self, backend: &Backend, by: i64) {
+        self.metrics.ready_backend_connections.add(by);
+        let pod_networks = self.registry.pod_networks().is_watched();
+        for s in &self.config.strategies {
+            if backend.counts_for(*s, pod_networks) {
+                self.metrics
+                    .ready_backends
+                    .with_label_values(&[s.name()])
+                    .add(by);
+            }
+        }
     }
 
     /// An agent stream ended: fail its pending dials and close its connections at once.
     pub(crate) async fn remove_backend(self: &Arc<Self>, backend: &Backend) {
         backend.closed.cancel();
         if self.registry.remove(backend) {
-            self.metrics.ready_backends.set(self.registry.len() as i64);
+            self.count_backend(backend, -1);
         }
         let state = std::mem::take(&mut *backend.state());
         let error = format!("agent {} disconnected", backend.agent_id);
@@ -568,7 +615,7 @@ impl Tunnel {
     /// waking its credit/window waiters, the frontend's route, and `to_client` (its
     /// CLOSE_RSP) for the client.
     fn conn_ended(&self, conn: &Conn, to_client: Packet) {
-        self.metrics.established_connections.dec();
+        self.metrics.connection_ended(conn.established);
         conn.close();
         if let Some(fe) = conn.fe.upgrade() {
             fe.routes().conns.remove(&conn.connect_id);

@@ -34,7 +34,7 @@ pub struct AgentArgs {
     /// Client key.
     #[arg(long, default_value = "")]
     pub agent_key: String,
-    /// ALPN protocols offered (default h2).
+    /// ALPN protocols offered besides h2 (grpc-go adds h2 to the list).
     #[arg(long, value_delimiter = ',')]
     pub alpn_proto: Vec<String>,
     /// Service-account token sent as a bearer token (re-read on every connect).
@@ -114,12 +114,43 @@ pub struct AgentArgs {
     /// Namespace of the servers' Leases.
     #[arg(long, default_value = "kube-system")]
     pub lease_namespace: String,
-    /// Label selector of the servers' Leases.
-    #[arg(long, default_value = "k8s-app=konnectivity-server")]
+    /// Label selector of the servers' Leases (`--lease-label` in v0.36.0).
+    #[arg(
+        long,
+        alias = "lease-label",
+        default_value = "k8s-app=konnectivity-server"
+    )]
     pub lease_label_selector: String,
     /// default (leases when counting them, else the servers' servercount) or max.
     #[arg(long, default_value = "default", value_parser = ["default", "max"])]
     pub server_count_source: String,
+    /// Serve pprof CPU and heap profiles under /debug/pprof/ on the admin port.
+    #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
+    pub enable_profiling: bool,
+    /// Accepted with --enable-profiling (Go's lock contention profile has no Tether
+    /// counterpart; /debug/pprof/block answers 404).
+    #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
+    pub enable_contention_profiling: bool,
+    /// Accepted for compatibility; Tether always talks JSON to the apiserver.
+    #[arg(long, default_value = "application/vnd.kubernetes.protobuf")]
+    pub kube_api_content_type: String,
+    /// Deprecated upstream (always on there); accepted.
+    #[arg(long, default_value = "true", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
+    pub warn_on_channel_limit: bool,
+}
+
+/// The ALPN offer: `--alpn-proto`'s protocols, then h2 unless listed (as grpc-go's
+/// credentials append it).
+fn offered_alpn(extra: &[String]) -> Vec<Vec<u8>> {
+    let mut alpn: Vec<Vec<u8>> = extra
+        .iter()
+        .filter(|p| !p.is_empty())
+        .map(|p| p.as_bytes().to_vec())
+        .collect();
+    if !alpn.iter().any(|p| p == tether_core::tls::ALPN_H2) {
+        alpn.push(tether_core::tls::ALPN_H2.to_vec());
+    }
+    alpn
 }
 
 /// Parses `--proxy-server-host`: `HOST`, `HOST:PORT`, `[V6]:PORT`, comma-separated.
@@ -175,14 +206,10 @@ impl AgentArgs {
             )),
             _ => bail!("--agent-cert and --agent-key go together; set both or neither"),
         };
-        let alpn: Vec<Vec<u8>> = if self.alpn_proto.is_empty() {
-            vec![tether_core::tls::ALPN_H2.to_vec()]
-        } else {
-            self.alpn_proto
-                .iter()
-                .map(|p| p.as_bytes().to_vec())
-                .collect()
-        };
+        if self.enable_contention_profiling && !self.enable_profiling {
+            bail!("--enable-contention-profiling needs --enable-profiling");
+        }
+        let alpn = offered_alpn(&self.alpn_proto);
         let tls = tether_agent::AgentTls { ca, identity, alpn };
         let servers = parse_servers(&self.proxy_server_host, self.proxy_server_port)?;
         if !self.kubeconfig.is_empty() && !self.count_server_leases {
@@ -239,13 +266,14 @@ impl AgentArgs {
             channel_size: self.xfr_channel_size,
             flow_control: self.flow_control,
             stall_timeout: self.stalled_reader_timeout,
+            profiling: self.enable_profiling,
         })
     }
 }
 
 /// Runs the agent until drained or signalled twice.
 pub fn main(args: AgentArgs) -> anyhow::Result<()> {
-    args.log.init();
+    args.log.init()?;
     let config = args.config()?;
     let health = bind_addr(
         &args.health_server_host,

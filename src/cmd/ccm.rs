@@ -167,6 +167,7 @@ impl CcmArgs {
                     cert: pki.server_cert,
                     key: pki.server_key,
                     ca: None,
+                    policy: Default::default(),
                 }
             }
             ("", _) | (_, "") => bail!("--tls-cert-file and --tls-private-key-file go together"),
@@ -174,6 +175,7 @@ impl CcmArgs {
                 cert: cert.into(),
                 key: key.into(),
                 ca: None,
+                policy: Default::default(),
             },
         };
         let tls = tether_core::tls::server_config(&files, &[b"http/1.1"])?;
@@ -290,7 +292,7 @@ impl CcmArgs {
 
 /// Runs the controller manager until signalled; exits non-zero when leadership is lost.
 pub fn main(args: CcmArgs) -> anyhow::Result<()> {
-    args.log.init();
+    args.log.init()?;
     let (config, provider) = args.config()?;
     let kubeconfig = (!args.kubeconfig.is_empty()).then(|| PathBuf::from(&args.kubeconfig));
     let registry = prometheus::Registry::new();

@@ -34,7 +34,7 @@ pub struct LocalArgs {
 
 /// Runs server + agent + demo backend until Ctrl-C.
 pub fn main(args: LocalArgs) -> anyhow::Result<()> {
-    args.log.init();
+    args.log.init()?;
     let (dir, temporary) = match &args.dir {
         Some(d) => (d.clone(), false),
         None => (
@@ -81,6 +81,7 @@ async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()
                         cert: pki.server_cert.clone(),
                         key: pki.server_key.clone(),
                         ca: Some(pki.ca_cert.clone()),
+                        policy: Default::default(),
                     },
                 },
             },
@@ -90,6 +91,7 @@ async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()
             cert: pki.server_cert.clone(),
             key: pki.server_key.clone(),
             ca: Some(pki.ca_cert.clone()),
+            policy: Default::default(),
         },
         agent_keepalive: Duration::from_secs(30),
         frontend_keepalive: Duration::from_secs(3600),
@@ -106,6 +108,7 @@ async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()
         agent_auth: None,
         require_agent_identity_match: false,
         pod_networks: None,
+        profiling: false,
         cert_reload_interval: Duration::from_secs(60),
         lease: None,
     };
@@ -137,6 +140,7 @@ async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()
         channel_size: 150,
         flow_control: true,
         stall_timeout: tether_core::flow::DEFAULT_STALL_TIMEOUT,
+        profiling: false,
     })?;
     let agent_drain = CancellationToken::new();
     let agent_task = {

@@ -1,15 +1,16 @@
 //! Subcommands and the flag plumbing they share (Go-style booleans and durations,
-//! klog compatibility flags, logging set-up).
+//! one-line flag errors; the logging flags live in `logging`).
 
 pub mod agent;
 pub mod ccm;
 pub mod certs;
 pub mod local;
+pub mod logging;
 pub mod server;
 
-use std::time::Duration;
+pub use logging::LogArgs;
 
-use clap::Args;
+use std::time::Duration;
 
 /// Parses a Go-style duration flag value.
 pub fn duration(s: &str) -> Result<Duration, String> {
@@ -25,61 +26,44 @@ pub fn go_bool(s: &str) -> Result<bool, String> {
     }
 }
 
-/// Logging flags, including the klog ones found in upstream manifests.
-#[derive(Args, Debug, Clone)]
-pub struct LogArgs {
-    /// klog verbosity: 0-2 info, 3-4 debug, 5+ trace (RUST_LOG overrides).
-    #[arg(long = "v", short = 'v', default_value_t = 0, value_name = "LEVEL")]
-    pub verbosity: u8,
-    /// Log format: text or json.
-    #[arg(long, default_value = "text", value_parser = ["text", "json"])]
-    pub log_format: String,
-    /// Accepted for klog compatibility; Tether always logs to stderr.
-    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = go_bool, value_name = "BOOL")]
-    pub logtostderr: Option<bool>,
-    /// Accepted for klog compatibility; Tether always logs to stderr.
-    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = go_bool, value_name = "BOOL")]
-    pub alsologtostderr: Option<bool>,
-}
-
-impl LogArgs {
-    /// Installs the global tracing subscriber.
-    pub fn init(&self) {
-        use tracing_subscriber::EnvFilter;
-        let level = match self.verbosity {
-            0..=2 => "info",
-            3..=4 => "debug",
-            _ => "trace",
-        };
-        let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-            EnvFilter::new(format!(
-                "{level},h2=info,tower=info,hyper=info,rustls=info,hyper_util=info"
-            ))
-        });
-        let builder = tracing_subscriber::fmt()
-            .with_env_filter(filter)
-            .with_writer(std::io::stderr);
-        if self.log_format == "json" {
-            builder.json().flatten_event(true).init();
-        } else {
-            builder.init();
-        }
-        if self.logtostderr.is_some() || self.alsologtostderr.is_some() {
-            tracing::info!("--logtostderr/--alsologtostderr accepted for klog compatibility; Tether always logs to stderr");
-        }
+/// Parses the command line; help and version are printed as usual, anything else
+/// wrong is one `error: ...` line naming the flag (exit code 2).
+pub fn parse_args<P: clap::Parser>() -> Result<P, std::process::ExitCode> {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    let e = match P::try_parse() {
+        Ok(p) => return Ok(p),
+        Err(e) => e,
+    };
+    if matches!(
+        e.kind(),
+        ErrorKind::DisplayHelp
+            | ErrorKind::DisplayVersion
+            | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+    ) {
+        e.exit();
     }
-}
-
-/// Fails when an upstream flag this version does not implement was given.
-pub fn reject_unsupported(flags: &[(&str, bool)]) -> anyhow::Result<()> {
-    for (name, given) in flags {
-        if *given {
-            anyhow::bail!(
-                "--{name} is an upstream flag this Tether version does not support yet; remove it (see README.md, Flags)"
-            );
+    let arg = match e.get(ContextKind::InvalidArg) {
+        Some(ContextValue::String(s)) => s.clone(),
+        _ => String::new(),
+    };
+    let line = match e.kind() {
+        ErrorKind::UnknownArgument if !arg.starts_with('-') => {
+            format!(
+                "unexpected argument '{arg}' (see --help for the commands and flags this takes)"
+            )
         }
-    }
-    Ok(())
+        ErrorKind::UnknownArgument => {
+            let flag = arg.split('=').next().unwrap_or(&arg).to_string();
+            format!("unknown flag {flag} (see --help for the flags this command takes)")
+        }
+        _ => {
+            let rendered = e.render().to_string();
+            let first = rendered.lines().next().unwrap_or_default();
+            first.strip_prefix("error: ").unwrap_or(first).to_string()
+        }
+    };
+    eprintln!("error: {line}");
+    Err(std::process::ExitCode::from(2))
 }
 
 /// A command's outcome as the process exit code; an error is printed as one

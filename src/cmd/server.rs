@@ -142,17 +142,18 @@ pub struct ServerArgs {
     /// Kubeconfig for TokenReviews, Leases and Nodes (empty = in-cluster configuration).
     #[arg(long, default_value = "")]
     pub kubeconfig: String,
-    /// TokenReviews per second (0 = 50).
+    /// Kubernetes client requests per second (0 = 50, not client-go's 5: at 5 a
+    /// thousand token-authenticated agents need over three minutes to be readmitted
+    /// after a restart).
     #[arg(long, default_value_t = 0.0)]
     pub kubeconfig_qps: f64,
-    /// TokenReview burst (0 = 100).
+    /// Kubernetes client burst (0 = 100, not client-go's 10).
     #[arg(long, default_value_t = 0)]
     pub kubeconfig_burst: u32,
     /// Accepted for compatibility; Tether always talks JSON to the apiserver.
     #[arg(long, default_value = "application/vnd.kubernetes.protobuf")]
     pub kube_api_content_type: String,
 
-    // Upstream flags accepted by name but not implemented yet: giving them fails.
     /// Publish a Lease per server (konnectivity-proxy-server-<id>) and tell agents the
     /// number of live servers; needs --kubeconfig or in-cluster configuration.
     #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
@@ -163,14 +164,27 @@ pub struct ServerArgs {
     /// Labels of the Leases (key=value[,key=value]).
     #[arg(long, default_value = "k8s-app=konnectivity-server")]
     pub lease_label: String,
-    #[arg(long, hide = true)]
-    cipher_suites: Option<String>,
-    #[arg(long, hide = true)]
-    tls_min_version: Option<String>,
-    #[arg(long, hide = true, value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
-    enable_profiling: Option<bool>,
-    #[arg(long, hide = true, value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
-    enable_contention_profiling: Option<bool>,
+    /// TLS 1.2 cipher suites the TLS listeners offer, by Go's IANA names
+    /// (comma-separated; empty = rustls' defaults). TLS 1.3 suites are always on.
+    #[arg(long, default_value = "")]
+    pub cipher_suites: String,
+    /// Lowest TLS version the TLS listeners accept: VersionTLS12 (empty) or VersionTLS13.
+    #[arg(long, default_value = "")]
+    pub tls_min_version: String,
+    /// Serve pprof CPU and heap profiles under /debug/pprof/ on the admin port.
+    #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
+    pub enable_profiling: bool,
+    /// Accepted with --enable-profiling (Go's lock contention profile has no Tether
+    /// counterpart; /debug/pprof/block answers 404).
+    #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
+    pub enable_contention_profiling: bool,
+    /// Accepted: each connection's queue towards its client is bounded in bytes by the
+    /// flow-control window (or --stalled-reader-timeout), not in packets.
+    #[arg(long, default_value_t = 10)]
+    pub frontend_write_channel_size: usize,
+    /// Deprecated upstream (always on there); accepted.
+    #[arg(long, default_value = "true", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
+    pub warn_on_channel_limit: bool,
 }
 
 fn opt_path(s: &str) -> Option<PathBuf> {
@@ -206,20 +220,14 @@ impl ServerArgs {
 
     /// Validates the flags into a [`ServerConfig`].
     pub fn config(&self) -> anyhow::Result<ServerConfig> {
-        super::reject_unsupported(&[
-            ("cipher-suites", self.cipher_suites.is_some()),
-            (
-                "tls-min-version",
-                self.tls_min_version
-                    .as_deref()
-                    .is_some_and(|v| v != "VersionTLS12"),
-            ),
-            ("enable-profiling", self.enable_profiling == Some(true)),
-            (
-                "enable-contention-profiling",
-                self.enable_contention_profiling == Some(true),
-            ),
-        ])?;
+        let policy = tether_core::tls::TlsPolicy::parse(&self.cipher_suites, &self.tls_min_version)
+            .map_err(anyhow::Error::msg)?;
+        if self.enable_contention_profiling && !self.enable_profiling {
+            bail!("--enable-contention-profiling needs --enable-profiling");
+        }
+        if self.frontend_write_channel_size == 0 {
+            bail!("--frontend-write-channel-size must be at least 1");
+        }
         let strategies = tether_server::parse_strategies(&self.proxy_strategies)
             .map_err(|e| anyhow::anyhow!("--proxy-strategies: {e}"))?;
         let agent_auth = self.agent_auth()?;
@@ -281,6 +289,7 @@ impl ServerArgs {
                     cert,
                     key,
                     ca: Some(ca),
+                    policy: policy.clone(),
                 },
             }
         };
@@ -332,6 +341,7 @@ impl ServerArgs {
                 cert: agent_cert,
                 key: agent_key,
                 ca: opt_path(&self.cluster_ca_cert),
+                policy,
             },
             agent_keepalive: self.keepalive_time,
             frontend_keepalive: self.frontend_keepalive_time,
@@ -351,6 +361,7 @@ impl ServerArgs {
             cert_reload_interval: self.cert_reload_interval,
             lease,
             pod_networks,
+            profiling: self.enable_profiling,
         })
     }
 }
@@ -404,7 +415,7 @@ impl ServerArgs {
 
 /// Runs the server until SIGTERM/SIGINT.
 pub fn main(args: ServerArgs) -> anyhow::Result<()> {
-    args.log.init();
+    args.log.init()?;
     let config = args.config()?;
     super::block_on(args.worker_threads, async move {
         let server_id = config.server_id.clone();

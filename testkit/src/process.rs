@@ -245,8 +245,11 @@ impl ServerProc {
 
     /// Waits until `n` agent streams are connected.
     pub async fn wait_agents(&self, n: usize) {
-        self.wait_metric("konnectivity_network_proxy_server_ready_backends", n as f64)
-            .await
+        self.wait_metric(
+            "konnectivity_network_proxy_server_ready_backend_connections",
+            n as f64,
+        )
+        .await
     }
 
     /// Waits until the metric sample `name` (with labels, as rendered) equals `value`.

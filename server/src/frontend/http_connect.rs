@@ -193,7 +193,9 @@ where
 /// The status for an agent's dial error (upstream's mapping).
 pub fn dial_error_status(error: &str) -> &'static str {
     let e = error.to_ascii_lowercase();
-    if e.contains("timeout") || e.contains("timed out") {
+    // Deadline causes, as Go and Rust spell them: "i/o timeout", "context deadline
+    // exceeded", "connection timed out", our own "dial timeout".
+    if e.contains("timeout") || e.contains("timed out") || e.contains("deadline") {
         "504 Gateway Timeout"
     } else if e.contains("too many open files")
         || e.contains("resource")
@@ -304,6 +306,10 @@ mod tests {
         );
         assert_eq!(
             dial_error_status("dial timeout: no answer"),
+            "504 Gateway Timeout"
+        );
+        assert_eq!(
+            dial_error_status("dial tcp 10.0.0.1:10250: context deadline exceeded"),
             "504 Gateway Timeout"
         );
         assert_eq!(dial_error_status("connection refused"), "502 Bad Gateway");

@@ -1,0 +1,312 @@
+//! Logging flags (klog's, as both upstream binaries register them, plus
+//! `--log-format`) and the tracing subscriber they build: stderr, a log file capped
+//! the way klog caps it, or both.
+
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use clap::Args;
+use tracing::Level;
+use tracing_subscriber::filter::LevelFilter;
+use tracing_subscriber::fmt::MakeWriter;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer, Registry};
+
+use super::{duration, go_bool};
+
+/// Logging flags: klog's names, defaults and meaning (underscore spellings accepted).
+#[derive(Args, Debug, Clone)]
+pub struct LogArgs {
+    /// klog verbosity: 0-2 info, 3-4 debug, 5+ trace (RUST_LOG overrides).
+    #[arg(long = "v", short = 'v', default_value_t = 0, value_name = "LEVEL")]
+    pub verbosity: u8,
+    /// Per-module verbosity, `pattern=N[,pattern=N]`: modules whose name is `pattern`
+    /// (e.g. `tunnel=5`) log at level N.
+    #[arg(long, default_value = "")]
+    pub vmodule: String,
+    /// Log format: text or json.
+    #[arg(long, default_value = "text", value_parser = ["text", "json"])]
+    pub log_format: String,
+    /// Log to standard error instead of files.
+    #[arg(long, default_value = "true", num_args = 0..=1, default_missing_value = "true", value_parser = go_bool, value_name = "BOOL")]
+    pub logtostderr: bool,
+    /// Log to standard error as well as the log file.
+    #[arg(long, default_value = "false", num_args = 0..=1, default_missing_value = "true", value_parser = go_bool, value_name = "BOOL")]
+    pub alsologtostderr: bool,
+    /// With --logtostderr=false: write the log in this directory (as `tether.log`).
+    #[arg(long, alias = "log_dir", default_value = "")]
+    pub log_dir: String,
+    /// With --logtostderr=false: write the log to this file.
+    #[arg(long, alias = "log_file", default_value = "")]
+    pub log_file: String,
+    /// Largest log file in MB (0 = unlimited); like klog, the file starts over when full.
+    #[arg(long, alias = "log_file_max_size", default_value_t = 1800)]
+    pub log_file_max_size: u64,
+    /// Add the source file's directory to each line's header.
+    #[arg(long, alias = "add_dir_header", default_value = "false", num_args = 0..=1, default_missing_value = "true", value_parser = go_bool, value_name = "BOOL")]
+    pub add_dir_header: bool,
+    /// Lines without the time/level/target header.
+    #[arg(long, alias = "skip_headers", default_value = "false", num_args = 0..=1, default_missing_value = "true", value_parser = go_bool, value_name = "BOOL")]
+    pub skip_headers: bool,
+    /// Accepted (Tether writes no header when it opens a log file).
+    #[arg(long, alias = "skip_log_headers", default_value = "false", num_args = 0..=1, default_missing_value = "true", value_parser = go_bool, value_name = "BOOL")]
+    pub skip_log_headers: bool,
+    /// Accepted (Tether writes one log file, never one per severity).
+    #[arg(long, alias = "one_output", default_value = "false", num_args = 0..=1, default_missing_value = "true", value_parser = go_bool, value_name = "BOOL")]
+    pub one_output: bool,
+    /// With --logtostderr=false and without --alsologtostderr: lines at or above this
+    /// severity (INFO, WARNING, ERROR, FATAL or 0-3) also go to standard error.
+    #[arg(long, default_value = "ERROR", value_parser = severity)]
+    pub stderrthreshold: Level,
+    /// Accepted (`file:line` stack traces are a Go facility; Tether logs no backtraces).
+    #[arg(long, alias = "log_backtrace_at", default_value = "")]
+    pub log_backtrace_at: String,
+    /// Accepted (Tether writes every line at once; nothing waits to be flushed).
+    #[arg(long, default_value = "5s", value_parser = duration)]
+    pub log_flush_frequency: Duration,
+}
+
+/// Parses a klog severity name or number.
+fn severity(s: &str) -> Result<Level, String> {
+    match s.to_ascii_uppercase().as_str() {
+        "INFO" | "0" => Ok(Level::INFO),
+        "WARNING" | "1" => Ok(Level::WARN),
+        "ERROR" | "2" | "FATAL" | "3" => Ok(Level::ERROR),
+        other => Err(format!(
+            "{other:?} is not a severity (use INFO, WARNING, ERROR or FATAL)"
+        )),
+    }
+}
+
+/// Crates whose modules `--vmodule` names.
+const CRATES: [&str; 7] = [
+    "tether",
+    "tether_server",
+    "tether_agent",
+    "tether_core",
+    "tether_ccm",
+    "tether_client",
+    "tether_certs",
+];
+
+fn level_of(v: u8) -> &'static str {
+    match v {
+        0..=2 => "info",
+        3..=4 => "debug",
+        _ => "trace",
+    }
+}
+
+impl LogArgs {
+    /// The log file when logging goes to a file: `--log-file`, else `tether.log` in
+    /// `--log-dir` (or the temporary directory, as klog does).
+    pub fn file_path(&self) -> Option<PathBuf> {
+        if self.logtostderr {
+            return None;
+        }
+        if !self.log_file.is_empty() {
+            return Some(PathBuf::from(&self.log_file));
+        }
+        let dir = if self.log_dir.is_empty() {
+            std::env::temp_dir()
+        } else {
+            PathBuf::from(&self.log_dir)
+        };
+        Some(dir.join("tether.log"))
+    }
+
+    fn filter(&self) -> Result<EnvFilter, String> {
+        if let Ok(f) = EnvFilter::try_from_default_env() {
+            return Ok(f);
+        }
+        let mut directives = format!(
+            "{},h2=info,tower=info,hyper=info,rustls=info,hyper_util=info",
+            level_of(self.verbosity)
+        );
+        for entry in self.vmodule.split(',').filter(|e| !e.trim().is_empty()) {
+            let (pattern, n) = entry
+                .trim()
+                .split_once('=')
+                .ok_or_else(|| format!("--vmodule {entry:?}: expected pattern=N"))?;
+            let n: u8 = n
+                .parse()
+                .map_err(|_| format!("--vmodule {entry:?}: {n:?} is not a level"))?;
+            if pattern.is_empty() || !pattern.chars().all(|c| c.is_alphanumeric() || c == '_') {
+                return Err(format!(
+                    "--vmodule {entry:?}: the pattern must be a module name such as tunnel"
+                ));
+            }
+            for krate in CRATES {
+                directives.push_str(&format!(",{krate}::{pattern}={}", level_of(n)));
+            }
+        }
+        EnvFilter::try_new(&directives).map_err(|e| format!("--vmodule: {e}"))
+    }
+
+    /// Checks the flags and installs the global tracing subscriber; an error names the
+    /// flag to fix.
+    pub fn init(&self) -> anyhow::Result<()> {
+        let filter = self.filter().map_err(anyhow::Error::msg)?;
+        let file = match self.file_path() {
+            Some(path) => Some(CappedFile::open(
+                &path,
+                self.log_file_max_size * 1024 * 1024,
+            )?),
+            None => None,
+        };
+        let mut layers: Vec<Box<dyn Layer<Registry> + Send + Sync>> = Vec::new();
+        match &file {
+            None => layers.push(self.layer(std::io::stderr)),
+            Some(f) => {
+                layers.push(self.layer(f.clone()));
+                let stderr = self.layer(std::io::stderr);
+                layers.push(if self.alsologtostderr {
+                    stderr
+                } else {
+                    Box::new(stderr.with_filter(LevelFilter::from_level(self.stderrthreshold)))
+                });
+            }
+        }
+        tracing_subscriber::registry()
+            .with(layers)
+            .with(filter)
+            .try_init()
+            .map_err(|e| anyhow::anyhow!("cannot install the logger: {e}"))?;
+        Ok(())
+    }
+
+    fn layer<W>(&self, writer: W) -> Box<dyn Layer<Registry> + Send + Sync>
+    where
+        W: for<'w> MakeWriter<'w> + Send + Sync + 'static,
+    {
+        let base = tracing_subscriber::fmt::layer()
+            .with_writer(writer)
+            .with_ansi(false)
+            .with_file(self.add_dir_header)
+            .with_line_number(self.add_dir_header);
+        match (self.log_format == "json", self.skip_headers) {
+            (true, _) => Box::new(base.json().flatten_event(true)),
+            (false, true) => Box::new(base.without_time().with_level(false).with_target(false)),
+            (false, false) => Box::new(base),
+        }
+    }
+}
+
+/// A log file that, like klog's, is appended to at start-up and starts over
+/// (truncated) when a line would take it past its cap.
+#[derive(Clone)]
+pub struct CappedFile {
+    inner: Arc<Mutex<(File, u64)>>,
+    cap: u64,
+}
+
+impl CappedFile {
+    /// Opens (creating it and its directory) `path`; `cap` in bytes, 0 = unlimited.
+    pub fn open(path: &Path, cap: u64) -> anyhow::Result<CappedFile> {
+        let what = |e: std::io::Error| {
+            anyhow::anyhow!(
+                "--log-file/--log-dir {}: {e} (check the directory exists and is writable)",
+                path.display()
+            )
+        };
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(what)?;
+        }
+        let file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .map_err(what)?;
+        let len = file.metadata().map_err(what)?.len();
+        Ok(CappedFile {
+            inner: Arc::new(Mutex::new((file, len))),
+            cap,
+        })
+    }
+}
+
+impl Write for &CappedFile {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let mut guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let (file, len) = &mut *guard;
+        if self.cap > 0 && *len + buf.len() as u64 > self.cap && *len > 0 {
+            file.set_len(0)?;
+            *len = 0;
+        }
+        file.write_all(buf)?;
+        *len += buf.len() as u64;
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> MakeWriter<'a> for CappedFile {
+    type Writer = &'a CappedFile;
+    fn make_writer(&'a self) -> Self::Writer {
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_file_starts_over() {
+        let dir = std::env::temp_dir().join(format!("tether-log-{}", std::process::id()));
+        let path = dir.join("sub/t.log");
+        let f = CappedFile::open(&path, 10).unwrap();
+        (&f).write_all(b"12345\n").unwrap();
+        (&f).write_all(b"678\n").unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"12345\n678\n");
+        (&f).write_all(b"abc\n").unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"abc\n");
+        // Reopened: appended to.
+        let g = CappedFile::open(&path, 0).unwrap();
+        (&g).write_all(b"def\n").unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"abc\ndef\n");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn severities_and_vmodule() {
+        assert_eq!(severity("warning").unwrap(), Level::WARN);
+        assert_eq!(severity("2").unwrap(), Level::ERROR);
+        assert!(severity("loud").is_err());
+        let mut args = LogArgs {
+            verbosity: 0,
+            vmodule: "tunnel=5,dialer=3".into(),
+            log_format: "text".into(),
+            logtostderr: true,
+            alsologtostderr: false,
+            log_dir: String::new(),
+            log_file: String::new(),
+            log_file_max_size: 1800,
+            add_dir_header: false,
+            skip_headers: false,
+            skip_log_headers: false,
+            one_output: false,
+            stderrthreshold: Level::ERROR,
+            log_backtrace_at: String::new(),
+            log_flush_frequency: Duration::from_secs(5),
+        };
+        if std::env::var_os("RUST_LOG").is_none() {
+            let f = args.filter().unwrap().to_string();
+            assert!(f.contains("tether_server::tunnel=trace"), "{f}");
+            assert!(f.contains("tether_agent::dialer=debug"), "{f}");
+            args.vmodule = "tunnel".into();
+            assert!(args.filter().is_err());
+        }
+        assert_eq!(args.file_path(), None);
+        args.logtostderr = false;
+        args.log_file = "/var/log/x.log".into();
+        assert_eq!(args.file_path(), Some(PathBuf::from("/var/log/x.log")));
+    }
+}
