@@ -32,11 +32,11 @@ enum Command {
 /// The system allocator, sampled for `/debug/pprof/heap` once `--enable-profiling`
 /// turns it on.
 #[global_allocator]
-static ALLOC: tether_core::heap_profile::Sampling<std::alloc::System> =
-    tether_core::heap_profile::Sampling(std::alloc::System);
+static ALLOC: tether_ops::heap_profile::Sampling<std::alloc::System> =
+    tether_ops::heap_profile::Sampling(std::alloc::System);
 
 fn main() -> std::process::ExitCode {
-    tether_core::heap_profile::mark_installed();
+    tether_ops::heap_profile::mark_installed();
     let cli: Cli = match cmd::parse_args() {
         Ok(c) => c,
         Err(code) => return code,

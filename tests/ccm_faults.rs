@@ -7,9 +7,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+use tether_ccm::cloud::fake::{FakeCloud, LbCall};
 use tether_ccm::cloud::CloudError;
 use tether_ccm::{CcmConfig, Enabled};
-use tether_testkit::fake_cloud::{FakeCloud, LbCall};
 use tether_testkit::kube::{wait_blocking, Cluster, Egress};
 use tokio_util::sync::CancellationToken;
 
@@ -33,7 +33,7 @@ fn config(enabled: Enabled) -> CcmConfig {
 
 /// Runs the controllers in the background until the returned token is cancelled.
 async fn start(cluster: &Cluster, fake: &FakeCloud, enabled: Enabled) -> CancellationToken {
-    let client = tether_core::kubeclient::client(Some(&cluster.files.admin_kubeconfig))
+    let client = tether_ops::kubeclient::client(Some(&cluster.files.admin_kubeconfig))
         .await
         .unwrap();
     let stop = CancellationToken::new();

@@ -65,7 +65,7 @@ fn bad_flags_fail_with_one_clear_line() {
             &["server", "--stderrthreshold=LOUD"][..],
             "is not a severity",
         ),
-        (&["server", "--vmodule=tunnel"][..], "--vmodule"),
+        (&["server", "--vmodule=router"][..], "--vmodule"),
     ] {
         let (ok, err) = run(args);
         assert!(!ok);

@@ -7,8 +7,9 @@ use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tether_core::flow::{Admit, Credit, Window};
-use tether_core::pump::{splice, Flow, SpliceEnd};
+use tether_core::drain;
+use tether_core::flow::{ConnFlow, Refused};
+use tether_core::pump::{splice, Flow, Sink, SpliceEnd};
 use tether_core::queue;
 use tether_proto::{packet::Payload, DialRequest, Packet};
 use tokio::net::TcpStream;
@@ -24,19 +25,13 @@ pub(crate) const TO_SERVER: usize = 1;
 
 struct Conn {
     /// DATA and CLOSE_REQ for the connection's pump, in arrival order (bounded by
-    /// `flow.window`, not by the channel).
+    /// `flow.window()`, not by the channel).
     tx: queue::Sender<Packet>,
     flow: Arc<ConnFlow>,
     /// Stops the connection's pump.
     cancel: CancellationToken,
-}
-
-/// Flow control of one connection.
-struct ConnFlow {
-    /// Credit for DATA to the server (None: upstream server, no credit).
-    credit: Option<Credit>,
-    /// DATA from the server queued towards the target.
-    window: Window,
+    /// Holds the agent's drain open while the connection lives.
+    _work: drain::Watch,
 }
 
 /// The connections of one agent stream.
@@ -54,8 +49,8 @@ pub(crate) struct Session {
     metrics: Metrics,
     /// Cancelled when the stream ends: every pump stops.
     pub(crate) closed: CancellationToken,
-    /// Open target connections across all sessions (for drain).
-    open: Arc<AtomicI64>,
+    /// Open target connections across all sessions each hold a watch (for drain).
+    work: Arc<drain::Signal>,
 }
 
 impl Session {
@@ -65,7 +60,7 @@ impl Session {
         peer_window: Option<u32>,
         stall_timeout: Duration,
         metrics: Metrics,
-        open: Arc<AtomicI64>,
+        work: Arc<drain::Signal>,
     ) -> Arc<Self> {
         Arc::new(Session {
             out,
@@ -78,7 +73,7 @@ impl Session {
             stall_timeout,
             metrics,
             closed: CancellationToken::new(),
-            open,
+            work,
         })
     }
 
@@ -108,61 +103,23 @@ impl Session {
         match packet.payload {
             Some(Payload::DialRequest(req)) => self.dial(req).await,
             Some(Payload::Data(ref d)) => {
-                let connect_id = d.connect_id;
-                let conn = self
-                    .conns()
-                    .get(&connect_id)
-                    .map(|c| (c.tx.clone(), c.flow.clone()));
-                match conn {
-                    Some((tx, flow)) => {
-                        match flow.window.admit(d.data.len(), self.stall_timeout).await {
-                            // A failed send means the pump already ended and sent CLOSE_RSP.
-                            Admit::Ok => drop(tx.send(packet)),
-                            Admit::Closed => {}
-                            Admit::Overrun => {
-                                tracing::warn!(connect_id, "server sent more than the flow-control window; closing the connection");
-                                self.abort(connect_id, "flow-control window exceeded").await;
-                            }
-                            Admit::Stalled => {
-                                tracing::warn!(connect_id, queued = flow.window.queued(), timeout = ?self.stall_timeout, "target stopped reading; closing the connection (--stalled-reader-timeout)");
-                                self.abort(
-                                    connect_id,
-                                    &format!(
-                                        "agent: target did not read for {:?}; connection closed",
-                                        self.stall_timeout
-                                    ),
-                                )
-                                .await;
-                            }
-                        }
-                    }
-                    None => {
-                        tracing::debug!(connect_id, "DATA for unknown connectID");
-                        self.send(Packet::close_response(
-                            connect_id,
-                            format!("unknown connectID {connect_id}"),
-                        ))
-                        .await;
-                    }
-                }
+                let (connect_id, len) = (d.connect_id, d.data.len());
+                self.on_data(connect_id, len, packet).await
             }
             Some(Payload::CloseRequest(c)) => {
                 let tx = self.conns().get(&c.connect_id).map(|c| c.tx.clone());
                 match tx {
+                    // The pump writes what is queued, then closes and answers.
                     Some(tx) => drop(tx.send(packet)),
                     None => {
-                        self.send(Packet::close_response(
-                            c.connect_id,
-                            format!("unknown connectID {}", c.connect_id),
-                        ))
-                        .await;
+                        self.send(Packet::unknown_connection(c.connect_id)).await;
                     }
                 }
             }
             Some(Payload::WindowUpdate(w)) => {
                 let flow = self.conns().get(&w.connect_id).map(|c| c.flow.clone());
-                if let Some(credit) = flow.as_ref().and_then(|f| f.credit.as_ref()) {
-                    credit.grant(w.bytes);
+                if let Some(flow) = flow {
+                    flow.grant(w.bytes);
                 }
             }
             Some(Payload::CloseDial(c)) => {
@@ -172,6 +129,43 @@ impl Session {
                 }
             }
             _ => tracing::debug!(ty = packet.r#type, "unexpected packet from server; ignored"),
+        }
+    }
+
+    /// DATA from the server: admitted by the connection's window, then queued for its
+    /// pump. The stream waits here while an upstream server's connection is full.
+    async fn on_data(&self, connect_id: i64, len: usize, packet: Packet) {
+        let conn = self
+            .conns()
+            .get(&connect_id)
+            .map(|c| (c.tx.clone(), c.flow.clone()));
+        let Some((tx, flow)) = conn else {
+            tracing::debug!(connect_id, "DATA for unknown connectID");
+            self.send(Packet::unknown_connection(connect_id)).await;
+            return;
+        };
+        match flow.admit(len, self.stall_timeout).await {
+            // A failed send means the pump already ended and sent CLOSE_RSP.
+            Ok(true) => drop(tx.send(packet)),
+            Ok(false) => {}
+            Err(Refused::Overrun) => {
+                tracing::warn!(
+                    connect_id,
+                    "server sent more than the flow-control window; closing the connection"
+                );
+                self.abort(connect_id, "flow-control window exceeded").await;
+            }
+            Err(Refused::Stalled(timeout)) => {
+                tracing::warn!(
+                    connect_id,
+                    queued = flow.window().queued(),
+                    ?timeout,
+                    "target stopped reading; closing the connection (--stalled-reader-timeout)"
+                );
+                let error =
+                    format!("agent: target did not read for {timeout:?}; connection closed");
+                self.abort(connect_id, &error).await;
+            }
         }
     }
 
@@ -206,73 +200,19 @@ impl Session {
         connect_id: i64,
         cancel: CancellationToken,
     ) {
-        let started = Instant::now();
-        let dialed = tokio::select! {
-            r = tokio::time::timeout(self.dial_timeout, TcpStream::connect(&address)) => r,
-            _ = cancel.cancelled() => {
-                self.pending().remove(&random);
-                return;
-            }
-        };
-        if self.pending().remove(&random).is_none() {
-            // DIAL_CLS won the race: nobody wants this connection.
+        let Some(stream) = self.connect(&address, random, connect_id, &cancel).await else {
             return;
-        }
-        let stream = match dialed {
-            Ok(Ok(s)) => s,
-            Ok(Err(e)) => {
-                let reason = if e.kind() == std::io::ErrorKind::ConnectionRefused {
-                    "refused"
-                } else {
-                    "unknown"
-                };
-                self.metrics
-                    .dial_failures
-                    .with_label_values(&[reason])
-                    .inc();
-                tracing::info!(%address, connect_id, error = %e, "dial failed");
-                self.send(Packet::dial_response(
-                    random,
-                    0,
-                    format!("dial tcp {address}: {e}"),
-                ))
-                .await;
-                return;
-            }
-            Err(_) => {
-                self.metrics
-                    .dial_failures
-                    .with_label_values(&["timeout"])
-                    .inc();
-                tracing::info!(%address, connect_id, timeout = ?self.dial_timeout, "dial timed out");
-                self.send(Packet::dial_response(
-                    random,
-                    0,
-                    format!("dial tcp {address}: i/o timeout"),
-                ))
-                .await;
-                return;
-            }
         };
-        let _ = stream.set_nodelay(true);
-        self.metrics
-            .dial_duration
-            .observe(started.elapsed().as_secs_f64());
         let (tx, rx) = queue::queue();
-        let flow = Arc::new(ConnFlow {
-            credit: self.peer_window.map(Credit::new),
-            window: Window::for_peer(self.peer_window.is_some()),
-        });
-        self.conns().insert(
-            connect_id,
-            Conn {
-                tx,
-                flow: flow.clone(),
-                cancel: cancel.clone(),
-            },
-        );
+        let flow = Arc::new(ConnFlow::new(self.peer_window));
+        let conn = Conn {
+            tx,
+            flow: flow.clone(),
+            cancel: cancel.clone(),
+            _work: self.work.watch(),
+        };
+        self.conns().insert(connect_id, conn);
         self.metrics.open_endpoint_connections.inc();
-        self.open.fetch_add(1, Ordering::Relaxed);
         if !self
             .send(Packet::dial_response(random, connect_id, ""))
             .await
@@ -282,19 +222,11 @@ impl Session {
         }
         tracing::debug!("connected");
         let (rd, wr) = stream.into_split();
-        let end = splice(
-            rd,
-            wr,
-            rx,
-            &self.out,
-            connect_id,
-            &cancel,
-            Flow {
-                send: flow.credit.as_ref(),
-                recv: Some(&flow.window),
-            },
-        )
-        .await;
+        let flow = Flow {
+            send: flow.credit(),
+            recv: Some(flow.window()),
+        };
+        let end = splice(rd, wr, rx, self.as_ref(), connect_id, &cancel, flow).await;
         let error = match &end {
             SpliceEnd::LocalError(e) => e.to_string(),
             _ => String::new(),
@@ -303,6 +235,49 @@ impl Session {
         if self.finish(connect_id) && !matches!(end, SpliceEnd::Cancelled | SpliceEnd::SinkGone) {
             self.send(Packet::close_response(connect_id, error)).await;
         }
+    }
+
+    /// Opens the target connection for dial `random`; on failure the server gets the
+    /// DIAL_RSP error. `None` also when the server cancelled the dial meanwhile.
+    async fn connect(
+        &self,
+        address: &str,
+        random: i64,
+        connect_id: i64,
+        cancel: &CancellationToken,
+    ) -> Option<TcpStream> {
+        let started = Instant::now();
+        let dialed = tokio::select! {
+            r = tokio::time::timeout(self.dial_timeout, TcpStream::connect(address)) => r,
+            _ = cancel.cancelled() => {
+                self.pending().remove(&random);
+                return None;
+            }
+        };
+        // DIAL_CLS won the race when the dial is no longer pending: nobody wants it.
+        self.pending().remove(&random)?;
+        let (reason, error) = match dialed {
+            Ok(Ok(stream)) => {
+                let _ = stream.set_nodelay(true);
+                self.metrics
+                    .dial_duration
+                    .observe(started.elapsed().as_secs_f64());
+                return Some(stream);
+            }
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                ("refused", e.to_string())
+            }
+            Ok(Err(e)) => ("unknown", e.to_string()),
+            Err(_) => ("timeout", "i/o timeout".to_string()),
+        };
+        self.metrics
+            .dial_failures
+            .with_label_values(&[reason])
+            .inc();
+        tracing::info!(%address, connect_id, %error, "dial failed");
+        let rsp = Packet::dial_response(random, 0, format!("dial tcp {address}: {error}"));
+        self.send(rsp).await;
+        None
     }
 
     /// Closes `connect_id` from our side: its pump stops and the server gets CLOSE_RSP
@@ -319,16 +294,19 @@ impl Session {
 
     /// Forgets `connect_id`; true when it was still registered.
     fn finish(&self, connect_id: i64) -> bool {
-        let conn = self.conns().remove(&connect_id);
-        let removed = conn.is_some();
-        if let Some(conn) = conn {
-            conn.flow.window.close();
-            if let Some(credit) = &conn.flow.credit {
-                credit.close();
-            }
-            self.metrics.open_endpoint_connections.dec();
-            self.open.fetch_sub(1, Ordering::Relaxed);
-        }
-        removed
+        let Some(conn) = self.conns().remove(&connect_id) else {
+            return false;
+        };
+        conn.flow.close();
+        self.metrics.open_endpoint_connections.dec();
+        true
+    }
+}
+
+/// The connections' pumps send through the session: DATA and WINDOW_UPDATE are
+/// counted like every other packet to the server.
+impl Sink for Session {
+    async fn send(&self, packet: Packet) -> bool {
+        Session::send(self, packet).await
     }
 }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::{Api, ListParams, WatchEvent, WatchParams};
-use tether_core::kubeclient::{lease_is_live, CallMetrics};
+use tether_ops::kubeclient::{lease_is_live, CallMetrics};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 

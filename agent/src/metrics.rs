@@ -1,10 +1,10 @@
 //! Agent metrics under upstream's names (`konnectivity_network_proxy_agent_*`).
 
 use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry};
-use tether_core::kubeclient::CallMetrics;
+use tether_ops::kubeclient::CallMetrics;
 
 use crate::lease_count::LeaseMetrics;
-use tether_core::metrics::PacketCounters;
+use tether_ops::metrics::PacketCounters;
 
 const NAMESPACE: &str = "konnectivity_network_proxy";
 const SUBSYSTEM: &str = "agent";
@@ -40,7 +40,7 @@ pub struct Metrics {
 impl Metrics {
     /// Creates and registers every metric.
     pub fn new() -> Self {
-        let registry = tether_core::metrics::registry_with_process();
+        let registry = tether_ops::metrics::registry_with_process();
         let opts = |n: &str, h: &str| Opts::new(n, h).namespace(NAMESPACE).subsystem(SUBSYSTEM);
         let dial_duration = Histogram::with_opts(
             HistogramOpts::new(

@@ -843,11 +843,11 @@ fn main() -> anyhow::Result<()> {
             .block_on(relay(to));
     }
     if let (Some(to), Some(uds)) = (args.lb_to, &args.lb_tunnel_uds) {
-        tether_core::memory::tune_allocator();
+        tether_ops::memory::tune_allocator();
         return tokio::runtime::Runtime::new()?.block_on(load_balancer(to, uds.clone()));
     }
     // The gRPC client here is the client crate as the CCM runs it: same allocator policy.
-    tether_core::memory::tune_allocator();
+    tether_ops::memory::tune_allocator();
     tokio::runtime::Runtime::new()?.block_on(bench(args))
 }
 

@@ -90,7 +90,7 @@ pub enum CredentialsError {
     },
     /// The client could not be built.
     #[error("{0}")]
-    Client(#[from] tether_core::kubeclient::KubeSetupError),
+    Client(#[from] tether_ops::kubeclient::KubeSetupError),
 }
 
 /// One client per controller ServiceAccount: each account is created if missing, a
@@ -100,7 +100,7 @@ pub enum CredentialsError {
 pub async fn service_account_clients(
     root: kube::Client,
     base: kube::Config,
-    build: impl Fn(kube::Config) -> Result<kube::Client, tether_core::kubeclient::KubeSetupError>,
+    build: impl Fn(kube::Config) -> Result<kube::Client, tether_ops::kubeclient::KubeSetupError>,
     shutdown: CancellationToken,
 ) -> Result<Clients, CredentialsError> {
     let dir = std::env::temp_dir().join(format!("tether-ccm-tokens-{}", std::process::id()));

@@ -222,7 +222,7 @@ async fn metrics(State(ctx): State<Ctx>, headers: HeaderMap) -> Response {
         }
     };
     match decision {
-        Ok(()) => tether_core::health::render(&ctx.registry).into_response(),
+        Ok(()) => tether_ops::health::render(&ctx.registry).into_response(),
         Err((status, why)) => {
             tracing::info!(reason = %why, "metrics request refused");
             (status, format!("{why}\n")).into_response()

@@ -8,32 +8,22 @@
 //! an upstream peer there is no credit: the receiver's queue is capped instead, and a
 //! connection whose queue stays full past the stall timeout is closed with an error
 //! (upstream would block the whole stream for as long as the reader sleeps).
+//!
+//! [`ConnFlow`] is both halves for one connection, the same type at the server and at
+//! the agent.
 
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::time::Duration;
 
 use tokio::sync::Notify;
 
-/// The receive window each Tether peer advertises per connection (bytes).
-pub const DEFAULT_WINDOW: u32 = 1 << 20;
-
-/// Smallest and largest window a peer may advertise.
-pub const WINDOW_RANGE: std::ops::RangeInclusive<u32> = (64 << 10)..=(64 << 20);
+pub use tether_proto::link::{DEFAULT_WINDOW, WINDOW_RANGE};
 
 /// Queue cap per connection when the peer is upstream (no credit).
 pub const FALLBACK_QUEUE: i64 = 4 << 20;
 
 /// Default for `--stalled-reader-timeout`.
 pub const DEFAULT_STALL_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Parses a `tether-flow-window` value; `None` when absent, malformed or out of range
-/// (then the peer is treated as upstream).
-pub fn parse_window(v: Option<&str>) -> Option<u32> {
-    v?.trim()
-        .parse::<u32>()
-        .ok()
-        .filter(|w| WINDOW_RANGE.contains(w))
-}
 
 /// How much one connection may still send. One task waits on it (the connection's
 /// reader); WINDOW_UPDATE handlers add to it.
@@ -218,6 +208,86 @@ impl Window {
     }
 }
 
+/// Why DATA offered to a connection was refused; the connection is then closed with
+/// this as its error.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refused {
+    /// A credit-based peer sent more than the window it was given.
+    #[error("the peer exceeded the flow-control window")]
+    Overrun,
+    /// No credit (upstream peer) and the reader left the queue full this long.
+    #[error("the reader did not read for {0:?}; connection closed")]
+    Stalled(Duration),
+}
+
+/// Flow control of one tunnelled connection at one end of the link: credit for the
+/// DATA it sends, the window for the DATA it receives.
+#[derive(Debug)]
+pub struct ConnFlow {
+    credit: Option<Credit>,
+    window: Window,
+}
+
+impl ConnFlow {
+    /// Flow control towards a peer that advertised `peer_window` (`None`: an upstream
+    /// peer, no credit, a capped queue).
+    pub fn new(peer_window: Option<u32>) -> Self {
+        ConnFlow {
+            credit: peer_window.map(Credit::new),
+            window: Window::for_peer(peer_window.is_some()),
+        }
+    }
+
+    /// Credit for sending, when the peer gives it.
+    pub fn credit(&self) -> Option<&Credit> {
+        self.credit.as_ref()
+    }
+
+    /// The receive window.
+    pub fn window(&self) -> &Window {
+        &self.window
+    }
+
+    /// Waits for credit and takes `n` bytes of it; false once the connection is closed.
+    pub async fn reserve(&self, n: usize) -> bool {
+        let Some(credit) = &self.credit else {
+            return true;
+        };
+        if !credit.ready().await {
+            return false;
+        }
+        credit.spend(n);
+        true
+    }
+
+    /// A WINDOW_UPDATE from the peer.
+    pub fn grant(&self, bytes: i64) {
+        if let Some(credit) = &self.credit {
+            credit.grant(bytes);
+        }
+    }
+
+    /// `n` bytes of DATA arrived for the reader: `Ok(true)` queue them, `Ok(false)` drop
+    /// them (the connection closed meanwhile), `Err` close the connection with it.
+    /// Holds the caller while an upstream peer's queue is full, for at most `stall`.
+    pub async fn admit(&self, n: usize, stall: Duration) -> Result<bool, Refused> {
+        match self.window.admit(n, stall).await {
+            Admit::Ok => Ok(true),
+            Admit::Closed => Ok(false),
+            Admit::Overrun => Err(Refused::Overrun),
+            Admit::Stalled => Err(Refused::Stalled(stall)),
+        }
+    }
+
+    /// The connection is gone: wake whoever waits on its credit or window.
+    pub fn close(&self) {
+        if let Some(credit) = &self.credit {
+            credit.close();
+        }
+        self.window.close();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -254,6 +324,30 @@ mod tests {
         );
         assert_eq!(w.admit(64 << 10, stall).await, Admit::Ok, "overdraw");
         assert_eq!(w.admit(1, stall).await, Admit::Overrun);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn conn_flow_refuses_with_the_reason_and_wakes_on_close() {
+        let tether = std::sync::Arc::new(ConnFlow::new(Some(64 << 10)));
+        assert!(tether.reserve(64 << 10).await);
+        let sender = {
+            let f = tether.clone();
+            tokio::spawn(async move { f.reserve(1).await })
+        };
+        tokio::task::yield_now().await;
+        assert!(!sender.is_finished(), "no credit left");
+        tether.close();
+        assert!(!sender.await.unwrap(), "closing wakes the sender");
+        let stall = Duration::from_secs(3);
+        let beyond = 2 * DEFAULT_WINDOW as usize + 1;
+        assert_eq!(tether.admit(beyond, stall).await, Err(Refused::Overrun));
+        let upstream = ConnFlow::new(None);
+        assert!(upstream.reserve(1 << 30).await, "no credit with upstream");
+        assert_eq!(
+            upstream.admit(FALLBACK_QUEUE as usize, stall).await,
+            Ok(true)
+        );
+        assert_eq!(upstream.admit(1, stall).await, Err(Refused::Stalled(stall)));
     }
 
     #[tokio::test(start_paused = true)]

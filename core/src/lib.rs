@@ -1,23 +1,15 @@
-//! Shared tunnel core for Tether's server, agent and client: the socket <-> DATA-frame
-//! pump, TLS configuration builders, agent identifiers, Go-style durations, transports
-//! for tonic over TLS/UDS, shutdown helpers and the health/metrics HTTP endpoint.
+//! The data path both ends of the tunnel share: the socket <-> DATA-frame pump,
+//! per-connection flow control, the per-connection queue, drain, TLS configuration,
+//! transports for tonic over TLS/UDS, and agent identifiers.
 //!
-//! Depends on `tether-proto` only (plus libraries); knows nothing of servers or agents.
+//! Lean on purpose: the client crate depends on it without pulling kube, axum or
+//! prometheus (those live in `tether-ops`). Knows nothing of servers or agents.
 
-pub mod duration;
+pub mod drain;
 pub mod flow;
-pub mod health;
-pub mod heap_profile;
 pub mod identifiers;
-pub mod kubeclient;
-pub mod memory;
-pub mod metrics;
-pub mod profiling;
 pub mod pump;
 pub mod queue;
-pub mod ratelimit;
-pub mod reload;
-pub mod shutdown;
 pub mod tls;
 pub mod transport;
 

@@ -86,13 +86,25 @@ impl Source for tokio::net::tcp::OwnedReadHalf {
     }
 }
 
+/// Where a spliced connection's outgoing packets (DATA, WINDOW_UPDATE) go.
+pub trait Sink: Sync {
+    /// Sends `packet`, waiting for room; false once nobody carries packets any more.
+    fn send(&self, packet: Packet) -> impl std::future::Future<Output = bool> + Send;
+}
+
+impl Sink for mpsc::Sender<Packet> {
+    async fn send(&self, packet: Packet) -> bool {
+        mpsc::Sender::send(self, packet).await.is_ok()
+    }
+}
+
 /// Pumps bytes both ways between a socket (`rd`, `wr`) and the tunnel until one side
 /// ends.
-pub async fn splice<R, W, In>(
+pub async fn splice<R, W, In, O>(
     mut rd: R,
     mut wr: W,
     mut inbound: In,
-    out: &mpsc::Sender<Packet>,
+    out: &O,
     connect_id: i64,
     cancel: &CancellationToken,
     flow: Flow<'_>,
@@ -101,6 +113,7 @@ where
     R: Source,
     W: AsyncWrite + Unpin,
     In: Stream<Item = Packet> + Unpin,
+    O: Sink,
 {
     let reading = async {
         let chunk = READ_CHUNK;
@@ -118,7 +131,7 @@ where
                         credit.spend(n);
                     }
                     let chunk = buf.split().freeze();
-                    if out.send(Packet::data(connect_id, chunk)).await.is_err() {
+                    if !out.send(Packet::data(connect_id, chunk)).await {
                         return SpliceEnd::SinkGone;
                     }
                 }
@@ -140,11 +153,7 @@ where
                     }
                     let grant = flow.recv.and_then(|w| w.consumed(d.data.len()));
                     if let Some(bytes) = grant {
-                        if out
-                            .send(Packet::window_update(connect_id, bytes))
-                            .await
-                            .is_err()
-                        {
+                        if !out.send(Packet::window_update(connect_id, bytes)).await {
                             return SpliceEnd::SinkGone;
                         }
                     }

@@ -88,6 +88,99 @@ pub mod header {
     pub const FLOW_WINDOW: &str = "tether-flow-window";
 }
 
+pub mod link {
+    //! The agent link's metadata, read and written the same way at both ends: values
+    //! that must appear exactly once, and the `tether-flow-window` offer and answer.
+
+    use tonic::metadata::{MetadataMap, MetadataValue};
+
+    use crate::header;
+
+    /// The receive window each Tether peer advertises per connection (bytes).
+    pub const DEFAULT_WINDOW: u32 = 1 << 20;
+
+    /// Smallest and largest window a peer may advertise.
+    pub const WINDOW_RANGE: std::ops::RangeInclusive<u32> = (64 << 10)..=(64 << 20);
+
+    /// Why a metadata value could not be read.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub enum MetaError {
+        /// The key is absent.
+        Missing(&'static str),
+        /// The key appears more than once.
+        Repeated(&'static str),
+        /// The value is not visible ASCII.
+        NotAscii(&'static str),
+    }
+
+    impl std::fmt::Display for MetaError {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            match self {
+                MetaError::Missing(k) => write!(f, "missing {k} metadata"),
+                MetaError::Repeated(k) => write!(f, "expected exactly one {k}"),
+                MetaError::NotAscii(k) => write!(f, "{k} is not valid ASCII"),
+            }
+        }
+    }
+
+    impl std::error::Error for MetaError {}
+
+    /// The one value of `key`.
+    pub fn single<'a>(md: &'a MetadataMap, key: &'static str) -> Result<&'a str, MetaError> {
+        let mut values = md.get_all(key).iter();
+        let (Some(one), None) = (values.next(), values.next()) else {
+            return Err(if md.contains_key(key) {
+                MetaError::Repeated(key)
+            } else {
+                MetaError::Missing(key)
+            });
+        };
+        one.to_str().map_err(|_| MetaError::NotAscii(key))
+    }
+
+    /// Offers (agent, in its request) or accepts (server, in its response) credit flow
+    /// control with our per-connection window.
+    pub fn offer_window(md: &mut MetadataMap) {
+        md.insert(header::FLOW_WINDOW, MetadataValue::from(DEFAULT_WINDOW));
+    }
+
+    /// The window the peer offered or accepted; `None` when absent, malformed or out of
+    /// range (the peer is then treated as upstream, without credit).
+    pub fn peer_window(md: &MetadataMap) -> Option<u32> {
+        md.get(header::FLOW_WINDOW)?
+            .to_str()
+            .ok()?
+            .trim()
+            .parse::<u32>()
+            .ok()
+            .filter(|w| WINDOW_RANGE.contains(w))
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn single_values_and_windows() {
+            let mut md = MetadataMap::new();
+            assert_eq!(single(&md, "agentid"), Err(MetaError::Missing("agentid")));
+            md.insert("agentid", "a".parse().unwrap());
+            assert_eq!(single(&md, "agentid"), Ok("a"));
+            md.append("agentid", "b".parse().unwrap());
+            assert_eq!(single(&md, "agentid"), Err(MetaError::Repeated("agentid")));
+            assert_eq!(peer_window(&md), None);
+            offer_window(&mut md);
+            assert_eq!(peer_window(&md), Some(DEFAULT_WINDOW));
+            md.insert(header::FLOW_WINDOW, "1".parse().unwrap());
+            assert_eq!(
+                peer_window(&md),
+                None,
+                "below the range: upstream behaviour"
+            );
+        }
+    }
+}
+
 // === impl Packet ===
 
 impl Packet {
@@ -125,6 +218,11 @@ impl Packet {
                 data: data.into(),
             })),
         }
+    }
+
+    /// The CLOSE_RSP for a packet naming a connection the receiver does not have.
+    pub fn unknown_connection(connect_id: i64) -> Self {
+        Packet::close_response(connect_id, format!("unknown connectID {connect_id}"))
     }
 
     /// A CLOSE_REQ for `connect_id`.

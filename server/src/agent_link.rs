@@ -1,5 +1,5 @@
 //! The agent listener's gRPC service (`/AgentService/Connect`): validates an agent's
-//! metadata, registers its stream as a backend, answers with `serverid`/`servercount`
+//! metadata, registers its stream with the router, answers with `serverid`/`servercount`
 //! and runs one task per stream feeding what the agent sends into the server core.
 
 use std::pin::Pin;
@@ -9,7 +9,7 @@ use futures::Stream;
 use tether_core::identifiers::AgentIdentifiers;
 use tether_core::transport::TlsConnectInfo;
 use tether_proto::agent_service_server::AgentService;
-use tether_proto::{header, Packet};
+use tether_proto::{header, link, Packet};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::{ReceiverStream, UnboundedReceiverStream};
 use tokio_stream::StreamExt;
@@ -18,13 +18,12 @@ use tonic::metadata::MetadataValue;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
 
-use crate::backend::Backend;
 use crate::metrics::Segment;
-use crate::tunnel::Tunnel;
+use crate::router::{AgentStream, Router, Verified};
 
 /// Serves agents' Connect streams.
 pub struct AgentLink {
-    pub(crate) tunnel: Arc<Tunnel>,
+    pub(crate) router: Arc<Router>,
     pub(crate) server_id: String,
     pub(crate) server_count: Arc<std::sync::atomic::AtomicU32>,
     pub(crate) channel_size: usize,
@@ -83,7 +82,7 @@ fn verified(
     bound_node: Option<&str>,
     agent_id: &str,
     ids: &AgentIdentifiers,
-) -> crate::backend::Verified {
+) -> Verified {
     let mut names: Vec<String> = Vec::new();
     for n in std::iter::once(agent_id).chain(ids.hosts.iter().map(String::as_str)) {
         if !names.iter().any(|m| m.eq_ignore_ascii_case(n)) {
@@ -91,7 +90,7 @@ fn verified(
         }
     }
     if cert_matched {
-        return crate::backend::Verified {
+        return Verified {
             by: "certificate",
             hosts: names,
             ips: ids.ips.clone(),
@@ -103,7 +102,7 @@ fn verified(
                 .into_iter()
                 .filter(|n| n.eq_ignore_ascii_case(node))
                 .collect();
-            crate::backend::Verified {
+            Verified {
                 by: if hosts.is_empty() {
                     ""
                 } else {
@@ -113,11 +112,21 @@ fn verified(
                 ips: Vec::new(),
             }
         }
-        None => crate::backend::Verified::default(),
+        None => Verified::default(),
     }
 }
 
 type PacketStream = Pin<Box<dyn Stream<Item = Result<Packet, Status>> + Send>>;
+
+/// An agent the link let in: who it is and what the server checked.
+struct Admitted {
+    agent_id: String,
+    identifiers: AgentIdentifiers,
+    verified: Verified,
+    /// The agent's per-connection window when both sides do credit flow control.
+    peer_window: Option<u32>,
+    peer: String,
+}
 
 #[tonic::async_trait]
 impl AgentService for AgentLink {
@@ -127,50 +136,55 @@ impl AgentService for AgentLink {
         &self,
         request: Request<Streaming<Packet>>,
     ) -> Result<Response<Self::ConnectStream>, Status> {
-        let conn_info = request.extensions().get::<TlsConnectInfo>().cloned();
+        let admitted = self.admit(&request).await?;
+        let peer_window = admitted.peer_window;
+        let out = self.open(admitted, request.into_inner());
+        let mut response = Response::new(out);
+        let meta = response.metadata_mut();
+        if let Ok(v) = MetadataValue::try_from(self.server_id.as_str()) {
+            meta.insert(header::SERVER_ID, v);
+        }
+        if peer_window.is_some() {
+            link::offer_window(meta);
+        }
+        let count = self.server_count.load(std::sync::atomic::Ordering::Relaxed);
+        meta.insert(header::SERVER_COUNT, MetadataValue::from(count));
+        Ok(response)
+    }
+}
+
+impl AgentLink {
+    /// Reads and checks the agent's metadata: its id, its token (with an
+    /// authenticator), its identifiers against its certificate (when required).
+    async fn admit(&self, request: &Request<Streaming<Packet>>) -> Result<Admitted, Status> {
+        let conn_info = request.extensions().get::<TlsConnectInfo>();
         let peer = conn_info
-            .as_ref()
             .map(|i| i.remote_addr.to_string())
             .unwrap_or_default();
         let md = request.metadata();
-        let ids: Vec<_> = md.get_all(header::AGENT_ID).iter().collect();
-        let agent_id = match ids.as_slice() {
-            [one] => one
-                .to_str()
-                .map_err(|_| Status::invalid_argument("agentid is not valid ASCII"))?
-                .to_string(),
-            [] => {
-                tracing::warn!(%peer, "agent stream without agentid metadata refused");
-                return Err(Status::invalid_argument("missing agentid metadata"));
-            }
-            _ => {
-                tracing::warn!(%peer, "agent stream with several agentid values refused");
-                return Err(Status::invalid_argument("expected exactly one agentid"));
+        let agent_id = match link::single(md, header::AGENT_ID) {
+            Ok("") => return Err(Status::invalid_argument("empty agentid")),
+            Ok(id) => id.to_string(),
+            Err(e) => {
+                tracing::warn!(%peer, error = %e, "agent stream refused");
+                return Err(Status::invalid_argument(e.to_string()));
             }
         };
-        if agent_id.is_empty() {
-            return Err(Status::invalid_argument("empty agentid"));
-        }
         let mut bound_node = None;
         if let Some(auth) = &self.authenticator {
             let header = md.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
-            match auth.authenticate(header).await {
-                Ok(node) => bound_node = node,
-                Err(e) => {
-                    tracing::warn!(%agent_id, %peer, error = %e, "agent authentication failed; stream refused");
-                    return Err(Status::unauthenticated(e.to_string()));
-                }
-            }
+            bound_node = auth.authenticate(header).await.map_err(|e| {
+                tracing::warn!(%agent_id, %peer, error = %e, "agent authentication failed; stream refused");
+                Status::unauthenticated(e.to_string())
+            })?;
         }
         let identifiers = md
             .get(header::AGENT_IDENTIFIERS)
             .and_then(|v| v.to_str().ok())
             .map(|q| AgentIdentifiers::parse(q, false).unwrap_or_default())
             .unwrap_or_default();
-
         if self.require_identity_match {
             let cert = conn_info
-                .as_ref()
                 .and_then(|i| i.peer_certs.as_ref())
                 .and_then(|c| c.first());
             if let Err(why) = identity_matches(cert, &agent_id, &identifiers) {
@@ -186,85 +200,72 @@ impl AgentService for AgentLink {
         );
         // Credit flow control when the agent offers it (Tether) and we allow it.
         let peer_window = self
-            .tunnel
+            .router
             .flow_control()
-            .then(|| {
-                tether_core::flow::parse_window(
-                    md.get(header::FLOW_WINDOW).and_then(|v| v.to_str().ok()),
-                )
-            })
+            .then(|| link::peer_window(md))
             .flatten();
-        let (tx, rx) = mpsc::channel(self.channel_size);
-        let (ctl, ctl_rx) = mpsc::unbounded_channel();
-        let backend = Arc::new(Backend::new(
-            agent_id.clone(),
+        Ok(Admitted {
+            agent_id,
             identifiers,
             verified,
+            peer_window,
+            peer,
+        })
+    }
+
+    /// Registers the agent's stream with the router, starts the task that feeds what
+    /// the agent sends into it, and returns the stream of packets to the agent. That
+    /// stream ends when the agent stream is removed (its senders dropped with the last
+    /// reference), retired (`closed`) or the server stops; WINDOW_UPDATEs overtake
+    /// queued DATA.
+    fn open(&self, a: Admitted, inbound: Streaming<Packet>) -> PacketStream {
+        let (tx, rx) = mpsc::channel(self.channel_size);
+        let (ctl, ctl_rx) = mpsc::unbounded_channel();
+        let agent = Arc::new(AgentStream::new(
+            a.agent_id.clone(),
+            a.identifiers,
+            a.verified,
             tx,
             ctl,
-            peer_window,
+            a.peer_window,
         ));
-        self.tunnel.add_backend(backend.clone());
-        let grpc_gauge = self
-            .tunnel
+        self.router.add_agent(agent.clone());
+        let gauge = self
+            .router
             .metrics
             .grpc_connections
             .with_label_values(&["Connect"]);
-        grpc_gauge.inc();
-        tracing::info!(%agent_id, %peer, identifiers = ?backend.identifiers, flow_control = peer_window.is_some(), "agent connected");
+        gauge.inc();
+        let (agent_id, peer) = (&a.agent_id, &a.peer);
+        tracing::info!(%agent_id, %peer, identifiers = ?agent.identifiers, flow_control = a.peer_window.is_some(), "agent connected");
 
-        let inbound = request.into_inner();
-        let (server_stop, retired) = (self.shutdown.clone(), backend.closed.clone());
-        let tunnel = self.tunnel.clone();
-        let shutdown = self.shutdown.clone();
-        let span = tracing::info_span!("agent_stream", %agent_id, %peer);
+        let (server_stop, retired) = (self.shutdown.clone(), agent.closed.clone());
+        let (router, shutdown) = (self.router.clone(), self.shutdown.clone());
         tokio::spawn(
             async move {
-                serve_agent(&tunnel, &backend, inbound, shutdown).await;
-                tunnel.remove_backend(&backend).await;
-                grpc_gauge.dec();
+                serve_agent(&router, &agent, inbound, shutdown).await;
+                router.remove_agent(&agent);
+                gauge.dec();
                 tracing::info!("agent disconnected");
             }
-            .instrument(span),
+            .instrument(tracing::info_span!("agent_stream", %agent_id, %peer)),
         );
-
-        // The stream to the agent ends when the backend is removed (its senders dropped
-        // with the last reference), when the server retires it (`closed`) or when the
-        // server shuts down. WINDOW_UPDATEs overtake queued DATA.
         let ended = async move {
             tokio::select! {
                 _ = server_stop.cancelled() => {}
                 _ = retired.cancelled() => {}
             }
         };
-        let out = futures::StreamExt::take_until(
-            UnboundedReceiverStream::new(ctl_rx)
-                .merge(ReceiverStream::new(rx))
-                .map(Ok),
-            Box::pin(ended),
-        );
-        let mut response = Response::new(Box::pin(out) as PacketStream);
-        let meta = response.metadata_mut();
-        if let Ok(v) = MetadataValue::try_from(self.server_id.as_str()) {
-            meta.insert(header::SERVER_ID, v);
-        }
-        if peer_window.is_some() {
-            meta.insert(
-                header::FLOW_WINDOW,
-                MetadataValue::from(tether_core::flow::DEFAULT_WINDOW),
-            );
-        }
-        meta.insert(
-            header::SERVER_COUNT,
-            MetadataValue::from(self.server_count.load(std::sync::atomic::Ordering::Relaxed)),
-        );
-        Ok(response)
+        let out = UnboundedReceiverStream::new(ctl_rx)
+            .merge(ReceiverStream::new(rx))
+            .map(Ok);
+        Box::pin(futures::StreamExt::take_until(out, Box::pin(ended)))
     }
 }
 
 async fn serve_agent(
-    tunnel: &Arc<Tunnel>,
-    backend: &Arc<Backend>,
+    router: &Arc<Router>,
+    agent: &Arc<AgentStream>,
     mut inbound: Streaming<Packet>,
     shutdown: CancellationToken,
 ) {
@@ -272,13 +273,13 @@ async fn serve_agent(
         let next = tokio::select! {
             next = inbound.message() => next,
             _ = shutdown.cancelled() => return,
-            _ = backend.closed.cancelled() => return,
+            _ = agent.closed.cancelled() => return,
         };
         match next {
-            Ok(Some(packet)) => tunnel.handle_agent_packet(backend, packet).await,
+            Ok(Some(packet)) => router.on_agent_packet(agent, packet).await,
             Ok(None) => return,
             Err(status) => {
-                tunnel
+                router
                     .metrics
                     .stream_error(Segment::FromAgent, status.code());
                 tracing::info!(error = %status.message(), code = ?status.code(), "agent stream failed");

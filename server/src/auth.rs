@@ -15,7 +15,7 @@ use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, PostParams};
 use prometheus::IntCounterVec;
-use tether_core::ratelimit::TokenBucket;
+use tether_ops::ratelimit::TokenBucket;
 
 /// How long a positive review is trusted without asking again.
 pub const POSITIVE_CACHE_TTL: Duration = Duration::from_secs(30);
@@ -39,7 +39,7 @@ pub struct TokenAuthConfig {
     pub burst: u32,
 }
 
-pub use tether_core::kubeclient::KubeSetupError as AuthSetupError;
+pub use tether_ops::kubeclient::KubeSetupError as AuthSetupError;
 
 /// Why an agent was refused.
 #[derive(Debug, thiserror::Error)]
@@ -87,7 +87,7 @@ impl TokenAuthenticator {
         config: &TokenAuthConfig,
         counter: IntCounterVec,
     ) -> Result<Self, AuthSetupError> {
-        let client = tether_core::kubeclient::client(config.kubeconfig.as_deref()).await?;
+        let client = tether_ops::kubeclient::client(config.kubeconfig.as_deref()).await?;
         for result in ["authenticated", "cached", "rejected", "error"] {
             counter.with_label_values(&[result]);
         }

@@ -59,7 +59,7 @@ pub fn selector(labels: &BTreeMap<String, String>) -> String {
         .join(",")
 }
 
-pub use tether_core::kubeclient::lease_is_live as is_live;
+pub use tether_ops::kubeclient::lease_is_live as is_live;
 
 /// Runs until `shutdown`, then deletes this server's lease. `live` receives the number
 /// of live leases after every renewal.

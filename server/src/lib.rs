@@ -7,12 +7,11 @@
 
 pub mod agent_link;
 pub mod auth;
-pub mod backend;
 pub mod frontend;
 pub mod lease;
 pub mod metrics;
 pub mod pod_networks;
-pub mod tunnel;
+pub mod router;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -31,9 +30,8 @@ use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-pub use backend::{parse_strategies, Strategy};
 pub use frontend::Mode;
-pub use tunnel::{Tunnel, TunnelConfig};
+pub use router::{parse_strategies, Router, RouterConfig, Strategy};
 
 /// Where a frontend listens.
 #[derive(Debug, Clone)]
@@ -87,7 +85,7 @@ pub struct ServerConfig {
     /// Admin endpoint (`/metrics`).
     pub admin_addr: Option<SocketAddr>,
     /// Backend selection and dial timeout.
-    pub tunnel: TunnelConfig,
+    pub router: RouterConfig,
     /// Packets queued towards each agent stream (`--xfr-channel-size`).
     pub channel_size: usize,
     /// How long established connections may finish after shutdown begins.
@@ -126,7 +124,7 @@ pub enum StartError {
     Tls(#[from] TlsError),
     /// The Kubernetes client (agent authentication, leases, Nodes) could not be set up.
     #[error(transparent)]
-    Kube(#[from] tether_core::kubeclient::KubeSetupError),
+    Kube(#[from] tether_ops::kubeclient::KubeSetupError),
 }
 
 /// What was bound, for logs and tests.
@@ -151,10 +149,10 @@ enum FrontendListener {
 pub struct BoundServer {
     lease_client: Option<kube::Client>,
     nodes_client: Option<kube::Client>,
-    reloadables: Vec<Arc<dyn tether_core::reload::Reload>>,
+    reloadables: Vec<Arc<dyn tether_ops::reload::Reload>>,
     authenticator: Option<Arc<auth::TokenAuthenticator>>,
     config: ServerConfig,
-    tunnel: Arc<Tunnel>,
+    router: Arc<Router>,
     agent_listener: TcpListener,
     agent_tls: ServerConfigSource,
     frontends: Vec<(Mode, FrontendListener)>,
@@ -180,14 +178,14 @@ impl Server {
     /// Loads TLS material and binds every listener.
     pub async fn bind(config: ServerConfig) -> Result<BoundServer, StartError> {
         let metrics = metrics::Metrics::new();
-        let expiry = tether_core::metrics::CertExpiry::new(&metrics.registry);
-        let mut reloadables: Vec<Arc<dyn tether_core::reload::Reload>> = Vec::new();
+        let expiry = tether_ops::metrics::CertExpiry::new(&metrics.registry);
+        let mut reloadables: Vec<Arc<dyn tether_ops::reload::Reload>> = Vec::new();
         let mut reloadable = |label: &str, files: &TlsFiles, alpn: &'static [&'static [u8]]| {
             let mut paths = vec![files.cert.clone(), files.key.clone()];
             paths.extend(files.ca.clone());
             let build_files = files.clone();
             let expiry = expiry.clone();
-            let r = tether_core::reload::Reloadable::new(
+            let r = tether_ops::reload::Reloadable::new(
                 label,
                 paths,
                 move || tls::server_config(&build_files, alpn),
@@ -252,21 +250,21 @@ impl Server {
             None => None,
         };
         let lease_client = match &config.lease {
-            Some(l) => Some(tether_core::kubeclient::client(l.kubeconfig.as_deref()).await?),
+            Some(l) => Some(tether_ops::kubeclient::client(l.kubeconfig.as_deref()).await?),
             None => None,
         };
         let nodes_client = match &config.pod_networks {
-            Some(w) => Some(tether_core::kubeclient::client(w.kubeconfig.as_deref()).await?),
+            Some(w) => Some(tether_ops::kubeclient::client(w.kubeconfig.as_deref()).await?),
             None => None,
         };
-        let tunnel = Tunnel::new(config.tunnel.clone(), metrics);
+        let router = Router::new(config.router.clone(), metrics);
         Ok(BoundServer {
             lease_client,
             nodes_client,
             reloadables,
             authenticator,
             config,
-            tunnel,
+            router,
             agent_listener,
             agent_tls,
             frontends,
@@ -284,8 +282,8 @@ impl BoundServer {
     }
 
     /// The server core (for in-process embedding and tests).
-    pub fn tunnel(&self) -> &Arc<Tunnel> {
-        &self.tunnel
+    pub fn router(&self) -> &Arc<Router> {
+        &self.router
     }
 
     /// Serves until `shutdown` is cancelled, then stops taking frontend connections,
@@ -298,7 +296,7 @@ impl BoundServer {
             reloadables,
             authenticator,
             config,
-            tunnel,
+            router,
             agent_listener,
             agent_tls,
             frontends,
@@ -309,16 +307,15 @@ impl BoundServer {
         // Agents and in-flight tunnels outlive the frontend listeners during a graceful
         // shutdown; `hard_stop` ends them.
         let hard_stop = CancellationToken::new();
-        let registry = tunnel.metrics.registry.clone();
+        let registry = router.metrics.registry.clone();
         {
-            let proxy = tunnel
-                .metrics
-                .grpc_connections
-                .with_label_values(&["Proxy"]);
-            let http = tunnel.metrics.http_connections.clone();
-            tether_core::memory::spawn_trimmer(move || proxy.get() + http.get(), hard_stop.clone());
+            let router = router.clone();
+            tether_ops::memory::spawn_trimmer(
+                move || router.work().open() as i64,
+                hard_stop.clone(),
+            );
         }
-        tether_core::reload::spawn_watcher(
+        tether_ops::reload::spawn_watcher(
             reloadables,
             config.cert_reload_interval,
             hard_stop.clone(),
@@ -326,7 +323,7 @@ impl BoundServer {
         if let Some(client) = nodes_client {
             pod_networks::spawn(
                 client,
-                tunnel.registry().pod_networks().clone(),
+                router.registry().pod_networks().clone(),
                 hard_stop.clone(),
             );
         }
@@ -337,15 +334,15 @@ impl BoundServer {
                 cfg.clone(),
                 config.server_id.clone(),
                 server_count.clone(),
-                tunnel.metrics.clone(),
+                router.metrics.clone(),
                 shutdown.clone(),
             ))),
             _ => None,
         };
 
         if let Some(l) = health {
-            let t = tunnel.clone();
-            let ready: tether_core::health::ReadyCheck = Arc::new(move || {
+            let t = router.clone();
+            let ready: tether_ops::health::ReadyCheck = Arc::new(move || {
                 let n = t.registry().len();
                 if n > 0 {
                     Ok(format!("{n} agent stream(s) connected"))
@@ -353,10 +350,10 @@ impl BoundServer {
                     Err("no agent connected".into())
                 }
             });
-            tether_core::health::spawn(
+            tether_ops::health::spawn(
                 "health",
                 l,
-                tether_core::health::health_router(
+                tether_ops::health::health_router(
                     registry.clone(),
                     ready,
                     StatusCode::INTERNAL_SERVER_ERROR,
@@ -365,12 +362,12 @@ impl BoundServer {
             );
         }
         if let Some(l) = admin {
-            tether_core::health::spawn(
+            tether_ops::health::spawn(
                 "admin",
                 l,
                 {
-                    let t = tunnel.clone();
-                    tether_core::health::admin_router(registry.clone(), config.profiling).route(
+                    let t = router.clone();
+                    tether_ops::health::admin_router(registry.clone(), config.profiling).route(
                         "/agents",
                         axum::routing::get(move || {
                             let body = t.registry().agents_json();
@@ -389,7 +386,7 @@ impl BoundServer {
 
         // Agent listener.
         let link = agent_link::AgentLink {
-            tunnel: tunnel.clone(),
+            router: router.clone(),
             server_id: config.server_id.clone(),
             server_count: server_count.clone(),
             channel_size: config.channel_size,
@@ -424,7 +421,7 @@ impl BoundServer {
         let mut frontend_tasks = Vec::new();
         let mut sockets = Vec::new();
         for (mode, listener) in frontends {
-            let tunnel = tunnel.clone();
+            let router = router.clone();
             let stop = shutdown.clone();
             let hard = hard_stop.clone();
             let keepalive = config.frontend_keepalive;
@@ -433,7 +430,7 @@ impl BoundServer {
             }
             let span = tracing::info_span!("frontend_listener", %mode);
             frontend_tasks.push(tokio::spawn(
-                serve_frontend(mode, listener, tunnel, keepalive, stop, hard).instrument(span),
+                serve_frontend(mode, listener, router, keepalive, stop, hard).instrument(span),
             ));
         }
 
@@ -448,21 +445,17 @@ impl BoundServer {
             // Stop advertising this server before waiting for its tunnels to finish.
             let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
         }
+        // Pending dials and established connections each hold a drain watch.
         let grace = config.graceful_shutdown_timeout;
-        if !grace.is_zero() {
-            let deadline = tokio::time::Instant::now() + grace;
-            while tunnel.metrics.established_connections.get() > 0
-                || tunnel.metrics.pending_backend_dials.get() > 0
-            {
-                if tokio::time::Instant::now() >= deadline {
-                    tracing::info!(
-                        open = tunnel.metrics.established_connections.get(),
-                        "graceful shutdown timeout reached; closing remaining tunnels"
-                    );
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
+        if !grace.is_zero()
+            && tokio::time::timeout(grace, router.work().drain())
+                .await
+                .is_err()
+        {
+            tracing::info!(
+                open = router.work().open(),
+                "graceful shutdown timeout reached; closing remaining tunnels"
+            );
         }
         hard_stop.cancel();
         let stopped = tokio::time::timeout(Duration::from_secs(2), async {
@@ -482,7 +475,7 @@ impl BoundServer {
 async fn serve_frontend(
     mode: Mode,
     listener: FrontendListener,
-    tunnel: Arc<Tunnel>,
+    router: Arc<Router>,
     keepalive: Duration,
     stop: CancellationToken,
     hard_stop: CancellationToken,
@@ -490,7 +483,7 @@ async fn serve_frontend(
     match mode {
         Mode::Grpc => {
             let svc = ProxyServiceServer::new(frontend::grpc::GrpcFrontend {
-                tunnel,
+                router,
                 stop: hard_stop.clone(),
             })
             .max_decoding_message_size(MAX_MESSAGE)
@@ -542,25 +535,25 @@ async fn serve_frontend(
                         }
                     },
                 };
-                spawn_http(tunnel.clone(), sock, hard_stop.clone(), "uds".into());
+                spawn_http(router.clone(), sock, hard_stop.clone(), "uds".into());
             },
             FrontendListener::Tls(l, cfg) => {
                 let mut incoming = transport::tls_incoming(l, cfg, "frontend", stop);
                 while let Some(conn) = incoming.recv().await {
                     let peer = conn.info().remote_addr.to_string();
-                    spawn_http(tunnel.clone(), conn, hard_stop.clone(), peer);
+                    spawn_http(router.clone(), conn, hard_stop.clone(), peer);
                 }
             }
         },
     }
 }
 
-fn spawn_http<S>(tunnel: Arc<Tunnel>, sock: S, hard_stop: CancellationToken, peer: String)
+fn spawn_http<S>(router: Arc<Router>, sock: S, hard_stop: CancellationToken, peer: String)
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let span = tracing::info_span!("frontend", kind = "http-connect", %peer, address = tracing::field::Empty);
     tokio::spawn(
-        frontend::http_connect::serve_connection(tunnel, sock, hard_stop).instrument(span),
+        frontend::http_connect::serve_connection(router, sock, hard_stop).instrument(span),
     );
 }

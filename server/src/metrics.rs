@@ -5,8 +5,8 @@ use prometheus::{
     Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
     Registry,
 };
-use tether_core::kubeclient::CallMetrics;
-use tether_core::metrics::PacketCounters;
+use tether_ops::kubeclient::CallMetrics;
+use tether_ops::metrics::PacketCounters;
 
 const NAMESPACE: &str = "konnectivity_network_proxy";
 const SUBSYSTEM: &str = "server";
@@ -114,7 +114,7 @@ pub struct Metrics {
 impl Metrics {
     /// Creates and registers every metric.
     pub fn new() -> Self {
-        let registry = tether_core::metrics::registry_with_process();
+        let registry = tether_ops::metrics::registry_with_process();
         let opts = |name: &str, help: &str| {
             Opts::new(name, help)
                 .namespace(NAMESPACE)
@@ -313,8 +313,8 @@ impl Metrics {
         self.stream_errors
             .with_label_values(&[
                 SEGMENTS[segment as usize],
-                tether_core::metrics::grpc_code_name(code),
-                tether_core::metrics::NO_PACKET,
+                tether_ops::metrics::grpc_code_name(code),
+                tether_ops::metrics::NO_PACKET,
             ])
             .inc();
     }

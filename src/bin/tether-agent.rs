@@ -19,11 +19,11 @@ struct Cli {
 /// The system allocator, sampled for `/debug/pprof/heap` once `--enable-profiling`
 /// turns it on.
 #[global_allocator]
-static ALLOC: tether_core::heap_profile::Sampling<std::alloc::System> =
-    tether_core::heap_profile::Sampling(std::alloc::System);
+static ALLOC: tether_ops::heap_profile::Sampling<std::alloc::System> =
+    tether_ops::heap_profile::Sampling(std::alloc::System);
 
 fn main() -> std::process::ExitCode {
-    tether_core::heap_profile::mark_installed();
+    tether_ops::heap_profile::mark_installed();
     match tether::cmd::parse_args::<Cli>() {
         Ok(cli) => tether::cmd::exit_code(tether::cmd::agent::main(cli.args)),
         Err(code) => code,

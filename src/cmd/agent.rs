@@ -308,11 +308,11 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
         {
             let (drain, shutdown) = (drain.clone(), shutdown.clone());
             tokio::spawn(async move {
-                tether_core::shutdown::signal().await;
+                tether_ops::shutdown::signal().await;
                 tracing::info!(timeout = ?drain_timeout, "draining; signal again to exit now");
                 drain.cancel();
                 tokio::select! {
-                    _ = tether_core::shutdown::signal() => tracing::info!("second signal: exiting"),
+                    _ = tether_ops::shutdown::signal() => tracing::info!("second signal: exiting"),
                     _ = tokio::time::sleep(drain_timeout) => tracing::info!("drain timeout: exiting"),
                 }
                 shutdown.cancel();

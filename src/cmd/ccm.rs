@@ -9,7 +9,7 @@ use clap::Args;
 use tether_ccm::cloud::{tether::TetherProvider, Provider};
 use tether_ccm::leader::LeaderElection;
 use tether_ccm::{CcmConfig, Enabled};
-use tether_core::ratelimit::TokenBucket;
+use tether_ops::ratelimit::TokenBucket;
 use tracing::Instrument;
 
 use super::{duration, go_bool, LogArgs};
@@ -297,7 +297,7 @@ pub fn main(args: CcmArgs) -> anyhow::Result<()> {
     let kubeconfig = (!args.kubeconfig.is_empty()).then(|| PathBuf::from(&args.kubeconfig));
     let registry = prometheus::Registry::new();
     tether_ccm::metrics::register(&registry).expect("metrics registered once");
-    let rest_metrics = tether_core::kubeclient::RestMetrics::new();
+    let rest_metrics = tether_ops::kubeclient::RestMetrics::new();
     rest_metrics
         .register(&registry)
         .expect("metrics registered once");
@@ -319,13 +319,13 @@ pub fn main(args: CcmArgs) -> anyhow::Result<()> {
     let kube_limit = Arc::new(TokenBucket::new(args.kube_api_qps, args.kube_api_burst));
     super::block_on(0, async move {
         let build = |config| {
-            tether_core::kubeclient::limited_client_from(
+            tether_ops::kubeclient::limited_client_from(
                 config,
                 kube_limit.clone(),
                 rest_metrics.clone(),
             )
         };
-        let root_config = tether_core::kubeclient::config(kubeconfig.as_deref())
+        let root_config = tether_ops::kubeclient::config(kubeconfig.as_deref())
             .await
             .context("cannot build the Kubernetes client")?;
         let client = build(root_config.clone()).context("cannot build the Kubernetes client")?;
@@ -336,7 +336,7 @@ pub fn main(args: CcmArgs) -> anyhow::Result<()> {
                 if flag.is_empty() {
                     return Ok(client);
                 }
-                let config = tether_core::kubeclient::config(Some(Path::new(&flag))).await?;
+                let config = tether_ops::kubeclient::config(Some(Path::new(&flag))).await?;
                 build(config)
             }
         };
@@ -383,7 +383,7 @@ pub fn main(args: CcmArgs) -> anyhow::Result<()> {
         tracing::info!(provider = provider.name(), identity = %config.identity, "cloud-controller-manager starting");
         let stop = shutdown.clone();
         tokio::spawn(async move {
-            tether_core::shutdown::signal().await;
+            tether_ops::shutdown::signal().await;
             stop.cancel();
         });
         tether_ccm::run(clients, provider, config, health, shutdown).await?;
@@ -392,10 +392,7 @@ pub fn main(args: CcmArgs) -> anyhow::Result<()> {
 }
 
 /// Logs the running totals of API calls every 10 s while they change.
-async fn report_usage(
-    kube: tether_core::kubeclient::RestMetrics,
-    provider: prometheus::IntCounter,
-) {
+async fn report_usage(kube: tether_ops::kubeclient::RestMetrics, provider: prometheus::IntCounter) {
     let mut last = (0, 0);
     let mut tick = tokio::time::interval(Duration::from_secs(10));
     loop {

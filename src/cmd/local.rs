@@ -11,7 +11,7 @@ use clap::Args;
 use tether_agent::{Agent, AgentConfig, AgentTls};
 use tether_certs::DevPki;
 use tether_core::tls::TlsFiles;
-use tether_server::{FrontendConfig, Listen, Mode, Server, ServerConfig, Strategy, TunnelConfig};
+use tether_server::{FrontendConfig, Listen, Mode, RouterConfig, Server, ServerConfig, Strategy};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -97,7 +97,7 @@ async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()
         frontend_keepalive: Duration::from_secs(3600),
         health_addr: Some(loopback(0)),
         admin_addr: None,
-        tunnel: TunnelConfig {
+        router: RouterConfig {
             strategies: vec![Strategy::Default],
             backend_dial_timeout: Some(Duration::from_secs(10)),
             flow_control: true,
@@ -116,7 +116,7 @@ async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()
         .await
         .context("server start-up failed")?;
     let addrs = bound.addrs().clone();
-    let tunnel = bound.tunnel().clone();
+    let router = bound.router().clone();
     let server_task = tokio::spawn(bound.run(shutdown.clone()));
 
     let agent = Agent::new(AgentConfig {
@@ -150,7 +150,7 @@ async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()
 
     // Ready when the agent's stream is registered.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while tunnel.registry().is_empty() {
+    while router.registry().is_empty() {
         anyhow::ensure!(
             tokio::time::Instant::now() < deadline,
             "the local agent did not connect within 10s (see the log above)"
@@ -180,7 +180,7 @@ Press Ctrl-C to stop.",
     );
     tracing::info!(http_connect = %http_connect, demo = %demo_addr, "local ready");
 
-    tether_core::shutdown::signal().await;
+    tether_ops::shutdown::signal().await;
     agent_drain.cancel();
     shutdown.cancel();
     let _ = agent_task.await;

@@ -137,7 +137,7 @@ impl LogArgs {
                 .map_err(|_| format!("--vmodule {entry:?}: {n:?} is not a level"))?;
             if pattern.is_empty() || !pattern.chars().all(|c| c.is_alphanumeric() || c == '_') {
                 return Err(format!(
-                    "--vmodule {entry:?}: the pattern must be a module name such as tunnel"
+                    "--vmodule {entry:?}: the pattern must be a module name such as router"
                 ));
             }
             for krate in CRATES {
@@ -282,7 +282,7 @@ mod tests {
         assert!(severity("loud").is_err());
         let mut args = LogArgs {
             verbosity: 0,
-            vmodule: "tunnel=5,dialer=3".into(),
+            vmodule: "router=5,dialer=3".into(),
             log_format: "text".into(),
             logtostderr: true,
             alsologtostderr: false,
@@ -299,9 +299,9 @@ mod tests {
         };
         if std::env::var_os("RUST_LOG").is_none() {
             let f = args.filter().unwrap().to_string();
-            assert!(f.contains("tether_server::tunnel=trace"), "{f}");
+            assert!(f.contains("tether_server::router=trace"), "{f}");
             assert!(f.contains("tether_agent::dialer=debug"), "{f}");
-            args.vmodule = "tunnel".into();
+            args.vmodule = "router".into();
             assert!(args.filter().is_err());
         }
         assert_eq!(args.file_path(), None);

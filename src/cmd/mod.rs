@@ -14,7 +14,7 @@ use std::time::Duration;
 
 /// Parses a Go-style duration flag value.
 pub fn duration(s: &str) -> Result<Duration, String> {
-    tether_core::duration::parse(s)
+    tether_ops::duration::parse(s)
 }
 
 /// Parses a Go-style boolean (`true`, `false`, `1`, `0`, `t`, `f`).
@@ -81,7 +81,7 @@ pub fn exit_code(result: anyhow::Result<()>) -> std::process::ExitCode {
 /// Builds the runtime and runs `fut` on it: `worker_threads` threads run tasks (0 = one
 /// per CPU the process may use, or `TOKIO_WORKER_THREADS`).
 pub fn block_on<F: std::future::Future>(worker_threads: usize, fut: F) -> F::Output {
-    tether_core::memory::tune_allocator();
+    tether_ops::memory::tune_allocator();
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
     if worker_threads > 0 {
         runtime.worker_threads(worker_threads);

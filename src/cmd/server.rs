@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::Args;
 use tether_core::tls::TlsFiles;
-use tether_server::{FrontendConfig, Listen, Mode, Server, ServerConfig, TunnelConfig};
+use tether_server::{FrontendConfig, Listen, Mode, RouterConfig, Server, ServerConfig};
 
 use super::{bind_addr, duration, go_bool, LogArgs};
 
@@ -244,7 +244,7 @@ impl ServerArgs {
             None
         };
         let pod_networks = if self.watch_node_pod_cidrs {
-            if !strategies.contains(&tether_server::backend::Strategy::DestCidr) {
+            if !strategies.contains(&tether_server::Strategy::DestCidr) {
                 bail!("--watch-node-pod-cidrs routes pod IPs by destCIDR: add destCIDR to --proxy-strategies (e.g. destHost,destCIDR,default)");
             }
             Some(tether_server::pod_networks::WatchConfig {
@@ -347,7 +347,7 @@ impl ServerArgs {
             frontend_keepalive: self.frontend_keepalive_time,
             health_addr: Some(health_addr),
             admin_addr: Some(admin_addr),
-            tunnel: TunnelConfig {
+            router: RouterConfig {
                 strategies,
                 backend_dial_timeout: (!self.backend_dial_timeout.is_zero())
                     .then_some(self.backend_dial_timeout),
@@ -434,7 +434,7 @@ pub fn main(args: ServerArgs) -> anyhow::Result<()> {
         let shutdown = tokio_util::sync::CancellationToken::new();
         let stop = shutdown.clone();
         tokio::spawn(async move {
-            tether_core::shutdown::signal().await;
+            tether_ops::shutdown::signal().await;
             stop.cancel();
         });
         bound.run(shutdown).await;

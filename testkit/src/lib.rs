@@ -3,7 +3,6 @@
 //! backends on port 0, and `wait_until` with a deadline instead of sleeps.
 
 pub mod backend;
-pub mod fake_cloud;
 pub mod kube;
 pub mod netns;
 pub mod node;

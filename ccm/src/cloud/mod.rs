@@ -5,6 +5,8 @@
 
 pub mod agents;
 pub mod announce;
+#[cfg(feature = "test-util")]
+pub mod fake;
 pub mod host_routes;
 pub mod lb_addresses;
 pub mod netlink;
@@ -296,7 +298,7 @@ pub const TETHER_PROVIDER_ID_PREFIX: &str = "tether://";
 /// API either.
 pub fn rate_limited(
     provider: Arc<dyn Provider>,
-    limit: Arc<tether_core::ratelimit::TokenBucket>,
+    limit: Arc<tether_ops::ratelimit::TokenBucket>,
     calls: prometheus::IntCounter,
 ) -> Arc<dyn Provider> {
     Arc::new(Limited {
@@ -307,7 +309,7 @@ pub fn rate_limited(
 
 #[derive(Clone)]
 struct Gate {
-    limit: Arc<tether_core::ratelimit::TokenBucket>,
+    limit: Arc<tether_ops::ratelimit::TokenBucket>,
     calls: prometheus::IntCounter,
 }
 

@@ -684,7 +684,7 @@ fn limits(
     };
     let idle = match a.get(annotations::IDLE_TIMEOUT) {
         None => crate::cloud::DEFAULT_IDLE_TIMEOUT,
-        Some(v) => match tether_core::duration::parse(v.trim()) {
+        Some(v) => match tether_ops::duration::parse(v.trim()) {
             Ok(d) if !d.is_zero() => d,
             _ => {
                 problems.push(format!(

@@ -7,12 +7,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use tether_core::pump::{splice, Buffered, Flow, SpliceEnd};
+use tether_core::pump::{splice, Buffered, Flow, Sink, SpliceEnd};
 use tether_proto::{packet::Payload, DialRequest, Packet};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 
-use crate::tunnel::{outbox, Frontend, Tunnel};
+use crate::router::{outbox, FrontendSink, FrontendStream, Router};
 
 /// Largest request head we accept.
 const MAX_HEAD: usize = 64 * 1024;
@@ -22,172 +22,136 @@ const HEAD_TIMEOUT: Duration = Duration::from_secs(30);
 /// client gives up after 30 s as well).
 const DIAL_BACKSTOP: Duration = Duration::from_secs(30);
 
-/// Serves one HTTP-CONNECT client connection to the end.
-pub async fn serve_connection<S>(tunnel: Arc<Tunnel>, mut sock: S, shutdown: CancellationToken)
+/// Serves one HTTP-CONNECT client connection to the end: read the request head, dial
+/// through the router, then pump bytes both ways.
+pub async fn serve_connection<S>(router: Arc<Router>, mut sock: S, shutdown: CancellationToken)
 where
     S: AsyncRead + AsyncWrite + Unpin + Send,
 {
-    let gauge = tunnel.metrics.http_connections.clone();
+    let gauge = router.metrics.http_connections.clone();
     gauge.inc();
     let _guard = scopeguard(move || gauge.dec());
 
-    let (address, leftover) = match tokio::time::timeout(HEAD_TIMEOUT, read_head(&mut sock)).await {
-        Ok(Ok(Head::Connect { address, leftover })) => (address, leftover),
-        Ok(Ok(Head::OtherMethod(method))) => {
-            tracing::info!(%method, "non-CONNECT request refused");
-            respond(
-                &mut sock,
-                "405 Method Not Allowed",
-                "only CONNECT is supported\n",
-            )
-            .await;
-            return;
-        }
-        Ok(Ok(Head::Malformed(why))) => {
-            tracing::info!(%why, "malformed CONNECT request");
-            respond(&mut sock, "400 Bad Request", &format!("{why}\n")).await;
-            return;
-        }
-        Ok(Err(e)) => {
-            tracing::debug!(error = %e, "client went away before sending a request");
-            return;
-        }
-        Err(_) => {
-            respond(
-                &mut sock,
-                "408 Request Timeout",
-                "request head not received in time\n",
-            )
-            .await;
-            return;
-        }
+    let Some((address, leftover)) = accept_head(&mut sock).await else {
+        return;
     };
-
     tracing::Span::current().record("address", address.as_str());
     let (tx, rx) = tether_core::queue::queue();
-    let fe = Frontend::new(tx);
+    let fe = FrontendStream::new(tx);
     let mut rx = outbox(rx);
-    let random = tether_core::random_id();
-    let req = DialRequest {
-        protocol: "tcp".into(),
-        address: address.clone(),
-        random,
-    };
-    if tunnel.dial(&fe, req).await.is_err() {
-        respond(
-            &mut sock,
-            "500 Internal Server Error",
-            "currently no tunnels available\n",
-        )
-        .await;
-        return;
-    }
-
-    use tokio_stream::StreamExt;
-    let first = tokio::select! {
-        p = tokio::time::timeout(DIAL_BACKSTOP, rx.next()) => p,
-        _ = shutdown.cancelled() => Ok(None),
-    };
-    let connect_id = match first {
-        Ok(Some(Packet {
-            payload: Some(Payload::DialResponse(rsp)),
-            ..
-        })) if rsp.error.is_empty() => rsp.connect_id,
-        Ok(Some(Packet {
-            payload: Some(Payload::DialResponse(rsp)),
-            ..
-        })) => {
-            tracing::info!(error = %rsp.error, %address, "dial failed");
-            respond(
-                &mut sock,
-                dial_error_status(&rsp.error),
-                &format!("{}\n", rsp.error),
-            )
-            .await;
+    let connect_id = match dial(&router, &fe, &mut rx, &address, &shutdown).await {
+        Ok(id) => id,
+        Err((status, body)) => {
+            // Cancels a dial still pending, closes a connection the agent opened late.
+            router.frontend_gone(&fe).await;
+            respond(&mut sock, status, &format!("{body}\n")).await;
             return;
         }
-        Ok(Some(_)) => {
-            respond(
-                &mut sock,
-                "502 Bad Gateway",
-                "dial cancelled by the agent\n",
-            )
-            .await;
-            tunnel.frontend_gone(&fe).await;
-            return;
-        }
-        Ok(None) => {
-            tunnel.frontend_gone(&fe).await;
-            respond(
-                &mut sock,
-                "503 Service Unavailable",
-                "server shutting down\n",
-            )
-            .await;
-            return;
-        }
-        Err(_) => {
-            tunnel.cancel_from_frontend(&fe, random).await;
-            respond(&mut sock, "504 Gateway Timeout", "dial timeout\n").await;
-            return;
-        }
-    };
-    let Some((conn, backend)) = fe
-        .route(connect_id)
-        .and_then(|c| c.backend().map(|b| (c, b)))
-    else {
-        // The agent went away between DIAL_RSP and here.
-        respond(&mut sock, "502 Bad Gateway", "agent disconnected\n").await;
-        return;
     };
     if sock
         .write_all(b"HTTP/1.1 200 Connection Established\r\n\r\n")
         .await
         .is_err()
     {
-        tunnel.frontend_gone(&fe).await;
+        router.frontend_gone(&fe).await;
         return;
     }
-    tracing::debug!(%address, connect_id, agent_id = %backend.agent_id, "tunnel established");
-    if let (Some(credit), false) = (&conn.credit, leftover.is_empty()) {
-        credit.spend(leftover.len());
-    }
-    if !leftover.is_empty()
-        && backend
-            .tx
-            .send(Packet::data(connect_id, leftover))
-            .await
-            .is_err()
-    {
-        tunnel.frontend_gone(&fe).await;
-        return;
-    }
-    // DATA from the agent leaves its window in `outbox`; ours waits for the agent's
-    // credit.
-    let flow = Flow {
-        send: conn.credit.as_ref(),
-        recv: None,
-    };
-    let (rd, wr) = tokio::io::split(&mut sock);
-    let end = splice(
-        Buffered(rd),
-        wr,
-        rx,
-        &backend.tx,
-        connect_id,
-        &shutdown,
-        flow,
-    )
-    .await;
-    match end {
-        SpliceEnd::RemoteClosed(Some(err)) => tracing::debug!(%err, connect_id, "closed by agent"),
-        SpliceEnd::LocalError(e) => {
-            tracing::debug!(error = %e, connect_id, "client connection failed")
+    tracing::debug!(%address, connect_id, "tunnel established");
+    let sink = FrontendSink::new(&router, &fe);
+    if leftover.is_empty() || sink.send(Packet::data(connect_id, leftover)).await {
+        // DATA from the agent leaves its window in `outbox`; ours takes the road every
+        // frontend takes (credit, counters) through the sink.
+        let (rd, wr) = tokio::io::split(&mut sock);
+        let flow = Flow::default();
+        match splice(Buffered(rd), wr, rx, &sink, connect_id, &shutdown, flow).await {
+            SpliceEnd::RemoteClosed(Some(err)) => {
+                tracing::debug!(%err, connect_id, "closed by agent")
+            }
+            SpliceEnd::LocalError(e) => {
+                tracing::debug!(error = %e, connect_id, "client connection failed")
+            }
+            _ => {}
         }
-        _ => {}
     }
     // Closes the connection on the agent unless the agent closed it first.
-    tunnel.frontend_gone(&fe).await;
+    router.frontend_gone(&fe).await;
+}
+
+/// Reads the request head; answers and returns `None` when it is not a CONNECT we can
+/// serve. The target address and any bytes the client sent after the head.
+async fn accept_head<S>(sock: &mut S) -> Option<(String, Bytes)>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let (status, body) = match tokio::time::timeout(HEAD_TIMEOUT, read_head(sock)).await {
+        Ok(Ok(Head::Connect { address, leftover })) => return Some((address, leftover)),
+        Ok(Ok(Head::OtherMethod(method))) => {
+            tracing::info!(%method, "non-CONNECT request refused");
+            (
+                "405 Method Not Allowed",
+                "only CONNECT is supported".to_string(),
+            )
+        }
+        Ok(Ok(Head::Malformed(why))) => {
+            tracing::info!(%why, "malformed CONNECT request");
+            ("400 Bad Request", why)
+        }
+        Ok(Err(e)) => {
+            tracing::debug!(error = %e, "client went away before sending a request");
+            return None;
+        }
+        Err(_) => (
+            "408 Request Timeout",
+            "request head not received in time".to_string(),
+        ),
+    };
+    respond(sock, status, &format!("{body}\n")).await;
+    None
+}
+
+/// Dials `address` for `fe` and waits for the answer: the connectID, or the status
+/// and body to answer the client with.
+async fn dial<In>(
+    router: &Arc<Router>,
+    fe: &Arc<FrontendStream>,
+    rx: &mut In,
+    address: &str,
+    shutdown: &CancellationToken,
+) -> Result<i64, (&'static str, String)>
+where
+    In: futures::Stream<Item = Packet> + Unpin,
+{
+    use futures::StreamExt;
+    let req = DialRequest {
+        protocol: "tcp".into(),
+        address: address.to_string(),
+        random: tether_core::random_id(),
+    };
+    if router.dial(fe, req).await.is_err() {
+        return Err((
+            "500 Internal Server Error",
+            "currently no tunnels available".into(),
+        ));
+    }
+    let first = tokio::select! {
+        p = tokio::time::timeout(DIAL_BACKSTOP, rx.next()) => p,
+        _ = shutdown.cancelled() => Ok(None),
+    };
+    match first.map(|p| p.and_then(|p| p.payload)) {
+        Ok(Some(Payload::DialResponse(rsp))) if rsp.error.is_empty() => {
+            match fe.route(rsp.connect_id).and_then(|c| c.agent()) {
+                Some(_) => Ok(rsp.connect_id),
+                None => Err(("502 Bad Gateway", "agent disconnected".into())),
+            }
+        }
+        Ok(Some(Payload::DialResponse(rsp))) => {
+            tracing::info!(error = %rsp.error, %address, "dial failed");
+            Err((dial_error_status(&rsp.error), rsp.error))
+        }
+        Ok(Some(_)) => Err(("502 Bad Gateway", "dial cancelled by the agent".into())),
+        Ok(None) => Err(("503 Service Unavailable", "server shutting down".into())),
+        Err(_) => Err(("504 Gateway Timeout", "dial timeout".into())),
+    }
 }
 
 /// The status for an agent's dial error (upstream's mapping).

@@ -10,7 +10,7 @@ use std::time::{Duration, SystemTime};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::tls::TlsError;
+use tether_core::tls::TlsError;
 
 type Build<T> = Box<dyn Fn() -> Result<Arc<T>, TlsError> + Send + Sync>;
 type Stamp = Option<(SystemTime, u64)>;

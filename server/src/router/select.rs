@@ -1,19 +1,13 @@
-//! Agent streams ("backends") as the server sees them, the registry of connected ones,
-//! and backend selection by `--proxy-strategies`.
+//! Which agent stream takes a dial: `--proxy-strategies`, each agent's eligibility
+//! under them, and the registry of connected agent streams they choose from.
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
-use std::time::Instant;
+use std::sync::{Arc, RwLock};
 
 use rand::seq::IndexedRandom;
-use tether_core::identifiers::{dial_host, AgentIdentifiers};
-use tether_proto::Packet;
-use tokio::sync::mpsc;
-use tokio_util::sync::CancellationToken;
+use tether_core::identifiers::dial_host;
 
+use super::state::AgentStream;
 use crate::pod_networks::PodNetworks;
-use crate::tunnel::{Conn, Frontend};
 
 /// How to pick an agent for a dial; several are tried in order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,93 +64,9 @@ pub fn parse_strategies(s: &str) -> Result<Vec<Strategy>, String> {
     Ok(list)
 }
 
-/// A dial sent to an agent and not yet answered.
-pub(crate) struct PendingDial {
-    pub frontend: Arc<Frontend>,
-    pub started: Instant,
-    /// The request, to send it to another agent if this one goes away unanswered.
-    pub request: tether_proto::DialRequest,
-    /// How often it was already re-dispatched.
-    pub attempts: u8,
-}
+// === eligibility ===
 
-#[derive(Default)]
-pub(crate) struct BackendState {
-    /// By DialRequest.random.
-    pub pending: HashMap<i64, PendingDial>,
-    /// By connectID.
-    pub conns: HashMap<i64, Arc<Conn>>,
-}
-
-/// One agent stream.
-pub struct Backend {
-    /// Unique per stream in this process (an agent may hold several).
-    pub(crate) key: u64,
-    /// The agent's `agentid`.
-    pub agent_id: String,
-    /// What the agent said it can reach.
-    pub identifiers: AgentIdentifiers,
-    /// Which of its names and addresses the server checked.
-    pub verified: Verified,
-    /// Packets to the agent.
-    pub(crate) tx: mpsc::Sender<Packet>,
-    /// WINDOW_UPDATEs to the agent: never blocked behind DATA, merged into its stream.
-    pub(crate) ctl: mpsc::UnboundedSender<Packet>,
-    /// The agent's per-connection receive window when it does credit flow control
-    /// (negotiated with `tether-flow-window`); `None` for an upstream agent.
-    pub(crate) peer_window: Option<u32>,
-    pub(crate) draining: AtomicBool,
-    pub(crate) state: Mutex<BackendState>,
-    /// Cancelled when the stream is gone.
-    pub(crate) closed: CancellationToken,
-}
-
-/// The agent ID, `host=` and IP identifiers the server verified, and how.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Verified {
-    /// `certificate` (`--require-agent-identity-match`) or `serviceaccount-token` (a
-    /// token bound to a Pod on that node); empty when nothing was verified.
-    pub by: &'static str,
-    /// Verified names (the agent ID and hosts).
-    pub hosts: Vec<String>,
-    /// Verified addresses.
-    pub ips: Vec<std::net::IpAddr>,
-}
-
-static NEXT_BACKEND: AtomicU64 = AtomicU64::new(1);
-
-impl Backend {
-    pub(crate) fn new(
-        agent_id: String,
-        identifiers: AgentIdentifiers,
-        verified: Verified,
-        tx: mpsc::Sender<Packet>,
-        ctl: mpsc::UnboundedSender<Packet>,
-        peer_window: Option<u32>,
-    ) -> Self {
-        Backend {
-            key: NEXT_BACKEND.fetch_add(1, Ordering::Relaxed),
-            agent_id,
-            identifiers,
-            verified,
-            tx,
-            ctl,
-            peer_window,
-            draining: AtomicBool::new(false),
-            state: Mutex::new(BackendState::default()),
-            closed: CancellationToken::new(),
-        }
-    }
-
-    /// Has the agent sent DRAIN?
-    pub fn is_draining(&self) -> bool {
-        self.draining.load(Ordering::Relaxed)
-    }
-
-    pub(crate) fn state(&self) -> std::sync::MutexGuard<'_, BackendState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
+impl AgentStream {
     /// Is this agent the one on `node`? Where the server verified the agent, only its
     /// verified names count; otherwise (no agent authentication) its ID and `host=`
     /// identifiers, the trust `destHost` gives them.
@@ -195,7 +105,7 @@ impl Backend {
 /// Every connected agent stream.
 #[derive(Default)]
 pub struct Registry {
-    backends: RwLock<Vec<Arc<Backend>>>,
+    agents: RwLock<Vec<Arc<AgentStream>>>,
     /// The nodes' pod networks, for `destCIDR` (empty unless the server watches Nodes).
     pod_networks: Arc<PodNetworks>,
 }
@@ -206,31 +116,28 @@ impl Registry {
         &self.pod_networks
     }
 
-    pub(crate) fn add(&self, backend: Arc<Backend>) -> usize {
-        let mut list = self.backends.write().unwrap_or_else(|e| e.into_inner());
-        list.push(backend);
+    pub(crate) fn add(&self, agent: Arc<AgentStream>) -> usize {
+        let mut list = self.agents.write().unwrap_or_else(|e| e.into_inner());
+        list.push(agent);
         list.len()
     }
 
-    /// Removes `backend`; false when it was not registered.
-    pub(crate) fn remove(&self, backend: &Backend) -> bool {
-        let mut list = self.backends.write().unwrap_or_else(|e| e.into_inner());
+    /// Removes `agent`; false when it was not registered.
+    pub(crate) fn remove(&self, agent: &AgentStream) -> bool {
+        let mut list = self.agents.write().unwrap_or_else(|e| e.into_inner());
         let before = list.len();
-        list.retain(|b| b.key != backend.key);
+        list.retain(|b| b.key != agent.key);
         before != list.len()
     }
 
     /// Number of connected agent streams.
     pub fn len(&self) -> usize {
-        self.backends
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .len()
+        self.agents.read().unwrap_or_else(|e| e.into_inner()).len()
     }
 
     /// Every connected agent stream, in connection order.
-    pub fn snapshot(&self) -> Vec<Arc<Backend>> {
-        self.backends
+    pub fn snapshot(&self) -> Vec<Arc<AgentStream>> {
+        self.agents
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
@@ -270,7 +177,7 @@ impl Registry {
 
     /// Picks an agent for `address`: the first strategy with a candidate wins; among its
     /// candidates one is chosen at random, preferring agents that are not draining.
-    pub fn select(&self, strategies: &[Strategy], address: &str) -> Option<Arc<Backend>> {
+    pub fn select(&self, strategies: &[Strategy], address: &str) -> Option<Arc<AgentStream>> {
         let host = dial_host(address);
         let pod_node = if strategies.contains(&Strategy::DestCidr) && !self.pod_networks.is_empty()
         {
@@ -278,16 +185,16 @@ impl Registry {
         } else {
             None
         };
-        let list = self.backends.read().unwrap_or_else(|e| e.into_inner());
+        let list = self.agents.read().unwrap_or_else(|e| e.into_inner());
         for &strategy in strategies {
-            let candidates: Vec<&Arc<Backend>> = list
+            let candidates: Vec<&Arc<AgentStream>> = list
                 .iter()
                 .filter(|b| b.eligible(strategy, host, pod_node.as_deref()))
                 .collect();
             if candidates.is_empty() {
                 continue;
             }
-            let active: Vec<&Arc<Backend>> = candidates
+            let active: Vec<&Arc<AgentStream>> = candidates
                 .iter()
                 .copied()
                 .filter(|b| !b.is_draining())
@@ -306,11 +213,14 @@ impl Registry {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::router::state::Verified;
+    use tether_core::identifiers::AgentIdentifiers;
+    use tokio::sync::mpsc;
 
-    fn backend(id: &str, ids: &str) -> Arc<Backend> {
+    fn agent(id: &str, ids: &str) -> Arc<AgentStream> {
         let (tx, _rx) = mpsc::channel(1);
         let (ctl, _ctl_rx) = mpsc::unbounded_channel();
-        Arc::new(Backend::new(
+        Arc::new(AgentStream::new(
             id.into(),
             AgentIdentifiers::parse(ids, true).unwrap(),
             Verified::default(),
@@ -323,9 +233,9 @@ mod tests {
     #[test]
     fn strategies_in_order() {
         let reg = Registry::default();
-        reg.add(backend("a", "host=node-a&ipv4=10.0.0.1"));
-        reg.add(backend("b", "ipv4=10.0.0.2&cidr=192.168.5.0/24"));
-        reg.add(backend("c", "default-route=true"));
+        reg.add(agent("a", "host=node-a&ipv4=10.0.0.1"));
+        reg.add(agent("b", "ipv4=10.0.0.2&cidr=192.168.5.0/24"));
+        reg.add(agent("c", "default-route=true"));
         let pick = |s: &str, addr: &str| {
             reg.select(&parse_strategies(s).unwrap(), addr)
                 .map(|b| b.agent_id.clone())
@@ -353,12 +263,12 @@ mod tests {
         };
         reg.pod_networks()
             .set(&[node("n1", "10.244.1.0/24"), node("n2", "10.244.2.0/24")]);
-        reg.add(backend("n1", ""));
-        reg.add(backend("x", "host=n2"));
+        reg.add(agent("n1", ""));
+        reg.add(agent("x", "host=n2"));
         // Verified as n2 by its token: its own claims no longer count.
         let (tx, _rx) = mpsc::channel(1);
         let (ctl, _ctl_rx) = mpsc::unbounded_channel();
-        let claims_n1 = Arc::new(Backend::new(
+        let claims_n1 = Arc::new(AgentStream::new(
             "n1".into(),
             AgentIdentifiers::default(),
             Verified {
@@ -387,18 +297,18 @@ mod tests {
     #[test]
     fn draining_agents_are_last_choice() {
         let reg = Registry::default();
-        let a = backend("a", "");
-        let b = backend("b", "");
+        let a = agent("a", "");
+        let b = agent("b", "");
         reg.add(a.clone());
         reg.add(b.clone());
-        a.draining.store(true, Ordering::Relaxed);
+        a.set_draining();
         for _ in 0..50 {
             assert_eq!(
                 reg.select(&[Strategy::Default], "x:1").unwrap().agent_id,
                 "b"
             );
         }
-        b.draining.store(true, Ordering::Relaxed);
+        b.set_draining();
         assert!(reg.select(&[Strategy::Default], "x:1").is_some());
     }
 }

@@ -1,16 +1,16 @@
-//! A fault-injecting fake cloud provider for the CCM tests (a test double, never the
-//! product's default): machines with metadata and a shutdown flag, load balancers that
+//! A fault-injecting fake cloud provider for the CCM tests (a test double behind the
+//! `test-util` feature, never the product's default): machines with metadata and a shutdown flag, load balancers that
 //! record what they were asked, and injected errors and latency.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_trait::async_trait;
-use tether_ccm::cloud::{
+use crate::cloud::{
     Address, Backend, CloudError, InstanceMetadata, Instances, LoadBalancerStatus, LoadBalancers,
     NodeInfo, Provider, ServiceInfo,
 };
+use async_trait::async_trait;
 
 /// What a load balancer call was.
 #[derive(Debug, Clone, PartialEq, Eq)]

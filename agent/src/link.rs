@@ -1,0 +1,214 @@
+//! One stream to one proxy server: establish it (TLS, the agent's metadata, the
+//! server's id and count, the flow-control offer) and serve it, handing every packet
+//! to the dialer's session, until it fails, drains or is stopped.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tether_core::transport::{grpc_channel_tls, ChannelSettings};
+use tether_proto::agent_service_client::AgentServiceClient;
+use tether_proto::{header, link};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::metadata::MetadataValue;
+use tracing::Instrument;
+
+use crate::dialer::Session;
+use crate::Agent;
+
+/// How long opening one stream (TCP, TLS, the server's response headers) may take.
+pub(crate) const ESTABLISH_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Why one stream to the server ended.
+#[derive(Debug, thiserror::Error)]
+pub enum LinkError {
+    /// TCP/TLS/HTTP2 connection failed.
+    #[error("cannot connect to proxy server: {0}")]
+    Connect(#[from] tonic::transport::Error),
+    /// The server refused or broke the stream.
+    #[error("proxy server stream failed: {}", .0.message())]
+    Stream(#[from] tonic::Status),
+    /// The token file could not be read.
+    #[error("cannot read service account token {path}: {source}")]
+    Token {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The server's response headers were not as the protocol requires.
+    #[error("proxy server response: {0}")]
+    Protocol(String),
+    /// Connecting and reading the response headers took too long.
+    #[error("proxy server did not answer within {0:?}")]
+    Timeout(Duration),
+}
+
+impl Agent {
+    /// Opens a stream to the server at `host:port` and reads its id and count.
+    pub(crate) async fn establish(&self, host: &str, port: u16) -> Result<Established, LinkError> {
+        let cfg = &self.config;
+        let settings = ChannelSettings {
+            keepalive: Some(cfg.keepalive),
+            keepalive_timeout: cfg.keepalive.min(Duration::from_secs(20)),
+            ..Default::default()
+        };
+        let channel = grpc_channel_tls(host, port, self.tls.get(), &settings).await?;
+        let (out_tx, out_rx) = mpsc::channel(cfg.channel_size);
+        let request = self.request(ReceiverStream::new(out_rx))?;
+        let mut client = AgentServiceClient::new(channel)
+            .max_decoding_message_size(tether_proto::MAX_MESSAGE)
+            .max_encoding_message_size(tether_proto::MAX_MESSAGE);
+        let response = client.connect(request).await?;
+        let md = response.metadata();
+        let protocol = |e: link::MetaError| LinkError::Protocol(e.to_string());
+        let server_id = link::single(md, header::SERVER_ID)
+            .map_err(protocol)?
+            .to_string();
+        let server_count: i64 = link::single(md, header::SERVER_COUNT)
+            .map_err(protocol)?
+            .parse()
+            .map_err(|_| LinkError::Protocol("servercount is not a number".into()))?;
+        self.header_count.store(server_count, Ordering::Relaxed);
+        // Credit flow control only when we offered it and the server answered.
+        let peer_window = cfg.flow_control.then(|| link::peer_window(md)).flatten();
+        Ok(Established {
+            server_id,
+            server_count,
+            peer_window,
+            out_tx,
+            inbound: response.into_inner(),
+        })
+    }
+
+    /// The Connect request: the agent's id, identifiers, token and flow-control offer.
+    fn request<S>(&self, outbound: S) -> Result<tonic::Request<S>, LinkError> {
+        let cfg = &self.config;
+        let ascii = |what: &str, v: &str| {
+            MetadataValue::try_from(v)
+                .map_err(|_| LinkError::Protocol(format!("{what} is not valid ASCII")))
+        };
+        let mut request = tonic::Request::new(outbound);
+        let md = request.metadata_mut();
+        md.insert(header::AGENT_ID, ascii("agent id", &cfg.agent_id)?);
+        if !cfg.identifiers.is_empty() {
+            md.insert(
+                header::AGENT_IDENTIFIERS,
+                ascii("agent identifiers", &cfg.identifiers)?,
+            );
+        }
+        if let Some(path) = &cfg.token_path {
+            let token = std::fs::read_to_string(path).map_err(|source| LinkError::Token {
+                path: path.clone(),
+                source,
+            })?;
+            let what = format!("token in {}", path.display());
+            md.insert(
+                header::AUTHORIZATION,
+                ascii(&what, &format!("Bearer {}", token.trim()))?,
+            );
+        }
+        if cfg.flow_control {
+            link::offer_window(md);
+        }
+        Ok(request)
+    }
+
+    /// Serves one established stream until it fails (Err), the agent is drained and
+    /// idle, or `stop` (Ok).
+    pub(crate) async fn serve(
+        &self,
+        est: Established,
+        drain: &CancellationToken,
+        stop: &CancellationToken,
+    ) -> Result<(), LinkError> {
+        let cfg = &self.config;
+        let Established {
+            server_id,
+            server_count,
+            peer_window,
+            out_tx,
+            mut inbound,
+        } = est;
+        let session = Session::new(
+            out_tx,
+            cfg.dial_timeout,
+            peer_window,
+            cfg.stall_timeout,
+            self.metrics.clone(),
+            self.work.clone(),
+        );
+        let _close_on_exit = session.closed.clone().drop_guard();
+        self.metrics.open_server_connections.inc();
+        self.streams.fetch_add(1, Ordering::Relaxed);
+        let _count = Decrement(
+            self.streams.clone(),
+            self.metrics.open_server_connections.clone(),
+        );
+        tracing::info!(%server_id, server_count, flow_control = peer_window.is_some(), "connected to proxy server");
+
+        let span = tracing::info_span!("server_stream", %server_id);
+        async {
+            let mut draining = false;
+            loop {
+                let packet = tokio::select! {
+                    p = inbound.message() => p,
+                    _ = drain.cancelled(), if !draining => {
+                        draining = true;
+                        tracing::info!("draining: DRAIN sent; dials the server still sends are served");
+                        session.drain().await;
+                        continue;
+                    }
+                    _ = self.work.idle(), if draining => {
+                        tracing::info!("drained: no connections left");
+                        return Ok(());
+                    }
+                    _ = stop.cancelled() => return Ok(()),
+                };
+                match packet {
+                    Ok(Some(p)) => session.handle(p).await,
+                    Ok(None) => return Err(LinkError::Protocol("server closed the stream".into())),
+                    Err(status) => {
+                        self.metrics
+                            .stream_errors
+                            .with_label_values(&[
+                                "to_agent",
+                                tether_ops::metrics::grpc_code_name(status.code()),
+                                tether_ops::metrics::NO_PACKET,
+                            ])
+                            .inc();
+                        self.metrics
+                            .server_connection_failures
+                            .with_label_values(&["from_server"])
+                            .inc();
+                        return Err(status.into());
+                    }
+                }
+            }
+        }
+        .instrument(span)
+        .await
+    }
+}
+
+/// A stream whose response headers have arrived.
+pub(crate) struct Established {
+    pub(crate) server_id: String,
+    server_count: i64,
+    /// The server's per-connection window when it agreed to credit flow control.
+    peer_window: Option<u32>,
+    out_tx: mpsc::Sender<tether_proto::Packet>,
+    inbound: tonic::Streaming<tether_proto::Packet>,
+}
+
+struct Decrement(Arc<AtomicI64>, prometheus::IntGauge);
+impl Drop for Decrement {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+        self.1.dec();
+    }
+}

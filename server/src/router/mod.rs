@@ -1,0 +1,557 @@
+//! The server core: routes dials from frontend streams to agent streams and the packets
+//! of each connection between them. Frontends call in (dial, send_data, close, cancel,
+//! frontend_gone); agent links call in with what agents send (on_agent_packet); answers
+//! travel back to each frontend through the queue it handed down.
+//!
+//! `state` holds the tables, `select` picks an agent, this module is the operations.
+
+mod select;
+mod state;
+#[cfg(test)]
+mod tests;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tether_core::drain;
+use tether_core::flow::Refused;
+use tether_core::pump::Sink;
+use tether_proto::{packet::Payload, CloseDial, CloseResponse, DialRequest, DialResponse, Packet};
+use tracing::Instrument;
+
+pub use select::{parse_strategies, Registry, Strategy};
+pub use state::{outbox, AgentStream, Conn, FrontendStream, Outgoing, Verified};
+
+use crate::metrics::{DialFailure, Metrics, Segment};
+use state::PendingDial;
+
+/// How often a dial whose agent vanished unanswered is sent to another agent.
+const MAX_REDISPATCH: u8 = 2;
+
+/// What a frontend tells a client when no agent can take a dial (upstream's text).
+pub const NO_AGENT: &str = "No agent available";
+
+/// Why a dial could not even be sent to an agent.
+#[derive(Debug, thiserror::Error)]
+pub enum DialError {
+    /// No agent connected or matched the strategies.
+    #[error("No agent available")]
+    NoAgent,
+}
+
+/// Settings of the server core.
+#[derive(Debug, Clone)]
+pub struct RouterConfig {
+    /// Agent selection order.
+    pub strategies: Vec<Strategy>,
+    /// Fail a dial the agent has not answered within this (None = never).
+    pub backend_dial_timeout: Option<Duration>,
+    /// Offer per-connection credit flow control to agents that ask for it.
+    pub flow_control: bool,
+    /// With an upstream agent: how long one connection's full queue (its client not
+    /// reading) may hold up the agent's stream before the connection is closed.
+    pub stall_timeout: Duration,
+}
+
+/// The server core shared by frontends and agent links.
+pub struct Router {
+    registry: Registry,
+    pub(crate) metrics: Metrics,
+    config: RouterConfig,
+    /// Every pending dial and established connection holds a watch.
+    work: drain::Signal,
+}
+
+impl Router {
+    /// A core with no agents yet.
+    pub fn new(config: RouterConfig, metrics: Metrics) -> Arc<Self> {
+        Arc::new(Router {
+            registry: Registry::default(),
+            metrics,
+            config,
+            work: drain::Signal::new(),
+        })
+    }
+
+    /// Do we offer credit flow control to agents?
+    pub fn flow_control(&self) -> bool {
+        self.config.flow_control
+    }
+
+    /// Connected agent streams.
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
+    /// Pending dials and established connections: what a graceful stop waits for.
+    pub fn work(&self) -> &drain::Signal {
+        &self.work
+    }
+
+    /// Queues a packet for `fe`'s client (never blocks: DATA was admitted by its
+    /// connection's window first). False when the frontend is gone.
+    fn to_frontend(&self, fe: &FrontendStream, out: impl Into<Outgoing>) -> bool {
+        let out = out.into();
+        self.metrics.packet(Segment::ToClient, out.kind());
+        fe.send(out)
+    }
+
+    async fn to_agent(&self, agent: &AgentStream, packet: Packet) -> bool {
+        self.metrics.packet(Segment::ToAgent, packet.r#type);
+        agent.tx.send(packet).await.is_ok()
+    }
+
+    // === frontend -> agent ===
+
+    /// Sends a DIAL_REQ from `fe` to an agent chosen by the strategies. The answer
+    /// arrives on `fe`'s queue as DIAL_RSP (or DIAL_CLS). On `Err`, nothing was sent.
+    pub async fn dial(
+        self: &Arc<Self>,
+        fe: &Arc<FrontendStream>,
+        req: DialRequest,
+    ) -> Result<(), DialError> {
+        let Some(agent) = self.registry.select(&self.config.strategies, &req.address) else {
+            self.metrics.dial_failed(DialFailure::NoAgent);
+            tracing::info!(address = %req.address, "no agent available for dial");
+            return Err(DialError::NoAgent);
+        };
+        self.send_dial(fe, req, agent, Instant::now(), 0).await;
+        Ok(())
+    }
+
+    /// Answers dial `random` of `fe` with upstream's "No agent available" (after
+    /// [`Router::dial`] failed).
+    pub fn no_agent(&self, fe: &FrontendStream, random: i64) {
+        self.to_frontend(fe, Packet::dial_response(random, 0, NO_AGENT));
+    }
+
+    /// Registers a pending dial on `agent` and sends it the DIAL_REQ.
+    async fn send_dial(
+        self: &Arc<Self>,
+        fe: &Arc<FrontendStream>,
+        req: DialRequest,
+        agent: Arc<AgentStream>,
+        started: Instant,
+        attempts: u8,
+    ) {
+        let random = req.random;
+        tracing::debug!(address = %req.address, random, agent_id = %agent.agent_id, attempts, "dialing through agent");
+        let pending = PendingDial {
+            frontend: fe.clone(),
+            started,
+            request: req.clone(),
+            attempts,
+            _work: self.work.watch(),
+        };
+        agent.add_pending(random, pending);
+        fe.expect(random, agent.clone());
+        self.metrics.pending_backend_dials.inc();
+        let packet = Packet {
+            r#type: tether_proto::PacketType::DialReq as i32,
+            payload: Some(Payload::DialRequest(req)),
+        };
+        // --backend-dial-timeout bounds the wait to enqueue the DIAL_REQ too.
+        let enqueued = match self.config.backend_dial_timeout {
+            _ if agent.is_closed() => Ok(false),
+            Some(timeout) => {
+                let remaining = timeout.saturating_sub(started.elapsed());
+                tokio::time::timeout(remaining, self.to_agent(&agent, packet)).await
+            }
+            None => Ok(self.to_agent(&agent, packet).await),
+        };
+        match enqueued {
+            Ok(true) => self.arm_dial_timeout(agent, random, started),
+            Ok(false) => {
+                // The stream is going away. Whoever takes the pending entry (this code
+                // or the stream's removal) re-dispatches it.
+                if let Some(pending) = self.take_pending(&agent, random) {
+                    let error = format!("agent {} disconnected", agent.agent_id);
+                    self.redispatch(random, pending, error);
+                }
+            }
+            Err(_) => {
+                // The agent's stream took nothing for the whole dial timeout: it is
+                // stuck (not reading), so it is retired as upstream does; the agent
+                // reconnects.
+                self.fail_pending(&agent, random, DialFailure::BackendDialTimeout, "dial timeout: the agent's stream did not accept the dial request in time (--backend-dial-timeout)");
+                tracing::warn!(agent_id = %agent.agent_id, "agent stream stuck: a dial request waited --backend-dial-timeout to be queued; disconnecting the agent");
+                agent.closed.cancel();
+            }
+        }
+    }
+
+    /// Fails dial `random` if `agent` has not answered it within
+    /// `--backend-dial-timeout` of `started`, and tells the agent with DIAL_CLS.
+    fn arm_dial_timeout(self: &Arc<Self>, agent: Arc<AgentStream>, random: i64, started: Instant) {
+        let Some(timeout) = self.config.backend_dial_timeout else {
+            return;
+        };
+        let this = self.clone();
+        tokio::spawn(
+            async move {
+                let remaining = timeout.saturating_sub(started.elapsed());
+                tokio::select! {
+                    _ = tokio::time::sleep(remaining) => {}
+                    _ = agent.closed.cancelled() => return,
+                }
+                if this.fail_pending(
+                    &agent,
+                    random,
+                    DialFailure::BackendDialTimeout,
+                    "dial timeout: the agent did not answer in time (--backend-dial-timeout)",
+                ) {
+                    this.to_agent(&agent, Packet::close_dial(random)).await;
+                }
+            }
+            .in_current_span(),
+        );
+    }
+
+    /// A dial whose agent went away before answering: the agent never opened the
+    /// connection for it, so it is sent to another eligible agent (a few times at most);
+    /// with none left, the frontend gets the error at once.
+    fn redispatch(self: &Arc<Self>, random: i64, pending: PendingDial, error: String) {
+        let this = self.clone();
+        tokio::spawn(
+            async move {
+                let fe = pending.frontend.clone();
+                let next = (pending.attempts < MAX_REDISPATCH && !fe.is_closed())
+                    .then(|| this.registry.select(&this.config.strategies, &pending.request.address))
+                    .flatten();
+                match next {
+                    Some(agent) => {
+                        tracing::info!(random, agent_id = %agent.agent_id, "agent went away before answering; dial sent to another agent");
+                        let PendingDial { request, started, attempts, .. } = pending;
+                        this.send_dial(&fe, request, agent, started, attempts + 1).await;
+                    }
+                    None => {
+                        this.metrics.dial_failed(DialFailure::BackendClose);
+                        this.to_frontend(&fe, Packet::dial_response(random, 0, error));
+                    }
+                }
+            }
+            .in_current_span(),
+        );
+    }
+
+    /// Removes a pending dial and tells its frontend it failed. False when it was no
+    /// longer pending.
+    fn fail_pending(
+        &self,
+        agent: &AgentStream,
+        random: i64,
+        reason: DialFailure,
+        error: &str,
+    ) -> bool {
+        let Some(pending) = self.take_pending(agent, random) else {
+            return false;
+        };
+        self.metrics.dial_failed(reason);
+        self.to_frontend(&pending.frontend, Packet::dial_response(random, 0, error));
+        true
+    }
+
+    /// A DATA packet from `fe` for one of its connections. With a Tether agent it
+    /// waits for the connection's credit (holding up only this frontend stream). False
+    /// when the connection or its agent is gone.
+    pub async fn send_data(&self, fe: &FrontendStream, packet: Packet) -> bool {
+        let Some(Payload::Data(d)) = &packet.payload else {
+            return true;
+        };
+        let (connect_id, len) = (d.connect_id, d.data.len());
+        let Some(conn) = fe.route(connect_id) else {
+            tracing::debug!(connect_id, "DATA for unknown connectID");
+            self.to_frontend(fe, Packet::unknown_connection(connect_id));
+            return false;
+        };
+        if !conn.flow.reserve(len).await {
+            return false;
+        }
+        match conn.agent() {
+            Some(agent) => self.to_agent(&agent, packet).await,
+            None => false,
+        }
+    }
+
+    /// A CLOSE_REQ from `fe`: passed to the agent, whose CLOSE_RSP comes back to `fe`.
+    pub async fn close(&self, fe: &FrontendStream, connect_id: i64) {
+        match fe.route(connect_id).and_then(|c| c.agent()) {
+            Some(agent) => {
+                self.to_agent(&agent, Packet::close_request(connect_id))
+                    .await;
+            }
+            None => {
+                self.to_frontend(fe, Packet::unknown_connection(connect_id));
+            }
+        }
+    }
+
+    /// A DIAL_CLS from `fe`: the client gave up on a pending dial.
+    pub async fn cancel(&self, fe: &FrontendStream, random: i64) {
+        if let Some(agent) = fe.unexpect(random) {
+            self.abandon_dial(&agent, random).await;
+        }
+    }
+
+    /// The frontend no longer wants dial `random`: take it off `agent` and tell the
+    /// agent with DIAL_CLS (unless the dial was answered or failed meanwhile).
+    async fn abandon_dial(&self, agent: &AgentStream, random: i64) {
+        if self.take_pending(agent, random).is_some() {
+            self.metrics.dial_failed(DialFailure::FrontendClose);
+            self.to_agent(agent, Packet::close_dial(random)).await;
+        }
+    }
+
+    /// `fe` is gone: cancel its pending dials and close its connections on the agents.
+    pub async fn frontend_gone(&self, fe: &FrontendStream) {
+        let routes = fe.take_routes();
+        for (random, agent) in routes.pending {
+            self.abandon_dial(&agent, random).await;
+        }
+        for (connect_id, conn) in routes.conns {
+            conn.close();
+            let Some(agent) = conn.agent() else {
+                continue;
+            };
+            if agent.remove_conn(connect_id).is_some() {
+                self.metrics.connection_ended(conn.established);
+                self.to_agent(&agent, Packet::close_request(connect_id))
+                    .await;
+            }
+        }
+    }
+
+    // === agent -> frontend ===
+
+    /// A packet from `agent`.
+    pub(crate) async fn on_agent_packet(&self, agent: &Arc<AgentStream>, packet: Packet) {
+        self.metrics.packet(Segment::FromAgent, packet.r#type);
+        match packet.payload {
+            Some(Payload::DialResponse(rsp)) => self.on_dial_rsp(agent, rsp).await,
+            Some(Payload::Data(ref d)) => {
+                let (connect_id, len) = (d.connect_id, d.data.len());
+                self.on_data(agent, connect_id, len, packet).await
+            }
+            Some(Payload::WindowUpdate(w)) => {
+                if let Some(conn) = agent.conn(w.connect_id) {
+                    conn.flow.grant(w.bytes);
+                }
+            }
+            Some(Payload::CloseResponse(close)) => self.on_close_rsp(agent, close),
+            Some(Payload::CloseDial(cls)) => self.on_close_dial(agent, cls),
+            Some(Payload::Drain(_)) => {
+                tracing::info!(agent_id = %agent.agent_id, "agent is draining; it is now last choice for new dials");
+                agent.set_draining();
+            }
+            _ => tracing::debug!(ty = packet.r#type, "unexpected packet from agent; ignored"),
+        }
+    }
+
+    /// DIAL_RSP: the pending dial becomes a connection (or fails) on its frontend.
+    async fn on_dial_rsp(&self, agent: &Arc<AgentStream>, rsp: DialResponse) {
+        let (random, connect_id) = (rsp.random, rsp.connect_id);
+        let success = rsp.error.is_empty();
+        let Some(pending) = self.take_pending(agent, random) else {
+            self.metrics.dial_failed(DialFailure::UnrecognizedResponse);
+            if success {
+                // Nobody waits for it any more (cancelled or timed out): close it.
+                self.to_agent(agent, Packet::close_request(connect_id))
+                    .await;
+            }
+            return;
+        };
+        let fe = pending.frontend;
+        if !success {
+            self.metrics.dial_failed(DialFailure::ErrorResponse);
+            tracing::info!(agent_id = %agent.agent_id, error = %rsp.error, "agent failed to dial");
+            self.to_frontend(&fe, Packet::dial_response(random, connect_id, rsp.error));
+            return;
+        }
+        let conn = Conn::new(connect_id, &fe, agent, self.work.watch());
+        if !fe.claim(&conn) {
+            // Two agents used the same connectID on one frontend stream; the client
+            // could not tell them apart.
+            tracing::warn!(
+                connect_id,
+                "connectID already in use on this frontend stream; refusing"
+            );
+            conn.close();
+            self.to_agent(agent, Packet::close_request(connect_id))
+                .await;
+            self.to_frontend(
+                &fe,
+                Packet::dial_response(random, 0, "connectID collision, retry the dial"),
+            );
+            return;
+        }
+        agent.add_conn(conn);
+        self.metrics.established_connections.inc();
+        self.metrics
+            .dial_duration
+            .observe(pending.started.elapsed().as_secs_f64());
+        if !self.to_frontend(&fe, Packet::dial_response(random, connect_id, "")) {
+            self.metrics.dial_failed(DialFailure::SendRsp);
+            self.frontend_gone(&fe).await;
+        }
+    }
+
+    /// DATA from the agent: admitted by the connection's window, then queued for the
+    /// client. The agent's stream waits here while an upstream agent's connection is
+    /// full (upstream's full receive channel).
+    async fn on_data(&self, agent: &AgentStream, connect_id: i64, len: usize, packet: Packet) {
+        let Some(conn) = agent.conn(connect_id) else {
+            tracing::debug!(connect_id, "DATA from agent for unknown connectID; dropped");
+            return;
+        };
+        let start = Instant::now();
+        let full = conn.flow.window().is_full().then(|| {
+            let g = self
+                .metrics
+                .full_receive_channels
+                .with_label_values(&["Proxy"]);
+            g.inc();
+            g
+        });
+        let admitted = conn.flow.admit(len, self.config.stall_timeout).await;
+        if let Some(g) = full {
+            g.dec();
+        }
+        self.metrics
+            .frontend_write_duration
+            .observe(start.elapsed().as_secs_f64());
+        match admitted {
+            Ok(true) => {
+                let Some(fe) = conn.frontend() else { return };
+                if !self.to_frontend(&fe, Outgoing::data(packet, conn)) {
+                    self.frontend_gone(&fe).await;
+                }
+            }
+            Ok(false) => {}
+            Err(Refused::Overrun) => {
+                tracing::warn!(agent_id = %agent.agent_id, connect_id, "agent sent more than the flow-control window; closing the connection");
+                let error = "agent exceeded the flow-control window".to_string();
+                self.close_conn(agent, &conn, error).await;
+            }
+            Err(Refused::Stalled(timeout)) => {
+                tracing::warn!(agent_id = %agent.agent_id, connect_id, queued = conn.flow.window().queued(), ?timeout, "client stopped reading; closing the connection (--stalled-reader-timeout)");
+                let error = format!("client did not read for {timeout:?}; connection closed");
+                self.close_conn(agent, &conn, error).await;
+            }
+        }
+    }
+
+    /// CLOSE_RSP: the agent closed the connection; its frontend hears it.
+    fn on_close_rsp(&self, agent: &AgentStream, close: CloseResponse) {
+        if let Some(conn) = agent.remove_conn(close.connect_id) {
+            let packet = Packet::close_response(close.connect_id, close.error);
+            self.conn_ended(&conn, packet);
+        }
+    }
+
+    /// DIAL_CLS: the agent gave up on a dial before answering it.
+    fn on_close_dial(&self, agent: &AgentStream, cls: CloseDial) {
+        if let Some(pending) = self.take_pending(agent, cls.random) {
+            self.metrics.dial_failed(DialFailure::ErrorResponse);
+            self.to_frontend(&pending.frontend, Packet::close_dial(cls.random));
+        }
+    }
+
+    // === agent streams ===
+
+    /// Registers a new agent stream.
+    pub fn add_agent(&self, agent: Arc<AgentStream>) {
+        self.count_agent(&agent, 1);
+        self.registry.add(agent);
+    }
+
+    /// Moves `ready_backends{proxy_strategy}` and `ready_backend_connections` by `by`
+    /// for `agent`: each strategy counts the agents it could ever pick.
+    fn count_agent(&self, agent: &AgentStream, by: i64) {
+        self.metrics.ready_backend_connections.add(by);
+        let pod_networks = self.registry.pod_networks().is_watched();
+        for s in &self.config.strategies {
+            if agent.counts_for(*s, pod_networks) {
+                self.metrics
+                    .ready_backends
+                    .with_label_values(&[s.name()])
+                    .add(by);
+            }
+        }
+    }
+
+    /// An agent stream ended: its pending dials go to other agents (or fail), its
+    /// connections close at once.
+    pub fn remove_agent(self: &Arc<Self>, agent: &AgentStream) {
+        agent.closed.cancel();
+        if self.registry.remove(agent) {
+            self.count_agent(agent, -1);
+        }
+        let tables = agent.take_tables();
+        let error = format!("agent {} disconnected", agent.agent_id);
+        for (random, pending) in tables.pending {
+            self.forget_pending(random, &pending);
+            self.redispatch(random, pending, error.clone());
+        }
+        for (connect_id, conn) in tables.conns {
+            self.conn_ended(&conn, Packet::close_response(connect_id, error.clone()));
+        }
+    }
+
+    /// Bookkeeping for a connection just taken off its agent stream's table: the gauge,
+    /// waking its credit/window waiters, the frontend's route, and `to_client` (its
+    /// CLOSE_RSP) for the client.
+    fn conn_ended(&self, conn: &Conn, to_client: Packet) {
+        self.metrics.connection_ended(conn.established);
+        conn.close();
+        if let Some(fe) = conn.frontend() {
+            fe.unroute(conn.connect_id);
+            self.to_frontend(&fe, to_client);
+        }
+    }
+
+    /// Closes `conn` from the server's side: the client gets CLOSE_RSP with `error`,
+    /// the agent CLOSE_REQ.
+    async fn close_conn(&self, agent: &AgentStream, conn: &Conn, error: String) {
+        let connect_id = conn.connect_id;
+        if agent.remove_conn(connect_id).is_none() {
+            return;
+        }
+        self.conn_ended(conn, Packet::close_response(connect_id, error));
+        self.to_agent(agent, Packet::close_request(connect_id))
+            .await;
+    }
+
+    /// Takes dial `random` off `agent`'s table (and its frontend's routes); `None` when
+    /// someone else already did.
+    fn take_pending(&self, agent: &AgentStream, random: i64) -> Option<PendingDial> {
+        let pending = agent.take_pending(random)?;
+        self.forget_pending(random, &pending);
+        Some(pending)
+    }
+
+    /// Bookkeeping for a pending dial that left its agent stream's table.
+    fn forget_pending(&self, random: i64, pending: &PendingDial) {
+        self.metrics.pending_backend_dials.dec();
+        pending.frontend.unexpect(random);
+    }
+}
+
+/// How a frontend's byte pump sends: DATA through [`Router::send_data`], so both
+/// frontends take the same road to the agent (credit, counters).
+pub struct FrontendSink<'a> {
+    router: &'a Router,
+    fe: &'a FrontendStream,
+}
+
+impl<'a> FrontendSink<'a> {
+    /// The sink of `fe`'s connections.
+    pub fn new(router: &'a Router, fe: &'a FrontendStream) -> Self {
+        FrontendSink { router, fe }
+    }
+}
+
+impl Sink for FrontendSink<'_> {
+    async fn send(&self, packet: Packet) -> bool {
+        self.router.send_data(self.fe, packet).await
+    }
+}

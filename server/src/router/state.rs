@@ -1,0 +1,338 @@
+//! The router's tables: frontend streams and agent streams, the connections joining
+//! them and the dials still pending, with the small operations that keep both sides of
+//! each table in step. Nothing here sends a packet or decides a route.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Instant;
+
+use futures::{Stream, StreamExt};
+use tether_core::drain::Watch;
+use tether_core::flow::ConnFlow;
+use tether_core::identifiers::AgentIdentifiers;
+use tether_core::queue;
+use tether_proto::{packet::Payload, DialRequest, Packet};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+// === FrontendStream ===
+
+/// One frontend stream: a gRPC Proxy stream or one HTTP-CONNECT connection.
+pub struct FrontendStream {
+    id: u64,
+    /// Packets for the client: DIAL_RSP, DATA, CLOSE_RSP, DIAL_CLS. Unbounded as a
+    /// channel; DATA in it is bounded per connection by its receive window.
+    tx: queue::Sender<Outgoing>,
+    routes: Mutex<Routes>,
+}
+
+/// A frontend stream's routes.
+#[derive(Default)]
+pub(crate) struct Routes {
+    /// connectID -> the connection (and so the agent stream carrying it).
+    pub conns: HashMap<i64, Arc<Conn>>,
+    /// DialRequest.random -> the agent stream it was sent to.
+    pub pending: HashMap<i64, Arc<AgentStream>>,
+}
+
+static NEXT_FRONTEND: AtomicU64 = AtomicU64::new(1);
+
+impl FrontendStream {
+    /// A frontend stream whose client-bound packets go to `tx` (read them with
+    /// [`outbox`]).
+    pub fn new(tx: queue::Sender<Outgoing>) -> Arc<Self> {
+        Arc::new(FrontendStream {
+            id: NEXT_FRONTEND.fetch_add(1, Ordering::Relaxed),
+            tx,
+            routes: Mutex::new(Routes::default()),
+        })
+    }
+
+    /// This stream's id (for logs).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// This stream's connection `connect_id`.
+    pub fn route(&self, connect_id: i64) -> Option<Arc<Conn>> {
+        lock(&self.routes).conns.get(&connect_id).cloned()
+    }
+
+    /// Queues a packet for the client; false when the client is gone.
+    pub(crate) fn send(&self, out: Outgoing) -> bool {
+        self.tx.send(out).is_ok()
+    }
+
+    /// Is the client gone?
+    pub(crate) fn is_closed(&self) -> bool {
+        self.tx.is_closed()
+    }
+
+    /// Dial `random` was sent to `agent`.
+    pub(crate) fn expect(&self, random: i64, agent: Arc<AgentStream>) {
+        lock(&self.routes).pending.insert(random, agent);
+    }
+
+    /// Dial `random` is no longer pending; the agent it was sent to.
+    pub(crate) fn unexpect(&self, random: i64) -> Option<Arc<AgentStream>> {
+        lock(&self.routes).pending.remove(&random)
+    }
+
+    /// Routes `conn` here; false when its connectID is taken on this stream.
+    pub(crate) fn claim(&self, conn: &Arc<Conn>) -> bool {
+        match lock(&self.routes).conns.entry(conn.connect_id) {
+            std::collections::hash_map::Entry::Occupied(_) => false,
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(conn.clone());
+                true
+            }
+        }
+    }
+
+    /// Forgets connection `connect_id`.
+    pub(crate) fn unroute(&self, connect_id: i64) {
+        lock(&self.routes).conns.remove(&connect_id);
+    }
+
+    /// Empties the routes (the stream is gone).
+    pub(crate) fn take_routes(&self) -> Routes {
+        std::mem::take(&mut *lock(&self.routes))
+    }
+}
+
+/// A packet on its way to a frontend's client; DATA remembers its connection so that
+/// the credit goes back to the agent when the client takes it.
+pub struct Outgoing {
+    packet: Packet,
+    conn: Option<Arc<Conn>>,
+}
+
+impl Outgoing {
+    /// DATA of `conn`, accounted in its window until the client takes it.
+    pub(crate) fn data(packet: Packet, conn: Arc<Conn>) -> Self {
+        Outgoing {
+            packet,
+            conn: Some(conn),
+        }
+    }
+
+    /// The packet's type (for counters).
+    pub(crate) fn kind(&self) -> i32 {
+        self.packet.r#type
+    }
+}
+
+impl From<Packet> for Outgoing {
+    fn from(packet: Packet) -> Self {
+        Outgoing { packet, conn: None }
+    }
+}
+
+/// The client-bound packets of a frontend stream, in order. DATA taken from here leaves
+/// its connection's window (and, with a Tether agent, returns credit to it).
+pub fn outbox(
+    rx: queue::Receiver<Outgoing>,
+) -> impl Stream<Item = Packet> + Send + Unpin + 'static {
+    rx.map(|out| {
+        if let (Some(conn), Some(Payload::Data(d))) = (&out.conn, &out.packet.payload) {
+            conn.taken(d.data.len());
+        }
+        out.packet
+    })
+}
+
+// === Conn ===
+
+/// One established connection: the frontend and agent streams it joins, and its flow
+/// control.
+pub struct Conn {
+    pub(crate) connect_id: i64,
+    fe: Weak<FrontendStream>,
+    agent: Weak<AgentStream>,
+    pub(crate) flow: ConnFlow,
+    /// When the dial succeeded (`connection_duration_seconds`).
+    pub(crate) established: Instant,
+    /// Holds a graceful drain open until the connection ends.
+    work: Mutex<Option<Watch>>,
+}
+
+impl Conn {
+    pub(crate) fn new(
+        connect_id: i64,
+        fe: &Arc<FrontendStream>,
+        agent: &Arc<AgentStream>,
+        work: Watch,
+    ) -> Arc<Self> {
+        Arc::new(Conn {
+            connect_id,
+            fe: Arc::downgrade(fe),
+            agent: Arc::downgrade(agent),
+            flow: ConnFlow::new(agent.peer_window),
+            established: Instant::now(),
+            work: Mutex::new(Some(work)),
+        })
+    }
+
+    /// The agent stream carrying this connection, while it is connected.
+    pub fn agent(&self) -> Option<Arc<AgentStream>> {
+        self.agent.upgrade()
+    }
+
+    /// The frontend stream, while it is open.
+    pub(crate) fn frontend(&self) -> Option<Arc<FrontendStream>> {
+        self.fe.upgrade()
+    }
+
+    /// The client took `n` bytes of this connection's DATA.
+    fn taken(&self, n: usize) {
+        if let Some(grant) = self.flow.window().consumed(n) {
+            if let Some(agent) = self.agent.upgrade() {
+                agent.window_update(self.connect_id, grant);
+            }
+        }
+    }
+
+    /// The connection is gone: wake whoever waits on its credit or window, and let a
+    /// graceful drain stop waiting for it.
+    pub(crate) fn close(&self) {
+        self.flow.close();
+        lock(&self.work).take();
+    }
+}
+
+// === AgentStream ===
+
+/// A dial sent to an agent and not yet answered.
+pub(crate) struct PendingDial {
+    pub frontend: Arc<FrontendStream>,
+    pub started: Instant,
+    /// The request, to send it to another agent if this one goes away unanswered.
+    pub request: DialRequest,
+    /// How often it was already re-dispatched.
+    pub attempts: u8,
+    /// Holds a graceful drain open until the dial is answered or fails.
+    pub _work: Watch,
+}
+
+/// An agent stream's tables.
+#[derive(Default)]
+pub(crate) struct AgentTables {
+    /// By DialRequest.random.
+    pub pending: HashMap<i64, PendingDial>,
+    /// By connectID.
+    pub conns: HashMap<i64, Arc<Conn>>,
+}
+
+/// The agent ID, `host=` and IP identifiers the server verified, and how.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Verified {
+    /// `certificate` (`--require-agent-identity-match`) or `serviceaccount-token` (a
+    /// token bound to a Pod on that node); empty when nothing was verified.
+    pub by: &'static str,
+    /// Verified names (the agent ID and hosts).
+    pub hosts: Vec<String>,
+    /// Verified addresses.
+    pub ips: Vec<std::net::IpAddr>,
+}
+
+/// One agent stream.
+pub struct AgentStream {
+    /// Unique per stream in this process (an agent may hold several).
+    pub(crate) key: u64,
+    /// The agent's `agentid`.
+    pub agent_id: String,
+    /// What the agent said it can reach.
+    pub identifiers: AgentIdentifiers,
+    /// Which of its names and addresses the server checked.
+    pub verified: Verified,
+    /// Packets to the agent.
+    pub(crate) tx: mpsc::Sender<Packet>,
+    /// WINDOW_UPDATEs to the agent: never blocked behind DATA, merged into its stream.
+    ctl: mpsc::UnboundedSender<Packet>,
+    /// The agent's per-connection receive window when it does credit flow control
+    /// (negotiated with `tether-flow-window`); `None` for an upstream agent.
+    pub(crate) peer_window: Option<u32>,
+    draining: AtomicBool,
+    tables: Mutex<AgentTables>,
+    /// Cancelled when the stream is gone or retired.
+    pub(crate) closed: CancellationToken,
+}
+
+static NEXT_AGENT_STREAM: AtomicU64 = AtomicU64::new(1);
+
+impl AgentStream {
+    /// A stream to agent `agent_id`: packets go to `tx`, WINDOW_UPDATEs to `ctl`.
+    pub fn new(
+        agent_id: String,
+        identifiers: AgentIdentifiers,
+        verified: Verified,
+        tx: mpsc::Sender<Packet>,
+        ctl: mpsc::UnboundedSender<Packet>,
+        peer_window: Option<u32>,
+    ) -> Self {
+        AgentStream {
+            key: NEXT_AGENT_STREAM.fetch_add(1, Ordering::Relaxed),
+            agent_id,
+            identifiers,
+            verified,
+            tx,
+            ctl,
+            peer_window,
+            draining: AtomicBool::new(false),
+            tables: Mutex::new(AgentTables::default()),
+            closed: CancellationToken::new(),
+        }
+    }
+
+    /// Has the agent sent DRAIN?
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
+    /// The agent sent DRAIN.
+    pub(crate) fn set_draining(&self) {
+        self.draining.store(true, Ordering::Relaxed);
+    }
+
+    /// Has the stream ended or been retired?
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed.is_cancelled()
+    }
+
+    /// Queues a WINDOW_UPDATE ahead of any DATA.
+    fn window_update(&self, connect_id: i64, bytes: i64) {
+        let _ = self.ctl.send(Packet::window_update(connect_id, bytes));
+    }
+
+    pub(crate) fn add_pending(&self, random: i64, dial: PendingDial) {
+        lock(&self.tables).pending.insert(random, dial);
+    }
+
+    /// Takes dial `random` off this stream; `None` when someone else already did.
+    pub(crate) fn take_pending(&self, random: i64) -> Option<PendingDial> {
+        lock(&self.tables).pending.remove(&random)
+    }
+
+    pub(crate) fn add_conn(&self, conn: Arc<Conn>) {
+        lock(&self.tables).conns.insert(conn.connect_id, conn);
+    }
+
+    pub(crate) fn conn(&self, connect_id: i64) -> Option<Arc<Conn>> {
+        lock(&self.tables).conns.get(&connect_id).cloned()
+    }
+
+    /// Takes connection `connect_id` off this stream; `None` when someone else did.
+    pub(crate) fn remove_conn(&self, connect_id: i64) -> Option<Arc<Conn>> {
+        lock(&self.tables).conns.remove(&connect_id)
+    }
+
+    /// Empties the tables (the stream is gone).
+    pub(crate) fn take_tables(&self) -> AgentTables {
+        std::mem::take(&mut *lock(&self.tables))
+    }
+}

@@ -1,0 +1,420 @@
+//! The router in process: fake agent and frontend streams over channels, the way
+//! quinn tests its protocol as an in-memory pair. Every race the real processes can
+//! only stumble on (redispatch, connectID collisions, a frontend leaving mid-dial, an
+//! agent overrunning its window) is driven here step by step.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::{Stream, StreamExt};
+use tether_core::identifiers::AgentIdentifiers;
+use tether_proto::{packet::Payload, DialRequest, Packet};
+use tokio::sync::mpsc;
+
+use super::*;
+
+/// A wait that only a bug makes long.
+const PATIENCE: Duration = Duration::from_secs(5);
+
+fn router(strategies: &str, backend_dial_timeout: Option<Duration>) -> Arc<Router> {
+    Router::new(
+        RouterConfig {
+            strategies: parse_strategies(strategies).unwrap(),
+            backend_dial_timeout,
+            flow_control: true,
+            stall_timeout: Duration::from_secs(30),
+        },
+        Metrics::new(),
+    )
+}
+
+/// An agent stream whose packets the test reads.
+struct FakeAgent {
+    stream: Arc<AgentStream>,
+    rx: mpsc::Receiver<Packet>,
+    ctl: mpsc::UnboundedReceiver<Packet>,
+}
+
+impl FakeAgent {
+    fn join(router: &Router, id: &str, identifiers: &str, window: Option<u32>) -> Self {
+        let (tx, rx) = mpsc::channel(64);
+        let (ctl_tx, ctl) = mpsc::unbounded_channel();
+        let stream = Arc::new(AgentStream::new(
+            id.into(),
+            AgentIdentifiers::parse(identifiers, true).unwrap(),
+            Verified::default(),
+            tx,
+            ctl_tx,
+            window,
+        ));
+        router.add_agent(stream.clone());
+        FakeAgent { stream, rx, ctl }
+    }
+
+    async fn next(&mut self) -> Payload {
+        let p = tokio::time::timeout(PATIENCE, self.rx.recv()).await;
+        p.expect("a packet for the agent").unwrap().payload.unwrap()
+    }
+
+    fn nothing(&mut self) {
+        assert!(self.rx.try_recv().is_err(), "the agent got a packet");
+    }
+
+    async fn dial_request(&mut self) -> DialRequest {
+        match self.next().await {
+            Payload::DialRequest(r) => r,
+            other => panic!("expected DIAL_REQ, got {other:?}"),
+        }
+    }
+
+    async fn send(&self, router: &Router, packet: Packet) {
+        router.on_agent_packet(&self.stream, packet).await
+    }
+}
+
+/// A frontend stream whose client-bound packets the test reads.
+struct FakeFrontend {
+    fe: Arc<FrontendStream>,
+    out: Pin<Box<dyn Stream<Item = Packet> + Send>>,
+}
+
+impl FakeFrontend {
+    fn open() -> Self {
+        let (tx, rx) = tether_core::queue::queue();
+        FakeFrontend {
+            fe: FrontendStream::new(tx),
+            out: Box::pin(outbox(rx)),
+        }
+    }
+
+    async fn next(&mut self) -> Payload {
+        let p = tokio::time::timeout(PATIENCE, self.out.next()).await;
+        p.expect("a packet for the client")
+            .unwrap()
+            .payload
+            .unwrap()
+    }
+
+    async fn dial(&self, router: &Arc<Router>, address: &str, random: i64) {
+        let req = DialRequest {
+            protocol: "tcp".into(),
+            address: address.into(),
+            random,
+        };
+        router.dial(&self.fe, req).await.unwrap();
+    }
+
+    /// The DIAL_RSP for a dial: the connectID, or the error.
+    async fn dial_response(&mut self) -> Result<i64, String> {
+        match self.next().await {
+            Payload::DialResponse(r) if r.error.is_empty() => Ok(r.connect_id),
+            Payload::DialResponse(r) => Err(r.error),
+            other => panic!("expected DIAL_RSP, got {other:?}"),
+        }
+    }
+}
+
+/// Dials through `agent` and has it answer with `connect_id`.
+async fn establish(
+    router: &Arc<Router>,
+    fe: &mut FakeFrontend,
+    agent: &mut FakeAgent,
+    connect_id: i64,
+) {
+    fe.dial(router, "target:80", tether_core::random_id()).await;
+    let req = agent.dial_request().await;
+    agent
+        .send(router, Packet::dial_response(req.random, connect_id, ""))
+        .await;
+    assert_eq!(fe.dial_response().await, Ok(connect_id));
+}
+
+#[tokio::test]
+async fn dial_data_and_close_round_trip_and_leave_nothing_open() {
+    let router = router("default", None);
+    let mut agent = FakeAgent::join(&router, "a", "", None);
+    let mut fe = FakeFrontend::open();
+    establish(&router, &mut fe, &mut agent, 7).await;
+    assert_eq!(
+        router.work().open(),
+        1,
+        "the connection holds a drain watch"
+    );
+
+    assert!(
+        router
+            .send_data(&fe.fe, Packet::data(7, &b"ping"[..]))
+            .await
+    );
+    assert!(matches!(agent.next().await, Payload::Data(d) if &d.data[..] == b"ping"));
+    agent.send(&router, Packet::data(7, &b"pong"[..])).await;
+    assert!(matches!(fe.next().await, Payload::Data(d) if &d.data[..] == b"pong"));
+
+    router.close(&fe.fe, 7).await;
+    assert!(matches!(agent.next().await, Payload::CloseRequest(c) if c.connect_id == 7));
+    agent.send(&router, Packet::close_response(7, "")).await;
+    assert!(matches!(fe.next().await, Payload::CloseResponse(c) if c.connect_id == 7));
+    assert_eq!(router.work().open(), 0);
+    assert_eq!(router.metrics.established_connections.get(), 0);
+    assert_eq!(router.metrics.pending_backend_dials.get(), 0);
+    assert!(fe.fe.route(7).is_none());
+}
+
+#[tokio::test]
+async fn with_no_agent_the_dial_is_refused_and_nothing_is_pending() {
+    let router = router("destHost", None);
+    let _elsewhere = FakeAgent::join(&router, "a", "host=node-a", None);
+    let fe = FakeFrontend::open();
+    let req = DialRequest {
+        protocol: "tcp".into(),
+        address: "node-b:10250".into(),
+        random: 1,
+    };
+    assert!(matches!(
+        router.dial(&fe.fe, req).await,
+        Err(DialError::NoAgent)
+    ));
+    assert_eq!(router.work().open(), 0);
+}
+
+#[tokio::test]
+async fn a_dial_whose_agent_leaves_unanswered_goes_to_another() {
+    let router = router("default", None);
+    let mut first = FakeAgent::join(&router, "a", "", None);
+    let mut fe = FakeFrontend::open();
+    fe.dial(&router, "target:80", 42).await;
+    assert_eq!(first.dial_request().await.random, 42);
+    let mut second = FakeAgent::join(&router, "b", "", None);
+    router.remove_agent(&first.stream);
+    assert_eq!(second.dial_request().await.random, 42, "re-dispatched");
+    second.send(&router, Packet::dial_response(42, 3, "")).await;
+    assert_eq!(fe.dial_response().await, Ok(3));
+    first.nothing();
+}
+
+#[tokio::test]
+async fn a_dial_with_no_agent_left_fails_at_once() {
+    let router = router("default", None);
+    let mut agent = FakeAgent::join(&router, "a", "", None);
+    let mut fe = FakeFrontend::open();
+    fe.dial(&router, "target:80", 42).await;
+    agent.dial_request().await;
+    router.remove_agent(&agent.stream);
+    let err = fe.dial_response().await.unwrap_err();
+    assert!(err.contains("agent a disconnected"), "{err}");
+    assert_eq!(router.work().open(), 0);
+}
+
+#[tokio::test]
+async fn an_agent_leaving_closes_its_connections_for_the_client() {
+    let router = router("default", None);
+    let mut agent = FakeAgent::join(&router, "a", "", None);
+    let mut fe = FakeFrontend::open();
+    establish(&router, &mut fe, &mut agent, 5).await;
+    router.remove_agent(&agent.stream);
+    match fe.next().await {
+        Payload::CloseResponse(c) => assert!(c.connect_id == 5 && c.error.contains("disconnected")),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(router.work().open(), 0);
+    assert_eq!(router.metrics.ready_backend_connections.get(), 0);
+}
+
+#[tokio::test]
+async fn a_connect_id_already_used_on_the_frontend_stream_is_refused() {
+    let router = router("destHost", None);
+    let mut a = FakeAgent::join(&router, "a", "host=node-a", None);
+    let mut b = FakeAgent::join(&router, "b", "host=node-b", None);
+    let mut fe = FakeFrontend::open();
+    fe.dial(&router, "node-a:80", 1).await;
+    fe.dial(&router, "node-b:80", 2).await;
+    a.dial_request().await;
+    b.dial_request().await;
+    a.send(&router, Packet::dial_response(1, 9, "")).await;
+    assert_eq!(fe.dial_response().await, Ok(9));
+    b.send(&router, Packet::dial_response(2, 9, "")).await;
+    let err = fe.dial_response().await.unwrap_err();
+    assert!(err.contains("collision"), "{err}");
+    assert!(matches!(b.next().await, Payload::CloseRequest(c) if c.connect_id == 9));
+    // The first connection is untouched.
+    assert!(router.send_data(&fe.fe, Packet::data(9, &b"x"[..])).await);
+    assert!(matches!(a.next().await, Payload::Data(_)));
+    assert_eq!(router.work().open(), 1);
+}
+
+#[tokio::test]
+async fn a_frontend_leaving_cancels_its_dials_and_closes_its_connections() {
+    let router = router("default", None);
+    let mut agent = FakeAgent::join(&router, "a", "", None);
+    let mut fe = FakeFrontend::open();
+    establish(&router, &mut fe, &mut agent, 4).await;
+    fe.dial(&router, "target:81", 77).await;
+    agent.dial_request().await;
+
+    router.frontend_gone(&fe.fe).await;
+    let mut seen = [agent.next().await, agent.next().await];
+    seen.sort_by_key(|p| matches!(p, Payload::CloseRequest(_)));
+    assert!(matches!(&seen[0], Payload::CloseDial(c) if c.random == 77));
+    assert!(matches!(&seen[1], Payload::CloseRequest(c) if c.connect_id == 4));
+    assert_eq!(router.work().open(), 0);
+
+    // The agent's answer crossed the DIAL_CLS: the connection it opened is closed.
+    agent.send(&router, Packet::dial_response(77, 8, "")).await;
+    assert!(matches!(agent.next().await, Payload::CloseRequest(c) if c.connect_id == 8));
+    // DATA already in flight for the closed connection is dropped.
+    agent.send(&router, Packet::data(4, &b"late"[..])).await;
+    agent.nothing();
+}
+
+#[tokio::test]
+async fn data_for_an_unknown_connection_gets_a_close() {
+    let router = router("default", None);
+    let mut fe = FakeFrontend::open();
+    assert!(!router.send_data(&fe.fe, Packet::data(99, &b"x"[..])).await);
+    assert!(
+        matches!(fe.next().await, Payload::CloseResponse(c) if c.error == "unknown connectID 99")
+    );
+    router.close(&fe.fe, 98).await;
+    assert!(matches!(fe.next().await, Payload::CloseResponse(c) if c.connect_id == 98));
+}
+
+#[tokio::test]
+async fn credit_holds_frontend_data_until_the_agent_returns_it() {
+    let router = router("default", None);
+    let mut agent = FakeAgent::join(&router, "a", "", Some(64 << 10));
+    let mut fe = FakeFrontend::open();
+    establish(&router, &mut fe, &mut agent, 1).await;
+    assert!(
+        router
+            .send_data(&fe.fe, Packet::data(1, vec![0u8; 64 << 10]))
+            .await
+    );
+    agent.next().await;
+    let held = {
+        let (router, fe) = (router.clone(), fe.fe.clone());
+        tokio::spawn(async move { router.send_data(&fe, Packet::data(1, &b"more"[..])).await })
+    };
+    tokio::task::yield_now().await;
+    agent.nothing();
+    assert!(!held.is_finished(), "no credit left");
+    agent
+        .send(&router, Packet::window_update(1, 16 << 10))
+        .await;
+    assert!(held.await.unwrap());
+    assert!(matches!(agent.next().await, Payload::Data(d) if &d.data[..] == b"more"));
+}
+
+#[tokio::test]
+async fn the_client_taking_data_returns_credit_to_the_agent() {
+    let router = router("default", None);
+    let mut agent = FakeAgent::join(&router, "a", "", Some(64 << 10));
+    let mut fe = FakeFrontend::open();
+    establish(&router, &mut fe, &mut agent, 1).await;
+    let quarter = (tether_core::flow::DEFAULT_WINDOW / 4) as usize;
+    agent
+        .send(&router, Packet::data(1, vec![1u8; quarter]))
+        .await;
+    assert!(agent.ctl.try_recv().is_err(), "nothing taken yet");
+    fe.next().await;
+    match agent.ctl.try_recv().unwrap().payload {
+        Some(Payload::WindowUpdate(w)) => assert_eq!((w.connect_id, w.bytes), (1, quarter as i64)),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn an_agent_overrunning_its_window_loses_that_connection_only() {
+    let router = router("default", None);
+    let mut agent = FakeAgent::join(&router, "a", "", Some(64 << 10));
+    let mut fe = FakeFrontend::open();
+    establish(&router, &mut fe, &mut agent, 1).await;
+    establish(&router, &mut fe, &mut agent, 2).await;
+    let too_much = 2 * tether_core::flow::DEFAULT_WINDOW as usize + 1;
+    agent
+        .send(&router, Packet::data(1, vec![0u8; too_much]))
+        .await;
+    match fe.next().await {
+        Payload::CloseResponse(c) => {
+            assert!(c.connect_id == 1 && c.error.contains("flow-control window"))
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(agent.next().await, Payload::CloseRequest(c) if c.connect_id == 1));
+    agent.send(&router, Packet::data(2, &b"fine"[..])).await;
+    assert!(matches!(fe.next().await, Payload::Data(d) if d.connect_id == 2));
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_unanswered_dial_fails_after_the_backend_dial_timeout() {
+    let router = router("default", Some(Duration::from_secs(2)));
+    let mut agent = FakeAgent::join(&router, "a", "", None);
+    let mut fe = FakeFrontend::open();
+    fe.dial(&router, "target:80", 5).await;
+    agent.dial_request().await;
+    let err = fe.dial_response().await.unwrap_err();
+    assert!(err.contains("did not answer in time"), "{err}");
+    assert!(matches!(agent.next().await, Payload::CloseDial(c) if c.random == 5));
+    assert_eq!(router.work().open(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stream_that_takes_no_dial_request_is_retired() {
+    let router = router("default", Some(Duration::from_secs(2)));
+    let (tx, _rx) = mpsc::channel(1);
+    let (ctl, _ctl_rx) = mpsc::unbounded_channel();
+    let stuck = Arc::new(AgentStream::new(
+        "stuck".into(),
+        AgentIdentifiers::default(),
+        Verified::default(),
+        tx.clone(),
+        ctl,
+        None,
+    ));
+    router.add_agent(stuck.clone());
+    tx.try_send(Packet::drain()).unwrap(); // the stream's one slot is taken
+    let mut fe = FakeFrontend::open();
+    fe.dial(&router, "target:80", 5).await;
+    let err = fe.dial_response().await.unwrap_err();
+    assert!(err.contains("did not accept the dial request"), "{err}");
+    assert!(stuck.is_closed(), "retired");
+}
+
+/// Data flows one way: the tables know nothing of the operations, selection only of
+/// the tables, and the router nothing of frontends or agent links.
+#[test]
+fn no_import_circle() {
+    let uses = |src: &str| -> Vec<String> {
+        src.lines()
+            .map(str::trim)
+            .filter(|l| l.starts_with("use ") && !l.starts_with("use super::*"))
+            .map(String::from)
+            .collect()
+    };
+    let state = uses(include_str!("state.rs"));
+    assert!(
+        state
+            .iter()
+            .all(|l| !l.contains("super::") && !l.contains("crate::")),
+        "{state:?}"
+    );
+    let select = uses(include_str!("select.rs"));
+    assert!(
+        select
+            .iter()
+            .all(|l| !l.contains("super::") || l.starts_with("use super::state::")),
+        "{select:?}"
+    );
+    for src in [
+        include_str!("mod.rs"),
+        include_str!("state.rs"),
+        include_str!("select.rs"),
+    ] {
+        for l in uses(src) {
+            assert!(
+                !l.contains("frontend") && !l.contains("agent_link"),
+                "the router reaches up: {l}"
+            );
+        }
+    }
+}
