@@ -306,7 +306,136 @@ impl Session {
 /// The connections' pumps send through the session: DATA and WINDOW_UPDATE are
 /// counted like every other packet to the server.
 impl Sink for Session {
-    async fn send(&self, packet: Packet) -> bool {
-        Session::send(self, packet).await
+    fn send(&self, packet: Packet) -> impl std::future::Future<Output = bool> + Send {
+        self.metrics.packets.inc(TO_SERVER, packet.r#type);
+        futures::FutureExt::map(self.out.send(packet), |r| r.is_ok())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The dialer in process: a session whose packets to the server the test reads,
+    //! dialling real sockets on 127.0.0.1.
+
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
+
+    const PATIENCE: Duration = Duration::from_secs(5);
+
+    fn session(window: Option<u32>) -> (Arc<Session>, mpsc::Receiver<Packet>, Arc<drain::Signal>) {
+        let (tx, rx) = mpsc::channel(64);
+        let work = Arc::new(drain::Signal::new());
+        let timeout = Duration::from_secs(5);
+        let stall = Duration::from_secs(30);
+        let s = Session::new(tx, timeout, window, stall, Metrics::new(), work.clone());
+        (s, rx, work)
+    }
+
+    async fn next(rx: &mut mpsc::Receiver<Packet>) -> Payload {
+        let p = tokio::time::timeout(PATIENCE, rx.recv()).await;
+        p.expect("a packet for the server")
+            .unwrap()
+            .payload
+            .unwrap()
+    }
+
+    async fn dial(session: &Arc<Session>, address: String, random: i64) {
+        let req = Packet::dial_request("tcp", &address, random);
+        session.handle(req).await;
+    }
+
+    #[tokio::test]
+    async fn dial_pump_and_close_leave_nothing_open() {
+        let (session, mut rx, work) = session(None);
+        let target = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        dial(&session, target.local_addr().unwrap().to_string(), 11).await;
+        let (mut sock, _) = target.accept().await.unwrap();
+        let connect_id = match next(&mut rx).await {
+            Payload::DialResponse(r) if r.error.is_empty() && r.random == 11 => r.connect_id,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!((connect_id, work.open()), (1, 1));
+
+        session.handle(Packet::data(connect_id, &b"ping"[..])).await;
+        let mut buf = [0u8; 4];
+        sock.read_exact(&mut buf).await.unwrap();
+        assert_eq!(&buf, b"ping");
+        sock.write_all(b"pong").await.unwrap();
+        assert!(matches!(next(&mut rx).await, Payload::Data(d) if &d.data[..] == b"pong"));
+
+        session.handle(Packet::close_request(connect_id)).await;
+        assert_eq!(sock.read(&mut buf).await.unwrap(), 0, "the target sees EOF");
+        assert!(
+            matches!(next(&mut rx).await, Payload::CloseResponse(c) if c.connect_id == connect_id)
+        );
+        work.idle().await;
+    }
+
+    #[tokio::test]
+    async fn a_refused_dial_is_answered_with_the_error() {
+        let (session, mut rx, work) = session(None);
+        let closed = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = closed.local_addr().unwrap().to_string();
+        drop(closed);
+        dial(&session, address.clone(), 3).await;
+        match next(&mut rx).await {
+            Payload::DialResponse(r) => {
+                assert_eq!(r.random, 3);
+                assert!(
+                    r.error.starts_with(&format!("dial tcp {address}: ")),
+                    "{}",
+                    r.error
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(work.open(), 0);
+    }
+
+    #[tokio::test]
+    async fn packets_for_unknown_connections_get_a_close_and_nothing_breaks() {
+        let (session, mut rx, _) = session(None);
+        session.handle(Packet::data(9, &b"x"[..])).await;
+        assert!(
+            matches!(next(&mut rx).await, Payload::CloseResponse(c) if c.error == "unknown connectID 9")
+        );
+        session.handle(Packet::close_request(8)).await;
+        assert!(matches!(next(&mut rx).await, Payload::CloseResponse(c) if c.connect_id == 8));
+        session.handle(Packet::close_dial(77)).await;
+        session.handle(Packet::window_update(5, 100)).await;
+        let unsupported = Packet::dial_request("udp", "127.0.0.1:53", 4);
+        session.handle(unsupported).await;
+        assert!(matches!(next(&mut rx).await, Payload::DialResponse(r) if r.error.contains("udp")));
+    }
+
+    #[tokio::test]
+    async fn drain_is_announced_once() {
+        let (session, mut rx, _) = session(None);
+        session.drain().await;
+        session.drain().await;
+        assert!(matches!(next(&mut rx).await, Payload::Drain(_)));
+        assert!(rx.try_recv().is_err());
+    }
+
+    #[tokio::test]
+    async fn a_server_overrunning_the_window_loses_that_connection() {
+        let (session, mut rx, work) = session(Some(64 << 10));
+        let target = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        dial(&session, target.local_addr().unwrap().to_string(), 1).await;
+        let (_sock, _) = target.accept().await.unwrap();
+        let connect_id = match next(&mut rx).await {
+            Payload::DialResponse(r) => r.connect_id,
+            other => panic!("{other:?}"),
+        };
+        let too_much = 2 * tether_core::flow::DEFAULT_WINDOW as usize + 1;
+        session
+            .handle(Packet::data(connect_id, vec![0u8; too_much]))
+            .await;
+        match next(&mut rx).await {
+            Payload::CloseResponse(c) => assert_eq!(c.error, "flow-control window exceeded"),
+            other => panic!("{other:?}"),
+        }
+        work.idle().await;
     }
 }

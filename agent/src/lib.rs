@@ -10,7 +10,6 @@ mod link;
 pub mod metrics;
 mod servers;
 
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 
@@ -46,7 +45,7 @@ impl Agent {
         if let Some((c, k)) = &t.identity {
             paths.extend([c.clone(), k.clone()]);
         }
-        let tls = tether_ops::reload::Reloadable::new(
+        let tls = tether_ops::reload::Reloadable::watching_certs(
             "agent client TLS",
             paths,
             move || {
@@ -57,7 +56,7 @@ impl Agent {
                     &alpn,
                 )
             },
-            Some(Box::new(move |p: &[PathBuf]| expiry.observe_files(p))),
+            expiry,
         )?;
         Ok(Agent {
             config,

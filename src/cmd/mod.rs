@@ -72,10 +72,24 @@ pub fn exit_code(result: anyhow::Result<()>) -> std::process::ExitCode {
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", chain(&e));
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+/// An error and its causes on one line, each cause once: many errors already name
+/// their cause in their own message, and anyhow's `{:#}` would repeat it.
+pub fn chain(e: &anyhow::Error) -> String {
+    let mut line = e.to_string();
+    for cause in e.chain().skip(1) {
+        let cause = cause.to_string();
+        if !line.contains(&cause) {
+            line.push_str(": ");
+            line.push_str(&cause);
+        }
+    }
+    line
 }
 
 /// Builds the runtime and runs `fut` on it: `worker_threads` threads run tasks (0 = one
@@ -104,4 +118,28 @@ pub fn bind_addr(host: &str, port: u16, flag: &str) -> anyhow::Result<std::net::
             anyhow::anyhow!("--{flag} {host:?} is not an IP address (use e.g. 127.0.0.1 or ::)")
         })?;
     Ok(std::net::SocketAddr::new(ip, port))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_cause_is_printed_once() {
+        let io = std::io::Error::from(std::io::ErrorKind::AddrInUse);
+        let start = tether_server::StartError::Bind {
+            what: "agent port",
+            addr: "0.0.0.0:8091".into(),
+            source: io,
+        };
+        let e = anyhow::Error::new(start).context("server start-up failed");
+        let line = chain(&e);
+        assert_eq!(line.matches("address in use").count(), 1, "{line}");
+        assert!(
+            line.starts_with("server start-up failed: cannot listen on agent port 0.0.0.0:8091: "),
+            "{line}"
+        );
+        let plain = anyhow::anyhow!("inner").context("outer");
+        assert_eq!(chain(&plain), "outer: inner");
+    }
 }

@@ -10,9 +10,11 @@ mod state;
 #[cfg(test)]
 mod tests;
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures::FutureExt;
 use tether_core::drain;
 use tether_core::flow::Refused;
 use tether_core::pump::Sink;
@@ -96,9 +98,15 @@ impl Router {
         fe.send(out)
     }
 
-    async fn to_agent(&self, agent: &AgentStream, packet: Packet) -> bool {
+    /// Queues a packet for `agent`, waiting for room; false when the stream is gone.
+    /// (The channel's future mapped, not an `async fn`: see `pump::Sink`.)
+    fn to_agent<'a>(
+        &self,
+        agent: &'a AgentStream,
+        packet: Packet,
+    ) -> impl Future<Output = bool> + 'a {
         self.metrics.packet(Segment::ToAgent, packet.r#type);
-        agent.tx.send(packet).await.is_ok()
+        agent.tx.send(packet).map(|r| r.is_ok())
     }
 
     // === frontend -> agent ===
@@ -551,7 +559,9 @@ impl<'a> FrontendSink<'a> {
 }
 
 impl Sink for FrontendSink<'_> {
-    async fn send(&self, packet: Packet) -> bool {
-        self.router.send_data(self.fe, packet).await
+    /// Boxed: the pump's state then holds a pointer while idle, not the whole of
+    /// `send_data` (one allocation per DATA packet of up to 128 KiB).
+    fn send(&self, packet: Packet) -> impl Future<Output = bool> + Send {
+        Box::pin(self.router.send_data(self.fe, packet))
     }
 }
