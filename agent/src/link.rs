@@ -143,12 +143,7 @@ impl Agent {
             self.work.clone(),
         );
         let _close_on_exit = session.closed.clone().drop_guard();
-        self.metrics.open_server_connections.inc();
-        self.streams.fetch_add(1, Ordering::Relaxed);
-        let _count = Decrement(
-            self.streams.clone(),
-            self.metrics.open_server_connections.clone(),
-        );
+        let _count = Decrement::count(&self.streams, &self.metrics.open_server_connections);
         tracing::info!(%server_id, server_count, flow_control = peer_window.is_some(), "connected to proxy server");
 
         let span = tracing::info_span!("server_stream", %server_id);
@@ -172,26 +167,27 @@ impl Agent {
                 match packet {
                     Ok(Some(p)) => session.handle(p).await,
                     Ok(None) => return Err(LinkError::Protocol("server closed the stream".into())),
-                    Err(status) => {
-                        self.metrics
-                            .stream_errors
-                            .with_label_values(&[
-                                "to_agent",
-                                tether_ops::metrics::grpc_code_name(status.code()),
-                                tether_ops::metrics::NO_PACKET,
-                            ])
-                            .inc();
-                        self.metrics
-                            .server_connection_failures
-                            .with_label_values(&["from_server"])
-                            .inc();
-                        return Err(status.into());
-                    }
+                    Err(status) => return Err(self.stream_failed(status)),
                 }
             }
         }
         .instrument(span)
         .await
+    }
+
+    /// Counts a failed stream (upstream's `stream_errors_total` and
+    /// `server_connection_failure_count`).
+    fn stream_failed(&self, status: tonic::Status) -> LinkError {
+        let code = tether_ops::metrics::grpc_code_name(status.code());
+        self.metrics
+            .stream_errors
+            .with_label_values(&["to_agent", code, tether_ops::metrics::NO_PACKET])
+            .inc();
+        self.metrics
+            .server_connection_failures
+            .with_label_values(&["from_server"])
+            .inc();
+        status.into()
     }
 }
 
@@ -205,7 +201,17 @@ pub(crate) struct Established {
     inbound: tonic::Streaming<tether_proto::Packet>,
 }
 
+/// One open stream, counted in the agent's readiness and its gauge while it lives.
 struct Decrement(Arc<AtomicI64>, prometheus::IntGauge);
+
+impl Decrement {
+    fn count(streams: &Arc<AtomicI64>, gauge: &prometheus::IntGauge) -> Self {
+        streams.fetch_add(1, Ordering::Relaxed);
+        gauge.inc();
+        Decrement(streams.clone(), gauge.clone())
+    }
+}
+
 impl Drop for Decrement {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::Relaxed);

@@ -22,6 +22,16 @@ struct Held {
     ended: Arc<tokio::sync::Notify>,
 }
 
+/// What one dial reached.
+enum Reached {
+    /// A server not held before: its stream is now served.
+    New,
+    /// A server already held: the stream was closed.
+    Duplicate,
+    /// Nothing (the error is logged).
+    Failed,
+}
+
 impl Held {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, CancellationToken>> {
         self.streams.lock().unwrap_or_else(|e| e.into_inner())
@@ -46,6 +56,7 @@ impl Agent {
         let leases = self.count_leases(&hard_stop).await;
         let mut delay = self.config.sync_interval;
         let mut next = 0usize;
+        let mut duplicates = 0i64;
         loop {
             if hard_stop.is_cancelled() || (drain.is_cancelled() && self.open_connections() == 0) {
                 break;
@@ -58,9 +69,21 @@ impl Agent {
             if want_more {
                 let (host, port) = &self.config.servers[next % self.config.servers.len()];
                 next = next.wrapping_add(1);
-                if self.connect(host, *port, &held, &drain, &hard_stop).await {
-                    delay = self.config.sync_interval;
-                    continue;
+                match self.connect(host, *port, &held, &drain, &hard_stop).await {
+                    Reached::New => {
+                        delay = self.config.sync_interval;
+                        duplicates = 0;
+                        continue;
+                    }
+                    // Behind a round-robin balancer the next connection may reach
+                    // another server: retry at once, a server count's worth of times.
+                    // Backing off instead can lock step with other agents' dials so
+                    // that this agent reaches the same server every time.
+                    Reached::Duplicate if have < target && duplicates < target => {
+                        duplicates += 1;
+                        continue;
+                    }
+                    Reached::Duplicate | Reached::Failed => duplicates = 0,
                 }
                 wait = delay.mul_f64(1.0 + rand::rng().random_range(0.0..0.1));
                 delay = delay.mul_f64(1.5).min(self.config.sync_interval_cap);
@@ -77,8 +100,7 @@ impl Agent {
         }
     }
 
-    /// Opens a stream to `host:port` and serves it in a task of its own; false (back
-    /// off) when it failed or reached a server already held.
+    /// Opens a stream to `host:port` and serves it in a task of its own.
     async fn connect(
         &self,
         host: &str,
@@ -86,7 +108,7 @@ impl Agent {
         held: &Held,
         drain: &CancellationToken,
         hard_stop: &CancellationToken,
-    ) -> bool {
+    ) -> Reached {
         let established = tokio::time::timeout(ESTABLISH_TIMEOUT, self.establish(host, port))
             .await
             .unwrap_or(Err(LinkError::Timeout(ESTABLISH_TIMEOUT)));
@@ -94,7 +116,7 @@ impl Agent {
             Ok(est) => est,
             Err(e) => {
                 tracing::warn!(%host, port, error = %format!("{e:#}"), "proxy server stream down; reconnecting");
-                return false;
+                return Reached::Failed;
             }
         };
         let server_id = est.server_id.clone();
@@ -103,7 +125,7 @@ impl Agent {
             let mut streams = held.lock();
             if streams.contains_key(&server_id) {
                 tracing::info!(%server_id, %host, have = streams.len(), "reached a server this agent is already connected to; closing the duplicate stream and retrying");
-                return false;
+                return Reached::Duplicate;
             }
             streams.insert(server_id.clone(), stop.clone());
         }
@@ -115,7 +137,7 @@ impl Agent {
             held.lock().remove(&server_id);
             held.ended.notify_one();
         });
-        true
+        Reached::New
     }
 
     /// Counts server Leases when configured (`--count-server-leases`).

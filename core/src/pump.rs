@@ -104,9 +104,9 @@ impl Sink for mpsc::Sender<Packet> {
 /// Pumps bytes both ways between a socket (`rd`, `wr`) and the tunnel until one side
 /// ends.
 pub async fn splice<R, W, In, O>(
-    mut rd: R,
-    mut wr: W,
-    mut inbound: In,
+    rd: R,
+    wr: W,
+    inbound: In,
     out: &O,
     connect_id: i64,
     cancel: &CancellationToken,
@@ -118,69 +118,84 @@ where
     In: Stream<Item = Packet> + Unpin,
     O: Sink,
 {
-    let reading = async {
-        let chunk = READ_CHUNK;
-        let mut buf = BytesMut::new();
-        loop {
-            if let Some(credit) = flow.send {
-                if !credit.ready().await {
+    tokio::select! {
+        end = socket_to_tunnel(rd, out, connect_id, flow.send) => end,
+        end = tunnel_to_socket(wr, inbound, out, connect_id, flow.recv) => end,
+        _ = cancel.cancelled() => SpliceEnd::Cancelled,
+    }
+}
+
+/// Bytes read from the socket leave as DATA (within `credit`, when the peer gives it).
+async fn socket_to_tunnel<R: Source, O: Sink>(
+    mut rd: R,
+    out: &O,
+    connect_id: i64,
+    credit: Option<&Credit>,
+) -> SpliceEnd {
+    let mut buf = BytesMut::new();
+    loop {
+        if let Some(credit) = credit {
+            if !credit.ready().await {
+                return SpliceEnd::SinkGone;
+            }
+        }
+        match rd.read_some(&mut buf, READ_CHUNK).await {
+            Ok(0) => return SpliceEnd::LocalEof,
+            Ok(n) => {
+                if let Some(credit) = credit {
+                    credit.spend(n);
+                }
+                let chunk = buf.split().freeze();
+                if !out.send(Packet::data(connect_id, chunk)).await {
                     return SpliceEnd::SinkGone;
                 }
             }
-            match rd.read_some(&mut buf, chunk).await {
-                Ok(0) => return SpliceEnd::LocalEof,
-                Ok(n) => {
-                    if let Some(credit) = flow.send {
-                        credit.spend(n);
-                    }
-                    let chunk = buf.split().freeze();
-                    if !out.send(Packet::data(connect_id, chunk)).await {
+            Err(e) => return SpliceEnd::LocalError(e),
+        }
+    }
+}
+
+/// DATA arriving is written to the socket (and its credit returned through `window`);
+/// a close, or the end of the packet stream, shuts the socket's write side.
+async fn tunnel_to_socket<W, In, O>(
+    mut wr: W,
+    mut inbound: In,
+    out: &O,
+    connect_id: i64,
+    window: Option<&Window>,
+) -> SpliceEnd
+where
+    W: AsyncWrite + Unpin,
+    In: Stream<Item = Packet> + Unpin,
+    O: Sink,
+{
+    let end = loop {
+        let Some(packet) = inbound.next().await else {
+            break SpliceEnd::RemoteGone;
+        };
+        match packet.payload {
+            Some(Payload::Data(d)) if !d.error.is_empty() => {
+                break SpliceEnd::RemoteClosed(Some(d.error));
+            }
+            Some(Payload::Data(d)) => {
+                if let Err(e) = wr.write_all(&d.data).await {
+                    return SpliceEnd::LocalError(e);
+                }
+                if let Some(bytes) = window.and_then(|w| w.consumed(d.data.len())) {
+                    if !out.send(Packet::window_update(connect_id, bytes)).await {
                         return SpliceEnd::SinkGone;
                     }
                 }
-                Err(e) => return SpliceEnd::LocalError(e),
             }
+            Some(Payload::CloseResponse(c)) => {
+                break SpliceEnd::RemoteClosed((!c.error.is_empty()).then_some(c.error));
+            }
+            Some(Payload::CloseRequest(_)) => break SpliceEnd::RemoteClosed(None),
+            _ => {}
         }
     };
-
-    let writing = async {
-        while let Some(packet) = inbound.next().await {
-            match packet.payload {
-                Some(Payload::Data(d)) => {
-                    if !d.error.is_empty() {
-                        let _ = wr.shutdown().await;
-                        return SpliceEnd::RemoteClosed(Some(d.error));
-                    }
-                    if let Err(e) = wr.write_all(&d.data).await {
-                        return SpliceEnd::LocalError(e);
-                    }
-                    let grant = flow.recv.and_then(|w| w.consumed(d.data.len()));
-                    if let Some(bytes) = grant {
-                        if !out.send(Packet::window_update(connect_id, bytes)).await {
-                            return SpliceEnd::SinkGone;
-                        }
-                    }
-                }
-                Some(Payload::CloseResponse(c)) => {
-                    let _ = wr.shutdown().await;
-                    return SpliceEnd::RemoteClosed((!c.error.is_empty()).then_some(c.error));
-                }
-                Some(Payload::CloseRequest(_)) => {
-                    let _ = wr.shutdown().await;
-                    return SpliceEnd::RemoteClosed(None);
-                }
-                _ => {}
-            }
-        }
-        let _ = wr.shutdown().await;
-        SpliceEnd::RemoteGone
-    };
-
-    tokio::select! {
-        end = reading => end,
-        end = writing => end,
-        _ = cancel.cancelled() => SpliceEnd::Cancelled,
-    }
+    let _ = wr.shutdown().await;
+    end
 }
 
 #[cfg(test)]

@@ -41,6 +41,43 @@ struct Pending {
     block: Vec<u8>,
 }
 
+impl Pending {
+    /// A header block opened by a HEADERS frame: its padding and priority taken off.
+    fn open(stream_id: u32, flags: u8, mut payload: BytesMut) -> io::Result<Self> {
+        let pad = if flags & FLAG_PADDED != 0 {
+            if payload.is_empty() {
+                return Err(protocol("bad padding"));
+            }
+            let p = usize::from(payload[0]);
+            payload.advance(1);
+            p
+        } else {
+            0
+        };
+        let priority = if flags & FLAG_PRIORITY != 0 {
+            if payload.len() < 5 {
+                return Err(protocol("bad priority"));
+            }
+            let mut p = [0u8; 5];
+            p.copy_from_slice(&payload[..5]);
+            payload.advance(5);
+            Some(p)
+        } else {
+            None
+        };
+        if pad > payload.len() {
+            return Err(protocol("bad padding"));
+        }
+        payload.truncate(payload.len() - pad);
+        Ok(Pending {
+            stream_id,
+            flags,
+            priority,
+            block: payload.to_vec(),
+        })
+    }
+}
+
 /// An I/O object whose inbound HTTP/2 header blocks get a parseable `:authority`.
 pub struct AuthorityFix<S> {
     inner: S,
@@ -114,65 +151,48 @@ impl<S> AuthorityFix<S> {
                         return Ok(());
                     }
                     self.input.advance(FRAME_HEADER);
-                    let mut payload = self.input.split_to(len);
-                    if ty == TYPE_HEADERS {
-                        if self.pending.is_some() {
-                            return Err(protocol("HEADERS inside a header block"));
-                        }
-                        let pad = if flags & FLAG_PADDED != 0 {
-                            if payload.is_empty() {
-                                return Err(protocol("bad padding"));
-                            }
-                            let p = usize::from(payload[0]);
-                            payload.advance(1);
-                            p
-                        } else {
-                            0
-                        };
-                        let priority = if flags & FLAG_PRIORITY != 0 {
-                            if payload.len() < 5 {
-                                return Err(protocol("bad priority"));
-                            }
-                            let mut p = [0u8; 5];
-                            p.copy_from_slice(&payload[..5]);
-                            payload.advance(5);
-                            Some(p)
-                        } else {
-                            None
-                        };
-                        if pad > payload.len() {
-                            return Err(protocol("bad padding"));
-                        }
-                        payload.truncate(payload.len() - pad);
-                        self.pending = Some(Pending {
-                            stream_id,
-                            flags,
-                            priority,
-                            block: payload.to_vec(),
-                        });
-                    } else {
-                        let pending = self
-                            .pending
-                            .as_mut()
-                            .filter(|p| p.stream_id == stream_id)
-                            .ok_or_else(|| protocol("unexpected CONTINUATION"))?;
-                        pending.block.extend_from_slice(&payload);
-                        pending.flags |= flags & FLAG_END_HEADERS;
-                        if pending.block.len() > MAX_BLOCK {
-                            return Err(protocol("header block too large"));
-                        }
-                    }
-                    if self
-                        .pending
-                        .as_ref()
-                        .is_some_and(|p| p.flags & FLAG_END_HEADERS != 0)
-                    {
-                        let p = self.pending.take().expect("checked");
-                        self.emit(p)?;
-                    }
+                    let payload = self.input.split_to(len);
+                    self.header_frame(ty, flags, stream_id, payload)?;
                 }
             }
         }
+    }
+
+    /// A HEADERS or CONTINUATION frame: collected into the pending block, which is
+    /// re-encoded once it ends.
+    fn header_frame(
+        &mut self,
+        ty: u8,
+        flags: u8,
+        stream_id: u32,
+        payload: BytesMut,
+    ) -> io::Result<()> {
+        if ty == TYPE_HEADERS {
+            if self.pending.is_some() {
+                return Err(protocol("HEADERS inside a header block"));
+            }
+            self.pending = Some(Pending::open(stream_id, flags, payload)?);
+        } else {
+            let pending = self
+                .pending
+                .as_mut()
+                .filter(|p| p.stream_id == stream_id)
+                .ok_or_else(|| protocol("unexpected CONTINUATION"))?;
+            pending.block.extend_from_slice(&payload);
+            pending.flags |= flags & FLAG_END_HEADERS;
+            if pending.block.len() > MAX_BLOCK {
+                return Err(protocol("header block too large"));
+            }
+        }
+        if self
+            .pending
+            .as_ref()
+            .is_some_and(|p| p.flags & FLAG_END_HEADERS != 0)
+        {
+            let p = self.pending.take().expect("checked");
+            self.emit(p)?;
+        }
+        Ok(())
     }
 
     fn emit(&mut self, p: Pending) -> io::Result<()> {
