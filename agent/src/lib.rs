@@ -9,6 +9,8 @@ pub mod lease_count;
 mod link;
 pub mod metrics;
 mod servers;
+#[cfg(test)]
+mod tests;
 
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;

@@ -5,6 +5,8 @@
 //! streams run on a bare HTTP/2 connection (`grpc`), reconnected when it fails.
 
 mod grpc;
+#[cfg(test)]
+mod tests;
 
 use std::collections::VecDeque;
 use std::io;

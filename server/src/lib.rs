@@ -175,68 +175,100 @@ async fn bind_tcp(what: &'static str, addr: SocketAddr) -> Result<TcpListener, S
         })
 }
 
+/// The reloadable TLS configurations of the listeners, watched together.
+struct TlsSources {
+    expiry: tether_ops::metrics::CertExpiry,
+    reloadables: Vec<Arc<dyn tether_ops::reload::Reload>>,
+}
+
+impl TlsSources {
+    /// Loads `files` now (failing start-up when they are unusable) and again whenever
+    /// they change.
+    fn source(
+        &mut self,
+        label: &str,
+        files: &TlsFiles,
+        alpn: &'static [&'static [u8]],
+    ) -> Result<ServerConfigSource, StartError> {
+        let mut paths = vec![files.cert.clone(), files.key.clone()];
+        paths.extend(files.ca.clone());
+        let build_files = files.clone();
+        let r = tether_ops::reload::Reloadable::watching_certs(
+            label,
+            paths,
+            move || tls::server_config(&build_files, alpn),
+            self.expiry.clone(),
+        )?;
+        self.reloadables.push(r.clone());
+        Ok(Arc::new(move || r.get()))
+    }
+}
+
+/// Binds one frontend; its listener and the address it is reached at.
+async fn bind_frontend(
+    fe: &FrontendConfig,
+    tls_sources: &mut TlsSources,
+) -> Result<(FrontendListener, String), StartError> {
+    match &fe.listen {
+        Listen::Uds {
+            path,
+            delete_existing,
+            access,
+        } => {
+            let l = transport::bind_uds_with(path, *delete_existing, access).map_err(|source| {
+                StartError::Bind {
+                    what: "frontend socket",
+                    addr: path.display().to_string(),
+                    source,
+                }
+            })?;
+            Ok((
+                FrontendListener::Uds(l, path.clone()),
+                path.display().to_string(),
+            ))
+        }
+        Listen::Tcp { addr, tls: files } => {
+            let alpn: &'static [&'static [u8]] = match fe.mode {
+                Mode::Grpc => &[tls::ALPN_H2],
+                Mode::HttpConnect => &[tls::ALPN_HTTP11],
+            };
+            let cfg = tls_sources.source("frontend", files, alpn)?;
+            let l = bind_tcp("frontend port", *addr).await?;
+            let at = l.local_addr().map(|a| a.to_string()).unwrap_or_default();
+            Ok((FrontendListener::Tls(l, cfg), at))
+        }
+    }
+}
+
+async fn bind_optional(
+    what: &'static str,
+    addr: Option<SocketAddr>,
+) -> Result<Option<TcpListener>, StartError> {
+    match addr {
+        Some(a) => Ok(Some(bind_tcp(what, a).await?)),
+        None => Ok(None),
+    }
+}
+
 impl Server {
     /// Loads TLS material and binds every listener.
     pub async fn bind(config: ServerConfig) -> Result<BoundServer, StartError> {
         let metrics = metrics::Metrics::new();
-        let expiry = tether_ops::metrics::CertExpiry::new(&metrics.registry);
-        let mut reloadables: Vec<Arc<dyn tether_ops::reload::Reload>> = Vec::new();
-        let mut reloadable = |label: &str, files: &TlsFiles, alpn: &'static [&'static [u8]]| {
-            let mut paths = vec![files.cert.clone(), files.key.clone()];
-            paths.extend(files.ca.clone());
-            let build_files = files.clone();
-            let r = tether_ops::reload::Reloadable::watching_certs(
-                label,
-                paths,
-                move || tls::server_config(&build_files, alpn),
-                expiry.clone(),
-            )?;
-            reloadables.push(r.clone());
-            let source: ServerConfigSource = Arc::new(move || r.get());
-            Ok::<_, StartError>(source)
+        let mut tls_sources = TlsSources {
+            expiry: tether_ops::metrics::CertExpiry::new(&metrics.registry),
+            reloadables: Vec::new(),
         };
-        let agent_tls = reloadable("agent listener", &config.agent_tls, &[tls::ALPN_H2])?;
+        let agent_tls = tls_sources.source("agent listener", &config.agent_tls, &[tls::ALPN_H2])?;
         let agent_listener = bind_tcp("agent port", config.agent_addr).await?;
         let mut frontends = Vec::new();
         let mut frontend_addrs = Vec::new();
         for fe in &config.frontends {
-            let listener = match &fe.listen {
-                Listen::Uds {
-                    path,
-                    delete_existing,
-                    access,
-                } => {
-                    let l = transport::bind_uds_with(path, *delete_existing, access).map_err(
-                        |source| StartError::Bind {
-                            what: "frontend socket",
-                            addr: path.display().to_string(),
-                            source,
-                        },
-                    )?;
-                    frontend_addrs.push(path.display().to_string());
-                    FrontendListener::Uds(l, path.clone())
-                }
-                Listen::Tcp { addr, tls: files } => {
-                    let alpn: &'static [&'static [u8]] = match fe.mode {
-                        Mode::Grpc => &[tls::ALPN_H2],
-                        Mode::HttpConnect => &[tls::ALPN_HTTP11],
-                    };
-                    let cfg = reloadable("frontend", files, alpn)?;
-                    let l = bind_tcp("frontend port", *addr).await?;
-                    frontend_addrs.push(l.local_addr().map(|a| a.to_string()).unwrap_or_default());
-                    FrontendListener::Tls(l, cfg)
-                }
-            };
+            let (listener, at) = bind_frontend(fe, &mut tls_sources).await?;
             frontends.push((fe.mode, listener));
+            frontend_addrs.push(at);
         }
-        let health = match config.health_addr {
-            Some(a) => Some(bind_tcp("health port", a).await?),
-            None => None,
-        };
-        let admin = match config.admin_addr {
-            Some(a) => Some(bind_tcp("admin port", a).await?),
-            None => None,
-        };
+        let health = bind_optional("health port", config.health_addr).await?;
+        let admin = bind_optional("admin port", config.admin_addr).await?;
         let addrs = BoundAddrs {
             agent: agent_listener.local_addr().expect("bound"),
             frontends: frontend_addrs,
@@ -261,7 +293,7 @@ impl Server {
         Ok(BoundServer {
             lease_client,
             nodes_client,
-            reloadables,
+            reloadables: tls_sources.reloadables,
             authenticator,
             config,
             router,
@@ -492,70 +524,86 @@ async fn serve_frontend(
     hard_stop: CancellationToken,
 ) {
     match mode {
-        Mode::Grpc => {
-            let svc = ProxyServiceServer::new(frontend::grpc::GrpcFrontend {
-                router,
-                stop: hard_stop.clone(),
-            })
-            .max_decoding_message_size(MAX_MESSAGE)
-            .max_encoding_message_size(MAX_MESSAGE);
-            let builder = || {
-                transport::h2_server()
-                    // One stream per dial: a client may hold thousands on one connection.
-                    .max_concurrent_streams(Some(1 << 16))
-                    .http2_keepalive_interval(Some(keepalive))
+        Mode::Grpc => serve_grpc(listener, router, keepalive, stop, hard_stop).await,
+        Mode::HttpConnect => serve_http_connect(listener, router, stop, hard_stop).await,
+    }
+}
+
+/// Serves `ProxyService/Proxy`; established streams keep running after `stop` until
+/// `hard_stop`.
+async fn serve_grpc(
+    listener: FrontendListener,
+    router: Arc<Router>,
+    keepalive: Duration,
+    stop: CancellationToken,
+    hard_stop: CancellationToken,
+) {
+    let svc = ProxyServiceServer::new(frontend::grpc::GrpcFrontend {
+        router,
+        stop: hard_stop.clone(),
+    })
+    .max_decoding_message_size(MAX_MESSAGE)
+    .max_encoding_message_size(MAX_MESSAGE);
+    let builder = transport::h2_server()
+        // One stream per dial: a client may hold thousands on one connection.
+        .max_concurrent_streams(Some(1 << 16))
+        .http2_keepalive_interval(Some(keepalive))
+        .add_service(svc);
+    let result = match listener {
+        FrontendListener::Uds(l, _) => {
+            let incoming = futures::StreamExt::take_until(
+                UnixListenerStream::new(l)
+                    .map(|r| r.map(frontend::uds_authority::AuthorityFix::new)),
+                stop.cancelled_owned(),
+            );
+            builder
+                .serve_with_incoming_shutdown(incoming, hard_stop.cancelled_owned())
+                .await
+        }
+        FrontendListener::Tls(l, cfg) => {
+            let incoming = transport::tls_incoming(l, cfg, "frontend", stop);
+            builder
+                .serve_with_incoming_shutdown(
+                    ReceiverStream::new(incoming).map(Ok::<_, std::io::Error>),
+                    hard_stop.cancelled_owned(),
+                )
+                .await
+        }
+    };
+    if let Err(e) = result {
+        tracing::error!(error = %e, "frontend failed");
+    }
+}
+
+/// Accepts HTTP-CONNECT connections until `stop`, each served in a task of its own.
+async fn serve_http_connect(
+    listener: FrontendListener,
+    router: Arc<Router>,
+    stop: CancellationToken,
+    hard_stop: CancellationToken,
+) {
+    match listener {
+        FrontendListener::Uds(l, _) => loop {
+            let sock = tokio::select! {
+                _ = stop.cancelled() => return,
+                a = l.accept() => match a {
+                    Ok((s, _)) => s,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
             };
-            // Established streams keep running after `stop` until `hard_stop`.
-            let result = match listener {
-                FrontendListener::Uds(l, _) => {
-                    let incoming = futures::StreamExt::take_until(
-                        UnixListenerStream::new(l)
-                            .map(|r| r.map(frontend::uds_authority::AuthorityFix::new)),
-                        stop.cancelled_owned(),
-                    );
-                    builder()
-                        .add_service(svc)
-                        .serve_with_incoming_shutdown(incoming, hard_stop.cancelled_owned())
-                        .await
-                }
-                FrontendListener::Tls(l, cfg) => {
-                    let incoming = transport::tls_incoming(l, cfg, "frontend", stop);
-                    builder()
-                        .add_service(svc)
-                        .serve_with_incoming_shutdown(
-                            ReceiverStream::new(incoming).map(Ok::<_, std::io::Error>),
-                            hard_stop.cancelled_owned(),
-                        )
-                        .await
-                }
-            };
-            if let Err(e) = result {
-                tracing::error!(error = %e, "frontend failed");
+            spawn_http(router.clone(), sock, hard_stop.clone(), "uds".into());
+        },
+        FrontendListener::Tls(l, cfg) => {
+            let mut incoming = transport::tls_incoming(l, cfg, "frontend", stop);
+            while let Some(conn) = incoming.recv().await {
+                let peer = conn.info().remote_addr.to_string();
+                spawn_http(router.clone(), conn, hard_stop.clone(), peer);
             }
         }
-        Mode::HttpConnect => match listener {
-            FrontendListener::Uds(l, _) => loop {
-                let sock = tokio::select! {
-                    _ = stop.cancelled() => return,
-                    a = l.accept() => match a {
-                        Ok((s, _)) => s,
-                        Err(e) => {
-                            tracing::warn!(error = %e, "accept failed");
-                            tokio::time::sleep(Duration::from_millis(50)).await;
-                            continue;
-                        }
-                    },
-                };
-                spawn_http(router.clone(), sock, hard_stop.clone(), "uds".into());
-            },
-            FrontendListener::Tls(l, cfg) => {
-                let mut incoming = transport::tls_incoming(l, cfg, "frontend", stop);
-                while let Some(conn) = incoming.recv().await {
-                    let peer = conn.info().remote_addr.to_string();
-                    spawn_http(router.clone(), conn, hard_stop.clone(), peer);
-                }
-            }
-        },
     }
 }
 

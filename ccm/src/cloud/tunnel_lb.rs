@@ -494,6 +494,17 @@ fn refused(r: Refusal) -> CloudError {
     }
 }
 
+/// One listener's accept loop and what each of its connections needs.
+#[derive(Clone)]
+struct PortServer {
+    client: Client,
+    shared: Shared,
+    target: Arc<RwLock<PortTarget>>,
+    /// Where the next connection starts in the backend list (round-robin).
+    next: Arc<AtomicUsize>,
+    stop: CancellationToken,
+}
+
 /// Accepts until `stop`; a client outside the Service's source ranges, or over its
 /// connection limit, is closed at once; each other connection goes to the next backend
 /// that answers.
@@ -504,120 +515,164 @@ async fn serve(
     target: Arc<RwLock<PortTarget>>,
     stop: CancellationToken,
 ) {
-    let next = Arc::new(AtomicUsize::new(0));
-    let m = crate::metrics::get();
-    let result = |r: &str| {
-        m.lb_connections
-            .with_label_values(&[shared.service.as_str(), r])
+    let port = PortServer {
+        client,
+        shared,
+        target,
+        next: Arc::new(AtomicUsize::new(0)),
+        stop,
     };
-    let to_backend = m
-        .lb_bytes
-        .with_label_values(&[shared.service.as_str(), "to_backend"]);
-    let to_client = m
-        .lb_bytes
-        .with_label_values(&[shared.service.as_str(), "to_client"]);
     loop {
-        let (mut conn, peer) = tokio::select! {
+        let (conn, peer) = tokio::select! {
             a = listener.accept() => match a {
                 Ok(a) => a,
                 Err(e) => {
+                    // Out of file descriptors, most likely: let some close.
                     tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                     continue;
                 }
             },
-            _ = stop.cancelled() => return,
+            _ = port.stop.cancelled() => return,
         };
-        let policy = shared
+        let policy = port
+            .shared
             .policy
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .clone();
-        if !policy.admits(peer.ip()) {
-            result("refused_source_range").inc();
-            tracing::debug!(%peer, "client outside loadBalancerSourceRanges refused");
-            drop(conn);
+        let Some(open) = port.admit(peer, &policy) else {
             continue;
-        }
-        if shared.active.get() >= policy.max_connections as i64 {
-            result("refused_limit").inc();
-            tracing::debug!(%peer, max = policy.max_connections, "connection limit reached; refused");
-            drop(conn);
-            continue;
-        }
-        result("accepted").inc();
-        let open = OpenGuard::new(shared.active.clone());
-        // The backends now: the nodes' NodePort, or the ready endpoints.
-        let candidates: Vec<(String, SocketAddr)> =
-            match &*target.read().unwrap_or_else(|e| e.into_inner()) {
-                PortTarget::NodePort(port) => shared
-                    .nodes
-                    .read()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .iter()
-                    .filter_map(|n| {
-                        Some((
-                            n.name.clone(),
-                            SocketAddr::new(n.address.parse().ok()?, *port),
-                        ))
-                    })
-                    .collect(),
-                PortTarget::Endpoints(eps) => eps.iter().map(|e| (e.to_string(), *e)).collect(),
-            };
-        let (client, next, stop) = (client.clone(), next.clone(), stop.clone());
-        let (no_backend, to_backend, to_client) =
-            (result("no_backend"), to_backend.clone(), to_client.clone());
+        };
+        let candidates = port.candidates();
         tokio::spawn(
-            async move {
-                if candidates.is_empty() {
-                    no_backend.inc();
-                    tracing::info!("no ready backend to forward to; connection closed");
+            port.clone()
+                .forward(conn, peer, policy, candidates, open)
+                .instrument(tracing::debug_span!("lb_conn", %peer)),
+        );
+    }
+}
+
+impl PortServer {
+    fn count(&self, result: &str) {
+        crate::metrics::get()
+            .lb_connections
+            .with_label_values(&[self.shared.service.as_str(), result])
+            .inc();
+    }
+
+    /// The source-range and connection-limit checks; a guard counting the connection
+    /// as open when it is admitted.
+    fn admit(&self, peer: SocketAddr, policy: &Policy) -> Option<OpenGuard> {
+        if !policy.admits(peer.ip()) {
+            self.count("refused_source_range");
+            tracing::debug!(%peer, "client outside loadBalancerSourceRanges refused");
+            return None;
+        }
+        if self.shared.active.get() >= policy.max_connections as i64 {
+            self.count("refused_limit");
+            tracing::debug!(%peer, max = policy.max_connections, "connection limit reached; refused");
+            return None;
+        }
+        self.count("accepted");
+        Some(OpenGuard::new(self.shared.active.clone()))
+    }
+
+    /// The backends now, by name: the nodes' NodePort, or the ready endpoints.
+    fn candidates(&self) -> Vec<(String, SocketAddr)> {
+        match &*self.target.read().unwrap_or_else(|e| e.into_inner()) {
+            PortTarget::NodePort(port) => self
+                .shared
+                .nodes
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .iter()
+                .filter_map(|n| {
+                    let ip = n.address.parse().ok()?;
+                    Some((n.name.clone(), SocketAddr::new(ip, *port)))
+                })
+                .collect(),
+            PortTarget::Endpoints(eps) => eps.iter().map(|e| (e.to_string(), *e)).collect(),
+        }
+    }
+
+    /// Dials the backends through the tunnel in turn, from the next in round-robin
+    /// order, and splices `conn` to the first that answers.
+    async fn forward(
+        self,
+        conn: tokio::net::TcpStream,
+        peer: SocketAddr,
+        policy: Policy,
+        candidates: Vec<(String, SocketAddr)>,
+        open: OpenGuard,
+    ) {
+        if candidates.is_empty() {
+            self.count("no_backend");
+            tracing::info!("no ready backend to forward to; connection closed");
+            return;
+        }
+        let start = self.next.fetch_add(1, Ordering::Relaxed);
+        for i in 0..candidates.len() {
+            let (name, target) = &candidates[(start + i) % candidates.len()];
+            match self.client.dial(&target.to_string()).await {
+                Ok(upstream) => {
+                    self.splice(conn, upstream, peer, &policy, name).await;
+                    drop(open);
                     return;
                 }
-                let local = conn.local_addr().ok();
-                let start = next.fetch_add(1, Ordering::Relaxed);
-                for i in 0..candidates.len() {
-                    let (name, target) = &candidates[(start + i) % candidates.len()];
-                    match client.dial(&target.to_string()).await {
-                        Ok(mut upstream) => {
-                            if let (Some(version), Some(local)) = (policy.proxy_protocol, local) {
-                                let header = proxy_header(version, peer, local);
-                                if let Err(e) = upstream.write_all(&header).await {
-                                    tracing::debug!(error = %e, backend = %name, "cannot send the PROXY header");
-                                    return;
-                                }
-                            }
-                            let last = Arc::new(std::sync::atomic::AtomicU64::new(0));
-                            let epoch = tokio::time::Instant::now();
-                            let mut a = Tracked { inner: &mut conn, last: last.clone(), epoch };
-                            let mut b = Tracked { inner: upstream, last: last.clone(), epoch };
-                            tokio::select! {
-                                r = tokio::io::copy_bidirectional(&mut a, &mut b) => {
-                                    match r {
-                                        Ok((up, down)) => {
-                                            to_backend.inc_by(up);
-                                            to_client.inc_by(down);
-                                        }
-                                        Err(e) => tracing::debug!(error = %e, backend = %name, "forwarded connection ended with an error"),
-                                    }
-                                }
-                                _ = idle(last, epoch, policy.idle_timeout) => {
-                                    tracing::debug!(timeout = ?policy.idle_timeout, "idle connection closed");
-                                }
-                                _ = stop.cancelled() => {}
-                            }
-                            drop(open);
-                            return;
-                        }
-                        Err(e) => {
-                            tracing::warn!(backend = %name, %target, error = %e, "dial through the tunnel failed; trying the next backend");
-                        }
-                    }
+                Err(e) => {
+                    tracing::warn!(backend = %name, %target, error = %e, "dial through the tunnel failed; trying the next backend");
                 }
-                no_backend.inc();
-                tracing::warn!("no backend answered; connection closed");
             }
-            .instrument(tracing::debug_span!("lb_conn", %peer)),
-        );
+        }
+        self.count("no_backend");
+        tracing::warn!("no backend answered; connection closed");
+    }
+
+    /// Sends the PROXY header when configured, then copies both ways until either side
+    /// closes, the connection idles out, or the listener stops.
+    async fn splice(
+        &self,
+        mut conn: tokio::net::TcpStream,
+        mut upstream: tether_client::TunnelConn,
+        peer: SocketAddr,
+        policy: &Policy,
+        name: &str,
+    ) {
+        if let (Some(version), Ok(local)) = (policy.proxy_protocol, conn.local_addr()) {
+            let header = proxy_header(version, peer, local);
+            if let Err(e) = upstream.write_all(&header).await {
+                tracing::debug!(error = %e, backend = %name, "cannot send the PROXY header");
+                return;
+            }
+        }
+        let last = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let epoch = tokio::time::Instant::now();
+        let mut a = Tracked {
+            inner: &mut conn,
+            last: last.clone(),
+            epoch,
+        };
+        let mut b = Tracked {
+            inner: upstream,
+            last: last.clone(),
+            epoch,
+        };
+        tokio::select! {
+            r = tokio::io::copy_bidirectional(&mut a, &mut b) => match r {
+                Ok((up, down)) => {
+                    let bytes = &crate::metrics::get().lb_bytes;
+                    let service = self.shared.service.as_str();
+                    bytes.with_label_values(&[service, "to_backend"]).inc_by(up);
+                    bytes.with_label_values(&[service, "to_client"]).inc_by(down);
+                }
+                Err(e) => tracing::debug!(error = %e, backend = %name, "forwarded connection ended with an error"),
+            },
+            _ = idle(last, epoch, policy.idle_timeout) => {
+                tracing::debug!(timeout = ?policy.idle_timeout, "idle connection closed");
+            }
+            _ = self.stop.cancelled() => {}
+        }
     }
 }
 
