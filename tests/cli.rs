@@ -66,6 +66,10 @@ fn bad_flags_fail_with_one_clear_line() {
             "is not a severity",
         ),
         (&["server", "--vmodule=router"][..], "--vmodule"),
+        (
+            &["agent", "--dead-link-timeout=1s"][..],
+            "--dead-link-timeout must be 0 (kernel defaults) or at least 2s",
+        ),
     ] {
         let (ok, err) = run(args);
         assert!(!ok);

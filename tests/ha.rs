@@ -252,14 +252,32 @@ async fn agents_follow_server_leases() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn partitioned_agent_is_removed_by_keepalive() {
+    // HTTP/2 PINGs every second, unanswered for 1 s: the stream is dead.
+    let keepalive = ["--keepalive-time=1s".to_string()];
+    partition(&keepalive, &keepalive, Duration::from_secs(15)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn partitioned_agent_is_removed_within_the_dead_link_timeout_whatever_the_keepalive() {
+    // Upstream's hour-long keepalive: only --dead-link-timeout bounds the silence.
+    let args = [
+        "--keepalive-time=1h".to_string(),
+        "--dead-link-timeout=3s".into(),
+    ];
+    partition(&args, &args, Duration::from_secs(3 + 4)).await;
+}
+
+/// Two servers, one agent in a network namespace: its link goes down, both servers
+/// drop its streams within `bound`, and it reconnects to both once the link is back.
+async fn partition(server_args: &[String], agent_args: &[String], bound: Duration) {
     let node = Node::create();
     let pki = Pki::with_sans(std::slice::from_ref(&node.host_ip));
     let dir = TempDir::new("tether-partition");
-    let extra = [
+    let mut extra = vec![
         "--agent-bind-address=0.0.0.0".to_string(),
-        "--keepalive-time=1s".into(),
         "--server-count=2".into(),
     ];
+    extra.extend_from_slice(server_args);
     let s1 = server(&pki, dir.path(), "s1", &extra);
     let s2 = server(&pki, dir.path(), "s2", &extra);
     // No load balancer: the agent is given both servers' addresses.
@@ -272,17 +290,12 @@ async fn partitioned_agent_is_removed_by_keepalive() {
     let first: SocketAddr = format!("{}:{}", node.host_ip, s1.agent.port())
         .parse()
         .unwrap();
-    let agent = AgentProc::start_in(
-        Some(&node),
-        bin(),
-        &pki,
-        first,
-        &[
-            format!("--proxy-server-host={list}"),
-            format!("--health-server-host={}", node.link_ip),
-            "--keepalive-time=1s".into(),
-        ],
-    );
+    let mut args = vec![
+        format!("--proxy-server-host={list}"),
+        format!("--health-server-host={}", node.link_ip),
+    ];
+    args.extend_from_slice(agent_args);
+    let agent = AgentProc::start_in(Some(&node), bin(), &pki, first, &args);
     wait_streams(std::slice::from_ref(&agent), 2.0).await;
     s1.wait_agents(1).await;
     s2.wait_agents(1).await;
@@ -294,11 +307,11 @@ async fn partitioned_agent_is_removed_by_keepalive() {
     let detected = started.elapsed();
     eprintln!("partition detected and stale streams removed after {detected:?}");
     assert!(
-        detected < Duration::from_secs(15),
-        "stale streams removed only after {detected:?}"
+        detected < bound,
+        "stale streams removed only after {detected:?} (bound {bound:?})"
     );
 
-    // Healed: the agent reconnects to both on its own.
+    // Healed: the agent notices its own streams died and reconnects to both.
     node.set_link(true);
     s1.wait_agents(1).await;
     s2.wait_agents(1).await;

@@ -31,6 +31,9 @@ pub struct AgentConfig {
     pub sync_interval_cap: Duration,
     /// HTTP/2 keepalive to the server.
     pub keepalive: Duration,
+    /// A server connection silent this long is closed, whatever `keepalive` is (TCP
+    /// keepalive and user timeout); `None` = kernel defaults.
+    pub dead_link: Option<Duration>,
     /// Target dial timeout.
     pub dial_timeout: Duration,
     /// Capacity of the stream's outbound packet channel (`--xfr-channel-size`).

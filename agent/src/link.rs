@@ -55,6 +55,7 @@ impl Agent {
         let settings = ChannelSettings {
             keepalive: Some(cfg.keepalive),
             keepalive_timeout: cfg.keepalive.min(Duration::from_secs(20)),
+            dead_link: cfg.dead_link,
             ..Default::default()
         };
         let channel = grpc_channel_tls(host, port, self.tls.get(), &settings).await?;

@@ -151,6 +151,7 @@ impl Pair {
             sync_interval: Duration::from_secs(3600),
             sync_interval_cap: Duration::from_secs(3600),
             keepalive: Duration::from_secs(3600),
+            dead_link: Some(Duration::from_secs(30)),
             dial_timeout: Duration::from_secs(5),
             channel_size: 16,
             flow_control: true,

@@ -102,6 +102,18 @@ pub fn tls_incoming(
     name: &'static str,
     shutdown: CancellationToken,
 ) -> mpsc::Receiver<TlsConn> {
+    tls_incoming_with(listener, tls, name, None, shutdown)
+}
+
+/// [`tls_incoming`], with every accepted socket closed by the kernel once its peer has
+/// been silent for `dead_link` (see [`bound_silence`]).
+pub fn tls_incoming_with(
+    listener: TcpListener,
+    tls: ServerConfigSource,
+    name: &'static str,
+    dead_link: Option<Duration>,
+    shutdown: CancellationToken,
+) -> mpsc::Receiver<TlsConn> {
     let (tx, rx) = mpsc::channel(64);
     let span = tracing::info_span!("tls_accept", listener = name);
     tokio::spawn(
@@ -121,6 +133,11 @@ pub fn tls_incoming(
                     },
                 };
                 let _ = tcp.set_nodelay(true);
+                if let Some(limit) = dead_link {
+                    if let Err(e) = bound_silence(&tcp, limit) {
+                        tracing::warn!(error = %e, "cannot set TCP keepalive and user timeout");
+                    }
+                }
                 let acceptor = TlsAcceptor::from(tls());
                 let tx = tx.clone();
                 tokio::spawn(
@@ -218,6 +235,9 @@ pub struct ChannelSettings {
     pub keepalive_timeout: Duration,
     /// TCP connect + TLS handshake deadline.
     pub connect_timeout: Duration,
+    /// Close the connection once the peer has been silent this long, whatever the
+    /// keepalive says ([`bound_silence`]); `None` = the kernel's defaults.
+    pub dead_link: Option<Duration>,
 }
 
 impl Default for ChannelSettings {
@@ -226,6 +246,7 @@ impl Default for ChannelSettings {
             keepalive: None,
             keepalive_timeout: Duration::from_secs(20),
             connect_timeout: Duration::from_secs(10),
+            dead_link: None,
         }
     }
 }
@@ -286,9 +307,39 @@ pub async fn connect_tls(
     name: rustls_pki_types::ServerName<'static>,
     tls: Arc<rustls::ClientConfig>,
 ) -> io::Result<tokio_rustls::client::TlsStream<TcpStream>> {
+    connect_tls_with(authority, name, tls, None).await
+}
+
+/// [`connect_tls`], closed by the kernel once the server has been silent for
+/// `dead_link` (see [`bound_silence`]).
+pub async fn connect_tls_with(
+    authority: &str,
+    name: rustls_pki_types::ServerName<'static>,
+    tls: Arc<rustls::ClientConfig>,
+    dead_link: Option<Duration>,
+) -> io::Result<tokio_rustls::client::TlsStream<TcpStream>> {
     let tcp = TcpStream::connect(authority).await?;
     tcp.set_nodelay(true)?;
+    if let Some(limit) = dead_link {
+        bound_silence(&tcp, limit)?;
+    }
     TlsConnector::from(tls).connect(name, tcp).await
+}
+
+/// Has the kernel close `tcp` once its peer has been silent for about `limit`, however
+/// long the HTTP/2 keepalive interval is: an idle connection is probed after `limit/2`
+/// and given up after three unanswered probes `limit/6` apart; data left unacknowledged
+/// for `limit` ends it too (`TCP_USER_TIMEOUT`). Neither is visible to the peer's HTTP/2
+/// layer, so no ping policy (gRPC-Go's `too_many_pings`) can object.
+pub fn bound_silence(tcp: &TcpStream, limit: Duration) -> io::Result<()> {
+    let sock = socket2::SockRef::from(tcp);
+    let probe = (limit / 6).max(Duration::from_secs(1));
+    let keepalive = socket2::TcpKeepalive::new()
+        .with_time((limit / 2).max(Duration::from_secs(1)))
+        .with_interval(probe)
+        .with_retries(3);
+    sock.set_tcp_keepalive(&keepalive)?;
+    sock.set_tcp_user_timeout(Some(limit))
 }
 
 /// Connects a gRPC channel over TCP + TLS to `host:port`, verifying the server as `host`.
@@ -303,9 +354,13 @@ pub async fn grpc_channel_tls(
         rustls_pki_types::ServerName::try_from("invalid.invalid").expect("static name")
     });
     let target = authority.clone();
+    let dead_link = settings.dead_link;
     let connector = tower::service_fn(move |_uri| {
         let (tls, name, target) = (tls.clone(), name.clone(), target.clone());
-        async move { Ok::<_, io::Error>(TokioIo::new(connect_tls(&target, name, tls).await?)) }
+        async move {
+            let stream = connect_tls_with(&target, name, tls, dead_link).await?;
+            Ok::<_, io::Error>(TokioIo::new(stream))
+        }
     });
     endpoint(&authority, settings)?
         .connect_with_connector(connector)

@@ -81,6 +81,9 @@ pub struct ServerConfig {
     pub agent_keepalive: Duration,
     /// HTTP/2 keepalive on frontend connections.
     pub frontend_keepalive: Duration,
+    /// An agent connection whose peer has been silent this long is closed, whatever
+    /// `agent_keepalive` is (TCP keepalive and user timeout); `None` = kernel defaults.
+    pub agent_dead_link: Option<Duration>,
     /// Health endpoint (`/healthz`, `/readyz`, `/metrics`).
     pub health_addr: Option<SocketAddr>,
     /// Admin endpoint (`/metrics`).
@@ -425,6 +428,7 @@ impl BoundServer {
             self.agent_listener,
             self.agent_tls,
             keepalive,
+            config.agent_dead_link,
             hard_stop,
         );
         let mut frontends = Frontends::default();
@@ -490,9 +494,11 @@ fn spawn_agent_listener(
     listener: TcpListener,
     tls: ServerConfigSource,
     keepalive: Duration,
+    dead_link: Option<Duration>,
     hard_stop: &CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
-    let incoming = transport::tls_incoming(listener, tls, "agent", hard_stop.clone());
+    let incoming =
+        transport::tls_incoming_with(listener, tls, "agent", dead_link, hard_stop.clone());
     let server = transport::h2_server()
         .http2_keepalive_interval(Some(keepalive))
         .http2_keepalive_timeout(Some(keepalive.min(Duration::from_secs(20))))

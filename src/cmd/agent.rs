@@ -62,6 +62,11 @@ pub struct AgentArgs {
     /// HTTP/2 keepalive interval to the server.
     #[arg(long, default_value = "1h", value_parser = duration)]
     pub keepalive_time: Duration,
+    /// Close a server connection that has been silent this long and reconnect, whatever
+    /// --keepalive-time is (TCP keepalive and TCP_USER_TIMEOUT; a Tether extension).
+    /// 0 leaves the kernel's defaults.
+    #[arg(long, default_value = "30s", value_parser = duration)]
+    pub dead_link_timeout: Duration,
     /// Packets buffered towards the server on the stream.
     #[arg(long, default_value_t = 150)]
     pub xfr_channel_size: usize,
@@ -237,6 +242,7 @@ impl AgentArgs {
         {
             bail!("--keepalive-time, --dial-timeout and --stalled-reader-timeout must be positive (e.g. 5s)");
         }
+        let dead_link = super::dead_link(self.dead_link_timeout)?;
         Ok(AgentConfig {
             servers,
             sync_forever: self.sync_forever,
@@ -262,6 +268,7 @@ impl AgentArgs {
             sync_interval: self.sync_interval,
             sync_interval_cap: self.sync_interval_cap,
             keepalive: self.keepalive_time,
+            dead_link,
             dial_timeout: self.dial_timeout,
             channel_size: self.xfr_channel_size,
             flow_control: self.flow_control,

@@ -95,6 +95,7 @@ async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()
         },
         agent_keepalive: Duration::from_secs(30),
         frontend_keepalive: Duration::from_secs(3600),
+        agent_dead_link: Some(Duration::from_secs(30)),
         health_addr: Some(loopback(0)),
         admin_addr: None,
         router: RouterConfig {
@@ -136,6 +137,7 @@ async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()
         sync_interval: Duration::from_secs(1),
         sync_interval_cap: Duration::from_secs(10),
         keepalive: Duration::from_secs(30),
+        dead_link: Some(Duration::from_secs(30)),
         dial_timeout: Duration::from_secs(5),
         channel_size: 150,
         flow_control: true,

@@ -17,6 +17,18 @@ pub fn duration(s: &str) -> Result<Duration, String> {
     tether_ops::duration::parse(s)
 }
 
+/// `--dead-link-timeout`: `None` for 0 (the kernel's defaults); below 2 s one retransmit
+/// on a slow link would end the connection.
+pub fn dead_link(d: Duration) -> anyhow::Result<Option<Duration>> {
+    if d.is_zero() {
+        return Ok(None);
+    }
+    if d < Duration::from_secs(2) {
+        anyhow::bail!("--dead-link-timeout must be 0 (kernel defaults) or at least 2s");
+    }
+    Ok(Some(d))
+}
+
 /// Parses a Go-style boolean (`true`, `false`, `1`, `0`, `t`, `f`).
 pub fn go_bool(s: &str) -> Result<bool, String> {
     match s {

@@ -9,7 +9,7 @@ use clap::Args;
 use tether_core::tls::TlsFiles;
 use tether_server::{FrontendConfig, Listen, Mode, RouterConfig, Server, ServerConfig};
 
-use super::{bind_addr, duration, go_bool, LogArgs};
+use super::{bind_addr, dead_link, duration, go_bool, LogArgs};
 
 /// Proxy server flags.
 #[derive(Args, Debug)]
@@ -68,6 +68,11 @@ pub struct ServerArgs {
     /// HTTP/2 keepalive interval on agent connections.
     #[arg(long, default_value = "1h", value_parser = duration)]
     pub keepalive_time: Duration,
+    /// Close an agent connection whose peer has been silent this long, whatever
+    /// --keepalive-time is (TCP keepalive and TCP_USER_TIMEOUT; a Tether extension).
+    /// 0 leaves the kernel's defaults.
+    #[arg(long, default_value = "30s", value_parser = duration)]
+    pub dead_link_timeout: Duration,
 
     /// This server's id (sent to agents).
     #[arg(long, env = "PROXY_SERVER_ID", default_value = "")]
@@ -310,6 +315,7 @@ impl ServerArgs {
         if self.keepalive_time.is_zero() || self.frontend_keepalive_time.is_zero() {
             bail!("--keepalive-time and --frontend-keepalive-time must be positive (e.g. 30s, 1h)");
         }
+        let agent_dead_link = dead_link(self.dead_link_timeout)?;
         let server_id = if self.server_id.is_empty() {
             uuid::Uuid::new_v4().to_string()
         } else {
@@ -345,6 +351,7 @@ impl ServerArgs {
             },
             agent_keepalive: self.keepalive_time,
             frontend_keepalive: self.frontend_keepalive_time,
+            agent_dead_link,
             health_addr: Some(health_addr),
             admin_addr: Some(admin_addr),
             router: RouterConfig {
