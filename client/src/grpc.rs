@@ -117,7 +117,7 @@ pub(crate) fn open(
 }
 
 /// One packet as a gRPC message.
-pub(crate) fn frame(packet: &Packet) -> Bytes {
+pub fn frame(packet: &Packet) -> Bytes {
     let len = packet.encoded_len();
     let mut buf = BytesMut::with_capacity(PREFIX + len);
     buf.put_u8(0);
@@ -344,6 +344,21 @@ impl Messages {
         message.advance(PREFIX);
         Ok(Some(message))
     }
+}
+
+/// Fuzzing entry point: cuts `wire` into `chunk`-byte DATA frames and decodes the
+/// packets in them, stopping at the first error.
+#[doc(hidden)]
+pub fn fuzz_messages(wire: &[u8], chunk: usize) -> Result<Vec<Packet>, String> {
+    let mut m = Messages::default();
+    let mut packets = Vec::new();
+    for piece in wire.chunks(chunk.max(1)) {
+        m.chunk = Bytes::copy_from_slice(piece);
+        while let Some(message) = m.next()? {
+            packets.push(Packet::decode(message).map_err(|e| e.to_string())?);
+        }
+    }
+    Ok(packets)
 }
 
 fn message_len(prefix: &[u8]) -> Result<usize, String> {

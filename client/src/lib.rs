@@ -27,6 +27,12 @@ use tracing::Instrument;
 
 use grpc::{Inbound, Outbound, Target};
 
+/// Entry points for the fuzz targets in `tests/fuzz.rs`.
+#[doc(hidden)]
+pub mod fuzzing {
+    pub use crate::grpc::{frame, fuzz_messages};
+}
+
 /// How long to wait for the server's DIAL_RSP (upstream's client backstop).
 pub const DIAL_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a closing connection waits for CLOSE_RSP.

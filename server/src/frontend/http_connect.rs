@@ -212,6 +212,22 @@ async fn read_head<S: AsyncRead + Unpin>(sock: &mut S) -> std::io::Result<Head> 
     }
 }
 
+/// Fuzzing entry point: reads a request head from `input`; the CONNECT target it
+/// accepts (a valid `host:port`), or why the request is refused.
+#[doc(hidden)]
+pub fn fuzz_head(input: &[u8]) -> Result<String, String> {
+    let mut sock = input;
+    match futures::executor::block_on(read_head(&mut sock)) {
+        Ok(Head::Connect { address, .. }) => {
+            assert!(valid_authority(&address), "accepted {address:?}");
+            Ok(address)
+        }
+        Ok(Head::OtherMethod(m)) => Err(format!("method {m}")),
+        Ok(Head::Malformed(why)) => Err(why),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 fn valid_authority(target: &str) -> bool {
     let (host, port) = match target.rsplit_once(':') {
         Some(pair) => pair,

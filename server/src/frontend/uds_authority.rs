@@ -268,6 +268,18 @@ fn encode_int(out: &mut Vec<u8>, value: usize, prefix_bits: u8, first_byte_flags
     out.push(v as u8);
 }
 
+/// Fuzzing entry point: feeds `input` through the rewriter in `chunk`-byte pieces, as
+/// reads would deliver it; what it would pass on to the HTTP/2 server, or why it gave up.
+#[doc(hidden)]
+pub fn fuzz(input: &[u8], chunk: usize) -> io::Result<Vec<u8>> {
+    let mut fix = AuthorityFix::new(());
+    for piece in input.chunks(chunk.max(1)) {
+        fix.input.extend_from_slice(piece);
+        fix.process()?;
+    }
+    Ok(fix.output.to_vec())
+}
+
 fn protocol(msg: &str) -> io::Error {
     io::Error::new(
         io::ErrorKind::InvalidData,
