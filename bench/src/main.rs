@@ -10,6 +10,8 @@
 //! client -> balancer -> server -> agent -> backend, beside the server alone.
 //! Rounds are interleaved and medians reported; every figure is also a ratio to direct.
 
+mod swarm;
+
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -69,6 +71,33 @@ struct Args {
     /// then forward every connection.
     #[arg(long, hide = true)]
     relay_to: Option<SocketAddr>,
+    /// Many agents instead of the route table: this many agent streams (swarm
+    /// processes speaking the agent protocol) on one server: memory per stream, idle
+    /// CPU, dial latency beside one agent, and the reconnect storm after a restart.
+    #[arg(long)]
+    agents: Option<usize>,
+    /// Swarm processes sharing `--agents`.
+    #[arg(long, default_value_t = 4)]
+    agent_procs: usize,
+    /// Many tunnels instead of the route table: this many idle tunnels over
+    /// `--tunnel-agents` agents: server memory per tunnel, and after they close.
+    #[arg(long)]
+    tunnels: Option<usize>,
+    /// Agents carrying `--tunnels`.
+    #[arg(long, default_value_t = 100)]
+    tunnel_agents: usize,
+    /// (internal) Run as a swarm of agents connecting to this server address.
+    #[arg(long, hide = true)]
+    swarm_to: Option<SocketAddr>,
+    /// (internal) The swarm's PKI directory.
+    #[arg(long, hide = true)]
+    swarm_pki: Option<PathBuf>,
+    /// (internal) The swarm's first agent number.
+    #[arg(long, hide = true, default_value_t = 0)]
+    swarm_first: usize,
+    /// (internal) How many agents the swarm holds.
+    #[arg(long, hide = true, default_value_t = 0)]
+    swarm_count: usize,
 }
 
 trait Io: AsyncRead + AsyncWrite + Send + Unpin {}
@@ -842,6 +871,14 @@ fn main() -> anyhow::Result<()> {
             .build()?
             .block_on(relay(to));
     }
+    if let (Some(to), Some(pki)) = (args.swarm_to, &args.swarm_pki) {
+        return tokio::runtime::Runtime::new()?.block_on(swarm::run_swarm(
+            to,
+            pki.clone(),
+            args.swarm_first,
+            args.swarm_count,
+        ));
+    }
     if let (Some(to), Some(uds)) = (args.lb_to, &args.lb_tunnel_uds) {
         tether_ops::memory::tune_allocator();
         return tokio::runtime::Runtime::new()?.block_on(load_balancer(to, uds.clone()));
@@ -867,6 +904,26 @@ async fn bench(args: Args) -> anyhow::Result<()> {
                 path.display()
             );
         }
+    }
+    if args.agents.is_some() || args.tunnels.is_some() {
+        let mut out = serde_json::Map::new();
+        if let Some(n) = args.agents {
+            let v = swarm::many_agents(&bin, &agent_bin, n, args.agent_procs).await?;
+            out.insert("many_agents".into(), v);
+        }
+        if let Some(m) = args.tunnels {
+            let v = swarm::many_tunnels(&bin, m, args.tunnel_agents).await?;
+            out.insert("many_tunnels".into(), v);
+        }
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&Value::Object(out.clone()))?
+        );
+        std::fs::write(
+            &args.json,
+            serde_json::to_string_pretty(&Value::Object(out))?,
+        )?;
+        return Ok(());
     }
     let dir = std::env::temp_dir().join(format!("tether-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;

@@ -292,6 +292,137 @@ async fn serve_agent(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
+    use tether_proto::agent_service_client::AgentServiceClient;
+    use tether_proto::agent_service_server::AgentServiceServer;
+
+    /// An agent link served in-process over plain HTTP/2 on 127.0.0.1:0 (the TLS
+    /// around it is the transport's, tested there), and its router.
+    async fn serve() -> (Arc<Router>, AgentServiceClient<tonic::transport::Channel>) {
+        let router = Router::new(
+            crate::router::RouterConfig {
+                strategies: crate::router::parse_strategies("default").unwrap(),
+                backend_dial_timeout: None,
+                flow_control: true,
+                stall_timeout: Duration::from_secs(30),
+            },
+            crate::metrics::Metrics::new(),
+        );
+        let link = AgentLink {
+            router: router.clone(),
+            server_id: "s1".into(),
+            server_count: Arc::new(std::sync::atomic::AtomicU32::new(3)),
+            channel_size: 10,
+            shutdown: CancellationToken::new(),
+            authenticator: None,
+            require_identity_match: false,
+        };
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(AgentServiceServer::new(link))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        (router, AgentServiceClient::new(channel))
+    }
+
+    fn request(
+        metadata: &[(&'static str, &str)],
+    ) -> (mpsc::Sender<Packet>, Request<ReceiverStream<Packet>>) {
+        let (tx, rx) = mpsc::channel(4);
+        let mut request = Request::new(ReceiverStream::new(rx));
+        for (k, v) in metadata {
+            request.metadata_mut().append(*k, v.parse().unwrap());
+        }
+        (tx, request)
+    }
+
+    async fn wait_agents(router: &Router, n: usize) {
+        let waited = tokio::time::timeout(Duration::from_secs(5), async {
+            while router.registry().len() != n {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await;
+        assert!(
+            waited.is_ok(),
+            "{} agents, not {n}",
+            router.registry().len()
+        );
+    }
+
+    #[tokio::test]
+    async fn an_agent_is_registered_answered_and_removed_when_its_stream_ends() {
+        let (router, mut client) = serve().await;
+        let (tx, req) = request(&[
+            (header::AGENT_ID, "node-1"),
+            // A malformed value is skipped (and logged); the rest is kept.
+            (
+                header::AGENT_IDENTIFIERS,
+                "host=node-1&cidr=10.0.0.0/99&ipv4=10.0.0.1",
+            ),
+        ]);
+        let response = client.connect(req).await.unwrap();
+        let md = response.metadata();
+        assert_eq!(link::single(md, header::SERVER_ID).unwrap(), "s1");
+        assert_eq!(link::single(md, header::SERVER_COUNT).unwrap(), "3");
+        assert!(
+            link::peer_window(md).is_none(),
+            "no window answered to an agent that offered none"
+        );
+        wait_agents(&router, 1).await;
+        let json: serde_json::Value =
+            serde_json::from_str(&router.registry().agents_json()).unwrap();
+        assert_eq!(json["agents"][0]["id"], "node-1");
+        assert_eq!(json["agents"][0]["hosts"][0], "node-1");
+        assert_eq!(json["agents"][0]["ips"][0], "10.0.0.1");
+        // The agent ends its half of the stream: the server forgets it.
+        drop(tx);
+        wait_agents(&router, 0).await;
+    }
+
+    #[tokio::test]
+    async fn a_flow_window_offer_is_answered() {
+        let (router, mut client) = serve().await;
+        let (_tx, mut req) = request(&[(header::AGENT_ID, "node-1")]);
+        link::offer_window(req.metadata_mut());
+        let response = client.connect(req).await.unwrap();
+        let window = link::peer_window(response.metadata());
+        assert!(
+            window.is_some_and(|w| link::WINDOW_RANGE.contains(&w)),
+            "{window:?}"
+        );
+        wait_agents(&router, 1).await;
+    }
+
+    #[tokio::test]
+    async fn bad_metadata_is_refused_with_a_status_saying_why() {
+        let (router, mut client) = serve().await;
+        for (metadata, says) in [
+            (&[][..], "agentid"),
+            (&[(header::AGENT_ID, "")][..], "empty agentid"),
+            (
+                &[(header::AGENT_ID, "a"), (header::AGENT_ID, "b")][..],
+                "agentid",
+            ),
+        ] {
+            let (_tx, req) = request(metadata);
+            let status = client.connect(req).await.unwrap_err();
+            assert_eq!(status.code(), tonic::Code::InvalidArgument, "{metadata:?}");
+            assert!(
+                status.message().contains(says),
+                "{metadata:?}: {}",
+                status.message()
+            );
+        }
+        assert_eq!(router.registry().len(), 0);
+    }
 
     #[test]
     fn the_server_vouches_only_for_what_it_checked() {

@@ -186,27 +186,52 @@ impl Registry {
             None
         };
         let list = self.agents.read().unwrap_or_else(|e| e.into_inner());
+        let mut rng = rand::rng();
         for &strategy in strategies {
-            let candidates: Vec<&Arc<AgentStream>> = list
+            if strategy == Strategy::Default {
+                // Any agent: a few random probes find one that is not draining without
+                // looking at thousands.
+                for _ in 0..4 {
+                    match list.choose(&mut rng) {
+                        Some(b) if !b.is_draining() => return Some(Arc::clone(b)),
+                        Some(_) => {}
+                        None => return None,
+                    }
+                }
+            }
+            // One pass, no allocation: a uniform pick among the eligible agents that
+            // are not draining, and among all eligible ones for when every one is.
+            let (mut active, mut any) = (Pick::default(), Pick::default());
+            for b in list
                 .iter()
                 .filter(|b| b.eligible(strategy, host, pod_node.as_deref()))
-                .collect();
-            if candidates.is_empty() {
-                continue;
+            {
+                any.offer(b, &mut rng);
+                if !b.is_draining() {
+                    active.offer(b, &mut rng);
+                }
             }
-            let active: Vec<&Arc<AgentStream>> = candidates
-                .iter()
-                .copied()
-                .filter(|b| !b.is_draining())
-                .collect();
-            let pool = if active.is_empty() {
-                &candidates
-            } else {
-                &active
-            };
-            return pool.choose(&mut rand::rng()).map(|b| Arc::clone(b));
+            if let Some(b) = active.chosen.or(any.chosen) {
+                return Some(Arc::clone(b));
+            }
         }
         None
+    }
+}
+
+/// Reservoir sampling of one: after `n` offers each was chosen with probability 1/n.
+#[derive(Default)]
+struct Pick<'a> {
+    seen: u32,
+    chosen: Option<&'a Arc<AgentStream>>,
+}
+
+impl<'a> Pick<'a> {
+    fn offer(&mut self, b: &'a Arc<AgentStream>, rng: &mut impl rand::Rng) {
+        self.seen += 1;
+        if rng.random_range(0..self.seen) == 0 {
+            self.chosen = Some(b);
+        }
     }
 }
 
@@ -310,5 +335,36 @@ mod tests {
         }
         b.set_draining();
         assert!(reg.select(&[Strategy::Default], "x:1").is_some());
+    }
+
+    #[test]
+    fn the_one_agent_not_draining_is_found_among_many_and_picks_are_uniform() {
+        let reg = Registry::default();
+        for i in 0..200 {
+            let a = agent(&format!("d{i}"), "");
+            a.set_draining();
+            reg.add(a);
+        }
+        reg.add(agent("live", ""));
+        for _ in 0..50 {
+            let picked = reg.select(&[Strategy::Default], "x:1").unwrap();
+            assert_eq!(picked.agent_id, "live");
+        }
+        let reg = Registry::default();
+        for i in 0..4 {
+            reg.add(agent(&format!("a{i}"), "host=h"));
+        }
+        for strategy in [Strategy::Default, Strategy::DestHost] {
+            let mut counts = std::collections::HashMap::new();
+            for _ in 0..4000 {
+                let b = reg.select(&[strategy], "h:1").unwrap();
+                *counts.entry(b.agent_id.clone()).or_insert(0) += 1;
+            }
+            assert_eq!(counts.len(), 4);
+            assert!(
+                counts.values().all(|&n| (800..1200).contains(&n)),
+                "{strategy:?}: {counts:?}"
+            );
+        }
     }
 }

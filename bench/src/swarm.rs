@@ -1,0 +1,463 @@
+//! Many agents and many tunnels on one server (`--agents N`, `--tunnels M`): swarm
+//! processes (this binary with `--swarm-to`) hold N agent streams with distinct ids
+//! and identifiers, each its own mutual-TLS connection speaking the agent protocol
+//! (test doubles for nodes: a DIAL_REQ is answered at once, with no target connection),
+//! and reconnect with the agent's backoff and jitter. Measured on the server: memory
+//! per idle agent stream, idle CPU, dial latency with N agents beside one, the
+//! reconnect storm after a SIGKILL and restart, and memory per idle tunnel.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use rand::Rng;
+use serde_json::{json, Value};
+use tether_proto::agent_service_client::AgentServiceClient;
+use tether_proto::packet::Payload;
+use tether_proto::{header, Packet};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::StreamExt;
+
+use crate::{cpu_seconds, free_port, percentile, spawn_tether, status_mib, Proc};
+
+/// What one swarm process reports each second.
+#[derive(Default)]
+struct Counters {
+    /// Streams up now.
+    up: AtomicI64,
+    /// Streams established, ever.
+    connects: AtomicU64,
+    /// Dials that failed (TCP, TLS, HTTP/2, or the server refused the stream).
+    failures: AtomicU64,
+    /// Of those, refusals by a server that answered (gRPC status).
+    refused: AtomicU64,
+}
+
+/// (child) Holds `count` agent streams to `server`, ids from `first`; prints its
+/// counters as a JSON line every second; exits when stdin closes.
+pub async fn run_swarm(
+    server: SocketAddr,
+    pki: PathBuf,
+    first: usize,
+    count: usize,
+) -> anyhow::Result<()> {
+    let tls = tether_core::tls::client_config(
+        &pki.join("ca.crt"),
+        Some((&pki.join("agent.crt"), &pki.join("agent.key"))),
+        &[b"h2"],
+    )?;
+    let counters = Arc::new(Counters::default());
+    for id in first..first + count {
+        tokio::spawn(fake_agent(id, server, tls.clone(), counters.clone()));
+    }
+    tokio::spawn(async {
+        // The parent closes stdin (or dies): stop.
+        let mut buf = [0u8; 1];
+        let _ = tokio::io::stdin().read(&mut buf).await;
+        std::process::exit(0);
+    });
+    let mut out = tokio::io::stdout();
+    loop {
+        let line = json!({
+            "up": counters.up.load(Ordering::Relaxed),
+            "connects": counters.connects.load(Ordering::Relaxed),
+            "failures": counters.failures.load(Ordering::Relaxed),
+            "refused": counters.refused.load(Ordering::Relaxed),
+        });
+        out.write_all(format!("{line}\n").as_bytes()).await?;
+        out.flush().await?;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// One node's agent: connect, answer dials, and reconnect as the agent does (1 s,
+/// x1.5 up to 10 s, 10% jitter).
+async fn fake_agent(
+    id: usize,
+    server: SocketAddr,
+    tls: Arc<rustls::ClientConfig>,
+    c: Arc<Counters>,
+) {
+    let mut delay = Duration::from_secs(1);
+    loop {
+        match hold_stream(id, server, tls.clone(), &c).await {
+            Ok(()) => delay = Duration::from_secs(1),
+            Err(refused) => {
+                c.failures.fetch_add(1, Ordering::Relaxed);
+                if refused {
+                    c.refused.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        let jitter = 1.0 + rand::rng().random_range(0.0..0.1);
+        tokio::time::sleep(delay.mul_f64(jitter)).await;
+        delay = delay.mul_f64(1.5).min(Duration::from_secs(10));
+    }
+}
+
+/// One stream, until it ends (Ok) or cannot be opened (Err: whether a server refused).
+async fn hold_stream(
+    id: usize,
+    server: SocketAddr,
+    tls: Arc<rustls::ClientConfig>,
+    c: &Counters,
+) -> Result<(), bool> {
+    let settings = tether_core::transport::ChannelSettings::default();
+    let channel =
+        tether_core::transport::grpc_channel_tls("127.0.0.1", server.port(), tls, &settings)
+            .await
+            .map_err(|_| false)?;
+    let (tx, rx) = tokio::sync::mpsc::channel::<Packet>(16);
+    let mut request = tonic::Request::new(ReceiverStream::new(rx));
+    let md = request.metadata_mut();
+    md.insert(
+        header::AGENT_ID,
+        format!("swarm-{id}").parse().expect("ascii"),
+    );
+    md.insert(
+        header::AGENT_IDENTIFIERS,
+        format!("host=swarm-{id}").parse().expect("ascii"),
+    );
+    let mut inbound = AgentServiceClient::new(channel)
+        .connect(request)
+        .await
+        .map_err(|_| true)?
+        .into_inner();
+    c.connects.fetch_add(1, Ordering::Relaxed);
+    c.up.fetch_add(1, Ordering::Relaxed);
+    let mut next_id = 1i64;
+    while let Some(Ok(p)) = inbound.next().await {
+        let answer = match p.payload {
+            Some(Payload::DialRequest(d)) => {
+                next_id += 1;
+                Packet::dial_response(d.random, next_id, "")
+            }
+            Some(Payload::CloseRequest(r)) => Packet::close_response(r.connect_id, ""),
+            _ => continue,
+        };
+        if tx.send(answer).await.is_err() {
+            break;
+        }
+    }
+    c.up.fetch_sub(1, Ordering::Relaxed);
+    Ok(())
+}
+
+/// A swarm process and its latest counters.
+struct Swarm {
+    _proc: Proc,
+    latest: Arc<Mutex<Value>>,
+}
+
+fn start_swarm(
+    server: SocketAddr,
+    pki: &Path,
+    first: usize,
+    count: usize,
+) -> anyhow::Result<Swarm> {
+    let mut child = Command::new(std::env::current_exe()?)
+        .args([
+            format!("--swarm-to={server}"),
+            format!("--swarm-pki={}", pki.display()),
+            format!("--swarm-first={first}"),
+            format!("--swarm-count={count}"),
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()?;
+    let stdout = child.stdout.take().context("swarm stdout")?;
+    let latest = Arc::new(Mutex::new(json!({})));
+    let l = latest.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Ok(v) = serde_json::from_str::<Value>(&line) {
+                *l.lock().unwrap() = v;
+            }
+        }
+    });
+    Ok(Swarm {
+        _proc: Proc(child),
+        latest,
+    })
+}
+
+fn swarm_total(swarms: &[Swarm], key: &str) -> u64 {
+    swarms
+        .iter()
+        .map(|s| s.latest.lock().unwrap()[key].as_u64().unwrap_or(0))
+        .sum()
+}
+
+/// The server under test: gRPC frontend on a Unix socket, agents on a fixed port (so a
+/// restarted server is found where the old one was).
+struct Server {
+    proc: Proc,
+    health: SocketAddr,
+}
+
+fn start_server(
+    bin: &Path,
+    pki: &tether_certs::DevPki,
+    socket: &Path,
+    agent_port: u16,
+) -> anyhow::Result<Server> {
+    let (proc, ev) = spawn_tether(
+        bin,
+        &[
+            "server".into(),
+            "--mode=grpc".into(),
+            format!("--uds-name={}", socket.display()),
+            "--server-port=0".into(),
+            format!("--agent-port={agent_port}"),
+            "--agent-bind-address=127.0.0.1".into(),
+            "--health-port=0".into(),
+            "--health-bind-address=127.0.0.1".into(),
+            "--admin-port=0".into(),
+            format!("--cluster-cert={}", pki.server_cert.display()),
+            format!("--cluster-key={}", pki.server_key.display()),
+            format!("--cluster-ca-cert={}", pki.ca_cert.display()),
+        ],
+    )?;
+    Ok(Server {
+        proc,
+        health: ev["health"].as_str().unwrap_or_default().parse()?,
+    })
+}
+
+/// A server gauge from `/metrics`.
+async fn gauge(health: SocketAddr, name: &str) -> f64 {
+    let Ok(mut s) = tokio::net::TcpStream::connect(health).await else {
+        return f64::NAN;
+    };
+    let _ = s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").await;
+    let mut page = String::new();
+    let _ = s.read_to_string(&mut page).await;
+    page.lines()
+        .find_map(|l| {
+            let (k, v) = l.rsplit_once(' ')?;
+            (k == name || k.starts_with(&format!("{name}{{")))
+                .then(|| v.trim().parse::<f64>().ok())?
+        })
+        .unwrap_or(f64::NAN)
+}
+
+const AGENTS_GAUGE: &str = "konnectivity_network_proxy_server_ready_backend_connections";
+const TUNNELS_GAUGE: &str = "konnectivity_network_proxy_server_established_connections";
+
+/// Waits until the server holds `n` agent streams; how long it took, and the highest
+/// server RSS (MiB) seen meanwhile.
+async fn wait_agents(server: &Server, n: f64, limit: Duration) -> anyhow::Result<(Duration, f64)> {
+    let started = Instant::now();
+    let mut peak = 0f64;
+    loop {
+        peak = peak.max(status_mib(server.proc.0.id(), "VmRSS"));
+        if gauge(server.health, AGENTS_GAUGE).await >= n {
+            return Ok((started.elapsed(), peak));
+        }
+        if started.elapsed() > limit {
+            bail!(
+                "only {} of {n} agents connected after {limit:?}",
+                gauge(server.health, AGENTS_GAUGE).await
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Server RSS once it has stopped falling (the allocator returns freed memory within
+/// seconds of the last traffic).
+async fn settled_rss(pid: u32) -> f64 {
+    let mut last = f64::MAX;
+    for _ in 0..15 {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let now = status_mib(pid, "VmRSS");
+        if now >= last {
+            return now;
+        }
+        last = now;
+    }
+    last
+}
+
+/// Dial latency (us) through the gRPC frontend to whichever agent the server picks.
+async fn dial_latency(client: &tether_client::Client, n: usize) -> anyhow::Result<(f64, f64)> {
+    let mut samples = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = Instant::now();
+        let conn = client.dial("10.255.0.1:80").await?;
+        samples.push(t.elapsed().as_secs_f64() * 1e6);
+        drop(conn);
+    }
+    samples.sort_by(f64::total_cmp);
+    Ok((percentile(&samples, 0.5), percentile(&samples, 0.99)))
+}
+
+/// Server CPU as a share of one core over `window`.
+async fn idle_cpu(pid: u32, window: Duration) -> f64 {
+    let before = cpu_seconds(pid);
+    tokio::time::sleep(window).await;
+    (cpu_seconds(pid) - before) / window.as_secs_f64()
+}
+
+/// The `--agents` run: one agent, then N, then a reconnect storm.
+pub async fn many_agents(
+    bin: &Path,
+    agent_bin: &Path,
+    agents: usize,
+    procs: usize,
+) -> anyhow::Result<Value> {
+    let dir = std::env::temp_dir().join(format!("tether-swarm-{}", std::process::id()));
+    let pki = tether_certs::DevPki::generate(&dir.join("pki"))?;
+    let socket = dir.join("grpc.sock");
+    let port = free_port();
+    let agent_addr: SocketAddr = ([127, 0, 0, 1], port).into();
+    let mut server = start_server(bin, &pki, &socket, port)?;
+    let base_rss = settled_rss(server.proc.0.id()).await;
+
+    let mut swarms = vec![start_swarm(agent_addr, &pki.dir, 0, 1)?];
+    wait_agents(&server, 1.0, Duration::from_secs(30)).await?;
+    let client = tether_client::Client::uds(&socket).await?;
+    let one = dial_latency(&client, 2000).await?;
+    let one_rss = settled_rss(server.proc.0.id()).await;
+    eprintln!(
+        "1 agent: dial p50 {:.0} us, p99 {:.0} us; server RSS {one_rss:.1} MiB",
+        one.0, one.1
+    );
+
+    let rest = agents.saturating_sub(1);
+    let per = rest.div_ceil(procs.max(1));
+    let started = Instant::now();
+    for first in (1..agents).step_by(per.max(1)) {
+        swarms.push(start_swarm(
+            agent_addr,
+            &pki.dir,
+            first,
+            per.min(agents - first),
+        )?);
+    }
+    let (connected, _) = wait_agents(&server, agents as f64, Duration::from_secs(600)).await?;
+    let connect_all = started.elapsed().max(connected);
+    let rss = settled_rss(server.proc.0.id()).await;
+    let per_agent_kib = (rss - one_rss) * 1024.0 / rest.max(1) as f64;
+    eprintln!("{agents} agents connected in {connect_all:.1?}; server RSS {rss:.1} MiB ({per_agent_kib:.1} KiB per agent stream)");
+
+    // Idle: the server with N agents, and one real agent among them.
+    let (real, _) = spawn_tether(
+        agent_bin,
+        &[
+            "--proxy-server-host=127.0.0.1".into(),
+            format!("--proxy-server-port={port}"),
+            format!("--ca-cert={}", pki.ca_cert.display()),
+            format!("--agent-cert={}", pki.agent_cert.display()),
+            format!("--agent-key={}", pki.agent_key.display()),
+            "--health-server-host=127.0.0.1".into(),
+            "--health-server-port=0".into(),
+            "--admin-server-port=0".into(),
+        ],
+    )?;
+    wait_agents(&server, (agents + 1) as f64, Duration::from_secs(60)).await?;
+    let window = Duration::from_secs(30);
+    let agent_cpu = tokio::spawn({
+        let pid = real.0.id();
+        async move { idle_cpu(pid, window).await }
+    });
+    let server_cpu = idle_cpu(server.proc.0.id(), window).await;
+    let agent_cpu = agent_cpu.await?;
+    eprintln!(
+        "idle over {window:?}: server {:.2}% of a core, a real agent {:.3}%",
+        server_cpu * 100.0,
+        agent_cpu * 100.0
+    );
+    drop(real);
+
+    let many = dial_latency(&client, 2000).await?;
+    eprintln!(
+        "{agents} agents: dial p50 {:.0} us, p99 {:.0} us",
+        many.0, many.1
+    );
+
+    // The storm: SIGKILL, restart where it was, every agent comes back with backoff.
+    let failures_before = swarm_total(&swarms, "failures");
+    let refused_before = swarm_total(&swarms, "refused");
+    drop(server);
+    let restarted = Instant::now();
+    server = start_server(bin, &pki, &socket, port)?;
+    let (storm, storm_peak) = wait_agents(&server, agents as f64, Duration::from_secs(600)).await?;
+    let storm = restarted.elapsed().max(storm);
+    let after_rss = settled_rss(server.proc.0.id()).await;
+    let failed = swarm_total(&swarms, "failures") - failures_before;
+    let refused = swarm_total(&swarms, "refused") - refused_before;
+    eprintln!(
+        "reconnect storm: {agents} agents back in {storm:.1?}; server RSS peak {storm_peak:.1} MiB, settled {after_rss:.1} MiB; {failed} failed dials ({refused} refused by the server)"
+    );
+    drop(swarms);
+    drop(server);
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(json!({
+        "agents": agents,
+        "server_rss_mib": {"no_agents": base_rss, "one_agent": one_rss, "all_agents": rss},
+        "server_kib_per_agent_stream": per_agent_kib,
+        "connect_all_s": connect_all.as_secs_f64(),
+        "idle_cpu_share": {"server": server_cpu, "real_agent": agent_cpu},
+        "dial_us": {"one_agent": {"p50": one.0, "p99": one.1}, "all_agents": {"p50": many.0, "p99": many.1}},
+        "reconnect_storm": {"seconds": storm.as_secs_f64(), "peak_rss_mib": storm_peak, "settled_rss_mib": after_rss, "failed_dials": failed, "refused": refused},
+    }))
+}
+
+/// The `--tunnels` run: M idle tunnels over `agents` fake agents, then all closed.
+pub async fn many_tunnels(bin: &Path, tunnels: usize, agents: usize) -> anyhow::Result<Value> {
+    let dir = std::env::temp_dir().join(format!("tether-tunnels-{}", std::process::id()));
+    let pki = tether_certs::DevPki::generate(&dir.join("pki"))?;
+    let socket = dir.join("grpc.sock");
+    let port = free_port();
+    let server = start_server(bin, &pki, &socket, port)?;
+    let swarm = start_swarm(([127, 0, 0, 1], port).into(), &pki.dir, 0, agents)?;
+    wait_agents(&server, agents as f64, Duration::from_secs(120)).await?;
+    let pid = server.proc.0.id();
+    // Warm: one round of dials, closed, so the baseline holds what any traffic leaves.
+    let clients = [
+        tether_client::Client::uds(&socket).await?,
+        tether_client::Client::uds(&socket).await?,
+    ];
+    dial_latency(&clients[0], 200).await?;
+    let base = settled_rss(pid).await;
+    let mut held = Vec::with_capacity(tunnels);
+    while held.len() < tunnels {
+        let batch = futures::future::join_all((0..500.min(tunnels - held.len())).map(|i| {
+            // One HTTP/2 connection carries at most 65,536 streams.
+            let client = &clients[(held.len() + i) % clients.len()];
+            client.dial("10.255.0.1:80")
+        }))
+        .await;
+        for c in batch {
+            held.push(c?);
+        }
+    }
+    let open = gauge(server.health, TUNNELS_GAUGE).await;
+    let full = settled_rss(pid).await;
+    let per_tunnel_kib = (full - base) * 1024.0 / tunnels as f64;
+    eprintln!("{tunnels} idle tunnels over {agents} agents ({open} established): server RSS {base:.1} -> {full:.1} MiB, {per_tunnel_kib:.2} KiB per tunnel");
+    drop(held);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while gauge(server.health, TUNNELS_GAUGE).await > 0.0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let after = settled_rss(pid).await;
+    eprintln!("all closed: server RSS {after:.1} MiB (baseline {base:.1})");
+    drop(swarm);
+    drop(server);
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(json!({
+        "tunnels": tunnels,
+        "agents": agents,
+        "server_rss_mib": {"baseline": base, "held": full, "after_close": after},
+        "server_kib_per_tunnel": per_tunnel_kib,
+    }))
+}
