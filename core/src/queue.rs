@@ -91,6 +91,11 @@ impl<T> Drop for Sender<T> {
 pub struct Receiver<T>(Arc<Shared<T>>);
 
 impl<T> Receiver<T> {
+    /// The next item if one is queued now.
+    pub fn try_recv(&self) -> Option<T> {
+        self.try_next().flatten()
+    }
+
     /// `Some(Some(item))`, `Some(None)` at the end, `None` when empty for now.
     fn try_next(&self) -> Option<Option<T>> {
         let mut state = self.0.state();

@@ -11,7 +11,7 @@ use tether_core::transport::TlsConnectInfo;
 use tether_proto::agent_service_server::AgentService;
 use tether_proto::{header, link, Packet};
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::{ReceiverStream, UnboundedReceiverStream};
+use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
 use tonic::metadata::MetadataValue;
@@ -220,7 +220,9 @@ impl AgentLink {
     /// queued DATA.
     fn open(&self, a: Admitted, inbound: Streaming<Packet>) -> PacketStream {
         let (tx, rx) = mpsc::channel(self.channel_size);
-        let (ctl, ctl_rx) = mpsc::unbounded_channel();
+        // WINDOW_UPDATEs: a queue that holds no memory while empty (a tokio channel
+        // would keep a 32-packet block, 2.5 KiB, for each of thousands of agents).
+        let (ctl, ctl_rx) = tether_core::queue::queue();
         let agent = Arc::new(AgentStream::new(
             a.agent_id.clone(),
             a.identifiers,
@@ -256,9 +258,7 @@ impl AgentLink {
                 _ = retired.cancelled() => {}
             }
         };
-        let out = UnboundedReceiverStream::new(ctl_rx)
-            .merge(ReceiverStream::new(rx))
-            .map(Ok);
+        let out = ctl_rx.merge(ReceiverStream::new(rx)).map(Ok);
         Box::pin(futures::StreamExt::take_until(out, Box::pin(ended)))
     }
 }

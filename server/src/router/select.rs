@@ -244,7 +244,7 @@ mod tests {
 
     fn agent(id: &str, ids: &str) -> Arc<AgentStream> {
         let (tx, _rx) = mpsc::channel(1);
-        let (ctl, _ctl_rx) = mpsc::unbounded_channel();
+        let (ctl, _ctl_rx) = tether_core::queue::queue();
         Arc::new(AgentStream::new(
             id.into(),
             AgentIdentifiers::parse(ids, true).unwrap(),
@@ -292,7 +292,7 @@ mod tests {
         reg.add(agent("x", "host=n2"));
         // Verified as n2 by its token: its own claims no longer count.
         let (tx, _rx) = mpsc::channel(1);
-        let (ctl, _ctl_rx) = mpsc::unbounded_channel();
+        let (ctl, _ctl_rx) = tether_core::queue::queue();
         let claims_n1 = Arc::new(AgentStream::new(
             "n1".into(),
             AgentIdentifiers::default(),

@@ -263,7 +263,7 @@ pub struct AgentStream {
     /// Packets to the agent.
     pub(crate) tx: mpsc::Sender<Packet>,
     /// WINDOW_UPDATEs to the agent: never blocked behind DATA, merged into its stream.
-    ctl: mpsc::UnboundedSender<Packet>,
+    ctl: queue::Sender<Packet>,
     /// The agent's per-connection receive window when it does credit flow control
     /// (negotiated with `tether-flow-window`); `None` for an upstream agent.
     pub(crate) peer_window: Option<u32>,
@@ -282,7 +282,7 @@ impl AgentStream {
         identifiers: AgentIdentifiers,
         verified: Verified,
         tx: mpsc::Sender<Packet>,
-        ctl: mpsc::UnboundedSender<Packet>,
+        ctl: queue::Sender<Packet>,
         peer_window: Option<u32>,
     ) -> Self {
         AgentStream {
