@@ -633,39 +633,49 @@ fn start_pair(
     mode: &str,
     socket: &Path,
 ) -> anyhow::Result<(Proc, Proc, Value)> {
-    let (server, ev) = spawn_tether(
-        bin,
-        &[
-            "server".into(),
-            format!("--mode={mode}"),
-            format!("--uds-name={}", socket.display()),
-            "--server-port=0".into(),
-            "--agent-port=0".into(),
-            "--agent-bind-address=127.0.0.1".into(),
-            "--health-port=0".into(),
-            "--health-bind-address=127.0.0.1".into(),
-            "--admin-port=0".into(),
-            format!("--cluster-cert={}", pki.server_cert.display()),
-            format!("--cluster-key={}", pki.server_key.display()),
-            format!("--cluster-ca-cert={}", pki.ca_cert.display()),
-        ],
-    )?;
+    let (server, ev) = spawn_tether(bin, &server_args(pki, mode, socket, 0))?;
     let agent_addr: SocketAddr = ev["agent"].as_str().unwrap_or_default().parse()?;
-    let (agent, _) = spawn_tether(
-        agent_bin,
-        &[
-            "--proxy-server-host=127.0.0.1".into(),
-            format!("--proxy-server-port={}", agent_addr.port()),
-            format!("--ca-cert={}", pki.ca_cert.display()),
-            format!("--agent-cert={}", pki.agent_cert.display()),
-            format!("--agent-key={}", pki.agent_key.display()),
-            "--health-server-host=127.0.0.1".into(),
-            "--health-server-port=0".into(),
-            "--admin-server-port=0".into(),
-        ],
-    )?;
+    let (agent, _) = spawn_tether(agent_bin, &agent_args(pki, agent_addr.port()))?;
     wait_connected(ev["health"].as_str().unwrap_or_default())?;
     Ok((server, agent, ev))
+}
+
+/// A server on loopback with `mode`'s frontend on the Unix socket `socket`, agents on
+/// `agent_port` (0: any), health on an ephemeral port.
+fn server_args(
+    pki: &tether_certs::DevPki,
+    mode: &str,
+    socket: &Path,
+    agent_port: u16,
+) -> Vec<String> {
+    vec![
+        "server".into(),
+        format!("--mode={mode}"),
+        format!("--uds-name={}", socket.display()),
+        "--server-port=0".into(),
+        format!("--agent-port={agent_port}"),
+        "--agent-bind-address=127.0.0.1".into(),
+        "--health-port=0".into(),
+        "--health-bind-address=127.0.0.1".into(),
+        "--admin-port=0".into(),
+        format!("--cluster-cert={}", pki.server_cert.display()),
+        format!("--cluster-key={}", pki.server_key.display()),
+        format!("--cluster-ca-cert={}", pki.ca_cert.display()),
+    ]
+}
+
+/// A real agent connecting to the server on loopback `port`.
+fn agent_args(pki: &tether_certs::DevPki, port: u16) -> Vec<String> {
+    vec![
+        "--proxy-server-host=127.0.0.1".into(),
+        format!("--proxy-server-port={port}"),
+        format!("--ca-cert={}", pki.ca_cert.display()),
+        format!("--agent-cert={}", pki.agent_cert.display()),
+        format!("--agent-key={}", pki.agent_key.display()),
+        "--health-server-host=127.0.0.1".into(),
+        "--health-server-port=0".into(),
+        "--admin-server-port=0".into(),
+    ]
 }
 
 /// sshd on a private loopback port with throwaway keys, and `ssh -L` to `backend`.

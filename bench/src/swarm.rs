@@ -24,7 +24,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 
-use crate::{cpu_seconds, free_port, percentile, spawn_tether, status_mib, Proc};
+use crate::{
+    agent_args, cpu_seconds, free_port, percentile, server_args, spawn_tether, status_mib, Proc,
+};
 
 /// What one swarm process reports each second.
 #[derive(Default)]
@@ -208,23 +210,7 @@ fn start_server(
     socket: &Path,
     agent_port: u16,
 ) -> anyhow::Result<Server> {
-    let (proc, ev) = spawn_tether(
-        bin,
-        &[
-            "server".into(),
-            "--mode=grpc".into(),
-            format!("--uds-name={}", socket.display()),
-            "--server-port=0".into(),
-            format!("--agent-port={agent_port}"),
-            "--agent-bind-address=127.0.0.1".into(),
-            "--health-port=0".into(),
-            "--health-bind-address=127.0.0.1".into(),
-            "--admin-port=0".into(),
-            format!("--cluster-cert={}", pki.server_cert.display()),
-            format!("--cluster-key={}", pki.server_key.display()),
-            format!("--cluster-ca-cert={}", pki.ca_cert.display()),
-        ],
-    )?;
+    let (proc, ev) = spawn_tether(bin, &server_args(pki, "grpc", socket, agent_port))?;
     Ok(Server {
         proc,
         health: ev["health"].as_str().unwrap_or_default().parse()?,
@@ -349,19 +335,7 @@ pub async fn many_agents(
     eprintln!("{agents} agents connected in {connect_all:.1?}; server RSS {rss:.1} MiB ({per_agent_kib:.1} KiB per agent stream)");
 
     // Idle: the server with N agents, and one real agent among them.
-    let (real, _) = spawn_tether(
-        agent_bin,
-        &[
-            "--proxy-server-host=127.0.0.1".into(),
-            format!("--proxy-server-port={port}"),
-            format!("--ca-cert={}", pki.ca_cert.display()),
-            format!("--agent-cert={}", pki.agent_cert.display()),
-            format!("--agent-key={}", pki.agent_key.display()),
-            "--health-server-host=127.0.0.1".into(),
-            "--health-server-port=0".into(),
-            "--admin-server-port=0".into(),
-        ],
-    )?;
+    let (real, _) = spawn_tether(agent_bin, &agent_args(&pki, port))?;
     wait_agents(&server, (agents + 1) as f64, Duration::from_secs(60)).await?;
     let window = Duration::from_secs(30);
     let agent_cpu = tokio::spawn({
