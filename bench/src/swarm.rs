@@ -425,13 +425,18 @@ pub async fn many_tunnels(bin: &Path, tunnels: usize, agents: usize) -> anyhow::
     }
     let after = settled_rss(pid).await;
     eprintln!("all closed: server RSS {after:.1} MiB (baseline {base:.1})");
+    // The client's HTTP/2 connections go too: what they held on the server goes with
+    // them (h2 keeps a connection's stream store at its peak size).
+    drop(clients);
+    let disconnected = settled_rss(pid).await;
+    eprintln!("client connections closed: server RSS {disconnected:.1} MiB");
     drop(swarm);
     drop(server);
     let _ = std::fs::remove_dir_all(&dir);
     Ok(json!({
         "tunnels": tunnels,
         "agents": agents,
-        "server_rss_mib": {"baseline": base, "held": full, "after_close": after},
+        "server_rss_mib": {"baseline": base, "held": full, "after_close": after, "after_disconnect": disconnected},
         "server_kib_per_tunnel": per_tunnel_kib,
     }))
 }
