@@ -281,3 +281,100 @@ async fn sigterm_ends_open_streams_and_the_server_exits_at_once() {
         assert!(matches!(read, Ok(Ok(0)) | Ok(Err(_))), "{read:?}");
     }
 }
+
+/// A raw HTTP/2 connection to the frontend's socket, for requests no konnectivity
+/// client would make.
+async fn raw_h2(sock: &Path) -> h2::client::SendRequest<bytes::Bytes> {
+    let io = tokio::net::UnixStream::connect(sock).await.unwrap();
+    let (send, conn) = h2::client::handshake(io).await.unwrap();
+    tokio::spawn(conn);
+    send
+}
+
+/// Sends one request with `body` and returns the stream's grpc-status and message
+/// (from the trailers, or from a trailers-only answer).
+async fn raw_call(
+    send: &mut h2::client::SendRequest<bytes::Bytes>,
+    path: &str,
+    encoding: Option<&str>,
+    body: &[u8],
+) -> (String, String) {
+    let mut request = http::Request::post(format!("http://localhost{path}"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers");
+    if let Some(e) = encoding {
+        request = request.header("grpc-encoding", e);
+    }
+    let mut send = send.clone().ready().await.unwrap();
+    let (response, mut stream) = send.send_request(request.body(()).unwrap(), false).unwrap();
+    stream
+        .send_data(bytes::Bytes::copy_from_slice(body), false)
+        .unwrap();
+    let response = response.await.unwrap();
+    assert_eq!(response.status(), 200);
+    let header = |h: &http::HeaderMap, k: &str| {
+        h.get(k)
+            .map(|v| v.to_str().unwrap().to_string())
+            .unwrap_or_default()
+    };
+    if response.headers().contains_key("grpc-status") {
+        let h = response.headers();
+        return (header(h, "grpc-status"), header(h, "grpc-message"));
+    }
+    let mut body = response.into_body();
+    while let Some(chunk) = body.data().await {
+        chunk.unwrap();
+    }
+    let t = body.trailers().await.unwrap().expect("trailers");
+    (header(&t, "grpc-status"), header(&t, "grpc-message"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn protocol_violations_end_only_their_stream_with_a_status() {
+    let s = setup(&[]).await;
+    let echo = backend::echo().await;
+    let sock = socket_path(s.pki.dir());
+    let client = Client::uds(&sock).await.unwrap();
+    let mut good = client.dial(&echo.addr.to_string()).await.unwrap();
+    let mut raw = raw_h2(&sock).await;
+
+    let (code, msg) = raw_call(&mut raw, "/ProxyService/Nope", None, b"").await;
+    assert_eq!(code, "12", "{msg}");
+    assert!(msg.contains("/ProxyService/Nope"), "{msg}");
+    let (code, msg) = raw_call(&mut raw, "/ProxyService/Proxy", Some("gzip"), b"").await;
+    assert_eq!(code, "12", "{msg}");
+    assert!(msg.contains("gzip"), "{msg}");
+    // A message flagged compressed when no compression was negotiated.
+    let (code, msg) = raw_call(&mut raw, "/ProxyService/Proxy", None, &[1, 0, 0, 0, 1, 0]).await;
+    assert_eq!(code, "13", "{msg}");
+    assert!(msg.contains("compress"), "{msg}");
+    // A message that is not a Packet.
+    let (code, msg) = raw_call(
+        &mut raw,
+        "/ProxyService/Proxy",
+        None,
+        &[0, 0, 0, 0, 2, 0xff, 0xff],
+    )
+    .await;
+    assert_eq!(code, "13", "{msg}");
+    assert!(msg.contains("bad packet"), "{msg}");
+    // More than MAX_MESSAGE announced.
+    let (code, msg) = raw_call(&mut raw, "/ProxyService/Proxy", None, &[0, 0x7f, 0, 0, 0]).await;
+    assert_eq!(code, "8", "{msg}");
+
+    // The same connection and the tunnel beside it are unharmed.
+    let (code, msg) = raw_call(&mut raw, "/ProxyService/Nope", None, b"").await;
+    assert_eq!(code, "12", "{msg}");
+    good.write_all(b"still here").await.unwrap();
+    let mut buf = [0u8; 10];
+    good.read_exact(&mut buf).await.unwrap();
+    assert_eq!(&buf, b"still here");
+    let page = s.server.metrics().await;
+    let errors: f64 = page
+        .lines()
+        .filter(|l| l.starts_with("konnectivity_network_proxy_server_stream_errors_total{"))
+        .filter(|l| l.contains("from_client"))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum();
+    assert_eq!(errors, 3.0, "client stream errors counted:\n{page}");
+}

@@ -30,7 +30,7 @@ use grpc::{Inbound, Outbound, Target};
 /// Entry points for the fuzz targets in `tests/fuzz.rs`.
 #[doc(hidden)]
 pub mod fuzzing {
-    pub use crate::grpc::{frame, fuzz_messages};
+    pub use tether_core::grpc::{frame, fuzz_messages};
 }
 
 /// How long to wait for the server's DIAL_RSP (upstream's client backstop).
@@ -137,7 +137,7 @@ impl Client {
     /// Opens a raw Proxy stream, for speaking the protocol packet by packet.
     pub async fn open_stream(&self) -> Result<(PacketSender, PacketStream), ClientError> {
         let (out, response) = self.open(None).await?;
-        let inbound = Inbound::new(response).await.map_err(ClientError::Stream)?;
+        let inbound = Inbound::new(response);
         Ok((PacketSender(out), PacketStream(inbound)))
     }
 
@@ -152,7 +152,7 @@ impl Client {
         let answer = tokio::time::timeout(DIAL_TIMEOUT, async {
             let (out, response) = self.open(Some(&dial)).await?;
             opened = out;
-            let mut inbound = Inbound::new(response).await.map_err(ClientError::Stream)?;
+            let mut inbound = Inbound::new(response);
             loop {
                 match inbound.message().await.map_err(ClientError::Stream)? {
                     Some(Packet {
@@ -390,7 +390,10 @@ impl AsyncWrite for TunnelConn {
                 "tunnel connection closed by the proxy",
             )));
         }
-        let n = buf.len().min(tether_core::pump::READ_CHUNK);
+        // One message per HTTP/2 frame: the server reads it without joining pieces.
+        const MOST: usize =
+            tether_core::grpc::one_frame_payload(tether_core::transport::H2_MAX_FRAME);
+        let n = buf.len().min(tether_core::pump::READ_CHUNK).min(MOST);
         let connect_id = this.connect_id;
         ready!(this
             .out

@@ -7,6 +7,7 @@
 
 pub mod drain;
 pub mod flow;
+pub mod grpc;
 pub mod identifiers;
 pub mod pump;
 pub mod queue;

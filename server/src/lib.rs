@@ -23,10 +23,9 @@ use axum::http::StatusCode;
 use tether_core::tls::{self, TlsError, TlsFiles};
 use tether_core::transport::{self, ServerConfigSource};
 use tether_proto::agent_service_server::AgentServiceServer;
-use tether_proto::proxy_service_server::ProxyServiceServer;
 use tether_proto::MAX_MESSAGE;
 use tokio::net::{TcpListener, UnixListener};
-use tokio_stream::wrappers::{ReceiverStream, UnixListenerStream};
+use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -521,6 +520,8 @@ fn spawn_agent_listener(
     )
 }
 
+/// Accepts frontend connections until `stop`, each served in a task of its own until
+/// its client goes or `hard_stop`: established streams and tunnels outlive `stop`.
 async fn serve_frontend(
     mode: Mode,
     listener: FrontendListener,
@@ -529,65 +530,12 @@ async fn serve_frontend(
     stop: CancellationToken,
     hard_stop: CancellationToken,
 ) {
-    match mode {
-        Mode::Grpc => serve_grpc(listener, router, keepalive, stop, hard_stop).await,
-        Mode::HttpConnect => serve_http_connect(listener, router, stop, hard_stop).await,
-    }
-}
-
-/// Serves `ProxyService/Proxy`; established streams keep running after `stop` until
-/// `hard_stop`.
-async fn serve_grpc(
-    listener: FrontendListener,
-    router: Arc<Router>,
-    keepalive: Duration,
-    stop: CancellationToken,
-    hard_stop: CancellationToken,
-) {
-    let svc = ProxyServiceServer::new(frontend::grpc::GrpcFrontend {
+    let serve = Accepted {
+        mode,
         router,
-        stop: hard_stop.clone(),
-    })
-    .max_decoding_message_size(MAX_MESSAGE)
-    .max_encoding_message_size(MAX_MESSAGE);
-    let builder = transport::h2_server()
-        // One stream per dial: a client may hold thousands on one connection.
-        .max_concurrent_streams(Some(1 << 16))
-        .http2_keepalive_interval(Some(keepalive))
-        .add_service(svc);
-    let result = match listener {
-        FrontendListener::Uds(l, _) => {
-            let incoming = futures::StreamExt::take_until(
-                UnixListenerStream::new(l)
-                    .map(|r| r.map(frontend::uds_authority::AuthorityFix::new)),
-                stop.cancelled_owned(),
-            );
-            builder
-                .serve_with_incoming_shutdown(incoming, hard_stop.cancelled_owned())
-                .await
-        }
-        FrontendListener::Tls(l, cfg) => {
-            let incoming = transport::tls_incoming(l, cfg, "frontend", stop);
-            builder
-                .serve_with_incoming_shutdown(
-                    ReceiverStream::new(incoming).map(Ok::<_, std::io::Error>),
-                    hard_stop.cancelled_owned(),
-                )
-                .await
-        }
+        keepalive,
+        hard_stop,
     };
-    if let Err(e) = result {
-        tracing::error!(error = %e, "frontend failed");
-    }
-}
-
-/// Accepts HTTP-CONNECT connections until `stop`, each served in a task of its own.
-async fn serve_http_connect(
-    listener: FrontendListener,
-    router: Arc<Router>,
-    stop: CancellationToken,
-    hard_stop: CancellationToken,
-) {
     match listener {
         FrontendListener::Uds(l, _) => loop {
             let sock = tokio::select! {
@@ -596,29 +544,52 @@ async fn serve_http_connect(
                     Ok((s, _)) => s,
                     Err(e) => {
                         tracing::warn!(error = %e, "accept failed");
+                        // EMFILE and friends: back off a little instead of spinning.
                         tokio::time::sleep(Duration::from_millis(50)).await;
                         continue;
                     }
                 },
             };
-            spawn_http(router.clone(), sock, hard_stop.clone(), "uds".into());
+            match mode {
+                Mode::Grpc => serve.spawn(frontend::uds_authority::AuthorityFix::new(sock), "uds"),
+                Mode::HttpConnect => serve.spawn(sock, "uds"),
+            }
         },
         FrontendListener::Tls(l, cfg) => {
             let mut incoming = transport::tls_incoming(l, cfg, "frontend", stop);
             while let Some(conn) = incoming.recv().await {
                 let peer = conn.info().remote_addr.to_string();
-                spawn_http(router.clone(), conn, hard_stop.clone(), peer);
+                serve.spawn(conn, &peer);
             }
         }
     }
 }
 
-fn spawn_http<S>(router: Arc<Router>, sock: S, hard_stop: CancellationToken, peer: String)
-where
-    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
-{
-    let span = tracing::info_span!("frontend", kind = "http-connect", %peer, address = tracing::field::Empty);
-    tokio::spawn(
-        frontend::http_connect::serve_connection(router, sock, hard_stop).instrument(span),
-    );
+/// How an accepted frontend connection is served.
+struct Accepted {
+    mode: Mode,
+    router: Arc<Router>,
+    keepalive: Duration,
+    hard_stop: CancellationToken,
+}
+
+impl Accepted {
+    fn spawn<S>(&self, sock: S, peer: &str)
+    where
+        S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let (router, stop) = (self.router.clone(), self.hard_stop.clone());
+        match self.mode {
+            Mode::Grpc => {
+                let span = tracing::debug_span!("frontend_connection", kind = "grpc", %peer);
+                let conn = frontend::grpc::serve_connection(sock, router, self.keepalive, stop);
+                tokio::spawn(conn.instrument(span));
+            }
+            Mode::HttpConnect => {
+                let span = tracing::info_span!("frontend", kind = "http-connect", %peer, address = tracing::field::Empty);
+                let conn = frontend::http_connect::serve_connection(router, sock, stop);
+                tokio::spawn(conn.instrument(span));
+            }
+        }
+    }
 }

@@ -1,108 +1,355 @@
-//! The gRPC frontend (`/ProxyService/Proxy`): one task per client stream turns the
-//! client's packets into calls on the router; the router's answers flow back through
-//! the stream's outbox. At the hard stop every stream ends, so the HTTP/2 connections
-//! can close at once.
+//! The gRPC frontend (`/ProxyService/Proxy`) on bare HTTP/2 (the h2 crate, no tonic or
+//! hyper between): one task per connection drives HTTP/2 and its keepalive, and one
+//! task per Proxy stream both reads the client's packets into router calls and writes
+//! the stream's outbox back, cutting messages straight out of DATA frames. At the hard
+//! stop every stream ends and each connection says GOAWAY.
 
-use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
-use futures::Stream;
-use tether_proto::proxy_service_server::ProxyService;
+use bytes::Bytes;
+use futures::stream::FuturesUnordered;
+use futures::StreamExt;
+use h2::server::SendResponse;
+use h2::RecvStream;
+use prost::Message;
+use tether_core::grpc::{h2_io, percent_encode, Messages, Outbound, PROXY_PATH};
+use tether_core::transport::{H2_CONN_WINDOW, H2_MAX_FRAME, H2_STREAM_WINDOW};
 use tether_proto::{packet::Payload, Packet};
-use tokio_stream::StreamExt;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_util::sync::CancellationToken;
-use tonic::{Request, Response, Status, Streaming};
+use tonic::Code;
 use tracing::Instrument;
 
 use crate::metrics::Segment;
 use crate::router::{outbox, FrontendStream, Router};
 
-/// Serves `ProxyService`.
-pub struct GrpcFrontend {
-    pub(crate) router: Arc<Router>,
-    /// The server's hard stop: every stream's task ends, and with it the stream.
-    pub(crate) stop: CancellationToken,
+/// One stream per dial: a client may hold thousands on one connection.
+const MAX_STREAMS: u32 = 1 << 16;
+/// The client preface and SETTINGS exchange.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a keepalive ping may go unanswered (hyper's default, which tonic used).
+const PING_TIMEOUT: Duration = Duration::from_secs(20);
+/// At the hard stop: how long the last frames and the GOAWAY get to leave.
+const CLOSE_GRACE: Duration = Duration::from_secs(1);
+
+/// A gRPC status to end a stream with.
+struct Status {
+    code: Code,
+    message: String,
 }
 
-type PacketStream = Pin<Box<dyn Stream<Item = Result<Packet, Status>> + Send>>;
+impl Status {
+    fn new(code: Code, message: impl Into<String>) -> Status {
+        Status {
+            code,
+            message: message.into(),
+        }
+    }
 
-#[tonic::async_trait]
-impl ProxyService for GrpcFrontend {
-    type ProxyStream = PacketStream;
-
-    async fn proxy(
-        &self,
-        request: Request<Streaming<Packet>>,
-    ) -> Result<Response<Self::ProxyStream>, Status> {
-        let (tx, rx) = tether_core::queue::queue();
-        let fe = FrontendStream::new(tx);
-        let router = self.router.clone();
-        let gauge = router
-            .metrics
-            .grpc_connections
-            .with_label_values(&["Proxy"]);
-        gauge.inc();
-        let inbound = request.into_inner();
-        // Debug level: an info-level span per router costs ~0.4 KiB in the subscriber.
-        let span = tracing::debug_span!("frontend", kind = "grpc", id = fe.id());
-        let stop = self.stop.clone();
-        tokio::spawn(
-            async move {
-                tokio::select! {
-                    _ = serve_client(&router, &fe, inbound) => {}
-                    _ = stop.cancelled() => tracing::debug!("server stopping: stream ended"),
-                }
-                // The last sender of the outbox goes with `fe`: the response stream ends.
-                Box::pin(router.frontend_gone(&fe)).await;
-                gauge.dec();
-            }
-            .instrument(span),
-        );
-        Ok(Response::new(Box::pin(outbox(rx).map(Ok))))
+    /// What an h2 error on the stream means, as tonic maps it.
+    fn from_h2(e: &h2::Error) -> Status {
+        use h2::Reason;
+        let code = match e.reason() {
+            Some(Reason::CANCEL) => Code::Cancelled,
+            Some(Reason::REFUSED_STREAM) => Code::Unavailable,
+            Some(Reason::ENHANCE_YOUR_CALM) => Code::ResourceExhausted,
+            Some(Reason::INADEQUATE_SECURITY) => Code::PermissionDenied,
+            Some(_) => Code::Internal,
+            None => Code::Unknown,
+        };
+        Status::new(code, e.to_string())
     }
 }
 
-/// Feeds the client's packets into the server core. The core's calls are boxed: this
-/// task lives as long as the router and idles in `inbound.message()`, so its resident
-/// size is what one idle router costs, not the largest call it ever makes.
-async fn serve_client(
+/// Serves one frontend connection until the client goes, a keepalive ping goes
+/// unanswered, or `hard_stop`. Its streams run in this task too: a packet read off the
+/// socket reaches the router, and an answer reaches the socket, without waking another
+/// task (kube-apiserver opens one connection per tunnel, so there is nothing to gain
+/// from running a connection's streams in parallel, and a wake-up per hop to lose).
+pub async fn serve_connection<S>(
+    io: S,
+    router: Arc<Router>,
+    keepalive: Duration,
+    hard_stop: CancellationToken,
+) where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let handshake = h2::server::Builder::new()
+        .initial_window_size(H2_STREAM_WINDOW)
+        .initial_connection_window_size(H2_CONN_WINDOW)
+        .max_frame_size(H2_MAX_FRAME)
+        .max_concurrent_streams(MAX_STREAMS)
+        .handshake::<_, Bytes>(io);
+    let mut conn = match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake).await {
+        Ok(Ok(conn)) => conn,
+        Ok(Err(e)) => return tracing::debug!(error = %e, "HTTP/2 handshake failed"),
+        Err(_) => return tracing::debug!("HTTP/2 handshake timed out"),
+    };
+    let pings = conn.ping_pong().expect("taken once");
+    let mut keepalive = std::pin::pin!(keep_alive(pings, keepalive));
+    let mut streams = FuturesUnordered::new();
+    // Far enough to never fire before the hard stop resets it.
+    let mut closing = std::pin::pin!(tokio::time::sleep(Duration::from_secs(1 << 30)));
+    let mut stopping = false;
+    loop {
+        tokio::select! {
+            accepted = conn.accept() => match accepted {
+                Some(Ok(_)) if stopping => {}
+                Some(Ok((request, respond))) => {
+                    if let Some(stream) = start_stream(&router, request, respond, &hard_stop) {
+                        streams.push(stream);
+                    }
+                }
+                Some(Err(e)) => break tracing::debug!(error = %e, "frontend connection ended"),
+                None => break,
+            },
+            Some(()) = streams.next(), if !streams.is_empty() => {}
+            _ = &mut keepalive => {
+                break tracing::info!("keepalive ping unanswered; closing the frontend connection");
+            }
+            // Every stream ends at the hard stop: say GOAWAY and let the last frames out.
+            _ = hard_stop.cancelled(), if !stopping => {
+                stopping = true;
+                conn.graceful_shutdown();
+                closing.as_mut().reset(tokio::time::Instant::now() + CLOSE_GRACE);
+            }
+            _ = &mut closing => break,
+        }
+    }
+    // With the connection gone every stream's reads and writes fail: let each one
+    // leave the router.
+    drop(conn);
+    while streams.next().await.is_some() {}
+}
+
+/// Pings every `every` (never if zero); returns when a ping goes unanswered.
+async fn keep_alive(mut pings: h2::PingPong, every: Duration) {
+    if every.is_zero() {
+        return std::future::pending().await;
+    }
+    loop {
+        tokio::time::sleep(every).await;
+        let ping = pings.ping(h2::Ping::opaque());
+        match tokio::time::timeout(PING_TIMEOUT.min(every), ping).await {
+            Ok(Ok(_)) => {}
+            // The connection is going anyway; its accept loop sees why.
+            Ok(Err(_)) => return std::future::pending().await,
+            Err(_) => return,
+        }
+    }
+}
+
+/// A Proxy stream's work, or `None` when the request was refused (and answered).
+fn start_stream(
+    router: &Arc<Router>,
+    request: http::Request<RecvStream>,
+    respond: SendResponse<Bytes>,
+    hard_stop: &CancellationToken,
+) -> Option<impl std::future::Future<Output = ()> + Send + 'static> {
+    let mut reply = Reply {
+        respond: Some(respond),
+        out: Outbound::closed(),
+    };
+    if let Err(status) = check_request(&request) {
+        tracing::debug!(path = %request.uri().path(), message = %status.message, "refused a frontend request");
+        reply.finish(status);
+        return None;
+    }
+    let (tx, rx) = tether_core::queue::queue();
+    let fe = FrontendStream::new(tx);
+    // Debug level: an info-level span per stream costs ~0.4 KiB in the subscriber.
+    let span = tracing::debug_span!("frontend", kind = "grpc", id = fe.id());
+    let router = router.clone();
+    let stop = hard_stop.clone();
+    let body = request.into_body();
+    Some(
+        async move {
+            let gauge = router
+                .metrics
+                .grpc_connections
+                .with_label_values(&["Proxy"]);
+            gauge.inc();
+            let inbound = async {
+                let status = tokio::select! {
+                    s = read_client(&router, &fe, body) => s,
+                    _ = stop.cancelled() => {
+                        tracing::debug!("server stopping: stream ended");
+                        Ok(())
+                    }
+                };
+                Box::pin(router.frontend_gone(&fe)).await;
+                // The last sender of the outbox goes with `fe`: the writer drains it and ends.
+                drop(fe);
+                status
+            };
+            let outbound = write_client(&router, &mut reply, rx, &stop);
+            let (status, ()) = futures::future::join(inbound, outbound).await;
+            reply.finish(status.err().unwrap_or(Status::new(Code::Ok, "")));
+            gauge.dec();
+        }
+        .instrument(span),
+    )
+}
+
+/// A Proxy call, or why not: the method, the content type, no compression.
+fn check_request(request: &http::Request<RecvStream>) -> Result<(), Status> {
+    if request.method() != http::Method::POST || request.uri().path() != PROXY_PATH {
+        return Err(Status::new(
+            Code::Unimplemented,
+            format!("unknown method {}", request.uri().path()),
+        ));
+    }
+    let headers = request.headers();
+    let grpc = headers
+        .get(http::header::CONTENT_TYPE)
+        .is_some_and(|t| t.as_bytes().starts_with(b"application/grpc"));
+    if !grpc {
+        return Err(Status::new(
+            Code::InvalidArgument,
+            "content-type is not application/grpc",
+        ));
+    }
+    match headers.get("grpc-encoding").map(|e| e.as_bytes()) {
+        None | Some(b"identity") => Ok(()),
+        Some(other) => Err(Status::new(
+            Code::Unimplemented,
+            format!(
+                "message compression {} is not supported",
+                String::from_utf8_lossy(other)
+            ),
+        )),
+    }
+}
+
+/// Feeds the client's packets into the router until the client half-closes or the
+/// stream fails. The router's calls are boxed: this task idles in `body.data()` for the
+/// life of the stream, so its resident size is that of an idle stream, not of the
+/// largest call it ever makes.
+async fn read_client(
     router: &Arc<Router>,
     fe: &Arc<FrontendStream>,
-    mut inbound: Streaming<Packet>,
-) {
-    loop {
-        let packet = match inbound.message().await {
-            Ok(Some(p)) => p,
-            Ok(None) => return,
-            Err(status) => {
-                router
-                    .metrics
-                    .stream_error(Segment::FromClient, status.code());
-                tracing::debug!(error = %status.message(), "frontend stream ended with error");
-                return;
-            }
-        };
-        router.metrics.packet(Segment::FromClient, packet.r#type);
-        match packet.payload {
-            Some(Payload::DialRequest(req)) => {
-                let random = req.random;
-                let span = tracing::info_span!("dial", address = %req.address, random);
-                if Box::pin(router.dial(fe, req).instrument(span))
-                    .await
-                    .is_err()
-                {
-                    router.no_agent(fe, random);
+    mut body: RecvStream,
+) -> Result<(), Status> {
+    let mut messages = Messages::default();
+    let result = loop {
+        match messages.next_message() {
+            Ok(Some(message)) => match Packet::decode(message) {
+                Ok(packet) => on_packet(router, fe, packet).await,
+                Err(e) => break Err(Status::new(Code::Internal, format!("bad packet: {e}"))),
+            },
+            Ok(None) => match body.data().await {
+                Some(Ok(chunk)) => {
+                    let _ = body.flow_control().release_capacity(chunk.len());
+                    messages.push(chunk);
                 }
+                Some(Err(e)) => break Err(Status::from_h2(&e)),
+                None if messages.mid_message() => {
+                    break Err(Status::new(Code::Internal, "stream ended inside a message"))
+                }
+                None => break Ok(()),
+            },
+            Err(e) if e.contains("exceeds") => break Err(Status::new(Code::ResourceExhausted, e)),
+            Err(e) => break Err(Status::new(Code::Internal, e)),
+        }
+    };
+    if let Err(status) = &result {
+        router
+            .metrics
+            .stream_error(Segment::FromClient, status.code);
+        tracing::debug!(error = %status.message, "frontend stream ended with error");
+    }
+    result
+}
+
+async fn on_packet(router: &Arc<Router>, fe: &Arc<FrontendStream>, packet: Packet) {
+    router.metrics.packet(Segment::FromClient, packet.r#type);
+    match packet.payload {
+        Some(Payload::DialRequest(req)) => {
+            let random = req.random;
+            let span = tracing::info_span!("dial", address = %req.address, random);
+            if Box::pin(router.dial(fe, req).instrument(span))
+                .await
+                .is_err()
+            {
+                router.no_agent(fe, random);
             }
-            Some(Payload::Data(_)) => {
-                Box::pin(router.send_data(fe, packet)).await;
+        }
+        Some(Payload::Data(_)) => {
+            Box::pin(router.send_data(fe, packet)).await;
+        }
+        Some(Payload::CloseRequest(c)) => Box::pin(router.close(fe, c.connect_id)).await,
+        Some(Payload::CloseDial(c)) => Box::pin(router.cancel(fe, c.random)).await,
+        _ => tracing::debug!(
+            ty = packet.r#type,
+            "unexpected packet from frontend; ignored"
+        ),
+    }
+}
+
+/// Writes the stream's outbox to the client until it ends (the stream is gone from
+/// the router and everything queued is out), the client stops the stream, or `stop`.
+async fn write_client(
+    router: &Router,
+    reply: &mut Reply,
+    rx: tether_core::queue::Receiver<crate::router::Outgoing>,
+    stop: &CancellationToken,
+) {
+    let mut packets = outbox(rx);
+    loop {
+        let packet = tokio::select! {
+            p = packets.next() => match p {
+                Some(p) => p,
+                None => return,
+            },
+            _ = stop.cancelled() => return,
+        };
+        if let Err(e) = reply.send(&packet).await {
+            tracing::debug!(error = %e, "cannot write to the frontend client");
+            router
+                .metrics
+                .stream_error(Segment::ToClient, Code::Unavailable);
+            return;
+        }
+    }
+}
+
+/// The server's half of a stream: the response headers go with the first message (as
+/// grpc-go's do), the status in trailers, or alone if nothing was sent.
+struct Reply {
+    respond: Option<SendResponse<Bytes>>,
+    out: Outbound,
+}
+
+fn response() -> http::Response<()> {
+    http::Response::builder()
+        .header(http::header::CONTENT_TYPE, "application/grpc")
+        .body(())
+        .expect("static response parts")
+}
+
+impl Reply {
+    async fn send(&mut self, packet: &Packet) -> std::io::Result<()> {
+        if let Some(mut respond) = self.respond.take() {
+            self.out = Outbound::new(respond.send_response(response(), false).map_err(h2_io)?);
+        }
+        self.out.send(packet).await
+    }
+
+    fn finish(&mut self, status: Status) {
+        let mut trailers = http::HeaderMap::new();
+        trailers.insert("grpc-status", (status.code as i32).into());
+        if !status.message.is_empty() {
+            if let Ok(m) = http::HeaderValue::from_str(&percent_encode(&status.message)) {
+                trailers.insert("grpc-message", m);
             }
-            Some(Payload::CloseRequest(c)) => Box::pin(router.close(fe, c.connect_id)).await,
-            Some(Payload::CloseDial(c)) => Box::pin(router.cancel(fe, c.random)).await,
-            _ => tracing::debug!(
-                ty = packet.r#type,
-                "unexpected packet from frontend; ignored"
-            ),
+        }
+        if let Some(mut respond) = self.respond.take() {
+            let mut only = response();
+            only.headers_mut().extend(trailers);
+            let _ = respond.send_response(only, true);
+        } else if let Some(stream) = self.out.stream() {
+            let _ = stream.send_trailers(trailers);
         }
     }
 }
