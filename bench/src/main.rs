@@ -10,6 +10,7 @@
 //! client -> balancer -> server -> agent -> backend, beside the server alone.
 //! Rounds are interleaved and medians reported; every figure is also a ratio to direct.
 
+mod soak;
 mod swarm;
 
 use std::io::{BufRead, BufReader};
@@ -86,6 +87,30 @@ struct Args {
     /// Agents carrying `--tunnels`.
     #[arg(long, default_value_t = 100)]
     tunnel_agents: usize,
+    /// A soak run instead of the route table: churn for this many seconds (180 if
+    /// given without a value) with agents and servers killed and restarted and node
+    /// links cut, then check that everything came back and nothing leaked. Exits
+    /// non-zero when a check fails.
+    #[arg(long, num_args = 0..=1, default_missing_value = "180")]
+    soak: Option<u64>,
+    /// Agent processes in the soak run.
+    #[arg(long, default_value_t = 100)]
+    soak_agents: usize,
+    /// Callers in the soak run, each holding one tunnel at a time.
+    #[arg(long, default_value_t = 1000)]
+    soak_tunnels: usize,
+    /// Soak agents inside network namespaces whose link is cut now and then (needs
+    /// root and iproute2).
+    #[arg(long, default_value_t = 4)]
+    soak_partitions: usize,
+    /// Run the soak's servers with `--enable-profiling` and save their heap profiles
+    /// in this directory at the end.
+    #[arg(long)]
+    soak_heap_profiles: Option<PathBuf>,
+    /// (internal) Run as an echo server on this address (inside a soak node's
+    /// namespace): log `echo ready` as JSON, then echo every connection.
+    #[arg(long, hide = true)]
+    echo_at: Option<SocketAddr>,
     /// (internal) Run as a swarm of agents connecting to this server address.
     #[arg(long, hide = true)]
     swarm_to: Option<SocketAddr>,
@@ -212,40 +237,7 @@ impl Env {
                 Box::pin(s)
             }
             Route::GrpcUds => Box::pin(self.client.dial(&target.to_string()).await?),
-            Route::HttpConnectUds => {
-                let mut s = tokio::net::UnixStream::connect(&self.connect_socket).await?;
-                s.write_all(
-                    format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n").as_bytes(),
-                )
-                .await?;
-                // Buffered, as kube-apiserver reads it (not a byte per read). The
-                // backend never speaks first, so nothing can follow the head yet.
-                let mut head = Vec::with_capacity(256);
-                let mut b = [0u8; 256];
-                let end = loop {
-                    let n = s.read(&mut b).await?;
-                    if n == 0 {
-                        bail!("CONNECT: closed");
-                    }
-                    head.extend_from_slice(&b[..n]);
-                    if head.len() > 4096 {
-                        bail!("CONNECT: answer head over 4 KiB");
-                    }
-                    if let Some(i) = head.windows(4).position(|w| w == b"\r\n\r\n") {
-                        break i + 4;
-                    }
-                };
-                if end != head.len() {
-                    bail!(
-                        "CONNECT: bytes after the answer {:?}",
-                        String::from_utf8_lossy(&head)
-                    );
-                }
-                if !head.starts_with(b"HTTP/1.1 200") {
-                    bail!("CONNECT: {}", String::from_utf8_lossy(&head));
-                }
-                Box::pin(s)
-            }
+            Route::HttpConnectUds => http_connect(&self.connect_socket, target).await?,
             Route::Ssh | Route::Relay | Route::LoadBalancer => {
                 let port = match route {
                     Route::Ssh => self.ssh_port.context("ssh not set up")?,
@@ -258,6 +250,40 @@ impl Env {
             }
         })
     }
+}
+
+/// Opens a tunnel to `target` through the HTTP-CONNECT frontend on the Unix socket
+/// `socket`, reading the answer buffered as kube-apiserver does (not a byte per read).
+async fn http_connect(socket: &Path, target: SocketAddr) -> anyhow::Result<Conn> {
+    let mut s = tokio::net::UnixStream::connect(socket).await?;
+    s.write_all(format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n").as_bytes())
+        .await?;
+    // The backend never speaks first, so nothing can follow the head yet.
+    let mut head = Vec::with_capacity(256);
+    let mut b = [0u8; 256];
+    let end = loop {
+        let n = s.read(&mut b).await?;
+        if n == 0 {
+            bail!("CONNECT: closed");
+        }
+        head.extend_from_slice(&b[..n]);
+        if head.len() > 4096 {
+            bail!("CONNECT: answer head over 4 KiB");
+        }
+        if let Some(i) = head.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+    };
+    if !head.starts_with(b"HTTP/1.1 200") {
+        bail!("CONNECT: {:?}", String::from_utf8_lossy(&head));
+    }
+    if end != head.len() {
+        bail!(
+            "CONNECT: bytes after the answer {:?}",
+            String::from_utf8_lossy(&head)
+        );
+    }
+    Ok(Box::pin(s))
 }
 
 // === backend ===
@@ -889,6 +915,12 @@ fn main() -> anyhow::Result<()> {
             args.swarm_count,
         ));
     }
+    if let Some(at) = args.echo_at {
+        return tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?
+            .block_on(soak::echo_at(at));
+    }
     if let (Some(to), Some(uds)) = (args.lb_to, &args.lb_tunnel_uds) {
         tether_ops::memory::tune_allocator();
         return tokio::runtime::Runtime::new()?.block_on(load_balancer(to, uds.clone()));
@@ -914,6 +946,22 @@ async fn bench(args: Args) -> anyhow::Result<()> {
                 path.display()
             );
         }
+    }
+    if let Some(secs) = args.soak {
+        let run = soak::Soak {
+            duration: Duration::from_secs(secs),
+            agents: args.soak_agents.max(1),
+            tunnels: args.soak_tunnels,
+            partitions: args.soak_partitions,
+            heap_profiles: args.soak_heap_profiles.clone(),
+        };
+        let v = soak::soak(&bin, &agent_bin, run).await?;
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        std::fs::write(&args.json, serde_json::to_string_pretty(&v)?)?;
+        if v["passed"] != true {
+            bail!("soak: a check failed: {}", v["checks"]);
+        }
+        return Ok(());
     }
     if args.agents.is_some() || args.tunnels.is_some() {
         let mut out = serde_json::Map::new();

@@ -75,7 +75,12 @@ pub async fn http_on(ip: &str, body: &'static str) -> Backend {
 
 /// Echoes every byte back.
 pub async fn echo() -> Backend {
-    serve("127.0.0.1", |s| async move {
+    echo_on("127.0.0.1").await
+}
+
+/// [`echo`] on a chosen local address (e.g. a veth address nodes reach).
+pub async fn echo_on(ip: &str) -> Backend {
+    serve(ip, |s| async move {
         let (mut r, mut w) = s.into_split();
         let _ = tokio::io::copy(&mut r, &mut w).await;
     })

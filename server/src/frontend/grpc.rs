@@ -1,8 +1,8 @@
 //! The gRPC frontend (`/ProxyService/Proxy`) on bare HTTP/2 (the h2 crate, no tonic or
-//! hyper between): one task per connection drives HTTP/2 and its keepalive, and one
-//! task per Proxy stream both reads the client's packets into router calls and writes
-//! the stream's outbox back, cutting messages straight out of DATA frames. At the hard
-//! stop every stream ends and each connection says GOAWAY.
+//! hyper between): one task per connection drives HTTP/2, its keepalive and all its
+//! Proxy streams, each of which reads the client's packets into router calls and
+//! writes the stream's outbox back, cutting messages straight out of DATA frames. At
+//! the hard stop every stream ends and each connection says GOAWAY.
 
 use std::sync::Arc;
 use std::time::Duration;
