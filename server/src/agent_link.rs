@@ -1,21 +1,30 @@
 //! The agent listener's gRPC service (`/AgentService/Connect`): validates an agent's
 //! metadata, registers its stream with the router, answers with `serverid`/`servercount`
-//! and runs one task per stream feeding what the agent sends into the server core.
+//! and runs one task per stream feeding what the agent sends into the server core. It
+//! sits straight on the HTTP/2 server's bodies, not on tonic's codec: messages are cut
+//! out of DATA frames without a copy and sent as slices of the packets, and no buffer
+//! keeps the size of the largest packet a stream ever carried (tonic's codec buffers
+//! did, for every agent stream, until the stream ended).
 
 use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{ready, Context, Poll};
 
-use futures::Stream;
+use bytes::Bytes;
+use futures::{Stream, StreamExt as _};
+use http_body::{Body as _, Frame};
+use prost::Message as _;
+use tether_core::grpc::{frame_parts, Messages};
 use tether_core::identifiers::AgentIdentifiers;
 use tether_core::transport::TlsConnectInfo;
-use tether_proto::agent_service_server::AgentService;
 use tether_proto::{header, link, Packet};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
-use tonic::metadata::MetadataValue;
-use tonic::{Request, Response, Status, Streaming};
+use tonic::body::Body;
+use tonic::metadata::{MetadataMap, MetadataValue};
+use tonic::{Code, Status};
 use tracing::Instrument;
 
 use crate::metrics::Segment;
@@ -116,7 +125,7 @@ fn verified(
     }
 }
 
-type PacketStream = Pin<Box<dyn Stream<Item = Result<Packet, Status>> + Send>>;
+type PacketStream = Pin<Box<dyn Stream<Item = Packet> + Send>>;
 
 /// An agent the link let in: who it is and what the server checked.
 struct Admitted {
@@ -128,40 +137,139 @@ struct Admitted {
     peer: String,
 }
 
-#[tonic::async_trait]
-impl AgentService for AgentLink {
-    type ConnectStream = PacketStream;
+/// The method agents call.
+const CONNECT_PATH: &str = "/AgentService/Connect";
 
-    async fn connect(
-        &self,
-        request: Request<Streaming<Packet>>,
-    ) -> Result<Response<Self::ConnectStream>, Status> {
-        let admitted = self.admit(&request).await?;
-        let peer_window = admitted.peer_window;
-        let out = self.open(admitted, request.into_inner());
-        let mut response = Response::new(out);
-        let meta = response.metadata_mut();
-        if let Ok(v) = MetadataValue::try_from(self.server_id.as_str()) {
-            meta.insert(header::SERVER_ID, v);
+/// [`AgentLink`] as the service the HTTP/2 server routes `/AgentService/*` to.
+#[derive(Clone)]
+pub struct AgentConnect(Arc<AgentLink>);
+
+impl AgentConnect {
+    /// Serves agents through `link`.
+    pub fn new(link: AgentLink) -> Self {
+        AgentConnect(Arc::new(link))
+    }
+}
+
+impl tonic::server::NamedService for AgentConnect {
+    const NAME: &'static str = "AgentService";
+}
+
+impl tonic::codegen::Service<http::Request<Body>> for AgentConnect {
+    type Response = http::Response<Body>;
+    type Error = std::convert::Infallible;
+    type Future = tonic::codegen::BoxFuture<Self::Response, Self::Error>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+        let link = self.0.clone();
+        Box::pin(async move {
+            Ok(link
+                .connect(request)
+                .await
+                .unwrap_or_else(|status| status.into_http()))
+        })
+    }
+}
+
+/// What the server sends an agent: each packet as a gRPC message (a large DATA
+/// payload as a slice of the packet, not a copy), then `grpc-status: 0` once the
+/// stream is retired or the server stops.
+struct Outgoing {
+    packets: PacketStream,
+    /// The payload of the message whose head went last.
+    tail: Option<Bytes>,
+    ended: bool,
+}
+
+impl http_body::Body for Outgoing {
+    type Data = Bytes;
+    type Error = Status;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+        let this = self.get_mut();
+        if let Some(tail) = this.tail.take() {
+            return Poll::Ready(Some(Ok(Frame::data(tail))));
         }
-        if peer_window.is_some() {
-            link::offer_window(meta);
+        if this.ended {
+            return Poll::Ready(None);
         }
-        let count = self.server_count.load(std::sync::atomic::Ordering::Relaxed);
-        meta.insert(header::SERVER_COUNT, MetadataValue::from(count));
-        Ok(response)
+        match ready!(this.packets.poll_next_unpin(cx)) {
+            Some(packet) => {
+                let (head, tail) = frame_parts(&packet);
+                this.tail = tail;
+                Poll::Ready(Some(Ok(Frame::data(head))))
+            }
+            None => {
+                this.ended = true;
+                let mut trailers = http::HeaderMap::new();
+                trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+                Poll::Ready(Some(Ok(Frame::trailers(trailers))))
+            }
+        }
     }
 }
 
 impl AgentLink {
+    /// One Connect call: admit the agent, open its stream, answer with the headers.
+    async fn connect(&self, request: http::Request<Body>) -> Result<http::Response<Body>, Status> {
+        if request.uri().path() != CONNECT_PATH {
+            return Err(Status::unimplemented(format!(
+                "unknown method {}",
+                request.uri().path()
+            )));
+        }
+        let (parts, body) = request.into_parts();
+        if let Some(e) = parts.headers.get("grpc-encoding") {
+            if e != "identity" {
+                return Err(Status::unimplemented("compression is not supported"));
+            }
+        }
+        let md = MetadataMap::from_headers(parts.headers);
+        let admitted = self
+            .admit(&md, parts.extensions.get::<TlsConnectInfo>())
+            .await?;
+        let peer_window = admitted.peer_window;
+        let packets = self.open(admitted, body);
+        let mut meta = MetadataMap::new();
+        if let Ok(v) = MetadataValue::try_from(self.server_id.as_str()) {
+            meta.insert(header::SERVER_ID, v);
+        }
+        if peer_window.is_some() {
+            link::offer_window(&mut meta);
+        }
+        let count = self.server_count.load(std::sync::atomic::Ordering::Relaxed);
+        meta.insert(header::SERVER_COUNT, MetadataValue::from(count));
+        let body = Outgoing {
+            packets,
+            tail: None,
+            ended: false,
+        };
+        let mut response = http::Response::new(Body::new(body));
+        *response.headers_mut() = meta.into_headers();
+        response.headers_mut().insert(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("application/grpc"),
+        );
+        Ok(response)
+    }
+
     /// Reads and checks the agent's metadata: its id, its token (with an
     /// authenticator), its identifiers against its certificate (when required).
-    async fn admit(&self, request: &Request<Streaming<Packet>>) -> Result<Admitted, Status> {
-        let conn_info = request.extensions().get::<TlsConnectInfo>();
+    async fn admit(
+        &self,
+        md: &MetadataMap,
+        conn_info: Option<&TlsConnectInfo>,
+    ) -> Result<Admitted, Status> {
         let peer = conn_info
             .map(|i| i.remote_addr.to_string())
             .unwrap_or_default();
-        let md = request.metadata();
         let agent_id = match link::single(md, header::AGENT_ID) {
             Ok("") => return Err(Status::invalid_argument("empty agentid")),
             Ok(id) => id.to_string(),
@@ -218,7 +326,7 @@ impl AgentLink {
     /// stream ends when the agent stream is removed (its senders dropped with the last
     /// reference), retired (`closed`) or the server stops; WINDOW_UPDATEs overtake
     /// queued DATA.
-    fn open(&self, a: Admitted, inbound: Streaming<Packet>) -> PacketStream {
+    fn open(&self, a: Admitted, inbound: Body) -> PacketStream {
         let (tx, rx) = mpsc::channel(self.channel_size);
         // WINDOW_UPDATEs: a queue that holds no memory while empty (a tokio channel
         // would keep a 32-packet block, 2.5 KiB, for each of thousands of agents).
@@ -258,33 +366,53 @@ impl AgentLink {
                 _ = retired.cancelled() => {}
             }
         };
-        let out = ctl_rx.merge(ReceiverStream::new(rx)).map(Ok);
+        let out = ctl_rx.merge(ReceiverStream::new(rx));
         Box::pin(futures::StreamExt::take_until(out, Box::pin(ended)))
     }
 }
 
+/// Feeds what the agent sends into the router until its stream ends, fails, is
+/// retired, or the server stops.
 async fn serve_agent(
     router: &Arc<Router>,
     agent: &Arc<AgentStream>,
-    mut inbound: Streaming<Packet>,
+    inbound: Body,
     shutdown: CancellationToken,
 ) {
+    let mut inbound = std::pin::pin!(inbound);
+    let mut messages = Messages::default();
+    let failed = |code: Code, why: &str| {
+        router.metrics.stream_error(Segment::FromAgent, code);
+        tracing::info!(error = %why, ?code, "agent stream failed");
+    };
     loop {
-        let next = tokio::select! {
-            next = inbound.message() => next,
+        loop {
+            match messages.next_message() {
+                Ok(Some(message)) => match Packet::decode(message) {
+                    Ok(packet) => router.on_agent_packet(agent, packet).await,
+                    Err(e) => return failed(Code::Internal, &e.to_string()),
+                },
+                Ok(None) => break,
+                Err(why) => return failed(Code::Internal, &why),
+            }
+        }
+        let frame = tokio::select! {
+            frame = std::future::poll_fn(|cx| inbound.as_mut().poll_frame(cx)) => frame,
             _ = shutdown.cancelled() => return,
             _ = agent.closed.cancelled() => return,
         };
-        match next {
-            Ok(Some(packet)) => router.on_agent_packet(agent, packet).await,
-            Ok(None) => return,
-            Err(status) => {
-                router
-                    .metrics
-                    .stream_error(Segment::FromAgent, status.code());
-                tracing::info!(error = %status.message(), code = ?status.code(), "agent stream failed");
-                return;
+        match frame {
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(data) => messages.push(data),
+                Err(_trailers) => return,
+            },
+            None if messages.mid_message() => {
+                return failed(Code::Internal, "the stream ended inside a message")
             }
+            None => return,
+            // The agent cancelled its call: as good as an end.
+            Some(Err(status)) if status.code() == Code::Cancelled => return,
+            Some(Err(status)) => return failed(status.code(), status.message()),
         }
     }
 }
@@ -294,7 +422,7 @@ mod tests {
     use super::*;
     use std::time::Duration;
     use tether_proto::agent_service_client::AgentServiceClient;
-    use tether_proto::agent_service_server::AgentServiceServer;
+    use tonic::Request;
 
     /// An agent link served in-process over plain HTTP/2 on 127.0.0.1:0 (the TLS
     /// around it is the transport's, tested there), and its router.
@@ -321,7 +449,7 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         tokio::spawn(
             tonic::transport::Server::builder()
-                .add_service(AgentServiceServer::new(link))
+                .add_service(AgentConnect::new(link))
                 .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
         );
         let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))

@@ -22,8 +22,6 @@ use std::time::Duration;
 use axum::http::StatusCode;
 use tether_core::tls::{self, TlsError, TlsFiles};
 use tether_core::transport::{self, ServerConfigSource};
-use tether_proto::agent_service_server::AgentServiceServer;
-use tether_proto::MAX_MESSAGE;
 use tokio::net::{TcpListener, UnixListener};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
@@ -501,11 +499,7 @@ fn spawn_agent_listener(
     let server = transport::h2_server()
         .http2_keepalive_interval(Some(keepalive))
         .http2_keepalive_timeout(Some(keepalive.min(Duration::from_secs(20))))
-        .add_service(
-            AgentServiceServer::new(link)
-                .max_decoding_message_size(MAX_MESSAGE)
-                .max_encoding_message_size(MAX_MESSAGE),
-        )
+        .add_service(agent_link::AgentConnect::new(link))
         .serve_with_incoming_shutdown(
             ReceiverStream::new(incoming).map(Ok::<_, std::io::Error>),
             hard_stop.clone().cancelled_owned(),
