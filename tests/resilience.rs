@@ -322,12 +322,25 @@ async fn worker_threads() {
     let one = AgentProc::start(bin(), &pki, server.agent, &[]);
     let two = AgentProc::start(bin(), &pki, server.agent, &["--worker-threads=2".into()]);
     server.wait_agents(2).await;
-    assert_eq!(one.proc.threads_named(WORKER), 1);
-    assert_eq!(two.proc.threads_named(WORKER), 2);
-    assert_eq!(server.proc.threads_named(WORKER), 3);
+    // A thread takes its name once it first runs: on a loaded machine that can be
+    // after the process reported readiness, so wait for the count (it never exceeds
+    // the setting; a wrong setting times out).
+    wait_threads(&one.proc, 1).await;
+    wait_threads(&two.proc, 2).await;
+    wait_threads(&server.proc, 3).await;
     let default = grpc_server(&Pki::new(), &[]);
     let cpus = std::thread::available_parallelism().unwrap().get();
-    assert_eq!(default.proc.threads_named(WORKER), cpus);
+    wait_threads(&default.proc, cpus).await;
+    assert_eq!(one.proc.threads_named(WORKER), 1);
+}
+
+/// Waits until `p` has `n` runtime worker threads.
+async fn wait_threads(p: &tether_testkit::Proc, n: usize) {
+    let what = format!("{n} tokio-rt-worker threads in {}", p.pid());
+    wait_until(&what, Duration::from_secs(10), || async {
+        (p.threads_named("tokio-rt-worker") == n).then_some(())
+    })
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

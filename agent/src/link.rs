@@ -7,14 +7,19 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use tether_core::grpc::body::{BodyPackets, PacketBody};
 use tether_core::transport::{grpc_channel_tls, ChannelSettings};
-use tether_proto::agent_service_client::AgentServiceClient;
 use tether_proto::{header, link};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
-use tonic::metadata::MetadataValue;
+use tonic::body::Body;
+use tonic::codegen::Service;
+use tonic::metadata::{MetadataMap, MetadataValue};
 use tracing::Instrument;
+
+/// The method the agent calls.
+const CONNECT_PATH: &str = "/AgentService/Connect";
 
 use crate::dialer::Session;
 use crate::Agent;
@@ -58,14 +63,25 @@ impl Agent {
             dead_link: cfg.dead_link,
             ..Default::default()
         };
-        let channel = grpc_channel_tls(host, port, self.tls.get(), &settings).await?;
+        let mut channel = grpc_channel_tls(host, port, self.tls.get(), &settings).await?;
         let (out_tx, out_rx) = mpsc::channel(cfg.channel_size);
-        let request = self.request(ReceiverStream::new(out_rx))?;
-        let mut client = AgentServiceClient::new(channel)
-            .max_decoding_message_size(tether_proto::MAX_MESSAGE)
-            .max_encoding_message_size(tether_proto::MAX_MESSAGE);
-        let response = client.connect(request).await?;
-        let md = response.metadata();
+        // Straight on the channel's HTTP/2 bodies, not through tonic's codec (whose
+        // buffers kept the size of the largest packet the stream ever carried).
+        let body = Body::new(PacketBody::request(ReceiverStream::new(out_rx)));
+        let request = self.request(body)?;
+        std::future::poll_fn(|cx| channel.poll_ready(cx)).await?;
+        let (parts, body) = channel.call(request).await?.into_parts();
+        if parts.status != http::StatusCode::OK {
+            return Err(LinkError::Protocol(format!("HTTP status {}", parts.status)));
+        }
+        // A refusal comes as headers only, carrying the status.
+        if let Some(status) =
+            tonic::Status::from_header_map(&parts.headers).filter(|s| s.code() != tonic::Code::Ok)
+        {
+            return Err(status.into());
+        }
+        let md = MetadataMap::from_headers(parts.headers);
+        let md = &md;
         let protocol = |e: link::MetaError| LinkError::Protocol(e.to_string());
         let server_id = link::single(md, header::SERVER_ID)
             .map_err(protocol)?
@@ -82,19 +98,18 @@ impl Agent {
             server_count,
             peer_window,
             out_tx,
-            inbound: response.into_inner(),
+            inbound: BodyPackets::new(body),
         })
     }
 
     /// The Connect request: the agent's id, identifiers, token and flow-control offer.
-    fn request<S>(&self, outbound: S) -> Result<tonic::Request<S>, LinkError> {
+    fn request(&self, body: Body) -> Result<http::Request<Body>, LinkError> {
         let cfg = &self.config;
         let ascii = |what: &str, v: &str| {
             MetadataValue::try_from(v)
                 .map_err(|_| LinkError::Protocol(format!("{what} is not valid ASCII")))
         };
-        let mut request = tonic::Request::new(outbound);
-        let md = request.metadata_mut();
+        let mut md = MetadataMap::new();
         md.insert(header::AGENT_ID, ascii("agent id", &cfg.agent_id)?);
         if !cfg.identifiers.is_empty() {
             md.insert(
@@ -114,8 +129,18 @@ impl Agent {
             );
         }
         if cfg.flow_control {
-            link::offer_window(md);
+            link::offer_window(&mut md);
         }
+        let mut request = http::Request::new(body);
+        *request.method_mut() = http::Method::POST;
+        *request.uri_mut() = http::Uri::from_static(CONNECT_PATH);
+        *request.headers_mut() = md.into_headers();
+        let headers = request.headers_mut();
+        headers.insert(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("application/grpc"),
+        );
+        headers.insert(http::header::TE, http::HeaderValue::from_static("trailers"));
         Ok(request)
     }
 
@@ -199,7 +224,7 @@ pub(crate) struct Established {
     /// The server's per-connection window when it agreed to credit flow control.
     peer_window: Option<u32>,
     out_tx: mpsc::Sender<tether_proto::Packet>,
-    inbound: tonic::Streaming<tether_proto::Packet>,
+    inbound: BodyPackets<Body>,
 }
 
 /// One open stream, counted in the agent's readiness and its gauge while it lives.

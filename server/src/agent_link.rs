@@ -1,20 +1,15 @@
 //! The agent listener's gRPC service (`/AgentService/Connect`): validates an agent's
 //! metadata, registers its stream with the router, answers with `serverid`/`servercount`
 //! and runs one task per stream feeding what the agent sends into the server core. It
-//! sits straight on the HTTP/2 server's bodies, not on tonic's codec: messages are cut
-//! out of DATA frames without a copy and sent as slices of the packets, and no buffer
-//! keeps the size of the largest packet a stream ever carried (tonic's codec buffers
-//! did, for every agent stream, until the stream ended).
+//! sits straight on the HTTP/2 server's bodies (`core::grpc::body`), not on tonic's
+//! codec, whose buffers kept the size of the largest packet each agent stream carried.
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{ready, Context, Poll};
+use std::task::{Context, Poll};
 
-use bytes::Bytes;
-use futures::{Stream, StreamExt as _};
-use http_body::{Body as _, Frame};
-use prost::Message as _;
-use tether_core::grpc::{frame_parts, Messages};
+use futures::Stream;
+use tether_core::grpc::body::{BodyPackets, PacketBody};
 use tether_core::identifiers::AgentIdentifiers;
 use tether_core::transport::TlsConnectInfo;
 use tether_proto::{header, link, Packet};
@@ -175,47 +170,6 @@ impl tonic::codegen::Service<http::Request<Body>> for AgentConnect {
     }
 }
 
-/// What the server sends an agent: each packet as a gRPC message (a large DATA
-/// payload as a slice of the packet, not a copy), then `grpc-status: 0` once the
-/// stream is retired or the server stops.
-struct Outgoing {
-    packets: PacketStream,
-    /// The payload of the message whose head went last.
-    tail: Option<Bytes>,
-    ended: bool,
-}
-
-impl http_body::Body for Outgoing {
-    type Data = Bytes;
-    type Error = Status;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
-        let this = self.get_mut();
-        if let Some(tail) = this.tail.take() {
-            return Poll::Ready(Some(Ok(Frame::data(tail))));
-        }
-        if this.ended {
-            return Poll::Ready(None);
-        }
-        match ready!(this.packets.poll_next_unpin(cx)) {
-            Some(packet) => {
-                let (head, tail) = frame_parts(&packet);
-                this.tail = tail;
-                Poll::Ready(Some(Ok(Frame::data(head))))
-            }
-            None => {
-                this.ended = true;
-                let mut trailers = http::HeaderMap::new();
-                trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
-                Poll::Ready(Some(Ok(Frame::trailers(trailers))))
-            }
-        }
-    }
-}
-
 impl AgentLink {
     /// One Connect call: admit the agent, open its stream, answer with the headers.
     async fn connect(&self, request: http::Request<Body>) -> Result<http::Response<Body>, Status> {
@@ -246,12 +200,7 @@ impl AgentLink {
         }
         let count = self.server_count.load(std::sync::atomic::Ordering::Relaxed);
         meta.insert(header::SERVER_COUNT, MetadataValue::from(count));
-        let body = Outgoing {
-            packets,
-            tail: None,
-            ended: false,
-        };
-        let mut response = http::Response::new(Body::new(body));
+        let mut response = http::Response::new(Body::new(PacketBody::response(packets)));
         *response.headers_mut() = meta.into_headers();
         response.headers_mut().insert(
             http::header::CONTENT_TYPE,
@@ -379,40 +328,25 @@ async fn serve_agent(
     inbound: Body,
     shutdown: CancellationToken,
 ) {
-    let mut inbound = std::pin::pin!(inbound);
-    let mut messages = Messages::default();
-    let failed = |code: Code, why: &str| {
-        router.metrics.stream_error(Segment::FromAgent, code);
-        tracing::info!(error = %why, ?code, "agent stream failed");
-    };
+    let mut inbound = BodyPackets::new(inbound);
     loop {
-        loop {
-            match messages.next_message() {
-                Ok(Some(message)) => match Packet::decode(message) {
-                    Ok(packet) => router.on_agent_packet(agent, packet).await,
-                    Err(e) => return failed(Code::Internal, &e.to_string()),
-                },
-                Ok(None) => break,
-                Err(why) => return failed(Code::Internal, &why),
-            }
-        }
-        let frame = tokio::select! {
-            frame = std::future::poll_fn(|cx| inbound.as_mut().poll_frame(cx)) => frame,
+        let next = tokio::select! {
+            next = inbound.message() => next,
             _ = shutdown.cancelled() => return,
             _ = agent.closed.cancelled() => return,
         };
-        match frame {
-            Some(Ok(frame)) => match frame.into_data() {
-                Ok(data) => messages.push(data),
-                Err(_trailers) => return,
-            },
-            None if messages.mid_message() => {
-                return failed(Code::Internal, "the stream ended inside a message")
+        match next {
+            Ok(Some(packet)) => router.on_agent_packet(agent, packet).await,
+            Ok(None) => return,
+            // The agent cancelled its call: as good as an end (tonic's reading).
+            Err(status) if status.code() == Code::Cancelled => return,
+            Err(status) => {
+                router
+                    .metrics
+                    .stream_error(Segment::FromAgent, status.code());
+                tracing::info!(error = %status.message(), code = ?status.code(), "agent stream failed");
+                return;
             }
-            None => return,
-            // The agent cancelled its call: as good as an end.
-            Some(Err(status)) if status.code() == Code::Cancelled => return,
-            Some(Err(status)) => return failed(status.code(), status.message()),
         }
     }
 }

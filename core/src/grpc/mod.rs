@@ -1,7 +1,10 @@
 //! gRPC messages on bare HTTP/2 streams (the h2 crate, no tonic or hyper between), as
 //! both the Rust client and the server's Proxy frontend speak them: the message framing,
 //! cutting messages out of DATA frames, sends that wait for HTTP/2 flow control, and
-//! `grpc-message`'s percent-encoding.
+//! `grpc-message`'s percent-encoding; `body` has the same on hyper's and tonic's HTTP/2
+//! bodies.
+
+pub mod body;
 
 use std::io;
 use std::task::{Context, Poll};
