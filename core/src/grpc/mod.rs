@@ -253,7 +253,9 @@ impl Messages {
         if self.partial.len() < total {
             return Ok(None);
         }
-        let mut message = self.partial.split().freeze();
+        // Take the buffer whole: a split would leave its spare capacity behind, holding
+        // the message's allocation for as long as this stream lives.
+        let mut message = std::mem::take(&mut self.partial).freeze();
         message.advance(PREFIX);
         Ok(Some(message))
     }
