@@ -17,7 +17,7 @@ use anyhow::Context;
 use rand::Rng;
 use serde_json::{json, Value};
 use tether_testkit::netns::Node;
-use tether_testkit::{AgentProc, Pki, ServerProc, TempDir};
+use tether_testkit::{metric, AgentProc, Pki, ServerProc, TempDir};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::{stat_fields, status_mib, Conn};
@@ -154,22 +154,6 @@ async fn page(addr: SocketAddr) -> String {
         .await
         .map(|(_, body)| body)
         .unwrap_or_default()
-}
-
-/// The sum of every sample of `name` whose labels contain `labels` (e.g.
-/// `service_method="Proxy"`), or None if there is none.
-fn gauge(page: &str, name: &str, labels: &str) -> Option<f64> {
-    let mut found = None;
-    for line in page.lines().filter(|l| !l.starts_with('#')) {
-        let Some((key, value)) = line.rsplit_once(' ') else {
-            continue;
-        };
-        let metric = key.split('{').next().unwrap_or_default();
-        if metric == name && key.contains(labels) {
-            *found.get_or_insert(0.0) += value.parse::<f64>().unwrap_or(f64::NAN);
-        }
-    }
-    found
 }
 
 /// Open file descriptors, threads and resident MiB of `pid`.
@@ -377,10 +361,9 @@ async fn wait_connected(cluster: &Cluster, agents: usize, within: Duration) -> a
         let counts: Vec<f64> = pages
             .iter()
             .map(|p| {
-                gauge(
+                metric(
                     p,
                     "konnectivity_network_proxy_server_ready_backend_connections",
-                    "",
                 )
                 .unwrap_or(0.0)
             })
@@ -396,20 +379,11 @@ async fn wait_connected(cluster: &Cluster, agents: usize, within: Duration) -> a
 }
 
 /// The gauges that must be zero once no caller holds a tunnel: per server, per agent.
-const SERVER_GAUGES: [(&str, &str); 4] = [
-    (
-        "konnectivity_network_proxy_server_established_connections",
-        "",
-    ),
-    (
-        "konnectivity_network_proxy_server_pending_backend_dials",
-        "",
-    ),
-    ("konnectivity_network_proxy_server_http_connections", ""),
-    (
-        "konnectivity_network_proxy_server_grpc_connections",
-        "service_method=\"Proxy\"",
-    ),
+const SERVER_GAUGES: [&str; 4] = [
+    "konnectivity_network_proxy_server_established_connections",
+    "konnectivity_network_proxy_server_pending_backend_dials",
+    "konnectivity_network_proxy_server_http_connections",
+    "konnectivity_network_proxy_server_grpc_connections{service_method=\"Proxy\"}",
 ];
 const AGENT_GAUGE: &str = "konnectivity_network_proxy_agent_open_endpoint_connections";
 
@@ -419,8 +393,8 @@ async fn wait_drained(cluster: &Cluster, within: Duration) -> Value {
     loop {
         let mut nonzero = Vec::new();
         for (i, page) in cluster.server_pages().await.iter().enumerate() {
-            for (name, labels) in SERVER_GAUGES {
-                let v = gauge(page, name, labels).unwrap_or(0.0);
+            for name in SERVER_GAUGES {
+                let v = metric(page, name).unwrap_or(0.0);
                 if v != 0.0 {
                     nonzero.push(json!({"server": i, "gauge": name, "value": v}));
                 }
@@ -429,7 +403,7 @@ async fn wait_drained(cluster: &Cluster, within: Duration) -> Value {
         for (i, a) in cluster.agents.iter().enumerate() {
             let health = a.lock().await.proc.as_ref().map(|p| p.health);
             let Some(health) = health else { continue };
-            let v = gauge(&page(health).await, AGENT_GAUGE, "").unwrap_or(f64::NAN);
+            let v = metric(&page(health).await, AGENT_GAUGE).unwrap_or(f64::NAN);
             if v != 0.0 {
                 nonzero.push(json!({"agent": i, "gauge": AGENT_GAUGE, "value": v}));
             }
@@ -610,17 +584,13 @@ async fn chaos(cluster: &Cluster, events: &Events) -> anyhow::Result<()> {
             let Some(mut p) = slot.proc.take() else {
                 return Ok(());
             };
-            if pick < 40 {
-                events.agent_kills.fetch_add(1, Ordering::Relaxed);
-                p.proc.kill();
+            let counter = if pick < 40 {
+                &events.agent_kills
             } else {
-                events.agent_drains.fetch_add(1, Ordering::Relaxed);
-                p.proc.signal("TERM");
-                // The drain ends when its tunnels do, or at --drain-timeout (30 s).
-                tokio::task::block_in_place(|| p.proc.wait_exit(Duration::from_secs(40)))
-                    .context("agent did not exit within its drain timeout")?;
-            }
-            drop(p);
+                &events.agent_drains
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
+            stop_process(&mut p.proc, pick < 40, "agent")?;
             slot.proc = Some(tokio::task::block_in_place(|| cluster.start_agent(&slot))?);
         }
         60..=79 => {
@@ -640,16 +610,13 @@ async fn chaos(cluster: &Cluster, events: &Events) -> anyhow::Result<()> {
             let Some(mut p) = slot.proc.take() else {
                 return Ok(());
             };
-            if pick < 70 {
-                events.server_kills.fetch_add(1, Ordering::Relaxed);
-                p.proc.kill();
+            let counter = if pick < 70 {
+                &events.server_kills
             } else {
-                events.server_drains.fetch_add(1, Ordering::Relaxed);
-                p.proc.signal("TERM");
-                tokio::task::block_in_place(|| p.proc.wait_exit(Duration::from_secs(40)))
-                    .context("server did not exit within its drain timeout")?;
-            }
-            drop(p);
+                &events.server_drains
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
+            stop_process(&mut p.proc, pick < 70, "server")?;
             slot.proc = Some(tokio::task::block_in_place(|| cluster.start_server(&slot))?);
             drop(others);
         }
@@ -670,6 +637,19 @@ async fn chaos(cluster: &Cluster, events: &Events) -> anyhow::Result<()> {
             cluster.nodes[k].set_link(true);
         }
     }
+    Ok(())
+}
+
+/// Stops `p`: SIGKILL (`kill`), or SIGTERM and wait for its exit (its drain ends when
+/// its tunnels do, or at --drain-timeout, 30 s).
+fn stop_process(p: &mut tether_testkit::Proc, kill: bool, what: &str) -> anyhow::Result<()> {
+    if kill {
+        p.kill();
+        return Ok(());
+    }
+    p.signal("TERM");
+    tokio::task::block_in_place(|| p.wait_exit(Duration::from_secs(40)))
+        .with_context(|| format!("{what} did not exit within its drain timeout"))?;
     Ok(())
 }
 

@@ -1,8 +1,9 @@
 //! The client's side of `/ProxyService/Proxy` streams on a bare HTTP/2 connection (the
 //! h2 crate, no tonic or hyper between): connecting, opening a stream, and reading its
-//! packets and final status (the framing is `tether_core::grpc`). Whoever holds a stream writes and reads it in its own task,
-//! so a message costs one hop (to h2's connection task) instead of three (a request
-//! queue, hyper's body pipe task, then the connection task).
+//! packets and final status (the framing is `tether_core::grpc`). Whoever holds a
+//! stream writes and reads it in its own task, so a message costs one hop (to h2's
+//! connection task) instead of three (a request queue, hyper's body pipe task, then the
+//! connection task).
 
 use std::io;
 use std::path::PathBuf;
@@ -13,9 +14,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures::{ready, Future};
 use h2::client::SendRequest;
-use prost::Message;
 pub(crate) use tether_core::grpc::{frame, frame_data, h2_io, Outbound};
-use tether_core::grpc::{percent_decode, Messages, PROXY_PATH};
+use tether_core::grpc::{percent_decode, MessageError, Messages, PROXY_PATH};
 use tether_core::transport::{self, H2_CONN_WINDOW, H2_MAX_FRAME, H2_STREAM_WINDOW};
 use tether_proto::Packet;
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -167,9 +167,10 @@ impl Inbound {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Packet, String>>> {
         loop {
-            if let Some(message) = self.messages.next_message().transpose() {
-                return Poll::Ready(Some(message.and_then(|m| {
-                    Packet::decode(m).map_err(|e| format!("bad packet from proxy: {e}"))
+            if let Some(packet) = self.messages.next_packet().transpose() {
+                return Poll::Ready(Some(packet.map_err(|e| match e {
+                    MessageError::BadPacket(e) => format!("bad packet from proxy: {e}"),
+                    e => e.to_string(),
                 })));
             }
             if matches!(self.body, Body::Failed) {

@@ -9,7 +9,6 @@ use std::task::{ready, Context, Poll};
 use bytes::Bytes;
 use futures::{Stream, StreamExt};
 use http_body::{Body, Frame};
-use prost::Message;
 use tether_proto::Packet;
 use tonic::{Code, Status};
 
@@ -100,14 +99,10 @@ impl<B: Body<Data = Bytes, Error = Status>> BodyPackets<B> {
     /// packet or a body that ends inside one.
     pub async fn message(&mut self) -> Result<Option<Packet>, Status> {
         loop {
-            match self.messages.next_message() {
-                Ok(Some(message)) => {
-                    return Packet::decode(message)
-                        .map(Some)
-                        .map_err(|e| Status::internal(format!("bad packet: {e}")))
-                }
+            match self.messages.next_packet() {
+                Ok(Some(packet)) => return Ok(Some(packet)),
                 Ok(None) => {}
-                Err(why) => return Err(Status::internal(why)),
+                Err(why) => return Err(Status::internal(why.to_string())),
             }
             let frame = std::future::poll_fn(|cx| self.body.as_mut().poll_frame(cx)).await;
             match frame {

@@ -224,7 +224,7 @@ impl Messages {
 
     /// Takes one whole message out of what has arrived, without copying when it lies
     /// within one DATA frame.
-    pub fn next_message(&mut self) -> Result<Option<Bytes>, String> {
+    pub fn next_message(&mut self) -> Result<Option<Bytes>, MessageError> {
         if self.partial.is_empty() {
             if self.chunk.len() >= PREFIX {
                 let len = message_len(&self.chunk[..PREFIX])?;
@@ -259,6 +259,30 @@ impl Messages {
         message.advance(PREFIX);
         Ok(Some(message))
     }
+
+    /// The next whole message, decoded as a packet.
+    pub fn next_packet(&mut self) -> Result<Option<Packet>, MessageError> {
+        match self.next_message()? {
+            Some(message) => Packet::decode(message)
+                .map(Some)
+                .map_err(MessageError::BadPacket),
+            None => Ok(None),
+        }
+    }
+}
+
+/// Why the messages on a stream cannot be read.
+#[derive(Debug, thiserror::Error)]
+pub enum MessageError {
+    /// The compressed flag is set; no compression is ever negotiated.
+    #[error("compressed message (no compression was negotiated)")]
+    Compressed,
+    /// The length prefix is over [`MAX_MESSAGE`].
+    #[error("message of {0} bytes exceeds {MAX_MESSAGE}")]
+    TooLarge(usize),
+    /// The message is not a packet.
+    #[error("bad packet: {0}")]
+    BadPacket(prost::DecodeError),
 }
 
 /// Fuzzing entry point: cuts `wire` into `chunk`-byte DATA frames and decodes the
@@ -269,20 +293,20 @@ pub fn fuzz_messages(wire: &[u8], chunk: usize) -> Result<Vec<Packet>, String> {
     let mut packets = Vec::new();
     for piece in wire.chunks(chunk.max(1)) {
         m.push(Bytes::copy_from_slice(piece));
-        while let Some(message) = m.next_message()? {
-            packets.push(Packet::decode(message).map_err(|e| e.to_string())?);
+        while let Some(packet) = m.next_packet().map_err(|e| e.to_string())? {
+            packets.push(packet);
         }
     }
     Ok(packets)
 }
 
-fn message_len(prefix: &[u8]) -> Result<usize, String> {
+fn message_len(prefix: &[u8]) -> Result<usize, MessageError> {
     if prefix[0] != 0 {
-        return Err("compressed message (no compression was negotiated)".into());
+        return Err(MessageError::Compressed);
     }
     let len = u32::from_be_bytes([prefix[1], prefix[2], prefix[3], prefix[4]]) as usize;
     if len > MAX_MESSAGE {
-        return Err(format!("message of {len} bytes exceeds {MAX_MESSAGE}"));
+        return Err(MessageError::TooLarge(len));
     }
     Ok(len)
 }
@@ -386,8 +410,8 @@ mod tests {
             let mut m = Messages::default();
             for piece in wire.chunks(size) {
                 m.push(Bytes::copy_from_slice(piece));
-                while let Some(message) = m.next_message().unwrap() {
-                    got.push(Packet::decode(message).unwrap());
+                while let Some(packet) = m.next_packet().unwrap() {
+                    got.push(packet);
                 }
             }
             assert!(!m.mid_message(), "size {size}");
@@ -399,10 +423,14 @@ mod tests {
     fn oversized_and_compressed_messages_are_refused() {
         let mut m = Messages::default();
         m.push(Bytes::from_static(&[0, 0x7f, 0, 0, 0]));
-        assert!(m.next_message().unwrap_err().contains("exceeds"));
+        let e = m.next_message().unwrap_err();
+        assert!(matches!(e, MessageError::TooLarge(_)), "{e}");
+        assert!(e.to_string().contains("exceeds"), "{e}");
         let mut m = Messages::default();
         m.push(Bytes::from_static(&[1, 0, 0, 0, 1, 0]));
-        assert!(m.next_message().unwrap_err().contains("compressed"));
+        let e = m.next_message().unwrap_err();
+        assert!(matches!(e, MessageError::Compressed), "{e}");
+        assert!(e.to_string().contains("compressed"), "{e}");
     }
 
     #[test]

@@ -12,13 +12,12 @@ use futures::stream::FuturesUnordered;
 use futures::StreamExt;
 use h2::server::SendResponse;
 use h2::RecvStream;
-use prost::Message;
-use tether_core::grpc::{h2_io, percent_encode, Messages, Outbound, PROXY_PATH};
+use tether_core::grpc::{h2_io, percent_encode, MessageError, Messages, Outbound, PROXY_PATH};
 use tether_core::transport::{H2_CONN_WINDOW, H2_MAX_FRAME, H2_STREAM_WINDOW};
 use tether_proto::{packet::Payload, Packet};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_util::sync::CancellationToken;
-use tonic::Code;
+use tonic::{Code, Status};
 use tracing::Instrument;
 
 use crate::metrics::Segment;
@@ -33,33 +32,18 @@ const PING_TIMEOUT: Duration = Duration::from_secs(20);
 /// At the hard stop: how long the last frames and the GOAWAY get to leave.
 const CLOSE_GRACE: Duration = Duration::from_secs(1);
 
-/// A gRPC status to end a stream with.
-struct Status {
-    code: Code,
-    message: String,
-}
-
-impl Status {
-    fn new(code: Code, message: impl Into<String>) -> Status {
-        Status {
-            code,
-            message: message.into(),
-        }
-    }
-
-    /// What an h2 error on the stream means, as tonic maps it.
-    fn from_h2(e: &h2::Error) -> Status {
-        use h2::Reason;
-        let code = match e.reason() {
-            Some(Reason::CANCEL) => Code::Cancelled,
-            Some(Reason::REFUSED_STREAM) => Code::Unavailable,
-            Some(Reason::ENHANCE_YOUR_CALM) => Code::ResourceExhausted,
-            Some(Reason::INADEQUATE_SECURITY) => Code::PermissionDenied,
-            Some(_) => Code::Internal,
-            None => Code::Unknown,
-        };
-        Status::new(code, e.to_string())
-    }
+/// What an h2 error on a stream means as a gRPC status, as tonic maps it.
+fn status_from_h2(e: &h2::Error) -> Status {
+    use h2::Reason;
+    let code = match e.reason() {
+        Some(Reason::CANCEL) => Code::Cancelled,
+        Some(Reason::REFUSED_STREAM) => Code::Unavailable,
+        Some(Reason::ENHANCE_YOUR_CALM) => Code::ResourceExhausted,
+        Some(Reason::INADEQUATE_SECURITY) => Code::PermissionDenied,
+        Some(_) => Code::Internal,
+        None => Code::Unknown,
+    };
+    Status::new(code, e.to_string())
 }
 
 /// Serves one frontend connection until the client goes, a keepalive ping goes
@@ -152,7 +136,7 @@ fn start_stream(
         out: Outbound::closed(),
     };
     if let Err(status) = check_request(&request) {
-        tracing::debug!(path = %request.uri().path(), message = %status.message, "refused a frontend request");
+        tracing::debug!(path = %request.uri().path(), message = %status.message(), "refused a frontend request");
         reply.finish(status);
         return None;
     }
@@ -233,31 +217,30 @@ async fn read_client(
 ) -> Result<(), Status> {
     let mut messages = Messages::default();
     let result = loop {
-        match messages.next_message() {
-            Ok(Some(message)) => match Packet::decode(message) {
-                Ok(packet) => on_packet(router, fe, packet).await,
-                Err(e) => break Err(Status::new(Code::Internal, format!("bad packet: {e}"))),
-            },
+        match messages.next_packet() {
+            Ok(Some(packet)) => on_packet(router, fe, packet).await,
             Ok(None) => match body.data().await {
                 Some(Ok(chunk)) => {
                     let _ = body.flow_control().release_capacity(chunk.len());
                     messages.push(chunk);
                 }
-                Some(Err(e)) => break Err(Status::from_h2(&e)),
+                Some(Err(e)) => break Err(status_from_h2(&e)),
                 None if messages.mid_message() => {
                     break Err(Status::new(Code::Internal, "stream ended inside a message"))
                 }
                 None => break Ok(()),
             },
-            Err(e) if e.contains("exceeds") => break Err(Status::new(Code::ResourceExhausted, e)),
-            Err(e) => break Err(Status::new(Code::Internal, e)),
+            Err(e @ MessageError::TooLarge(_)) => {
+                break Err(Status::new(Code::ResourceExhausted, e.to_string()))
+            }
+            Err(e) => break Err(Status::new(Code::Internal, e.to_string())),
         }
     };
     if let Err(status) = &result {
         router
             .metrics
-            .stream_error(Segment::FromClient, status.code);
-        tracing::debug!(error = %status.message, "frontend stream ended with error");
+            .stream_error(Segment::FromClient, status.code());
+        tracing::debug!(error = %status.message(), "frontend stream ended with error");
     }
     result
 }
@@ -338,9 +321,9 @@ impl Reply {
 
     fn finish(&mut self, status: Status) {
         let mut trailers = http::HeaderMap::new();
-        trailers.insert("grpc-status", (status.code as i32).into());
-        if !status.message.is_empty() {
-            if let Ok(m) = http::HeaderValue::from_str(&percent_encode(&status.message)) {
+        trailers.insert("grpc-status", (status.code() as i32).into());
+        if !status.message().is_empty() {
+            if let Ok(m) = http::HeaderValue::from_str(&percent_encode(status.message())) {
                 trailers.insert("grpc-message", m);
             }
         }
