@@ -391,9 +391,7 @@ impl AsyncWrite for TunnelConn {
             )));
         }
         // One message per HTTP/2 frame: the server reads it without joining pieces.
-        const MOST: usize =
-            tether_core::grpc::one_frame_payload(tether_core::transport::H2_MAX_FRAME);
-        let n = buf.len().min(tether_core::pump::READ_CHUNK).min(MOST);
+        let n = buf.len().min(tether_core::pump::READ_CHUNK);
         let connect_id = this.connect_id;
         ready!(this
             .out

@@ -11,6 +11,7 @@ pub mod grpc;
 pub mod identifiers;
 pub mod pump;
 pub mod queue;
+pub mod read_ahead;
 pub mod tls;
 pub mod transport;
 

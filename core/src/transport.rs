@@ -19,6 +19,11 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Endpoint};
 use tracing::Instrument;
 
+use crate::read_ahead::ReadAhead;
+
+/// A client's TLS connection over TCP, read through [`ReadAhead`].
+pub type ClientTls = tokio_rustls::client::TlsStream<ReadAhead<TcpStream>>;
+
 /// How long a client may take to finish its TLS handshake.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -37,7 +42,7 @@ pub struct TlsConnectInfo {
 
 /// An accepted, handshaken server-side TLS connection.
 pub struct TlsConn {
-    stream: tokio_rustls::server::TlsStream<TcpStream>,
+    stream: tokio_rustls::server::TlsStream<ReadAhead<TcpStream>>,
     info: TlsConnectInfo,
 }
 
@@ -142,7 +147,7 @@ pub fn tls_incoming_with(
                 let tx = tx.clone();
                 tokio::spawn(
                     async move {
-                        match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await
+                        match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(ReadAhead::new(tcp))).await
                         {
                             Ok(Ok(stream)) => {
                                 let peer_certs = stream
@@ -306,7 +311,7 @@ pub async fn connect_tls(
     authority: &str,
     name: rustls_pki_types::ServerName<'static>,
     tls: Arc<rustls::ClientConfig>,
-) -> io::Result<tokio_rustls::client::TlsStream<TcpStream>> {
+) -> io::Result<ClientTls> {
     connect_tls_with(authority, name, tls, None).await
 }
 
@@ -317,13 +322,15 @@ pub async fn connect_tls_with(
     name: rustls_pki_types::ServerName<'static>,
     tls: Arc<rustls::ClientConfig>,
     dead_link: Option<Duration>,
-) -> io::Result<tokio_rustls::client::TlsStream<TcpStream>> {
+) -> io::Result<ClientTls> {
     let tcp = TcpStream::connect(authority).await?;
     tcp.set_nodelay(true)?;
     if let Some(limit) = dead_link {
         bound_silence(&tcp, limit)?;
     }
-    TlsConnector::from(tls).connect(name, tcp).await
+    TlsConnector::from(tls)
+        .connect(name, ReadAhead::new(tcp))
+        .await
 }
 
 /// Has the kernel close `tcp` once its peer has been silent for about `limit`, however

@@ -5,7 +5,8 @@
 //! Unix-socket connections and rewrites, in the client-to-server direction only, every
 //! HEADERS block: it decodes it (tracking the client's HPACK state) and re-encodes it
 //! statelessly (literals without indexing), replacing an unparseable `:authority` with
-//! `localhost`. All other frames, and everything server-to-client, pass through as is.
+//! `localhost`. All other frames, and everything server-to-client, pass through as is (their
+//! payloads copied once, from what was read into h2's buffer).
 
 use std::io;
 use std::pin::Pin;
@@ -24,6 +25,8 @@ const FLAG_PADDED: u8 = 0x8;
 const FLAG_PRIORITY: u8 = 0x20;
 /// Largest frame payload we emit (the HTTP/2 default every peer accepts).
 const MAX_FRAME: usize = 16_384;
+/// How much one socket read may take.
+const READ: usize = 128 << 10;
 /// Largest header block we are willing to collect.
 const MAX_BLOCK: usize = 1 << 20;
 
@@ -97,34 +100,45 @@ impl<S> AuthorityFix<S> {
         AuthorityFix {
             inner,
             state: State::Preface(PREFACE_LEN),
-            input: BytesMut::with_capacity(32 * 1024),
-            output: BytesMut::with_capacity(32 * 1024),
+            input: BytesMut::new(),
+            output: BytesMut::new(),
             pending: None,
             decoder,
             eof: false,
         }
     }
 
-    /// Moves as much of `input` as can be handled into `output`.
+    /// Up to `max` bytes of the frame payload being passed through, taken off `input`
+    /// without a copy; `None` when no such bytes are at hand.
+    fn pass_through(&mut self, max: usize) -> Option<BytesMut> {
+        let State::PassThrough(left) = self.state else {
+            return None;
+        };
+        let n = left.min(self.input.len()).min(max);
+        if n == 0 {
+            return None;
+        }
+        self.state = State::PassThrough(left - n);
+        Some(self.input.split_to(n))
+    }
+
+    /// Moves what can be handled of `input` into `output`, up to a frame payload to
+    /// pass through (which [`AuthorityFix::pass_through`] hands out).
     fn process(&mut self) -> io::Result<()> {
         loop {
             match self.state {
-                State::Preface(left) | State::PassThrough(left) => {
+                State::Preface(left) => {
                     let n = left.min(self.input.len());
-                    if n == 0 && left > 0 {
-                        return Ok(());
-                    }
                     self.output.extend_from_slice(&self.input.split_to(n));
-                    self.state = match self.state {
-                        State::Preface(_) if left == n => State::FrameHeader,
-                        State::Preface(_) => State::Preface(left - n),
-                        _ if left == n => State::FrameHeader,
-                        _ => State::PassThrough(left - n),
-                    };
                     if left > n {
+                        self.state = State::Preface(left - n);
                         return Ok(());
                     }
+                    self.state = State::FrameHeader;
                 }
+                State::PassThrough(0) => self.state = State::FrameHeader,
+                // Handed to the reader as they are, by `pass_through`.
+                State::PassThrough(_) => return Ok(()),
                 State::FrameHeader => {
                     if self.input.len() < FRAME_HEADER {
                         return Ok(());
@@ -273,11 +287,19 @@ fn encode_int(out: &mut Vec<u8>, value: usize, prefix_bits: u8, first_byte_flags
 #[doc(hidden)]
 pub fn fuzz(input: &[u8], chunk: usize) -> io::Result<Vec<u8>> {
     let mut fix = AuthorityFix::new(());
+    let mut out = Vec::new();
     for piece in input.chunks(chunk.max(1)) {
         fix.input.extend_from_slice(piece);
-        fix.process()?;
+        loop {
+            fix.process()?;
+            out.extend_from_slice(&fix.output.split());
+            match fix.pass_through(usize::MAX) {
+                Some(bytes) => out.extend_from_slice(&bytes),
+                None => break,
+            }
+        }
     }
-    Ok(fix.output.to_vec())
+    Ok(out)
 }
 
 fn protocol(msg: &str) -> io::Error {
@@ -300,15 +322,26 @@ impl<S: AsyncRead + Unpin> AsyncRead for AuthorityFix<S> {
                 buf.put_slice(&this.output.split_to(n));
                 return Poll::Ready(Ok(()));
             }
+            // DATA payloads go from what was read straight to h2: one copy, not two.
+            if let Some(bytes) = this.pass_through(buf.remaining()) {
+                buf.put_slice(&bytes);
+                return Poll::Ready(Ok(()));
+            }
+            this.process()?;
+            if !this.output.is_empty()
+                || matches!(this.state, State::PassThrough(n) if n > 0 && !this.input.is_empty())
+            {
+                continue;
+            }
             if this.eof {
                 return Poll::Ready(Ok(()));
             }
-            this.input.reserve(16 * 1024);
+            this.input.reserve(READ);
             match tokio_util::io::poll_read_buf(Pin::new(&mut this.inner), cx, &mut this.input) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
                 Poll::Ready(Ok(0)) => this.eof = true,
-                Poll::Ready(Ok(_)) => this.process()?,
+                Poll::Ready(Ok(_)) => {}
             }
         }
     }
