@@ -426,7 +426,8 @@ async fn wait_drained(cluster: &Cluster, within: Duration) -> Value {
 }
 
 /// Lets every process go idle long enough to hand free memory back (two trim
-/// intervals), then waits until the servers' RSS stops falling (15 s at most).
+/// intervals), then waits until the servers' anonymous RSS (what the check compares)
+/// stops falling (15 s at most).
 async fn settle_memory(cluster: &Cluster) {
     tokio::time::sleep(Duration::from_secs(5)).await;
     let deadline = Instant::now() + Duration::from_secs(15);
@@ -436,7 +437,7 @@ async fn settle_memory(cluster: &Cluster) {
         let mut now = 0.0;
         for s in &cluster.servers {
             if let Some(p) = &s.lock().await.proc {
-                now += status_mib(p.proc.pid(), "VmRSS");
+                now += status_mib(p.proc.pid(), "RssAnon");
             }
         }
         if now >= last || Instant::now() > deadline {

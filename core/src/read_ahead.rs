@@ -34,16 +34,6 @@ impl<IO> ReadAhead<IO> {
             buf: BytesMut::new(),
         }
     }
-
-    /// The wrapped stream (for its addresses and socket options).
-    pub fn get_ref(&self) -> &IO {
-        &self.io
-    }
-
-    /// Bytes read from the socket and not yet handed out.
-    pub fn buffered(&self) -> usize {
-        self.buf.len()
-    }
 }
 
 impl<IO: AsyncRead + Unpin> AsyncRead for ReadAhead<IO> {
@@ -124,7 +114,7 @@ mod tests {
         let n = r.read(&mut piece).await.unwrap();
         got.extend_from_slice(&piece[..n]);
         // One read took a whole read-ahead's worth off the stream.
-        assert!(r.buffered() >= READ_AHEAD - 4096, "{}", r.buffered());
+        assert!(r.buf.len() >= READ_AHEAD - 4096, "{}", r.buf.len());
         while got.len() < data.len() {
             let n = r.read(&mut piece).await.unwrap();
             got.extend_from_slice(&piece[..n]);

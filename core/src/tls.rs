@@ -80,9 +80,13 @@ fn ring_provider() -> rustls::crypto::CryptoProvider {
 
 /// True for an AES-128-GCM suite.
 fn is_aes128(s: &rustls::SupportedCipherSuite) -> bool {
-    s.suite()
-        .as_str()
-        .is_some_and(|n| n.contains("AES_128_GCM"))
+    use rustls::CipherSuite as S;
+    matches!(
+        s.suite(),
+        S::TLS13_AES_128_GCM_SHA256
+            | S::TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256
+            | S::TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256
+    )
 }
 
 /// Reads every certificate in a PEM file.

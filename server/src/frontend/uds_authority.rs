@@ -317,6 +317,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for AuthorityFix<S> {
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         loop {
+            this.process()?;
             if !this.output.is_empty() {
                 let n = this.output.len().min(buf.remaining());
                 buf.put_slice(&this.output.split_to(n));
@@ -326,12 +327,6 @@ impl<S: AsyncRead + Unpin> AsyncRead for AuthorityFix<S> {
             if let Some(bytes) = this.pass_through(buf.remaining()) {
                 buf.put_slice(&bytes);
                 return Poll::Ready(Ok(()));
-            }
-            this.process()?;
-            if !this.output.is_empty()
-                || matches!(this.state, State::PassThrough(n) if n > 0 && !this.input.is_empty())
-            {
-                continue;
             }
             if this.eof {
                 return Poll::Ready(Ok(()));
