@@ -1,7 +1,7 @@
 //! The allocator's policy: keep freed memory while traffic flows (no page faults per
 //! buffer), give it back to the kernel once a burst is over (when the number of open
 //! tunnels has fallen well below its recent peak, or when the process has gone idle
-//! after doing work), so RSS does not stay at the peak.
+//! after freeing memory), so RSS does not stay at the peak.
 
 use std::time::Duration;
 
@@ -23,12 +23,12 @@ const TRIM_THRESHOLD: usize = 4 << 20;
 /// Allocations this large or larger get their own mapping.
 const MMAP_THRESHOLD: usize = 4 << 20;
 
-/// Free heap below this is not worth a trim.
-const MIN_FREE: usize = 1 << 20;
+/// Free heap below this is not worth a trim; nor is an idle process that has freed
+/// (or grown) less than this since its last trim. An idle agent holds about 1 MiB.
+const MIN_FREE: usize = 256 << 10;
 
 /// Idle means using at most 1/`IDLE_SHARE` of one CPU over the last interval (5%:
-/// 100 ms per 2 s, about 35 MiB tunnelled); after a trim the next one waits until the
-/// process has used that much CPU again, so an idle process is not trimmed over and over.
+/// 100 ms per 2 s, about 35 MiB tunnelled).
 const IDLE_SHARE: u32 = 20;
 
 /// Sets the allocator's thresholds; call once at start-up, before the runtime starts.
@@ -62,6 +62,23 @@ fn heap_free() -> Option<usize> {
     }
 }
 
+/// Anonymous resident bytes of this process (resident minus file-backed and shared
+/// pages, from `/proc/self/statm`); 0 where there is no such file.
+fn anon_resident() -> u64 {
+    let Ok(statm) = std::fs::read_to_string("/proc/self/statm") else {
+        return 0;
+    };
+    let pages: Vec<u64> = statm
+        .split_whitespace()
+        .map_while(|v| v.parse().ok())
+        .collect();
+    match pages[..] {
+        // The kernel's pages are 4 KiB wherever glibc is trimmed here.
+        [_, resident, shared, ..] => resident.saturating_sub(shared) * 4096,
+        _ => 0,
+    }
+}
+
 /// CPU time (user + system) this process has used so far.
 #[allow(unsafe_code)]
 fn cpu_time() -> Duration {
@@ -88,13 +105,17 @@ pub fn trim() {
 }
 
 /// Watches `open` (the number of open tunnels) and trims once it has fallen to half its
-/// peak or less, by at least 256 tunnels; also once the process has gone idle (under 5%
-/// of a CPU for a whole interval) after using at least that much CPU since the last
-/// trim, with at least 1 MiB of heap free. Runs until `shutdown`.
+/// peak or less, by at least 256 tunnels; also once the process is idle (under 5% of a
+/// CPU for a whole interval) and has, since the last trim, freed at least 256 KiB (the
+/// heap's free bytes are that much above their lowest since) or grown its anonymous
+/// resident memory by 256 KiB. Either only with at least 256 KiB of heap free. Runs until
+/// `shutdown`.
 ///
-/// The free-heap figure cannot say what is still resident (pages already handed back
-/// stay "free" to the allocator), hence the CPU clock: it tells when traffic stopped,
-/// and that there was traffic since the last trim.
+/// The free figure counts pages already handed back, so it cannot say what is resident;
+/// its growth says what was freed since, resident until the next trim. Pages handed
+/// back, faulted in again and freed between two looks leave it unchanged, but grow the
+/// resident figure. An idle process that neither frees nor grows is not trimmed again,
+/// and a little work (a few agents reconnecting) is still followed by a trim.
 pub fn spawn_trimmer(open: impl Fn() -> i64 + Send + 'static, shutdown: CancellationToken) {
     spawn_trimmer_every(INTERVAL, open, shutdown)
 }
@@ -108,7 +129,11 @@ fn spawn_trimmer_every(
         async move {
             let mut peak = 0i64;
             let idle_cpu = interval / IDLE_SHARE;
-            let (mut last_cpu, mut cpu_at_trim) = (cpu_time(), Duration::ZERO);
+            let mut last_cpu = cpu_time();
+            // The heap's free bytes and the anonymous resident bytes, each at their
+            // lowest since the last trim.
+            let mut free_low = heap_free().unwrap_or(0);
+            let mut resident_low = anon_resident();
             let mut tick = tokio::time::interval(interval);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
@@ -119,19 +144,28 @@ fn spawn_trimmer_every(
                 let now = open();
                 peak = peak.max(now);
                 let cpu = cpu_time();
-                let went_idle = cpu.saturating_sub(last_cpu) <= idle_cpu
-                    && cpu.saturating_sub(cpu_at_trim) >= idle_cpu;
+                let idle = cpu.saturating_sub(last_cpu) <= idle_cpu;
                 last_cpu = cpu;
                 let free = heap_free().unwrap_or(0);
+                free_low = free_low.min(free);
+                let freed = free - free_low;
+                let resident = anon_resident();
+                resident_low = resident_low.min(resident);
+                let grown = resident - resident_low;
                 let burst_over = peak - now >= MIN_DROP && now <= peak / 2;
+                let went_idle = idle && (freed >= MIN_FREE || grown >= MIN_FREE as u64);
                 if free >= MIN_FREE && (burst_over || went_idle) {
                     tokio::task::spawn_blocking(trim).await.ok();
-                    cpu_at_trim = cpu_time();
-                    last_cpu = cpu_at_trim;
+                    last_cpu = cpu_time();
+                    free_low = heap_free().unwrap_or(0);
+                    resident_low = anon_resident();
                     tracing::debug!(
                         peak,
                         now,
                         free,
+                        freed,
+                        grown,
+                        resident_after = resident_low,
                         burst_over,
                         went_idle,
                         "returned free memory to the kernel"
@@ -187,6 +221,11 @@ mod tests {
         let faults = thread_faults() - before;
         assert!(faults < 512, "{faults} page faults re-using freed buffers");
 
+        // The trimmer starts with the process, before the work.
+        let stop = CancellationToken::new();
+        spawn_trimmer_every(Duration::from_millis(20), || 0, stop.clone());
+        tokio::task::yield_now().await;
+
         // Every other buffer freed: 6 MiB of holes in the heap, which glibc never gives
         // back by itself.
         let mut bufs: Vec<Vec<u8>> = (0..384).map(|i| vec![i as u8; 32 * 1024]).collect();
@@ -198,8 +237,6 @@ mod tests {
         }
         let busy = rss_anon_kib();
         assert!(heap_free().unwrap() >= MIN_FREE);
-        let stop = CancellationToken::new();
-        spawn_trimmer_every(Duration::from_millis(20), || 0, stop.clone());
         let deadline = Instant::now() + Duration::from_secs(10);
         while rss_anon_kib() + 4 * 1024 > busy {
             assert!(
