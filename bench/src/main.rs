@@ -899,6 +899,21 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
+/// Resolves on SIGINT or SIGTERM with the signal's name.
+async fn interrupted() -> &'static str {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut int), Ok(mut term)) = (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = int.recv() => "SIGINT",
+        _ = term.recv() => "SIGTERM",
+    }
+}
+
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     if let Some(to) = args.relay_to {
@@ -955,7 +970,12 @@ async fn bench(args: Args) -> anyhow::Result<()> {
             partitions: args.soak_partitions,
             heap_profiles: args.soak_heap_profiles.clone(),
         };
-        let v = soak::soak(&bin, &agent_bin, run).await?;
+        // Interrupted (Ctrl-C, SIGTERM), the run stops here; the runtime then drops
+        // every task and with them the cluster: processes killed, namespaces removed.
+        let v = tokio::select! {
+            v = soak::soak(&bin, &agent_bin, run) => v?,
+            signal = interrupted() => bail!("soak: stopped by {signal}; no figures"),
+        };
         println!("{}", serde_json::to_string_pretty(&v)?);
         std::fs::write(&args.json, serde_json::to_string_pretty(&v)?)?;
         if v["passed"] != true {
