@@ -297,7 +297,12 @@ fn bad_certificates_name_the_file() {
     );
 
     // A certificate file that holds no certificate.
-    let (ok, err) = run(&["agent", &format!("--ca-cert={}", f.server_key.display())]);
+    let (ok, err) = run(&[
+        "agent",
+        "--health-server-port=0",
+        "--admin-server-port=0",
+        &format!("--ca-cert={}", f.server_key.display()),
+    ]);
     assert!(!ok);
     assert!(error_line(&err).contains("holds no CERTIFICATE"), "{err}");
 }
@@ -312,7 +317,11 @@ fn agent_only_binary_validates_like_tether_agent() {
 
     let (ok, err) = run_bin(
         AGENT_BIN,
-        &[&format!("--ca-cert={}", f.server_key.display())],
+        &[
+            "--health-server-port=0",
+            "--admin-server-port=0",
+            &format!("--ca-cert={}", f.server_key.display()),
+        ],
     );
     assert!(!ok);
     assert!(error_line(&err).contains("holds no CERTIFICATE"), "{err}");

@@ -294,6 +294,9 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
     )?;
     let drain_timeout = args.drain_timeout;
     super::block_on(args.worker_threads, async move {
+        // Certificates first: a bad one is reported as such, even when a port is taken.
+        let (agent_id, servers) = (config.agent_id.clone(), config.servers.clone());
+        let agent = Agent::new(config)?;
         let health = tokio::net::TcpListener::bind(health)
             .await
             .with_context(|| format!("cannot listen on health port {health}"))?;
@@ -301,13 +304,12 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("cannot listen on admin port {admin}"))?;
         tracing::info!(
-            agent_id = %config.agent_id,
-            servers = ?config.servers,
+            %agent_id,
+            ?servers,
             health = %health.local_addr()?,
             admin = %admin.local_addr()?,
             "agent starting"
         );
-        let agent = Agent::new(config)?;
         let drain = CancellationToken::new();
         let shutdown = CancellationToken::new();
         agent.serve_health(health, shutdown.clone());
