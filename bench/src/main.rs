@@ -899,21 +899,6 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
-/// Resolves on SIGINT or SIGTERM with the signal's name.
-async fn interrupted() -> &'static str {
-    use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut int), Ok(mut term)) = (
-        signal(SignalKind::interrupt()),
-        signal(SignalKind::terminate()),
-    ) else {
-        return std::future::pending().await;
-    };
-    tokio::select! {
-        _ = int.recv() => "SIGINT",
-        _ = term.recv() => "SIGTERM",
-    }
-}
-
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     if let Some(to) = args.relay_to {
@@ -974,7 +959,7 @@ async fn bench(args: Args) -> anyhow::Result<()> {
         // every task and with them the cluster: processes killed, namespaces removed.
         let v = tokio::select! {
             v = soak::soak(&bin, &agent_bin, run) => v?,
-            signal = interrupted() => bail!("soak: stopped by {signal}; no figures"),
+            () = tether_ops::shutdown::signal() => bail!("soak: stopped by SIGINT or SIGTERM; no figures"),
         };
         println!("{}", serde_json::to_string_pretty(&v)?);
         std::fs::write(&args.json, serde_json::to_string_pretty(&v)?)?;

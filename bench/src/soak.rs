@@ -695,9 +695,10 @@ fn stop_process(p: &mut tether_testkit::Proc, kill: bool, what: &str) -> anyhow:
 /// (plus 4 MiB: glibc keeps some free heap in each thread's arena) of what the process
 /// held after the warm-up. Against a fresh process this would count the allocator's
 /// heap at the peak working set (each hole between live objects keeps a page), which a
-/// longer run does not grow: that is first use, not a leak. Program text is left out: the churn runs code (handshake
-/// failures, restarts, drains) a fresh process has not faulted in yet, and those pages
-/// are the binary's, shared and reclaimable, not memory the process holds.
+/// longer run does not grow: that is first use, not a leak. Program text is left out:
+/// the churn runs code (handshake failures, restarts, drains) a fresh process has not
+/// faulted in yet, and those pages are the binary's, shared and reclaimable, not memory
+/// the process holds.
 fn back_to_baseline(before: f64, after: f64) -> bool {
     after <= before * 1.25 + 4.0
 }

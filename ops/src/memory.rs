@@ -200,12 +200,7 @@ mod tests {
     }
 
     fn rss_anon_kib() -> u64 {
-        std::fs::read_to_string("/proc/self/status")
-            .unwrap()
-            .lines()
-            .find_map(|l| l.strip_prefix("RssAnon:"))
-            .and_then(|v| v.split_whitespace().next()?.parse().ok())
-            .unwrap()
+        anon_resident() / 1024
     }
 
     /// Allocates (and touches) `n` packet-sized buffers, then frees them all.
