@@ -211,7 +211,8 @@ pub struct Messages {
 }
 
 impl Messages {
-    /// Hands over the next DATA frame; call once [`Messages::next`] has given `None`.
+    /// Hands over the next DATA frame; call once [`Messages::next_packet`] has given
+    /// `None`.
     pub fn push(&mut self, chunk: Bytes) {
         debug_assert!(self.chunk.is_empty());
         self.chunk = chunk;
@@ -222,23 +223,26 @@ impl Messages {
         !self.partial.is_empty() || !self.chunk.is_empty()
     }
 
-    /// Takes one whole message out of what has arrived, without copying when it lies
-    /// within one DATA frame.
-    pub fn next_message(&mut self) -> Result<Option<Bytes>, MessageError> {
+    /// The next whole message, decoded as a packet. A message within one DATA frame
+    /// is decoded from a slice of it; one whose start came in earlier frames is decoded
+    /// from those bytes (collected) and a slice of the frame that ends it, so a payload
+    /// sent as a frame of its own after its message's head (as [`frame_parts`] and
+    /// every h2 sender lay them out) reaches the packet without being copied.
+    pub fn next_packet(&mut self) -> Result<Option<Packet>, MessageError> {
         if self.partial.is_empty() {
             if self.chunk.len() >= PREFIX {
                 let len = message_len(&self.chunk[..PREFIX])?;
                 if self.chunk.len() >= PREFIX + len {
                     let mut message = self.chunk.split_to(PREFIX + len);
                     message.advance(PREFIX);
-                    return Ok(Some(message));
+                    return decode(message).map(Some);
                 }
             }
             if self.chunk.is_empty() {
                 return Ok(None);
             }
         }
-        // A message split across frames: collect it.
+        // A message split across frames.
         if self.partial.len() < PREFIX {
             let n = (PREFIX - self.partial.len()).min(self.chunk.len());
             self.partial.extend_from_slice(&self.chunk.split_to(n));
@@ -247,28 +251,31 @@ impl Messages {
             }
         }
         let total = PREFIX + message_len(&self.partial[..PREFIX])?;
-        self.partial.reserve(total - self.partial.len());
-        let n = (total - self.partial.len()).min(self.chunk.len());
-        self.partial.extend_from_slice(&self.chunk.split_to(n));
-        if self.partial.len() < total {
-            return Ok(None);
+        let missing = total - self.partial.len();
+        if self.chunk.len() >= missing {
+            // Take the collected start whole: a split would leave its spare capacity
+            // behind, held for as long as this stream lives.
+            let mut start = std::mem::take(&mut self.partial).freeze();
+            start.advance(PREFIX);
+            let end = self.chunk.split_to(missing);
+            return decode(start.chain(end)).map(Some);
         }
-        // Take the buffer whole: a split would leave its spare capacity behind, holding
-        // the message's allocation for as long as this stream lives.
-        let mut message = std::mem::take(&mut self.partial).freeze();
-        message.advance(PREFIX);
-        Ok(Some(message))
+        // Still incomplete: collect this frame too. Room for the whole message is made
+        // once a piece of its payload arrives, not for a head on its own, which the
+        // next frame usually completes.
+        if self.chunk.len() >= SHARE_FROM {
+            self.partial.reserve(missing);
+        }
+        self.partial
+            .extend_from_slice(&std::mem::take(&mut self.chunk));
+        Ok(None)
     }
+}
 
-    /// The next whole message, decoded as a packet.
-    pub fn next_packet(&mut self) -> Result<Option<Packet>, MessageError> {
-        match self.next_message()? {
-            Some(message) => Packet::decode(message)
-                .map(Some)
-                .map_err(MessageError::BadPacket),
-            None => Ok(None),
-        }
-    }
+/// A message's bytes as a packet (a DATA payload that lies in one piece of `message`
+/// is shared, not copied).
+fn decode(message: impl Buf) -> Result<Packet, MessageError> {
+    Packet::decode(message).map_err(MessageError::BadPacket)
 }
 
 /// Why the messages on a stream cannot be read.
@@ -420,15 +427,50 @@ mod tests {
     }
 
     #[test]
+    fn a_payload_sent_as_its_own_frame_is_shared_not_copied() {
+        let payload = Bytes::from(vec![5u8; 70_000]);
+        let packet = Packet::data(42, payload.clone());
+        let (head, tail) = frame_parts(&packet);
+        let tail = tail.expect("a large payload goes apart");
+        let mut m = Messages::default();
+        // The head alone, then the payload; then the head split once more.
+        m.push(head.clone());
+        assert!(m.next_packet().unwrap().is_none());
+        m.push(tail.clone());
+        let got = m.next_packet().unwrap().expect("a whole message");
+        assert_eq!(got, packet);
+        let Some(tether_proto::packet::Payload::Data(d)) = &got.payload else {
+            panic!("{got:?}")
+        };
+        assert_eq!(d.data.as_ptr(), tail.as_ptr(), "the payload was copied");
+        assert!(!m.mid_message());
+        m.push(head.slice(..3));
+        assert!(m.next_packet().unwrap().is_none());
+        m.push(head.slice(3..));
+        assert!(m.next_packet().unwrap().is_none());
+        m.push(tail.clone());
+        assert_eq!(m.next_packet().unwrap(), Some(packet.clone()));
+        // A payload split by flow control is still whole, and nothing is left over.
+        m.push(head);
+        assert!(m.next_packet().unwrap().is_none());
+        m.push(tail.slice(..1000));
+        assert!(m.next_packet().unwrap().is_none());
+        m.push(tail.slice(1000..));
+        assert_eq!(m.next_packet().unwrap(), Some(packet));
+        assert!(!m.mid_message());
+        assert_eq!(m.partial.capacity(), 0, "the collected start is handed off");
+    }
+
+    #[test]
     fn oversized_and_compressed_messages_are_refused() {
         let mut m = Messages::default();
         m.push(Bytes::from_static(&[0, 0x7f, 0, 0, 0]));
-        let e = m.next_message().unwrap_err();
+        let e = m.next_packet().unwrap_err();
         assert!(matches!(e, MessageError::TooLarge(_)), "{e}");
         assert!(e.to_string().contains("exceeds"), "{e}");
         let mut m = Messages::default();
         m.push(Bytes::from_static(&[1, 0, 0, 0, 1, 0]));
-        let e = m.next_message().unwrap_err();
+        let e = m.next_packet().unwrap_err();
         assert!(matches!(e, MessageError::Compressed), "{e}");
         assert!(e.to_string().contains("compressed"), "{e}");
     }
