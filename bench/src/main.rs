@@ -58,6 +58,12 @@ struct Args {
     /// Skip the two-relay floor.
     #[arg(long)]
     no_relay: bool,
+    /// Skip the gRPC route (e.g. to count the server's system calls for one route).
+    #[arg(long)]
+    no_grpc: bool,
+    /// Skip the HTTP-CONNECT route.
+    #[arg(long)]
+    no_http_connect: bool,
     /// Skip the CCM load-balancer route.
     #[arg(long)]
     no_lb: bool,
@@ -1046,7 +1052,13 @@ async fn bench(args: Args) -> anyhow::Result<()> {
         carriers,
         _procs: procs,
     });
-    let mut routes = vec![Route::Direct, Route::GrpcUds, Route::HttpConnectUds];
+    let mut routes = vec![Route::Direct];
+    if !args.no_grpc {
+        routes.push(Route::GrpcUds);
+    }
+    if !args.no_http_connect {
+        routes.push(Route::HttpConnectUds);
+    }
     if env.ssh_port.is_some() {
         routes.push(Route::Ssh);
     }
