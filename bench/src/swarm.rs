@@ -39,7 +39,16 @@ struct Counters {
     failures: AtomicU64,
     /// Of those, refusals by a server that answered (gRPC status).
     refused: AtomicU64,
+    /// Streams that have sent a burst (one full HTTP/2 frame of DATA) at least once.
+    burst_streams: AtomicU64,
 }
+
+/// A dial to this address is answered with one [`BURST`]-byte DATA packet, as a real
+/// agent reading a busy target sends: the server's per-agent read buffers grow to a
+/// full frame.
+const BURST_ADDRESS: &str = "10.255.0.2:80";
+/// One HTTP/2 frame's worth of payload (what a real agent reads from a target at once).
+const BURST: usize = tether_core::pump::READ_CHUNK;
 
 /// (child) Holds `count` agent streams to `server`, ids from `first`; prints its
 /// counters as a JSON line every second; exits when stdin closes.
@@ -71,6 +80,7 @@ pub async fn run_swarm(
             "connects": counters.connects.load(Ordering::Relaxed),
             "failures": counters.failures.load(Ordering::Relaxed),
             "refused": counters.refused.load(Ordering::Relaxed),
+            "burst_streams": counters.burst_streams.load(Ordering::Relaxed),
         });
         out.write_all(format!("{line}\n").as_bytes()).await?;
         out.flush().await?;
@@ -134,8 +144,23 @@ async fn hold_stream(
     c.connects.fetch_add(1, Ordering::Relaxed);
     c.up.fetch_add(1, Ordering::Relaxed);
     let mut next_id = 1i64;
+    let mut bursted = false;
     while let Some(Ok(p)) = inbound.next().await {
         let answer = match p.payload {
+            Some(Payload::DialRequest(d)) if d.address == BURST_ADDRESS => {
+                next_id += 1;
+                if tx
+                    .send(Packet::dial_response(d.random, next_id, ""))
+                    .await
+                    .is_err()
+                {
+                    break;
+                }
+                if !std::mem::replace(&mut bursted, true) {
+                    c.burst_streams.fetch_add(1, Ordering::Relaxed);
+                }
+                Packet::data(next_id, vec![7u8; BURST])
+            }
             Some(Payload::DialRequest(d)) => {
                 next_id += 1;
                 Packet::dial_response(d.random, next_id, "")
@@ -285,6 +310,35 @@ async fn dial_latency(client: &tether_client::Client, n: usize) -> anyhow::Resul
     Ok((percentile(&samples, 0.5), percentile(&samples, 0.99)))
 }
 
+/// `n` tunnels to [`BURST_ADDRESS`], 16 at a time, each read to its end and closed.
+async fn burst(client: &tether_client::Client, n: usize) -> anyhow::Result<()> {
+    let next = AtomicU64::new(0);
+    let one = || async {
+        while next.fetch_add(1, Ordering::Relaxed) < n as u64 {
+            let mut conn = client.dial(BURST_ADDRESS).await?;
+            let mut buf = vec![0u8; BURST];
+            conn.read_exact(&mut buf).await?;
+        }
+        anyhow::Ok(())
+    };
+    futures::future::try_join_all((0..16).map(|_| one())).await?;
+    Ok(())
+}
+
+/// A swarm counter once the swarms' once-a-second reports have stopped changing it.
+async fn settled_total(swarms: &[Swarm], key: &str) -> u64 {
+    let mut last = swarm_total(swarms, key);
+    for _ in 0..10 {
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        let now = swarm_total(swarms, key);
+        if now == last {
+            break;
+        }
+        last = now;
+    }
+    last
+}
+
 /// Server CPU as a share of one core over `window`.
 async fn idle_cpu(pid: u32, window: Duration) -> f64 {
     let before = cpu_seconds(pid);
@@ -357,6 +411,19 @@ pub async fn many_agents(
         many.0, many.1
     );
 
+    // A burst: one frame of DATA from most agents (three dials per agent, each to the
+    // agent the server picks), then what the server holds once idle again.
+    let before_burst = settled_rss(server.proc.0.id()).await;
+    let reached_before = swarm_total(&swarms, "burst_streams");
+    burst(&client, agents * 3).await?;
+    let reached = settled_total(&swarms, "burst_streams").await - reached_before;
+    let after_burst = settled_rss(server.proc.0.id()).await;
+    let burst_kib = (after_burst - before_burst) * 1024.0 / reached.max(1) as f64;
+    eprintln!(
+        "burst: {reached} agents sent a {} KiB frame; server RSS {before_burst:.1} -> {after_burst:.1} MiB once idle ({burst_kib:.1} KiB per agent)",
+        BURST >> 10
+    );
+
     // The storm: SIGKILL, restart where it was, every agent comes back with backoff.
     let failures_before = swarm_total(&swarms, "failures");
     let refused_before = swarm_total(&swarms, "refused");
@@ -380,6 +447,7 @@ pub async fn many_agents(
         "server_kib_per_agent_stream": per_agent_kib,
         "connect_all_s": connect_all.as_secs_f64(),
         "idle_cpu_share": {"server": server_cpu, "real_agent": agent_cpu},
+        "burst": {"agents": reached, "rss_before_mib": before_burst, "rss_after_mib": after_burst, "kib_per_agent": burst_kib},
         "dial_us": {"one_agent": {"p50": one.0, "p99": one.1}, "all_agents": {"p50": many.0, "p99": many.1}},
         "reconnect_storm": {"seconds": storm.as_secs_f64(), "peak_rss_mib": storm_peak, "settled_rss_mib": after_rss, "failed_dials": failed, "refused": refused},
     }))
