@@ -147,23 +147,20 @@ async fn hold_stream(
     let mut bursted = false;
     while let Some(Ok(p)) = inbound.next().await {
         let answer = match p.payload {
-            Some(Payload::DialRequest(d)) if d.address == BURST_ADDRESS => {
-                next_id += 1;
-                if tx
-                    .send(Packet::dial_response(d.random, next_id, ""))
-                    .await
-                    .is_err()
-                {
-                    break;
-                }
-                if !std::mem::replace(&mut bursted, true) {
-                    c.burst_streams.fetch_add(1, Ordering::Relaxed);
-                }
-                Packet::data(next_id, vec![7u8; BURST])
-            }
             Some(Payload::DialRequest(d)) => {
                 next_id += 1;
-                Packet::dial_response(d.random, next_id, "")
+                let dialed = Packet::dial_response(d.random, next_id, "");
+                if d.address != BURST_ADDRESS {
+                    dialed
+                } else {
+                    if tx.send(dialed).await.is_err() {
+                        break;
+                    }
+                    if !std::mem::replace(&mut bursted, true) {
+                        c.burst_streams.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Packet::data(next_id, vec![7u8; BURST])
+                }
             }
             Some(Payload::CloseRequest(r)) => Packet::close_response(r.connect_id, ""),
             _ => continue,
@@ -314,9 +311,9 @@ async fn dial_latency(client: &tether_client::Client, n: usize) -> anyhow::Resul
 async fn burst(client: &tether_client::Client, n: usize) -> anyhow::Result<()> {
     let next = AtomicU64::new(0);
     let one = || async {
+        let mut buf = vec![0u8; BURST];
         while next.fetch_add(1, Ordering::Relaxed) < n as u64 {
             let mut conn = client.dial(BURST_ADDRESS).await?;
-            let mut buf = vec![0u8; BURST];
             conn.read_exact(&mut buf).await?;
         }
         anyhow::Ok(())
@@ -414,9 +411,8 @@ pub async fn many_agents(
     // A burst: one frame of DATA from most agents (three dials per agent, each to the
     // agent the server picks), then what the server holds once idle again.
     let before_burst = settled_rss(server.proc.0.id()).await;
-    let reached_before = swarm_total(&swarms, "burst_streams");
     burst(&client, agents * 3).await?;
-    let reached = settled_total(&swarms, "burst_streams").await - reached_before;
+    let reached = settled_total(&swarms, "burst_streams").await;
     let after_burst = settled_rss(server.proc.0.id()).await;
     let burst_kib = (after_burst - before_burst) * 1024.0 / reached.max(1) as f64;
     eprintln!(
