@@ -5,7 +5,10 @@
 #     bookworm's `kubernetes` source package (full vendor/ tree) with golang-1.19-go,
 #     cached as $TETHER_CACHE/<name>-1.20.2;
 #   - the node runtime: containerd, runc, the CNI plugins, busybox-static, iptables, and the
-#     two local images (pause, busybox) written by scripts/node-images.sh.
+#     two local images (pause, busybox) written by scripts/node-images.sh;
+#   - tether-grpc-go-peer, our grpc-go test double for the upstream agent and server
+#     (testkit/grpc-go-peer/main.go), built against the same tree's vendored grpc-go and
+#     cached as $TETHER_CACHE/tether-grpc-go-peer with the source's sha256 beside it.
 # A second run does nothing. Prints the apiserver binary path on its last line.
 set -euo pipefail
 
@@ -40,7 +43,12 @@ command -v gcc >/dev/null 2>&1 || apt_install gcc libc6-dev
 KUBE_BINS=(kube-apiserver kubelet kube-controller-manager)
 missing=()
 for b in "${KUBE_BINS[@]}"; do [ -x "$CACHE/$b-$VERSION" ] || missing+=("$b"); done
-if [ ${#missing[@]} -eq 0 ]; then
+PEER_SRC="$(cd "$(dirname "$0")/.." && pwd)/testkit/grpc-go-peer/main.go"
+PEER="$CACHE/tether-grpc-go-peer"
+peer_sum=$(sha256sum "$PEER_SRC" | cut -d' ' -f1)
+peer_stale=""
+{ [ -x "$PEER" ] && [ "$(cat "$PEER.sha256" 2>/dev/null)" = "$peer_sum" ]; } || peer_stale=1
+if [ ${#missing[@]} -eq 0 ] && [ -z "$peer_stale" ]; then
   echo "$BIN"
   exit 0
 fi
@@ -84,12 +92,24 @@ tree=$(find "$work" -maxdepth 1 -mindepth 1 -type d -name 'kubernetes-*' | head 
   export PATH="/usr/lib/go-1.19/bin:$PATH"
   export KUBE_GIT_VERSION="v$VERSION" KUBE_GIT_TREE_STATE=clean
   cd .go/src/k8s.io/kubernetes
-  what=""
-  for b in "${missing[@]}"; do what="$what cmd/$b"; done
-  make WHAT="${what# }" >&2
-  for b in "${missing[@]}"; do
-    cp _output/local/bin/linux/*/"$b" "$CACHE/$b-$VERSION.tmp" 2>/dev/null || cp _output/bin/"$b" "$CACHE/$b-$VERSION.tmp"
-  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    what=""
+    for b in "${missing[@]}"; do what="$what cmd/$b"; done
+    make WHAT="${what# }" >&2
+    for b in "${missing[@]}"; do
+      cp _output/local/bin/linux/*/"$b" "$CACHE/$b-$VERSION.tmp" 2>/dev/null || cp _output/bin/"$b" "$CACHE/$b-$VERSION.tmp"
+    done
+  fi
+  if [ -n "$peer_stale" ]; then
+    # A package inside the tree, so GOPATH mode resolves its imports from vendor/.
+    mkdir -p cmd/tether-grpc-go-peer
+    cp "$PEER_SRC" cmd/tether-grpc-go-peer/main.go
+    GOFLAGS= go build -o "$PEER.tmp" ./cmd/tether-grpc-go-peer
+  fi
 )
 for b in "${missing[@]}"; do mv "$CACHE/$b-$VERSION.tmp" "$CACHE/$b-$VERSION"; done
+if [ -n "$peer_stale" ]; then
+  mv "$PEER.tmp" "$PEER"
+  echo "$peer_sum" > "$PEER.sha256"
+fi
 echo "$BIN"

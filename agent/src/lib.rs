@@ -12,7 +12,7 @@ mod servers;
 #[cfg(test)]
 mod tests;
 
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use axum::http::StatusCode;
@@ -35,6 +35,9 @@ pub struct Agent {
     work: Arc<drain::Signal>,
     streams: Arc<AtomicI64>,
     header_count: Arc<AtomicI64>,
+    /// The HTTP/2 keepalive interval new streams use, in milliseconds: `--keepalive-time`,
+    /// doubled each time a server closes a stream for pinging too often.
+    keepalive_ms: Arc<AtomicU64>,
 }
 
 impl Agent {
@@ -61,12 +64,15 @@ impl Agent {
             expiry,
         )?;
         Ok(Agent {
-            config,
             tls,
             metrics,
             work: Arc::new(drain::Signal::new()),
             streams: Arc::new(AtomicI64::new(0)),
             header_count: Arc::new(AtomicI64::new(1)),
+            keepalive_ms: Arc::new(AtomicU64::new(
+                config.keepalive.as_millis().try_into().unwrap_or(u64::MAX),
+            )),
+            config,
         })
     }
 

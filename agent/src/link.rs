@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use tether_core::goaway::GoAwaySeen;
 use tether_core::grpc::body::{BodyPackets, PacketBody};
 use tether_core::transport::{grpc_channel_tls, ChannelSettings};
 use tether_proto::{header, link};
@@ -23,6 +24,9 @@ const CONNECT_PATH: &str = "/AgentService/Connect";
 
 use crate::dialer::Session;
 use crate::Agent;
+
+/// How long a drained agent waits for the server to end a stream it half-closed.
+const CLOSE_GRACE: Duration = Duration::from_secs(2);
 
 /// How long opening one stream (TCP, TLS, the server's response headers) may take.
 pub(crate) const ESTABLISH_TIMEOUT: Duration = Duration::from_secs(20);
@@ -57,12 +61,14 @@ impl Agent {
     /// Opens a stream to the server at `host:port` and reads its id and count.
     pub(crate) async fn establish(&self, host: &str, port: u16) -> Result<Established, LinkError> {
         let cfg = &self.config;
+        let keepalive = self.keepalive();
         let settings = ChannelSettings {
-            keepalive: Some(cfg.keepalive),
-            keepalive_timeout: cfg.keepalive.min(Duration::from_secs(20)),
+            keepalive: Some(keepalive),
+            keepalive_timeout: keepalive.min(Duration::from_secs(20)),
             dead_link: cfg.dead_link,
             ..Default::default()
         };
+        let goaway = settings.goaway.clone();
         let mut channel = grpc_channel_tls(host, port, self.tls.get(), &settings).await?;
         let (out_tx, out_rx) = mpsc::channel(cfg.channel_size);
         // Straight on the channel's HTTP/2 bodies, not through tonic's codec (whose
@@ -96,6 +102,8 @@ impl Agent {
         Ok(Established {
             server_id,
             server_count,
+            keepalive,
+            goaway,
             peer_window,
             out_tx,
             inbound: BodyPackets::new(body),
@@ -156,6 +164,8 @@ impl Agent {
         let Established {
             server_id,
             server_count,
+            keepalive,
+            goaway,
             peer_window,
             out_tx,
             mut inbound,
@@ -173,7 +183,7 @@ impl Agent {
         tracing::info!(%server_id, server_count, flow_control = peer_window.is_some(), "connected to proxy server");
 
         let span = tracing::info_span!("server_stream", %server_id);
-        async {
+        let drained = async {
             let mut draining = false;
             loop {
                 let packet = tokio::select! {
@@ -186,24 +196,63 @@ impl Agent {
                     }
                     _ = self.work.idle(), if draining => {
                         tracing::info!("drained: no connections left");
-                        return Ok(());
+                        return Ok(true);
                     }
-                    _ = stop.cancelled() => return Ok(()),
+                    _ = stop.cancelled() => return Ok(false),
                 };
                 match packet {
                     Ok(Some(p)) => session.handle(p).await,
                     Ok(None) => return Err(LinkError::Protocol("server closed the stream".into())),
-                    Err(status) => return Err(self.stream_failed(status)),
+                    Err(status) => return Err(self.stream_failed(status, keepalive, &goaway)),
                 }
             }
         }
         .instrument(span)
-        .await
+        .await?;
+        if drained {
+            // Half-close instead of dropping the stream: with the session gone its
+            // sender is too, so the request body sends what is queued (DRAIN among it)
+            // and then END_STREAM, where a reset could discard it. The server then ends
+            // its side; a server that does not is left after CLOSE_GRACE.
+            drop(session);
+            let rest = async { while let Ok(Some(_)) = inbound.message().await {} };
+            let _ = tokio::time::timeout(CLOSE_GRACE, rest).await;
+        }
+        Ok(())
+    }
+
+    /// The HTTP/2 keepalive interval for a new stream.
+    fn keepalive(&self) -> Duration {
+        Duration::from_millis(self.keepalive_ms.load(Ordering::Relaxed))
     }
 
     /// Counts a failed stream (upstream's `stream_errors_total` and
-    /// `server_connection_failure_count`).
-    fn stream_failed(&self, status: tonic::Status) -> LinkError {
+    /// `server_connection_failure_count`). A server that closed the connection for
+    /// pinging too often gets half as many pings from then on, as grpc-go clients (the
+    /// upstream agent) do, so a short `--keepalive-time` against an upstream server (which
+    /// allows one ping per 30 s) settles after a few reconnects instead of flapping.
+    fn stream_failed(
+        &self,
+        status: tonic::Status,
+        keepalive: Duration,
+        goaway: &GoAwaySeen,
+    ) -> LinkError {
+        if goaway.told_to_calm_down() {
+            let was: u64 = keepalive.as_millis().try_into().unwrap_or(u64::MAX);
+            let now = was.saturating_mul(2);
+            // Streams to several servers may fail together: double once per interval.
+            if self
+                .keepalive_ms
+                .compare_exchange(was, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+            {
+                tracing::warn!(
+                    was = ?Duration::from_millis(was),
+                    now = ?Duration::from_millis(now),
+                    "the proxy server closed the connection for pinging too often (GOAWAY ENHANCE_YOUR_CALM); doubling the keepalive interval (--keepalive-time is shorter than the server's ping policy)"
+                );
+            }
+        }
         let code = tether_ops::metrics::grpc_code_name(status.code());
         self.metrics
             .stream_errors
@@ -221,6 +270,10 @@ impl Agent {
 pub(crate) struct Established {
     pub(crate) server_id: String,
     server_count: i64,
+    /// The HTTP/2 keepalive interval the stream's connection pings at.
+    keepalive: Duration,
+    /// The last GOAWAY the server sent on the stream's connection.
+    goaway: GoAwaySeen,
     /// The server's per-connection window when it agreed to credit flow control.
     peer_window: Option<u32>,
     out_tx: mpsc::Sender<tether_proto::Packet>,

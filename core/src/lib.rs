@@ -7,6 +7,7 @@
 
 pub mod drain;
 pub mod flow;
+pub mod goaway;
 pub mod grpc;
 pub mod identifiers;
 pub mod pump;

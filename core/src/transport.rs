@@ -19,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Endpoint};
 use tracing::Instrument;
 
+use crate::goaway::{GoAwaySeen, GoAwayWatch};
 use crate::read_ahead::ReadAhead;
 
 /// A client's TLS connection over TCP, read through [`ReadAhead`].
@@ -243,6 +244,8 @@ pub struct ChannelSettings {
     /// Close the connection once the peer has been silent this long, whatever the
     /// keepalive says ([`bound_silence`]); `None` = the kernel's defaults.
     pub dead_link: Option<Duration>,
+    /// Where a TLS channel records the last GOAWAY its server sent.
+    pub goaway: GoAwaySeen,
 }
 
 impl Default for ChannelSettings {
@@ -252,6 +255,7 @@ impl Default for ChannelSettings {
             keepalive_timeout: Duration::from_secs(20),
             connect_timeout: Duration::from_secs(10),
             dead_link: None,
+            goaway: GoAwaySeen::new(),
         }
     }
 }
@@ -362,11 +366,13 @@ pub async fn grpc_channel_tls(
     });
     let target = authority.clone();
     let dead_link = settings.dead_link;
+    let goaway = settings.goaway.clone();
     let connector = tower::service_fn(move |_uri| {
         let (tls, name, target) = (tls.clone(), name.clone(), target.clone());
+        let goaway = goaway.clone();
         async move {
             let stream = connect_tls_with(&target, name, tls, dead_link).await?;
-            Ok::<_, io::Error>(TokioIo::new(stream))
+            Ok::<_, io::Error>(TokioIo::new(GoAwayWatch::new(stream, goaway)))
         }
     });
     endpoint(&authority, settings)?

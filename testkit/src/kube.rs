@@ -52,6 +52,30 @@ pub fn require_apiserver() -> PathBuf {
     )
 }
 
+/// The grpc-go test double for the upstream agent and server
+/// (`testkit/grpc-go-peer/main.go`), as `scripts/install-kube.sh` built it; panics
+/// telling how to build it when it is missing or older than its source.
+pub fn require_grpc_go_peer() -> PathBuf {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("grpc-go-peer/main.go");
+    let bin = cache_dir()
+        .expect("HOME or TETHER_CACHE is set")
+        .join("tether-grpc-go-peer");
+    let built = std::fs::read_to_string(bin.with_extension("sha256")).unwrap_or_default();
+    let out = Command::new("sha256sum")
+        .arg(&src)
+        .output()
+        .expect("run sha256sum");
+    let sum = String::from_utf8_lossy(&out.stdout);
+    let sum = sum.split_whitespace().next().unwrap_or_default();
+    assert!(
+        bin.exists() && built.trim() == sum,
+        "{} is missing or older than {}: run scripts/install-kube.sh (scripts/test.sh does)",
+        bin.display(),
+        src.display()
+    );
+    bin
+}
+
 /// A free TCP port on 127.0.0.1 for a child process to bind.
 ///
 /// Ports come from 20000..32768, below Linux's ephemeral range, so an outgoing
