@@ -15,6 +15,7 @@ pub mod queue;
 pub mod read_ahead;
 pub mod tls;
 pub mod transport;
+pub mod write_through;
 
 pub use tether_proto as proto;
 
