@@ -239,6 +239,15 @@ fn start_server(
     })
 }
 
+/// The server's heap in use and free (MiB), from its `tether_heap_*` gauges.
+async fn heap_mib(health: SocketAddr) -> (f64, f64) {
+    let mib = |v: f64| v / (1 << 20) as f64;
+    (
+        mib(gauge(health, "tether_heap_inuse_bytes").await),
+        mib(gauge(health, "tether_heap_free_bytes").await),
+    )
+}
+
 /// A server gauge from `/metrics`.
 async fn gauge(health: SocketAddr, name: &str) -> f64 {
     let Ok(mut s) = tokio::net::TcpStream::connect(health).await else {
@@ -466,6 +475,7 @@ pub async fn many_tunnels(bin: &Path, tunnels: usize, agents: usize) -> anyhow::
     ];
     dial_latency(&clients[0], 200).await?;
     let base = settled_rss(pid).await;
+    let heap_base = heap_mib(server.health).await;
     let mut held = Vec::with_capacity(tunnels);
     while held.len() < tunnels {
         let batch = futures::future::join_all((0..500.min(tunnels - held.len())).map(|i| {
@@ -480,6 +490,7 @@ pub async fn many_tunnels(bin: &Path, tunnels: usize, agents: usize) -> anyhow::
     }
     let open = gauge(server.health, TUNNELS_GAUGE).await;
     let full = settled_rss(pid).await;
+    let heap_full = heap_mib(server.health).await;
     let per_tunnel_kib = (full - base) * 1024.0 / tunnels as f64;
     eprintln!("{tunnels} idle tunnels over {agents} agents ({open} established): server RSS {base:.1} -> {full:.1} MiB, {per_tunnel_kib:.2} KiB per tunnel");
     drop(held);
@@ -488,12 +499,21 @@ pub async fn many_tunnels(bin: &Path, tunnels: usize, agents: usize) -> anyhow::
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let after = settled_rss(pid).await;
+    let heap_after = heap_mib(server.health).await;
     eprintln!("all closed: server RSS {after:.1} MiB (baseline {base:.1})");
+    eprintln!(
+        "server heap in use / free MiB: baseline {:.1} / {:.1}, held {:.1} / {:.1}, all closed {:.1} / {:.1}",
+        heap_base.0, heap_base.1, heap_full.0, heap_full.1, heap_after.0, heap_after.1
+    );
     // The client's HTTP/2 connections go too: what they held on the server goes with
     // them (h2 keeps a connection's stream store at its peak size).
     drop(clients);
     let disconnected = settled_rss(pid).await;
-    eprintln!("client connections closed: server RSS {disconnected:.1} MiB");
+    let heap_disconnected = heap_mib(server.health).await;
+    eprintln!(
+        "client connections closed: server RSS {disconnected:.1} MiB, heap in use / free {:.1} / {:.1} MiB",
+        heap_disconnected.0, heap_disconnected.1
+    );
     drop(swarm);
     drop(server);
     let _ = std::fs::remove_dir_all(&dir);
@@ -502,5 +522,11 @@ pub async fn many_tunnels(bin: &Path, tunnels: usize, agents: usize) -> anyhow::
         "agents": agents,
         "server_rss_mib": {"baseline": base, "held": full, "after_close": after, "after_disconnect": disconnected},
         "server_kib_per_tunnel": per_tunnel_kib,
+        "server_heap_mib": {
+            "baseline": {"inuse": heap_base.0, "free": heap_base.1},
+            "held": {"inuse": heap_full.0, "free": heap_full.1},
+            "after_close": {"inuse": heap_after.0, "free": heap_after.1},
+            "after_disconnect": {"inuse": heap_disconnected.0, "free": heap_disconnected.1},
+        },
     }))
 }

@@ -53,16 +53,83 @@ pub fn tune_allocator() {
 }
 
 /// Bytes the allocator holds free (`None` where it cannot say).
-#[allow(unsafe_code)]
 fn heap_free() -> Option<usize> {
+    heap_stats().map(|(_, free)| free)
+}
+
+/// What the allocator holds, from glibc's `mallinfo2`: bytes in live allocations and
+/// bytes free but kept (holes in the heap, and its top until the next trim). Resident
+/// memory well above the first is the allocator's, not live objects.
+#[allow(unsafe_code)]
+fn heap_stats() -> Option<(usize, usize)> {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
         // SAFETY: mallinfo2 only reads the allocator's statistics.
-        Some(unsafe { libc::mallinfo2() }.fordblks)
+        let m = unsafe { libc::mallinfo2() };
+        Some((m.uordblks + m.hblkhd, m.fordblks))
     }
     #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
     {
         None
+    }
+}
+
+/// `tether_heap_inuse_bytes` and `tether_heap_free_bytes`, read at each scrape (the
+/// glibc counterparts of Go's `go_memstats_heap_inuse_bytes` and `..._heap_idle_bytes`,
+/// which upstream's binaries export). Nothing is exported where glibc is not the
+/// allocator.
+#[derive(Debug)]
+pub struct HeapCollector {
+    inuse: prometheus::IntGauge,
+    free: prometheus::IntGauge,
+}
+
+impl HeapCollector {
+    /// The two gauges, unregistered.
+    pub fn new() -> Self {
+        let gauge = |name: &str, help: &str| {
+            prometheus::IntGauge::new(name, help).expect("valid heap metric")
+        };
+        HeapCollector {
+            inuse: gauge(
+                "tether_heap_inuse_bytes",
+                "Bytes of the heap in live allocations (glibc mallinfo2: uordblks + hblkhd).",
+            ),
+            free: gauge(
+                "tether_heap_free_bytes",
+                "Bytes the heap holds free, not yet returned to the kernel (glibc mallinfo2: fordblks).",
+            ),
+        }
+    }
+}
+
+impl Default for HeapCollector {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl prometheus::core::Collector for HeapCollector {
+    fn desc(&self) -> Vec<&prometheus::core::Desc> {
+        self.inuse
+            .desc()
+            .into_iter()
+            .chain(self.free.desc())
+            .collect()
+    }
+
+    fn collect(&self) -> Vec<prometheus::proto::MetricFamily> {
+        let Some((inuse, free)) = heap_stats() else {
+            return Vec::new();
+        };
+        let clamp = |v: usize| i64::try_from(v).unwrap_or(i64::MAX);
+        self.inuse.set(clamp(inuse));
+        self.free.set(clamp(free));
+        self.inuse
+            .collect()
+            .into_iter()
+            .chain(self.free.collect())
+            .collect()
     }
 }
 
@@ -207,6 +274,34 @@ mod tests {
     fn churn(n: usize) {
         let bufs: Vec<Vec<u8>> = (0..n).map(|i| vec![i as u8; 32 * 1024]).collect();
         std::hint::black_box(&bufs);
+    }
+
+    fn heap_gauges(c: &HeapCollector) -> (i64, i64) {
+        use prometheus::core::Collector;
+        let families = c.collect();
+        let value = |name: &str| {
+            let f = families.iter().find(|f| f.name() == name).unwrap();
+            f.get_metric()[0].get_gauge().get_value() as i64
+        };
+        (
+            value("tether_heap_inuse_bytes"),
+            value("tether_heap_free_bytes"),
+        )
+    }
+
+    #[test]
+    fn heap_gauges_follow_live_allocations() {
+        let c = HeapCollector::new();
+        let (before, _) = heap_gauges(&c);
+        // 64 MiB is always its own mapping: the brk heap the other test trims is untouched.
+        let big = vec![1u8; 64 << 20];
+        std::hint::black_box(&big);
+        let (held, free) = heap_gauges(&c);
+        assert!(held - before >= 60 << 20, "{before} -> {held}");
+        assert!(free >= 0);
+        drop(big);
+        let (after, _) = heap_gauges(&c);
+        assert!(held - after >= 60 << 20, "{held} -> {after}");
     }
 
     // One test: a trim from a parallel test would give the churned pages back mid-way.

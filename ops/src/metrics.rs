@@ -42,7 +42,8 @@ pub fn grpc_code_name(code: tonic::Code) -> &'static str {
 }
 
 /// A registry holding the standard `process_*` metrics (CPU seconds, resident and
-/// virtual memory, open and maximum fds, start time), as every Go binary exports.
+/// virtual memory, open and maximum fds, start time), as every Go binary exports, and
+/// the heap's in-use and free bytes ([`crate::memory::HeapCollector`]).
 pub fn registry_with_process() -> prometheus::Registry {
     let registry = prometheus::Registry::new();
     registry
@@ -50,6 +51,9 @@ pub fn registry_with_process() -> prometheus::Registry {
             prometheus::process_collector::ProcessCollector::for_self(),
         ))
         .expect("process metrics registered once");
+    registry
+        .register(Box::new(crate::memory::HeapCollector::new()))
+        .expect("heap metrics registered once");
     registry
 }
 
