@@ -234,42 +234,38 @@ async fn a_tether_agent_works_with_a_grpc_go_server() {
 /// sends GOAWAY ENHANCE_YOUR_CALM (`too_many_pings`). Like a grpc-go client (the
 /// upstream agent), the agent doubles its keepalive interval each time until the
 /// server is content, instead of being disconnected over and over. The policy here is
-/// 1 s (upstream's proxy-server enforces 30 s) so the test is short.
+/// 1.5 s (upstream's proxy-server enforces 30 s) so the test is short; 1 s pings break
+/// it, 2 s pings keep to it with room for a loaded machine.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_keepalive_shorter_than_a_grpc_go_servers_policy_backs_off() {
     const CALM: &str = "the proxy server closed the connection for pinging too often (GOAWAY ENHANCE_YOUR_CALM); doubling the keepalive interval (--keepalive-time is shorter than the server's ping policy)";
     let pki = Pki::new();
     let bulk = backend::bulk().await;
-    let go = go_server(&pki, bulk.addr, &["--min-ping-interval=1s"]);
+    let go = go_server(&pki, bulk.addr, &["--min-ping-interval=1500ms"]);
     let agent = AgentProc::start(
         Path::new(BIN),
         &pki,
         go.agent,
-        &["--keepalive-time=300ms".into()],
+        &["--keepalive-time=1s".into()],
     );
-    // 300 ms and 600 ms break the policy; 1.2 s keeps to it.
     agent
         .proc
-        .wait_event(CALM, Duration::from_secs(30), |ev| ev["now"] == "600ms");
-    agent
-        .proc
-        .wait_event(CALM, Duration::from_secs(30), |ev| ev["now"] == "1.2s");
-    let connected = |p: &Proc| p.count_events("agent connected");
-    tether_testkit::kube::wait_blocking("the third stream", START_TIMEOUT, || {
-        (connected(&go.proc) >= 3).then_some(())
+        .wait_event(CALM, Duration::from_secs(30), |ev| ev["now"] == "2s");
+    tether_testkit::kube::wait_blocking("the second stream", START_TIMEOUT, || {
+        (go.proc.count_events("agent connected") >= 2).then_some(())
     });
-    // An observation window, not synchronisation: five pings' worth of time in which
+    // An observation window, not synchronisation: three pings' worth of time in which
     // the server must not object again.
     tokio::time::sleep(Duration::from_secs(6)).await;
     assert_eq!(
         agent.proc.count_events(CALM),
-        2,
+        1,
         "{}",
         agent.proc.log_text()
     );
     assert_eq!(
         go.proc.count_events("agent disconnected"),
-        2,
+        1,
         "{}",
         go.proc.log_text()
     );
