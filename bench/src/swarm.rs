@@ -239,23 +239,34 @@ fn start_server(
     })
 }
 
-/// The server's heap in use and free (MiB), from its `tether_heap_*` gauges.
+/// The server's heap in use and free (MiB), from its `tether_heap_*` gauges (one
+/// scrape, so both come from the same moment).
 async fn heap_mib(health: SocketAddr) -> (f64, f64) {
-    let mib = |v: f64| v / (1 << 20) as f64;
+    let page = metrics_page(health).await;
+    let mib = |name: &str| page_gauge(&page, name) / (1 << 20) as f64;
     (
-        mib(gauge(health, "tether_heap_inuse_bytes").await),
-        mib(gauge(health, "tether_heap_free_bytes").await),
+        mib("tether_heap_inuse_bytes"),
+        mib("tether_heap_free_bytes"),
     )
 }
 
 /// A server gauge from `/metrics`.
 async fn gauge(health: SocketAddr, name: &str) -> f64 {
-    let Ok(mut s) = tokio::net::TcpStream::connect(health).await else {
-        return f64::NAN;
-    };
-    let _ = s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").await;
+    page_gauge(&metrics_page(health).await, name)
+}
+
+/// The server's `/metrics` page; empty when it cannot be read.
+async fn metrics_page(health: SocketAddr) -> String {
     let mut page = String::new();
-    let _ = s.read_to_string(&mut page).await;
+    if let Ok(mut s) = tokio::net::TcpStream::connect(health).await {
+        let _ = s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").await;
+        let _ = s.read_to_string(&mut page).await;
+    }
+    page
+}
+
+/// The first sample of `name` (any labels) on a metrics page; NaN when absent.
+fn page_gauge(page: &str, name: &str) -> f64 {
     page.lines()
         .find_map(|l| {
             let (k, v) = l.rsplit_once(' ')?;
