@@ -1,27 +1,32 @@
-//! The agent listener's gRPC service (`/AgentService/Connect`): validates an agent's
-//! metadata, registers its stream with the router, answers with `serverid`/`servercount`
-//! and runs one task per stream feeding what the agent sends into the server core. It
-//! sits straight on the HTTP/2 server's bodies (`core::grpc::body`), not on tonic's
-//! codec, whose buffers kept the size of the largest packet each agent stream carried.
+//! The agent listener's gRPC service (`/AgentService/Connect`) on bare HTTP/2
+//! (`h2serve`, no tonic or hyper between): validates an agent's metadata, registers its
+//! stream with the router, answers with `serverid`/`servercount`, then carries the
+//! stream in its connection's task, feeding what the agent sends into the server core
+//! and writing what the router queues for it.
 
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::time::Duration;
 
+use bytes::Bytes;
 use futures::Stream;
-use tether_core::grpc::body::{BodyPackets, PacketBody};
+use h2::server::SendResponse;
+use h2::RecvStream;
+use tether_core::grpc::Messages;
 use tether_core::identifiers::AgentIdentifiers;
 use tether_core::transport::TlsConnectInfo;
 use tether_proto::{header, link, Packet};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
-use tonic::body::Body;
 use tonic::metadata::{MetadataMap, MetadataValue};
 use tonic::{Code, Status};
 use tracing::Instrument;
 
+use crate::h2serve::{self, status_from_h2, Reply, Settings};
 use crate::metrics::Segment;
 use crate::router::{AgentStream, Router, Verified};
 
@@ -134,63 +139,63 @@ struct Admitted {
 
 /// The method agents call.
 const CONNECT_PATH: &str = "/AgentService/Connect";
-
-/// [`AgentLink`] as the service the HTTP/2 server routes `/AgentService/*` to.
-#[derive(Clone)]
-pub struct AgentConnect(Arc<AgentLink>);
-
-impl AgentConnect {
-    /// Serves agents through `link`.
-    pub fn new(link: AgentLink) -> Self {
-        AgentConnect(Arc::new(link))
-    }
-}
-
-impl tonic::server::NamedService for AgentConnect {
-    const NAME: &'static str = "AgentService";
-}
-
-impl tonic::codegen::Service<http::Request<Body>> for AgentConnect {
-    type Response = http::Response<Body>;
-    type Error = std::convert::Infallible;
-    type Future = tonic::codegen::BoxFuture<Self::Response, Self::Error>;
-
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
-        let link = self.0.clone();
-        Box::pin(async move {
-            Ok(link
-                .connect(request)
-                .await
-                .unwrap_or_else(|status| status.into_http()))
-        })
-    }
-}
+/// An agent opens one Connect stream per connection; this many leaves room for a
+/// reconnecting client's overlap and none for a flood.
+const MAX_STREAMS: u32 = 100;
+/// The agent's metadata, a bearer token included (hyper's default, which tonic used).
+const MAX_HEADER_LIST: u32 = 16 << 10;
 
 impl AgentLink {
-    /// One Connect call: admit the agent, open its stream, answer with the headers.
-    async fn connect(&self, request: http::Request<Body>) -> Result<http::Response<Body>, Status> {
-        if request.uri().path() != CONNECT_PATH {
-            return Err(Status::unimplemented(format!(
-                "unknown method {}",
-                request.uri().path()
-            )));
-        }
+    /// Serves one agent connection (mutual TLS done, `info` says who) until the agent
+    /// goes, a keepalive ping goes unanswered, or the hard stop. Its streams run in
+    /// this task: a packet read off the connection reaches the router, and one for the
+    /// agent reaches the connection, without waking another task.
+    pub async fn serve_connection<S>(
+        self: Arc<Self>,
+        io: S,
+        info: TlsConnectInfo,
+        keepalive: Duration,
+    ) where
+        S: AsyncRead + AsyncWrite + Unpin,
+    {
+        let settings = Settings {
+            max_streams: MAX_STREAMS,
+            max_header_list: MAX_HEADER_LIST,
+            keepalive,
+        };
+        let info = Arc::new(info);
+        let hard_stop = self.shutdown.clone();
+        h2serve::serve_connection(io, settings, hard_stop, |request, respond| {
+            // Boxed: `FuturesUnordered` keeps a stub the size of its future type, and
+            // an agent connection holds one stream for hours.
+            let stream: Pin<Box<dyn Future<Output = ()> + Send>> =
+                Box::pin(self.clone().stream(request, respond, info.clone()));
+            Some(stream)
+        })
+        .await;
+    }
+
+    /// One Connect call: admit the agent, answer with the headers, then carry its
+    /// stream until either side ends it; the status goes in trailers.
+    async fn stream(
+        self: Arc<Self>,
+        request: http::Request<RecvStream>,
+        respond: SendResponse<Bytes>,
+        info: Arc<TlsConnectInfo>,
+    ) {
+        let mut reply = Reply::new(respond);
         let (parts, body) = request.into_parts();
-        if let Some(e) = parts.headers.get("grpc-encoding") {
-            if e != "identity" {
-                return Err(Status::unimplemented("compression is not supported"));
-            }
-        }
-        let md = MetadataMap::from_headers(parts.headers);
-        let admitted = self
-            .admit(&md, parts.extensions.get::<TlsConnectInfo>())
-            .await?;
+        // Boxed, as are the router's calls below: this future lives as long as the
+        // agent's stream, so its resident size is that of the largest state it is
+        // ever in (a TokenReview's request among them) unless those are on the heap
+        // only while they run. The request's headers go with it.
+        let admitted = match Box::pin(self.admit_request(parts, &info)).await {
+            Ok(a) => a,
+            Err(status) => return reply.finish(status),
+        };
         let peer_window = admitted.peer_window;
-        let packets = self.open(admitted, body);
+        let span = tracing::info_span!("agent_stream", agent_id = %admitted.agent_id, peer = %admitted.peer);
+        let (agent, packets) = self.open(admitted);
         let mut meta = MetadataMap::new();
         if let Ok(v) = MetadataValue::try_from(self.server_id.as_str()) {
             meta.insert(header::SERVER_ID, v);
@@ -200,13 +205,51 @@ impl AgentLink {
         }
         let count = self.server_count.load(std::sync::atomic::Ordering::Relaxed);
         meta.insert(header::SERVER_COUNT, MetadataValue::from(count));
-        let mut response = http::Response::new(Body::new(PacketBody::response(packets)));
-        *response.headers_mut() = meta.into_headers();
-        response.headers_mut().insert(
-            http::header::CONTENT_TYPE,
-            http::HeaderValue::from_static("application/grpc"),
-        );
-        Ok(response)
+        reply.headers_mut().extend(meta.into_headers());
+        let gauge = self
+            .router
+            .metrics
+            .grpc_connections
+            .with_label_values(&["Connect"]);
+        gauge.inc();
+        async {
+            if reply.send_headers().is_ok() {
+                let inbound = async {
+                    serve_agent(&self.router, &agent, body, self.shutdown.clone()).await;
+                    self.router.remove_agent(&agent);
+                    drop(agent);
+                };
+                let outbound = write_agent(&mut reply, packets);
+                if futures::future::join(inbound, outbound).await.1 {
+                    reply.finish(Status::new(Code::Ok, ""));
+                }
+            } else {
+                self.router.remove_agent(&agent);
+            }
+            gauge.dec();
+            tracing::info!("agent disconnected");
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Checks the call (the method, no compression), then admits the agent.
+    async fn admit_request(
+        &self,
+        parts: http::request::Parts,
+        info: &TlsConnectInfo,
+    ) -> Result<Admitted, Status> {
+        if parts.uri.path() != CONNECT_PATH {
+            let method = parts.uri.path();
+            return Err(Status::unimplemented(format!("unknown method {method}")));
+        }
+        if let Some(e) = parts.headers.get("grpc-encoding") {
+            if e != "identity" {
+                return Err(Status::unimplemented("compression is not supported"));
+            }
+        }
+        self.admit(&MetadataMap::from_headers(parts.headers), info)
+            .await
     }
 
     /// Reads and checks the agent's metadata: its id, its token (with an
@@ -214,11 +257,9 @@ impl AgentLink {
     async fn admit(
         &self,
         md: &MetadataMap,
-        conn_info: Option<&TlsConnectInfo>,
+        conn_info: &TlsConnectInfo,
     ) -> Result<Admitted, Status> {
-        let peer = conn_info
-            .map(|i| i.remote_addr.to_string())
-            .unwrap_or_default();
+        let peer = conn_info.remote_addr.to_string();
         let agent_id = match link::single(md, header::AGENT_ID) {
             Ok("") => return Err(Status::invalid_argument("empty agentid")),
             Ok(id) => id.to_string(),
@@ -241,9 +282,7 @@ impl AgentLink {
             .map(|q| AgentIdentifiers::parse(q, false).unwrap_or_default())
             .unwrap_or_default();
         if self.require_identity_match {
-            let cert = conn_info
-                .and_then(|i| i.peer_certs.as_ref())
-                .and_then(|c| c.first());
+            let cert = conn_info.peer_certs.as_ref().and_then(|c| c.first());
             if let Err(why) = identity_matches(cert, &agent_id, &identifiers) {
                 tracing::warn!(%agent_id, %peer, reason = %why, "agent identity does not match its certificate; stream refused");
                 return Err(Status::permission_denied(why));
@@ -270,12 +309,11 @@ impl AgentLink {
         })
     }
 
-    /// Registers the agent's stream with the router, starts the task that feeds what
-    /// the agent sends into it, and returns the stream of packets to the agent. That
-    /// stream ends when the agent stream is removed (its senders dropped with the last
-    /// reference), retired (`closed`) or the server stops; WINDOW_UPDATEs overtake
-    /// queued DATA.
-    fn open(&self, a: Admitted, inbound: Body) -> PacketStream {
+    /// Registers the agent's stream with the router and returns it with the stream of
+    /// packets to the agent. That stream ends when the agent stream is removed (its
+    /// senders dropped with the last reference), retired (`closed`) or the server
+    /// stops; WINDOW_UPDATEs overtake queued DATA.
+    fn open(&self, a: Admitted) -> (Arc<AgentStream>, PacketStream) {
         let (tx, rx) = mpsc::channel(self.channel_size);
         // WINDOW_UPDATEs: a queue that holds no memory while empty (a tokio channel
         // would keep a 32-packet block, 2.5 KiB, for each of thousands of agents).
@@ -289,26 +327,9 @@ impl AgentLink {
             a.peer_window,
         ));
         self.router.add_agent(agent.clone());
-        let gauge = self
-            .router
-            .metrics
-            .grpc_connections
-            .with_label_values(&["Connect"]);
-        gauge.inc();
         let (agent_id, peer) = (&a.agent_id, &a.peer);
         tracing::info!(%agent_id, %peer, identifiers = ?agent.identifiers, flow_control = a.peer_window.is_some(), "agent connected");
-
         let (server_stop, retired) = (self.shutdown.clone(), agent.closed.clone());
-        let (router, shutdown) = (self.router.clone(), self.shutdown.clone());
-        tokio::spawn(
-            async move {
-                serve_agent(&router, &agent, inbound, shutdown).await;
-                router.remove_agent(&agent);
-                gauge.dec();
-                tracing::info!("agent disconnected");
-            }
-            .instrument(tracing::info_span!("agent_stream", %agent_id, %peer)),
-        );
         let ended = async move {
             tokio::select! {
                 _ = server_stop.cancelled() => {}
@@ -316,7 +337,10 @@ impl AgentLink {
             }
         };
         let out = ctl_rx.merge(ReceiverStream::new(rx));
-        Box::pin(futures::StreamExt::take_until(out, Box::pin(ended)))
+        (
+            agent,
+            Box::pin(futures::StreamExt::take_until(out, Box::pin(ended))),
+        )
     }
 }
 
@@ -325,42 +349,75 @@ impl AgentLink {
 async fn serve_agent(
     router: &Arc<Router>,
     agent: &Arc<AgentStream>,
-    inbound: Body,
+    mut body: RecvStream,
     shutdown: CancellationToken,
 ) {
-    let mut inbound = BodyPackets::new(inbound);
-    loop {
+    let mut messages = Messages::default();
+    let status = loop {
+        match messages.next_packet() {
+            Ok(Some(packet)) => {
+                Box::pin(router.on_agent_packet(agent, packet)).await;
+                continue;
+            }
+            Ok(None) => {}
+            Err(e) => break Status::internal(e.to_string()),
+        }
         let next = tokio::select! {
-            next = inbound.message() => next,
+            next = body.data() => next,
             _ = shutdown.cancelled() => return,
             _ = agent.closed.cancelled() => return,
         };
         match next {
-            Ok(Some(packet)) => router.on_agent_packet(agent, packet).await,
-            Ok(None) => return,
-            // The agent cancelled its call: as good as an end (tonic's reading).
-            Err(status) if status.code() == Code::Cancelled => return,
-            Err(status) => {
-                router
-                    .metrics
-                    .stream_error(Segment::FromAgent, status.code());
-                tracing::info!(error = %status.message(), code = ?status.code(), "agent stream failed");
-                return;
+            Some(Ok(chunk)) => {
+                let _ = body.flow_control().release_capacity(chunk.len());
+                messages.push(chunk);
             }
+            // The agent cancelled its call: as good as an end (tonic's reading).
+            Some(Err(e)) if e.reason() == Some(h2::Reason::CANCEL) => return,
+            Some(Err(e)) => break status_from_h2(&e),
+            None if messages.mid_message() => {
+                break Status::internal("the stream ended inside a message")
+            }
+            None => return,
+        }
+    };
+    router
+        .metrics
+        .stream_error(Segment::FromAgent, status.code());
+    tracing::info!(error = %status.message(), code = ?status.code(), "agent stream failed");
+}
+
+/// Writes the packets for the agent until they end (true) or the stream fails.
+async fn write_agent(reply: &mut Reply, mut packets: PacketStream) -> bool {
+    while let Some(packet) = packets.next().await {
+        if let Err(e) = reply.send(&packet).await {
+            tracing::debug!(error = %e, "cannot write to the agent");
+            return false;
         }
     }
+    true
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
     use tether_proto::agent_service_client::AgentServiceClient;
     use tonic::Request;
 
     /// An agent link served in-process over plain HTTP/2 on 127.0.0.1:0 (the TLS
     /// around it is the transport's, tested there), and its router.
     async fn serve() -> (Arc<Router>, AgentServiceClient<tonic::transport::Channel>) {
+        let (router, client, _) = serve_stoppable().await;
+        (router, client)
+    }
+
+    /// [`serve`], with the hard stop and the address.
+    async fn serve_stoppable() -> (
+        Arc<Router>,
+        AgentServiceClient<tonic::transport::Channel>,
+        (CancellationToken, std::net::SocketAddr),
+    ) {
+        let stop = CancellationToken::new();
         let router = Router::new(
             crate::router::RouterConfig {
                 strategies: crate::router::parse_strategies("default").unwrap(),
@@ -375,23 +432,28 @@ mod tests {
             server_id: "s1".into(),
             server_count: Arc::new(std::sync::atomic::AtomicU32::new(3)),
             channel_size: 10,
-            shutdown: CancellationToken::new(),
+            shutdown: stop.clone(),
             authenticator: None,
             require_identity_match: false,
         };
+        let link = Arc::new(link);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        tokio::spawn(
-            tonic::transport::Server::builder()
-                .add_service(AgentConnect::new(link))
-                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-        );
+        tokio::spawn(async move {
+            while let Ok((tcp, remote_addr)) = listener.accept().await {
+                let info = TlsConnectInfo {
+                    remote_addr,
+                    peer_certs: None,
+                };
+                tokio::spawn(link.clone().serve_connection(tcp, info, Duration::ZERO));
+            }
+        });
         let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
             .unwrap()
             .connect()
             .await
             .unwrap();
-        (router, AgentServiceClient::new(channel))
+        (router, AgentServiceClient::new(channel), (stop, addr))
     }
 
     fn request(
@@ -484,6 +546,34 @@ mod tests {
             );
         }
         assert_eq!(router.registry().len(), 0);
+    }
+
+    #[tokio::test]
+    async fn at_the_hard_stop_the_stream_ends_with_status_ok_and_the_agent_is_gone() {
+        let (router, mut client, (stop, _)) = serve_stoppable().await;
+        let (_tx, req) = request(&[(header::AGENT_ID, "node-1")]);
+        let mut packets = client.connect(req).await.unwrap().into_inner();
+        wait_agents(&router, 1).await;
+        stop.cancel();
+        let end = tokio::time::timeout(Duration::from_secs(5), packets.message()).await;
+        assert!(matches!(end, Ok(Ok(None))), "{end:?}");
+        wait_agents(&router, 0).await;
+    }
+
+    #[tokio::test]
+    async fn another_method_is_unimplemented() {
+        let (_router, _client, (_, addr)) = serve_stoppable().await;
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (mut send, conn) = h2::client::handshake(tcp).await.unwrap();
+        tokio::spawn(conn);
+        let request = http::Request::post(format!("http://{addr}/AgentService/Other"))
+            .header(http::header::CONTENT_TYPE, "application/grpc")
+            .body(())
+            .unwrap();
+        let (response, _) = send.send_request(request, true).unwrap();
+        let response = response.await.unwrap();
+        let status = Status::from_header_map(response.headers()).expect("trailers-only status");
+        assert_eq!(status.code(), Code::Unimplemented, "{status:?}");
     }
 
     #[test]

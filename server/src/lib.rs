@@ -1,6 +1,6 @@
 //! Tether's proxy server: frontends (gRPC ProxyService and HTTP CONNECT, over a Unix
 //! socket or mutual-TLS TCP) -> the server core (backend selection, dial and connection
-//! bookkeeping) -> agent links (one task per agent stream), plus health and admin HTTP.
+//! bookkeeping) -> agent links (one task per agent connection), plus health and admin HTTP.
 //!
 //! [`Server::bind`] binds every listener (so bad addresses and certificates fail at
 //! start-up); [`BoundServer::run`] serves until the shutdown token is cancelled.
@@ -8,6 +8,7 @@
 pub mod agent_link;
 pub mod auth;
 pub mod frontend;
+mod h2serve;
 pub mod lease;
 pub mod metrics;
 pub mod pod_networks;
@@ -23,8 +24,6 @@ use axum::http::StatusCode;
 use tether_core::tls::{self, TlsError, TlsFiles};
 use tether_core::transport::{self, ServerConfigSource};
 use tokio::net::{TcpListener, UnixListener};
-use tokio_stream::wrappers::ReceiverStream;
-use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -485,7 +484,9 @@ fn spawn_admin(
     tether_ops::health::spawn("admin", listener, app, hard_stop.clone());
 }
 
-/// The agent listener: mutual TLS, HTTP/2 keepalive, `AgentService`.
+/// The agent listener: mutual TLS, then one task per connection serving
+/// `AgentService` with HTTP/2 keepalive; after the hard stop it waits for those tasks
+/// (each ends within `h2serve::CLOSE_GRACE`).
 fn spawn_agent_listener(
     link: agent_link::AgentLink,
     listener: TcpListener,
@@ -494,21 +495,20 @@ fn spawn_agent_listener(
     dead_link: Option<Duration>,
     hard_stop: &CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
-    let incoming =
+    let mut incoming =
         transport::tls_incoming_with(listener, tls, "agent", dead_link, hard_stop.clone());
-    let server = transport::h2_server()
-        .http2_keepalive_interval(Some(keepalive))
-        .http2_keepalive_timeout(Some(keepalive.min(Duration::from_secs(20))))
-        .add_service(agent_link::AgentConnect::new(link))
-        .serve_with_incoming_shutdown(
-            ReceiverStream::new(incoming).map(Ok::<_, std::io::Error>),
-            hard_stop.clone().cancelled_owned(),
-        );
+    let link = Arc::new(link);
     tokio::spawn(
         async move {
-            if let Err(e) = server.await {
-                tracing::error!(error = %e, "agent listener failed");
+            let connections = tokio_util::task::TaskTracker::new();
+            while let Some(conn) = incoming.recv().await {
+                let info = conn.info().clone();
+                let span = tracing::debug_span!("agent_connection", peer = %info.remote_addr);
+                let serve = link.clone().serve_connection(conn, info, keepalive);
+                connections.spawn(serve.instrument(span));
             }
+            connections.close();
+            connections.wait().await;
         }
         .instrument(tracing::info_span!("agent_listener")),
     )

@@ -1,7 +1,8 @@
-//! The same messages on the HTTP/2 bodies of hyper's server and tonic's channel (the
-//! agent link on both ends): packets sent as a body whose DATA payloads are slices of
-//! the packets, and packets read from a body's DATA frames without tonic's codec, so
-//! nothing keeps a buffer the size of the largest packet a long-lived stream carried.
+//! The same messages on the HTTP/2 bodies of tonic's channel (the agent's end of the
+//! agent link): packets sent as a request body whose DATA payloads are slices of the
+//! packets, and packets read from the response body's DATA frames without tonic's
+//! codec, so nothing keeps a buffer the size of the largest packet a long-lived stream
+//! carried.
 
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
@@ -14,32 +15,21 @@ use tonic::{Code, Status};
 
 use super::{frame_parts, Messages};
 
-/// A stream of packets as an HTTP/2 body: each packet one gRPC message. A response
-/// body ends with `grpc-status: 0` trailers; a request body just ends.
+/// A stream of packets as an HTTP/2 request body: each packet one gRPC message.
 pub struct PacketBody<S> {
     packets: S,
     /// The payload of the message whose head went last.
     tail: Option<Bytes>,
-    status_at_end: bool,
     ended: bool,
 }
 
 impl<S> PacketBody<S> {
-    /// A response body (trailers at the end).
-    pub fn response(packets: S) -> Self {
-        PacketBody {
-            packets,
-            tail: None,
-            status_at_end: true,
-            ended: false,
-        }
-    }
-
     /// A request body.
     pub fn request(packets: S) -> Self {
         PacketBody {
-            status_at_end: false,
-            ..Self::response(packets)
+            packets,
+            tail: None,
+            ended: false,
         }
     }
 }
@@ -64,12 +54,6 @@ impl<S: Stream<Item = Packet> + Unpin> Body for PacketBody<S> {
                 let (head, tail) = frame_parts(&packet);
                 this.tail = tail;
                 Poll::Ready(Some(Ok(Frame::data(head))))
-            }
-            None if this.status_at_end => {
-                this.ended = true;
-                let mut trailers = http::HeaderMap::new();
-                trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
-                Poll::Ready(Some(Ok(Frame::trailers(trailers))))
             }
             None => {
                 this.ended = true;

@@ -397,6 +397,21 @@ mod tests {
     }
 
     #[test]
+    fn an_idle_stream_keeps_no_part_of_the_last_frame() {
+        // A frame whose buffer is larger than its messages, as h2's read buffer is:
+        // once its last message is cut out, nothing refers to it (a stream idles for
+        // hours after its last frame).
+        let mut wire = BytesMut::from(&frame(&Packet::dial_request("tcp", "10.0.0.1:22", 7))[..]);
+        wire.reserve(64 << 10);
+        let frame = wire.freeze();
+        let mut m = Messages::default();
+        m.push(frame.clone());
+        assert!(m.next_packet().unwrap().is_some());
+        assert!(m.next_packet().unwrap().is_none());
+        assert!(frame.is_unique(), "the frame's buffer is still referenced");
+    }
+
+    #[test]
     fn the_largest_one_frame_payload_fits_the_frame() {
         for max in [16 << 10, 128 << 10] {
             let n = one_frame_payload(max);

@@ -8,49 +8,29 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures::stream::FuturesUnordered;
 use futures::StreamExt;
 use h2::server::SendResponse;
 use h2::RecvStream;
-use tether_core::grpc::{h2_io, percent_encode, MessageError, Messages, Outbound, PROXY_PATH};
-use tether_core::transport::{H2_CONN_WINDOW, H2_MAX_FRAME, H2_STREAM_WINDOW};
+use tether_core::grpc::{MessageError, Messages, PROXY_PATH};
 use tether_proto::{packet::Payload, Packet};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_util::sync::CancellationToken;
 use tonic::{Code, Status};
 use tracing::Instrument;
 
+use crate::h2serve::{self, status_from_h2, Reply, Settings};
 use crate::metrics::Segment;
 use crate::router::{outbox, FrontendStream, Router};
 
 /// One stream per dial: a client may hold thousands on one connection.
 const MAX_STREAMS: u32 = 1 << 16;
-/// The client preface and SETTINGS exchange.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long a keepalive ping may go unanswered (hyper's default, which tonic used).
-const PING_TIMEOUT: Duration = Duration::from_secs(20);
-/// At the hard stop: how long the last frames and the GOAWAY get to leave.
-const CLOSE_GRACE: Duration = Duration::from_secs(1);
-
-/// What an h2 error on a stream means as a gRPC status, as tonic maps it.
-fn status_from_h2(e: &h2::Error) -> Status {
-    use h2::Reason;
-    let code = match e.reason() {
-        Some(Reason::CANCEL) => Code::Cancelled,
-        Some(Reason::REFUSED_STREAM) => Code::Unavailable,
-        Some(Reason::ENHANCE_YOUR_CALM) => Code::ResourceExhausted,
-        Some(Reason::INADEQUATE_SECURITY) => Code::PermissionDenied,
-        Some(_) => Code::Internal,
-        None => Code::Unknown,
-    };
-    Status::new(code, e.to_string())
-}
+/// hyper's default, which tonic used.
+const MAX_HEADER_LIST: u32 = 16 << 10;
 
 /// Serves one frontend connection until the client goes, a keepalive ping goes
-/// unanswered, or `hard_stop`. Its streams run in this task too: a packet read off the
-/// socket reaches the router, and an answer reaches the socket, without waking another
-/// task (kube-apiserver opens one connection per tunnel, so there is nothing to gain
-/// from running a connection's streams in parallel, and a wake-up per hop to lose).
+/// unanswered, or `hard_stop`. Its streams run in this task too (`h2serve`):
+/// kube-apiserver opens one connection per tunnel, so there is nothing to gain from
+/// running a connection's streams in parallel, and a wake-up per hop to lose.
 pub async fn serve_connection<S>(
     io: S,
     router: Arc<Router>,
@@ -59,69 +39,16 @@ pub async fn serve_connection<S>(
 ) where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let handshake = h2::server::Builder::new()
-        .initial_window_size(H2_STREAM_WINDOW)
-        .initial_connection_window_size(H2_CONN_WINDOW)
-        .max_frame_size(H2_MAX_FRAME)
-        .max_concurrent_streams(MAX_STREAMS)
-        .handshake::<_, Bytes>(io);
-    let mut conn = match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake).await {
-        Ok(Ok(conn)) => conn,
-        Ok(Err(e)) => return tracing::debug!(error = %e, "HTTP/2 handshake failed"),
-        Err(_) => return tracing::debug!("HTTP/2 handshake timed out"),
+    let settings = Settings {
+        max_streams: MAX_STREAMS,
+        max_header_list: MAX_HEADER_LIST,
+        keepalive,
     };
-    let pings = conn.ping_pong().expect("taken once");
-    let mut keepalive = std::pin::pin!(keep_alive(pings, keepalive));
-    let mut streams = FuturesUnordered::new();
-    // Far enough to never fire before the hard stop resets it.
-    let mut closing = std::pin::pin!(tokio::time::sleep(Duration::from_secs(1 << 30)));
-    let mut stopping = false;
-    loop {
-        tokio::select! {
-            accepted = conn.accept() => match accepted {
-                Some(Ok(_)) if stopping => {}
-                Some(Ok((request, respond))) => {
-                    if let Some(stream) = start_stream(&router, request, respond, &hard_stop) {
-                        streams.push(stream);
-                    }
-                }
-                Some(Err(e)) => break tracing::debug!(error = %e, "frontend connection ended"),
-                None => break,
-            },
-            Some(()) = streams.next(), if !streams.is_empty() => {}
-            _ = &mut keepalive => {
-                break tracing::info!("keepalive ping unanswered; closing the frontend connection");
-            }
-            // Every stream ends at the hard stop: say GOAWAY and let the last frames out.
-            _ = hard_stop.cancelled(), if !stopping => {
-                stopping = true;
-                conn.graceful_shutdown();
-                closing.as_mut().reset(tokio::time::Instant::now() + CLOSE_GRACE);
-            }
-            _ = &mut closing => break,
-        }
-    }
-    // With the connection gone every stream's reads and writes fail: let each one
-    // leave the router.
-    drop(conn);
-    while streams.next().await.is_some() {}
-}
-
-/// Pings every `every` (never if zero); returns when a ping goes unanswered.
-async fn keep_alive(mut pings: h2::PingPong, every: Duration) {
-    if every.is_zero() {
-        return std::future::pending().await;
-    }
-    loop {
-        tokio::time::sleep(every).await;
-        let ping = pings.ping(h2::Ping::opaque());
-        match tokio::time::timeout(PING_TIMEOUT.min(every), ping).await {
-            Ok(Ok(_)) => {}
-            // The connection is going anyway; its accept loop sees why.
-            Ok(Err(_)) => return std::future::pending().await,
-            Err(_) => return,
-        }
-    }
+    let stop = hard_stop.clone();
+    h2serve::serve_connection(io, settings, hard_stop, |request, respond| {
+        start_stream(&router, request, respond, &stop)
+    })
+    .await;
 }
 
 /// A Proxy stream's work, or `None` when the request was refused (and answered).
@@ -131,10 +58,7 @@ fn start_stream(
     respond: SendResponse<Bytes>,
     hard_stop: &CancellationToken,
 ) -> Option<impl std::future::Future<Output = ()> + Send + 'static> {
-    let mut reply = Reply {
-        respond: Some(respond),
-        out: Outbound::closed(),
-    };
+    let mut reply = Reply::new(respond);
     if let Err(status) = check_request(&request) {
         tracing::debug!(path = %request.uri().path(), message = %status.message(), "refused a frontend request");
         reply.finish(status);
@@ -293,46 +217,6 @@ async fn write_client(
                 .metrics
                 .stream_error(Segment::ToClient, Code::Unavailable);
             return;
-        }
-    }
-}
-
-/// The server's half of a stream: the response headers go with the first message (as
-/// grpc-go's do), the status in trailers, or alone if nothing was sent.
-struct Reply {
-    respond: Option<SendResponse<Bytes>>,
-    out: Outbound,
-}
-
-fn response() -> http::Response<()> {
-    http::Response::builder()
-        .header(http::header::CONTENT_TYPE, "application/grpc")
-        .body(())
-        .expect("static response parts")
-}
-
-impl Reply {
-    async fn send(&mut self, packet: &Packet) -> std::io::Result<()> {
-        if let Some(mut respond) = self.respond.take() {
-            self.out = Outbound::new(respond.send_response(response(), false).map_err(h2_io)?);
-        }
-        self.out.send(packet).await
-    }
-
-    fn finish(&mut self, status: Status) {
-        let mut trailers = http::HeaderMap::new();
-        trailers.insert("grpc-status", (status.code() as i32).into());
-        if !status.message().is_empty() {
-            if let Ok(m) = http::HeaderValue::from_str(&percent_encode(status.message())) {
-                trailers.insert("grpc-message", m);
-            }
-        }
-        if let Some(mut respond) = self.respond.take() {
-            let mut only = response();
-            only.headers_mut().extend(trailers);
-            let _ = respond.send_response(only, true);
-        } else if let Some(stream) = self.out.stream() {
-            let _ = stream.send_trailers(trailers);
         }
     }
 }
