@@ -395,6 +395,9 @@ fn the_cpu_and_heap_profiles_are_read_by_go_pprof() {
     };
     let text = read("/debug/pprof/profile?seconds=1", "cpu.pb");
     assert!(text.contains("PeriodType: cpu"), "{text}");
+    // The CPU profiler (pprof-rs) keeps its sample table (about 64 MiB) from its first
+    // profile on; what the heap profile leaves is measured from here.
+    let after_cpu = heap_inuse(server.health);
 
     // Allocate some megabytes in the server (each scrape renders the metrics page),
     // then read the sampled heap.
@@ -413,4 +416,24 @@ fn the_cpu_and_heap_profiles_are_read_by_go_pprof() {
             && text.contains("prometheus"),
         "{text}"
     );
+
+    // Resolving the profile's addresses parsed the binary's debug info (tens of MiB,
+    // hundreds in a debug build): none of it stays once the profile is written.
+    let grown = heap_inuse(server.health) - after_cpu;
+    assert!(
+        grown < (16 << 20) as f64,
+        "{:.1} MiB more heap in use after the heap profile was written",
+        grown / (1 << 20) as f64
+    );
+}
+
+/// The server's `tether_heap_inuse_bytes`.
+fn heap_inuse(health: std::net::SocketAddr) -> f64 {
+    let url = format!("http://{health}/metrics");
+    let out = Command::new("curl").args(["-sf", &url]).output().unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix("tether_heap_inuse_bytes "))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("tether_heap_inuse_bytes on /metrics")
 }

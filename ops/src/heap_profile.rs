@@ -210,6 +210,12 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Sampling<A> {
 /// inuse_objects, inuse_space; period 512 KiB of space), values scaled from the
 /// samples to estimates of the whole heap.
 pub fn profile() -> Result<Vec<u8>, String> {
+    let rendered = render();
+    crate::profiling::drop_symbols();
+    rendered
+}
+
+fn render() -> Result<Vec<u8>, String> {
     use pprof::protos::{self, Message};
     let stacks: Vec<(Box<[usize]>, Stats)> = guarded(|| {
         let guard = TABLE.lock().unwrap_or_else(|e| e.into_inner());

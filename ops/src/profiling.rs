@@ -1,7 +1,8 @@
 //! pprof endpoints for the admin port (`--enable-profiling`): `/debug/pprof/profile`
 //! samples the CPU for `?seconds=N` (default 30, as Go) and `/debug/pprof/heap` answers
 //! the sampled heap (see `heap_profile`), both in the pprof protobuf that `go tool
-//! pprof` and every pprof viewer read.
+//! pprof` and every pprof viewer read. Symbols are resolved per request and their
+//! cache dropped after it.
 
 use std::time::Duration;
 
@@ -89,9 +90,21 @@ pub async fn cpu_profile(duration: Duration) -> Result<Vec<u8>, String> {
         .build()
         .map_err(|e| e.to_string())?;
     tokio::time::sleep(duration).await;
-    let report = guard.report().build().map_err(|e| e.to_string())?;
+    let report = guard.report().build();
     drop(guard);
-    let profile = report.pprof().map_err(|e| e.to_string())?;
+    let profile = report.and_then(|r| r.pprof());
+    drop_symbols();
     use pprof::protos::Message;
-    profile.write_to_bytes().map_err(|e| e.to_string())
+    profile
+        .map_err(|e| e.to_string())?
+        .write_to_bytes()
+        .map_err(|e| e.to_string())
+}
+
+/// Drops the symbol cache that resolving a profile's addresses filled: the binary's
+/// parsed debug info, about 67 MiB for the `tether` binary, which would otherwise stay
+/// for the life of the process after the first profile was asked for. Each profile
+/// then parses it again (a second or so).
+pub(crate) fn drop_symbols() {
+    backtrace::clear_symbol_cache();
 }
