@@ -10,10 +10,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures::future::Either;
 use futures::Stream;
 use h2::server::SendResponse;
 use h2::RecvStream;
-use tether_core::grpc::Messages;
+use tether_core::grpc::{MessageError, Messages};
 use tether_core::identifiers::AgentIdentifiers;
 use tether_core::transport::TlsConnectInfo;
 use tether_proto::{header, link, Packet};
@@ -214,14 +215,8 @@ impl AgentLink {
         gauge.inc();
         async {
             if reply.send_headers().is_ok() {
-                let inbound = async {
-                    serve_agent(&self.router, &agent, body, self.shutdown.clone()).await;
-                    self.router.remove_agent(&agent);
-                    drop(agent);
-                };
-                let outbound = write_agent(&mut reply, packets);
-                if futures::future::join(inbound, outbound).await.1 {
-                    reply.finish(Status::new(Code::Ok, ""));
+                if let Some(status) = self.carry(agent, body, &mut reply, packets).await {
+                    reply.finish(status);
                 }
             } else {
                 self.router.remove_agent(&agent);
@@ -231,6 +226,39 @@ impl AgentLink {
         }
         .instrument(span)
         .await
+    }
+
+    /// Carries an admitted stream both ways until both are done; the status to end it
+    /// with. An agent that broke the protocol gets its error at once; otherwise what
+    /// is queued for the agent goes out first (a half-closed, drained agent waits for
+    /// it) and the stream ends OK.
+    async fn carry(
+        &self,
+        agent: Arc<AgentStream>,
+        body: RecvStream,
+        reply: &mut Reply,
+        packets: PacketStream,
+    ) -> Option<Status> {
+        // The stream's reference to the agent goes when its inbound half ends: the
+        // packets for the agent end once no one else holds one.
+        let router = &self.router;
+        let shutdown = self.shutdown.clone();
+        let inbound = std::pin::pin!(async move {
+            let failed = serve_agent(router, &agent, body, shutdown).await;
+            router.remove_agent(&agent);
+            failed
+        });
+        let outbound = std::pin::pin!(write_agent(reply, packets));
+        let ok = || Status::new(Code::Ok, "");
+        match futures::future::select(inbound, outbound).await {
+            Either::Left((Some(failed), _)) => Some(failed),
+            Either::Left((None, outbound)) => outbound.await.then(ok),
+            // Nothing more for the agent (retired, or the server stopping).
+            Either::Right((sent_all, inbound)) => {
+                let failed = inbound.await;
+                sent_all.then(|| failed.unwrap_or_else(ok))
+            }
+        }
     }
 
     /// Checks the call (the method, no compression), then admits the agent.
@@ -345,13 +373,14 @@ impl AgentLink {
 }
 
 /// Feeds what the agent sends into the router until its stream ends, fails, is
-/// retired, or the server stops.
+/// retired, or the server stops; the status to end the stream with when the agent
+/// broke it.
 async fn serve_agent(
     router: &Arc<Router>,
     agent: &Arc<AgentStream>,
     mut body: RecvStream,
     shutdown: CancellationToken,
-) {
+) -> Option<Status> {
     let mut messages = Messages::default();
     let status = loop {
         match messages.next_packet() {
@@ -360,12 +389,13 @@ async fn serve_agent(
                 continue;
             }
             Ok(None) => {}
+            Err(e @ MessageError::TooLarge(_)) => break Status::resource_exhausted(e.to_string()),
             Err(e) => break Status::internal(e.to_string()),
         }
         let next = tokio::select! {
             next = body.data() => next,
-            _ = shutdown.cancelled() => return,
-            _ = agent.closed.cancelled() => return,
+            _ = shutdown.cancelled() => return None,
+            _ = agent.closed.cancelled() => return None,
         };
         match next {
             Some(Ok(chunk)) => {
@@ -373,18 +403,19 @@ async fn serve_agent(
                 messages.push(chunk);
             }
             // The agent cancelled its call: as good as an end (tonic's reading).
-            Some(Err(e)) if e.reason() == Some(h2::Reason::CANCEL) => return,
+            Some(Err(e)) if e.reason() == Some(h2::Reason::CANCEL) => return None,
             Some(Err(e)) => break status_from_h2(&e),
             None if messages.mid_message() => {
                 break Status::internal("the stream ended inside a message")
             }
-            None => return,
+            None => return None,
         }
     };
     router
         .metrics
         .stream_error(Segment::FromAgent, status.code());
     tracing::info!(error = %status.message(), code = ?status.code(), "agent stream failed");
+    Some(status)
 }
 
 /// Writes the packets for the agent until they end (true) or the stream fails.
@@ -506,9 +537,13 @@ mod tests {
         assert_eq!(json["agents"][0]["id"], "node-1");
         assert_eq!(json["agents"][0]["hosts"][0], "node-1");
         assert_eq!(json["agents"][0]["ips"][0], "10.0.0.1");
-        // The agent ends its half of the stream: the server forgets it.
+        // The agent ends its half of the stream (as a drained agent does): the server
+        // forgets it and ends its own half with status OK.
+        let mut packets = response.into_inner();
         drop(tx);
         wait_agents(&router, 0).await;
+        let end = tokio::time::timeout(Duration::from_secs(5), packets.message()).await;
+        assert!(matches!(end, Ok(Ok(None))), "{end:?}");
     }
 
     #[tokio::test]
@@ -574,6 +609,41 @@ mod tests {
         let response = response.await.unwrap();
         let status = Status::from_header_map(response.headers()).expect("trailers-only status");
         assert_eq!(status.code(), Code::Unimplemented, "{status:?}");
+    }
+
+    #[tokio::test]
+    async fn an_agent_that_sends_a_malformed_message_gets_an_error_at_once() {
+        let (router, _client, (_, addr)) = serve_stoppable().await;
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (mut send, conn) = h2::client::handshake(tcp).await.unwrap();
+        tokio::spawn(conn);
+        let request = http::Request::post(format!("http://{addr}{CONNECT_PATH}"))
+            .header(http::header::CONTENT_TYPE, "application/grpc")
+            .header(header::AGENT_ID, "node-1")
+            .body(())
+            .unwrap();
+        let (response, mut stream) = send.send_request(request, false).unwrap();
+        let response = response.await.unwrap();
+        assert_eq!(response.headers()[header::SERVER_ID], "s1");
+        wait_agents(&router, 1).await;
+        // A gRPC message whose bytes are no packet; the agent keeps its side open.
+        stream
+            .send_data(
+                Bytes::from_static(&[0, 0, 0, 0, 3, 0xff, 0xff, 0xff]),
+                false,
+            )
+            .unwrap();
+        let mut body = response.into_body();
+        let ended = tokio::time::timeout(Duration::from_secs(5), async {
+            while body.data().await.is_some() {}
+            body.trailers().await
+        })
+        .await
+        .expect("the server ended the stream");
+        let trailers = ended.unwrap().expect("trailers");
+        let status = Status::from_header_map(&trailers).expect("a status");
+        assert_eq!(status.code(), Code::Internal, "{status:?}");
+        wait_agents(&router, 0).await;
     }
 
     #[test]
