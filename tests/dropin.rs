@@ -431,9 +431,9 @@ fn the_cpu_and_heap_profiles_are_read_by_go_pprof() {
 fn heap_inuse(health: std::net::SocketAddr) -> f64 {
     let url = format!("http://{health}/metrics");
     let out = Command::new("curl").args(["-sf", &url]).output().unwrap();
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .find_map(|l| l.strip_prefix("tether_heap_inuse_bytes "))
-        .and_then(|v| v.trim().parse().ok())
-        .expect("tether_heap_inuse_bytes on /metrics")
+    metric(
+        &String::from_utf8_lossy(&out.stdout),
+        "tether_heap_inuse_bytes",
+    )
+    .expect("tether_heap_inuse_bytes on /metrics")
 }

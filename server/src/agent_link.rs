@@ -239,8 +239,8 @@ impl AgentLink {
         reply: &mut Reply,
         packets: PacketStream,
     ) -> Option<Status> {
-        // The stream's reference to the agent goes when its inbound half ends: the
-        // packets for the agent end once no one else holds one.
+        // Removing the agent retires it, which ends the packets for it; the stream's
+        // reference to it goes with the inbound half.
         let router = &self.router;
         let shutdown = self.shutdown.clone();
         let inbound = std::pin::pin!(async move {
@@ -595,18 +595,30 @@ mod tests {
         wait_agents(&router, 0).await;
     }
 
-    #[tokio::test]
-    async fn another_method_is_unimplemented() {
-        let (_router, _client, (_, addr)) = serve_stoppable().await;
+    /// A gRPC call to `path` on a bare HTTP/2 connection (bytes no tonic client sends),
+    /// with `agent_id` as metadata if any; the request body stays open unless `end`.
+    async fn raw_call(
+        addr: std::net::SocketAddr,
+        path: &str,
+        agent_id: Option<&str>,
+        end: bool,
+    ) -> (http::Response<RecvStream>, h2::SendStream<Bytes>) {
         let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
         let (mut send, conn) = h2::client::handshake(tcp).await.unwrap();
         tokio::spawn(conn);
-        let request = http::Request::post(format!("http://{addr}/AgentService/Other"))
-            .header(http::header::CONTENT_TYPE, "application/grpc")
-            .body(())
-            .unwrap();
-        let (response, _) = send.send_request(request, true).unwrap();
-        let response = response.await.unwrap();
+        let mut request = http::Request::post(format!("http://{addr}{path}"))
+            .header(http::header::CONTENT_TYPE, "application/grpc");
+        if let Some(id) = agent_id {
+            request = request.header(header::AGENT_ID, id);
+        }
+        let (response, stream) = send.send_request(request.body(()).unwrap(), end).unwrap();
+        (response.await.unwrap(), stream)
+    }
+
+    #[tokio::test]
+    async fn another_method_is_unimplemented() {
+        let (_router, _client, (_, addr)) = serve_stoppable().await;
+        let (response, _) = raw_call(addr, "/AgentService/Other", None, true).await;
         let status = Status::from_header_map(response.headers()).expect("trailers-only status");
         assert_eq!(status.code(), Code::Unimplemented, "{status:?}");
     }
@@ -614,16 +626,7 @@ mod tests {
     #[tokio::test]
     async fn an_agent_that_sends_a_malformed_message_gets_an_error_at_once() {
         let (router, _client, (_, addr)) = serve_stoppable().await;
-        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let (mut send, conn) = h2::client::handshake(tcp).await.unwrap();
-        tokio::spawn(conn);
-        let request = http::Request::post(format!("http://{addr}{CONNECT_PATH}"))
-            .header(http::header::CONTENT_TYPE, "application/grpc")
-            .header(header::AGENT_ID, "node-1")
-            .body(())
-            .unwrap();
-        let (response, mut stream) = send.send_request(request, false).unwrap();
-        let response = response.await.unwrap();
+        let (response, mut stream) = raw_call(addr, CONNECT_PATH, Some("node-1"), false).await;
         assert_eq!(response.headers()[header::SERVER_ID], "s1");
         wait_agents(&router, 1).await;
         // A gRPC message whose bytes are no packet; the agent keeps its side open.
