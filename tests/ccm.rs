@@ -545,7 +545,11 @@ fn a_load_balancer_service_is_reachable_through_the_tunnel() {
         let mut b = [0u8; 1];
         c.write_all(&[byte]).is_ok() && c.read_exact(&mut b).is_ok() && b[0] == byte
     };
-    let mut first = wait_blocking("the limit applied", Duration::from_secs(30), || {
+    // A connection admitted before the annotations reached the balancer keeps the old
+    // policy (no limit, the default idle timeout), so retry until one connection both
+    // holds the only slot and is closed by the 1 s idle timeout: EOF, not a read timeout.
+    wait_blocking("the limit applied", Duration::from_secs(60), || {
+        use std::io::Read;
         let mut a = std::net::TcpStream::connect(("127.0.0.1", echo_port)).ok()?;
         a.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         if !echo(&mut a, b'c') {
@@ -554,15 +558,14 @@ fn a_load_balancer_service_is_reachable_through_the_tunnel() {
         // A second one at once is refused while the first is open.
         let mut b = std::net::TcpStream::connect(("127.0.0.1", echo_port)).ok()?;
         b.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        (!echo(&mut b, b'd')).then_some(a)
+        if echo(&mut b, b'd') {
+            return None;
+        }
+        // Idle for 1 s: the balancer closes it (EOF within the read deadline).
+        a.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut byte = [0u8; 1];
+        matches!(a.read(&mut byte), Ok(0)).then_some(())
     });
-    // Idle for 1 s: the balancer closes it (EOF within the read deadline).
-    {
-        use std::io::Read;
-        let mut b = [0u8; 1];
-        let n = first.read(&mut b).unwrap_or(0);
-        assert_eq!(n, 0, "the idle connection was not closed");
-    }
     wait_blocking(
         "a new connection after the idle one closed",
         Duration::from_secs(30),
