@@ -327,6 +327,41 @@ async fn dial_latency(client: &tether_client::Client, n: usize) -> anyhow::Resul
     Ok((percentile(&samples, 0.5), percentile(&samples, 0.99)))
 }
 
+/// Dial latency (us) through two servers' gRPC frontends in alternating batches (`n`
+/// dials each), so the machine's drift from minute to minute hits both alike: p50 and
+/// p99 through `a`, then through `b`.
+async fn dial_latency_interleaved(
+    a: &tether_client::Client,
+    b: &tether_client::Client,
+    n: usize,
+) -> anyhow::Result<((f64, f64), (f64, f64))> {
+    const ROUNDS: usize = 20;
+    let (mut sa, mut sb) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    for round in 0..ROUNDS {
+        let batch = n / ROUNDS + usize::from(round < n % ROUNDS);
+        // Which goes first alternates too.
+        let order = if round % 2 == 0 { [a, b] } else { [b, a] };
+        for client in order {
+            let samples = if std::ptr::eq(client, a) {
+                &mut sa
+            } else {
+                &mut sb
+            };
+            for _ in 0..batch {
+                let t = Instant::now();
+                let conn = client.dial("10.255.0.1:80").await?;
+                samples.push(t.elapsed().as_secs_f64() * 1e6);
+                drop(conn);
+            }
+        }
+    }
+    let p = |s: &mut Vec<f64>| {
+        s.sort_by(f64::total_cmp);
+        (percentile(s, 0.5), percentile(s, 0.99))
+    };
+    Ok((p(&mut sa), p(&mut sb)))
+}
+
 /// `n` tunnels to [`BURST_ADDRESS`], 16 at a time, each read to its end and closed.
 async fn burst(client: &tether_client::Client, n: usize) -> anyhow::Result<()> {
     let next = AtomicU64::new(0);
@@ -427,6 +462,25 @@ pub async fn many_agents(
         "{agents} agents: dial p50 {:.0} us, p99 {:.0} us",
         many.0, many.1
     );
+    // The same beside a second server with one agent, in alternating batches: the
+    // figures compared are taken in the same seconds.
+    let (beside, beside_ratio) = {
+        let socket = dir.join("grpc-one.sock");
+        let port = free_port();
+        let one_server = start_server(bin, &pki, &socket, port)?;
+        let _one_swarm = start_swarm(([127, 0, 0, 1], port).into(), &pki.dir, 0, 1)?;
+        wait_agents(&one_server, 1.0, Duration::from_secs(30)).await?;
+        let one_client = tether_client::Client::uds(&socket).await?;
+        // Warm both (the first dials open the frontend connection's streams).
+        dial_latency_interleaved(&client, &one_client, 200).await?;
+        let (n, one) = dial_latency_interleaved(&client, &one_client, 4000).await?;
+        let ratio = n.1 / one.1;
+        eprintln!(
+            "interleaved with a one-agent server: dial p50/p99 {:.0} / {:.0} us with {agents} agents, {:.0} / {:.0} us with 1 (p99 {ratio:.2}x)",
+            n.0, n.1, one.0, one.1
+        );
+        ((n, one), ratio)
+    };
 
     // A burst: one frame of DATA from most agents (three dials per agent, each to the
     // agent the server picks), then what the server holds once idle again.
@@ -465,6 +519,11 @@ pub async fn many_agents(
         "idle_cpu_share": {"server": server_cpu, "real_agent": agent_cpu},
         "burst": {"agents": reached, "rss_before_mib": before_burst, "rss_after_mib": after_burst, "kib_per_agent": burst_kib},
         "dial_us": {"one_agent": {"p50": one.0, "p99": one.1}, "all_agents": {"p50": many.0, "p99": many.1}},
+        "dial_us_interleaved": {
+            "all_agents": {"p50": beside.0 .0, "p99": beside.0 .1},
+            "one_agent_server": {"p50": beside.1 .0, "p99": beside.1 .1},
+            "p99_ratio": beside_ratio,
+        },
         "reconnect_storm": {"seconds": storm.as_secs_f64(), "peak_rss_mib": storm_peak, "settled_rss_mib": after_rss, "failed_dials": failed, "refused": refused},
     }))
 }

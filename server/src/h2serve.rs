@@ -5,10 +5,14 @@
 //! [`Reply`], the server's half of a stream (headers, messages, status trailers).
 
 use std::future::Future;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use bytes::Bytes;
 use futures::stream::FuturesUnordered;
+use futures::task::AtomicWaker;
 use futures::StreamExt;
 use h2::server::SendResponse;
 use h2::RecvStream;
@@ -84,37 +88,170 @@ pub(crate) async fn serve_connection<S, F>(
     };
     let pings = conn.ping_pong().expect("taken once");
     let mut keepalive = std::pin::pin!(keep_alive(pings, settings.keepalive));
+    let mut stop = std::pin::pin!(hard_stop.cancelled());
     let mut streams = FuturesUnordered::new();
     // Set at the hard stop (a timer is not kept for every idle connection before).
     let mut closing: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
     let mut stopping = false;
+    // Handed to the streams and the connection instead of the task's own waker.
+    let wake = Arc::new(SelfWake::default());
+    let waker = Waker::from(wake.clone());
     loop {
-        tokio::select! {
-            accepted = conn.accept() => match accepted {
-                Some(Ok(_)) if stopping => {}
-                Some(Ok((request, respond))) => {
-                    if let Some(stream) = start(request, respond) {
-                        streams.push(stream);
+        let event = std::future::poll_fn(|cx| {
+            wake.poll(
+                &waker,
+                cx,
+                |cx| {
+                    // Streams first: what they queue leaves with the connection's poll
+                    // just below, in this same pass.
+                    while let Poll::Ready(Some(())) = streams.poll_next_unpin(cx) {}
+                    std::pin::pin!(conn.accept()).poll(cx).map(Event::Accepted)
+                },
+                |cx| {
+                    if !stopping && stop.as_mut().poll(cx).is_ready() {
+                        return Poll::Ready(Event::HardStop);
                     }
+                    if keepalive.as_mut().poll(cx).is_ready() {
+                        return Poll::Ready(Event::PingUnanswered);
+                    }
+                    match closing.as_mut() {
+                        Some(grace) => grace.as_mut().poll(cx).map(|()| Event::GraceOver),
+                        None => Poll::Pending,
+                    }
+                },
+            )
+        })
+        .await;
+        match event {
+            Event::Accepted(Some(Ok(_))) if stopping => {}
+            Event::Accepted(Some(Ok((request, respond)))) => {
+                if let Some(stream) = start(request, respond) {
+                    streams.push(stream);
                 }
-                Some(Err(e)) => break tracing::debug!(error = %e, "connection ended"),
-                None => break,
-            },
-            Some(()) = streams.next(), if !streams.is_empty() => {}
-            _ = &mut keepalive => {
+            }
+            Event::Accepted(Some(Err(e))) => break tracing::debug!(error = %e, "connection ended"),
+            Event::Accepted(None) => break,
+            Event::PingUnanswered => {
                 break tracing::info!("keepalive ping unanswered; closing the connection");
             }
             // Every stream ends at the hard stop: say GOAWAY and let the last frames out.
-            _ = hard_stop.cancelled(), if !stopping => {
+            Event::HardStop => {
                 stopping = true;
                 conn.graceful_shutdown();
                 closing = Some(Box::pin(tokio::time::sleep(CLOSE_GRACE)));
             }
-            _ = async { closing.as_mut().expect("set").await }, if closing.is_some() => break,
+            Event::GraceOver => break,
         }
     }
     drop(conn);
     while streams.next().await.is_some() {}
+}
+
+/// How many times one poll of a connection's task runs its streams and connection
+/// again when that run woke the task itself.
+const PASSES: usize = 4;
+
+/// What `conn.accept()` gives.
+type Accepted = Option<Result<(http::Request<RecvStream>, SendResponse<Bytes>), h2::Error>>;
+
+/// What ends one poll of a connection's task (a value that lives only until handled,
+/// so its size does not matter).
+#[allow(clippy::large_enum_variant)]
+enum Event {
+    Accepted(Accepted),
+    PingUnanswered,
+    HardStop,
+    GraceOver,
+}
+
+/// The waker a connection's task hands its streams and its HTTP/2 connection: a wake
+/// while the task is polling (a stream queued a frame, or the connection read one for
+/// a stream) is only noted, so the poll runs another pass instead of returning and
+/// being rescheduled, which tokio does as a yield (to the back of the queue, and
+/// sometimes to the other worker); any other wake goes to the task.
+#[derive(Default)]
+struct SelfWake {
+    /// [`IN_POLL`] and [`WOKEN`].
+    state: AtomicU8,
+    task: AtomicWaker,
+}
+
+const IN_POLL: u8 = 1;
+const WOKEN: u8 = 2;
+
+impl SelfWake {
+    /// One poll of the task, with `waker` (made from this) handed down: `pass` runs
+    /// again, up to [`PASSES`] times, while it wakes the task without being ready; then
+    /// `rest` once.
+    fn poll<T>(
+        &self,
+        waker: &Waker,
+        cx: &mut Context<'_>,
+        mut pass: impl FnMut(&mut Context<'_>) -> Poll<T>,
+        rest: impl FnOnce(&mut Context<'_>) -> Poll<T>,
+    ) -> Poll<T> {
+        self.enter(cx.waker());
+        let mut inner = Context::from_waker(waker);
+        let mut ready = Poll::Pending;
+        let mut rerun = false;
+        for _ in 0..PASSES {
+            ready = pass(&mut inner);
+            rerun = self.woken();
+            if ready.is_ready() || !rerun {
+                break;
+            }
+        }
+        if ready.is_pending() {
+            ready = rest(&mut inner);
+        }
+        if rerun && ready.is_pending() {
+            // Out of passes with work still to do: be polled again.
+            cx.waker().wake_by_ref();
+        }
+        self.leave();
+        ready
+    }
+
+    fn enter(&self, task: &Waker) {
+        self.task.register(task);
+        self.state.store(IN_POLL, Ordering::Release);
+    }
+
+    /// Whether the task was woken since it entered or last asked (and forgets it).
+    fn woken(&self) -> bool {
+        self.state.fetch_and(!WOKEN, Ordering::AcqRel) & WOKEN != 0
+    }
+
+    /// Ends the poll: a wake noted and not run for goes to the task now.
+    fn leave(&self) {
+        if self.state.swap(0, Ordering::AcqRel) & WOKEN != 0 {
+            self.task.wake();
+        }
+    }
+}
+
+impl Wake for SelfWake {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        let mut state = self.state.load(Ordering::Acquire);
+        loop {
+            if state & IN_POLL == 0 {
+                return self.task.wake();
+            }
+            match self.state.compare_exchange_weak(
+                state,
+                state | WOKEN,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return,
+                Err(now) => state = now,
+            }
+        }
+    }
 }
 
 /// Pings every `every` (never if zero); returns when a ping goes unanswered.
@@ -198,5 +335,110 @@ impl Reply {
         } else if let Some(stream) = self.out.stream() {
             let _ = stream.send_trailers(trailers);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    /// Counts the wakes the task itself gets.
+    #[derive(Default)]
+    struct Count(AtomicUsize);
+
+    impl Wake for Count {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    fn task() -> (Arc<Count>, Waker, Arc<SelfWake>, Waker) {
+        let count = Arc::new(Count::default());
+        let wake = Arc::new(SelfWake::default());
+        let inner = Waker::from(wake.clone());
+        (count.clone(), Waker::from(count), wake, inner)
+    }
+
+    #[test]
+    fn a_pass_that_wakes_the_task_runs_again_within_the_poll() {
+        let (count, task, wake, inner) = task();
+        let mut cx = Context::from_waker(&task);
+        let mut runs = 0;
+        let polled: Poll<()> = wake.poll(
+            &inner,
+            &mut cx,
+            |cx| {
+                runs += 1;
+                if runs < 3 {
+                    cx.waker().wake_by_ref();
+                }
+                Poll::Pending
+            },
+            |_| Poll::Pending,
+        );
+        assert!(polled.is_pending());
+        assert_eq!(runs, 3, "run again after each self-wake");
+        assert_eq!(
+            count.0.load(Ordering::SeqCst),
+            0,
+            "no trip through the scheduler"
+        );
+    }
+
+    #[test]
+    fn a_task_still_waking_itself_after_every_pass_is_woken_not_lost() {
+        let (count, task, wake, inner) = task();
+        let mut cx = Context::from_waker(&task);
+        let mut runs = 0;
+        let polled: Poll<()> = wake.poll(
+            &inner,
+            &mut cx,
+            |cx| {
+                runs += 1;
+                cx.waker().wake_by_ref();
+                Poll::Pending
+            },
+            |_| Poll::Pending,
+        );
+        assert!(polled.is_pending());
+        assert_eq!(runs, PASSES);
+        assert_eq!(count.0.load(Ordering::SeqCst), 1, "polled again later");
+        // A wake from in `rest` is not lost either.
+        let polled: Poll<()> = wake.poll(
+            &inner,
+            &mut cx,
+            |_| Poll::Pending,
+            |cx| {
+                cx.waker().wake_by_ref();
+                Poll::Pending
+            },
+        );
+        assert!(polled.is_pending());
+        assert_eq!(count.0.load(Ordering::SeqCst), 2);
+    }
+
+    #[test]
+    fn wakes_between_polls_go_to_the_task() {
+        let (count, task, wake, inner) = task();
+        let mut cx = Context::from_waker(&task);
+        let kept = std::cell::RefCell::new(None);
+        let polled: Poll<()> = wake.poll(
+            &inner,
+            &mut cx,
+            |cx| {
+                *kept.borrow_mut() = Some(cx.waker().clone());
+                Poll::Pending
+            },
+            |_| Poll::Pending,
+        );
+        assert!(polled.is_pending());
+        assert_eq!(count.0.load(Ordering::SeqCst), 0);
+        let kept = kept.take().expect("registered");
+        std::thread::spawn(move || kept.wake()).join().unwrap();
+        assert_eq!(count.0.load(Ordering::SeqCst), 1);
+        // Ready ends the poll at once.
+        let polled = wake.poll(&inner, &mut cx, |_| Poll::Ready(7), |_| Poll::Pending);
+        assert_eq!(polled, Poll::Ready(7));
     }
 }
