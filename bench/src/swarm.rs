@@ -327,34 +327,26 @@ async fn dial_latency(client: &tether_client::Client, n: usize) -> anyhow::Resul
     Ok((percentile(&samples, 0.5), percentile(&samples, 0.99)))
 }
 
-/// Dial latency (us) through two servers' gRPC frontends in alternating batches (`n`
-/// dials each), so the machine's drift from minute to minute hits both alike: p50 and
-/// p99 through `a`, then through `b`.
+/// Dial latency (us) through two servers' gRPC frontends, alternating dial by dial
+/// (`n` each), so the machine's drift and its hiccups hit both alike: p50 and p99
+/// through `a`, then through `b`.
 async fn dial_latency_interleaved(
     a: &tether_client::Client,
     b: &tether_client::Client,
     n: usize,
 ) -> anyhow::Result<((f64, f64), (f64, f64))> {
-    const ROUNDS: usize = 20;
-    let (mut sa, mut sb) = (Vec::with_capacity(n), Vec::with_capacity(n));
-    for round in 0..ROUNDS {
-        let batch = n / ROUNDS + usize::from(round < n % ROUNDS);
+    let mut samples = [Vec::with_capacity(n), Vec::with_capacity(n)];
+    for i in 0..n {
         // Which goes first alternates too.
-        let order = if round % 2 == 0 { [a, b] } else { [b, a] };
-        for client in order {
-            let samples = if std::ptr::eq(client, a) {
-                &mut sa
-            } else {
-                &mut sb
-            };
-            for _ in 0..batch {
-                let t = Instant::now();
-                let conn = client.dial("10.255.0.1:80").await?;
-                samples.push(t.elapsed().as_secs_f64() * 1e6);
-                drop(conn);
-            }
+        for side in [i % 2, 1 - i % 2] {
+            let client = [a, b][side];
+            let t = Instant::now();
+            let conn = client.dial("10.255.0.1:80").await?;
+            samples[side].push(t.elapsed().as_secs_f64() * 1e6);
+            drop(conn);
         }
     }
+    let [mut sa, mut sb] = samples;
     let p = |s: &mut Vec<f64>| {
         s.sort_by(f64::total_cmp);
         (percentile(s, 0.5), percentile(s, 0.99))

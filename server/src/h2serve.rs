@@ -1,7 +1,8 @@
 //! gRPC serving on bare HTTP/2 (the h2 crate, no tonic or hyper between), shared by the
 //! Proxy frontend and the agent link: one task per connection drives HTTP/2, its
 //! keepalive pings and every stream's future, so a packet read off the socket reaches
-//! the router, and an answer reaches the socket, without waking another task; and
+//! the router, and an answer reaches the socket, without waking another task (or
+//! going through the scheduler: see [`SelfWake`]); and
 //! [`Reply`], the server's half of a stream (headers, messages, status trailers).
 
 use std::future::Future;
