@@ -175,7 +175,7 @@ async fn hold_stream(
 
 /// A swarm process and its latest counters.
 struct Swarm {
-    _proc: Proc,
+    proc: Proc,
     latest: Arc<Mutex<Value>>,
 }
 
@@ -207,7 +207,7 @@ fn start_swarm(
         }
     });
     Ok(Swarm {
-        _proc: Proc(child),
+        proc: Proc(child),
         latest,
     })
 }
@@ -456,22 +456,43 @@ pub async fn many_agents(
     );
     // The same beside a second server with one agent, in alternating batches: the
     // figures compared are taken in the same seconds.
-    let (beside, beside_ratio) = {
+    let (beside, beside_ratio, cpu_per_dial) = {
         let socket = dir.join("grpc-one.sock");
         let port = free_port();
         let one_server = start_server(bin, &pki, &socket, port)?;
-        let _one_swarm = start_swarm(([127, 0, 0, 1], port).into(), &pki.dir, 0, 1)?;
+        let one_swarm = start_swarm(([127, 0, 0, 1], port).into(), &pki.dir, 0, 1)?;
         wait_agents(&one_server, 1.0, Duration::from_secs(30)).await?;
         let one_client = tether_client::Client::uds(&socket).await?;
         // Warm both (the first dials open the frontend connection's streams).
         dial_latency_interleaved(&client, &one_client, 200).await?;
-        let (n, one) = dial_latency_interleaved(&client, &one_client, 4000).await?;
+        // CPU per dial on each side, to tell where the cold agents' extra latency goes:
+        // the servers, and the swarm processes answering.
+        let cpu = |pids: &[u32]| pids.iter().map(|p| cpu_seconds(*p)).sum::<f64>();
+        let many_pids = [server.proc.0.id()];
+        let many_swarms: Vec<u32> = swarms.iter().map(|s| s.proc.0.id()).collect();
+        let one_pids = [one_server.proc.0.id()];
+        let one_swarms = [one_swarm.proc.0.id()];
+        let before = [
+            cpu(&many_pids),
+            cpu(&many_swarms),
+            cpu(&one_pids),
+            cpu(&one_swarms),
+        ];
+        const DIALS: usize = 4000;
+        let (n, one) = dial_latency_interleaved(&client, &one_client, DIALS).await?;
+        let us = |i: usize, pids: &[u32]| (cpu(pids) - before[i]) * 1e6 / DIALS as f64;
+        let cpu_per_dial = [
+            us(0, &many_pids),
+            us(1, &many_swarms),
+            us(2, &one_pids),
+            us(3, &one_swarms),
+        ];
         let ratio = n.1 / one.1;
         eprintln!(
-            "interleaved with a one-agent server: dial p50/p99 {:.0} / {:.0} us with {agents} agents, {:.0} / {:.0} us with 1 (p99 {ratio:.2}x)",
-            n.0, n.1, one.0, one.1
+            "interleaved with a one-agent server: dial p50/p99 {:.0} / {:.0} us with {agents} agents, {:.0} / {:.0} us with 1 (p99 {ratio:.2}x); CPU per dial, server / agents: {:.0} / {:.0} us with {agents}, {:.0} / {:.0} us with 1",
+            n.0, n.1, one.0, one.1, cpu_per_dial[0], cpu_per_dial[1], cpu_per_dial[2], cpu_per_dial[3]
         );
-        ((n, one), ratio)
+        ((n, one), ratio, cpu_per_dial)
     };
 
     // A burst: one frame of DATA from most agents (three dials per agent, each to the
@@ -515,6 +536,10 @@ pub async fn many_agents(
             "all_agents": {"p50": beside.0 .0, "p99": beside.0 .1},
             "one_agent_server": {"p50": beside.1 .0, "p99": beside.1 .1},
             "p99_ratio": beside_ratio,
+            "cpu_us_per_dial": {
+                "all_agents": {"server": cpu_per_dial[0], "agents": cpu_per_dial[1]},
+                "one_agent_server": {"server": cpu_per_dial[2], "agents": cpu_per_dial[3]},
+            },
         },
         "reconnect_storm": {"seconds": storm.as_secs_f64(), "peak_rss_mib": storm_peak, "settled_rss_mib": after_rss, "failed_dials": failed, "refused": refused},
     }))
