@@ -438,6 +438,12 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
 
+/// The p50 and p99 of `samples`.
+fn p50_p99(mut samples: Vec<f64>) -> (f64, f64) {
+    samples.sort_by(f64::total_cmp);
+    (percentile(&samples, 0.5), percentile(&samples, 0.99))
+}
+
 async fn rtt(env: &Env, route: Route, iters: usize) -> anyhow::Result<(f64, f64)> {
     let mut c = env.connect(route, env.backend).await?;
     c.write_all(b"E").await?;
@@ -452,8 +458,7 @@ async fn rtt(env: &Env, route: Route, iters: usize) -> anyhow::Result<(f64, f64)
             samples.push(t.elapsed().as_secs_f64() * 1e6);
         }
     }
-    samples.sort_by(f64::total_cmp);
-    Ok((percentile(&samples, 0.5), percentile(&samples, 0.99)))
+    Ok(p50_p99(samples))
 }
 
 async fn one_new_connection(env: &Env, route: Route) -> anyhow::Result<f64> {
@@ -471,8 +476,7 @@ async fn new_connections(env: &Env, route: Route, iters: usize) -> anyhow::Resul
     for _ in 0..iters {
         samples.push(one_new_connection(env, route).await?);
     }
-    samples.sort_by(f64::total_cmp);
-    Ok((percentile(&samples, 0.5), percentile(&samples, 0.99)))
+    Ok(p50_p99(samples))
 }
 
 async fn dial_rate(

@@ -25,7 +25,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 
 use crate::{
-    agent_args, cpu_seconds, free_port, percentile, server_args, spawn_tether, status_mib, Proc,
+    agent_args, cpu_seconds, free_port, p50_p99, server_args, spawn_tether, status_mib, Proc,
 };
 
 /// What one swarm process reports each second.
@@ -314,17 +314,22 @@ async fn settled_rss(pid: u32) -> f64 {
     last
 }
 
-/// Dial latency (us) through the gRPC frontend to whichever agent the server picks.
+/// One dial (us) through the gRPC frontend to whichever agent the server picks.
+async fn timed_dial(client: &tether_client::Client) -> anyhow::Result<f64> {
+    let t = Instant::now();
+    let conn = client.dial("10.255.0.1:80").await?;
+    let us = t.elapsed().as_secs_f64() * 1e6;
+    drop(conn);
+    Ok(us)
+}
+
+/// Dial latency (us), p50 and p99, over `n` dials.
 async fn dial_latency(client: &tether_client::Client, n: usize) -> anyhow::Result<(f64, f64)> {
     let mut samples = Vec::with_capacity(n);
     for _ in 0..n {
-        let t = Instant::now();
-        let conn = client.dial("10.255.0.1:80").await?;
-        samples.push(t.elapsed().as_secs_f64() * 1e6);
-        drop(conn);
+        samples.push(timed_dial(client).await?);
     }
-    samples.sort_by(f64::total_cmp);
-    Ok((percentile(&samples, 0.5), percentile(&samples, 0.99)))
+    Ok(p50_p99(samples))
 }
 
 /// Dial latency (us) through two servers' gRPC frontends, alternating dial by dial
@@ -339,19 +344,11 @@ async fn dial_latency_interleaved(
     for i in 0..n {
         // Which goes first alternates too.
         for side in [i % 2, 1 - i % 2] {
-            let client = [a, b][side];
-            let t = Instant::now();
-            let conn = client.dial("10.255.0.1:80").await?;
-            samples[side].push(t.elapsed().as_secs_f64() * 1e6);
-            drop(conn);
+            samples[side].push(timed_dial([a, b][side]).await?);
         }
     }
-    let [mut sa, mut sb] = samples;
-    let p = |s: &mut Vec<f64>| {
-        s.sort_by(f64::total_cmp);
-        (percentile(s, 0.5), percentile(s, 0.99))
-    };
-    Ok((p(&mut sa), p(&mut sb)))
+    let [sa, sb] = samples;
+    Ok((p50_p99(sa), p50_p99(sb)))
 }
 
 /// `n` tunnels to [`BURST_ADDRESS`], 16 at a time, each read to its end and closed.
@@ -454,7 +451,7 @@ pub async fn many_agents(
         "{agents} agents: dial p50 {:.0} us, p99 {:.0} us",
         many.0, many.1
     );
-    // The same beside a second server with one agent, in alternating batches: the
+    // The same beside a second server with one agent, alternating dial by dial: the
     // figures compared are taken in the same seconds.
     let (beside, beside_ratio, cpu_per_dial) = {
         let socket = dir.join("grpc-one.sock");
@@ -467,26 +464,19 @@ pub async fn many_agents(
         dial_latency_interleaved(&client, &one_client, 200).await?;
         // CPU per dial on each side, to tell where the cold agents' extra latency goes:
         // the servers, and the swarm processes answering.
-        let cpu = |pids: &[u32]| pids.iter().map(|p| cpu_seconds(*p)).sum::<f64>();
-        let many_pids = [server.proc.0.id()];
-        let many_swarms: Vec<u32> = swarms.iter().map(|s| s.proc.0.id()).collect();
-        let one_pids = [one_server.proc.0.id()];
-        let one_swarms = [one_swarm.proc.0.id()];
-        let before = [
-            cpu(&many_pids),
-            cpu(&many_swarms),
-            cpu(&one_pids),
-            cpu(&one_swarms),
+        // Server and swarms with N agents, then with one.
+        let groups: [Vec<u32>; 4] = [
+            vec![server.proc.0.id()],
+            swarms.iter().map(|s| s.proc.0.id()).collect(),
+            vec![one_server.proc.0.id()],
+            vec![one_swarm.proc.0.id()],
         ];
+        let cpu = |pids: &[u32]| pids.iter().map(|p| cpu_seconds(*p)).sum::<f64>();
+        let before = groups.each_ref().map(|g| cpu(g));
         const DIALS: usize = 4000;
         let (n, one) = dial_latency_interleaved(&client, &one_client, DIALS).await?;
-        let us = |i: usize, pids: &[u32]| (cpu(pids) - before[i]) * 1e6 / DIALS as f64;
-        let cpu_per_dial = [
-            us(0, &many_pids),
-            us(1, &many_swarms),
-            us(2, &one_pids),
-            us(3, &one_swarms),
-        ];
+        let cpu_per_dial: [f64; 4] =
+            std::array::from_fn(|i| (cpu(&groups[i]) - before[i]) * 1e6 / DIALS as f64);
         let ratio = n.1 / one.1;
         eprintln!(
             "interleaved with a one-agent server: dial p50/p99 {:.0} / {:.0} us with {agents} agents, {:.0} / {:.0} us with 1 (p99 {ratio:.2}x); CPU per dial, server / agents: {:.0} / {:.0} us with {agents}, {:.0} / {:.0} us with 1",
