@@ -48,6 +48,10 @@ struct Args {
     /// binary).
     #[arg(long)]
     tether_agent: Option<PathBuf>,
+    /// One more flag for every `tether server` this run starts (repeatable), e.g.
+    /// `--server-arg=--worker-threads=1`.
+    #[arg(long, allow_hyphen_values = true)]
+    server_arg: Vec<String>,
     /// Skip the ssh -L comparison.
     #[arg(long)]
     no_ssh: bool,
@@ -684,7 +688,7 @@ fn server_args(
     socket: &Path,
     agent_port: u16,
 ) -> Vec<String> {
-    vec![
+    let mut args = vec![
         "server".into(),
         format!("--mode={mode}"),
         format!("--uds-name={}", socket.display()),
@@ -697,8 +701,13 @@ fn server_args(
         format!("--cluster-cert={}", pki.server_cert.display()),
         format!("--cluster-key={}", pki.server_key.display()),
         format!("--cluster-ca-cert={}", pki.ca_cert.display()),
-    ]
+    ];
+    args.extend(SERVER_EXTRA_ARGS.get().into_iter().flatten().cloned());
+    args
 }
+
+/// `--server-arg`s, for every server this run starts.
+static SERVER_EXTRA_ARGS: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
 
 /// A real agent connecting to the server on loopback `port`.
 fn agent_args(pki: &tether_certs::DevPki, port: u16) -> Vec<String> {
@@ -911,6 +920,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    SERVER_EXTRA_ARGS.get_or_init(|| args.server_arg.clone());
     if let Some(to) = args.relay_to {
         return tokio::runtime::Builder::new_current_thread()
             .enable_all()

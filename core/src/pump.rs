@@ -18,7 +18,26 @@ use crate::flow::{Credit, Window};
 /// the frame instead of joining two pieces (a whole 128 KiB payload made every message
 /// span two frames: a 128 KiB copy per packet at each hop). 128 KiB took 21-29% less
 /// server+agent CPU per GiB than 32 KiB (tether-bench).
-pub const READ_CHUNK: usize = crate::grpc::one_frame_payload(crate::transport::H2_MAX_FRAME);
+pub const READ_CHUNK: usize = min(
+    crate::grpc::one_frame_payload(crate::transport::H2_MAX_FRAME),
+    LOCAL_SEGMENTS,
+);
+
+/// Two TCP segments of a local hop (the loopback device's 64 KiB MTU: 65,483 bytes of
+/// IPv4 payload with timestamps, 65,464 over IPv6) less what TLS adds to a packet's
+/// frame on the agent link (8 records, 22 bytes each) and the frame's own headers: a
+/// read this size leaves as two full-sized segments, where 128 KiB left as two and a
+/// third of a few hundred bytes, which cost the sender and receiver as much as a full
+/// one (the agent's dial to its own node's kubelet, and any link on one machine).
+const LOCAL_SEGMENTS: usize = 2 * 65_464 - 8 * 22 - 64;
+
+const fn min(a: usize, b: usize) -> usize {
+    if a < b {
+        a
+    } else {
+        b
+    }
+}
 
 /// Why a splice ended; the caller decides what to tell the peer.
 #[derive(Debug)]

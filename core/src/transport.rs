@@ -25,6 +25,21 @@ use crate::read_ahead::ReadAhead;
 /// A client's TLS connection over TCP, read through [`ReadAhead`].
 pub type ClientTls = tokio_rustls::client::TlsStream<ReadAhead<TcpStream>>;
 
+/// How much application data a TLS connection takes from one write before it must send
+/// what it holds: a whole HTTP/2 frame of the largest size both ends use
+/// ([`H2_MAX_FRAME`]) plus its header and the frames queued beside it. rustls' default
+/// (64 KiB) cut every 128 KiB frame into two `writev`s, and each ended in a TCP segment of
+/// a few hundred bytes (a 64 KiB write is a little more than one 64 KiB loopback
+/// segment once TLS has added its record headers), twice the segments and wake-ups of
+/// the same bytes in one write. The buffer empties into the socket at once; it only
+/// fills while the peer is not reading.
+pub const TLS_WRITE_BUFFER: usize = 2 * H2_MAX_FRAME as usize;
+
+/// Sets what every TLS connection of ours takes per write ([`TLS_WRITE_BUFFER`]).
+pub fn tune_tls<D>(conn: &mut rustls::ConnectionCommon<D>) {
+    conn.set_buffer_limit(Some(TLS_WRITE_BUFFER));
+}
+
 /// How long a client may take to finish its TLS handshake.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -150,7 +165,8 @@ pub fn tls_incoming_with(
                     async move {
                         match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(ReadAhead::new(tcp))).await
                         {
-                            Ok(Ok(stream)) => {
+                            Ok(Ok(mut stream)) => {
+                                tune_tls(stream.get_mut().1);
                                 let peer_certs = stream
                                     .get_ref()
                                     .1
@@ -332,9 +348,11 @@ pub async fn connect_tls_with(
     if let Some(limit) = dead_link {
         bound_silence(&tcp, limit)?;
     }
-    TlsConnector::from(tls)
+    let mut stream = TlsConnector::from(tls)
         .connect(name, ReadAhead::new(tcp))
-        .await
+        .await?;
+    tune_tls(stream.get_mut().1);
+    Ok(stream)
 }
 
 /// Has the kernel close `tcp` once its peer has been silent for about `limit`, however
