@@ -261,21 +261,13 @@ impl AgentLink {
         }
     }
 
-    /// Checks the call (the method, no compression), then admits the agent.
+    /// Checks the call ([`h2serve::check_call`]), then admits the agent.
     async fn admit_request(
         &self,
         parts: http::request::Parts,
         info: &TlsConnectInfo,
     ) -> Result<Admitted, Status> {
-        if parts.uri.path() != CONNECT_PATH {
-            let method = parts.uri.path();
-            return Err(Status::unimplemented(format!("unknown method {method}")));
-        }
-        if let Some(e) = parts.headers.get("grpc-encoding") {
-            if e != "identity" {
-                return Err(Status::unimplemented("compression is not supported"));
-            }
-        }
+        h2serve::check_call(&parts.method, &parts.uri, &parts.headers, CONNECT_PATH)?;
         self.admit(&MetadataMap::from_headers(parts.headers), info)
             .await
     }

@@ -42,6 +42,42 @@ pub(crate) struct Settings {
     pub keepalive: Duration,
 }
 
+/// Checks a call's head as a gRPC server does before reading its body: `POST` to
+/// `path`, a gRPC content type, and no message compression (neither the frontend nor
+/// the agent link offers any). Both listeners' calls go through here.
+pub(crate) fn check_call(
+    method: &http::Method,
+    uri: &http::Uri,
+    headers: &http::HeaderMap,
+    path: &str,
+) -> Result<(), Status> {
+    if method != http::Method::POST || uri.path() != path {
+        return Err(Status::new(
+            Code::Unimplemented,
+            format!("unknown method {}", uri.path()),
+        ));
+    }
+    let grpc = headers
+        .get(http::header::CONTENT_TYPE)
+        .is_some_and(|t| t.as_bytes().starts_with(b"application/grpc"));
+    if !grpc {
+        return Err(Status::new(
+            Code::InvalidArgument,
+            "content-type is not application/grpc",
+        ));
+    }
+    match headers.get("grpc-encoding").map(|e| e.as_bytes()) {
+        None | Some(b"identity") => Ok(()),
+        Some(other) => Err(Status::new(
+            Code::Unimplemented,
+            format!(
+                "message compression {} is not supported",
+                String::from_utf8_lossy(other)
+            ),
+        )),
+    }
+}
+
 /// What an h2 error on a stream means as a gRPC status, as tonic maps it.
 pub(crate) fn status_from_h2(e: &h2::Error) -> Status {
     use h2::Reason;
@@ -343,6 +379,43 @@ impl Reply {
 mod tests {
     use super::*;
     use std::sync::atomic::AtomicUsize;
+
+    #[test]
+    fn a_call_is_checked_as_grpc_servers_do() {
+        let check = |method: &str, path: &str, headers: &[(&'static str, &'static str)]| {
+            let mut map = http::HeaderMap::new();
+            for (k, v) in headers {
+                map.insert(*k, http::HeaderValue::from_static(v));
+            }
+            let uri: http::Uri = format!("http://localhost{path}").parse().unwrap();
+            check_call(&method.parse().unwrap(), &uri, &map, "/S/M").map_err(|s| s.code())
+        };
+        let grpc = ("content-type", "application/grpc");
+        assert_eq!(check("POST", "/S/M", &[grpc]), Ok(()));
+        assert_eq!(
+            check(
+                "POST",
+                "/S/M",
+                &[("content-type", "application/grpc+proto")]
+            ),
+            Ok(())
+        );
+        assert_eq!(
+            check("POST", "/S/M", &[grpc, ("grpc-encoding", "identity")]),
+            Ok(())
+        );
+        assert_eq!(check("GET", "/S/M", &[grpc]), Err(Code::Unimplemented));
+        assert_eq!(check("POST", "/S/Other", &[grpc]), Err(Code::Unimplemented));
+        assert_eq!(check("POST", "/S/M", &[]), Err(Code::InvalidArgument));
+        assert_eq!(
+            check("POST", "/S/M", &[("content-type", "text/plain")]),
+            Err(Code::InvalidArgument)
+        );
+        assert_eq!(
+            check("POST", "/S/M", &[grpc, ("grpc-encoding", "gzip")]),
+            Err(Code::Unimplemented)
+        );
+    }
 
     /// Counts the wakes the task itself gets.
     #[derive(Default)]

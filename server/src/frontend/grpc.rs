@@ -59,7 +59,12 @@ fn start_stream(
     hard_stop: &CancellationToken,
 ) -> Option<impl std::future::Future<Output = ()> + Send + 'static> {
     let mut reply = Reply::new(respond);
-    if let Err(status) = check_request(&request) {
+    if let Err(status) = h2serve::check_call(
+        request.method(),
+        request.uri(),
+        request.headers(),
+        PROXY_PATH,
+    ) {
         tracing::debug!(path = %request.uri().path(), message = %status.message(), "refused a frontend request");
         reply.finish(status);
         return None;
@@ -98,36 +103,6 @@ fn start_stream(
         }
         .instrument(span),
     )
-}
-
-/// A Proxy call, or why not: the method, the content type, no compression.
-fn check_request(request: &http::Request<RecvStream>) -> Result<(), Status> {
-    if request.method() != http::Method::POST || request.uri().path() != PROXY_PATH {
-        return Err(Status::new(
-            Code::Unimplemented,
-            format!("unknown method {}", request.uri().path()),
-        ));
-    }
-    let headers = request.headers();
-    let grpc = headers
-        .get(http::header::CONTENT_TYPE)
-        .is_some_and(|t| t.as_bytes().starts_with(b"application/grpc"));
-    if !grpc {
-        return Err(Status::new(
-            Code::InvalidArgument,
-            "content-type is not application/grpc",
-        ));
-    }
-    match headers.get("grpc-encoding").map(|e| e.as_bytes()) {
-        None | Some(b"identity") => Ok(()),
-        Some(other) => Err(Status::new(
-            Code::Unimplemented,
-            format!(
-                "message compression {} is not supported",
-                String::from_utf8_lossy(other)
-            ),
-        )),
-    }
 }
 
 /// Feeds the client's packets into the router until the client half-closes or the
