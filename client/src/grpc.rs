@@ -74,7 +74,7 @@ where
         .initial_window_size(H2_STREAM_WINDOW)
         .initial_connection_window_size(H2_CONN_WINDOW)
         .max_frame_size(H2_MAX_FRAME)
-        .handshake(io)
+        .handshake(FirstFlight::new(io))
         .await
         .map_err(h2_io)?;
     tokio::spawn(
@@ -86,6 +86,102 @@ where
         .instrument(tracing::debug_span!("proxy_connection")),
     );
     Ok(send)
+}
+
+/// A connection that holds what is written before the first flush: h2 writes the
+/// connection preface on its own, then SETTINGS and the first request's HEADERS and
+/// DATA with a flush. Held, the preface leaves in that same write: one system call and
+/// one wake-up of the server instead of two. Everything after passes straight through.
+struct FirstFlight<S> {
+    io: S,
+    held: Option<Vec<u8>>,
+}
+
+impl<S> FirstFlight<S> {
+    fn new(io: S) -> Self {
+        FirstFlight {
+            io,
+            held: Some(Vec::new()),
+        }
+    }
+}
+
+impl<S: AsyncWrite + Unpin> FirstFlight<S> {
+    /// Writes out what is held, then passes writes through.
+    fn poll_release(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if let Some(held) = &mut self.held {
+            while !held.is_empty() {
+                let n = ready!(std::pin::Pin::new(&mut self.io).poll_write(cx, held))?;
+                if n == 0 {
+                    return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+                }
+                held.drain(..n);
+            }
+            self.held = None;
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for FirstFlight<S> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for FirstFlight<S> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match &mut self.held {
+            Some(held) => {
+                held.extend_from_slice(buf);
+                Poll::Ready(Ok(buf.len()))
+            }
+            None => std::pin::Pin::new(&mut self.io).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_write_vectored(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match &mut self.held {
+            Some(held) => {
+                let before = held.len();
+                bufs.iter().for_each(|b| held.extend_from_slice(b));
+                Poll::Ready(Ok(held.len() - before))
+            }
+            None => std::pin::Pin::new(&mut self.io).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<io::Result<()>> {
+        ready!(self.poll_release(cx))?;
+        std::pin::Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<io::Result<()>> {
+        ready!(self.poll_release(cx))?;
+        std::pin::Pin::new(&mut self.io).poll_shutdown(cx)
+    }
 }
 
 /// Opens a Proxy stream on `send`, with `first` in the same write as the headers.
@@ -232,4 +328,46 @@ fn check_status(headers: &http::HeaderMap) -> Result<(), String> {
         "status {}: {message}",
         String::from_utf8_lossy(code.as_bytes())
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncWriteExt;
+
+    /// Records each write it gets.
+    #[derive(Default)]
+    struct Writes(Vec<Vec<u8>>);
+
+    impl AsyncWrite for Writes {
+        fn poll_write(
+            mut self: std::pin::Pin<&mut Self>,
+            _: &mut Context<'_>,
+            buf: &[u8],
+        ) -> Poll<io::Result<usize>> {
+            self.0.push(buf.to_vec());
+            Poll::Ready(Ok(buf.len()))
+        }
+        fn poll_flush(self: std::pin::Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+        fn poll_shutdown(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    #[tokio::test]
+    async fn what_comes_before_the_first_flush_leaves_in_one_write() {
+        let mut io = FirstFlight::new(Writes::default());
+        io.write_all(b"PRI * HTTP/2.0").await.unwrap();
+        io.write_all(b"SETTINGS").await.unwrap();
+        assert!(io.io.0.is_empty());
+        io.flush().await.unwrap();
+        assert_eq!(io.io.0, vec![b"PRI * HTTP/2.0SETTINGS".to_vec()]);
+        io.write_all(b"HEADERS").await.unwrap();
+        assert_eq!(io.io.0.len(), 2, "passed through after the first flush");
+    }
 }
