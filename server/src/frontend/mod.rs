@@ -3,6 +3,7 @@
 //! TCP with mandatory mutual TLS.
 
 pub mod grpc;
+pub mod hpack;
 pub mod http_connect;
 pub mod uds_authority;
 

@@ -88,15 +88,14 @@ pub struct AuthorityFix<S> {
     input: BytesMut,
     output: BytesMut,
     pending: Option<Pending>,
-    decoder: loona_hpack::Decoder<'static>,
+    decoder: super::hpack::Decoder,
     eof: bool,
 }
 
 impl<S> AuthorityFix<S> {
     /// Wraps a server-side connection.
     pub fn new(inner: S) -> Self {
-        let mut decoder = loona_hpack::Decoder::new();
-        decoder.set_max_allowed_table_size(65_536);
+        let decoder = super::hpack::Decoder::new(65_536);
         AuthorityFix {
             inner,
             state: State::Preface(PREFACE_LEN),
@@ -210,26 +209,23 @@ impl<S> AuthorityFix<S> {
     }
 
     fn emit(&mut self, p: Pending) -> io::Result<()> {
-        let headers = self
-            .decoder
-            .decode(&p.block)
-            .map_err(|e| protocol(&format!("HPACK: {e:?}")))?;
-        let mut block = Vec::with_capacity(p.block.len() + 64);
-        for (name, value) in headers {
-            let value = if name == b":authority"
-                && http::uri::Authority::try_from(value.as_slice()).is_err()
-            {
-                b"localhost".to_vec()
-            } else {
-                value
-            };
-            // Literal header field without indexing, new name, no Huffman coding.
-            block.push(0);
-            encode_int(&mut block, name.len(), 7, 0);
-            block.extend_from_slice(&name);
-            encode_int(&mut block, value.len(), 7, 0);
-            block.extend_from_slice(&value);
-        }
+        let mut block = Vec::with_capacity(p.block.len() * 2 + 64);
+        self.decoder
+            .decode(&p.block, |name, value| {
+                let value: &[u8] =
+                    if name == b":authority" && http::uri::Authority::try_from(value).is_err() {
+                        b"localhost"
+                    } else {
+                        value
+                    };
+                // Literal header field without indexing, new name, no Huffman coding.
+                block.push(0);
+                encode_int(&mut block, name.len(), 7, 0);
+                block.extend_from_slice(name);
+                encode_int(&mut block, value.len(), 7, 0);
+                block.extend_from_slice(value);
+            })
+            .map_err(|e| protocol(&format!("HPACK: {e}")))?;
         let mut first = true;
         let mut rest = &block[..];
         loop {
