@@ -46,7 +46,11 @@ impl Agent {
     /// finished.
     pub async fn run(&self, drain: CancellationToken, hard_stop: CancellationToken) {
         let work = self.work.clone();
-        tether_ops::memory::spawn_trimmer(move || work.open() as i64, hard_stop.clone());
+        tether_ops::memory::spawn_trimmer(
+            move || work.open() as i64,
+            tether_ops::memory::Looks::BackOff(self.work.started()),
+            hard_stop.clone(),
+        );
         tether_ops::reload::spawn_watcher(
             vec![self.tls.clone() as Arc<dyn tether_ops::reload::Reload>],
             self.config.cert_reload_interval,
@@ -88,9 +92,16 @@ impl Agent {
                 wait = delay.mul_f64(1.0 + rand::rng().random_range(0.0..0.1));
                 delay = delay.mul_f64(1.5).min(self.config.sync_interval_cap);
             }
+            // Holding every server, only an event can change that: a stream ending, a
+            // drain or a stop. Lease counts change with time (a lease expires) and
+            // `--sync-forever` looks for new servers, so those still look every interval.
+            // An idle agent then has no timer of its own here (each wake-up costs it
+            // CPU on every node).
+            let timed = want_more || leases.is_some() || drain.is_cancelled();
             tokio::select! {
-                _ = tokio::time::sleep(wait) => {}
+                _ = tokio::time::sleep(wait), if timed => {}
                 _ = held.ended.notified() => {}
+                _ = drain.cancelled(), if !drain.is_cancelled() => {}
                 _ = hard_stop.cancelled() => break,
                 _ = self.work.idle(), if drain.is_cancelled() => {}
             }

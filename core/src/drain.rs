@@ -8,13 +8,16 @@
 //! take nothing new), *hard stop* ends everything at once.
 
 use std::future::Future;
+use std::sync::Arc;
 
-use tokio::sync::watch;
+use tokio::sync::{watch, Notify};
 
 /// The process side: hands out watches and drains them.
 #[derive(Debug)]
 pub struct Signal {
     tx: watch::Sender<bool>,
+    /// Wakes whoever waits on it each time a watch is handed out (work starts).
+    started: Arc<Notify>,
 }
 
 /// Held by one piece of open work; dropping it tells the signal the work is done.
@@ -34,14 +37,22 @@ impl Signal {
     pub fn new() -> Self {
         Signal {
             tx: watch::Sender::new(false),
+            started: Arc::new(Notify::new()),
         }
     }
 
     /// A watch for one more piece of open work.
     pub fn watch(&self) -> Watch {
+        self.started.notify_waiters();
         Watch {
             rx: self.tx.subscribe(),
         }
+    }
+
+    /// Notified (`notify_waiters`: only tasks already waiting) whenever work starts,
+    /// for a task that sleeps long while the process is idle.
+    pub fn started(&self) -> Arc<Notify> {
+        self.started.clone()
     }
 
     /// How many watches are held: the open work.

@@ -4,13 +4,32 @@
 //! after freeing memory), so RSS does not stay at the peak.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
+
+use tokio::sync::Notify;
 
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-/// How often the tunnel count is looked at.
+/// How often the tunnel count is looked at while the process works.
 const INTERVAL: Duration = Duration::from_secs(2);
+
+/// How far apart an idle process's looks may grow with [`Looks::BackOff`].
+const IDLE_INTERVAL: Duration = Duration::from_secs(32);
+
+/// How the trimmer spaces its looks while the process is idle.
+#[derive(Debug, Clone)]
+pub enum Looks {
+    /// Every 2 s, idle or not: for a server, where agents and frontend connections
+    /// free memory its tunnel count does not show.
+    Steady,
+    /// Twice as far apart each time, from 2 s up to 32 s, while the process stays idle
+    /// and its tunnel count does not move; back to 2 s on any work, and at once when
+    /// this is notified (work starting: [`tether_core::drain::Signal::started`]). For
+    /// an agent, whose memory comes and goes with its tunnels.
+    BackOff(Arc<Notify>),
+}
 
 /// Fewer closed tunnels than this since the peak are not worth a trim.
 const MIN_DROP: i64 = 256;
@@ -187,36 +206,93 @@ pub fn trim() {
 /// back, faulted in again and freed between two looks leave it unchanged, but grow the
 /// resident figure. An idle process that neither frees nor grows is not trimmed again,
 /// and a little work (a few agents reconnecting) is still followed by a trim.
-pub fn spawn_trimmer(open: impl Fn() -> i64 + Send + 'static, shutdown: CancellationToken) {
-    spawn_trimmer_every(INTERVAL, open, shutdown)
+///
+/// `looks` says how far apart the looks of an idle process may grow ([`Looks`]). Each
+/// look wakes the process, which is most of what an idle agent costs (1-4 ms of CPU per
+/// wake-up as the 2-core test VM's guest counts it).
+pub fn spawn_trimmer(
+    open: impl Fn() -> i64 + Send + 'static,
+    looks: Looks,
+    shutdown: CancellationToken,
+) {
+    spawn_trimmer_every(INTERVAL, IDLE_INTERVAL, looks, open, shutdown)
+}
+
+/// The wait before the next look: twice the last, up to `idle_interval`, while the
+/// process stays idle with the same tunnel count (`quiet`); `interval` again once it
+/// works or the count moves.
+fn next_period(
+    period: Duration,
+    interval: Duration,
+    idle_interval: Duration,
+    quiet: bool,
+) -> Duration {
+    if quiet {
+        (period * 2).min(idle_interval).max(interval)
+    } else {
+        interval
+    }
+}
+
+/// How a wait between two looks ended.
+#[derive(Debug, PartialEq, Eq)]
+enum Waited {
+    Period,
+    /// Work started during a wait longer than `interval`: look again `interval` from now.
+    WorkStarted,
+    Shutdown,
+}
+
+async fn wait(
+    period: Duration,
+    interval: Duration,
+    started: &Notify,
+    shutdown: &CancellationToken,
+) -> Waited {
+    tokio::select! {
+        _ = tokio::time::sleep(period) => Waited::Period,
+        _ = started.notified(), if period > interval => Waited::WorkStarted,
+        _ = shutdown.cancelled() => Waited::Shutdown,
+    }
 }
 
 fn spawn_trimmer_every(
     interval: Duration,
+    idle_interval: Duration,
+    looks: Looks,
     open: impl Fn() -> i64 + Send + 'static,
     shutdown: CancellationToken,
 ) {
+    let (idle_interval, started) = match looks {
+        Looks::Steady => (interval, Arc::new(Notify::new())),
+        Looks::BackOff(started) => (idle_interval.max(interval), started),
+    };
     tokio::spawn(
         async move {
             let mut peak = 0i64;
-            let idle_cpu = interval / IDLE_SHARE;
             let mut last_cpu = cpu_time();
             // The heap's free bytes and the anonymous resident bytes, each at their
             // lowest since the last trim.
             let mut free_low = heap_free().unwrap_or(0);
             let mut resident_low = anon_resident();
-            let mut tick = tokio::time::interval(interval);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut period = interval;
+            let mut last_open = open();
             loop {
-                tokio::select! {
-                    _ = tick.tick() => {}
-                    _ = shutdown.cancelled() => return,
+                match wait(period, interval, &started, &shutdown).await {
+                    Waited::Period => {}
+                    Waited::WorkStarted => {
+                        period = interval;
+                        continue;
+                    }
+                    Waited::Shutdown => return,
                 }
                 let now = open();
-                peak = peak.max(now);
                 let cpu = cpu_time();
-                let idle = cpu.saturating_sub(last_cpu) <= idle_cpu;
+                let idle = cpu.saturating_sub(last_cpu) <= period / IDLE_SHARE;
                 last_cpu = cpu;
+                period = next_period(period, interval, idle_interval, idle && now == last_open);
+                last_open = now;
+                peak = peak.max(now);
                 let free = heap_free().unwrap_or(0);
                 free_low = free_low.min(free);
                 let freed = free - free_low;
@@ -227,6 +303,7 @@ fn spawn_trimmer_every(
                 let went_idle = idle && (freed >= MIN_FREE || grown >= MIN_FREE as u64);
                 if free >= MIN_FREE && (burst_over || went_idle) {
                     tokio::task::spawn_blocking(trim).await.ok();
+                    period = interval;
                     last_cpu = cpu_time();
                     free_low = heap_free().unwrap_or(0);
                     resident_low = anon_resident();
@@ -304,6 +381,44 @@ mod tests {
         assert!(held - after >= 60 << 20, "{held} -> {after}");
     }
 
+    #[test]
+    fn looks_back_off_while_quiet_and_return_on_work() {
+        let (step, cap) = (INTERVAL, IDLE_INTERVAL);
+        let mut period = step;
+        let mut waits = Vec::new();
+        for _ in 0..6 {
+            period = next_period(period, step, cap, true);
+            waits.push(period.as_secs());
+        }
+        assert_eq!(waits, [4, 8, 16, 32, 32, 32]);
+        assert_eq!(next_period(period, step, cap, false), step);
+        // Steady looks cap at the interval itself: they never back off.
+        assert_eq!(next_period(step, step, step, true), step);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn work_starting_cuts_a_long_wait_short() {
+        let signal = tether_core::drain::Signal::new();
+        let started = signal.started();
+        let stop = CancellationToken::new();
+        let long = wait(IDLE_INTERVAL, INTERVAL, &started, &stop);
+        let mut long = std::pin::pin!(long);
+        assert!(futures::poll!(long.as_mut()).is_pending());
+        let _work = signal.watch();
+        assert_eq!(long.await, Waited::WorkStarted);
+        // A 2 s wait is not cut short, and runs out.
+        let short = wait(INTERVAL, INTERVAL, &started, &stop);
+        let mut short = std::pin::pin!(short);
+        assert!(futures::poll!(short.as_mut()).is_pending());
+        let _more = signal.watch();
+        assert_eq!(short.await, Waited::Period);
+        stop.cancel();
+        assert_eq!(
+            wait(IDLE_INTERVAL, INTERVAL, &started, &stop).await,
+            Waited::Shutdown
+        );
+    }
+
     // One test: a trim from a parallel test would give the churned pages back mid-way.
     #[tokio::test]
     async fn freed_buffers_are_kept_while_busy_and_given_back_once_idle() {
@@ -318,7 +433,13 @@ mod tests {
 
         // The trimmer starts with the process, before the work.
         let stop = CancellationToken::new();
-        spawn_trimmer_every(Duration::from_millis(20), || 0, stop.clone());
+        spawn_trimmer_every(
+            Duration::from_millis(20),
+            Duration::from_millis(320),
+            Looks::BackOff(Arc::new(Notify::new())),
+            || 0,
+            stop.clone(),
+        );
         tokio::task::yield_now().await;
 
         // Every other buffer freed: 6 MiB of holes in the heap, which glibc never gives

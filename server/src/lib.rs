@@ -378,7 +378,11 @@ impl BoundServer {
     ) -> Option<tokio::task::JoinHandle<()>> {
         let router = self.router.clone();
         let open = move || router.work().open() as i64;
-        tether_ops::memory::spawn_trimmer(open, hard_stop.clone());
+        tether_ops::memory::spawn_trimmer(
+            open,
+            tether_ops::memory::Looks::Steady,
+            hard_stop.clone(),
+        );
         tether_ops::reload::spawn_watcher(
             self.reloadables.clone(),
             self.config.cert_reload_interval,
