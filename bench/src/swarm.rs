@@ -6,6 +6,7 @@
 //! per idle agent stream, idle CPU, dial latency with N agents beside one, the
 //! reconnect storm after a SIGKILL and restart, and memory per idle tunnel.
 
+use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -380,11 +381,37 @@ async fn settled_total(swarms: &[Swarm], key: &str) -> u64 {
     last
 }
 
-/// Server CPU as a share of one core over `window`.
+/// A process's CPU as a share of one core over `window`, from each thread's run time
+/// in nanoseconds (`/proc/PID/task/TID/schedstat`): `utime` and `stime` count whole
+/// 10 ms clock ticks, and an idle agent uses a few ticks' worth in 30 s. Threads are
+/// read every 250 ms, so one that exits in the window (a blocking-pool thread) loses
+/// at most its last 250 ms; one that starts counts from zero.
 async fn idle_cpu(pid: u32, window: Duration) -> f64 {
-    let before = cpu_seconds(pid);
-    tokio::time::sleep(window).await;
-    (cpu_seconds(pid) - before) / window.as_secs_f64()
+    let read = || -> HashMap<u64, u64> {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+            return HashMap::new();
+        };
+        tasks
+            .filter_map(|t| {
+                let t = t.ok()?;
+                let tid = t.file_name().to_str()?.parse().ok()?;
+                let stat = std::fs::read_to_string(t.path().join("schedstat")).ok()?;
+                Some((tid, stat.split_whitespace().next()?.parse().ok()?))
+            })
+            .collect()
+    };
+    let start = read();
+    let mut last = start.clone();
+    let deadline = Instant::now() + window;
+    while Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(250).min(deadline - Instant::now())).await;
+        last.extend(read());
+    }
+    let ns: u64 = last
+        .iter()
+        .map(|(tid, &end)| end.saturating_sub(start.get(tid).copied().unwrap_or(0)))
+        .sum();
+    ns as f64 / 1e9 / window.as_secs_f64()
 }
 
 /// The `--agents` run: one agent, then N, then a reconnect storm.
