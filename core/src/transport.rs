@@ -36,7 +36,7 @@ pub type ClientTls = tokio_rustls::client::TlsStream<ReadAhead<TcpStream>>;
 pub const TLS_WRITE_BUFFER: usize = 2 * H2_MAX_FRAME as usize;
 
 /// Sets what every TLS connection of ours takes per write ([`TLS_WRITE_BUFFER`]).
-pub fn tune_tls<D>(conn: &mut rustls::ConnectionCommon<D>) {
+fn tune_tls<D>(conn: &mut rustls::ConnectionCommon<D>) {
     conn.set_buffer_limit(Some(TLS_WRITE_BUFFER));
 }
 
