@@ -217,7 +217,37 @@ pub fn bind_uds(path: &Path, delete_existing: bool) -> io::Result<UnixListener> 
             std::fs::create_dir_all(dir)?;
         }
     }
-    UnixListener::bind(path)
+    let socket = socket2::Socket::new(socket2::Domain::UNIX, socket2::Type::STREAM, None)?;
+    socket.bind(&socket2::SockAddr::unix(path)?)?;
+    UnixListener::from_std(listening(socket)?.into())
+}
+
+/// The queue of connections the kernel accepts for a listener before we do: as long as
+/// the kernel allows (`net.core.somaxconn`, 4096 by default since Linux 5.4; it silently
+/// lowers a larger figure), as Go's listeners ask, the upstream server's among them.
+/// tokio's `bind` asks for 1024: when thousands of agents come back at once after a
+/// server restart, the connections above that were dropped, and each dropped agent's SYN
+/// was only retried after 1, 3, 7, 15 s.
+pub const LISTEN_BACKLOG: i32 = 65_535;
+
+/// Binds a TCP listener at `addr` with [`LISTEN_BACKLOG`] (and `SO_REUSEADDR`, as
+/// tokio's `bind` sets, so a restarted server can bind again at once).
+pub fn bind_tcp(addr: std::net::SocketAddr) -> io::Result<TcpListener> {
+    let socket = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::STREAM,
+        Some(socket2::Protocol::TCP),
+    )?;
+    socket.set_reuse_address(true)?;
+    socket.bind(&addr.into())?;
+    TcpListener::from_std(listening(socket)?.into())
+}
+
+/// A bound socket listening with [`LISTEN_BACKLOG`], non-blocking (as tokio needs).
+fn listening(socket: socket2::Socket) -> io::Result<socket2::Socket> {
+    socket.listen(LISTEN_BACKLOG)?;
+    socket.set_nonblocking(true)?;
+    Ok(socket)
 }
 
 /// Who may connect to a Unix socket: its mode (connecting needs write permission) and
@@ -410,4 +440,47 @@ pub async fn grpc_channel_uds(
     endpoint("localhost", settings)?
         .connect_with_connector(connector)
         .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The backlog the kernel gives a listening socket, as `ss` reports it (Send-Q).
+    fn backlog(ss_args: &[&str]) -> u64 {
+        let out = std::process::Command::new("ss")
+            .args(ss_args)
+            .output()
+            .expect("ss (iproute2; scripts/install-deps.sh installs it)");
+        let text = String::from_utf8_lossy(&out.stdout);
+        let line = text
+            .lines()
+            .next()
+            .unwrap_or_else(|| panic!("no socket in {text:?}"));
+        // ... LISTEN Recv-Q Send-Q ... (a Netid column first for Unix sockets)
+        let mut fields = line.split_whitespace().skip_while(|f| *f != "LISTEN");
+        fields.nth(2).unwrap().parse().unwrap()
+    }
+
+    #[tokio::test]
+    async fn listeners_ask_for_the_whole_backlog_the_kernel_allows() {
+        let somaxconn: u64 = std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        let expected = somaxconn.min(LISTEN_BACKLOG as u64);
+        let tcp = bind_tcp("127.0.0.1:0".parse().unwrap()).unwrap();
+        let port = tcp.local_addr().unwrap().port();
+        assert_eq!(backlog(&["-Hltn", &format!("sport = :{port}")]), expected);
+
+        let dir = std::env::temp_dir().join(format!("tether-backlog-{}", std::process::id()));
+        let path = dir.join("s.sock");
+        let uds = bind_uds(&path, true).unwrap();
+        assert_eq!(backlog(&["-Hlx", "src", path.to_str().unwrap()]), expected);
+        // Both still work as listeners.
+        let (_c, _) = tokio::join!(TcpStream::connect(("127.0.0.1", port)), tcp.accept());
+        let (_c, _) = tokio::join!(UnixStream::connect(&path), uds.accept());
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }

@@ -164,14 +164,12 @@ pub struct BoundServer {
 /// Entry point.
 pub struct Server;
 
-async fn bind_tcp(what: &'static str, addr: SocketAddr) -> Result<TcpListener, StartError> {
-    TcpListener::bind(addr)
-        .await
-        .map_err(|source| StartError::Bind {
-            what,
-            addr: addr.to_string(),
-            source,
-        })
+fn bind_tcp(what: &'static str, addr: SocketAddr) -> Result<TcpListener, StartError> {
+    transport::bind_tcp(addr).map_err(|source| StartError::Bind {
+        what,
+        addr: addr.to_string(),
+        source,
+    })
 }
 
 /// The reloadable TLS configurations of the listeners, watched together.
@@ -232,19 +230,19 @@ async fn bind_frontend(
                 Mode::HttpConnect => &[tls::ALPN_HTTP11],
             };
             let cfg = tls_sources.source("frontend", files, alpn)?;
-            let l = bind_tcp("frontend port", *addr).await?;
+            let l = bind_tcp("frontend port", *addr)?;
             let at = l.local_addr().map(|a| a.to_string()).unwrap_or_default();
             Ok((FrontendListener::Tls(l, cfg), at))
         }
     }
 }
 
-async fn bind_optional(
+fn bind_optional(
     what: &'static str,
     addr: Option<SocketAddr>,
 ) -> Result<Option<TcpListener>, StartError> {
     match addr {
-        Some(a) => Ok(Some(bind_tcp(what, a).await?)),
+        Some(a) => Ok(Some(bind_tcp(what, a)?)),
         None => Ok(None),
     }
 }
@@ -258,7 +256,7 @@ impl Server {
             reloadables: Vec::new(),
         };
         let agent_tls = tls_sources.source("agent listener", &config.agent_tls, &[tls::ALPN_H2])?;
-        let agent_listener = bind_tcp("agent port", config.agent_addr).await?;
+        let agent_listener = bind_tcp("agent port", config.agent_addr)?;
         let mut frontends = Vec::new();
         let mut frontend_addrs = Vec::new();
         for fe in &config.frontends {
@@ -266,8 +264,8 @@ impl Server {
             frontends.push((fe.mode, listener));
             frontend_addrs.push(at);
         }
-        let health = bind_optional("health port", config.health_addr).await?;
-        let admin = bind_optional("admin port", config.admin_addr).await?;
+        let health = bind_optional("health port", config.health_addr)?;
+        let admin = bind_optional("admin port", config.admin_addr)?;
         let addrs = BoundAddrs {
             agent: agent_listener.local_addr().expect("bound"),
             frontends: frontend_addrs,
