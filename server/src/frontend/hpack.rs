@@ -1,9 +1,10 @@
-//! HPACK (RFC 7541) header-block decoding for the Unix-socket `:authority` shim: the
+//! HPACK (RFC 7541) for the Unix-socket `:authority` shim: decoding header blocks (the
 //! client's dynamic table, integers, string literals, and a Huffman decoder whose
-//! tables are built once per process. (loona-hpack, used before, built a nested hash
-//! map of the whole code for every Huffman-coded string and walked it bit by bit with
-//! two hash lookups per bit: about 17 us for one `:path`, which the h2 crate's clients
-//! send as a Huffman literal on every request.)
+//! tables are built once per process), and the one stateless representation the shim
+//! re-encodes fields with. (loona-hpack, used before, built a nested hash map of the
+//! whole code for every Huffman-coded string and walked it bit by bit with two hash
+//! lookups per bit: about 17 us for one `:path`, which the h2 crate's clients send as a
+//! Huffman literal on every request.)
 
 use std::borrow::Cow;
 use std::collections::VecDeque;
@@ -96,15 +97,23 @@ impl Decoder {
                     (false, 4)
                 };
                 let name_index = integer(&mut block, prefix)?;
-                let name = if name_index == 0 {
-                    string(&mut block)?
+                if name_index == 0 {
+                    let name = string(&mut block)?;
+                    let value = string(&mut block)?;
+                    field(&name, &value);
+                    if indexing {
+                        self.insert(name.into_owned().into(), value.into_owned().into());
+                    }
                 } else {
-                    Cow::Owned(self.entry(name_index)?.0.to_vec())
-                };
-                let value = string(&mut block)?;
-                field(&name, &value);
-                if indexing {
-                    self.insert(name.into_owned().into(), value.into_owned().into());
+                    // The name stays in its table unless this field is indexed too.
+                    self.entry(name_index)?;
+                    let value = string(&mut block)?;
+                    let (name, _) = self.entry(name_index)?;
+                    field(name, &value);
+                    if indexing {
+                        let name = Box::from(name);
+                        self.insert(name, value.into_owned().into());
+                    }
                 }
             }
             fields += 1;
@@ -147,6 +156,34 @@ impl Decoder {
             self.size -= n.len() + v.len() + ENTRY_OVERHEAD;
         }
     }
+}
+
+/// Appends a literal header field without indexing, with a new name and neither string
+/// Huffman-coded (RFC 7541 section 6.2.2): a representation any decoder takes without
+/// touching its table.
+pub fn encode_literal(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
+    out.push(0);
+    for s in [name, value] {
+        encode_integer(out, s.len(), 7);
+        out.extend_from_slice(s);
+    }
+}
+
+/// Appends `value` as an integer with a `prefix`-bit prefix, the bits above it zero
+/// (RFC 7541 section 5.1); the inverse of [`integer`].
+fn encode_integer(out: &mut Vec<u8>, value: usize, prefix: u8) {
+    let max = (1usize << prefix) - 1;
+    if value < max {
+        out.push(value as u8);
+        return;
+    }
+    out.push(max as u8);
+    let mut rest = value - max;
+    while rest >= 0x80 {
+        out.push((rest & 0x7f) as u8 | 0x80);
+        rest >>= 7;
+    }
+    out.push(rest as u8);
 }
 
 /// An integer with an `prefix`-bit prefix (RFC 7541 section 5.1), taken off `block`.
@@ -629,6 +666,76 @@ mod tests {
         ];
         assert_eq!(huffman_decode(&coded).unwrap(), b"www.example.com");
         assert_eq!(huffman_encode(b"www.example.com"), coded);
+    }
+
+    #[test]
+    fn integers_and_literals_round_trip() {
+        // RFC 7541 C.1.1-2: 10 and 1337 with 5-bit prefixes.
+        let mut out = Vec::new();
+        encode_integer(&mut out, 10, 5);
+        encode_integer(&mut out, 1337, 5);
+        assert_eq!(out, [0x0a, 0x1f, 0x9a, 0x0a]);
+        for prefix in [4, 5, 6, 7] {
+            for value in [
+                0,
+                1,
+                14,
+                15,
+                16,
+                126,
+                127,
+                128,
+                255,
+                16_511,
+                65_536,
+                1 << 27,
+            ] {
+                let mut out = Vec::new();
+                encode_integer(&mut out, value, prefix);
+                let mut block = &out[..];
+                assert_eq!(
+                    integer(&mut block, prefix),
+                    Ok(value),
+                    "{value} in {prefix} bits"
+                );
+                assert!(block.is_empty());
+            }
+        }
+        // A literal leaves the table as it was: the next block's indexes still hold.
+        let mut d = Decoder::new(4096);
+        let mut block = Vec::new();
+        encode_literal(&mut block, b":authority", &[b'a'; 300]);
+        encode_literal(&mut block, b"x", b"");
+        assert_eq!(
+            decode_all(&mut d, &block).unwrap(),
+            [
+                (b":authority".to_vec(), vec![b'a'; 300]),
+                (b"x".to_vec(), vec![])
+            ]
+        );
+        assert!(d.dynamic.is_empty());
+    }
+
+    #[test]
+    fn literals_with_an_indexed_name_are_indexed_only_when_asked() {
+        let mut d = Decoder::new(4096);
+        // Without indexing, name 4 (`:path`); then with incremental indexing, name 1
+        // (`:authority`), which adds an entry; then that entry (index 62) by index.
+        let block = [&[0x04, 0x02][..], b"/x", &[0x41, 0x01], b"h", &[0xbe]].concat();
+        assert_eq!(
+            decode_all(&mut d, &block).unwrap(),
+            [
+                (b":path".to_vec(), b"/x".to_vec()),
+                (b":authority".to_vec(), b"h".to_vec()),
+                (b":authority".to_vec(), b"h".to_vec()),
+            ]
+        );
+        assert_eq!(d.dynamic.len(), 1);
+        // A bad name index is reported before the value is read.
+        assert_eq!(
+            decode_all(&mut d, &[0x0f, 0x50]),
+            Err(HpackError::BadIndex(95))
+        );
     }
 
     #[test]

@@ -218,12 +218,7 @@ impl<S> AuthorityFix<S> {
                     } else {
                         value
                     };
-                // Literal header field without indexing, new name, no Huffman coding.
-                block.push(0);
-                encode_int(&mut block, name.len(), 7, 0);
-                block.extend_from_slice(name);
-                encode_int(&mut block, value.len(), 7, 0);
-                block.extend_from_slice(value);
+                super::hpack::encode_literal(&mut block, name, value);
             })
             .map_err(|e| protocol(&format!("HPACK: {e}")))?;
         let mut first = true;
@@ -261,21 +256,6 @@ impl<S> AuthorityFix<S> {
             }
         }
     }
-}
-
-fn encode_int(out: &mut Vec<u8>, value: usize, prefix_bits: u8, first_byte_flags: u8) {
-    let max = (1usize << prefix_bits) - 1;
-    if value < max {
-        out.push(first_byte_flags | value as u8);
-        return;
-    }
-    out.push(first_byte_flags | max as u8);
-    let mut v = value - max;
-    while v >= 128 {
-        out.push((v % 128 + 128) as u8);
-        v /= 128;
-    }
-    out.push(v as u8);
 }
 
 /// Fuzzing entry point: feeds `input` through the rewriter in `chunk`-byte pieces, as
