@@ -243,15 +243,23 @@ enum Waited {
     Shutdown,
 }
 
+/// Waits `period`; a wait longer than `interval` also ends when `started` (if any) is
+/// notified.
 async fn wait(
     period: Duration,
     interval: Duration,
-    started: &Notify,
+    started: Option<&Notify>,
     shutdown: &CancellationToken,
 ) -> Waited {
+    let work = async {
+        match started {
+            Some(started) if period > interval => started.notified().await,
+            _ => std::future::pending().await,
+        }
+    };
     tokio::select! {
         _ = tokio::time::sleep(period) => Waited::Period,
-        _ = started.notified(), if period > interval => Waited::WorkStarted,
+        _ = work => Waited::WorkStarted,
         _ = shutdown.cancelled() => Waited::Shutdown,
     }
 }
@@ -264,8 +272,8 @@ fn spawn_trimmer_every(
     shutdown: CancellationToken,
 ) {
     let (idle_interval, started) = match looks {
-        Looks::Steady => (interval, Arc::new(Notify::new())),
-        Looks::BackOff(started) => (idle_interval.max(interval), started),
+        Looks::Steady => (interval, None),
+        Looks::BackOff(started) => (idle_interval.max(interval), Some(started)),
     };
     tokio::spawn(
         async move {
@@ -277,8 +285,11 @@ fn spawn_trimmer_every(
             let mut resident_low = anon_resident();
             let mut period = interval;
             let mut last_open = open();
+            // When `last_cpu` was read: a wait cut short by work starting is followed
+            // by a look `interval` later, so the time since is not one period.
+            let mut last_look = tokio::time::Instant::now();
             loop {
-                match wait(period, interval, &started, &shutdown).await {
+                match wait(period, interval, started.as_deref(), &shutdown).await {
                     Waited::Period => {}
                     Waited::WorkStarted => {
                         period = interval;
@@ -288,8 +299,9 @@ fn spawn_trimmer_every(
                 }
                 let now = open();
                 let cpu = cpu_time();
-                let idle = cpu.saturating_sub(last_cpu) <= period / IDLE_SHARE;
+                let idle = cpu.saturating_sub(last_cpu) <= last_look.elapsed() / IDLE_SHARE;
                 last_cpu = cpu;
+                last_look = tokio::time::Instant::now();
                 period = next_period(period, interval, idle_interval, idle && now == last_open);
                 last_open = now;
                 peak = peak.max(now);
@@ -305,6 +317,7 @@ fn spawn_trimmer_every(
                     tokio::task::spawn_blocking(trim).await.ok();
                     period = interval;
                     last_cpu = cpu_time();
+                    last_look = tokio::time::Instant::now();
                     free_low = heap_free().unwrap_or(0);
                     resident_low = anon_resident();
                     TRIMS.fetch_add(1, Ordering::Relaxed);
@@ -401,20 +414,26 @@ mod tests {
         let signal = tether_core::drain::Signal::new();
         let started = signal.started();
         let stop = CancellationToken::new();
-        let long = wait(IDLE_INTERVAL, INTERVAL, &started, &stop);
+        let long = wait(IDLE_INTERVAL, INTERVAL, Some(&started), &stop);
         let mut long = std::pin::pin!(long);
         assert!(futures::poll!(long.as_mut()).is_pending());
         let _work = signal.watch();
         assert_eq!(long.await, Waited::WorkStarted);
         // A 2 s wait is not cut short, and runs out.
-        let short = wait(INTERVAL, INTERVAL, &started, &stop);
+        let short = wait(INTERVAL, INTERVAL, Some(&started), &stop);
         let mut short = std::pin::pin!(short);
         assert!(futures::poll!(short.as_mut()).is_pending());
         let _more = signal.watch();
         assert_eq!(short.await, Waited::Period);
+        // Steady looks have no signal: a long wait only runs out.
+        let steady = wait(IDLE_INTERVAL, INTERVAL, None, &stop);
+        let mut steady = std::pin::pin!(steady);
+        assert!(futures::poll!(steady.as_mut()).is_pending());
+        let _again = signal.watch();
+        assert_eq!(steady.await, Waited::Period);
         stop.cancel();
         assert_eq!(
-            wait(IDLE_INTERVAL, INTERVAL, &started, &stop).await,
+            wait(IDLE_INTERVAL, INTERVAL, Some(&started), &stop).await,
             Waited::Shutdown
         );
     }
