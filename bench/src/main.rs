@@ -48,7 +48,8 @@ struct Args {
     /// binary).
     #[arg(long)]
     tether_agent: Option<PathBuf>,
-    /// One more flag for every `tether server` this run starts (repeatable), e.g.
+    /// One more flag for every `tether server` this run starts (repeatable; the route
+    /// table's, `--agents`', `--tunnels`' and `--soak`'s), e.g.
     /// `--server-arg=--worker-threads=1`.
     #[arg(long, allow_hyphen_values = true)]
     server_arg: Vec<String>,
@@ -664,50 +665,58 @@ fn wait_connected(health: &str) -> anyhow::Result<()> {
     }
 }
 
-/// A server (mode `mode` on `socket`, run by `bin`) and an agent (run by `agent_bin`)
-/// connected to it.
+/// The binaries under test, and the flags every server they run is given.
+pub(crate) struct Tether {
+    /// Runs the servers (`--tether`).
+    pub(crate) bin: PathBuf,
+    /// The agent the DaemonSet runs (`--tether-agent`).
+    pub(crate) agent_bin: PathBuf,
+    /// `--server-arg`s.
+    pub(crate) server_extra: Vec<String>,
+}
+
+/// A server (mode `mode` on `socket`) and an agent connected to it.
 fn start_pair(
-    bin: &Path,
-    agent_bin: &Path,
+    t: &Tether,
     pki: &tether_certs::DevPki,
     mode: &str,
     socket: &Path,
 ) -> anyhow::Result<(Proc, Proc, Value)> {
-    let (server, ev) = spawn_tether(bin, &server_args(pki, mode, socket, 0))?;
+    let (server, ev) = spawn_tether(&t.bin, &t.server_args(pki, mode, socket, 0))?;
     let agent_addr: SocketAddr = ev["agent"].as_str().unwrap_or_default().parse()?;
-    let (agent, _) = spawn_tether(agent_bin, &agent_args(pki, agent_addr.port()))?;
+    let (agent, _) = spawn_tether(&t.agent_bin, &agent_args(pki, agent_addr.port()))?;
     wait_connected(ev["health"].as_str().unwrap_or_default())?;
     Ok((server, agent, ev))
 }
 
-/// A server on loopback with `mode`'s frontend on the Unix socket `socket`, agents on
-/// `agent_port` (0: any), health on an ephemeral port.
-fn server_args(
-    pki: &tether_certs::DevPki,
-    mode: &str,
-    socket: &Path,
-    agent_port: u16,
-) -> Vec<String> {
-    let mut args = vec![
-        "server".into(),
-        format!("--mode={mode}"),
-        format!("--uds-name={}", socket.display()),
-        "--server-port=0".into(),
-        format!("--agent-port={agent_port}"),
-        "--agent-bind-address=127.0.0.1".into(),
-        "--health-port=0".into(),
-        "--health-bind-address=127.0.0.1".into(),
-        "--admin-port=0".into(),
-        format!("--cluster-cert={}", pki.server_cert.display()),
-        format!("--cluster-key={}", pki.server_key.display()),
-        format!("--cluster-ca-cert={}", pki.ca_cert.display()),
-    ];
-    args.extend(SERVER_EXTRA_ARGS.get().into_iter().flatten().cloned());
-    args
+impl Tether {
+    /// A server on loopback with `mode`'s frontend on the Unix socket `socket`, agents
+    /// on `agent_port` (0: any), health on an ephemeral port.
+    fn server_args(
+        &self,
+        pki: &tether_certs::DevPki,
+        mode: &str,
+        socket: &Path,
+        agent_port: u16,
+    ) -> Vec<String> {
+        let mut args = vec![
+            "server".into(),
+            format!("--mode={mode}"),
+            format!("--uds-name={}", socket.display()),
+            "--server-port=0".into(),
+            format!("--agent-port={agent_port}"),
+            "--agent-bind-address=127.0.0.1".into(),
+            "--health-port=0".into(),
+            "--health-bind-address=127.0.0.1".into(),
+            "--admin-port=0".into(),
+            format!("--cluster-cert={}", pki.server_cert.display()),
+            format!("--cluster-key={}", pki.server_key.display()),
+            format!("--cluster-ca-cert={}", pki.ca_cert.display()),
+        ];
+        args.extend(self.server_extra.iter().cloned());
+        args
+    }
 }
-
-/// `--server-arg`s, for every server this run starts.
-static SERVER_EXTRA_ARGS: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
 
 /// A real agent connecting to the server on loopback `port`.
 fn agent_args(pki: &tether_certs::DevPki, port: u16) -> Vec<String> {
@@ -920,7 +929,6 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    SERVER_EXTRA_ARGS.get_or_init(|| args.server_arg.clone());
     if let Some(to) = args.relay_to {
         return tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -928,12 +936,16 @@ fn main() -> anyhow::Result<()> {
             .block_on(relay(to));
     }
     if let (Some(to), Some(pki)) = (args.swarm_to, &args.swarm_pki) {
-        return tokio::runtime::Runtime::new()?.block_on(swarm::run_swarm(
-            to,
-            pki.clone(),
-            args.swarm_first,
-            args.swarm_count,
-        ));
+        // One runtime thread, as the agent runs by default (`--worker-threads`).
+        return tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?
+            .block_on(swarm::run_swarm(
+                to,
+                pki.clone(),
+                args.swarm_first,
+                args.swarm_count,
+            ));
     }
     if let Some(at) = args.echo_at {
         return tokio::runtime::Builder::new_current_thread()
@@ -967,6 +979,11 @@ async fn bench(args: Args) -> anyhow::Result<()> {
             );
         }
     }
+    let t = Tether {
+        bin,
+        agent_bin,
+        server_extra: args.server_arg.clone(),
+    };
     if let Some(secs) = args.soak {
         let run = soak::Soak {
             duration: Duration::from_secs(secs),
@@ -978,7 +995,7 @@ async fn bench(args: Args) -> anyhow::Result<()> {
         // Interrupted (Ctrl-C, SIGTERM), the run stops here; the runtime then drops
         // every task and with them the cluster: processes killed, namespaces removed.
         let v = tokio::select! {
-            v = soak::soak(&bin, &agent_bin, run) => v?,
+            v = soak::soak(&t, run) => v?,
             () = tether_ops::shutdown::signal() => bail!("soak: stopped by SIGINT or SIGTERM; no figures"),
         };
         println!("{}", serde_json::to_string_pretty(&v)?);
@@ -991,11 +1008,11 @@ async fn bench(args: Args) -> anyhow::Result<()> {
     if args.agents.is_some() || args.tunnels.is_some() {
         let mut out = serde_json::Map::new();
         if let Some(n) = args.agents {
-            let v = swarm::many_agents(&bin, &agent_bin, n, args.agent_procs).await?;
+            let v = swarm::many_agents(&t, n, args.agent_procs).await?;
             out.insert("many_agents".into(), v);
         }
         if let Some(m) = args.tunnels {
-            let v = swarm::many_tunnels(&bin, m, args.tunnel_agents).await?;
+            let v = swarm::many_tunnels(&t, m, args.tunnel_agents).await?;
             out.insert("many_tunnels".into(), v);
         }
         println!(
@@ -1014,8 +1031,8 @@ async fn bench(args: Args) -> anyhow::Result<()> {
     let backend = backend().await;
     let grpc_socket = dir.join("grpc.sock");
     let connect_socket = dir.join("connect.sock");
-    let (gs, ga, gev) = start_pair(&bin, &agent_bin, &pki, "grpc", &grpc_socket)?;
-    let (cs, ca, _) = start_pair(&bin, &agent_bin, &pki, "http-connect", &connect_socket)?;
+    let (gs, ga, gev) = start_pair(&t, &pki, "grpc", &grpc_socket)?;
+    let (cs, ca, _) = start_pair(&t, &pki, "http-connect", &connect_socket)?;
     let mut procs = Vec::new();
     let ssh_port = if args.no_ssh {
         None

@@ -21,7 +21,7 @@ use tether_testkit::netns::Node;
 use tether_testkit::{metric, AgentProc, Pki, ServerProc, TempDir};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::{stat_fields, status_mib, Conn};
+use crate::{stat_fields, status_mib, Conn, Tether};
 
 /// The longest any one step of a caller (a dial, one echo exchange, the close) may
 /// take before it has its bytes or an error: the dead-link timeout that ends streams
@@ -182,8 +182,8 @@ fn figures(pid: u32) -> Figures {
 
 /// Runs the soak and returns its figures; `Err` when the run could not be set up, and
 /// `passed: false` in the figures when a check failed.
-pub async fn soak(bin: &Path, agent_bin: &Path, soak: Soak) -> anyhow::Result<Value> {
-    let cluster = Arc::new(set_up(bin, agent_bin, &soak).await?);
+pub async fn soak(t: &Tether, soak: Soak) -> anyhow::Result<Value> {
+    let cluster = Arc::new(set_up(t, &soak).await?);
     eprintln!(
         "soak: 2 servers, {} agents ({} in namespaces), {} callers, {:?}",
         soak.agents,
@@ -300,7 +300,7 @@ async fn churn(
     Ok(())
 }
 
-async fn set_up(bin: &Path, agent_bin: &Path, soak: &Soak) -> anyhow::Result<Cluster> {
+async fn set_up(t: &Tether, soak: &Soak) -> anyhow::Result<Cluster> {
     let partitions = if tether_testkit::netns::available() {
         soak.partitions.min(soak.agents)
     } else {
@@ -347,16 +347,17 @@ async fn set_up(bin: &Path, agent_bin: &Path, soak: &Soak) -> anyhow::Result<Clu
         if soak.heap_profiles.is_some() {
             args.push("--enable-profiling".into());
         }
+        args.extend(t.server_extra.iter().cloned());
         let mut slot = ServerSlot { args, proc: None };
-        let p = tokio::task::block_in_place(|| ServerProc::start(bin, &slot.args));
+        let p = tokio::task::block_in_place(|| ServerProc::start(&t.bin, &slot.args));
         ports.push(p.agent.port());
         slot.args.push(format!("--agent-port={}", p.agent.port()));
         slot.proc = Some(p);
         servers.push(tokio::sync::Mutex::new(slot));
     }
     let mut cluster = Cluster {
-        bin: bin.into(),
-        agent_bin: agent_bin.into(),
+        bin: t.bin.clone(),
+        agent_bin: t.agent_bin.clone(),
         pki,
         nodes,
         servers,

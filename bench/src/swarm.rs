@@ -18,16 +18,12 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use rand::Rng;
 use serde_json::{json, Value};
-use tether_proto::agent_service_client::AgentServiceClient;
+use tether_core::grpc::{Messages, Outbound};
 use tether_proto::packet::Payload;
 use tether_proto::{header, Packet};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio_stream::wrappers::ReceiverStream;
-use tokio_stream::StreamExt;
 
-use crate::{
-    agent_args, cpu_seconds, free_port, p50_p99, server_args, spawn_tether, status_mib, Proc,
-};
+use crate::{agent_args, cpu_seconds, free_port, p50_p99, spawn_tether, status_mib, Proc, Tether};
 
 /// What one swarm process reports each second.
 #[derive(Default)]
@@ -115,61 +111,90 @@ async fn fake_agent(
 }
 
 /// One stream, until it ends (Ok) or cannot be opened (Err: whether a server refused).
+/// A bare HTTP/2 connection driven inside this task, as an agent with one runtime
+/// thread spends its time: a dial costs the swarm one task's wake-up, not the four of a
+/// tonic channel (its request queue, hyper's connection and body pipe tasks, and this
+/// one), each touching another cold agent's memory.
 async fn hold_stream(
     id: usize,
     server: SocketAddr,
     tls: Arc<rustls::ClientConfig>,
     c: &Counters,
 ) -> Result<(), bool> {
-    let settings = tether_core::transport::ChannelSettings::default();
-    let channel =
-        tether_core::transport::grpc_channel_tls("127.0.0.1", server.port(), tls, &settings)
-            .await
-            .map_err(|_| false)?;
-    let (tx, rx) = tokio::sync::mpsc::channel::<Packet>(16);
-    let mut request = tonic::Request::new(ReceiverStream::new(rx));
-    let md = request.metadata_mut();
-    md.insert(
-        header::AGENT_ID,
-        format!("swarm-{id}").parse().expect("ascii"),
-    );
-    md.insert(
-        header::AGENT_IDENTIFIERS,
-        format!("host=swarm-{id}").parse().expect("ascii"),
-    );
-    let mut inbound = AgentServiceClient::new(channel)
-        .connect(request)
+    use tether_core::transport::{H2_CONN_WINDOW, H2_MAX_FRAME, H2_STREAM_WINDOW};
+    let name = tether_core::tls::server_name("127.0.0.1").map_err(|_| false)?;
+    let io = tether_core::transport::connect_tls(&server.to_string(), name, tls)
         .await
-        .map_err(|_| true)?
-        .into_inner();
+        .map_err(|_| false)?;
+    let (mut send, mut conn) = h2::client::Builder::new()
+        .initial_window_size(H2_STREAM_WINDOW)
+        .initial_connection_window_size(H2_CONN_WINDOW)
+        .max_frame_size(H2_MAX_FRAME)
+        .handshake::<_, bytes::Bytes>(io)
+        .await
+        .map_err(|_| false)?;
+    let request = http::Request::post(format!("http://{server}/AgentService/Connect"))
+        .header(http::header::CONTENT_TYPE, "application/grpc")
+        .header(http::header::TE, "trailers")
+        .header(header::AGENT_ID, format!("swarm-{id}"))
+        .header(header::AGENT_IDENTIFIERS, format!("host=swarm-{id}"))
+        .body(())
+        .expect("static request parts");
+    let (response, stream) = send.send_request(request, false).map_err(|_| false)?;
+    let response = tokio::select! {
+        r = response => r.map_err(|_| true)?,
+        _ = &mut conn => return Err(false),
+    };
+    let refused = response
+        .headers()
+        .get("grpc-status")
+        .is_some_and(|s| s.as_bytes() != b"0");
+    if response.status() != http::StatusCode::OK || refused {
+        return Err(true);
+    }
     c.connects.fetch_add(1, Ordering::Relaxed);
     c.up.fetch_add(1, Ordering::Relaxed);
+    let mut body = response.into_body();
+    let mut out = Outbound::new(stream);
+    let mut messages = Messages::default();
     let mut next_id = 1i64;
     let mut bursted = false;
-    while let Some(Ok(p)) = inbound.next().await {
-        let answer = match p.payload {
-            Some(Payload::DialRequest(d)) => {
-                next_id += 1;
-                let dialed = Packet::dial_response(d.random, next_id, "");
-                if d.address != BURST_ADDRESS {
-                    dialed
-                } else {
-                    if tx.send(dialed).await.is_err() {
-                        break;
+    'stream: loop {
+        loop {
+            let p = match messages.next_packet() {
+                Ok(Some(p)) => p,
+                Ok(None) => break,
+                Err(_) => break 'stream,
+            };
+            match p.payload {
+                Some(Payload::DialRequest(d)) => {
+                    next_id += 1;
+                    out.send_now(&Packet::dial_response(d.random, next_id, ""));
+                    if d.address == BURST_ADDRESS {
+                        if !std::mem::replace(&mut bursted, true) {
+                            c.burst_streams.fetch_add(1, Ordering::Relaxed);
+                        }
+                        out.send_now(&Packet::data(next_id, vec![7u8; BURST]));
                     }
-                    if !std::mem::replace(&mut bursted, true) {
-                        c.burst_streams.fetch_add(1, Ordering::Relaxed);
-                    }
-                    Packet::data(next_id, vec![7u8; BURST])
                 }
+                Some(Payload::CloseRequest(r)) => {
+                    out.send_now(&Packet::close_response(r.connect_id, ""))
+                }
+                _ => {}
             }
-            Some(Payload::CloseRequest(r)) => Packet::close_response(r.connect_id, ""),
-            _ => continue,
-        };
-        if tx.send(answer).await.is_err() {
-            break;
+        }
+        tokio::select! {
+            d = body.data() => match d {
+                Some(Ok(chunk)) => {
+                    let _ = body.flow_control().release_capacity(chunk.len());
+                    messages.push(chunk);
+                }
+                _ => break,
+            },
+            _ = &mut conn => break,
         }
     }
+    drop(send);
     c.up.fetch_sub(1, Ordering::Relaxed);
     Ok(())
 }
@@ -228,12 +253,12 @@ struct Server {
 }
 
 fn start_server(
-    bin: &Path,
+    t: &Tether,
     pki: &tether_certs::DevPki,
     socket: &Path,
     agent_port: u16,
 ) -> anyhow::Result<Server> {
-    let (proc, ev) = spawn_tether(bin, &server_args(pki, "grpc", socket, agent_port))?;
+    let (proc, ev) = spawn_tether(&t.bin, &t.server_args(pki, "grpc", socket, agent_port))?;
     Ok(Server {
         proc,
         health: ev["health"].as_str().unwrap_or_default().parse()?,
@@ -415,18 +440,13 @@ async fn idle_cpu(pid: u32, window: Duration) -> f64 {
 }
 
 /// The `--agents` run: one agent, then N, then a reconnect storm.
-pub async fn many_agents(
-    bin: &Path,
-    agent_bin: &Path,
-    agents: usize,
-    procs: usize,
-) -> anyhow::Result<Value> {
+pub async fn many_agents(t: &Tether, agents: usize, procs: usize) -> anyhow::Result<Value> {
     let dir = std::env::temp_dir().join(format!("tether-swarm-{}", std::process::id()));
     let pki = tether_certs::DevPki::generate(&dir.join("pki"))?;
     let socket = dir.join("grpc.sock");
     let port = free_port();
     let agent_addr: SocketAddr = ([127, 0, 0, 1], port).into();
-    let mut server = start_server(bin, &pki, &socket, port)?;
+    let mut server = start_server(t, &pki, &socket, port)?;
     let base_rss = settled_rss(server.proc.0.id()).await;
 
     let mut swarms = vec![start_swarm(agent_addr, &pki.dir, 0, 1)?];
@@ -457,7 +477,7 @@ pub async fn many_agents(
     eprintln!("{agents} agents connected in {connect_all:.1?}; server RSS {rss:.1} MiB ({per_agent_kib:.1} KiB per agent stream)");
 
     // Idle: the server with N agents, and one real agent among them.
-    let (real, _) = spawn_tether(agent_bin, &agent_args(&pki, port))?;
+    let (real, _) = spawn_tether(&t.agent_bin, &agent_args(&pki, port))?;
     wait_agents(&server, (agents + 1) as f64, Duration::from_secs(60)).await?;
     // The agent's start-up tail (its first heap trim once idle) is not idle CPU: the
     // window opens after 5 s without traffic, as the route table's "idle" figures do.
@@ -486,7 +506,7 @@ pub async fn many_agents(
     let (beside, beside_ratio, cpu_per_dial) = {
         let socket = dir.join("grpc-one.sock");
         let port = free_port();
-        let one_server = start_server(bin, &pki, &socket, port)?;
+        let one_server = start_server(t, &pki, &socket, port)?;
         let one_swarm = start_swarm(([127, 0, 0, 1], port).into(), &pki.dir, 0, 1)?;
         wait_agents(&one_server, 1.0, Duration::from_secs(30)).await?;
         let one_client = tether_client::Client::uds(&socket).await?;
@@ -532,7 +552,7 @@ pub async fn many_agents(
     let refused_before = swarm_total(&swarms, "refused");
     drop(server);
     let restarted = Instant::now();
-    server = start_server(bin, &pki, &socket, port)?;
+    server = start_server(t, &pki, &socket, port)?;
     let (storm, storm_peak) = wait_agents(&server, agents as f64, Duration::from_secs(600)).await?;
     let storm = restarted.elapsed().max(storm);
     let after_rss = settled_rss(server.proc.0.id()).await;
@@ -566,12 +586,12 @@ pub async fn many_agents(
 }
 
 /// The `--tunnels` run: M idle tunnels over `agents` fake agents, then all closed.
-pub async fn many_tunnels(bin: &Path, tunnels: usize, agents: usize) -> anyhow::Result<Value> {
+pub async fn many_tunnels(t: &Tether, tunnels: usize, agents: usize) -> anyhow::Result<Value> {
     let dir = std::env::temp_dir().join(format!("tether-tunnels-{}", std::process::id()));
     let pki = tether_certs::DevPki::generate(&dir.join("pki"))?;
     let socket = dir.join("grpc.sock");
     let port = free_port();
-    let server = start_server(bin, &pki, &socket, port)?;
+    let server = start_server(t, &pki, &socket, port)?;
     let swarm = start_swarm(([127, 0, 0, 1], port).into(), &pki.dir, 0, agents)?;
     wait_agents(&server, agents as f64, Duration::from_secs(120)).await?;
     let pid = server.proc.0.id();
