@@ -176,6 +176,12 @@ impl NodeController {
                     &Patch::Merge(json!({ "status": { "addresses": address_json(&addresses) } })),
                 )
                 .await?;
+            // `node` came from the cache, which can lag our own last initialisation
+            // (an event for its status patch queues the node again before the taint's
+            // removal is seen): the patch answers with the node as it is now.
+            if !has_taint(&patched, TAINT_UNINITIALIZED) {
+                return Ok(());
+            }
             &patched
         };
         let remaining: Vec<_> = taints(node)
