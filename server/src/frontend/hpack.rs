@@ -96,24 +96,17 @@ impl Decoder {
                 } else {
                     (false, 4)
                 };
-                let name_index = integer(&mut block, prefix)?;
-                if name_index == 0 {
-                    let name = string(&mut block)?;
-                    let value = string(&mut block)?;
-                    field(&name, &value);
-                    if indexing {
-                        self.insert(name.into_owned().into(), value.into_owned().into());
-                    }
-                } else {
-                    // The name stays in its table unless this field is indexed too.
-                    self.entry(name_index)?;
-                    let value = string(&mut block)?;
-                    let (name, _) = self.entry(name_index)?;
-                    field(name, &value);
-                    if indexing {
-                        let name = Box::from(name);
-                        self.insert(name, value.into_owned().into());
-                    }
+                // A name from the table is copied only when this field is indexed
+                // too; a bad index is reported before the value is read.
+                let name = match integer(&mut block, prefix)? {
+                    0 => string(&mut block)?,
+                    index => Cow::Borrowed(self.entry(index)?.0),
+                };
+                let value = string(&mut block)?;
+                field(&name, &value);
+                if indexing {
+                    let (name, value) = (name.into_owned().into(), value.into_owned().into());
+                    self.insert(name, value);
                 }
             }
             fields += 1;
