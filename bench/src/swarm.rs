@@ -145,10 +145,7 @@ async fn hold_stream(
         r = response => r.map_err(|_| true)?,
         _ = &mut conn => return Err(false),
     };
-    let refused = response
-        .headers()
-        .get("grpc-status")
-        .is_some_and(|s| s.as_bytes() != b"0");
+    let refused = tether_core::grpc::check_status(response.headers()).is_err();
     if response.status() != http::StatusCode::OK || refused {
         return Err(true);
     }
@@ -194,7 +191,6 @@ async fn hold_stream(
             _ = &mut conn => break,
         }
     }
-    drop(send);
     c.up.fetch_sub(1, Ordering::Relaxed);
     Ok(())
 }

@@ -14,8 +14,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures::{ready, Future};
 use h2::client::SendRequest;
+use tether_core::grpc::{check_status, MessageError, Messages, PROXY_PATH};
 pub(crate) use tether_core::grpc::{frame, frame_data, h2_io, Outbound};
-use tether_core::grpc::{percent_decode, MessageError, Messages, PROXY_PATH};
 use tether_core::transport::{self, H2_CONN_WINDOW, H2_MAX_FRAME, H2_STREAM_WINDOW};
 use tether_proto::Packet;
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -310,24 +310,6 @@ impl Inbound {
             .await
             .transpose()
     }
-}
-
-/// `Err` with the server's message if `headers` carry a gRPC status other than OK.
-fn check_status(headers: &http::HeaderMap) -> Result<(), String> {
-    let Some(code) = headers.get("grpc-status") else {
-        return Ok(());
-    };
-    if code.as_bytes() == b"0" {
-        return Ok(());
-    }
-    let message = headers
-        .get("grpc-message")
-        .map(|m| percent_decode(m.as_bytes()))
-        .unwrap_or_default();
-    Err(format!(
-        "status {}: {message}",
-        String::from_utf8_lossy(code.as_bytes())
-    ))
 }
 
 #[cfg(test)]

@@ -331,6 +331,24 @@ pub fn percent_encode(s: &str) -> String {
     out
 }
 
+/// `Err` with the server's message if `headers` carry a gRPC status other than OK.
+pub fn check_status(headers: &http::HeaderMap) -> Result<(), String> {
+    let Some(code) = headers.get("grpc-status") else {
+        return Ok(());
+    };
+    if code.as_bytes() == b"0" {
+        return Ok(());
+    }
+    let message = headers
+        .get("grpc-message")
+        .map(|m| percent_decode(m.as_bytes()))
+        .unwrap_or_default();
+    Err(format!(
+        "status {}: {message}",
+        String::from_utf8_lossy(code.as_bytes())
+    ))
+}
+
 /// The reverse of [`percent_encode`], lenient as grpc-go is with a stray `%`.
 pub fn percent_decode(s: &[u8]) -> String {
     let mut out = Vec::with_capacity(s.len());
