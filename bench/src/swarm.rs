@@ -321,19 +321,28 @@ async fn wait_agents(server: &Server, n: f64, limit: Duration) -> anyhow::Result
     }
 }
 
-/// Server RSS once it has stopped falling (the allocator returns freed memory within
-/// seconds of the last traffic).
+/// Server RSS once it has stopped falling: not lower for 3 s running, longer than the
+/// server's trimmer waits between looks (2 s; it gives freed memory back at the first
+/// look that finds the process idle, so one unchanged second proved nothing and once
+/// read 412 MiB where the server settled at 389).
 async fn settled_rss(pid: u32) -> f64 {
-    let mut last = f64::MAX;
-    for _ in 0..15 {
+    const STEADY_READS: u32 = 3;
+    let mut low = f64::MAX;
+    let mut steady = 0;
+    for _ in 0..30 {
         tokio::time::sleep(Duration::from_secs(1)).await;
         let now = status_mib(pid, "VmRSS");
-        if now >= last {
-            return now;
+        if now < low {
+            low = now;
+            steady = 0;
+        } else {
+            steady += 1;
+            if steady == STEADY_READS {
+                break;
+            }
         }
-        last = now;
     }
-    last
+    low
 }
 
 /// One dial (us) through the gRPC frontend to whichever agent the server picks.
