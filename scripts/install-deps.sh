@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Installs the system tools Tether's tests use (curl, openssl, iproute2, python3 for the
-# stand-in kubelet), idempotently:
-# nothing is downloaded when they are already present. Debian/Ubuntu (apt) only.
+# Installs the system tools Tether's tests use (curl, openssl, iproute2, util-linux's
+# prlimit, python3 for the stand-in kubelet), idempotently: nothing is downloaded when
+# they are already present. Debian/Ubuntu (apt) only.
 set -euo pipefail
 
 need=()
@@ -9,6 +9,7 @@ command -v curl >/dev/null 2>&1 || need+=(curl)
 command -v openssl >/dev/null 2>&1 || need+=(openssl)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
 command -v kill >/dev/null 2>&1 || need+=(procps)
+command -v prlimit >/dev/null 2>&1 || need+=(util-linux)
 command -v python3 >/dev/null 2>&1 || need+=(python3)
 
 if [ ${#need[@]} -gt 0 ]; then

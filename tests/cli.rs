@@ -377,3 +377,94 @@ fn upstream_manifest_flags_are_accepted() {
     // --log-format=json took effect on stderr (klog's flags did not swallow it).
     assert!(proc.logged("\"message\":\"server listening\""));
 }
+
+/// The soft and hard open-file limits of process `pid`, from `/proc/PID/limits`.
+fn open_file_limits(pid: u32) -> (String, String) {
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .unwrap_or_else(|| panic!("no open-file limit in {limits}"));
+    let f: Vec<&str> = line.split_whitespace().collect();
+    (f[3].to_string(), f[4].to_string())
+}
+
+/// Under a soft limit of 256 and a hard one of 4,096 (what `prlimit` sets, as a systemd
+/// unit's 1,024:524,288 would), the server and the agent raise the soft limit to the
+/// hard one at start-up, as Go programs such as upstream's do, and the server warns
+/// that 4,096 descriptors are few for a large cluster. Both then work.
+#[test]
+fn both_binaries_raise_the_open_file_limit_to_the_hard_limit() {
+    use std::time::Duration;
+    use tether_testkit::process::{socket_path, uds_frontend_args, Proc};
+    const WAIT: Duration = Duration::from_secs(20);
+    let prlimit = std::path::Path::new("prlimit");
+    let pki = Pki::new();
+    let f = &pki.files;
+    let mut args: Vec<String> = ["--nofile=256:4096", BIN, "server", "--log-format=json"]
+        .map(String::from)
+        .into();
+    args.extend(uds_frontend_args(&pki, "grpc", &socket_path(pki.dir())));
+    for flag in ["--agent-port=0", "--health-port=0", "--admin-port=0"] {
+        args.push(flag.into());
+    }
+    args.push("--agent-bind-address=127.0.0.1".into());
+    args.push("--health-bind-address=127.0.0.1".into());
+    let server = Proc::spawn("server", prlimit, &args);
+    let raised = server.wait_event(
+        "raised the open-file soft limit to the hard limit",
+        WAIT,
+        |_| true,
+    );
+    assert_eq!(
+        (raised["was"].as_u64(), raised["now"].as_u64()),
+        (Some(256), Some(4096))
+    );
+    let low = server.wait_event("the open-file limit is low: every agent stream and every tunnel holds a descriptor; raise the hard limit (LimitNOFILE= in a systemd unit, the container runtime's nofile ulimit) for clusters of more than a few thousand nodes", WAIT, |_| true);
+    assert_eq!(low["limit"].as_u64(), Some(4096));
+    let listening = server.wait_event("server listening", WAIT, |_| true);
+    assert_eq!(
+        open_file_limits(server.pid()),
+        ("4096".into(), "4096".into())
+    );
+
+    let agent_port = listening["agent"]
+        .as_str()
+        .and_then(|a| a.parse::<std::net::SocketAddr>().ok())
+        .unwrap()
+        .port();
+    let agent_args: Vec<String> = vec![
+        "--nofile=256:4096".into(),
+        AGENT_BIN.into(),
+        "--log-format=json".into(),
+        "--proxy-server-host=127.0.0.1".into(),
+        format!("--proxy-server-port={agent_port}"),
+        format!("--ca-cert={}", f.ca_cert.display()),
+        format!("--agent-cert={}", f.agent_cert.display()),
+        format!("--agent-key={}", f.agent_key.display()),
+        "--health-server-host=127.0.0.1".into(),
+        "--health-server-port=0".into(),
+        "--admin-server-port=0".into(),
+    ];
+    let agent = Proc::spawn("agent", prlimit, &agent_args);
+    let raised = agent.wait_event(
+        "raised the open-file soft limit to the hard limit",
+        WAIT,
+        |_| true,
+    );
+    assert_eq!(
+        (raised["was"].as_u64(), raised["now"].as_u64()),
+        (Some(256), Some(4096))
+    );
+    agent.wait_event("connected to proxy server", WAIT, |_| true);
+    assert_eq!(
+        open_file_limits(agent.pid()),
+        ("4096".into(), "4096".into())
+    );
+    // The agent only warns when it cannot raise the limit; 4,096 is plenty for a node.
+    assert!(
+        !agent.logged("the open-file limit is low"),
+        "{}",
+        agent.log_text()
+    );
+}

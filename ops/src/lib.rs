@@ -1,11 +1,12 @@
 //! What a running Tether process needs around the data path: health, readiness and
-//! metrics HTTP, profiling, certificate reload, allocator policy, the Kubernetes
-//! client with its rate limit, signals and Go-style durations for flags.
+//! metrics HTTP, profiling, certificate reload, allocator policy, the open-file limit,
+//! the Kubernetes client with its rate limit, signals and Go-style durations for flags.
 
 pub mod duration;
 pub mod health;
 pub mod heap_profile;
 pub mod kubeclient;
+pub mod limits;
 pub mod memory;
 pub mod metrics;
 pub mod profiling;

@@ -108,6 +108,7 @@ pub fn chain(e: &anyhow::Error) -> String {
 /// per CPU the process may use, or `TOKIO_WORKER_THREADS`).
 pub fn block_on<F: std::future::Future>(worker_threads: usize, fut: F) -> F::Output {
     tether_ops::memory::tune_allocator();
+    raise_open_files();
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
     if worker_threads > 0 {
         runtime.worker_threads(worker_threads);
@@ -117,6 +118,22 @@ pub fn block_on<F: std::future::Future>(worker_threads: usize, fut: F) -> F::Out
         .build()
         .expect("tokio runtime")
         .block_on(fut)
+}
+
+/// Raises the open-file soft limit to the hard limit, as Go programs do (upstream's
+/// server among them): a server holds a descriptor per agent stream and per tunnel,
+/// and 1,024 (a systemd unit's or some container runtimes' default soft limit) would
+/// stop it accepting agents at about a thousand nodes.
+fn raise_open_files() {
+    match tether_ops::limits::raise_open_files() {
+        Ok(l) if l.now > l.was => tracing::info!(
+            was = l.was,
+            now = l.now,
+            "raised the open-file soft limit to the hard limit"
+        ),
+        Ok(_) => {}
+        Err(e) => tracing::warn!(error = %e, "cannot raise the open-file soft limit"),
+    }
 }
 
 /// `host:port` for a bind address flag that may be empty (all interfaces).

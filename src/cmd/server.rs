@@ -421,10 +421,27 @@ impl ServerArgs {
 }
 
 /// Runs the server until SIGTERM/SIGINT.
+/// Below this open-file limit the server says at start-up how to raise it.
+const FEW_OPEN_FILES: u64 = 8192;
+
+/// Warns when the open-file limit (already raised to the hard limit) leaves room for
+/// only a few thousand agents and tunnels.
+fn warn_if_few_open_files() {
+    if let Ok(limit) = tether_ops::limits::open_file_limit() {
+        if limit < FEW_OPEN_FILES {
+            tracing::warn!(
+                limit,
+                "the open-file limit is low: every agent stream and every tunnel holds a descriptor; raise the hard limit (LimitNOFILE= in a systemd unit, the container runtime's nofile ulimit) for clusters of more than a few thousand nodes"
+            );
+        }
+    }
+}
+
 pub fn main(args: ServerArgs) -> anyhow::Result<()> {
     args.log.init()?;
     let config = args.config()?;
     super::block_on(args.worker_threads, async move {
+        warn_if_few_open_files();
         let server_id = config.server_id.clone();
         let bound = Server::bind(config)
             .await
