@@ -1,6 +1,6 @@
 //! Failures and lifecycle: agents killed mid-transfer, servers restarted, garbage and
 //! foreign certificates on the agent port, draining agents, destHost routing, health,
-//! worker threads.
+//! worker threads, running out of file descriptors.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -207,6 +207,47 @@ async fn garbage_and_foreign_certificates_on_the_agent_port() {
     c.write_all(b"ok").await.unwrap();
     let mut b = [0u8; 2];
     c.read_exact(&mut b).await.unwrap();
+}
+
+/// A server out of file descriptors keeps the agents it has and takes new ones once
+/// descriptors are free again: its accept loops back off on EMFILE (connections wait
+/// in the kernel's accept queue meanwhile) instead of spinning or giving up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_server_out_of_descriptors_accepts_again_once_they_are_free() {
+    let pki = Pki::new();
+    let args = uds_frontend_args(&pki, "grpc", &socket_path(pki.dir()));
+    let server = ServerProc::start_with_open_files(bin(), &args, 64, 64);
+    let first = AgentProc::start(bin(), &pki, server.agent, &[]);
+    server.wait_agents(1).await;
+
+    // Plain TCP connections to the agent port, each holding a descriptor in the server
+    // while it waits for a TLS ClientHello, until there are none left.
+    let mut held = Vec::new();
+    for _ in 0..100 {
+        held.push(tokio::net::TcpStream::connect(server.agent).await.unwrap());
+    }
+    server
+        .proc
+        .wait_event("accept failed", Duration::from_secs(10), |e| {
+            e["error"]
+                .as_str()
+                .is_some_and(|m| m.contains("os error 24"))
+        });
+    drop(held);
+
+    // The agent it had is still connected (no second "agent connected"), a new agent
+    // gets in, and a dial through the frontend works.
+    let _second = AgentProc::start(bin(), &pki, server.agent, &[]);
+    server.wait_agents(2).await;
+    assert_eq!(server.proc.count_events("agent connected"), 2);
+    assert_eq!(first.proc.count_events("connected to proxy server"), 1);
+    let echo = backend::echo().await;
+    let client = Client::uds(socket_path(pki.dir())).await.unwrap();
+    let mut c = client.dial(&echo.addr.to_string()).await.unwrap();
+    c.write_all(b"ok").await.unwrap();
+    let mut b = [0u8; 2];
+    c.read_exact(&mut b).await.unwrap();
+    assert_eq!(&b, b"ok");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -219,6 +219,19 @@ impl ServerProc {
     /// Starts `tether server` with `args` (plus port-0 health/admin/agent ports unless
     /// given, and JSON logs) and waits for its "server listening" event.
     pub fn start(bin: &Path, args: &[String]) -> ServerProc {
+        Self::start_under(&[], bin, args)
+    }
+
+    /// [`ServerProc::start`] with an open-file limit of `soft`:`hard` descriptors (run
+    /// through util-linux's `prlimit`, which then executes the server itself).
+    pub fn start_with_open_files(bin: &Path, args: &[String], soft: u64, hard: u64) -> ServerProc {
+        let prlimit = ["prlimit".to_string(), format!("--nofile={soft}:{hard}")];
+        Self::start_under(&prlimit, bin, args)
+    }
+
+    /// Starts the server as the arguments of `wrapper` (a command that executes the
+    /// rest of its command line), or directly when `wrapper` is empty.
+    fn start_under(wrapper: &[String], bin: &Path, args: &[String]) -> ServerProc {
         let mut all: Vec<String> = vec!["server".into(), "--log-format=json".into()];
         for (flag, default) in [
             ("--agent-port", "0"),
@@ -232,7 +245,15 @@ impl ServerProc {
             }
         }
         all.extend(args.iter().cloned());
-        let proc = Proc::spawn("server", bin, &all);
+        let proc = match wrapper.split_first() {
+            None => Proc::spawn("server", bin, &all),
+            Some((program, wrapper_args)) => {
+                let mut line = wrapper_args.to_vec();
+                line.push(bin.display().to_string());
+                line.extend(all);
+                Proc::spawn("server", Path::new(program), &line)
+            }
+        };
         let ev = proc.wait_event("server listening", START_TIMEOUT, |_| true);
         ServerProc {
             agent: addr(&ev, "agent").expect("agent address"),
