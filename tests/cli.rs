@@ -396,14 +396,13 @@ fn open_file_limits(pid: u32) -> (String, String) {
 #[test]
 fn both_binaries_raise_the_open_file_limit_to_the_hard_limit() {
     use std::time::Duration;
-    use tether_testkit::process::{socket_path, uds_frontend_args, Proc};
-    use tether_testkit::ServerProc;
+    use tether_testkit::process::{socket_path, uds_frontend_args};
+    use tether_testkit::{AgentProc, ServerProc};
     const WAIT: Duration = Duration::from_secs(20);
     const RAISED: &str = "raised the open-file soft limit to the hard limit";
     let pki = Pki::new();
-    let f = &pki.files;
     let args = uds_frontend_args(&pki, "grpc", &socket_path(pki.dir()));
-    let server = ServerProc::start_with_open_files(std::path::Path::new(BIN), &args, 256, 4096);
+    let server = ServerProc::start_with_open_files(std::path::Path::new(BIN), &args, (256, 4096));
     let raised = server.proc.wait_event(RAISED, WAIT, |_| true);
     assert_eq!(
         (raised["was"].as_u64(), raised["now"].as_u64()),
@@ -416,20 +415,14 @@ fn both_binaries_raise_the_open_file_limit_to_the_hard_limit() {
         ("4096".into(), "4096".into())
     );
 
-    let agent_args: Vec<String> = vec![
-        "--nofile=256:4096".into(),
-        AGENT_BIN.into(),
-        "--log-format=json".into(),
-        "--proxy-server-host=127.0.0.1".into(),
-        format!("--proxy-server-port={}", server.agent.port()),
-        format!("--ca-cert={}", f.ca_cert.display()),
-        format!("--agent-cert={}", f.agent_cert.display()),
-        format!("--agent-key={}", f.agent_key.display()),
-        "--health-server-host=127.0.0.1".into(),
-        "--health-server-port=0".into(),
-        "--admin-server-port=0".into(),
-    ];
-    let agent = Proc::spawn("agent", std::path::Path::new("prlimit"), &agent_args);
+    let agent = AgentProc::start_with_open_files(
+        std::path::Path::new(AGENT_BIN),
+        &pki,
+        server.agent,
+        &[],
+        (256, 4096),
+    );
+    let agent = &agent.proc;
     let raised = agent.wait_event(RAISED, WAIT, |_| true);
     assert_eq!(
         (raised["was"].as_u64(), raised["now"].as_u64()),

@@ -23,6 +23,18 @@ fn grpc_server(pki: &Pki, extra: &[&str]) -> ServerProc {
     ServerProc::start(bin(), &args)
 }
 
+/// Dials a fresh echo backend through the gRPC frontend on the PKI's socket and
+/// exchanges two bytes.
+async fn dial_and_echo(pki: &Pki) {
+    let echo = backend::echo().await;
+    let client = Client::uds(socket_path(pki.dir())).await.unwrap();
+    let mut c = client.dial(&echo.addr.to_string()).await.unwrap();
+    c.write_all(b"ok").await.unwrap();
+    let mut b = [0u8; 2];
+    c.read_exact(&mut b).await.unwrap();
+    assert_eq!(&b, b"ok");
+}
+
 async fn dial_count(agent: &AgentProc) -> f64 {
     metric(
         &agent.metrics().await,
@@ -201,12 +213,7 @@ async fn garbage_and_foreign_certificates_on_the_agent_port() {
     // A proper agent still gets in and works.
     let _agent = AgentProc::start(bin(), &pki, server.agent, &[]);
     server.wait_agents(1).await;
-    let echo = backend::echo().await;
-    let client = Client::uds(socket_path(pki.dir())).await.unwrap();
-    let mut c = client.dial(&echo.addr.to_string()).await.unwrap();
-    c.write_all(b"ok").await.unwrap();
-    let mut b = [0u8; 2];
-    c.read_exact(&mut b).await.unwrap();
+    dial_and_echo(&pki).await;
 }
 
 /// A server out of file descriptors keeps the agents it has and takes new ones once
@@ -216,7 +223,7 @@ async fn garbage_and_foreign_certificates_on_the_agent_port() {
 async fn a_server_out_of_descriptors_accepts_again_once_they_are_free() {
     let pki = Pki::new();
     let args = uds_frontend_args(&pki, "grpc", &socket_path(pki.dir()));
-    let server = ServerProc::start_with_open_files(bin(), &args, 64, 64);
+    let server = ServerProc::start_with_open_files(bin(), &args, (64, 64));
     let first = AgentProc::start(bin(), &pki, server.agent, &[]);
     server.wait_agents(1).await;
 
@@ -241,13 +248,7 @@ async fn a_server_out_of_descriptors_accepts_again_once_they_are_free() {
     server.wait_agents(2).await;
     assert_eq!(server.proc.count_events("agent connected"), 2);
     assert_eq!(first.proc.count_events("connected to proxy server"), 1);
-    let echo = backend::echo().await;
-    let client = Client::uds(socket_path(pki.dir())).await.unwrap();
-    let mut c = client.dial(&echo.addr.to_string()).await.unwrap();
-    c.write_all(b"ok").await.unwrap();
-    let mut b = [0u8; 2];
-    c.read_exact(&mut b).await.unwrap();
-    assert_eq!(&b, b"ok");
+    dial_and_echo(&pki).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

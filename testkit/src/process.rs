@@ -200,6 +200,21 @@ fn addr(v: &Value, key: &str) -> Option<SocketAddr> {
     v[key].as_str().and_then(|s| s.parse().ok())
 }
 
+/// The program and arguments that run `bin` with `args` as the arguments of `wrapper`
+/// (a command that executes the rest of its command line), or `bin` itself when
+/// `wrapper` is empty.
+fn wrapped(wrapper: &[String], bin: &Path, args: Vec<String>) -> (String, Vec<String>) {
+    match wrapper.split_first() {
+        None => (bin.display().to_string(), args),
+        Some((program, before)) => {
+            let mut line = before.to_vec();
+            line.push(bin.display().to_string());
+            line.extend(args);
+            (program.clone(), line)
+        }
+    }
+}
+
 /// A `tether server` process and the addresses it bound.
 #[derive(Debug)]
 pub struct ServerProc {
@@ -224,7 +239,11 @@ impl ServerProc {
 
     /// [`ServerProc::start`] with an open-file limit of `soft`:`hard` descriptors (run
     /// through util-linux's `prlimit`, which then executes the server itself).
-    pub fn start_with_open_files(bin: &Path, args: &[String], soft: u64, hard: u64) -> ServerProc {
+    pub fn start_with_open_files(
+        bin: &Path,
+        args: &[String],
+        (soft, hard): (u64, u64),
+    ) -> ServerProc {
         let prlimit = ["prlimit".to_string(), format!("--nofile={soft}:{hard}")];
         Self::start_under(&prlimit, bin, args)
     }
@@ -245,15 +264,8 @@ impl ServerProc {
             }
         }
         all.extend(args.iter().cloned());
-        let proc = match wrapper.split_first() {
-            None => Proc::spawn("server", bin, &all),
-            Some((program, wrapper_args)) => {
-                let mut line = wrapper_args.to_vec();
-                line.push(bin.display().to_string());
-                line.extend(all);
-                Proc::spawn("server", Path::new(program), &line)
-            }
-        };
+        let (program, all) = wrapped(wrapper, bin, all);
+        let proc = Proc::spawn("server", Path::new(&program), &all);
         let ev = proc.wait_event("server listening", START_TIMEOUT, |_| true);
         ServerProc {
             agent: addr(&ev, "agent").expect("agent address"),
@@ -313,6 +325,19 @@ impl AgentProc {
         Self::start_in(None, bin, pki, server, args)
     }
 
+    /// [`AgentProc::start`] with an open-file limit of `soft`:`hard` descriptors (run
+    /// through util-linux's `prlimit`, which then executes the agent itself).
+    pub fn start_with_open_files(
+        bin: &Path,
+        pki: &crate::Pki,
+        server: SocketAddr,
+        args: &[String],
+        (soft, hard): (u64, u64),
+    ) -> AgentProc {
+        let prlimit = ["prlimit".to_string(), format!("--nofile={soft}:{hard}")];
+        Self::launch(None, &prlimit, bin, pki, server, args)
+    }
+
     /// Starts an agent with id `id` that authenticates with `token` (written to
     /// `dir/ID.token`) instead of a client certificate, plus `args`.
     pub fn start_with_token(
@@ -344,6 +369,19 @@ impl AgentProc {
         server: SocketAddr,
         args: &[String],
     ) -> AgentProc {
+        Self::launch(node, &[], bin, pki, server, args)
+    }
+
+    /// Starts the agent (inside `node`'s namespace when given) as the arguments of
+    /// `wrapper`, or directly when `wrapper` is empty.
+    fn launch(
+        node: Option<&crate::netns::Node>,
+        wrapper: &[String],
+        bin: &Path,
+        pki: &crate::Pki,
+        server: SocketAddr,
+        args: &[String],
+    ) -> AgentProc {
         let f = &pki.files;
         let mut all: Vec<String> = Vec::new();
         if bin.file_name().is_none_or(|n| n != "tether-agent") {
@@ -367,13 +405,10 @@ impl AgentProc {
             }
         }
         all.extend(args.iter().cloned());
+        let (program, all) = wrapped(wrapper, bin, all);
         let proc = match node {
-            Some(node) => node.spawn(
-                &format!("agent@{}", node.ns),
-                &bin.display().to_string(),
-                &all,
-            ),
-            None => Proc::spawn("agent", bin, &all),
+            Some(node) => node.spawn(&format!("agent@{}", node.ns), &program, &all),
+            None => Proc::spawn("agent", Path::new(&program), &all),
         };
         let ev = proc.wait_event("agent starting", START_TIMEOUT, |_| true);
         AgentProc {
