@@ -420,7 +420,6 @@ impl ServerArgs {
     }
 }
 
-/// Runs the server until SIGTERM/SIGINT.
 /// Below this open-file limit the server says at start-up how to raise it.
 const FEW_OPEN_FILES: u64 = 8192;
 
@@ -437,6 +436,7 @@ fn warn_if_few_open_files() {
     }
 }
 
+/// Runs the server until SIGTERM/SIGINT.
 pub fn main(args: ServerArgs) -> anyhow::Result<()> {
     args.log.init()?;
     let config = args.config()?;

@@ -215,6 +215,12 @@ fn wrapped(wrapper: &[String], bin: &Path, args: Vec<String>) -> (String, Vec<St
     }
 }
 
+/// The [`wrapped`] command line that runs a program with an open-file limit of
+/// `soft`:`hard` descriptors: util-linux's `prlimit`, which then executes it.
+fn prlimit(soft: u64, hard: u64) -> [String; 2] {
+    ["prlimit".to_string(), format!("--nofile={soft}:{hard}")]
+}
+
 /// A `tether server` process and the addresses it bound.
 #[derive(Debug)]
 pub struct ServerProc {
@@ -244,8 +250,7 @@ impl ServerProc {
         args: &[String],
         (soft, hard): (u64, u64),
     ) -> ServerProc {
-        let prlimit = ["prlimit".to_string(), format!("--nofile={soft}:{hard}")];
-        Self::start_under(&prlimit, bin, args)
+        Self::start_under(&prlimit(soft, hard), bin, args)
     }
 
     /// Starts the server as the arguments of `wrapper` (a command that executes the
@@ -334,8 +339,7 @@ impl AgentProc {
         args: &[String],
         (soft, hard): (u64, u64),
     ) -> AgentProc {
-        let prlimit = ["prlimit".to_string(), format!("--nofile={soft}:{hard}")];
-        Self::launch(None, &prlimit, bin, pki, server, args)
+        Self::launch(None, &prlimit(soft, hard), bin, pki, server, args)
     }
 
     /// Starts an agent with id `id` that authenticates with `token` (written to
