@@ -5,9 +5,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+started=$(mktemp)
+trap 'rm -f "$started"' EXIT
 scripts/install-deps.sh
 scripts/install-kube.sh >/dev/null
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo test --workspace --locked
-scripts/check-clean.sh
+scripts/check-clean.sh "$started"

@@ -345,9 +345,15 @@ impl Tunnel {
                 .parse()
                 .unwrap(),
             &[
-                format!("--agent-id={agent_id}"),
-                format!("--agent-identifiers={identifiers}"),
-            ],
+                // The node's own certificate (named after the agent), bound to its
+                // address, so that the server verifies what the agent claims.
+                pki.node_cert_args(agent_id, &node.node_ip),
+                vec![
+                    format!("--agent-id={agent_id}"),
+                    format!("--agent-identifiers={identifiers}"),
+                ],
+            ]
+            .concat(),
         );
         Tunnel {
             agent,
@@ -896,38 +902,6 @@ fn prove_lifecycle_passes_for(cluster: &Cluster, long: Duration) {
     assert!(round >= 2, "the lifecycle passes did not run");
 }
 
-/// A pod in kube-system on `node`, run as the agents' ServiceAccount, and a token for
-/// that account bound to it (what a DaemonSet pod's projected token is): (pod, token).
-fn pod_bound_agent_token(cluster: &Cluster, pod: &str, node: &str) -> String {
-    cluster.apply(&format!(
-        "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {pod}\n  namespace: kube-system\nspec:\n  nodeName: {node}\n  serviceAccountName: konnectivity-agent\n  automountServiceAccountToken: false\n  containers:\n  - name: agent\n    image: tether:v0.1.0\n"
-    ));
-    let uid = cluster.kubectl_ok(&[
-        "get",
-        "pod",
-        pod,
-        "-n",
-        "kube-system",
-        "-o",
-        "jsonpath={.metadata.uid}",
-    ]);
-    let body = format!(
-        r#"{{"apiVersion":"authentication.k8s.io/v1","kind":"TokenRequest","spec":{{"expirationSeconds":3600,"audiences":["system:konnectivity-server"],"boundObjectRef":{{"kind":"Pod","apiVersion":"v1","name":"{pod}","uid":"{uid}"}}}}}}"#
-    );
-    let out = cluster.kubectl_stdin(
-        &[
-            "create",
-            "--raw",
-            "/api/v1/namespaces/kube-system/serviceaccounts/konnectivity-agent/token",
-            "-f",
-            "-",
-        ],
-        &body,
-    );
-    let v: Value = serde_json::from_str(&out).unwrap();
-    v["status"]["token"].as_str().unwrap().to_string()
-}
-
 fn token_agent(
     pki: &Pki,
     server: &ServerProc,
@@ -976,7 +950,7 @@ fn only_verified_agents_vouch_for_nodes_and_an_absent_agent_costs_no_node() {
         &token_auth_server_args(&pki, &cluster.files.server_kubeconfig),
     );
     let tokens = TempDir::new("tether-tokens");
-    let bound = pod_bound_agent_token(&cluster, "konnectivity-agent-edge-1", "edge-1");
+    let bound = cluster.pod_bound_agent_token("konnectivity-agent-edge-1", "edge-1");
     let mut verified = token_agent(
         &pki,
         &server,
@@ -1782,10 +1756,9 @@ fn a_pod_ip_is_dialled_by_the_agent_on_its_node() {
             format!("{}:{}", node.host_ip, server.agent.port())
                 .parse()
                 .unwrap(),
-            &[
-                format!("--agent-id={name}"),
-                format!("--agent-identifiers=ipv4={}", node.node_ip),
-            ],
+            // Its own node's certificate: the server routes pod IPs to the agent it
+            // verified as the pod's node.
+            &pki.node_agent_args(&name, &node.node_ip),
         ));
         let pod_cidr = format!("{}.0/24", &node.pod_ip[..node.pod_ip.rfind('.').unwrap()]);
         add_node_with_pod_cidr(&cluster, &name, &node.node_ip, &pod_cidr);

@@ -113,9 +113,13 @@ fn node_1_agent(node: &Node, pki: &Pki, server: &ServerProc) -> AgentProc {
             .parse()
             .unwrap(),
         &[
-            "--agent-id=node-1".into(),
-            format!("--agent-identifiers=ipv4={}", node.node_ip),
-        ],
+            pki.node_cert_args("node-1", &node.node_ip),
+            vec![
+                "--agent-id=node-1".into(),
+                format!("--agent-identifiers=ipv4={}", node.node_ip),
+            ],
+        ]
+        .concat(),
     )
 }
 

@@ -91,6 +91,21 @@ fn bad_flags_fail_with_one_clear_line() {
     assert!(!ok);
     assert!(error_line(&err).contains("--server-ca-cert"), "{err}");
 
+    // Agents must be authenticated unless the operator says otherwise, loudly.
+    let (ok, err) = run(&[
+        "server",
+        "--uds-name=/tmp/x.sock",
+        "--server-port=0",
+        "--cluster-cert=a.crt",
+        "--cluster-key=a.key",
+    ]);
+    assert!(!ok);
+    assert!(
+        error_line(&err).contains("agents are not authenticated")
+            && error_line(&err).contains("--unsafe-allow-unauthenticated-agents"),
+        "{err}"
+    );
+
     let (ok, err) = run(&[
         "server",
         "--backend-dial-timeout=5",
@@ -270,6 +285,7 @@ fn bad_certificates_name_the_file() {
         &format!("--uds-name={}", socket.display()),
         &format!("--cluster-cert={}", missing.display()),
         &format!("--cluster-key={}", f.server_key.display()),
+        &format!("--cluster-ca-cert={}", f.ca_cert.display()),
     ]);
     assert!(!ok);
     let line = error_line(&err);
@@ -362,6 +378,7 @@ fn upstream_manifest_flags_are_accepted() {
         format!("--uds-name={}", socket.display()),
         format!("--cluster-cert={}", f.server_cert.display()),
         format!("--cluster-key={}", f.server_key.display()),
+        format!("--cluster-ca-cert={}", f.ca_cert.display()),
         "--keepalive-time=1h".into(),
         "--frontend-keepalive-time=1h".into(),
         "--proxy-strategies=destHost,default".into(),

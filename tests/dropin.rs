@@ -83,6 +83,10 @@ fn server_flags(pki: &Pki, socket: &Path) -> Vec<String> {
     flags.push(format!("--uds-name={}", socket.display()));
     flags.push(format!("--cluster-cert={}", f.server_cert.display()));
     flags.push(format!("--cluster-key={}", f.server_key.display()));
+    // Agents must be authenticated (upstream's default accepts any): the last value of
+    // a repeated flag wins.
+    flags.retain(|f| f != "--cluster-ca-cert=");
+    flags.push(format!("--cluster-ca-cert={}", f.ca_cert.display()));
     flags
 }
 
@@ -299,9 +303,14 @@ fn the_upstream_log_file_line_writes_the_log_there() {
 }
 
 /// `openssl s_client` against the agent listener: does the handshake succeed?
-fn handshake(port: u16, args: &[&str]) -> bool {
+fn handshake(pki: &Pki, port: u16, args: &[&str]) -> bool {
+    let f = &pki.files;
     let out = Command::new("openssl")
         .args(["s_client", "-connect", &format!("127.0.0.1:{port}")])
+        .arg("-cert")
+        .arg(&f.agent_cert)
+        .arg("-key")
+        .arg(&f.agent_key)
         .args(args)
         .stdin(std::process::Stdio::null())
         .output()
@@ -322,30 +331,34 @@ fn tls_flags_choose_versions_and_suites() {
             "--server-port=0".into(),
             format!("--cluster-cert={}", f.server_cert.display()),
             format!("--cluster-key={}", f.server_key.display()),
+            format!("--cluster-ca-cert={}", f.ca_cert.display()),
         ];
         args.extend(extra.iter().map(|s| s.to_string()));
         ServerProc::start(Path::new(BIN), &args)
     };
     let tls13 = start(&["--tls-min-version=VersionTLS13"]);
     let port = tls13.agent.port();
-    assert!(handshake(port, &["-tls1_3"]));
-    assert!(!handshake(port, &["-tls1_2"]), "TLS 1.2 accepted");
+    assert!(handshake(&pki, port, &["-tls1_3"]));
+    assert!(!handshake(&pki, port, &["-tls1_2"]), "TLS 1.2 accepted");
     drop(tls13);
 
     let suites = start(&["--cipher-suites=TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256"]);
     let port = suites.agent.port();
     assert!(handshake(
+        &pki,
         port,
         &["-tls1_2", "-cipher", "ECDHE-ECDSA-AES128-GCM-SHA256"]
     ));
     assert!(
         !handshake(
+            &pki,
             port,
             &["-tls1_2", "-cipher", "ECDHE-ECDSA-AES256-GCM-SHA384"]
         ),
         "a suite not listed was accepted"
     );
     assert!(handshake(
+        &pki,
         port,
         &["-tls1_3", "-ciphersuites", "TLS_AES_256_GCM_SHA384"]
     ));
@@ -368,6 +381,7 @@ fn the_cpu_and_heap_profiles_are_read_by_go_pprof() {
             "--server-port=0".into(),
             format!("--cluster-cert={}", f.server_cert.display()),
             format!("--cluster-key={}", f.server_key.display()),
+            format!("--cluster-ca-cert={}", f.ca_cert.display()),
             "--enable-profiling".into(),
         ],
     );

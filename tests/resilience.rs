@@ -321,17 +321,18 @@ async fn draining_agent_is_last_choice_serves_when_alone_and_exits_when_idle() {
 async fn dest_host_routes_each_request_to_its_node() {
     let pki = Pki::new();
     let server = grpc_server(&pki, &["--proxy-strategies=destHost,default"]);
+    // Each with its own node's certificate: the server routes by verified addresses.
     let node2 = AgentProc::start(
         bin(),
         &pki,
         server.agent,
-        &["--agent-identifiers=ipv4=127.0.0.2&host=node-2".into()],
+        &pki.node_agent_args("node-2", "127.0.0.2"),
     );
     let node3 = AgentProc::start(
         bin(),
         &pki,
         server.agent,
-        &["--agent-identifiers=ipv4=127.0.0.3&host=node-3".into()],
+        &pki.node_agent_args("node-3", "127.0.0.3"),
     );
     server.wait_agents(2).await;
     let web2 = backend::http_on("127.0.0.2", "node 2\n").await;

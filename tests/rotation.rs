@@ -214,6 +214,7 @@ async fn certificates_close_to_expiry_are_reported() {
             "--server-port=0".into(),
             format!("--cluster-cert={}", pki.join("server-agent.crt").display()),
             format!("--cluster-key={}", pki.join("server-agent.key").display()),
+            format!("--cluster-ca-cert={}", pki.join("ca.crt").display()),
         ],
     );
     let ev = server.proc.wait_event(
@@ -252,6 +253,7 @@ async fn sighup_reloads_at_once() {
             "--server-port=0".into(),
             format!("--cluster-cert={}", l("server.crt").display()),
             format!("--cluster-key={}", l("server.key").display()),
+            format!("--cluster-ca-cert={}", pki.files.ca_cert.display()),
             // Polling effectively off: only the signal can trigger the reload.
             "--cert-reload-interval=1h".into(),
         ],

@@ -9,6 +9,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
@@ -37,6 +38,8 @@ pub struct Clients {
     /// The controller manager's identity: watches, leader election.
     pub root: kube::Client,
     per_controller: BTreeMap<&'static str, kube::Client>,
+    /// Where the controllers' tokens are; removed with the last clone.
+    _tokens: Option<Arc<TokenDir>>,
 }
 
 impl From<kube::Client> for Clients {
@@ -44,6 +47,113 @@ impl From<kube::Client> for Clients {
         Clients {
             root,
             per_controller: BTreeMap::new(),
+            _tokens: None,
+        }
+    }
+}
+
+/// Names of token directories: this prefix, the owning process's ID and a random part.
+const TOKEN_DIR_PREFIX: &str = "tether-ccm-tokens-";
+/// The lock file inside a token directory, locked by its controller manager while it
+/// runs: an unlocked one belongs to a process that is gone (whatever PID namespace it
+/// ran in).
+const LOCK_FILE: &str = ".lock";
+
+/// The private (0700) directory of the controllers' token files. It is removed when
+/// dropped (the controller manager stopping), and a later start removes those of
+/// processes that died without removing theirs, so no bearer token outlives its
+/// controller manager on disk.
+pub struct TokenDir {
+    path: PathBuf,
+    /// Held (locked) for the directory's life.
+    _lock: std::fs::File,
+}
+
+impl TokenDir {
+    /// Creates this process's token directory in `parent` (the temp dir), after
+    /// removing the ones dead processes left there. The directory is new (never one
+    /// someone prepared), ours and 0700.
+    pub fn create(parent: &std::path::Path) -> Result<Self, CredentialsError> {
+        remove_stale(parent);
+        let err = |path: &std::path::Path| {
+            let path = path.to_path_buf();
+            move |source| CredentialsError::File { path, source }
+        };
+        let path = parent.join(format!(
+            "{TOKEN_DIR_PREFIX}{}-{:016x}",
+            std::process::id(),
+            rand::random::<u64>()
+        ));
+        {
+            use std::os::unix::fs::DirBuilderExt;
+            std::fs::DirBuilder::new()
+                .mode(0o700)
+                .create(&path)
+                .map_err(err(&path))?;
+        }
+        restrict(&path, 0o700)?;
+        let lock = std::fs::File::create(path.join(LOCK_FILE)).map_err(err(&path))?;
+        lock.try_lock().map_err(|e| CredentialsError::File {
+            path: path.clone(),
+            source: std::io::Error::other(e.to_string()),
+        })?;
+        Ok(TokenDir { path, _lock: lock })
+    }
+
+    /// The directory.
+    pub fn path(&self) -> &std::path::Path {
+        &self.path
+    }
+}
+
+impl Drop for TokenDir {
+    fn drop(&mut self) {
+        match std::fs::remove_dir_all(&self.path) {
+            Ok(()) => tracing::debug!(dir = %self.path.display(), "token directory removed"),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                tracing::warn!(dir = %self.path.display(), error = %e, "cannot remove the token directory; remove it by hand")
+            }
+        }
+    }
+}
+
+/// Removes the token directories in `parent` that are ours (this user's, real
+/// directories) and whose lock no process holds.
+fn remove_stale(parent: &std::path::Path) {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return;
+    };
+    let uid = std::fs::metadata("/proc/self").map(|m| m.uid()).ok();
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        if !name
+            .to_str()
+            .is_some_and(|n| n.starts_with(TOKEN_DIR_PREFIX))
+        {
+            continue;
+        }
+        let path = entry.path();
+        let Ok(meta) = std::fs::symlink_metadata(&path) else {
+            continue;
+        };
+        if !meta.is_dir() || Some(meta.uid()) != uid {
+            continue;
+        }
+        // Held by a running controller manager: leave it.
+        if let Ok(lock) = std::fs::File::open(path.join(LOCK_FILE)) {
+            if lock.try_lock().is_err() {
+                continue;
+            }
+        }
+        match std::fs::remove_dir_all(&path) {
+            Ok(()) => {
+                tracing::info!(dir = %path.display(), "removed the token directory of a controller manager that did not stop cleanly")
+            }
+            Err(e) => {
+                tracing::warn!(dir = %path.display(), error = %e, "cannot remove a stale token directory")
+            }
         }
     }
 }
@@ -103,12 +213,8 @@ pub async fn service_account_clients(
     build: impl Fn(kube::Config) -> Result<kube::Client, tether_ops::kubeclient::KubeSetupError>,
     shutdown: CancellationToken,
 ) -> Result<Clients, CredentialsError> {
-    let dir = std::env::temp_dir().join(format!("tether-ccm-tokens-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|source| CredentialsError::File {
-        path: dir.clone(),
-        source,
-    })?;
-    restrict(&dir, 0o700)?;
+    let tokens = Arc::new(TokenDir::create(&std::env::temp_dir())?);
+    let dir = tokens.path().to_path_buf();
     let accounts: Api<ServiceAccount> = Api::namespaced(root.clone(), NAMESPACE);
     let mut per_controller = BTreeMap::new();
     for name in [NODE, SERVICE, ROUTE, CSR_APPROVER] {
@@ -133,6 +239,7 @@ pub async fn service_account_clients(
     Ok(Clients {
         root,
         per_controller,
+        _tokens: Some(tokens),
     })
 }
 
@@ -250,5 +357,42 @@ async fn renew(
                 wait = Duration::from_secs(10);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod token_dir_tests {
+    use super::*;
+
+    #[test]
+    fn a_token_directory_goes_with_its_process_and_dead_ones_are_swept() {
+        let parent =
+            std::env::temp_dir().join(format!("tether-tokendir-test-{}", std::process::id()));
+        std::fs::create_dir_all(&parent).unwrap();
+        // A dead process's directory (its lock free) and an unrelated one.
+        let stale = parent.join(format!("{TOKEN_DIR_PREFIX}1-0"));
+        std::fs::create_dir_all(&stale).unwrap();
+        std::fs::write(stale.join("node-controller"), "token").unwrap();
+        std::fs::write(stale.join(LOCK_FILE), "").unwrap();
+        let other = parent.join("something-else");
+        std::fs::create_dir_all(&other).unwrap();
+        let dir = TokenDir::create(&parent).unwrap();
+        assert!(!stale.exists(), "a dead process's tokens are removed");
+        assert!(other.exists());
+        // A live one (its lock held) is left alone by another start.
+        let second = TokenDir::create(&parent).unwrap();
+        assert!(
+            dir.path().exists(),
+            "a running controller manager's tokens stay"
+        );
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(dir.path()).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o700);
+        std::fs::write(dir.path().join("service-controller"), "token").unwrap();
+        let path = dir.path().to_path_buf();
+        drop(dir);
+        drop(second);
+        assert!(!path.exists(), "removed when the controller manager stops");
+        std::fs::remove_dir_all(&parent).unwrap();
     }
 }

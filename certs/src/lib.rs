@@ -328,7 +328,8 @@ pub fn write_pair(dir: &Path, name: &str, pair: &Pair) -> Result<(PathBuf, PathB
 pub struct DevPki {
     /// The directory holding every file.
     pub dir: PathBuf,
-    /// CA certificate (trust anchor for all peers).
+    /// CA certificate: signs the server and the agents (the agents' --ca-cert, the
+    /// server's --cluster-ca-cert).
     pub ca_cert: PathBuf,
     /// CA key (to issue more leaves).
     pub ca_key: PathBuf,
@@ -336,7 +337,13 @@ pub struct DevPki {
     pub server_cert: PathBuf,
     /// Its key.
     pub server_key: PathBuf,
-    /// Frontend client certificate (CN system:kube-apiserver... as an apiserver would use).
+    /// The CA that signs frontend clients only (the server's --server-ca-cert): an
+    /// agent's certificate must not open tunnels.
+    pub frontend_ca_cert: PathBuf,
+    /// Its key.
+    pub frontend_ca_key: PathBuf,
+    /// Frontend client certificate (CN system:kube-apiserver... as an apiserver would
+    /// use), signed by the frontend CA.
     pub frontend_cert: PathBuf,
     /// Its key.
     pub frontend_key: PathBuf,
@@ -369,7 +376,10 @@ impl DevPki {
             ..Default::default()
         })?;
         let (server_cert, server_key) = write_pair(dir, "server", &server)?;
-        let frontend = ca.issue(&LeafSpec {
+        let frontend_ca = Ca::new("tether-local-frontend-ca")?;
+        let (frontend_ca_cert, frontend_ca_key) =
+            write_pair(dir, "frontend-ca", frontend_ca.pair())?;
+        let frontend = frontend_ca.issue(&LeafSpec {
             common_name: "system:kube-apiserver".into(),
             client: true,
             ..Default::default()
@@ -387,6 +397,8 @@ impl DevPki {
             ca_key,
             server_cert,
             server_key,
+            frontend_ca_cert,
+            frontend_ca_key,
             frontend_cert,
             frontend_key,
             agent_cert,

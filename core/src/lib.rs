@@ -5,6 +5,7 @@
 //! Lean on purpose: the client crate depends on it without pulling kube, axum or
 //! prometheus (those live in `tether-ops`). Knows nothing of servers or agents.
 
+pub mod admission;
 pub mod drain;
 pub mod flow;
 pub mod goaway;

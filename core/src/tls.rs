@@ -310,6 +310,34 @@ pub fn server_config(files: &TlsFiles, alpn: &[&[u8]]) -> Result<Arc<ServerConfi
     Ok(Arc::new(config))
 }
 
+/// A server config presenting a certificate and key held in memory (PEM), with no
+/// client authentication: for a self-signed serving pair that never touches disk.
+pub fn server_config_from_pem(
+    cert_pem: &[u8],
+    key_pem: &[u8],
+    alpn: &[&[u8]],
+) -> Result<Arc<ServerConfig>, TlsError> {
+    let certs: Vec<_> = CertificateDer::pem_slice_iter(cert_pem)
+        .filter_map(Result::ok)
+        .collect();
+    let key = PrivateKeyDer::from_pem_slice(key_pem).map_err(|_| TlsError::NoPem {
+        what: "server key",
+        path: "(in memory)".into(),
+        kind: "PRIVATE KEY",
+    })?;
+    let mut config = ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .expect("ring supports the default protocol versions")
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .map_err(|source| TlsError::Rustls {
+            what: "in-memory serving certificate".into(),
+            source,
+        })?;
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Ok(Arc::new(config))
+}
+
 /// A client config trusting `ca` and, when given, presenting `cert`/`key`.
 pub fn client_config(
     ca: &Path,

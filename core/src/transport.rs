@@ -19,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Endpoint};
 use tracing::Instrument;
 
+use crate::admission::{Admission, AdmissionLimits, ConnectionSlot};
 use crate::goaway::{GoAwaySeen, GoAwayWatch};
 use crate::read_ahead::ReadAhead;
 
@@ -60,6 +61,8 @@ pub struct TlsConnectInfo {
 pub struct TlsConn {
     stream: tokio_rustls::server::TlsStream<ReadAhead<TcpStream>>,
     info: TlsConnectInfo,
+    /// Its place under the listener's connection cap, given back when it closes.
+    _slot: ConnectionSlot,
 }
 
 impl TlsConn {
@@ -123,16 +126,19 @@ pub fn tls_incoming(
     name: &'static str,
     shutdown: CancellationToken,
 ) -> mpsc::Receiver<TlsConn> {
-    tls_incoming_with(listener, tls, name, None, shutdown)
+    let admission = Arc::new(Admission::new(AdmissionLimits::NONE, Arc::new(|_| {})));
+    tls_incoming_with(listener, tls, name, None, admission, shutdown)
 }
 
-/// [`tls_incoming`], with every accepted socket closed by the kernel once its peer has
-/// been silent for `dead_link` (see [`bound_silence`]).
+/// [`tls_incoming`] under `admission`'s caps on connections and handshakes, with every
+/// accepted socket closed by the kernel once its peer has been silent for `dead_link`
+/// (see [`bound_silence`]).
 pub fn tls_incoming_with(
     listener: TcpListener,
     tls: ServerConfigSource,
     name: &'static str,
     dead_link: Option<Duration>,
+    admission: Arc<Admission>,
     shutdown: CancellationToken,
 ) -> mpsc::Receiver<TlsConn> {
     let (tx, rx) = mpsc::channel(64);
@@ -140,6 +146,16 @@ pub fn tls_incoming_with(
     tokio::spawn(
         async move {
             loop {
+                // Room first, then accept: a full listener leaves new clients in the
+                // kernel's backlog, where they hold no descriptor of ours.
+                let (slot, room) = tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tx.closed() => break,
+                    room = async {
+                        let slot = admission.connection_slot().await;
+                        (slot, admission.handshake_room().await)
+                    } => room,
+                };
                 let (tcp, remote_addr) = tokio::select! {
                     _ = shutdown.cancelled() => break,
                     _ = tx.closed() => break,
@@ -153,6 +169,10 @@ pub fn tls_incoming_with(
                         }
                     },
                 };
+                let Some(handshaking) = admission.handshake_slot(remote_addr.ip(), room) else {
+                    tracing::debug!(peer = %remote_addr, "too many handshakes from this address; connection closed");
+                    continue;
+                };
                 let _ = tcp.set_nodelay(true);
                 if let Some(limit) = dead_link {
                     if let Err(e) = bound_silence(&tcp, limit) {
@@ -163,8 +183,9 @@ pub fn tls_incoming_with(
                 let tx = tx.clone();
                 tokio::spawn(
                     async move {
-                        match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(ReadAhead::new(tcp))).await
-                        {
+                        let done = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(ReadAhead::new(tcp))).await;
+                        drop(handshaking);
+                        match done {
                             Ok(Ok(mut stream)) => {
                                 tune_tls(stream.get_mut().1);
                                 let peer_certs = stream
@@ -176,7 +197,7 @@ pub fn tls_incoming_with(
                                     remote_addr,
                                     peer_certs,
                                 };
-                                let _ = tx.send(TlsConn { stream, info }).await;
+                                let _ = tx.send(TlsConn { stream, info, _slot: slot }).await;
                             }
                             Ok(Err(e)) => {
                                 tracing::warn!(error = %e, "TLS handshake failed; connection dropped")

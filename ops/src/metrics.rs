@@ -104,8 +104,11 @@ impl PacketCounters {
 pub const EXPIRY_WARNING: i64 = 30 * 86_400;
 
 /// Publishes every loaded certificate's not-after as
-/// `tether_certificate_expiry_timestamp_seconds{path,subject}` and logs a warning when
-/// one expires within 30 days.
+/// `tether_certificate_expiry_timestamp_seconds{source,file,index}` (which listener or
+/// client loaded it, the file's name without its directory, the certificate's place in
+/// the file) and logs a warning when one expires within 30 days. Subjects and
+/// directories stay out of the labels: `/metrics` is often reachable from the network,
+/// and subjects name nodes.
 #[derive(Clone)]
 pub struct CertExpiry {
     gauge: prometheus::IntGaugeVec,
@@ -117,9 +120,9 @@ impl CertExpiry {
         let gauge = prometheus::IntGaugeVec::new(
             prometheus::Opts::new(
                 "tether_certificate_expiry_timestamp_seconds",
-                "Not-after time (Unix seconds) of each loaded certificate.",
+                "Not-after time (Unix seconds) of each loaded certificate, by what loaded it (source), its file's name and its place in that file.",
             ),
-            &["path", "subject"],
+            &["source", "file", "index"],
         )
         .expect("valid metric");
         registry
@@ -129,8 +132,8 @@ impl CertExpiry {
     }
 
     /// Reads the certificates in `paths` (files without certificates, such as keys,
-    /// are skipped) and publishes their expiry.
-    pub fn observe_files(&self, paths: &[std::path::PathBuf]) {
+    /// are skipped) and publishes their expiry under `source`.
+    pub fn observe_files(&self, source: &str, paths: &[std::path::PathBuf]) {
         let now = tether_certs::inspect::now();
         for path in paths {
             let Ok(pem) = std::fs::read_to_string(path) else {
@@ -139,10 +142,14 @@ impl CertExpiry {
             let Ok(certs) = tether_certs::inspect::parse_pem(&pem) else {
                 continue;
             };
-            for cert in certs {
+            let name = path
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            for (index, cert) in certs.into_iter().enumerate() {
                 let file = path.display().to_string();
                 self.gauge
-                    .with_label_values(&[&file, &cert.subject])
+                    .with_label_values(&[source, &name, &index.to_string()])
                     .set(cert.not_after);
                 let left = cert.not_after - now;
                 if left < 0 {

@@ -70,7 +70,9 @@ impl<T: Send + Sync + 'static> Reloadable<T> {
         build: impl Fn() -> Result<Arc<T>, TlsError> + Send + Sync + 'static,
         expiry: crate::metrics::CertExpiry,
     ) -> Result<Arc<Self>, TlsError> {
-        let on_load: OnLoad = Box::new(move |p: &[PathBuf]| expiry.observe_files(p));
+        let label = label.into();
+        let source = label.clone();
+        let on_load: OnLoad = Box::new(move |p: &[PathBuf]| expiry.observe_files(&source, p));
         Reloadable::new(label, paths, build, Some(on_load))
     }
 

@@ -28,6 +28,7 @@ use tonic::{Code, Status};
 use tracing::Instrument;
 
 use crate::h2serve::{self, status_from_h2, Reply, Settings};
+use crate::identity::{self, Unverified};
 use crate::metrics::Segment;
 use crate::router::{AgentStream, Router, Verified};
 
@@ -39,91 +40,8 @@ pub struct AgentLink {
     pub(crate) channel_size: usize,
     pub(crate) shutdown: CancellationToken,
     pub(crate) authenticator: Option<Arc<crate::auth::TokenAuthenticator>>,
+    /// Refuse agents with any claim the server could not verify.
     pub(crate) require_identity_match: bool,
-}
-
-/// Checks that the agent's id and identifiers are what its client certificate names:
-/// the id and every `host` must be the certificate's CN or a DNS SAN, every
-/// `ipv4`/`ipv6` an IP SAN; `cidr` and `default-route` cannot be claimed at all.
-fn identity_matches(
-    cert: Option<&rustls_pki_types::CertificateDer<'_>>,
-    agent_id: &str,
-    ids: &AgentIdentifiers,
-) -> Result<(), String> {
-    let cert = cert.ok_or("no client certificate")?;
-    let info =
-        tether_certs::inspect::parse_der(cert).map_err(|e| format!("client certificate: {e}"))?;
-    let names: Vec<&str> = info
-        .common_name
-        .iter()
-        .map(String::as_str)
-        .chain(info.dns_sans.iter().map(String::as_str))
-        .collect();
-    if !names.iter().any(|n| n.eq_ignore_ascii_case(agent_id)) {
-        return Err(format!(
-            "agentid {agent_id:?} is not in the certificate (names {names:?})"
-        ));
-    }
-    if let Some(h) = ids
-        .hosts
-        .iter()
-        .find(|h| !names.iter().any(|n| n.eq_ignore_ascii_case(h)))
-    {
-        return Err(format!(
-            "identifier host={h} is not in the certificate (names {names:?})"
-        ));
-    }
-    if let Some(ip) = ids.ips.iter().find(|ip| !info.ip_sans.contains(ip)) {
-        return Err(format!(
-            "identifier {ip} is not an IP SAN of the certificate ({:?})",
-            info.ip_sans
-        ));
-    }
-    if !ids.cidrs.is_empty() || ids.default_route {
-        return Err("cidr and default-route identifiers cannot be bound to a certificate".into());
-    }
-    Ok(())
-}
-
-/// What the server vouches for: everything the certificate matched (checked above when
-/// `cert_matched`), else the names equal to the node a pod-bound token runs on.
-fn verified(
-    cert_matched: bool,
-    bound_node: Option<&str>,
-    agent_id: &str,
-    ids: &AgentIdentifiers,
-) -> Verified {
-    let mut names: Vec<String> = Vec::new();
-    for n in std::iter::once(agent_id).chain(ids.hosts.iter().map(String::as_str)) {
-        if !names.iter().any(|m| m.eq_ignore_ascii_case(n)) {
-            names.push(n.to_string());
-        }
-    }
-    if cert_matched {
-        return Verified {
-            by: "certificate",
-            hosts: names,
-            ips: ids.ips.clone(),
-        };
-    }
-    match bound_node {
-        Some(node) => {
-            let hosts: Vec<String> = names
-                .into_iter()
-                .filter(|n| n.eq_ignore_ascii_case(node))
-                .collect();
-            Verified {
-                by: if hosts.is_empty() {
-                    ""
-                } else {
-                    "serviceaccount-token"
-                },
-                hosts,
-                ips: Vec::new(),
-            }
-        }
-        None => Verified::default(),
-    }
 }
 
 type PacketStream = Pin<Box<dyn Stream<Item = Packet> + Send>>;
@@ -145,6 +63,10 @@ const CONNECT_PATH: &str = "/AgentService/Connect";
 const MAX_STREAMS: u32 = 100;
 /// The agent's metadata, a bearer token included (hyper's default, which tonic used).
 const MAX_HEADER_LIST: u32 = 16 << 10;
+/// A connection on which no agent was admitted within this is closed: TLS alone (any
+/// client can finish it where agents authenticate by token) must not hold a place
+/// under the listener's connection cap.
+const ADMIT_WITHIN: Duration = Duration::from_secs(10);
 
 impl AgentLink {
     /// Serves one agent connection (mutual TLS done, `info` says who) until the agent
@@ -166,14 +88,34 @@ impl AgentLink {
         };
         let info = Arc::new(info);
         let hard_stop = self.shutdown.clone();
-        h2serve::serve_connection(io, settings, hard_stop, |request, respond| {
+        let admitted = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let serve = h2serve::serve_connection(io, settings, hard_stop, |request, respond| {
             // Boxed: `FuturesUnordered` keeps a stub the size of its future type, and
             // an agent connection holds one stream for hours.
             let stream: Pin<Box<dyn Future<Output = ()> + Send>> =
-                Box::pin(self.clone().stream(request, respond, info.clone()));
+                Box::pin(
+                    self.clone()
+                        .stream(request, respond, info.clone(), admitted.clone()),
+                );
             Some(stream)
-        })
-        .await;
+        });
+        let unadmitted = async {
+            tokio::time::sleep(ADMIT_WITHIN).await;
+            if admitted.load(std::sync::atomic::Ordering::Relaxed) {
+                std::future::pending::<()>().await;
+            }
+        };
+        tokio::select! {
+            _ = serve => {}
+            _ = unadmitted => {
+                self.router
+                    .metrics
+                    .connections_refused
+                    .with_label_values(&["agent", "unadmitted"])
+                    .inc();
+                tracing::info!(peer = %info.remote_addr, "no agent admitted on this connection within 10s; closed");
+            }
+        }
     }
 
     /// One Connect call: admit the agent, answer with the headers, then carry its
@@ -183,6 +125,7 @@ impl AgentLink {
         request: http::Request<RecvStream>,
         respond: SendResponse<Bytes>,
         info: Arc<TlsConnectInfo>,
+        admitted: Arc<std::sync::atomic::AtomicBool>,
     ) {
         let mut reply = Reply::new(respond);
         let (parts, body) = request.into_parts();
@@ -190,13 +133,17 @@ impl AgentLink {
         // agent's stream, so its resident size is that of the largest state it is
         // ever in (a TokenReview's request among them) unless those are on the heap
         // only while they run. The request's headers go with it.
-        let admitted = match Box::pin(self.admit_request(parts, &info)).await {
+        let admission = match Box::pin(self.admit_request(parts, &info)).await {
             Ok(a) => a,
             Err(status) => return reply.finish(status),
         };
-        let peer_window = admitted.peer_window;
-        let span = tracing::info_span!("agent_stream", agent_id = %admitted.agent_id, peer = %admitted.peer);
-        let (agent, packets) = self.open(admitted);
+        let peer_window = admission.peer_window;
+        let span = tracing::info_span!("agent_stream", agent_id = %admission.agent_id, peer = %admission.peer);
+        let (agent, packets) = match self.open(admission) {
+            Ok(opened) => opened,
+            Err(status) => return reply.finish(status),
+        };
+        admitted.store(true, std::sync::atomic::Ordering::Relaxed);
         let mut meta = MetadataMap::new();
         if let Ok(v) = MetadataValue::try_from(self.server_id.as_str()) {
             meta.insert(header::SERVER_ID, v);
@@ -301,19 +248,22 @@ impl AgentLink {
             .and_then(|v| v.to_str().ok())
             .map(|q| AgentIdentifiers::parse(q, false).unwrap_or_default())
             .unwrap_or_default();
-        if self.require_identity_match {
-            let cert = conn_info.peer_certs.as_ref().and_then(|c| c.first());
-            if let Err(why) = identity_matches(cert, &agent_id, &identifiers) {
-                tracing::warn!(%agent_id, %peer, reason = %why, "agent identity does not match its certificate; stream refused");
-                return Err(Status::permission_denied(why));
-            }
+        let (verified, unverified) = if self.authenticator.is_some() {
+            let nodes = self.router.registry().nodes();
+            identity::from_token(bound_node.as_deref(), &agent_id, &identifiers, nodes)
+        } else if let Some(cert) = conn_info.peer_certs.as_ref().and_then(|c| c.first()) {
+            let info = tether_certs::inspect::parse_der(cert).map_err(|e| {
+                tracing::warn!(%agent_id, %peer, error = %e, "unreadable agent certificate; stream refused");
+                Status::unauthenticated(format!("client certificate: {e}"))
+            })?;
+            let nodes = self.router.registry().nodes();
+            identity::from_certificate(&info, &agent_id, &identifiers, nodes)
+        } else {
+            identity::unauthenticated(&identifiers)
+        };
+        if !unverified.is_empty() {
+            self.report_unverified(&agent_id, &peer, &verified, &unverified)?;
         }
-        let verified = verified(
-            self.require_identity_match,
-            bound_node.as_deref(),
-            &agent_id,
-            &identifiers,
-        );
         // Credit flow control when the agent offers it (Tether) and we allow it.
         let peer_window = self
             .router
@@ -329,11 +279,50 @@ impl AgentLink {
         })
     }
 
+    /// Counts and logs the claims the server could not verify; refuses the stream with
+    /// `--require-agent-identity-match`.
+    fn report_unverified(
+        &self,
+        agent_id: &str,
+        peer: &str,
+        verified: &crate::router::Verified,
+        unverified: &Unverified,
+    ) -> Result<(), Status> {
+        let metrics = &self.router.metrics;
+        for (kind, n) in unverified.counts() {
+            metrics
+                .unverified_identifiers
+                .with_label_values(&[kind])
+                .inc_by(n as u64);
+        }
+        let by = if verified.by.is_empty() {
+            "nothing"
+        } else {
+            verified.by
+        };
+        if self.require_identity_match {
+            metrics
+                .agent_streams_refused
+                .with_label_values(&["unverified"])
+                .inc();
+            tracing::warn!(%agent_id, %peer, unverified = %unverified, verified_by = by, "agent claims identifiers the server could not verify; stream refused (--require-agent-identity-match)");
+            return Err(Status::permission_denied(format!(
+                "identifiers not verified by the {by}: {unverified}"
+            )));
+        }
+        if self.router.registry().trusts_claims() {
+            tracing::info!(%agent_id, %peer, unverified = %unverified, verified_by = by, "routing by identifiers the server could not verify (--unsafe-trust-agent-identifiers)");
+        } else {
+            tracing::warn!(%agent_id, %peer, unverified = %unverified, verified_by = by, "agent claims identifiers the server could not verify; they are not routed by");
+        }
+        Ok(())
+    }
+
     /// Registers the agent's stream with the router and returns it with the stream of
     /// packets to the agent. That stream ends when the agent stream is removed (its
     /// senders dropped with the last reference), retired (`closed`) or the server
     /// stops; WINDOW_UPDATEs overtake queued DATA.
-    fn open(&self, a: Admitted) -> (Arc<AgentStream>, PacketStream) {
+    fn open(&self, a: Admitted) -> Result<(Arc<AgentStream>, PacketStream), Status> {
         let (tx, rx) = mpsc::channel(self.channel_size);
         // WINDOW_UPDATEs: a queue that holds no memory while empty (a tokio channel
         // would keep a 32-packet block, 2.5 KiB, for each of thousands of agents).
@@ -346,8 +335,16 @@ impl AgentLink {
             ctl,
             a.peer_window,
         ));
-        self.router.add_agent(agent.clone());
         let (agent_id, peer) = (&a.agent_id, &a.peer);
+        if let Err(e) = self.router.add_agent(agent.clone()) {
+            self.router
+                .metrics
+                .agent_streams_refused
+                .with_label_values(&["too_many_streams"])
+                .inc();
+            tracing::warn!(%agent_id, %peer, error = %e, "agent stream refused");
+            return Err(Status::resource_exhausted(e.to_string()));
+        }
         tracing::info!(%agent_id, %peer, identifiers = ?agent.identifiers, flow_control = a.peer_window.is_some(), "agent connected");
         let (server_stop, retired) = (self.shutdown.clone(), agent.closed.clone());
         let ended = async move {
@@ -357,10 +354,10 @@ impl AgentLink {
             }
         };
         let out = ctl_rx.merge(ReceiverStream::new(rx));
-        (
+        Ok((
             agent,
             Box::pin(futures::StreamExt::take_until(out, Box::pin(ended))),
-        )
+        ))
     }
 }
 
@@ -447,6 +444,8 @@ mod tests {
                 backend_dial_timeout: None,
                 flow_control: true,
                 stall_timeout: Duration::from_secs(30),
+                trust_claims: false,
+                max_agent_streams: 2,
             },
             crate::metrics::Metrics::new(),
         );
@@ -639,24 +638,5 @@ mod tests {
         let status = Status::from_header_map(&trailers).expect("a status");
         assert_eq!(status.code(), Code::Internal, "{status:?}");
         wait_agents(&router, 0).await;
-    }
-
-    #[test]
-    fn the_server_vouches_only_for_what_it_checked() {
-        let ids = AgentIdentifiers::parse("host=edge-1&host=Edge-1&ipv4=10.0.0.1", false).unwrap();
-        let cert = verified(true, None, "edge-1", &ids);
-        assert_eq!(
-            (cert.by, cert.hosts.clone(), cert.ips.len()),
-            ("certificate", vec!["edge-1".to_string()], 1)
-        );
-        let token = verified(false, Some("edge-1"), "agent-x", &ids);
-        assert_eq!(
-            (token.by, token.hosts.clone(), token.ips.len()),
-            ("serviceaccount-token", vec!["edge-1".to_string()], 0),
-            "a token proves the node name, no address"
-        );
-        let elsewhere = verified(false, Some("edge-9"), "edge-1", &ids);
-        assert!(elsewhere.by.is_empty() && elsewhere.hosts.is_empty());
-        assert_eq!(verified(false, None, "edge-1", &ids), Default::default());
     }
 }

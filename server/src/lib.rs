@@ -9,9 +9,10 @@ pub mod agent_link;
 pub mod auth;
 pub mod frontend;
 mod h2serve;
+pub mod identity;
 pub mod lease;
 pub mod metrics;
-pub mod pod_networks;
+pub mod nodes;
 pub mod router;
 
 use std::net::SocketAddr;
@@ -29,6 +30,10 @@ use tracing::Instrument;
 
 pub use frontend::Mode;
 pub use router::{parse_strategies, Router, RouterConfig, Strategy};
+
+/// Agent streams per agent ID and per verified identity, by default: an agent holds
+/// one per server, and a reconnect briefly overlaps the old one.
+pub const DEFAULT_MAX_AGENT_STREAMS: usize = 8;
 
 /// Where a frontend listens.
 #[derive(Debug, Clone)]
@@ -48,7 +53,46 @@ pub enum Listen {
         addr: SocketAddr,
         /// Serving certificate, key and the CA client certificates must chain to.
         tls: TlsFiles,
+        /// Which of the certificates that CA signed may open tunnels.
+        clients: FrontendClients,
     },
+}
+
+/// Who may use a TCP frontend beyond chaining to its CA: an agent's certificate must
+/// never open tunnels, so either the frontend's CA signs no agent (`tether certs init`
+/// gives it a CA of its own) or the client must carry one of `names`.
+#[derive(Debug, Clone, Default)]
+pub struct FrontendClients {
+    /// `--frontend-client-names`: the client certificate's CN or a DNS SAN must be one
+    /// of these (empty: any certificate the CA signed).
+    pub names: Vec<String>,
+    /// `--unsafe-shared-frontend-ca`: start even though the agents' CA also signs
+    /// frontend clients and no name is required.
+    pub allow_shared_ca: bool,
+}
+
+impl FrontendClients {
+    /// Is `cert` (the client's leaf certificate) allowed? `Err` says why not.
+    pub fn admit(&self, cert: Option<&rustls_pki_types::CertificateDer<'_>>) -> Result<(), String> {
+        if self.names.is_empty() {
+            return Ok(());
+        }
+        let cert = cert.ok_or("no client certificate")?;
+        let info = tether_certs::inspect::parse_der(cert)?;
+        let names: Vec<&String> = info
+            .common_name
+            .iter()
+            .chain(info.dns_sans.iter())
+            .collect();
+        if names.iter().any(|n| self.names.iter().any(|a| a == *n)) {
+            Ok(())
+        } else {
+            Err(format!(
+                "client certificate {:?} is not one of --frontend-client-names",
+                info.subject
+            ))
+        }
+    }
 }
 
 /// One frontend.
@@ -73,6 +117,8 @@ pub struct ServerConfig {
     pub agent_addr: SocketAddr,
     /// Agent listener TLS; `ca` set = agents must present a client certificate.
     pub agent_tls: TlsFiles,
+    /// Caps on the TCP listeners' connections and handshakes (each listener its own).
+    pub admission: tether_core::admission::AdmissionLimits,
     /// HTTP/2 keepalive on agent connections.
     pub agent_keepalive: Duration,
     /// HTTP/2 keepalive on frontend connections.
@@ -98,8 +144,9 @@ pub struct ServerConfig {
     pub cert_reload_interval: Duration,
     /// Publish a Lease and tell agents the number of live servers.
     pub lease: Option<lease::LeaseConfig>,
-    /// Watch Nodes so that `destCIDR` routes pod IPs to the agent on their node.
-    pub pod_networks: Option<pod_networks::WatchConfig>,
+    /// Watch Nodes: their addresses and pod networks verify token-authenticated
+    /// agents' identifiers, and (`route_pod_ips`) `destCIDR` routes pod IPs by node.
+    pub nodes: Option<nodes::WatchConfig>,
     /// Serve pprof profiles on the admin port (`--enable-profiling`).
     pub profiling: bool,
 }
@@ -125,6 +172,72 @@ pub enum StartError {
     /// The Kubernetes client (agent authentication, leases, Nodes) could not be set up.
     #[error(transparent)]
     Kube(#[from] tether_ops::kubeclient::KubeSetupError),
+    /// The TCP frontend would let agents' certificates open tunnels.
+    #[error("--server-ca-cert and --cluster-ca-cert share the CA {subject:?}, so every agent certificate could open frontend tunnels: give the frontend a CA of its own (tether certs init does), or require the apiserver's client certificate name with --frontend-client-names")]
+    SharedCa {
+        /// The shared CA's subject.
+        subject: String,
+    },
+    /// A CA file could not be read for the comparison above.
+    #[error("cannot read CA file {path}: {reason}")]
+    CaFile {
+        /// The file.
+        path: String,
+        /// What went wrong.
+        reason: String,
+    },
+}
+
+/// Refuses a TCP frontend whose CA also signs agents, unless client names are required
+/// or the operator opted out.
+fn check_frontend_trust(config: &ServerConfig) -> Result<(), StartError> {
+    let tcp_without_names = config
+        .frontends
+        .iter()
+        .any(|fe| matches!(&fe.listen, Listen::Tcp { clients, .. } if clients.names.is_empty()));
+    let Some(agent_ca) = &config.agent_tls.ca else {
+        if tcp_without_names {
+            tracing::warn!("the TCP frontend accepts any client certificate --server-ca-cert signed: if that CA also signs kubelet or other client certificates, set --frontend-client-names to the apiserver's");
+        }
+        return Ok(());
+    };
+    let read = |p: &std::path::Path| -> Result<Vec<tether_certs::inspect::CertInfo>, StartError> {
+        let pem = std::fs::read_to_string(p).map_err(|e| StartError::CaFile {
+            path: p.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        tether_certs::inspect::parse_pem(&pem).map_err(|reason| StartError::CaFile {
+            path: p.display().to_string(),
+            reason,
+        })
+    };
+    for fe in &config.frontends {
+        let Listen::Tcp { tls, clients, .. } = &fe.listen else {
+            continue;
+        };
+        let Some(frontend_ca) = &tls.ca else { continue };
+        if !clients.names.is_empty() {
+            continue;
+        }
+        let agents = read(agent_ca)?;
+        // The same certificate, the same key under another certificate, or the agents'
+        // CA issued by the frontend's.
+        let shared = read(frontend_ca)?.into_iter().find(|c| {
+            agents
+                .iter()
+                .any(|a| a.der == c.der || a.public_key_der == c.public_key_der || a.signed_by(c))
+        });
+        if let Some(ca) = shared {
+            if clients.allow_shared_ca {
+                tracing::warn!(ca = %ca.subject, "UNSAFE: the frontend trusts the agents' CA (--unsafe-shared-frontend-ca): a stolen agent certificate can open tunnels to any address");
+            } else {
+                return Err(StartError::SharedCa {
+                    subject: ca.subject,
+                });
+            }
+        }
+    }
+    Ok(())
 }
 
 /// What was bound, for logs and tests.
@@ -142,7 +255,7 @@ pub struct BoundAddrs {
 
 enum FrontendListener {
     Uds(UnixListener, PathBuf),
-    Tls(TcpListener, ServerConfigSource),
+    Tls(TcpListener, ServerConfigSource, FrontendClients),
 }
 
 /// The server, bound and ready to run.
@@ -224,7 +337,11 @@ async fn bind_frontend(
                 path.display().to_string(),
             ))
         }
-        Listen::Tcp { addr, tls: files } => {
+        Listen::Tcp {
+            addr,
+            tls: files,
+            clients,
+        } => {
             let alpn: &'static [&'static [u8]] = match fe.mode {
                 Mode::Grpc => &[tls::ALPN_H2],
                 Mode::HttpConnect => &[tls::ALPN_HTTP11],
@@ -232,7 +349,7 @@ async fn bind_frontend(
             let cfg = tls_sources.source("frontend", files, alpn)?;
             let l = bind_tcp("frontend port", *addr)?;
             let at = l.local_addr().map(|a| a.to_string()).unwrap_or_default();
-            Ok((FrontendListener::Tls(l, cfg), at))
+            Ok((FrontendListener::Tls(l, cfg, clients.clone()), at))
         }
     }
 }
@@ -250,6 +367,7 @@ fn bind_optional(
 impl Server {
     /// Loads TLS material and binds every listener.
     pub async fn bind(config: ServerConfig) -> Result<BoundServer, StartError> {
+        check_frontend_trust(&config)?;
         let metrics = metrics::Metrics::new();
         let mut tls_sources = TlsSources {
             expiry: tether_ops::metrics::CertExpiry::new(&metrics.registry),
@@ -282,11 +400,14 @@ impl Server {
             Some(l) => Some(tether_ops::kubeclient::client(l.kubeconfig.as_deref()).await?),
             None => None,
         };
-        let nodes_client = match &config.pod_networks {
+        let nodes_client = match &config.nodes {
             Some(w) => Some(tether_ops::kubeclient::client(w.kubeconfig.as_deref()).await?),
             None => None,
         };
         let router = Router::new(config.router.clone(), metrics);
+        if config.nodes.as_ref().is_some_and(|w| w.route_pod_ips) {
+            router.registry().nodes().route_pod_ips();
+        }
         Ok(BoundServer {
             lease_client,
             nodes_client,
@@ -367,7 +488,7 @@ impl BoundServer {
     }
 
     /// Starts what runs beside the listeners: the memory trimmer, certificate reload,
-    /// the pod-network watch and the Lease (returned: it stops at `drain`).
+    /// the Node watch and the Lease (returned: it stops at `drain`).
     fn spawn_background(
         &self,
         server_count: &Arc<AtomicU32>,
@@ -387,8 +508,8 @@ impl BoundServer {
             hard_stop.clone(),
         );
         if let Some(client) = &self.nodes_client {
-            let networks = self.router.registry().pod_networks().clone();
-            pod_networks::spawn(client.clone(), networks, hard_stop.clone());
+            let inventory = self.router.registry().nodes().clone();
+            nodes::spawn(client.clone(), inventory, hard_stop.clone());
         }
         let (Some(client), Some(cfg)) = (&self.lease_client, &self.config.lease) else {
             return None;
@@ -427,6 +548,7 @@ impl BoundServer {
             self.agent_tls,
             keepalive,
             config.agent_dead_link,
+            admission(&self.router, "agent", config.admission),
             hard_stop,
         );
         let mut frontends = Frontends::default();
@@ -437,8 +559,10 @@ impl BoundServer {
             let (router, stop, hard) = (self.router.clone(), drain.clone(), hard_stop.clone());
             let keepalive = config.frontend_keepalive;
             let span = tracing::info_span!("frontend_listener", %mode);
+            let admission = admission(&self.router, "frontend", config.admission);
             frontends.tasks.push(tokio::spawn(
-                serve_frontend(mode, listener, router, keepalive, stop, hard).instrument(span),
+                serve_frontend(mode, listener, router, keepalive, admission, stop, hard)
+                    .instrument(span),
             ));
         }
         (agent_task, frontends)
@@ -486,6 +610,22 @@ fn spawn_admin(
     tether_ops::health::spawn("admin", listener, app, hard_stop.clone());
 }
 
+/// A TCP listener's admission under `limits`, counting refusals in
+/// `tether_server_connections_refused_total{listener}`.
+fn admission(
+    router: &Arc<Router>,
+    listener: &'static str,
+    limits: tether_core::admission::AdmissionLimits,
+) -> Arc<tether_core::admission::Admission> {
+    let refused = router.metrics.connections_refused.clone();
+    Arc::new(tether_core::admission::Admission::new(
+        limits,
+        Arc::new(move |why| {
+            refused.with_label_values(&[listener, why.label()]).inc();
+        }),
+    ))
+}
+
 /// The agent listener: mutual TLS, then one task per connection serving
 /// `AgentService` with HTTP/2 keepalive; after the hard stop it waits for those tasks
 /// (each ends within `h2serve::CLOSE_GRACE`).
@@ -495,10 +635,17 @@ fn spawn_agent_listener(
     tls: ServerConfigSource,
     keepalive: Duration,
     dead_link: Option<Duration>,
+    admission: Arc<tether_core::admission::Admission>,
     hard_stop: &CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
-    let mut incoming =
-        transport::tls_incoming_with(listener, tls, "agent", dead_link, hard_stop.clone());
+    let mut incoming = transport::tls_incoming_with(
+        listener,
+        tls,
+        "agent",
+        dead_link,
+        admission,
+        hard_stop.clone(),
+    );
     let link = Arc::new(link);
     tokio::spawn(
         async move {
@@ -523,6 +670,7 @@ async fn serve_frontend(
     listener: FrontendListener,
     router: Arc<Router>,
     keepalive: Duration,
+    admission: Arc<tether_core::admission::Admission>,
     stop: CancellationToken,
     hard_stop: CancellationToken,
 ) {
@@ -551,10 +699,16 @@ async fn serve_frontend(
                 Mode::HttpConnect => serve.spawn(sock, "uds"),
             }
         },
-        FrontendListener::Tls(l, cfg) => {
-            let mut incoming = transport::tls_incoming(l, cfg, "frontend", stop);
+        FrontendListener::Tls(l, cfg, clients) => {
+            let mut incoming =
+                transport::tls_incoming_with(l, cfg, "frontend", None, admission, stop);
             while let Some(conn) = incoming.recv().await {
                 let peer = conn.info().remote_addr.to_string();
+                let leaf = conn.info().peer_certs.as_ref().and_then(|c| c.first());
+                if let Err(why) = clients.admit(leaf) {
+                    tracing::warn!(%peer, reason = %why, "frontend client refused");
+                    continue;
+                }
                 serve.spawn(conn, &peer);
             }
         }

@@ -101,6 +101,13 @@ pub struct Metrics {
     dial_failures: IntCounterVec,
     /// Agent TokenReviews by result (authenticated, cached, rejected, error).
     pub token_reviews: IntCounterVec,
+    /// Identifiers agents claimed that the server could not verify, by kind.
+    pub unverified_identifiers: IntCounterVec,
+    /// Agent streams refused by reason (`too_many_streams`).
+    pub agent_streams_refused: IntCounterVec,
+    /// Connections a listener closed unserved, by listener and reason (`per_source`,
+    /// `unadmitted`).
+    pub connections_refused: IntCounterVec,
     packets: PacketCounters,
     stream_errors: IntCounterVec,
     /// Expired leases the lease controller deleted (`culled_leases_count`).
@@ -201,6 +208,34 @@ impl Metrics {
             &["result"],
         )
         .unwrap();
+        let unverified_identifiers = IntCounterVec::new(
+            Opts::new("tether_server_unverified_identifiers_total", "Identifiers agents claimed that the server could not verify (ignored for routing unless --unsafe-trust-agent-identifiers), by kind: agent_id, host, ip, cidr, default_route."),
+            &["kind"],
+        )
+        .unwrap();
+        for kind in ["agent_id", "host", "ip", "cidr", "default_route"] {
+            unverified_identifiers.with_label_values(&[kind]);
+        }
+        let agent_streams_refused = IntCounterVec::new(
+            Opts::new("tether_server_agent_streams_refused_total", "Agent streams refused after authentication, by reason: too_many_streams (--max-agent-streams per agent ID or verified identity), unverified (--require-agent-identity-match)."),
+            &["reason"],
+        )
+        .unwrap();
+        for reason in ["too_many_streams", "unverified"] {
+            agent_streams_refused.with_label_values(&[reason]);
+        }
+        let connections_refused = IntCounterVec::new(
+            Opts::new("tether_server_connections_refused_total", "TCP connections a listener closed without serving them, by listener (agent, frontend) and reason: per_source (over --max-handshakes-per-source), unadmitted (an agent connection on which no agent was admitted within 10 s). At --max-connections and --max-concurrent-handshakes new clients wait in the kernel's backlog instead."),
+            &["listener", "reason"],
+        )
+        .unwrap();
+        for (listener, reason) in [
+            ("agent", "per_source"),
+            ("agent", "unadmitted"),
+            ("frontend", "per_source"),
+        ] {
+            connections_refused.with_label_values(&[listener, reason]);
+        }
         let packets_vec = IntCounterVec::new(
             opts("stream_packets_total", "Count of packets processed, by segment and packet type (example: from_client, DIAL_REQ)"),
             &["segment", "packet_type"],
@@ -258,6 +293,9 @@ impl Metrics {
             Box::new(packets_vec),
             Box::new(stream_errors.clone()),
             Box::new(token_reviews.clone()),
+            Box::new(unverified_identifiers.clone()),
+            Box::new(agent_streams_refused.clone()),
+            Box::new(connections_refused.clone()),
             Box::new(connection_duration.clone()),
             Box::new(culled_leases.clone()),
             Box::new(list_total.clone()),
@@ -281,6 +319,9 @@ impl Metrics {
             full_receive_channels,
             dial_failures,
             token_reviews,
+            unverified_identifiers,
+            agent_streams_refused,
+            connections_refused,
             packets,
             stream_errors,
             culled_leases,

@@ -154,31 +154,40 @@ impl CcmArgs {
                 self.bind_address
             )
         })?;
-        let files = match (
+        let tls = match (
             self.tls_cert_file.as_str(),
             self.tls_private_key_file.as_str(),
         ) {
             ("", "") => {
-                // Self-signed, as upstream does without a certificate.
-                let dir = std::env::temp_dir().join(format!("tether-ccm-{}", std::process::id()));
-                let pki = tether_certs::DevPki::generate(&dir)
+                // Self-signed, as upstream does without a certificate; kept in memory
+                // only, so no key is left on disk.
+                let ca = tether_certs::Ca::new("tether-ccm-self-signed-ca")
                     .context("cannot make a self-signed serving certificate")?;
-                tether_core::tls::TlsFiles {
-                    cert: pki.server_cert,
-                    key: pki.server_key,
-                    ca: None,
-                    policy: Default::default(),
-                }
+                let pair = ca
+                    .issue(&tether_certs::LeafSpec {
+                        common_name: "localhost".into(),
+                        sans: vec!["localhost".into(), "127.0.0.1".into(), "::1".into()],
+                        server: true,
+                        ..Default::default()
+                    })
+                    .context("cannot make a self-signed serving certificate")?;
+                tether_core::tls::server_config_from_pem(
+                    pair.cert_pem.as_bytes(),
+                    pair.key_pem.as_bytes(),
+                    &[b"http/1.1"],
+                )?
             }
             ("", _) | (_, "") => bail!("--tls-cert-file and --tls-private-key-file go together"),
-            (cert, key) => tether_core::tls::TlsFiles {
-                cert: cert.into(),
-                key: key.into(),
-                ca: None,
-                policy: Default::default(),
-            },
+            (cert, key) => tether_core::tls::server_config(
+                &tether_core::tls::TlsFiles {
+                    cert: cert.into(),
+                    key: key.into(),
+                    ca: None,
+                    policy: Default::default(),
+                },
+                &[b"http/1.1"],
+            )?,
         };
-        let tls = tether_core::tls::server_config(&files, &[b"http/1.1"])?;
         Ok(Some((std::net::SocketAddr::new(ip, self.secure_port), tls)))
     }
 

@@ -12,8 +12,9 @@ use tether_certs::{Ca, Format, KeyAlgorithm, LeafSpec, Writer};
 #[derive(Subcommand, Debug)]
 pub enum CertsCommand {
     /// The server's certificates: CA (or reuse the cluster's), agent-facing and
-    /// frontend serving certificates, kube-apiserver's frontend client certificate,
-    /// and the client certificate + kubeconfig for `system:konnectivity-server`.
+    /// frontend serving certificates, kube-apiserver's frontend client certificate
+    /// (signed by a frontend CA of its own, so that no agent certificate opens
+    /// tunnels), and the client certificate + kubeconfig for `system:konnectivity-server`.
     Init(InitArgs),
     /// An agent client certificate bound to one node (CN and SAN = the node name).
     Agent(AgentArgs),
@@ -142,7 +143,12 @@ fn init(a: InitArgs) -> anyhow::Result<()> {
     .iter()
     .flat_map(|n| [format!("{n}.crt"), format!("{n}.key")])
     .collect();
-    names.extend(["ca.crt".into(), "konnectivity-server.conf".into()]);
+    names.extend([
+        "ca.crt".into(),
+        "frontend-ca.crt".into(),
+        "frontend-ca.key".into(),
+        "konnectivity-server.conf".into(),
+    ]);
     let generated_ca = a.ca_cert.is_none();
     if generated_ca {
         names.push("ca.key".into());
@@ -154,6 +160,9 @@ fn init(a: InitArgs) -> anyhow::Result<()> {
         _ => Ca::new_with("tether-ca", c.key_algorithm)?,
     };
     let ca_pem = ca.pair().cert_pem.clone();
+    // Frontend clients get a CA of their own, so that no agent certificate (signed by
+    // `ca`) can open tunnels: it is the server's --server-ca-cert.
+    let frontend_ca = Ca::new_with("tether-frontend-ca", c.key_algorithm)?;
     let mut frontend_sans = vec!["localhost".to_string(), "127.0.0.1".into()];
     frontend_sans.extend(a.server_sans.iter().cloned());
     let issued = [
@@ -179,7 +188,7 @@ fn init(a: InitArgs) -> anyhow::Result<()> {
         ),
         (
             "apiserver-client",
-            ca.issue(&leaf(
+            frontend_ca.issue(&leaf(
                 c,
                 "kube-apiserver-konnectivity-client",
                 vec![],
@@ -201,6 +210,17 @@ fn init(a: InitArgs) -> anyhow::Result<()> {
         }
         Format::Secret => w.pair("konnectivity-ca", ca.pair(), &ca_pem)?,
     }
+    match c.format {
+        Format::Files => {
+            w.file("frontend-ca.crt", &frontend_ca.pair().cert_pem, false)?;
+            w.file("frontend-ca.key", &frontend_ca.pair().key_pem, true)?;
+        }
+        Format::Secret => w.pair(
+            "konnectivity-frontend-ca",
+            frontend_ca.pair(),
+            &frontend_ca.pair().cert_pem,
+        )?,
+    }
     for (name, pair) in &issued {
         w.pair(name, pair, &ca_pem)?;
     }
@@ -221,6 +241,7 @@ fn init(a: InitArgs) -> anyhow::Result<()> {
     for p in &written {
         println!("wrote {}", p.display());
     }
+    println!("server: --cluster-ca-cert=ca.crt (agents) and, for a TCP frontend, --server-ca-cert=frontend-ca.crt (only apiserver-client.crt chains to it)");
     if generated_ca {
         println!("note: a new CA was generated; kube-apiserver trusts konnectivity-server.conf only if it trusts this CA (use --ca-cert/--ca-key with the cluster CA)");
     }

@@ -43,9 +43,21 @@ pub struct ServerArgs {
     /// Frontend serving key (TCP mode).
     #[arg(long, default_value = "")]
     pub server_key: String,
-    /// CA that frontend client certificates must chain to (mandatory in TCP mode).
+    /// CA that frontend client certificates must chain to (mandatory in TCP mode). It
+    /// must not be the agents' CA (--cluster-ca-cert) unless --frontend-client-names is
+    /// set: an agent's certificate must never open tunnels.
     #[arg(long, default_value = "")]
     pub server_ca_cert: String,
+    /// Names (CN or DNS SAN) a TCP frontend client certificate must carry, comma
+    /// separated, e.g. the apiserver's konnectivity client certificate's CN (empty: any
+    /// certificate --server-ca-cert signed). Tether only.
+    #[arg(long, default_value = "", value_delimiter = ',')]
+    pub frontend_client_names: Vec<String>,
+    /// UNSAFE: let the TCP frontend trust the agents' CA with no required client name,
+    /// so that a stolen agent certificate opens tunnels to any address (upstream's
+    /// behaviour). Tether only.
+    #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
+    pub unsafe_shared_frontend_ca: bool,
     /// HTTP/2 keepalive interval on frontend connections.
     #[arg(long, default_value = "1h", value_parser = duration)]
     pub frontend_keepalive_time: Duration,
@@ -84,7 +96,8 @@ pub struct ServerArgs {
     /// Ordered backend selection: default, destHost, defaultRoute, destCIDR.
     #[arg(long, default_value = "default")]
     pub proxy_strategies: String,
-    /// Fail a dial the agent has not answered within this (0 = never).
+    /// Fail a dial the agent has not answered within this (0 = a 30 s backstop, the
+    /// time HTTP-CONNECT clients wait; upstream waits for ever).
     #[arg(long, default_value = "0", value_parser = duration)]
     pub backend_dial_timeout: Duration,
     /// Packets queued towards each agent stream.
@@ -124,10 +137,38 @@ pub struct ServerArgs {
     #[arg(long, default_value_t = 0)]
     pub worker_threads: usize,
 
-    /// Refuse agents whose --agent-id or identifiers are not named by their client
-    /// certificate (see `tether certs agent`); needs --cluster-ca-cert.
+    /// Refuse agents with any identifier the server cannot verify (by their client
+    /// certificate, see `tether certs agent`, or their pod-bound token's node). Without
+    /// it such identifiers are ignored for routing, counted and logged.
     #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
     pub require_agent_identity_match: bool,
+    /// UNSAFE: route dials by identifiers agents claim but the server could not verify
+    /// (upstream's behaviour, for fleets with agents that cannot be verified): a
+    /// compromised node can then take other nodes' traffic. Tether only.
+    #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
+    pub unsafe_trust_agent_identifiers: bool,
+    /// UNSAFE: accept agents that neither present a client certificate
+    /// (--cluster-ca-cert) nor a token (--agent-namespace...): anyone who reaches the
+    /// agent port can then serve dials. Tether only.
+    #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
+    pub unsafe_allow_unauthenticated_agents: bool,
+    /// Most agent streams per verified identity (a token's node, a per-node
+    /// certificate), else per agent ID; more are refused (0 = no cap). Tether only.
+    #[arg(long, default_value_t = tether_server::DEFAULT_MAX_AGENT_STREAMS)]
+    pub max_agent_streams: usize,
+    /// Most open connections per TCP listener (agent, frontend), handshaking or
+    /// served; at the cap new clients wait in the kernel's backlog (0 = three quarters
+    /// of the open-file limit). Tether only.
+    #[arg(long, default_value_t = 0)]
+    pub max_connections: usize,
+    /// Most TLS handshakes in progress per TCP listener. Tether only.
+    #[arg(long, default_value_t = tether_core::admission::DEFAULT_MAX_HANDSHAKES)]
+    pub max_concurrent_handshakes: usize,
+    /// Most TLS handshakes in progress from one source address per TCP listener; more
+    /// are closed at once (0 = no cap; raise it when many nodes share one NAT address).
+    /// Tether only.
+    #[arg(long, default_value_t = tether_core::admission::DEFAULT_MAX_HANDSHAKES_PER_SOURCE)]
+    pub max_handshakes_per_source: usize,
     /// How often certificate files are checked for changes (SIGHUP reloads at once).
     #[arg(long, default_value = "1m", value_parser = duration)]
     pub cert_reload_interval: Duration,
@@ -248,19 +289,16 @@ impl ServerArgs {
         } else {
             None
         };
-        let pod_networks = if self.watch_node_pod_cidrs {
-            if !strategies.contains(&tether_server::Strategy::DestCidr) {
-                bail!("--watch-node-pod-cidrs routes pod IPs by destCIDR: add destCIDR to --proxy-strategies (e.g. destHost,destCIDR,default)");
-            }
-            Some(tether_server::pod_networks::WatchConfig {
-                kubeconfig: opt_path(&self.kubeconfig),
-            })
-        } else {
-            None
-        };
-        if self.require_agent_identity_match && self.cluster_ca_cert.is_empty() {
-            bail!("--require-agent-identity-match checks agent client certificates: also set --cluster-ca-cert");
+        if self.watch_node_pod_cidrs && !strategies.contains(&tether_server::Strategy::DestCidr) {
+            bail!("--watch-node-pod-cidrs routes pod IPs by destCIDR: add destCIDR to --proxy-strategies (e.g. destHost,destCIDR,default)");
         }
+        // Token-authenticated agents prove a node; its Node object proves addresses.
+        let nodes = (self.watch_node_pod_cidrs || agent_auth.is_some()).then(|| {
+            tether_server::nodes::WatchConfig {
+                kubeconfig: opt_path(&self.kubeconfig),
+                route_pod_ips: self.watch_node_pod_cidrs,
+            }
+        });
         if self.cert_reload_interval.is_zero() {
             bail!("--cert-reload-interval must be positive (e.g. 1m)");
         }
@@ -296,6 +334,15 @@ impl ServerArgs {
                     ca: Some(ca),
                     policy: policy.clone(),
                 },
+                clients: tether_server::FrontendClients {
+                    names: self
+                        .frontend_client_names
+                        .iter()
+                        .map(|n| n.trim().to_string())
+                        .filter(|n| !n.is_empty())
+                        .collect(),
+                    allow_shared_ca: self.unsafe_shared_frontend_ca,
+                },
             }
         };
         let agent_cert = opt_path(&self.cluster_cert).or_else(|| opt_path(&self.server_cert));
@@ -314,6 +361,14 @@ impl ServerArgs {
         }
         if self.keepalive_time.is_zero() || self.frontend_keepalive_time.is_zero() {
             bail!("--keepalive-time and --frontend-keepalive-time must be positive (e.g. 30s, 1h)");
+        }
+        if agent_auth.is_none() && self.cluster_ca_cert.is_empty() {
+            if !self.unsafe_allow_unauthenticated_agents {
+                bail!("agents are not authenticated: set --cluster-ca-cert (agent client certificates) or --agent-namespace, --agent-service-account and --authentication-audience (ServiceAccount tokens); --unsafe-allow-unauthenticated-agents accepts any agent");
+            }
+            if self.require_agent_identity_match {
+                bail!("--require-agent-identity-match needs authenticated agents: set --cluster-ca-cert or token authentication");
+            }
         }
         let agent_dead_link = dead_link(self.dead_link_timeout)?;
         let server_id = if self.server_id.is_empty() {
@@ -360,6 +415,8 @@ impl ServerArgs {
                     .then_some(self.backend_dial_timeout),
                 flow_control: self.flow_control,
                 stall_timeout: self.stalled_reader_timeout,
+                trust_claims: self.unsafe_trust_agent_identifiers,
+                max_agent_streams: self.max_agent_streams,
             },
             channel_size: self.xfr_channel_size,
             graceful_shutdown_timeout: self.graceful_shutdown_timeout,
@@ -367,13 +424,39 @@ impl ServerArgs {
             require_agent_identity_match: self.require_agent_identity_match,
             cert_reload_interval: self.cert_reload_interval,
             lease,
-            pod_networks,
+            nodes,
+            admission: self.admission(),
             profiling: self.enable_profiling,
         })
     }
 }
 
 impl ServerArgs {
+    /// The TCP listeners' caps, from the flags and the open-file limit.
+    fn admission(&self) -> tether_core::admission::AdmissionLimits {
+        let nofile = tether_ops::limits::open_file_limit().unwrap_or(FEW_OPEN_FILES);
+        let mut limits = tether_core::admission::AdmissionLimits::for_open_files(nofile);
+        if self.max_connections > 0 {
+            limits.max_connections = self.max_connections;
+        }
+        limits.max_handshakes = self.max_concurrent_handshakes;
+        limits.max_handshakes_per_source = self.max_handshakes_per_source;
+        limits
+    }
+
+    /// Says at start-up which unsafe compatibility modes are on.
+    fn warn_unsafe(&self) {
+        if self.unsafe_trust_agent_identifiers {
+            tracing::warn!("UNSAFE: --unsafe-trust-agent-identifiers routes dials by identifiers agents claim; a compromised node can take other nodes' traffic by claiming their names and addresses");
+        }
+        if self.unsafe_allow_unauthenticated_agents
+            && self.cluster_ca_cert.is_empty()
+            && self.agent_namespace.is_empty()
+        {
+            tracing::warn!("UNSAFE: --unsafe-allow-unauthenticated-agents: agents are not authenticated; anyone who reaches the agent port can serve dials");
+        }
+    }
+
     fn agent_auth(&self) -> anyhow::Result<Option<tether_server::auth::TokenAuthConfig>> {
         let parts = [
             &self.agent_namespace,
@@ -440,6 +523,7 @@ fn warn_if_few_open_files() {
 pub fn main(args: ServerArgs) -> anyhow::Result<()> {
     args.log.init()?;
     let config = args.config()?;
+    args.warn_unsafe();
     super::block_on(args.worker_threads, async move {
         warn_if_few_open_files();
         let server_id = config.server_id.clone();

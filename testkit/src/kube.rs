@@ -200,7 +200,7 @@ impl Frontend {
                 "--server-bind-address=127.0.0.1".into(),
                 format!("--server-cert={}", f.server_cert.display()),
                 format!("--server-key={}", f.server_key.display()),
-                format!("--server-ca-cert={}", f.ca_cert.display()),
+                format!("--server-ca-cert={}", f.frontend_ca_cert.display()),
             ]),
         }
         args
@@ -716,6 +716,39 @@ impl Cluster {
                 "create",
                 "--raw",
                 &format!("/api/v1/namespaces/kube-system/serviceaccounts/{sa}/token"),
+                "-f",
+                "-",
+            ],
+            &body,
+        );
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        v["status"]["token"].as_str().unwrap().to_string()
+    }
+
+    /// A token of ServiceAccount `kube-system/konnectivity-agent` for the server's
+    /// audience, bound to a Pod `pod` (created here) on node `node`: what the agent
+    /// DaemonSet's projected volume holds on that node.
+    pub fn pod_bound_agent_token(&self, pod: &str, node: &str) -> String {
+        self.apply(&format!(
+            "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {pod}\n  namespace: kube-system\nspec:\n  nodeName: {node}\n  serviceAccountName: konnectivity-agent\n  automountServiceAccountToken: false\n  containers:\n  - name: agent\n    image: tether:v0.1.0\n"
+        ));
+        let uid = self.kubectl_ok(&[
+            "get",
+            "pod",
+            pod,
+            "-n",
+            "kube-system",
+            "-o",
+            "jsonpath={.metadata.uid}",
+        ]);
+        let body = format!(
+            r#"{{"apiVersion":"authentication.k8s.io/v1","kind":"TokenRequest","spec":{{"expirationSeconds":3600,"audiences":["system:konnectivity-server"],"boundObjectRef":{{"kind":"Pod","apiVersion":"v1","name":"{pod}","uid":"{uid}"}}}}}}"#
+        );
+        let out = self.kubectl_stdin(
+            &[
+                "create",
+                "--raw",
+                "/api/v1/namespaces/kube-system/serviceaccounts/konnectivity-agent/token",
                 "-f",
                 "-",
             ],

@@ -82,6 +82,37 @@ impl Pki {
         )
         .expect("client TLS config")
     }
+
+    /// A per-node agent client certificate, as `tether certs agent` writes it
+    /// (O=system:konnectivity-agents, CN and DNS SAN the node, `ip` as IP SAN), signed by
+    /// this CA: `--agent-cert` and `--agent-key` flags.
+    pub fn node_cert_args(&self, node: &str, ip: &str) -> Vec<String> {
+        let ca = tether_certs::Ca::load(&self.files.ca_cert, &self.files.ca_key).expect("the CA");
+        let pair = ca
+            .issue(&tether_certs::LeafSpec {
+                common_name: node.into(),
+                sans: vec![node.into(), ip.into()],
+                client: true,
+                organization: Some("system:konnectivity-agents".into()),
+                ..Default::default()
+            })
+            .expect("a node certificate");
+        let (cert, key) =
+            tether_certs::write_pair(self.dir(), &format!("agent-{node}"), &pair).expect("written");
+        vec![
+            format!("--agent-cert={}", cert.display()),
+            format!("--agent-key={}", key.display()),
+        ]
+    }
+
+    /// Agent flags for node `node` at `ip`: [`Pki::node_cert_args`], its ID and the
+    /// identifiers naming both (what the server can verify).
+    pub fn node_agent_args(&self, node: &str, ip: &str) -> Vec<String> {
+        let mut args = self.node_cert_args(node, ip);
+        args.push(format!("--agent-id={node}"));
+        args.push(format!("--agent-identifiers=host={node}&ipv4={ip}"));
+        args
+    }
 }
 
 impl Default for Pki {

@@ -436,20 +436,23 @@ serializeImagePulls: false
     }
 
     /// Starts the agent-only binary `bin` inside the node (its network namespace and
-    /// cgroup), dialling the server's agent port on the host side of the link, with the
-    /// node's name, InternalIP and pod range as identifiers, plus `args`.
+    /// cgroup), dialling the server's agent port on the host side of the link, with a
+    /// certificate of the node's own and the node's name, InternalIP and pod range as
+    /// identifiers, plus `args`.
     pub fn start_agent(&mut self, bin: &Path, pki: &Pki, agent_port: u16, args: &[String]) {
         let server = format!("{}:{agent_port}", self.net.host_ip)
             .parse()
             .unwrap();
-        let mut all = vec![
+        // The node's own certificate, so that the server verifies its name and address.
+        let mut all = pki.node_cert_args(&self.name, &self.net.node_ip);
+        all.extend([
             format!("--agent-id={}", self.name),
             format!(
                 "--agent-identifiers=host={}&ipv4={}&cidr={}",
                 self.name, self.net.node_ip, self.pod_cidr
             ),
             format!("--health-server-host={}", self.net.link_ip),
-        ];
+        ]);
         all.extend(args.iter().cloned());
         let agent = AgentProc::start_in(Some(&self.net), bin, pki, server, &all);
         self.cgroup.adopt(agent.proc.pid());

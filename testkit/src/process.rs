@@ -452,7 +452,7 @@ pub fn tcp_frontend_args(pki: &crate::Pki, mode: &str) -> Vec<String> {
         "--server-bind-address=127.0.0.1".into(),
         format!("--server-cert={}", f.server_cert.display()),
         format!("--server-key={}", f.server_key.display()),
-        format!("--server-ca-cert={}", f.ca_cert.display()),
+        format!("--server-ca-cert={}", f.frontend_ca_cert.display()),
         format!("--cluster-ca-cert={}", f.ca_cert.display()),
     ]
 }

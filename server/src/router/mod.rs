@@ -21,7 +21,7 @@ use tether_core::pump::Sink;
 use tether_proto::{packet::Payload, CloseDial, CloseResponse, DialRequest, DialResponse, Packet};
 use tracing::Instrument;
 
-pub use select::{parse_strategies, Registry, Strategy};
+pub use select::{parse_strategies, Registry, Strategy, TooManyStreams};
 pub use state::{outbox, AgentStream, Conn, FrontendStream, Outgoing, Verified};
 
 use crate::metrics::{DialFailure, Metrics, Segment};
@@ -41,13 +41,22 @@ pub enum DialError {
     NoAgent,
 }
 
+/// How long a dial may wait for its agent's answer when `--backend-dial-timeout` is not
+/// set (upstream waits for ever on gRPC; HTTP-CONNECT clients give up after 30 s).
+pub const DIAL_BACKSTOP: Duration = Duration::from_secs(30);
+
 /// Settings of the server core.
 #[derive(Debug, Clone)]
 pub struct RouterConfig {
     /// Agent selection order.
     pub strategies: Vec<Strategy>,
-    /// Fail a dial the agent has not answered within this (None = never).
+    /// Fail a dial the agent has not answered within this (None = [`DIAL_BACKSTOP`]).
     pub backend_dial_timeout: Option<Duration>,
+    /// `--unsafe-trust-agent-identifiers`: route by identifiers agents claim but the
+    /// server could not verify (upstream's behaviour).
+    pub trust_claims: bool,
+    /// Most streams per agent ID and per verified identity (0 = no cap).
+    pub max_agent_streams: usize,
     /// Offer per-connection credit flow control to agents that ask for it.
     pub flow_control: bool,
     /// With an upstream agent: how long one connection's full queue (its client not
@@ -67,8 +76,12 @@ pub struct Router {
 impl Router {
     /// A core with no agents yet.
     pub fn new(config: RouterConfig, metrics: Metrics) -> Arc<Self> {
+        // Every strategy's series exists from the start, at 0 until an agent counts.
+        for s in &config.strategies {
+            metrics.ready_backends.with_label_values(&[s.name()]);
+        }
         Arc::new(Router {
-            registry: Registry::default(),
+            registry: Registry::new(config.trust_claims, config.max_agent_streams),
             metrics,
             config,
             work: drain::Signal::new(),
@@ -158,14 +171,12 @@ impl Router {
             r#type: tether_proto::PacketType::DialReq as i32,
             payload: Some(Payload::DialRequest(req)),
         };
-        // --backend-dial-timeout bounds the wait to enqueue the DIAL_REQ too.
-        let enqueued = match self.config.backend_dial_timeout {
-            _ if agent.is_closed() => Ok(false),
-            Some(timeout) => {
-                let remaining = timeout.saturating_sub(started.elapsed());
-                tokio::time::timeout(remaining, self.to_agent(&agent, packet)).await
-            }
-            None => Ok(self.to_agent(&agent, packet).await),
+        // The dial timeout bounds the wait to enqueue the DIAL_REQ too.
+        let enqueued = if agent.is_closed() {
+            Ok(false)
+        } else {
+            let remaining = self.dial_timeout().saturating_sub(started.elapsed());
+            tokio::time::timeout(remaining, self.to_agent(&agent, packet)).await
         };
         match enqueued {
             Ok(true) => self.arm_dial_timeout(agent, random, started),
@@ -182,18 +193,22 @@ impl Router {
                 // stuck (not reading), so it is retired as upstream does; the agent
                 // reconnects.
                 self.fail_pending(&agent, random, DialFailure::BackendDialTimeout, "dial timeout: the agent's stream did not accept the dial request in time (--backend-dial-timeout)");
-                tracing::warn!(agent_id = %agent.agent_id, "agent stream stuck: a dial request waited --backend-dial-timeout to be queued; disconnecting the agent");
+                tracing::warn!(agent_id = %agent.agent_id, timeout = ?self.dial_timeout(), "agent stream stuck: a dial request waited the dial timeout to be queued; disconnecting the agent");
                 agent.closed.cancel();
             }
         }
     }
 
-    /// Fails dial `random` if `agent` has not answered it within
-    /// `--backend-dial-timeout` of `started`, and tells the agent with DIAL_CLS.
+    /// How long a dial may wait for its agent: `--backend-dial-timeout`, else the
+    /// backstop.
+    pub fn dial_timeout(&self) -> Duration {
+        self.config.backend_dial_timeout.unwrap_or(DIAL_BACKSTOP)
+    }
+
+    /// Fails dial `random` if `agent` has not answered it within the dial timeout of
+    /// `started`, and tells the agent with DIAL_CLS.
     fn arm_dial_timeout(self: &Arc<Self>, agent: Arc<AgentStream>, random: i64, started: Instant) {
-        let Some(timeout) = self.config.backend_dial_timeout else {
-            return;
-        };
+        let timeout = self.dial_timeout();
         let this = self.clone();
         tokio::spawn(
             async move {
@@ -466,19 +481,22 @@ impl Router {
 
     // === agent streams ===
 
-    /// Registers a new agent stream.
-    pub fn add_agent(&self, agent: Arc<AgentStream>) {
+    /// Registers a new agent stream, unless its agent ID or verified identity already
+    /// holds `--max-agent-streams` streams.
+    pub fn add_agent(&self, agent: Arc<AgentStream>) -> Result<(), TooManyStreams> {
+        self.registry.add(agent.clone())?;
         self.count_agent(&agent, 1);
-        self.registry.add(agent);
+        Ok(())
     }
 
     /// Moves `ready_backends{proxy_strategy}` and `ready_backend_connections` by `by`
     /// for `agent`: each strategy counts the agents it could ever pick.
     fn count_agent(&self, agent: &AgentStream, by: i64) {
         self.metrics.ready_backend_connections.add(by);
-        let pod_networks = self.registry.pod_networks().is_watched();
+        let pod_ips = self.registry.nodes().routes_pod_ips();
+        let trust = self.config.trust_claims;
         for s in &self.config.strategies {
-            if agent.counts_for(*s, pod_networks) {
+            if agent.counts_for(*s, pod_ips, trust) {
                 self.metrics
                     .ready_backends
                     .with_label_values(&[s.name()])

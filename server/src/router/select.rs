@@ -1,13 +1,15 @@
 //! Which agent stream takes a dial: `--proxy-strategies`, each agent's eligibility
 //! under them, and the registry of connected agent streams they choose from.
 
+use std::collections::HashMap;
+use std::net::IpAddr;
 use std::sync::{Arc, RwLock};
 
 use rand::seq::IndexedRandom;
-use tether_core::identifiers::dial_host;
+use tether_core::identifiers::{dial_host, Cidr};
 
 use super::state::AgentStream;
-use crate::pod_networks::PodNetworks;
+use crate::nodes::NodeInventory;
 
 /// How to pick an agent for a dial; several are tried in order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,97 +69,298 @@ pub fn parse_strategies(s: &str) -> Result<Vec<Strategy>, String> {
 // === eligibility ===
 
 impl AgentStream {
-    /// Is this agent the one on `node`? Where the server verified the agent, only its
-    /// verified names count; otherwise (no agent authentication) its ID and `host=`
-    /// identifiers, the trust `destHost` gives them.
-    pub fn runs_on(&self, node: &str) -> bool {
-        if !self.verified.by.is_empty() {
-            return self.verified.hosts.iter().any(|h| h == node);
+    /// What its streams are grouped, chosen and capped by: who it proved to be (a
+    /// token's node, a per-node certificate), else its agent ID. The two never meet:
+    /// an agent that proved nothing and claims node-b's ID is not in node-b's group.
+    pub fn group(&self) -> String {
+        match &self.verified.principal {
+            Some(node) => format!("node/{node}"),
+            None => format!("id/{}", self.agent_id),
         }
-        self.agent_id == node || self.identifiers.hosts.iter().any(|h| h == node)
     }
 
-    /// Could `strategy` ever pick this agent? (`ready_backends{proxy_strategy}`;
-    /// `pod_networks`: pod IPs are routed by node.)
-    pub(crate) fn counts_for(&self, strategy: Strategy, pod_networks: bool) -> bool {
+    /// Did the server verify that this agent reaches `host` (a name or an address)?
+    /// Names and certificate addresses were checked at admission; a token's node vouches
+    /// for the addresses its Node object lists now.
+    pub fn vouched_host(&self, host: &str, nodes: &NodeInventory) -> bool {
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        match host.parse::<IpAddr>() {
+            Ok(ip) => {
+                self.verified.ips.contains(&ip)
+                    || self
+                        .verified
+                        .node
+                        .as_deref()
+                        .is_some_and(|n| nodes.has_address(n, ip))
+            }
+            Err(_) => self
+                .verified
+                .hosts
+                .iter()
+                .any(|h| h.eq_ignore_ascii_case(host)),
+        }
+    }
+
+    /// Did the server verify the agent's network `net` (inside its token's node's pod
+    /// networks)?
+    pub fn vouched_network(&self, net: &Cidr, nodes: &NodeInventory) -> bool {
+        self.verified
+            .node
+            .as_deref()
+            .is_some_and(|n| nodes.has_network(n, net))
+    }
+
+    /// Is this agent the one on `node`? Only its verified names count, unless claims are
+    /// trusted (then, for an agent the server verified nothing of, its ID and `host=`
+    /// identifiers, as upstream trusts them).
+    pub fn runs_on(&self, node: &str, trust_claims: bool) -> bool {
+        let v = &self.verified;
+        if !v.by.is_empty() || !trust_claims {
+            return v
+                .node
+                .as_deref()
+                .is_some_and(|n| n.eq_ignore_ascii_case(node))
+                || v.hosts.iter().any(|h| h.eq_ignore_ascii_case(node));
+        }
+        self.agent_id.eq_ignore_ascii_case(node)
+            || self
+                .identifiers
+                .hosts
+                .iter()
+                .any(|h| h.eq_ignore_ascii_case(node))
+    }
+
+    /// Could `strategy` ever pick this agent? (`ready_backends{proxy_strategy}`; decided
+    /// from what is fixed for the stream's life, so adding and removing it count alike.)
+    pub(crate) fn counts_for(&self, strategy: Strategy, pod_ips: bool, trust_claims: bool) -> bool {
         let ids = &self.identifiers;
+        let v = &self.verified;
         match strategy {
             Strategy::Default => true,
-            Strategy::DestHost => !ids.hosts.is_empty() || !ids.ips.is_empty(),
-            Strategy::DefaultRoute => ids.default_route,
-            Strategy::DestCidr => !ids.cidrs.is_empty() || pod_networks,
+            Strategy::DestHost if trust_claims => !ids.hosts.is_empty() || !ids.ips.is_empty(),
+            Strategy::DestHost => {
+                ids.hosts
+                    .iter()
+                    .any(|h| v.hosts.iter().any(|n| n.eq_ignore_ascii_case(h)))
+                    || ids.ips.iter().any(|ip| v.ips.contains(ip))
+                    || (v.node.is_some() && !ids.ips.is_empty())
+            }
+            Strategy::DefaultRoute => ids.default_route && trust_claims,
+            Strategy::DestCidr => {
+                pod_ips || (!ids.cidrs.is_empty() && (trust_claims || v.node.is_some()))
+            }
         }
     }
 
-    /// `pod_node`: the node whose pod network holds the dial host, if known.
-    fn eligible(&self, strategy: Strategy, host: &str, pod_node: Option<&str>) -> bool {
+    /// `pod_node`: the node whose pod network holds the dial host, if known. An
+    /// identifier routes only where the server verified it, unless claims are trusted.
+    fn eligible(
+        &self,
+        strategy: Strategy,
+        host: &str,
+        pod_node: Option<&str>,
+        reg: &Registry,
+    ) -> bool {
+        let trust = reg.trust_claims;
         match strategy {
             Strategy::Default => true,
-            Strategy::DestHost => self.identifiers.matches_host(host),
-            Strategy::DefaultRoute => self.identifiers.default_route,
+            Strategy::DestHost => {
+                self.identifiers.matches_host(host)
+                    && (trust || self.vouched_host(host, &reg.nodes))
+            }
+            Strategy::DefaultRoute => self.identifiers.default_route && trust,
             Strategy::DestCidr => {
-                self.identifiers.matches_cidr(host) || pod_node.is_some_and(|n| self.runs_on(n))
+                let by_claim =
+                    match host
+                        .trim_start_matches('[')
+                        .trim_end_matches(']')
+                        .parse::<IpAddr>()
+                    {
+                        Ok(ip) => self.identifiers.cidrs.iter().any(|c| {
+                            c.contains(ip) && (trust || self.vouched_network(c, &reg.nodes))
+                        }),
+                        Err(_) => false,
+                    };
+                by_claim || pod_node.is_some_and(|n| self.runs_on(n, trust))
             }
         }
     }
 }
 
-/// Every connected agent stream.
+/// Why an agent stream was not registered.
+#[derive(Debug, thiserror::Error)]
+#[error("{count} streams already open for {what} {key:?} (the most --max-agent-streams allows)")]
+pub struct TooManyStreams {
+    /// `agent ID` or `verified identity`.
+    pub what: &'static str,
+    /// The agent ID or verified identity.
+    pub key: String,
+    /// How many it holds.
+    pub count: usize,
+}
+
+/// The streams of one group (one agent, or one verified identity).
+struct Group {
+    key: String,
+    streams: Vec<Arc<AgentStream>>,
+}
+
+/// The registry's tables.
 #[derive(Default)]
+struct Groups {
+    list: Vec<Group>,
+    /// Group key -> its place in `list`.
+    index: HashMap<String, usize>,
+    streams: usize,
+}
+
+/// Every connected agent stream, grouped by agent (or verified identity) so that a dial
+/// picks an agent first and one of its streams second: an agent that opens many streams
+/// gets no larger share of the dials.
 pub struct Registry {
-    agents: RwLock<Vec<Arc<AgentStream>>>,
-    /// The nodes' pod networks, for `destCIDR` (empty unless the server watches Nodes).
-    pod_networks: Arc<PodNetworks>,
+    groups: RwLock<Groups>,
+    /// The Nodes' addresses and pod networks (empty unless the server watches Nodes).
+    nodes: Arc<NodeInventory>,
+    /// `--unsafe-trust-agent-identifiers`: route by what agents claim.
+    trust_claims: bool,
+    /// Most streams per group (0 = no cap).
+    max_streams: usize,
+}
+
+impl Default for Registry {
+    fn default() -> Self {
+        Registry::new(false, 0)
+    }
 }
 
 impl Registry {
-    /// The nodes' pod networks `destCIDR` consults.
-    pub fn pod_networks(&self) -> &Arc<PodNetworks> {
-        &self.pod_networks
+    /// An empty registry; `trust_claims` routes by unverified identifiers,
+    /// `max_streams` caps streams per agent ID and per identity (0 = no cap).
+    pub fn new(trust_claims: bool, max_streams: usize) -> Self {
+        Registry {
+            groups: RwLock::new(Groups::default()),
+            nodes: Arc::default(),
+            trust_claims,
+            max_streams,
+        }
     }
 
-    pub(crate) fn add(&self, agent: Arc<AgentStream>) -> usize {
-        let mut list = self.agents.write().unwrap_or_else(|e| e.into_inner());
-        list.push(agent);
-        list.len()
+    /// The Nodes' addresses and pod networks.
+    pub fn nodes(&self) -> &Arc<NodeInventory> {
+        &self.nodes
+    }
+
+    /// Are unverified identifiers routed by?
+    pub fn trusts_claims(&self) -> bool {
+        self.trust_claims
+    }
+
+    /// Registers `agent` unless its group (its verified identity, else its agent ID)
+    /// already holds the most streams allowed; the number of streams after. A claimed
+    /// ID counts only where nothing was verified, so no one fills another node's share
+    /// by claiming its ID.
+    pub(crate) fn add(&self, agent: Arc<AgentStream>) -> Result<usize, TooManyStreams> {
+        let key = agent.group();
+        let mut g = self.groups.write().unwrap_or_else(|e| e.into_inner());
+        if self.max_streams > 0 {
+            let in_group = g
+                .index
+                .get(&key)
+                .map(|&i| g.list[i].streams.len())
+                .unwrap_or(0);
+            if in_group >= self.max_streams {
+                return Err(TooManyStreams {
+                    what: if agent.verified.principal.is_some() {
+                        "verified identity"
+                    } else {
+                        "agent ID"
+                    },
+                    key: key.clone(),
+                    count: in_group,
+                });
+            }
+        }
+        g.streams += 1;
+        match g.index.get(&key).copied() {
+            Some(i) => g.list[i].streams.push(agent),
+            None => {
+                let at = g.list.len();
+                g.list.push(Group {
+                    key: key.clone(),
+                    streams: vec![agent],
+                });
+                g.index.insert(key, at);
+            }
+        }
+        Ok(g.streams)
     }
 
     /// Removes `agent`; false when it was not registered.
     pub(crate) fn remove(&self, agent: &AgentStream) -> bool {
-        let mut list = self.agents.write().unwrap_or_else(|e| e.into_inner());
-        let before = list.len();
-        list.retain(|b| b.key != agent.key);
-        before != list.len()
+        let key = agent.group();
+        let mut guard = self.groups.write().unwrap_or_else(|e| e.into_inner());
+        let g = &mut *guard;
+        let Some(&at) = g.index.get(&key) else {
+            return false;
+        };
+        let streams = &mut g.list[at].streams;
+        let before = streams.len();
+        streams.retain(|b| b.key != agent.key);
+        if streams.len() == before {
+            return false;
+        }
+        if streams.is_empty() {
+            g.index.remove(&key);
+            g.list.swap_remove(at);
+            if let Some(moved) = g.list.get(at) {
+                g.index.insert(moved.key.clone(), at);
+            }
+        }
+        g.streams -= 1;
+        true
     }
 
     /// Number of connected agent streams.
     pub fn len(&self) -> usize {
-        self.agents.read().unwrap_or_else(|e| e.into_inner()).len()
-    }
-
-    /// Every connected agent stream, in connection order.
-    pub fn snapshot(&self) -> Vec<Arc<AgentStream>> {
-        self.agents
+        self.groups
             .read()
             .unwrap_or_else(|e| e.into_inner())
-            .clone()
+            .streams
+    }
+
+    /// Every connected agent stream, group by group.
+    pub fn snapshot(&self) -> Vec<Arc<AgentStream>> {
+        let g = self.groups.read().unwrap_or_else(|e| e.into_inner());
+        g.list
+            .iter()
+            .flat_map(|grp| grp.streams.iter().cloned())
+            .collect()
     }
 
     /// The connected agents as JSON for the admin endpoint's `/agents`: one entry per
     /// agent ID with its identifiers, which of them the server verified
-    /// (`verifiedHosts`, `verifiedIps`, `verifiedBy`; from its first stream), whether it
-    /// drains, and its stream count.
+    /// (`verifiedHosts`, `verifiedIps`, `verifiedBy`, `verifiedNode`; from its first
+    /// stream), whether it drains, and its stream count.
     pub fn agents_json(&self) -> String {
         let mut by_id: std::collections::BTreeMap<String, serde_json::Value> = Default::default();
         for b in self.snapshot() {
             let entry = by_id.entry(b.agent_id.clone()).or_insert_with(|| {
+                let mut ips = b.verified.ips.clone();
+                if let Some(node) = &b.verified.node {
+                    for ip in &b.identifiers.ips {
+                        if !ips.contains(ip) && self.nodes.has_address(node, *ip) {
+                            ips.push(*ip);
+                        }
+                    }
+                }
                 serde_json::json!({
                     "id": b.agent_id,
                     "hosts": b.identifiers.hosts,
                     "ips": b.identifiers.ips.iter().map(|ip| ip.to_string()).collect::<Vec<_>>(),
                     "verifiedHosts": b.verified.hosts,
-                    "verifiedIps": b.verified.ips.iter().map(|ip| ip.to_string()).collect::<Vec<_>>(),
+                    "verifiedIps": ips.iter().map(|ip| ip.to_string()).collect::<Vec<_>>(),
                     "verifiedBy": b.verified.by,
+                    "verifiedNode": b.verified.node,
                     "draining": true,
                     "streams": 0,
                 })
@@ -175,40 +378,68 @@ impl Registry {
         self.len() == 0
     }
 
-    /// Picks an agent for `address`: the first strategy with a candidate wins; among its
-    /// candidates one is chosen at random, preferring agents that are not draining.
+    /// Picks an agent stream for `address`: the first strategy with a candidate wins;
+    /// among its candidates an agent (group) is chosen at random, then one of its
+    /// eligible streams, preferring agents and streams that are not draining.
+    ///
+    /// Unless claims are trusted, a dial to a Node's name or address, or into a pod
+    /// network, is never sent to just any agent (`default`, `defaultRoute`): when no
+    /// agent verified as that node takes it, it fails, rather than reach an agent that
+    /// may be the attacker.
     pub fn select(&self, strategies: &[Strategy], address: &str) -> Option<Arc<AgentStream>> {
-        let host = dial_host(address);
-        let pod_node = if strategies.contains(&Strategy::DestCidr) && !self.pod_networks.is_empty()
-        {
-            self.pod_networks.node_of(host)
+        let host = canonical_host(dial_host(address));
+        let host = host.as_ref();
+        let pod_node = if strategies.contains(&Strategy::DestCidr) {
+            self.nodes.node_of(host)
         } else {
             None
         };
-        let list = self.agents.read().unwrap_or_else(|e| e.into_inner());
+        let pinned = !self.trust_claims
+            && strategies
+                .iter()
+                .any(|s| matches!(s, Strategy::Default | Strategy::DefaultRoute))
+            && self.nodes.knows(host);
+        let g = self.groups.read().unwrap_or_else(|e| e.into_inner());
         let mut rng = rand::rng();
         for &strategy in strategies {
+            if pinned && matches!(strategy, Strategy::Default | Strategy::DefaultRoute) {
+                continue;
+            }
             if strategy == Strategy::Default {
                 // Any agent: a few random probes find one that is not draining without
                 // looking at thousands.
                 for _ in 0..4 {
-                    match list.choose(&mut rng) {
-                        Some(b) if !b.is_draining() => return Some(Arc::clone(b)),
-                        Some(_) => {}
-                        None => return None,
+                    let group = g.list.choose(&mut rng)?;
+                    let mut pick = Pick::default();
+                    for b in group.streams.iter().filter(|b| !b.is_draining()) {
+                        pick.offer(b, &mut rng);
+                    }
+                    if let Some(b) = pick.chosen {
+                        return Some(Arc::clone(b));
                     }
                 }
             }
-            // One pass, no allocation: a uniform pick among the eligible agents that
-            // are not draining, and among all eligible ones for when every one is.
+            // One pass, no allocation: a uniform pick among the groups with an eligible
+            // stream that is not draining (then among all with an eligible stream), and
+            // within the chosen group a uniform pick among those streams.
             let (mut active, mut any) = (Pick::default(), Pick::default());
-            for b in list
-                .iter()
-                .filter(|b| b.eligible(strategy, host, pod_node.as_deref()))
-            {
-                any.offer(b, &mut rng);
-                if !b.is_draining() {
+            for group in &g.list {
+                let (mut g_active, mut g_any) = (Pick::default(), Pick::default());
+                for b in group
+                    .streams
+                    .iter()
+                    .filter(|b| b.eligible(strategy, host, pod_node.as_deref(), self))
+                {
+                    g_any.offer(b, &mut rng);
+                    if !b.is_draining() {
+                        g_active.offer(b, &mut rng);
+                    }
+                }
+                if let Some(b) = g_active.chosen {
                     active.offer(b, &mut rng);
+                }
+                if let Some(b) = g_any.chosen {
+                    any.offer(b, &mut rng);
                 }
             }
             if let Some(b) = active.chosen.or(any.chosen) {
@@ -216,6 +447,20 @@ impl Registry {
             }
         }
         None
+    }
+}
+
+/// The dial host as identifiers are compared: without brackets or a trailing dot, an
+/// IPv4-mapped IPv6 address as its IPv4 address.
+fn canonical_host(host: &str) -> std::borrow::Cow<'_, str> {
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let host = host.strip_suffix('.').unwrap_or(host);
+    match host.parse::<std::net::Ipv6Addr>() {
+        Ok(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => std::borrow::Cow::Owned(v4.to_string()),
+            None => std::borrow::Cow::Borrowed(host),
+        },
+        Err(_) => std::borrow::Cow::Borrowed(host),
     }
 }
 
@@ -242,25 +487,43 @@ mod tests {
     use tether_core::identifiers::AgentIdentifiers;
     use tokio::sync::mpsc;
 
-    fn agent(id: &str, ids: &str) -> Arc<AgentStream> {
+    fn verified_agent(id: &str, ids: &str, verified: Verified) -> Arc<AgentStream> {
         let (tx, _rx) = mpsc::channel(1);
         let (ctl, _ctl_rx) = tether_core::queue::queue();
         Arc::new(AgentStream::new(
             id.into(),
             AgentIdentifiers::parse(ids, true).unwrap(),
-            Verified::default(),
+            verified,
             tx,
             ctl,
             None,
         ))
     }
 
+    fn agent(id: &str, ids: &str) -> Arc<AgentStream> {
+        verified_agent(id, ids, Verified::default())
+    }
+
+    /// Claims are routed by only with `--unsafe-trust-agent-identifiers`.
+    fn trusting() -> Registry {
+        Registry::new(true, 0)
+    }
+
+    fn node(name: &str, cidr: &str, addr: &str) -> k8s_openapi::api::core::v1::Node {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name}, "spec": {"podCIDRs": [cidr]},
+            "status": {"addresses": [{"type": "InternalIP", "address": addr}]},
+        }))
+        .unwrap()
+    }
+
     #[test]
     fn strategies_in_order() {
-        let reg = Registry::default();
-        reg.add(agent("a", "host=node-a&ipv4=10.0.0.1"));
-        reg.add(agent("b", "ipv4=10.0.0.2&cidr=192.168.5.0/24"));
-        reg.add(agent("c", "default-route=true"));
+        let reg = trusting();
+        reg.add(agent("a", "host=node-a&ipv4=10.0.0.1")).unwrap();
+        reg.add(agent("b", "ipv4=10.0.0.2&cidr=192.168.5.0/24"))
+            .unwrap();
+        reg.add(agent("c", "default-route=true")).unwrap();
         let pick = |s: &str, addr: &str| {
             reg.select(&parse_strategies(s).unwrap(), addr)
                 .map(|b| b.agent_id.clone())
@@ -278,34 +541,105 @@ mod tests {
     }
 
     #[test]
-    fn a_pod_ip_goes_to_the_agent_on_its_node() {
+    fn by_default_only_verified_identifiers_route() {
         let reg = Registry::default();
-        let node = |name: &str, cidr: &str| -> k8s_openapi::api::core::v1::Node {
-            serde_json::from_value(serde_json::json!({
-                "metadata": {"name": name}, "spec": {"podCIDRs": [cidr]}
-            }))
-            .unwrap()
+        // Claims nodeB's name and address, proved neither.
+        reg.add(agent(
+            "node-a",
+            "host=node-b&ipv4=10.0.0.2&cidr=10.244.2.0/24&default-route=true",
+        ))
+        .unwrap();
+        // A certificate naming node-b and 10.0.0.2.
+        let cert = Verified {
+            by: "certificate",
+            hosts: vec!["node-b".into()],
+            ips: vec!["10.0.0.2".parse().unwrap()],
+            node: None,
+            principal: Some("node-b".into()),
         };
-        reg.pod_networks()
-            .set(&[node("n1", "10.244.1.0/24"), node("n2", "10.244.2.0/24")]);
-        reg.add(agent("n1", ""));
-        reg.add(agent("x", "host=n2"));
-        // Verified as n2 by its token: its own claims no longer count.
-        let (tx, _rx) = mpsc::channel(1);
-        let (ctl, _ctl_rx) = tether_core::queue::queue();
-        let claims_n1 = Arc::new(AgentStream::new(
-            "n1".into(),
-            AgentIdentifiers::default(),
+        reg.add(verified_agent("node-b", "host=node-b&ipv4=10.0.0.2", cert))
+            .unwrap();
+        // A token bound to node-c, whose Node object lists 10.0.0.3 and 10.244.3.0/24.
+        let token = Verified {
+            by: "serviceaccount-token",
+            hosts: vec!["node-c".into()],
+            ips: vec![],
+            node: Some("node-c".into()),
+            principal: Some("node-c".into()),
+        };
+        reg.add(verified_agent(
+            "node-c",
+            "host=node-c&ipv4=10.0.0.3&ipv4=10.0.0.9&cidr=10.244.3.0/24&cidr=10.244.0.0/16",
+            token,
+        ))
+        .unwrap();
+        reg.nodes()
+            .set(&[node("node-c", "10.244.3.0/24", "10.0.0.3")]);
+        let pick = |s: &str, addr: &str| {
+            reg.select(&parse_strategies(s).unwrap(), addr)
+                .map(|b| b.agent_id.clone())
+        };
+        for _ in 0..50 {
+            assert_eq!(
+                pick("destHost", "10.0.0.2:10250").as_deref(),
+                Some("node-b")
+            );
+            assert_eq!(pick("destHost", "node-b:10250").as_deref(), Some("node-b"));
+            assert_eq!(
+                pick("destHost", "10.0.0.3:10250").as_deref(),
+                Some("node-c")
+            );
+            assert_eq!(pick("destCIDR", "10.244.3.9:80").as_deref(), Some("node-c"));
+        }
+        // Claimed, not vouched for by the Node object.
+        assert_eq!(pick("destHost", "10.0.0.9:10250"), None);
+        assert_eq!(pick("destCIDR", "10.244.2.9:80"), None);
+        assert_eq!(pick("defaultRoute", "10.9.9.9:1"), None);
+        // Spelled otherwise, the same hosts.
+        assert_eq!(
+            pick("destHost", "[::ffff:10.0.0.2]:10250").as_deref(),
+            Some("node-b")
+        );
+        assert_eq!(pick("destHost", "node-b.:10250").as_deref(), Some("node-b"));
+        // A dial to a Node's address goes to that node's agent or nowhere: never to
+        // just any agent, which may be the attacker.
+        reg.nodes().set(&[
+            node("node-c", "10.244.3.0/24", "10.0.0.3"),
+            node("node-d", "10.244.4.0/24", "10.0.0.4"),
+        ]);
+        assert_eq!(pick("destHost,default", "10.0.0.4:10250"), None);
+        assert_eq!(pick("destHost,default", "node-d:10250"), None);
+        assert_eq!(pick("destCIDR,default", "10.244.4.5:80"), None);
+        assert!(pick("destHost,default", "10.9.9.9:1").is_some());
+        // The same claims route once the operator trusts them.
+        let reg = trusting();
+        reg.add(agent("node-a", "host=node-b")).unwrap();
+        assert!(reg.select(&[Strategy::DestHost], "node-b:1").is_some());
+    }
+
+    #[test]
+    fn a_pod_ip_goes_to_the_agent_on_its_node() {
+        let reg = trusting();
+        reg.nodes().route_pod_ips();
+        reg.nodes().set(&[
+            node("n1", "10.244.1.0/24", "192.0.2.1"),
+            node("n2", "10.244.2.0/24", "192.0.2.2"),
+        ]);
+        reg.add(agent("n1", "")).unwrap();
+        reg.add(agent("x", "host=n2")).unwrap();
+        // Verified as n3 by its token: its own claims no longer count.
+        let claims_n1 = verified_agent(
+            "n1",
+            "",
             Verified {
                 by: "serviceaccount-token",
                 hosts: vec!["n3".into()],
                 ips: vec![],
+                node: Some("n3".into()),
+                principal: Some("n3".into()),
             },
-            tx,
-            ctl,
-            None,
-        ));
-        reg.add(claims_n1);
+        );
+        reg.add(claims_n1).unwrap();
         let s = parse_strategies("destCIDR").unwrap();
         for _ in 0..20 {
             let b = reg.select(&s, "10.244.1.9:8080").unwrap();
@@ -324,8 +658,8 @@ mod tests {
         let reg = Registry::default();
         let a = agent("a", "");
         let b = agent("b", "");
-        reg.add(a.clone());
-        reg.add(b.clone());
+        reg.add(a.clone()).unwrap();
+        reg.add(b.clone()).unwrap();
         a.set_draining();
         for _ in 0..50 {
             assert_eq!(
@@ -343,16 +677,16 @@ mod tests {
         for i in 0..200 {
             let a = agent(&format!("d{i}"), "");
             a.set_draining();
-            reg.add(a);
+            reg.add(a).unwrap();
         }
-        reg.add(agent("live", ""));
+        reg.add(agent("live", "")).unwrap();
         for _ in 0..50 {
             let picked = reg.select(&[Strategy::Default], "x:1").unwrap();
             assert_eq!(picked.agent_id, "live");
         }
-        let reg = Registry::default();
+        let reg = trusting();
         for i in 0..4 {
-            reg.add(agent(&format!("a{i}"), "host=h"));
+            reg.add(agent(&format!("a{i}"), "host=h")).unwrap();
         }
         for strategy in [Strategy::Default, Strategy::DestHost] {
             let mut counts = std::collections::HashMap::new();
@@ -366,5 +700,89 @@ mod tests {
                 "{strategy:?}: {counts:?}"
             );
         }
+    }
+
+    #[test]
+    fn an_agent_with_many_streams_gets_one_agents_share() {
+        let reg = trusting();
+        for _ in 0..99 {
+            reg.add(agent("greedy", "host=h")).unwrap();
+        }
+        reg.add(agent("fair", "host=h")).unwrap();
+        for strategy in [Strategy::Default, Strategy::DestHost] {
+            let fair = (0..4000)
+                .filter(|_| reg.select(&[strategy], "h:1").unwrap().agent_id == "fair")
+                .count();
+            assert!((1800..2200).contains(&fair), "{strategy:?}: {fair} of 4000");
+        }
+        // Streams that claim other IDs under one verified identity are one agent.
+        let reg = Registry::default();
+        let under = |id: &str| {
+            verified_agent(
+                id,
+                "",
+                Verified {
+                    by: "serviceaccount-token",
+                    hosts: vec![],
+                    ips: vec![],
+                    node: Some("node-a".into()),
+                    principal: Some("node-a".into()),
+                },
+            )
+        };
+        for i in 0..50 {
+            reg.add(under(&format!("fake-{i}"))).unwrap();
+        }
+        reg.add(agent("node-b", "")).unwrap();
+        let b = (0..4000)
+            .filter(|_| reg.select(&[Strategy::Default], "x:1").unwrap().agent_id == "node-b")
+            .count();
+        assert!((1800..2200).contains(&b), "{b} of 4000");
+    }
+
+    #[test]
+    fn streams_are_capped_per_verified_identity_else_per_agent_id() {
+        let reg = Registry::new(false, 3);
+        for _ in 0..3 {
+            reg.add(agent("a", "")).unwrap();
+        }
+        let refused = reg.add(agent("a", "")).unwrap_err();
+        assert_eq!((refused.what, refused.count), ("agent ID", 3));
+        let node_a = |id: &str| {
+            verified_agent(
+                id,
+                "",
+                Verified {
+                    by: "certificate",
+                    principal: Some("node-a".into()),
+                    ..Verified::default()
+                },
+            )
+        };
+        for i in 0..3 {
+            reg.add(node_a(&format!("x{i}"))).unwrap();
+        }
+        let refused = reg.add(node_a("x9")).unwrap_err();
+        assert_eq!(
+            (refused.what, refused.key.as_str()),
+            ("verified identity", "node/node-a")
+        );
+        // An agent that proved nothing and claims the node's name as its ID is not in
+        // that node's group: it cannot use up the node's share.
+        reg.add(agent("node-a", "")).unwrap();
+        // Removing a stream makes room again; the registry's tables stay consistent.
+        let one = reg
+            .snapshot()
+            .into_iter()
+            .find(|b| b.agent_id == "x1")
+            .unwrap();
+        assert!(reg.remove(&one));
+        assert!(!reg.remove(&one));
+        reg.add(node_a("x9")).unwrap();
+        assert_eq!(reg.len(), 7);
+        for b in reg.snapshot() {
+            assert!(reg.remove(&b));
+        }
+        assert!(reg.is_empty());
     }
 }

@@ -238,16 +238,23 @@ pub(crate) struct AgentTables {
     pub conns: HashMap<i64, Arc<Conn>>,
 }
 
-/// The agent ID, `host=` and IP identifiers the server verified, and how.
+/// What the server verified of an agent, and how: the names and addresses routing
+/// may use (unless `--unsafe-trust-agent-identifiers`), and who the agent proved to be.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Verified {
-    /// `certificate` (`--require-agent-identity-match`) or `serviceaccount-token` (a
+    /// `certificate` (names in its client certificate) or `serviceaccount-token` (a
     /// token bound to a Pod on that node); empty when nothing was verified.
     pub by: &'static str,
     /// Verified names (the agent ID and hosts).
     pub hosts: Vec<String>,
-    /// Verified addresses.
+    /// Verified addresses (certificate IP SANs).
     pub ips: Vec<std::net::IpAddr>,
+    /// The node a pod-bound token proved: its Node object vouches for addresses and
+    /// pod networks, looked up when a dial is routed (they may change).
+    pub node: Option<String>,
+    /// Who the agent proved to be whatever ID it claims (a token's node, a per-node
+    /// certificate's name): its streams are grouped and capped under it.
+    pub principal: Option<String>,
 }
 
 /// One agent stream.

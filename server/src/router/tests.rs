@@ -24,6 +24,9 @@ fn router(strategies: &str, backend_dial_timeout: Option<Duration>) -> Arc<Route
             backend_dial_timeout,
             flow_control: true,
             stall_timeout: Duration::from_secs(30),
+            // These tests are about routing mechanics; verification is select's.
+            trust_claims: true,
+            max_agent_streams: 0,
         },
         Metrics::new(),
     )
@@ -48,7 +51,7 @@ impl FakeAgent {
             ctl_tx,
             window,
         ));
-        router.add_agent(stream.clone());
+        router.add_agent(stream.clone()).unwrap();
         FakeAgent { stream, rx, ctl }
     }
 
@@ -371,7 +374,7 @@ async fn a_stream_that_takes_no_dial_request_is_retired() {
         ctl,
         None,
     ));
-    router.add_agent(stuck.clone());
+    router.add_agent(stuck.clone()).unwrap();
     tx.try_send(Packet::drain()).unwrap(); // the stream's one slot is taken
     let mut fe = FakeFrontend::open();
     fe.dial(&router, "target:80", 5).await;

@@ -1,0 +1,349 @@
+//! What the cluster's Node objects vouch for: each node's addresses (`status.addresses`)
+//! and pod networks (`spec.podCIDRs`), watched from the API. Agents authenticated by a
+//! pod-bound token prove only their node's name; the Node object says which addresses
+//! and networks that node really has, so only those of an agent's identifiers are
+//! routed by. With `--watch-node-pod-cidrs`, `destCIDR` also sends a dial to a pod IP to
+//! the agent on that pod's node even when pod networks are not routed between nodes.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock};
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Node;
+use kube::runtime::{reflector, watcher, WatchStreamExt};
+use kube::{Api, ResourceExt};
+use tether_core::identifiers::Cidr;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+/// Where to watch Nodes from.
+#[derive(Debug, Clone, Default)]
+pub struct WatchConfig {
+    /// `--kubeconfig`; `None` = in-cluster configuration.
+    pub kubeconfig: Option<std::path::PathBuf>,
+    /// `--watch-node-pod-cidrs`: route dials to pod IPs by the pod's node.
+    pub route_pod_ips: bool,
+}
+
+/// One node's facts.
+#[derive(Debug, Default)]
+struct NodeFacts {
+    addresses: Vec<IpAddr>,
+    pod_cidrs: Vec<Cidr>,
+}
+
+#[derive(Debug, Default)]
+struct Table {
+    /// Pod networks and their node, for routing pod IPs.
+    networks: Vec<(Cidr, String)>,
+    by_name: HashMap<String, NodeFacts>,
+    /// Every address any Node lists, with how many Nodes list it: a kubelet writes its
+    /// own Node's addresses, so an address two Nodes list vouches for neither.
+    addresses: HashMap<IpAddr, usize>,
+}
+
+impl Table {
+    /// Is `net` inside a pod network of a node other than `node`, or overlapping one?
+    fn contested(&self, node: &str, net: &Cidr) -> bool {
+        self.networks
+            .iter()
+            .any(|(c, n)| n != node && (c.covers(net) || net.covers(c)))
+    }
+}
+
+/// The Nodes' addresses and pod networks; empty until the first list arrives (and
+/// always when the server does not watch Nodes).
+#[derive(Default)]
+pub struct NodeInventory {
+    table: RwLock<Table>,
+    /// Set for good when the watch starts.
+    watched: AtomicBool,
+    /// Pod IPs are routed to their node's agent (`--watch-node-pod-cidrs`).
+    route_pod_ips: AtomicBool,
+    /// Set once the first list has arrived.
+    synced: AtomicBool,
+}
+
+impl NodeInventory {
+    /// The node whose pod network holds `host` (an IP literal); `None` unless pod IPs
+    /// are routed by node, or when the networks holding it belong to several nodes (a
+    /// node cannot take another's pods by listing a narrower network).
+    pub fn node_of(&self, host: &str) -> Option<String> {
+        if !self.routes_pod_ips() {
+            return None;
+        }
+        let ip: IpAddr = host.parse().ok()?;
+        let table = self.table.read().unwrap_or_else(|e| e.into_inner());
+        let mut owners = table
+            .networks
+            .iter()
+            .filter(|(net, _)| net.contains(ip))
+            .map(|(_, node)| node);
+        let first = owners.next()?;
+        owners.all(|n| n == first).then(|| first.clone())
+    }
+
+    /// Is `ip` one of Node `node`'s addresses, and no other Node's?
+    pub fn has_address(&self, node: &str, ip: IpAddr) -> bool {
+        let table = self.table.read().unwrap_or_else(|e| e.into_inner());
+        table
+            .by_name
+            .get(node)
+            .is_some_and(|f| f.addresses.contains(&ip))
+            && table.addresses.get(&ip) == Some(&1)
+    }
+
+    /// Is `net` inside one of Node `node`'s pod networks, and clear of every other
+    /// Node's?
+    pub fn has_network(&self, node: &str, net: &Cidr) -> bool {
+        let table = self.table.read().unwrap_or_else(|e| e.into_inner());
+        table
+            .by_name
+            .get(node)
+            .is_some_and(|f| f.pod_cidrs.iter().any(|c| c.covers(net)))
+            && !table.contested(node, net)
+    }
+
+    /// Is `host` a Node's name, one of its addresses, or inside a pod network? Such a
+    /// dial belongs to one node's agent: it never falls back to any agent.
+    pub fn knows(&self, host: &str) -> bool {
+        let table = self.table.read().unwrap_or_else(|e| e.into_inner());
+        match host.parse::<IpAddr>() {
+            Ok(ip) => {
+                table.addresses.contains_key(&ip)
+                    || table.networks.iter().any(|(net, _)| net.contains(ip))
+            }
+            Err(_) => table.by_name.keys().any(|n| n.eq_ignore_ascii_case(host)),
+        }
+    }
+
+    /// Node `node`'s addresses (empty when unknown).
+    pub fn addresses(&self, node: &str) -> Vec<IpAddr> {
+        let table = self.table.read().unwrap_or_else(|e| e.into_inner());
+        table
+            .by_name
+            .get(node)
+            .map(|f| f.addresses.clone())
+            .unwrap_or_default()
+    }
+
+    /// Replaces the table with what `nodes` say; unparsable values are skipped.
+    pub fn set<'a>(&self, nodes: impl IntoIterator<Item = &'a Node>) {
+        let mut table = Table::default();
+        for node in nodes {
+            let name = node.name_any();
+            let mut facts = NodeFacts::default();
+            if let Some(spec) = &node.spec {
+                let mut cidrs = spec.pod_cidrs.clone().unwrap_or_default();
+                if cidrs.is_empty() {
+                    cidrs.extend(spec.pod_cidr.clone());
+                }
+                for c in cidrs {
+                    match c.parse::<Cidr>() {
+                        Ok(net) => {
+                            let net = net.normalized();
+                            table.networks.push((net, name.clone()));
+                            facts.pod_cidrs.push(net);
+                        }
+                        Err(e) => {
+                            tracing::warn!(node = %name, cidr = %c, error = %e, "ignoring a pod CIDR")
+                        }
+                    }
+                }
+            }
+            let addresses = node.status.as_ref().and_then(|s| s.addresses.as_ref());
+            for a in addresses.into_iter().flatten() {
+                // Hostname and InternalDNS entries are names, not addresses.
+                if let Ok(ip) = a.address.parse::<IpAddr>() {
+                    if !facts.addresses.contains(&ip) {
+                        facts.addresses.push(ip);
+                    }
+                }
+            }
+            for ip in &facts.addresses {
+                *table.addresses.entry(*ip).or_default() += 1;
+            }
+            table.by_name.insert(name, facts);
+        }
+        let shared: Vec<IpAddr> = table
+            .addresses
+            .iter()
+            .filter(|(_, n)| **n > 1)
+            .map(|(ip, _)| *ip)
+            .collect();
+        let mut old = self.table.write().unwrap_or_else(|e| e.into_inner());
+        let was = old.addresses.values().filter(|n| **n > 1).count();
+        if shared.len() != was && !shared.is_empty() {
+            tracing::warn!(addresses = ?shared, "several Nodes list the same address: it verifies no agent (a node may be claiming another's address)");
+        }
+        *old = table;
+        drop(old);
+        self.synced.store(true, Ordering::Relaxed);
+    }
+
+    /// Routes pod IPs to their node's agent from now on (`--watch-node-pod-cidrs`).
+    pub fn route_pod_ips(&self) {
+        self.route_pod_ips.store(true, Ordering::Relaxed);
+    }
+
+    /// Are pod IPs routed by node?
+    pub fn routes_pod_ips(&self) -> bool {
+        self.route_pod_ips.load(Ordering::Relaxed)
+    }
+
+    /// Does the server watch Nodes?
+    pub fn is_watched(&self) -> bool {
+        self.watched.load(Ordering::Relaxed)
+    }
+
+    /// Has the first list of Nodes arrived?
+    pub fn is_synced(&self) -> bool {
+        self.synced.load(Ordering::Relaxed)
+    }
+
+    /// How many pod networks are known.
+    pub fn networks(&self) -> usize {
+        let table = self.table.read().unwrap_or_else(|e| e.into_inner());
+        table.networks.len()
+    }
+}
+
+/// Keeps `inventory` in step with the cluster's Nodes until `shutdown`; watch errors
+/// are retried with backoff (meanwhile the last table stays in use).
+pub fn spawn(
+    client: kube::Client,
+    inventory: Arc<NodeInventory>,
+    shutdown: CancellationToken,
+) -> tokio::task::JoinHandle<()> {
+    inventory.watched.store(true, Ordering::Relaxed);
+    let (store, writer) = reflector::store::<Node>();
+    let stream = reflector::reflector(
+        writer,
+        watcher(Api::<Node>::all(client), watcher::Config::default()).default_backoff(),
+    );
+    tokio::spawn(
+        async move {
+            let mut stream = std::pin::pin!(stream);
+            let mut ready = false;
+            loop {
+                let event = tokio::select! {
+                    e = stream.next() => e,
+                    _ = shutdown.cancelled() => return,
+                };
+                match event {
+                    Some(Ok(watcher::Event::InitApply(_) | watcher::Event::Init)) => {}
+                    Some(Ok(_)) => {
+                        let nodes = store.state();
+                        inventory.set(nodes.iter().map(|n| n.as_ref()));
+                        if !ready {
+                            ready = true;
+                            tracing::info!(
+                                nodes = nodes.len(),
+                                pod_networks = inventory.networks(),
+                                "the nodes' addresses and pod networks are known"
+                            );
+                        }
+                    }
+                    Some(Err(e)) => tracing::warn!(error = %e, "watching nodes failed; retrying (the server needs list and watch on nodes to verify token-authenticated agents' addresses)"),
+                    None => return,
+                }
+            }
+        }
+        .instrument(tracing::info_span!("nodes")),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(name: &str, cidrs: &[&str], addrs: &[&str]) -> Node {
+        let addresses: Vec<_> = addrs
+            .iter()
+            .map(|a| serde_json::json!({"type": "InternalIP", "address": a}))
+            .collect();
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name},
+            "spec": {"podCIDR": cidrs.first(), "podCIDRs": cidrs},
+            "status": {"addresses": addresses},
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_pod_ip_names_its_node() {
+        let nets = NodeInventory::default();
+        nets.route_pod_ips();
+        assert_eq!(nets.node_of("10.244.1.7"), None);
+        nets.set(&[
+            node("a", &["10.244.1.0/24", "fd00:1::/64"], &[]),
+            node("b", &["10.244.2.0/24"], &[]),
+            node("c", &[], &[]),
+            node("bad", &["nonsense"], &[]),
+        ]);
+        assert_eq!(nets.networks(), 3);
+        assert_eq!(nets.node_of("10.244.1.7").as_deref(), Some("a"));
+        assert_eq!(nets.node_of("fd00:1::9").as_deref(), Some("a"));
+        assert_eq!(nets.node_of("10.244.2.200").as_deref(), Some("b"));
+        assert_eq!(nets.node_of("10.244.3.1"), None);
+        assert_eq!(nets.node_of("node-a"), None);
+        nets.set(&[node("b", &["10.244.2.0/24"], &[])]);
+        assert_eq!(nets.node_of("10.244.1.7"), None);
+    }
+
+    #[test]
+    fn a_node_vouches_for_its_own_addresses_and_networks_only() {
+        let nodes = NodeInventory::default();
+        nodes.set(&[
+            node(
+                "a",
+                &["10.244.1.0/24"],
+                &["192.0.2.1", "a.example", "2001:db8::1"],
+            ),
+            node("b", &["10.244.2.0/24"], &["192.0.2.2"]),
+        ]);
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        assert!(nodes.has_address("a", ip("192.0.2.1")));
+        assert!(nodes.has_address("a", ip("2001:db8::1")));
+        assert!(!nodes.has_address("a", ip("192.0.2.2")));
+        assert!(!nodes.has_address("z", ip("192.0.2.1")));
+        let net = |s: &str| s.parse::<Cidr>().unwrap();
+        assert!(nodes.has_network("a", &net("10.244.1.0/25")));
+        assert!(!nodes.has_network("a", &net("10.244.0.0/16")));
+        assert!(!nodes.has_network("a", &net("10.244.2.0/24")));
+        // Without --watch-node-pod-cidrs pod IPs are not routed by node.
+        assert_eq!(nodes.node_of("10.244.1.7"), None);
+        assert!(nodes.knows("192.0.2.2") && nodes.knows("A") && nodes.knows("10.244.2.9"));
+        assert!(!nodes.knows("192.0.2.9") && !nodes.knows("c"));
+    }
+
+    #[test]
+    fn what_two_nodes_list_vouches_for_neither() {
+        let nodes = NodeInventory::default();
+        nodes.route_pod_ips();
+        // b's kubelet (compromised) lists a's address and a narrower slice of a's pods.
+        nodes.set(&[
+            node("a", &["10.244.1.0/24"], &["192.0.2.1"]),
+            node(
+                "b",
+                &["10.244.2.0/24", "10.244.1.128/25"],
+                &["192.0.2.2", "192.0.2.1"],
+            ),
+        ]);
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        assert!(!nodes.has_address("a", ip("192.0.2.1")));
+        assert!(!nodes.has_address("b", ip("192.0.2.1")));
+        assert!(nodes.has_address("b", ip("192.0.2.2")));
+        let net = |s: &str| s.parse::<Cidr>().unwrap();
+        assert!(!nodes.has_network("b", &net("10.244.1.128/25")));
+        assert!(!nodes.has_network("a", &net("10.244.1.0/24")));
+        assert_eq!(nodes.node_of("10.244.1.200"), None);
+        assert_eq!(nodes.node_of("10.244.2.9").as_deref(), Some("b"));
+        assert!(
+            nodes.knows("192.0.2.1"),
+            "still a node's: no fallback to any agent"
+        );
+    }
+}

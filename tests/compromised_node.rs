@@ -1,0 +1,637 @@
+//! The compromised node: a hand-written agent holding one node's valid credentials (its
+//! certificate from `tether certs agent`, or its pod-bound ServiceAccount token) tries
+//! to take another node's traffic, against servers in their default configuration and
+//! with the flags of the manifests in deploy/. Each test names the threat it closes
+//! (docs/threat-model.md lists them).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tether_client::Client;
+use tether_proto::agent_service_client::AgentServiceClient;
+use tether_proto::{packet::Payload, Packet};
+use tether_testkit::backend;
+use tether_testkit::kube::{Cluster, Egress};
+use tether_testkit::process::{socket_path, uds_frontend_args};
+use tether_testkit::{metric, wait_until, AgentProc, Pki, ServerProc, TempDir};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::mpsc;
+
+const BIN: &str = env!("CARGO_BIN_EXE_tether");
+
+/// What the attacker's agent writes into every tunnel it is given.
+const ROGUE: &[u8; 4] = b"evil";
+
+/// A per-node agent certificate, as `tether certs agent` writes it: (cert, key).
+fn node_cert(pki: &Pki, out: &Path, node: &str, ip: &str) -> (PathBuf, PathBuf) {
+    let f = &pki.files;
+    let status = Command::new(BIN)
+        .args(["certs", "agent", "--node", node, "--node-ip", ip, "--out"])
+        .arg(out)
+        .arg("--ca-cert")
+        .arg(&f.ca_cert)
+        .arg("--ca-key")
+        .arg(&f.ca_key)
+        .output()
+        .unwrap();
+    assert!(status.status.success(), "{status:?}");
+    (
+        out.join(format!("agent-{node}.crt")),
+        out.join(format!("agent-{node}.key")),
+    )
+}
+
+/// The attacker: one mutual-TLS HTTP/2 connection to the agent port, on which it opens
+/// as many Connect streams as it likes with whatever metadata it likes. Every stream
+/// answers each dial with a tunnel of its own bytes ([`ROGUE`]), unless `silent`.
+struct Rogue {
+    channel: tonic::transport::Channel,
+    /// Dials that reached the attacker.
+    dials: Arc<AtomicUsize>,
+    silent: bool,
+}
+
+/// One of the attacker's streams: what it sends goes to the server.
+struct RogueStream {
+    out: mpsc::Sender<Packet>,
+}
+
+impl Rogue {
+    /// Connects with `identity` (a client certificate and key), or none (tokens).
+    async fn connect(
+        pki: &Pki,
+        server: std::net::SocketAddr,
+        identity: Option<(&Path, &Path)>,
+    ) -> Rogue {
+        let tls = tether_core::tls::client_config(&pki.files.ca_cert, identity, &[b"h2"]).unwrap();
+        let authority = server.to_string();
+        let connector = tower::service_fn(move |_| {
+            let (tls, authority) = (tls.clone(), authority.clone());
+            async move {
+                let name = tether_core::tls::server_name("127.0.0.1").unwrap();
+                let tls = tether_core::transport::connect_tls(&authority, name, tls).await?;
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tls))
+            }
+        });
+        let channel = tonic::transport::Endpoint::from_static("http://127.0.0.1")
+            .connect_with_connector(connector)
+            .await
+            .unwrap();
+        Rogue {
+            channel,
+            dials: Arc::default(),
+            silent: false,
+        }
+    }
+
+    /// Opens a Connect stream as `agent_id` with `identifiers` (and `token`).
+    async fn open(
+        &self,
+        agent_id: &str,
+        identifiers: &str,
+        token: Option<&str>,
+    ) -> Result<RogueStream, tonic::Status> {
+        let (out, rx) = mpsc::channel(64);
+        let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+        let md = request.metadata_mut();
+        md.insert("agentid", agent_id.parse().unwrap());
+        md.insert("agentidentifiers", identifiers.parse().unwrap());
+        if let Some(t) = token {
+            md.insert("authorization", format!("Bearer {t}").parse().unwrap());
+        }
+        let mut inbound = AgentServiceClient::new(self.channel.clone())
+            .connect(request)
+            .await?
+            .into_inner();
+        let (dials, silent, reply) = (self.dials.clone(), self.silent, out.clone());
+        tokio::spawn(async move {
+            let mut next_id = 1_000_000;
+            while let Ok(Some(packet)) = inbound.message().await {
+                if let Some(Payload::DialRequest(req)) = packet.payload {
+                    dials.fetch_add(1, Ordering::SeqCst);
+                    if silent {
+                        continue;
+                    }
+                    next_id += 1;
+                    let _ = reply
+                        .send(Packet::dial_response(req.random, next_id, ""))
+                        .await;
+                    let _ = reply.send(Packet::data(next_id, ROGUE.to_vec())).await;
+                }
+            }
+        });
+        Ok(RogueStream { out })
+    }
+
+    /// Opens up to `n` streams; (opened, refusals with their codes).
+    async fn open_many(
+        &self,
+        n: usize,
+        agent_id: &str,
+        identifiers: &str,
+        token: Option<&str>,
+    ) -> (Vec<RogueStream>, Vec<tonic::Code>) {
+        let (mut opened, mut refused) = (Vec::new(), Vec::new());
+        for _ in 0..n {
+            match self.open(agent_id, identifiers, token).await {
+                Ok(s) => opened.push(s),
+                Err(status) => refused.push(status.code()),
+            }
+        }
+        (opened, refused)
+    }
+}
+
+/// Dials `address` through the gRPC frontend, writes "ping" and reads four bytes back:
+/// "ping" from the real echo backend, [`ROGUE`] from the attacker.
+async fn ping(client: &Client, address: &str) -> Vec<u8> {
+    let mut conn = client.dial(address).await.expect("dial");
+    conn.write_all(b"ping").await.unwrap();
+    let mut back = [0u8; 4];
+    tokio::time::timeout(Duration::from_secs(20), conn.read_exact(&mut back))
+        .await
+        .expect("an answer within 20 s")
+        .expect("four bytes");
+    back.to_vec()
+}
+
+/// A server as `tether certs` and the shipped defaults make it: agents by per-node
+/// certificates, the gRPC frontend on a socket, the deploy manifest's strategies.
+fn certificate_server(pki: &Pki, extra: &[&str]) -> ServerProc {
+    let mut args = uds_frontend_args(pki, "grpc", &socket_path(pki.dir()));
+    args.push("--proxy-strategies=destHost,destCIDR,default".into());
+    args.extend(extra.iter().map(|s| s.to_string()));
+    ServerProc::start(Path::new(BIN), &args)
+}
+
+/// node-b's real agent, with node-b's certificate and the DaemonSet's identifiers.
+fn real_agent(
+    pki: &Pki,
+    server: &ServerProc,
+    node: &str,
+    ip: &str,
+    cert: &(PathBuf, PathBuf),
+) -> AgentProc {
+    AgentProc::start(
+        Path::new(BIN),
+        pki,
+        server.agent,
+        &[
+            format!("--agent-id={node}"),
+            format!("--agent-identifiers=host={node}&ipv4={ip}"),
+            format!("--agent-cert={}", cert.0.display()),
+            format!("--agent-key={}", cert.1.display()),
+        ],
+    )
+}
+
+/// Threats 1 and 4 with certificates: node-a's certificate claiming node-b's name and
+/// address on fifty streams gets none of node-b's dials, no more than eight streams,
+/// and no more than one agent's share of the dials any agent may take.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_certificate_cannot_take_another_nodes_traffic() {
+    let pki = Pki::new();
+    let certs = TempDir::new("tether-node-certs");
+    let cert_a = node_cert(&pki, certs.path(), "node-a", "127.0.0.3");
+    let cert_b = node_cert(&pki, certs.path(), "node-b", "127.0.0.2");
+    let kubelet_b = backend::echo_on("127.0.0.2").await;
+    let elsewhere = backend::echo().await;
+    let server = certificate_server(&pki, &[]);
+    let _node_b = real_agent(&pki, &server, "node-b", "127.0.0.2", &cert_b);
+    server.wait_agents(1).await;
+
+    let rogue = Rogue::connect(&pki, server.agent, Some((&cert_a.0, &cert_a.1))).await;
+    let (streams, refused) = rogue
+        .open_many(50, "node-b", "host=node-b&ipv4=127.0.0.2", None)
+        .await;
+    assert_eq!(
+        streams.len(),
+        8,
+        "--max-agent-streams' default per verified identity"
+    );
+    assert!(
+        refused.iter().all(|c| *c == tonic::Code::ResourceExhausted),
+        "{refused:?}"
+    );
+    server.wait_agents(9).await;
+
+    let client = Client::uds(socket_path(pki.dir())).await.unwrap();
+    let kubelet = kubelet_b.addr.to_string();
+    for _ in 0..20 {
+        assert_eq!(
+            ping(&client, &kubelet).await,
+            b"ping",
+            "node-b's dial reached node-b"
+        );
+    }
+    assert_eq!(
+        rogue.dials.load(Ordering::SeqCst),
+        0,
+        "no destHost dial reached the attacker"
+    );
+
+    // Dials any agent may take (the `default` strategy): node-a's eight streams are one
+    // agent's share, not eight of nine.
+    let (mut evil, mut dials) = (0, 0);
+    while dials < 40 {
+        dials += 1;
+        if ping(&client, &elsewhere.addr.to_string()).await == ROGUE {
+            evil += 1;
+        }
+    }
+    assert!(evil <= 31, "the attacker took {evil} of 40 default dials");
+
+    let page = server.metrics().await;
+    let count = |name: &str| metric(&page, name).unwrap_or(0.0);
+    assert_eq!(
+        count(r#"tether_server_agent_streams_refused_total{reason="too_many_streams"}"#),
+        42.0
+    );
+    assert!(count(r#"tether_server_unverified_identifiers_total{kind="ip"}"#) >= 8.0);
+    assert!(server
+        .proc
+        .logged("agent claims identifiers the server could not verify"));
+    let (_, agents) = tether_testkit::http_get(server.admin, "/agents")
+        .await
+        .unwrap();
+    let agents: serde_json::Value = serde_json::from_str(&agents).unwrap();
+    let b = agents["agents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["id"] == "node-b" && a["verifiedBy"] == "certificate")
+        .cloned();
+    assert!(
+        b.is_some_and(|b| b["verifiedIps"] == serde_json::json!(["127.0.0.2"])),
+        "{agents}"
+    );
+    drop(streams);
+}
+
+/// The holds: forged DATA, CLOSE_RSP, DIAL_RSP and WINDOW_UPDATE for another agent's
+/// connection IDs reach nothing, because tunnels are tracked per agent stream; and
+/// `--require-agent-identity-match` refuses the impostor outright.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn forged_packets_reach_no_other_agents_tunnels() {
+    let pki = Pki::new();
+    let certs = TempDir::new("tether-node-certs");
+    let cert_a = node_cert(&pki, certs.path(), "node-a", "127.0.0.3");
+    let cert_b = node_cert(&pki, certs.path(), "node-b", "127.0.0.2");
+    let kubelet_b = backend::echo_on("127.0.0.2").await;
+    let server = certificate_server(&pki, &["--require-agent-identity-match"]);
+    let _node_b = real_agent(&pki, &server, "node-b", "127.0.0.2", &cert_b);
+    server.wait_agents(1).await;
+
+    let rogue = Rogue::connect(&pki, server.agent, Some((&cert_a.0, &cert_a.1))).await;
+    let refused = rogue.open("node-b", "host=node-b", None).await.err();
+    assert_eq!(
+        refused.map(|s| s.code()),
+        Some(tonic::Code::PermissionDenied)
+    );
+    let own = rogue
+        .open("node-a", "host=node-a&ipv4=127.0.0.3", None)
+        .await
+        .unwrap();
+    server.wait_agents(2).await;
+
+    let client = Client::uds(socket_path(pki.dir())).await.unwrap();
+    let mut tunnel = client.dial(&kubelet_b.addr.to_string()).await.unwrap();
+    let victim = tunnel.connect_id();
+    tunnel.write_all(b"one ").await.unwrap();
+    let mut back = [0u8; 4];
+    tunnel.read_exact(&mut back).await.unwrap();
+    for id in (1..=64).chain([victim, victim + 1]) {
+        for forged in [
+            Packet::data(id, ROGUE.to_vec()),
+            Packet::window_update(id, 1 << 30),
+            Packet::dial_response(id, id, ""),
+            Packet::close_response(id, "forged"),
+        ] {
+            own.out.send(forged).await.unwrap();
+        }
+    }
+    // The forgeries are all read before this dial's answer on the same stream: the
+    // server handled them, and the victim's tunnel still carries exactly its bytes.
+    assert_eq!(ping(&client, "127.0.0.3:9").await, ROGUE);
+    tunnel.write_all(b"two!").await.unwrap();
+    tunnel.read_exact(&mut back).await.unwrap();
+    assert_eq!(&back, b"two!");
+}
+
+/// Threat 6: a dial the agent never answers fails on the gRPC frontend within the
+/// documented 30 s backstop, though `--backend-dial-timeout` is not set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dial_no_agent_answers_fails_on_the_grpc_frontend() {
+    let pki = Pki::new();
+    let certs = TempDir::new("tether-node-certs");
+    let cert_a = node_cert(&pki, certs.path(), "node-a", "127.0.0.3");
+    let server = certificate_server(&pki, &[]);
+    let mut rogue = Rogue::connect(&pki, server.agent, Some((&cert_a.0, &cert_a.1))).await;
+    rogue.silent = true;
+    let _stream = rogue.open("node-a", "", None).await.unwrap();
+    server.wait_agents(1).await;
+    // A raw Proxy stream (kube-apiserver's own client waits as long as the server).
+    let client = Client::uds(socket_path(pki.dir())).await.unwrap();
+    let (mut send, mut inbound) = client.open_stream().await.unwrap();
+    let started = std::time::Instant::now();
+    send.send(Packet::dial_request("tcp", "127.0.0.1:9", 77))
+        .await
+        .unwrap();
+    let answer = tokio::time::timeout(Duration::from_secs(90), inbound.message())
+        .await
+        .expect("the server answered within 90 s")
+        .unwrap()
+        .expect("a packet");
+    let Some(Payload::DialResponse(rsp)) = answer.payload else {
+        panic!("expected DIAL_RSP, got {answer:?}");
+    };
+    assert_eq!(rsp.random, 77);
+    assert!(rsp.error.contains("dial timeout"), "{rsp:?}");
+    assert!(
+        started.elapsed() >= Duration::from_secs(29),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(rogue.dials.load(Ordering::SeqCst), 1);
+    let page = server.metrics().await;
+    assert_eq!(
+        metric(
+            &page,
+            r#"konnectivity_network_proxy_server_dial_failure_count{reason="backend_dial_timeout"}"#
+        ),
+        Some(1.0)
+    );
+}
+
+/// Threat 3: an agent certificate never opens frontend tunnels. A TCP frontend that
+/// would trust the agents' CA does not start; with `tether certs`' own frontend CA an
+/// agent certificate fails the handshake, and the apiserver's client certificate works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_agent_certificate_opens_no_frontend_tunnel() {
+    let pki = Pki::new();
+    let f = &pki.files;
+    let shared = Command::new(BIN)
+        .args([
+            "server",
+            "--mode=http-connect",
+            "--server-port=0",
+            "--agent-port=0",
+        ])
+        .args([
+            "--health-port=0",
+            "--admin-port=0",
+            "--server-bind-address=127.0.0.1",
+        ])
+        .arg(format!("--server-cert={}", f.server_cert.display()))
+        .arg(format!("--server-key={}", f.server_key.display()))
+        .arg(format!("--server-ca-cert={}", f.ca_cert.display()))
+        .arg(format!("--cluster-ca-cert={}", f.ca_cert.display()))
+        .output()
+        .unwrap();
+    assert_eq!(shared.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&shared.stderr);
+    assert!(
+        err.contains("share the CA") && err.contains("--frontend-client-names"),
+        "{err}"
+    );
+
+    let server = ServerProc::start(
+        Path::new(BIN),
+        &tether_testkit::process::tcp_frontend_args(&pki, "http-connect"),
+    );
+    let _agent = AgentProc::start(Path::new(BIN), &pki, server.agent, &[]);
+    server.wait_agents(1).await;
+    let target = backend::echo().await;
+    let frontend: std::net::SocketAddr = server.frontend.parse().unwrap();
+    let connect = format!(
+        "CONNECT {} HTTP/1.1\r\nHost: {}\r\n\r\n",
+        target.addr, target.addr
+    );
+    let agent_tls = tether_core::tls::client_config(
+        &f.ca_cert,
+        Some((&f.agent_cert, &f.agent_key)),
+        &[b"http/1.1"],
+    )
+    .unwrap();
+    let with_agent_cert = async {
+        let mut tls = tether_testkit::tls_connect(frontend, agent_tls)
+            .await
+            .ok()?;
+        let head = tether_testkit::request_head(&mut tls, connect.as_bytes())
+            .await
+            .ok()?;
+        Some(head)
+    };
+    let head = with_agent_cert.await;
+    assert!(
+        head.as_deref()
+            .is_none_or(|h| !h.starts_with("HTTP/1.1 200")),
+        "an agent certificate opened a tunnel: {head:?}"
+    );
+    let mut tls = tether_testkit::tls_connect(frontend, pki.frontend_http_tls())
+        .await
+        .unwrap();
+    let head = tether_testkit::request_head(&mut tls, connect.as_bytes())
+        .await
+        .unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+}
+
+/// Threat 5: 20,000 idle connections from one address (four processes, as a flood
+/// would come) take neither the descriptors nor the handshake slots a real agent needs:
+/// it connects and carries a dial while they are open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_connection_flood_does_not_lock_agents_out() {
+    let pki = Pki::new();
+    let args = uds_frontend_args(&pki, "grpc", &socket_path(pki.dir()));
+    // Far fewer descriptors than the flood has connections.
+    let server = ServerProc::start_with_open_files(Path::new(BIN), &args, (4096, 4096));
+    let port = server.agent.port();
+    let flood = r#"
+import socket, sys
+port, n = int(sys.argv[1]), int(sys.argv[2])
+held = []
+for _ in range(n):
+    s = socket.socket()
+    s.bind(("127.0.0.2", 0))
+    s.connect(("127.0.0.1", port))
+    held.append(s)
+print("connected", flush=True)
+sys.stdin.read()
+"#;
+    let mut floods = Vec::new();
+    for _ in 0..4 {
+        floods.push(
+            Command::new("python3")
+                .args(["-c", flood, &port.to_string(), "5000"])
+                .stdin(std::process::Stdio::piped())
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .unwrap(),
+        );
+    }
+    for child in &mut floods {
+        use std::io::BufRead;
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.as_mut().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert_eq!(line.trim(), "connected", "the flood could not connect");
+    }
+    let target = backend::echo().await;
+    let _agent = AgentProc::start(Path::new(BIN), &pki, server.agent, &[]);
+    server.wait_agents(1).await;
+    let client = Client::uds(socket_path(pki.dir())).await.unwrap();
+    assert_eq!(ping(&client, &target.addr.to_string()).await, b"ping");
+    wait_until(
+        "flood connections refused",
+        Duration::from_secs(30),
+        || async {
+            let page = server.metrics().await;
+            metric(
+                &page,
+                r#"tether_server_connections_refused_total{listener="agent",reason="per_source"}"#,
+            )
+            .filter(|n| *n > 10_000.0)
+        },
+    )
+    .await;
+    for mut child in floods {
+        drop(child.stdin.take());
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
+
+/// The deploy manifests' server flags (token authentication, destHost, destCIDR and
+/// default, Node watching) with this test's socket, certificate and kubeconfig.
+fn manifest_server_args(pki: &Pki, kubeconfig: &Path) -> Vec<String> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/konnectivity-server.yaml");
+    let pod: serde_yaml::Value =
+        serde_yaml::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let args = pod["spec"]["containers"][0]["args"].as_sequence().unwrap();
+    let f = &pki.files;
+    args.iter()
+        .map(|a| {
+            let a = a.as_str().unwrap();
+            let flag = a.split('=').next().unwrap();
+            match flag {
+                "--uds-name" => format!("--uds-name={}", socket_path(pki.dir()).display()),
+                "--cluster-cert" => format!("--cluster-cert={}", f.server_cert.display()),
+                "--cluster-key" => format!("--cluster-key={}", f.server_key.display()),
+                "--kubeconfig" => format!("--kubeconfig={}", kubeconfig.display()),
+                "--agent-port" | "--admin-port" | "--health-port" => format!("{flag}=0"),
+                "--uds-socket-group" => format!("--uds-socket-group={}", own_gid()),
+                _ => a.to_string(),
+            }
+        })
+        .collect()
+}
+
+/// This process's group (the socket's group must exist here).
+fn own_gid() -> u32 {
+    let out = Command::new("id").arg("-g").output().unwrap();
+    String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
+}
+
+/// The DaemonSet's agent identifiers for a node named `node` at `ip`.
+fn manifest_agent_identifiers(node: &str, ip: &str) -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/konnectivity-agent.yaml");
+    let text = std::fs::read_to_string(path).unwrap();
+    let flag = text
+        .lines()
+        .map(str::trim)
+        .find_map(|l| l.strip_prefix("- --agent-identifiers="))
+        .expect("the DaemonSet sets --agent-identifiers");
+    flag.replace("$(NODE_NAME)", node).replace("$(HOST_IP)", ip)
+}
+
+/// Threats 1, 2 and 4 with the shipped token authentication: an agent whose pod-bound
+/// token proves node edge-2 claims edge-1's name and address. The server verifies
+/// edge-1's real agent by its token and edge-1's Node object, routes every dial for
+/// edge-1 to it, and holds the impostor to one node's eight streams.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_token_cannot_take_another_nodes_traffic() {
+    let cluster = Cluster::start(&Egress::Direct);
+    let rbac = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/rbac.yaml");
+    cluster.kubectl_ok(&["apply", "-f", rbac.to_str().unwrap()]);
+    for (node, ip) in [("edge-1", "127.0.0.2"), ("edge-2", "127.0.0.3")] {
+        cluster.apply(&format!(
+            "apiVersion: v1\nkind: Node\nmetadata:\n  name: {node}\nspec:\n  podCIDR: 10.244.{n}.0/24\n  podCIDRs: [10.244.{n}.0/24]\n",
+            n = &ip[8..]
+        ));
+        cluster.patch_node_status(
+            node,
+            &format!(r#"{{"addresses":[{{"type":"InternalIP","address":"{ip}"}}]}}"#),
+        );
+    }
+    let pki = Pki::new();
+    let kubelet_1 = backend::echo_on("127.0.0.2").await;
+    let server = ServerProc::start(
+        Path::new(BIN),
+        &manifest_server_args(&pki, &cluster.files.server_kubeconfig),
+    );
+    let tokens = TempDir::new("tether-tokens");
+    let token_1 = cluster.pod_bound_agent_token("konnectivity-agent-edge-1", "edge-1");
+    let _edge_1 = AgentProc::start_with_token(
+        Path::new(BIN),
+        &pki,
+        server.agent,
+        tokens.path(),
+        "edge-1",
+        &token_1,
+        &[format!(
+            "--agent-identifiers={}",
+            manifest_agent_identifiers("edge-1", "127.0.0.2")
+        )],
+    );
+    // The server knows edge-1's address from its Node object.
+    wait_until(
+        "edge-1 verified by token and Node",
+        Duration::from_secs(60),
+        || async {
+            let (_, body) = tether_testkit::http_get(server.admin, "/agents")
+                .await
+                .ok()?;
+            let v: serde_json::Value = serde_json::from_str(&body).ok()?;
+            let a = v["agents"]
+                .as_array()?
+                .iter()
+                .find(|a| a["id"] == "edge-1")?
+                .clone();
+            (a["verifiedIps"] == serde_json::json!(["127.0.0.2"])).then_some(())
+        },
+    )
+    .await;
+
+    let token_2 = cluster.pod_bound_agent_token("konnectivity-agent-edge-2", "edge-2");
+    let rogue = Rogue::connect(&pki, server.agent, None).await;
+    let (streams, refused) = rogue
+        .open_many(
+            50,
+            "edge-1",
+            "host=edge-1&ipv4=127.0.0.2&cidr=10.244.2.0/24",
+            Some(&token_2),
+        )
+        .await;
+    assert_eq!(streams.len(), 8, "{refused:?}");
+    server.wait_agents(9).await;
+    let client = Client::uds(socket_path(pki.dir())).await.unwrap();
+    for _ in 0..20 {
+        assert_eq!(ping(&client, &kubelet_1.addr.to_string()).await, b"ping");
+    }
+    assert_eq!(rogue.dials.load(Ordering::SeqCst), 0);
+    let page = server.metrics().await;
+    assert!(
+        metric(
+            &page,
+            r#"tether_server_unverified_identifiers_total{kind="ip"}"#
+        )
+        .unwrap_or(0.0)
+            >= 8.0
+    );
+    drop(streams);
+}
