@@ -67,12 +67,15 @@ impl Refusal {
 /// Called for every refused connection (a metric counter, for instance).
 pub type OnRefusal = Arc<dyn Fn(Refusal) + Send + Sync>;
 
+/// Handshakes in progress by source address.
+type Sources = Arc<Mutex<HashMap<IpAddr, usize>>>;
+
 /// One listener's admission state.
 pub struct Admission {
     connections: Option<Arc<Semaphore>>,
     handshakes: Option<Arc<Semaphore>>,
     per_source: usize,
-    sources: Arc<Mutex<HashMap<IpAddr, usize>>>,
+    sources: Sources,
     on_refusal: OnRefusal,
 }
 
@@ -82,7 +85,7 @@ pub struct ConnectionSlot(#[allow(dead_code)] Option<OwnedSemaphorePermit>);
 /// A handshake's place under both handshake caps; released when dropped.
 pub struct HandshakeSlot {
     _overall: Option<OwnedSemaphorePermit>,
-    source: Option<(IpAddr, Arc<Mutex<HashMap<IpAddr, usize>>>)>,
+    source: Option<(IpAddr, Sources)>,
 }
 
 impl Drop for HandshakeSlot {
