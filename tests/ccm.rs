@@ -1106,7 +1106,7 @@ fn an_upstream_command_line_initialises_a_dual_stack_node_and_serves_upstream_me
         "--bind-address=127.0.0.1".into(),
         "--v=2".into(),
     ];
-    let ccm = start_ccm_with(&cluster, &inventory, "ccm", &upstream);
+    let mut ccm = start_ccm_with(&cluster, &inventory, "ccm", &upstream);
     let n = wait_node(&cluster, "dual-1", "initialised", |n| {
         n["spec"]["providerID"] == "tether://dual-1"
     });
@@ -1166,6 +1166,7 @@ fn an_upstream_command_line_initialises_a_dual_stack_node_and_serves_upstream_me
             "route_controller_route_sync_total 0",
         ],
     );
+    tether_testkit::stop_ccm_and_check_its_tokens_are_gone(&mut ccm);
 }
 
 /// Two replicas, each on its own host: routes live only in the leader's table. A leader

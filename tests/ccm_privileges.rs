@@ -234,7 +234,7 @@ fn the_ccm_runs_with_exactly_the_manifests_uid_and_capabilities() {
         // The manifest's other flag that matters to privileges.
         "--use-service-account-credentials".into(),
     ]);
-    let ccm = Proc::spawn("ccm", Path::new("setpriv"), &all);
+    let mut ccm = Proc::spawn("ccm", Path::new("setpriv"), &all);
     ccm.wait_event("cloud-controller-manager starting", START_TIMEOUT, |_| true);
 
     // It really runs as that user with no capabilities at all.
@@ -276,6 +276,7 @@ fn the_ccm_runs_with_exactly_the_manifests_uid_and_capabilities() {
         "a privilege was missing:\n{}",
         ccm.log_text()
     );
+    tether_testkit::stop_ccm_and_check_its_tokens_are_gone(&mut ccm);
 }
 
 /// The manifest's commented non-root variant (the lines after its marker,

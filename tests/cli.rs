@@ -304,6 +304,7 @@ fn bad_certificates_name_the_file() {
         &format!("--uds-name={}", socket.display()),
         &format!("--cluster-cert={}", f.server_cert.display()),
         &format!("--cluster-key={}", f.agent_key.display()),
+        &format!("--cluster-ca-cert={}", f.ca_cert.display()),
     ]);
     assert!(!ok);
     let line = error_line(&err);

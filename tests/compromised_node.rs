@@ -66,20 +66,7 @@ impl Rogue {
         server: std::net::SocketAddr,
         identity: Option<(&Path, &Path)>,
     ) -> Rogue {
-        let tls = tether_core::tls::client_config(&pki.files.ca_cert, identity, &[b"h2"]).unwrap();
-        let authority = server.to_string();
-        let connector = tower::service_fn(move |_| {
-            let (tls, authority) = (tls.clone(), authority.clone());
-            async move {
-                let name = tether_core::tls::server_name("127.0.0.1").unwrap();
-                let tls = tether_core::transport::connect_tls(&authority, name, tls).await?;
-                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tls))
-            }
-        });
-        let channel = tonic::transport::Endpoint::from_static("http://127.0.0.1")
-            .connect_with_connector(connector)
-            .await
-            .unwrap();
+        let channel = tether_testkit::agent_channel(server, &pki.files.ca_cert, identity).await;
         Rogue {
             channel,
             dials: Arc::default(),
@@ -528,6 +515,8 @@ fn manifest_server_args(pki: &Pki, kubeconfig: &Path) -> Vec<String> {
                 _ => a.to_string(),
             }
         })
+        // The test reads JSON logs, and sets the format itself.
+        .filter(|a| !a.starts_with("--log-format"))
         .collect()
 }
 
@@ -633,5 +622,79 @@ async fn a_node_token_cannot_take_another_nodes_traffic() {
         .unwrap_or(0.0)
             >= 8.0
     );
+
+    // edge-2's kubelet (the attacker is root there) lists edge-1's address on its own
+    // Node. The address then verifies neither agent, and a dial to it fails rather than
+    // fall back to `default`, where the attacker could take it.
+    cluster.patch_node_status(
+        "edge-2",
+        r#"{"addresses":[{"type":"InternalIP","address":"127.0.0.3"},{"type":"InternalIP","address":"127.0.0.2"}]}"#,
+    );
+    wait_until(
+        "edge-1's address contested",
+        Duration::from_secs(60),
+        || async {
+            let (_, body) = tether_testkit::http_get(server.admin, "/agents")
+                .await
+                .ok()?;
+            let v: serde_json::Value = serde_json::from_str(&body).ok()?;
+            let a = v["agents"]
+                .as_array()?
+                .iter()
+                .find(|a| a["id"] == "edge-1" && a["verifiedBy"] == "serviceaccount-token")?
+                .clone();
+            (a["verifiedIps"] == serde_json::json!([])).then_some(())
+        },
+    )
+    .await;
+    let refused = client.dial(&kubelet_1.addr.to_string()).await.err();
+    assert!(
+        refused
+            .as_ref()
+            .is_some_and(|e| e.to_string().contains("No agent available")),
+        "{refused:?}"
+    );
+    assert_eq!(rogue.dials.load(Ordering::SeqCst), 0);
+    assert!(server.proc.logged("several Nodes list the same address"));
     drop(streams);
+}
+
+/// Threat 5, the slow kind: a client that never finishes its TLS handshake, or
+/// finishes it and never opens an agent stream (any client can, where agents use
+/// tokens), is closed within seconds, and holds no slot after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn idle_connections_are_closed() {
+    let pki = Pki::new();
+    let server = certificate_server(&pki, &[]);
+    let mut silent = tokio::net::TcpStream::connect(server.agent).await.unwrap();
+    let f = &pki.files;
+    let tls =
+        tether_core::tls::client_config(&f.ca_cert, Some((&f.agent_cert, &f.agent_key)), &[b"h2"])
+            .unwrap();
+    // TLS and HTTP/2 done, and then no agent stream.
+    let idle = tether_testkit::tls_connect(server.agent, tls)
+        .await
+        .unwrap();
+    let (_send, connection) = h2::client::handshake(idle).await.unwrap();
+    let connection = tokio::spawn(connection);
+    let closed = |n: std::io::Result<usize>| matches!(n, Ok(0) | Err(_));
+    let mut buf = [0u8; 64];
+    let read = tokio::time::timeout(Duration::from_secs(30), silent.read(&mut buf));
+    assert!(
+        closed(read.await.expect("closed within 30 s")),
+        "no handshake"
+    );
+    tokio::time::timeout(Duration::from_secs(30), connection)
+        .await
+        .expect("a connection with no agent stream is closed within 30 s")
+        .unwrap()
+        .ok();
+    let page = server.metrics().await;
+    assert_eq!(
+        metric(
+            &page,
+            r#"tether_server_connections_refused_total{listener="agent",reason="unadmitted"}"#
+        ),
+        Some(1.0)
+    );
 }

@@ -281,6 +281,7 @@ fn the_upstream_log_file_line_writes_the_log_there() {
             "--health-bind-address=127.0.0.1".into(),
             format!("--cluster-cert={}", f.server_cert.display()),
             format!("--cluster-key={}", f.server_key.display()),
+            format!("--cluster-ca-cert={}", f.ca_cert.display()),
             format!("--log-file={}", log.display()),
             "--log-file-max-size=0".into(),
             "--logtostderr=false".into(),

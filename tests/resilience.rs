@@ -436,29 +436,9 @@ impl StuckAgent {
     async fn connect(pki: &Pki, server: std::net::SocketAddr) -> Self {
         use tether_proto::agent_service_client::AgentServiceClient;
         let f = &pki.files;
-        let tls = tether_core::tls::client_config(
-            &f.ca_cert,
-            Some((&f.agent_cert, &f.agent_key)),
-            &[b"h2"],
-        )
-        .unwrap();
-        let authority = server.to_string();
-        let connector = tower::service_fn(move |_| {
-            let (tls, authority) = (tls.clone(), authority.clone());
-            async move {
-                let name = tether_core::tls::server_name("127.0.0.1").unwrap();
-                let tls = tether_core::transport::connect_tls(&authority, name, tls).await?;
-                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tls))
-            }
-        });
-        // The HTTP/2 windows a real agent advertises by default (hyper's are 2 MiB and
-        // would take a long time to fill on a slow machine).
-        let channel = tonic::transport::Endpoint::from_static("http://127.0.0.1")
-            .initial_stream_window_size(65_535)
-            .initial_connection_window_size(65_535)
-            .connect_with_connector(connector)
-            .await
-            .unwrap();
+        let channel =
+            tether_testkit::agent_channel(server, &f.ca_cert, Some((&f.agent_cert, &f.agent_key)))
+                .await;
         let (out, rx) = tokio::sync::mpsc::channel(4);
         let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
         request

@@ -138,7 +138,8 @@ async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()
         },
         cert_reload_interval: Duration::from_secs(60),
         agent_id: "local-agent".into(),
-        identifiers: "host=localhost&ipv4=127.0.0.1&default-route=true".into(),
+        // Nothing to route by: the demo's dials go by the `default` strategy.
+        identifiers: String::new(),
         token_path: None,
         sync_interval: Duration::from_secs(1),
         sync_interval_cap: Duration::from_secs(10),

@@ -182,6 +182,69 @@ pub async fn tls_connect(
         .await
 }
 
+/// The token directories `tether ccm --use-service-account-credentials` (process
+/// `pid`) made in the temp dir.
+pub fn ccm_token_dirs(pid: u32) -> Vec<PathBuf> {
+    let prefix = format!("tether-ccm-tokens-{pid}-");
+    std::fs::read_dir(std::env::temp_dir())
+        .map(|entries| {
+            entries
+                .flatten()
+                .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+                .map(|e| e.path())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Stops a CCM that uses per-controller credentials with SIGTERM, as a kubelet does,
+/// and checks that its tokens left the disk with it.
+pub fn stop_ccm_and_check_its_tokens_are_gone(ccm: &mut Proc) {
+    let tokens = ccm_token_dirs(ccm.pid());
+    assert_eq!(
+        tokens.len(),
+        1,
+        "one token directory while it runs: {tokens:?}"
+    );
+    ccm.signal("TERM");
+    assert!(
+        ccm.wait_exit(Duration::from_secs(60)).is_some(),
+        "the CCM stops on SIGTERM"
+    );
+    assert!(
+        tokens.iter().all(|d| !d.exists()),
+        "its tokens are removed when it stops: {tokens:?}"
+    );
+}
+
+/// A hand-driven agent's connection: one mutual-TLS HTTP/2 channel to the agent
+/// listener at `server` (on 127.0.0.1), trusting `ca` and presenting `identity` when
+/// given, with HTTP/2's default 64 KiB windows (what a real agent advertises; hyper's
+/// 2 MiB would take long to fill on a slow machine). Streams opened on it share the
+/// connection.
+pub async fn agent_channel(
+    server: std::net::SocketAddr,
+    ca: &Path,
+    identity: Option<(&Path, &Path)>,
+) -> tonic::transport::Channel {
+    let tls = tether_core::tls::client_config(ca, identity, &[b"h2"]).expect("client TLS");
+    let authority = server.to_string();
+    let connector = tower::service_fn(move |_| {
+        let (tls, authority) = (tls.clone(), authority.clone());
+        async move {
+            let name = tether_core::tls::server_name("127.0.0.1").expect("a server name");
+            let tls = tether_core::transport::connect_tls(&authority, name, tls).await?;
+            Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tls))
+        }
+    });
+    tonic::transport::Endpoint::from_static("http://127.0.0.1")
+        .initial_stream_window_size(65_535)
+        .initial_connection_window_size(65_535)
+        .connect_with_connector(connector)
+        .await
+        .expect("connected to the agent listener")
+}
+
 /// Writes `request` and reads the response head (up to the blank line).
 pub async fn request_head<S>(sock: &mut S, request: &[u8]) -> std::io::Result<String>
 where
