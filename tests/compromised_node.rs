@@ -656,6 +656,24 @@ async fn a_node_token_cannot_take_another_nodes_traffic() {
     );
     assert_eq!(rogue.dials.load(Ordering::SeqCst), 0);
     assert!(server.proc.logged("several Nodes list the same address"));
+
+    // Without a token nothing is admitted; and since anyone finishes TLS on a token
+    // server's agent port, a connection on which no agent is admitted is closed.
+    let anonymous = Rogue::connect(&pki, server.agent, None).await;
+    let refused = anonymous.open("edge-1", "host=edge-1", None).await.err();
+    assert_eq!(
+        refused.map(|s| s.code()),
+        Some(tonic::Code::Unauthenticated)
+    );
+    let tls = tether_core::tls::client_config(&pki.files.ca_cert, None, &[b"h2"]).unwrap();
+    let idle = tether_testkit::tls_connect(server.agent, tls)
+        .await
+        .unwrap();
+    let (_send, connection) = h2::client::handshake(idle).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(30), connection)
+        .await
+        .expect("a connection with no agent admitted is closed within 30 s")
+        .ok();
     drop(streams);
 }
 

@@ -378,3 +378,20 @@ async fn protocol_violations_end_only_their_stream_with_a_status() {
         .sum();
     assert_eq!(errors, 3.0, "client stream errors counted:\n{page}");
 }
+
+/// The socket is created as upstream creates it (umask 0007): mode 0770, so a
+/// non-root kube-apiserver in its group can connect; `--uds-socket-mode` overrides it.
+#[test]
+fn the_socket_is_0770_unless_told_otherwise() {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |extra: &[&str]| {
+        let pki = Pki::new();
+        let socket = socket_path(pki.dir());
+        let mut args = uds_frontend_args(&pki, "grpc", &socket);
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let _server = ServerProc::start(bin(), &args);
+        std::fs::metadata(&socket).unwrap().permissions().mode() & 0o777
+    };
+    assert_eq!(mode(&[]), 0o770);
+    assert_eq!(mode(&["--uds-socket-mode=0600"]), 0o600);
+}

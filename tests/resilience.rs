@@ -388,9 +388,12 @@ async fn health_readiness_and_metrics() {
     let server = grpc_server(&pki, &[]);
     assert_eq!(http_get(server.health, "/healthz").await.unwrap().0, 200);
     assert_eq!(http_get(server.health, "/readyz").await.unwrap().0, 500);
+    // Upstream's deprecated alias answers the same.
+    assert_eq!(http_get(server.health, "/ready").await.unwrap().0, 500);
     let agent = AgentProc::start(bin(), &pki, server.agent, &[]);
     server.wait_agents(1).await;
     assert_eq!(http_get(server.health, "/readyz").await.unwrap().0, 200);
+    assert_eq!(http_get(server.health, "/ready").await.unwrap().0, 200);
     let agent_ref = &agent;
     wait_until("agent ready", Duration::from_secs(10), || async move {
         (http_get(agent_ref.health, "/readyz").await.ok()?.0 == 200).then_some(())
@@ -398,6 +401,7 @@ async fn health_readiness_and_metrics() {
     .await;
     let (code, body) = http_get(agent.health, "/readyz?verbose").await.unwrap();
     assert_eq!(code, 200);
+    assert_eq!(http_get(agent.health, "/ready").await.unwrap().0, 200);
     assert!(body.contains("1 proxy server stream"), "{body}");
     let page = server.metrics().await;
     for name in [

@@ -23,12 +23,14 @@ struct HealthState {
     not_ready: StatusCode,
 }
 
-/// `/healthz`, `/readyz` and `/metrics`. `not_ready` is the status for an unready
-/// process (upstream: 500 on the server, 503 on the agent).
+/// `/healthz`, `/readyz` (and `/ready`, its deprecated alias, which upstream still
+/// serves) and `/metrics`. `not_ready` is the status for an unready process (upstream:
+/// 500 on the server, 503 on the agent).
 pub fn health_router(registry: Registry, ready: ReadyCheck, not_ready: StatusCode) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
+        .route("/ready", get(readyz))
         .route("/metrics", get(metrics))
         .with_state(HealthState {
             registry,

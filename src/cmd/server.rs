@@ -24,7 +24,7 @@ pub struct ServerArgs {
     #[arg(long, default_value = "true", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
     pub delete_existing_uds_file: bool,
     /// Permission bits of the --uds-name socket, octal (e.g. 0660: owner and group may
-    /// connect). Empty: as created (the umask's).
+    /// connect). Empty: 0770, as upstream creates it (umask 0007).
     #[arg(long, default_value = "")]
     pub uds_socket_mode: String,
     /// Numeric group ID given the --uds-name socket, so that a non-root client in that
@@ -241,6 +241,9 @@ impl ServerArgs {
     /// `--uds-socket-mode` and `--uds-socket-group`.
     fn socket_access(&self) -> anyhow::Result<tether_core::transport::SocketAccess> {
         let mode = match self.uds_socket_mode.trim() {
+            // Upstream creates the socket under umask 0007: owner and group may connect
+            // (GCE's non-root kube-apiserver in the socket's group relies on it).
+            "" if !self.uds_name.is_empty() => Some(DEFAULT_SOCKET_MODE),
             "" => None,
             m => {
                 let bits = u32::from_str_radix(m.trim_start_matches("0o"), 8)
@@ -258,7 +261,8 @@ impl ServerArgs {
                 anyhow::anyhow!("--uds-socket-group {g:?} is not a numeric group ID (e.g. 65532)")
             })?),
         };
-        if (mode.is_some() || group.is_some()) && self.uds_name.is_empty() {
+        if (!self.uds_socket_mode.trim().is_empty() || group.is_some()) && self.uds_name.is_empty()
+        {
             bail!("--uds-socket-mode and --uds-socket-group apply to the --uds-name socket: set --uds-name too");
         }
         Ok(tether_core::transport::SocketAccess { mode, group })
@@ -502,6 +506,9 @@ impl ServerArgs {
         }))
     }
 }
+
+/// The `--uds-name` socket's mode without `--uds-socket-mode`: upstream's (umask 0007).
+const DEFAULT_SOCKET_MODE: u32 = 0o770;
 
 /// Below this open-file limit the server says at start-up how to raise it.
 const FEW_OPEN_FILES: u64 = 8192;
