@@ -99,23 +99,22 @@ impl AgentLink {
                 );
             Some(stream)
         });
-        let unadmitted = async {
-            tokio::time::sleep(ADMIT_WITHIN).await;
-            if admitted.load(std::sync::atomic::Ordering::Relaxed) {
-                std::future::pending::<()>().await;
-            }
-        };
+        let mut serve = std::pin::pin!(serve);
+        // Boxed: the timer lives for ADMIT_WITHIN only, and inline it would keep its
+        // room in this future, which lives as long as the connection.
         tokio::select! {
-            _ = serve => {}
-            _ = unadmitted => {
-                self.router
-                    .metrics
-                    .connections_refused
-                    .with_label_values(&["agent", "unadmitted"])
-                    .inc();
-                tracing::info!(peer = %info.remote_addr, "no agent admitted on this connection within 10s; closed");
-            }
+            _ = &mut serve => return,
+            _ = Box::pin(tokio::time::sleep(ADMIT_WITHIN)) => {}
         }
+        if admitted.load(std::sync::atomic::Ordering::Relaxed) {
+            return serve.await;
+        }
+        self.router
+            .metrics
+            .connections_refused
+            .with_label_values(&["agent", "unadmitted"])
+            .inc();
+        tracing::info!(peer = %info.remote_addr, "no agent admitted on this connection within 10s; closed");
     }
 
     /// One Connect call: admit the agent, answer with the headers, then carry its
