@@ -27,24 +27,32 @@ impl TokenBucket {
 
     /// Waits until a token is available and takes it.
     pub async fn acquire(&self) {
-        if self.qps <= 0.0 {
-            return;
-        }
-        loop {
-            let wait = {
-                let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
-                let now = Instant::now();
-                let refill = now.duration_since(s.1).as_secs_f64() * self.qps;
-                s.0 = (s.0 + refill).min(self.burst);
-                s.1 = now;
-                if s.0 >= 1.0 {
-                    s.0 -= 1.0;
-                    return;
-                }
-                Duration::from_secs_f64((1.0 - s.0) / self.qps)
-            };
+        while let Err(wait) = self.take() {
             tokio::time::sleep(wait).await;
         }
+    }
+
+    /// Takes a token if one is available now (for work that is skipped, not delayed,
+    /// over the rate: log lines, say).
+    pub fn try_acquire(&self) -> bool {
+        self.take().is_ok()
+    }
+
+    /// Takes a token, or says how long until one is there.
+    fn take(&self) -> Result<(), Duration> {
+        if self.qps <= 0.0 {
+            return Ok(());
+        }
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        let refill = now.duration_since(s.1).as_secs_f64() * self.qps;
+        s.0 = (s.0 + refill).min(self.burst);
+        s.1 = now;
+        if s.0 >= 1.0 {
+            s.0 -= 1.0;
+            return Ok(());
+        }
+        Err(Duration::from_secs_f64((1.0 - s.0) / self.qps))
     }
 }
 
@@ -68,5 +76,14 @@ mod tests {
             elapsed >= Duration::from_millis(990) && elapsed <= Duration::from_millis(1010),
             "{elapsed:?}"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn try_acquire_skips_over_the_rate() {
+        let bucket = TokenBucket::new(1.0, 2);
+        assert!(bucket.try_acquire() && bucket.try_acquire());
+        assert!(!bucket.try_acquire());
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert!(bucket.try_acquire());
     }
 }

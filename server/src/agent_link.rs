@@ -42,7 +42,14 @@ pub struct AgentLink {
     pub(crate) authenticator: Option<Arc<crate::auth::TokenAuthenticator>>,
     /// Refuse agents with any claim the server could not verify.
     pub(crate) require_identity_match: bool,
+    /// Warnings about unverified claims: a fleet that claims what it cannot prove
+    /// (a shared certificate) would otherwise log one per agent at every reconnect.
+    pub(crate) unverified_warnings: tether_ops::ratelimit::TokenBucket,
 }
+
+/// Warnings about unverified claims per second, and their burst; the rest are logged
+/// at debug level (every claim is counted).
+pub(crate) const UNVERIFIED_WARNINGS: (f64, u32) = (1.0, 20);
 
 type PacketStream = Pin<Box<dyn Stream<Item = Packet> + Send>>;
 
@@ -310,9 +317,11 @@ impl AgentLink {
             )));
         }
         if self.router.registry().trusts_claims() {
-            tracing::info!(%agent_id, %peer, unverified = %unverified, verified_by = by, "routing by identifiers the server could not verify (--unsafe-trust-agent-identifiers)");
-        } else {
+            tracing::debug!(%agent_id, %peer, unverified = %unverified, verified_by = by, "routing by identifiers the server could not verify (--unsafe-trust-agent-identifiers)");
+        } else if self.unverified_warnings.try_acquire() {
             tracing::warn!(%agent_id, %peer, unverified = %unverified, verified_by = by, "agent claims identifiers the server could not verify; they are not routed by");
+        } else {
+            tracing::debug!(%agent_id, %peer, unverified = %unverified, verified_by = by, "agent claims identifiers the server could not verify; they are not routed by");
         }
         Ok(())
     }
@@ -456,6 +465,10 @@ mod tests {
             shutdown: stop.clone(),
             authenticator: None,
             require_identity_match: false,
+            unverified_warnings: tether_ops::ratelimit::TokenBucket::new(
+                UNVERIFIED_WARNINGS.0,
+                UNVERIFIED_WARNINGS.1,
+            ),
         };
         let link = Arc::new(link);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -540,6 +540,10 @@ impl BoundServer {
             shutdown: hard_stop.clone(),
             authenticator: self.authenticator,
             require_identity_match: config.require_agent_identity_match,
+            unverified_warnings: tether_ops::ratelimit::TokenBucket::new(
+                agent_link::UNVERIFIED_WARNINGS.0,
+                agent_link::UNVERIFIED_WARNINGS.1,
+            ),
         };
         let keepalive = config.agent_keepalive;
         let agent_task = spawn_agent_listener(
