@@ -578,23 +578,7 @@ async fn a_node_token_cannot_take_another_nodes_traffic() {
         )],
     );
     // The server knows edge-1's address from its Node object.
-    wait_until(
-        "edge-1 verified by token and Node",
-        Duration::from_secs(60),
-        || async {
-            let (_, body) = tether_testkit::http_get(server.admin, "/agents")
-                .await
-                .ok()?;
-            let v: serde_json::Value = serde_json::from_str(&body).ok()?;
-            let a = v["agents"]
-                .as_array()?
-                .iter()
-                .find(|a| a["id"] == "edge-1")?
-                .clone();
-            (a["verifiedIps"] == serde_json::json!(["127.0.0.2"])).then_some(())
-        },
-    )
-    .await;
+    wait_verified_ips(&server, "edge-1", serde_json::json!(["127.0.0.2"])).await;
 
     let token_2 = cluster.pod_bound_agent_token("konnectivity-agent-edge-2", "edge-2");
     let rogue = Rogue::connect(&pki, server.agent, None).await;
@@ -630,23 +614,7 @@ async fn a_node_token_cannot_take_another_nodes_traffic() {
         "edge-2",
         r#"{"addresses":[{"type":"InternalIP","address":"127.0.0.3"},{"type":"InternalIP","address":"127.0.0.2"}]}"#,
     );
-    wait_until(
-        "edge-1's address contested",
-        Duration::from_secs(60),
-        || async {
-            let (_, body) = tether_testkit::http_get(server.admin, "/agents")
-                .await
-                .ok()?;
-            let v: serde_json::Value = serde_json::from_str(&body).ok()?;
-            let a = v["agents"]
-                .as_array()?
-                .iter()
-                .find(|a| a["id"] == "edge-1" && a["verifiedBy"] == "serviceaccount-token")?
-                .clone();
-            (a["verifiedIps"] == serde_json::json!([])).then_some(())
-        },
-    )
-    .await;
+    wait_verified_ips(&server, "edge-1", serde_json::json!([])).await;
     let refused = client.dial(&kubelet_1.addr.to_string()).await.err();
     assert!(
         refused
@@ -715,4 +683,26 @@ async fn idle_connections_are_closed() {
         ),
         Some(1.0)
     );
+}
+
+/// Waits until the server's `/agents` lists agent `id`, verified by its token, with
+/// exactly `ips` as verified addresses.
+async fn wait_verified_ips(server: &ServerProc, id: &str, ips: serde_json::Value) {
+    let what = format!("{id} verified with addresses {ips}");
+    wait_until(&what, Duration::from_secs(60), || {
+        let ips = ips.clone();
+        async move {
+            let (_, body) = tether_testkit::http_get(server.admin, "/agents")
+                .await
+                .ok()?;
+            let v: serde_json::Value = serde_json::from_str(&body).ok()?;
+            let a = v["agents"]
+                .as_array()?
+                .iter()
+                .find(|a| a["id"] == id && a["verifiedBy"] == "serviceaccount-token")?
+                .clone();
+            (a["verifiedIps"] == ips).then_some(())
+        }
+    })
+    .await;
 }
