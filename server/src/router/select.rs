@@ -79,11 +79,10 @@ impl AgentStream {
         }
     }
 
-    /// Did the server verify that this agent reaches `host` (a name or an address)?
-    /// Names and certificate addresses were checked at admission; a token's node vouches
-    /// for the addresses its Node object lists now.
+    /// Did the server verify that this agent reaches `host` (a name or an address, as
+    /// [`canonical_host`] spells it)? Names and certificate addresses were checked at
+    /// admission; a node's Node object vouches for the addresses it lists now.
     pub fn vouched_host(&self, host: &str, nodes: &NodeInventory) -> bool {
-        let host = host.trim_start_matches('[').trim_end_matches(']');
         match host.parse::<IpAddr>() {
             Ok(ip) => {
                 self.verified.ips.contains(&ip)
@@ -152,8 +151,9 @@ impl AgentStream {
         }
     }
 
-    /// `pod_node`: the node whose pod network holds the dial host, if known. An
-    /// identifier routes only where the server verified it, unless claims are trusted.
+    /// `host` is canonical ([`canonical_host`]); `pod_node`: the node whose pod network
+    /// holds it, if known. An identifier routes only where the server verified it,
+    /// unless claims are trusted.
     fn eligible(
         &self,
         strategy: Strategy,
@@ -170,17 +170,12 @@ impl AgentStream {
             }
             Strategy::DefaultRoute => self.identifiers.default_route && trust,
             Strategy::DestCidr => {
-                let by_claim =
-                    match host
-                        .trim_start_matches('[')
-                        .trim_end_matches(']')
-                        .parse::<IpAddr>()
-                    {
-                        Ok(ip) => self.identifiers.cidrs.iter().any(|c| {
-                            c.contains(ip) && (trust || self.vouched_network(c, &reg.nodes))
-                        }),
-                        Err(_) => false,
-                    };
+                let by_claim = host.parse::<IpAddr>().is_ok_and(|ip| {
+                    self.identifiers
+                        .cidrs
+                        .iter()
+                        .any(|c| c.contains(ip) && (trust || self.vouched_network(c, &reg.nodes)))
+                });
                 by_claim || pod_node.is_some_and(|n| self.runs_on(n, trust))
             }
         }
