@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Installs what the real-cluster tests need, idempotently, with caches outside the repo:
 #   - etcd from Debian's etcd-server package;
-#   - kube-apiserver, kubelet and kube-controller-manager 1.20.2 built from Debian
+#   - kube-apiserver, kubelet, kube-controller-manager and kube-scheduler 1.20.2 built from Debian
 #     bookworm's `kubernetes` source package (full vendor/ tree) with golang-1.19-go,
 #     cached as $TETHER_CACHE/<name>-1.20.2;
 #   - the node runtime: containerd, runc, the CNI plugins, busybox-static, iptables, and the
 #     two local images (pause, busybox) written by scripts/node-images.sh;
+#   - buildah, which builds our image from deploy/Dockerfile (scripts/build-image.sh);
 #   - tether-grpc-go-peer, our grpc-go test double for the upstream agent and server
 #     (testkit/grpc-go-peer/main.go), built against the same tree's vendored grpc-go and
 #     cached as $TETHER_CACHE/tether-grpc-go-peer with the source's sha256 beside it.
@@ -38,9 +39,12 @@ command -v iptables >/dev/null 2>&1 || apt_install iptables
 command -v socat >/dev/null 2>&1 || apt_install socat
 command -v script >/dev/null 2>&1 || apt_install bsdutils
 command -v gcc >/dev/null 2>&1 || apt_install gcc libc6-dev
+# Our image, built from deploy/Dockerfile with no registry pull (scripts/build-image.sh).
+command -v buildah >/dev/null 2>&1 || apt_install buildah
+command -v objcopy >/dev/null 2>&1 || apt_install binutils
 "$(dirname "$0")/node-images.sh" >/dev/null
 
-KUBE_BINS=(kube-apiserver kubelet kube-controller-manager)
+KUBE_BINS=(kube-apiserver kubelet kube-controller-manager kube-scheduler)
 missing=()
 for b in "${KUBE_BINS[@]}"; do [ -x "$CACHE/$b-$VERSION" ] || missing+=("$b"); done
 PEER_SRC="$(cd "$(dirname "$0")/.." && pwd)/testkit/grpc-go-peer/main.go"

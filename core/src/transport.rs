@@ -290,7 +290,16 @@ pub fn bind_uds_with(
 ) -> io::Result<UnixListener> {
     let listener = bind_uds(path, delete_existing)?;
     if let Some(gid) = access.group {
-        std::os::unix::fs::chown(path, None, Some(gid))?;
+        // Without CAP_CHOWN (a container that drops every capability) only a group the
+        // process is in may be given.
+        std::os::unix::fs::chown(path, None, Some(gid)).map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!(
+                    "cannot give the socket group {gid}: {e} (run the server with {gid} among its groups, such as the pod's supplementalGroups, or with CAP_CHOWN)"
+                ),
+            )
+        })?;
     }
     if let Some(mode) = access.mode {
         use std::os::unix::fs::PermissionsExt;

@@ -258,6 +258,14 @@ pub struct ClusterOptions {
     /// Run kube-controller-manager 1.20.2: it signs approved CSRs with the cluster CA
     /// (csrsigning) and keeps Endpoints/EndpointSlices of Services with selectors.
     pub controller_manager: bool,
+    /// Run workloads as a kubeadm control plane does: kube-scheduler 1.20.2, the
+    /// ServiceAccount admission plugin (every pod gets its account's token and the
+    /// cluster CA mounted) and, in the controller manager (implied), the DaemonSet,
+    /// Deployment, ReplicaSet, ServiceAccount, token and garbage-collector controllers.
+    pub workloads: bool,
+    /// More names and addresses in the apiserver's serving certificate (say, the
+    /// address of a control-plane node's link, from which a static pod reaches it).
+    pub extra_sans: Vec<String>,
 }
 
 /// A running etcd + kube-apiserver (+ kube-controller-manager when asked).
@@ -271,6 +279,8 @@ pub struct Cluster {
     /// The apiserver's service-account issuer.
     pub issuer: String,
     controller_manager: Option<Proc>,
+    scheduler: Option<Proc>,
+    workloads: bool,
     apiserver_args: Vec<String>,
     apiserver: Proc,
     _etcd: Proc,
@@ -307,18 +317,20 @@ impl Cluster {
         // PKI.
         let ca = Ca::new("tether-test-cluster-ca").unwrap();
         let (ca_cert, ca_key) = write_pair(d, "ca", ca.pair()).unwrap();
+        let mut sans: Vec<String> = [
+            "127.0.0.1",
+            "localhost",
+            "kubernetes",
+            "kubernetes.default",
+            "10.96.0.1",
+        ]
+        .map(String::from)
+        .to_vec();
+        sans.extend(opts.extra_sans.iter().cloned());
         let serving = ca
             .issue(&LeafSpec {
                 common_name: "kube-apiserver".into(),
-                sans: [
-                    "127.0.0.1",
-                    "localhost",
-                    "kubernetes",
-                    "kubernetes.default",
-                    "10.96.0.1",
-                ]
-                .map(String::from)
-                .to_vec(),
+                sans,
                 server: true,
                 ..Default::default()
             })
@@ -379,6 +391,11 @@ impl Cluster {
                 ca_cert.display()
             ));
         }
+        if !opts.workloads {
+            // Pods of the other tests name no ServiceAccount, and no controller makes
+            // the `default` ones.
+            extra.push("--disable-admission-plugins=ServiceAccount".into());
+        }
         // Everything but the port and the egress: a peer apiserver on the same etcd
         // (see `start_peer_apiserver`) takes the same.
         let shared_args: Vec<String> = [
@@ -401,7 +418,6 @@ impl Cluster {
             "--kubelet-preferred-address-types=InternalIP".into(),
             format!("--kubelet-client-certificate={}", kubelet_cert.display()),
             format!("--kubelet-client-key={}", kubelet_key.display()),
-            "--disable-admission-plugins=ServiceAccount".into(),
             "--endpoint-reconciler-type=none".into(),
             "--enable-priority-and-fairness=false".into(),
             "--allow-privileged=true".into(),
@@ -447,6 +463,8 @@ impl Cluster {
             url,
             port,
             controller_manager: None,
+            scheduler: None,
+            workloads: opts.workloads,
             apiserver_args: shared_args,
             files: ClusterFiles {
                 ca: ca_cert,
@@ -488,10 +506,30 @@ impl Cluster {
                 .success()
                 .then_some(())
         });
-        if opts.controller_manager {
+        if opts.controller_manager || opts.workloads {
             cluster.controller_manager = Some(cluster.start_controller_manager());
         }
+        if opts.workloads {
+            cluster.scheduler = Some(cluster.start_scheduler());
+        }
         cluster
+    }
+
+    /// kube-scheduler as admin, no leader election, no serving port.
+    fn start_scheduler(&self) -> Proc {
+        let bin = require_kube_binary("kube-scheduler");
+        Proc::spawn(
+            "kube-scheduler",
+            &bin,
+            &[
+                format!("--kubeconfig={}", self.files.admin_kubeconfig.display()),
+                "--leader-elect=false".into(),
+                "--port=0".into(),
+                "--secure-port=0".into(),
+                "--logtostderr=true".into(),
+                "--v=1".into(),
+            ],
+        )
     }
 
     /// kube-controller-manager with the CSR signer (cluster CA) and the endpoint
@@ -499,12 +537,22 @@ impl Cluster {
     fn start_controller_manager(&self) -> Proc {
         let bin = require_kube_binary("kube-controller-manager");
         let f = &self.files;
+        let mut controllers = "csrsigning,csrcleaner,endpoint,endpointslice".to_string();
+        let mut extra = Vec::new();
+        if self.workloads {
+            controllers.push_str(",daemonset,deployment,replicaset,serviceaccount,serviceaccount-token,garbagecollector");
+            extra.push(format!(
+                "--service-account-private-key-file={}",
+                f.sa_key.display()
+            ));
+            extra.push(format!("--root-ca-file={}", f.ca.display()));
+        }
         Proc::spawn(
             "kube-controller-manager",
             &bin,
             &[
                 format!("--kubeconfig={}", f.admin_kubeconfig.display()),
-                "--controllers=csrsigning,csrcleaner,endpoint,endpointslice".into(),
+                format!("--controllers={controllers}"),
                 format!("--cluster-signing-cert-file={}", f.ca.display()),
                 format!("--cluster-signing-key-file={}", f.ca_key.display()),
                 "--leader-elect=false".into(),
@@ -513,7 +561,10 @@ impl Cluster {
                 "--secure-port=0".into(),
                 "--logtostderr=true".into(),
                 "--v=1".into(),
-            ],
+            ]
+            .into_iter()
+            .chain(extra)
+            .collect::<Vec<_>>(),
         )
     }
 

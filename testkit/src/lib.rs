@@ -3,7 +3,9 @@
 //! backends on port 0, and `wait_until` with a deadline instead of sleeps.
 
 pub mod backend;
+pub mod installed;
 pub mod kube;
+pub mod kubectl;
 pub mod netns;
 pub mod node;
 pub mod process;

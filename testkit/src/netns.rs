@@ -147,6 +147,41 @@ impl Node {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
+    /// Runs `iptables args...` inside the namespace (asserting success).
+    pub fn iptables(&self, args: &[&str]) {
+        let out = Command::new("ip")
+            .args(["netns", "exec", &self.ns, "iptables", "-w"])
+            .args(args)
+            .output()
+            .expect("run iptables");
+        assert!(
+            out.status.success(),
+            "iptables {} in {}: {}",
+            args.join(" "),
+            self.ns,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// Drops connections other hosts open to this namespace over `iface`; its own go
+    /// out and their answers come back: a node behind NAT.
+    pub fn refuse_inbound(&self, iface: &str) {
+        for chain in ["INPUT", "FORWARD"] {
+            self.iptables(&[
+                "-A",
+                chain,
+                "-i",
+                iface,
+                "-m",
+                "conntrack",
+                "--ctstate",
+                "NEW",
+                "-j",
+                "DROP",
+            ]);
+        }
+    }
+
     /// Makes `127.0.0.1:port` inside the namespace reach `127.0.0.1:port` of the host
     /// (say, the test's kube-apiserver), through a Unix socket in `dir` and a relay on
     /// each side. The relays stop when the returned processes drop.

@@ -37,6 +37,16 @@ pub struct NodeOptions {
     /// `--cloud-provider=external`: the node registers with the uninitialized taint and
     /// waits for a cloud-controller-manager.
     pub external_cloud_provider: bool,
+    /// A control-plane node as kubeadm lays it out: this directory is the node's
+    /// `/etc/kubernetes` (what its pods' hostPaths see), and its kubelet runs the static
+    /// pods in `manifests/` there.
+    pub etc_kubernetes: Option<PathBuf>,
+    /// Pods' traffic to other hosts leaves with the node's address (the bridge plugin's
+    /// `ipMasq`), as pod networks do: a pod reaches the hosts the node reaches.
+    pub masquerade_pods: bool,
+    /// Image archives (path, reference) imported besides busybox and pause, as a
+    /// registry pull would leave them (see [`RealNode::import_image`]).
+    pub images: Vec<(PathBuf, String)>,
 }
 
 /// A running real node. See the module documentation.
@@ -141,8 +151,11 @@ impl RealNode {
             cgroup,
             dir: Some(dir),
         };
-        node.start_holder();
-        node.start_containerd();
+        node.start_holder(opts);
+        node.start_containerd(opts);
+        for (archive, reference) in &opts.images {
+            node.import_image(archive, reference);
+        }
         node.start_kubelet(cluster, opts);
         node.wait_ready(cluster);
         node
@@ -178,8 +191,39 @@ impl RealNode {
         v
     }
 
+    /// Imports the OCI or docker archive `archive` into the node's containerd as
+    /// `reference` (say `docker.io/library/tether:v0.1.0`, the name a kubelet resolves
+    /// `tether:v0.1.0` to).
+    pub fn import_image(&self, archive: &Path, reference: &str) {
+        let base = reference
+            .rsplit_once(':')
+            .filter(|(_, tag)| !tag.contains('/'))
+            .map_or(reference, |(name, _)| name);
+        run(
+            &format!("node {}: import {}", self.name, archive.display()),
+            Command::new("ctr")
+                .arg("--address")
+                .arg(self.containerd_socket())
+                .args(["-n", "k8s.io", "images", "import", "--base-name", base])
+                .arg(archive),
+        );
+        let listed = run(
+            &format!("node {}: list images", self.name),
+            Command::new("ctr")
+                .arg("--address")
+                .arg(self.containerd_socket())
+                .args(["-n", "k8s.io", "images", "ls", "-q"]),
+        );
+        assert!(
+            listed.lines().any(|l| l == reference),
+            "node {}: {} imported, but not as {reference}: {listed}",
+            self.name,
+            archive.display()
+        );
+    }
+
     /// The process that holds the node's mount namespace, and the mounts in it.
-    fn start_holder(&mut self) {
+    fn start_holder(&mut self, opts: &NodeOptions) {
         let d = self.dir().to_path_buf();
         for sub in [
             "log",
@@ -218,11 +262,18 @@ impl RealNode {
         for host_dir in ["/run/containerd", "/var/lib/cni"] {
             std::fs::create_dir_all(host_dir).unwrap();
         }
-        for (own, host) in [
+        let mut covered = vec![
             ("log", "/var/log"),
             ("run-containerd", "/run/containerd"),
             ("cni-state", "/var/lib/cni"),
-        ] {
+        ];
+        if let Some(etc) = &opts.etc_kubernetes {
+            std::fs::create_dir_all(etc.join("manifests")).unwrap();
+            // The mount point; kubeadm's hosts have it, this one may not.
+            std::fs::create_dir_all("/etc/kubernetes").unwrap();
+            covered.push((etc.to_str().unwrap(), "/etc/kubernetes"));
+        }
+        for (own, host) in covered {
             script.push_str(&format!("mount --bind {} {host}\n", d.join(own).display()));
         }
         std::fs::create_dir_all(d.join("log/pods")).unwrap();
@@ -266,11 +317,12 @@ impl RealNode {
         self.dir().join("containerd.sock")
     }
 
-    fn start_containerd(&mut self) {
+    fn start_containerd(&mut self, opts: &NodeOptions) {
         let d = self.dir().to_path_buf();
         let config = d.join("containerd.toml");
         let cni_conf = format!(
-            r#"{{"cniVersion":"0.4.0","name":"tether-pods","plugins":[{{"type":"bridge","bridge":"cni0","isGateway":true,"ipMasq":false,"hairpinMode":true,"ipam":{{"type":"host-local","ranges":[[{{"subnet":"{}"}}]],"routes":[{{"dst":"0.0.0.0/0"}}],"dataDir":"{}"}}}}]}}"#,
+            r#"{{"cniVersion":"0.4.0","name":"tether-pods","plugins":[{{"type":"bridge","bridge":"cni0","isGateway":true,"ipMasq":{},"hairpinMode":true,"ipam":{{"type":"host-local","ranges":[[{{"subnet":"{}"}}]],"routes":[{{"dst":"0.0.0.0/0"}}],"dataDir":"{}"}}}}]}}"#,
+            opts.masquerade_pods,
             self.pod_cidr,
             d.join("cni/ipam").display()
         );
@@ -357,7 +409,7 @@ authentication:
 authorization:
   mode: Webhook
 serverTLSBootstrap: {bootstrap}
-rotateCertificates: false
+rotateCertificates: false{static_pods}
 cgroupDriver: cgroupfs
 cgroupRoot: /{cgroup}
 cgroupsPerQOS: true
@@ -383,6 +435,12 @@ serializeImagePulls: false
 "#,
             ca = cluster.files.ca.display(),
             bootstrap = opts.server_tls_bootstrap,
+            static_pods = if opts.etc_kubernetes.is_some() {
+                // Where kubeadm puts them (this node's own /etc/kubernetes).
+                "\nstaticPodPath: /etc/kubernetes/manifests"
+            } else {
+                ""
+            },
             cgroup = self.cgroup.name,
             plugins = d.join("kubelet/volume-plugins").display(),
         );
@@ -479,6 +537,36 @@ serializeImagePulls: false
             .as_ref()
             .map(|k| k.log_text())
             .unwrap_or_default()
+    }
+
+    /// The last lines of every container log on this node (`/var/log/pods`), read from
+    /// its files: what `kubectl logs` shows, without the tunnel.
+    pub fn container_logs(&self) -> String {
+        let mut out = String::new();
+        let pods = self.dir().join("log/pods");
+        for pod in std::fs::read_dir(&pods).into_iter().flatten().flatten() {
+            for container in std::fs::read_dir(pod.path())
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                for log in std::fs::read_dir(container.path())
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                {
+                    let text = std::fs::read_to_string(log.path()).unwrap_or_default();
+                    out.push_str(&format!(
+                        "--- {}: {}/{}\n{}\n",
+                        self.name,
+                        pod.file_name().to_string_lossy(),
+                        container.file_name().to_string_lossy(),
+                        tail(&text, 40)
+                    ));
+                }
+            }
+        }
+        out
     }
 
     /// Writes a pod on this node running busybox `command` (one container `main`,

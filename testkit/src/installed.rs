@@ -1,0 +1,501 @@
+//! Tether as an operator installs it: our image built from `deploy/Dockerfile`, a
+//! control-plane node laid out as kubeadm lays it out (the server a static pod of its
+//! kubelet, kube-apiserver reaching it only through the socket on the hostPath), worker
+//! nodes behind NAT, and `deploy/` applied with `kubectl apply -k` through an overlay
+//! that changes only the image, the address agents dial and the CCM's inventory.
+//!
+//! The layout, all on this machine:
+//! - etcd, kube-apiserver, kube-controller-manager and kube-scheduler are processes of
+//!   the host (the control-plane machine; the test is its operator). kube-apiserver's
+//!   egress is `deploy/egress-selector-configuration.yaml`, its `udsName` the socket in
+//!   the control-plane node's `/etc/kubernetes/konnectivity-server`.
+//! - The control-plane node: a real node (kubelet, containerd) in a namespace of its
+//!   own whose `/etc/kubernetes` holds `manifests/konnectivity-server.yaml` (copied from
+//!   `deploy/`), and the PKI that `tether certs init` wrote, as the README says.
+//! - Workers: real nodes on a LAN with the control-plane node that drop every
+//!   connection opened to them over it (the NAT case); kube-apiserver reaches neither
+//!   their InternalIPs nor their pods.
+//! - A client namespace on the LAN, for LoadBalancer Services.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use crate::kube::{Cluster, ClusterOptions, Egress};
+use crate::netns::{Lan, Node};
+use crate::node::{NodeOptions, RealNode};
+use crate::TempDir;
+
+/// The image reference the manifests in `deploy/` name.
+pub const IMAGE: &str = "tether:v0.1.0";
+
+/// Where this repository's `deploy/` is.
+pub fn deploy_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy")
+}
+
+/// `reference` as a kubelet resolves it (`tether:v0.1.0` is
+/// `docker.io/library/tether:v0.1.0`).
+pub fn normalised(reference: &str) -> String {
+    let (name, tag) = match reference.rsplit_once(':') {
+        Some((n, t)) if !t.contains('/') => (n, t),
+        _ => (reference, "latest"),
+    };
+    let full = match name.split_once('/') {
+        None => format!("docker.io/library/{name}"),
+        Some((first, _)) if first.contains(['.', ':']) || first == "localhost" => name.into(),
+        Some(_) => format!("docker.io/{name}"),
+    };
+    format!("{full}:{tag}")
+}
+
+/// An image archive built by `scripts/build-image.sh`.
+#[derive(Debug, Clone)]
+pub struct Image {
+    /// The OCI archive.
+    pub archive: PathBuf,
+    /// Its reference, normalised.
+    pub reference: String,
+}
+
+impl Image {
+    /// Builds `deploy/Dockerfile` with `tether` and `tether-agent` from `bin_dir`,
+    /// tagged `tag`, into `out`.
+    pub fn build(bin_dir: &Path, tag: &str, out: &Path) -> Image {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/build-image.sh");
+        let run = Command::new("bash")
+            .arg(&script)
+            .arg("--binaries")
+            .arg(bin_dir)
+            .args(["--tag", tag])
+            .arg("--out")
+            .arg(out)
+            .output()
+            .expect("run scripts/build-image.sh");
+        assert!(
+            run.status.success(),
+            "scripts/build-image.sh failed:\n{}{}",
+            String::from_utf8_lossy(&run.stdout),
+            String::from_utf8_lossy(&run.stderr)
+        );
+        eprintln!("{}", String::from_utf8_lossy(&run.stderr).trim());
+        Image {
+            archive: out.to_path_buf(),
+            reference: normalised(tag),
+        }
+    }
+}
+
+/// How [`Installed::start`] builds the cluster.
+#[derive(Debug, Clone)]
+pub struct InstalledOptions {
+    /// Where the `tether` and `tether-agent` binaries that go into the image are.
+    pub bin_dir: PathBuf,
+    /// How many workers.
+    pub workers: usize,
+}
+
+/// The cluster of the module documentation; everything stops and is removed on drop
+/// (workers first, then the control-plane node, then the control plane).
+pub struct Installed {
+    /// Worker nodes `worker-0`, `worker-1`, ...
+    pub workers: Vec<RealNode>,
+    /// The control-plane node, `control-plane`.
+    pub control_plane: RealNode,
+    /// etcd, kube-apiserver, kube-controller-manager, kube-scheduler.
+    pub cluster: Cluster,
+    /// A host on the LAN outside the cluster.
+    pub client: Node,
+    /// The control-plane node's address on the LAN: what agents dial.
+    pub server_address: String,
+    /// The image every node has.
+    pub image: Image,
+    /// The LAN.
+    pub lan: Lan,
+    etc: PathBuf,
+    dir: TempDir,
+}
+
+impl std::fmt::Debug for Installed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Installed")
+            .field("server_address", &self.server_address)
+            .finish()
+    }
+}
+
+/// How long pods may take to come up on a loaded 2-core machine.
+pub const POD_TIMEOUT: Duration = Duration::from_secs(180);
+
+impl Installed {
+    /// Builds the image, starts the control plane and the nodes, follows the README's
+    /// "Install on a cluster" (certificates, static pod, `kubectl apply -k`) and waits
+    /// until every agent is ready and the CCM has initialised every node.
+    pub fn start(opts: &InstalledOptions) -> Installed {
+        crate::node::available().unwrap_or_else(|e| panic!("installed cluster: {e}"));
+        let dir = TempDir::new("tether-installed");
+        let d = dir.path().to_path_buf();
+        let image = Image::build(&opts.bin_dir, IMAGE, &d.join("tether.oci.tar"));
+
+        let lan = Lan::create();
+        let cp_net = Node::create();
+        let server_address = lan.attach(&cp_net);
+        let mut worker_nets = Vec::new();
+        for _ in 0..opts.workers {
+            let net = Node::create();
+            lan.attach(&net);
+            net.refuse_inbound(Lan::INTERFACE);
+            worker_nets.push(net);
+        }
+        let client = Node::create();
+        lan.attach(&client);
+
+        // kube-apiserver's egress: the file users copy, its socket where the
+        // control-plane node's /etc/kubernetes is on this host.
+        let etc = d.join("etc-kubernetes");
+        std::fs::create_dir_all(etc.join("konnectivity-server")).unwrap();
+        let egress =
+            std::fs::read_to_string(deploy_dir().join("egress-selector-configuration.yaml"))
+                .unwrap()
+                .replace("/etc/kubernetes/", &format!("{}/", etc.display()));
+        let egress_file = d.join("egress-selector-configuration.yaml");
+        std::fs::write(&egress_file, egress).unwrap();
+        let cluster = Cluster::start_with(
+            &Egress::File(egress_file),
+            &ClusterOptions {
+                reachable_from_nodes: true,
+                verify_kubelet_certificates: true,
+                controller_manager: true,
+                workloads: true,
+                extra_sans: vec![cp_net.host_ip.clone()],
+            },
+        );
+
+        // The control-plane host's PKI as kubeadm leaves it, then the README's commands.
+        let pki = etc.join("pki");
+        std::fs::create_dir_all(&pki).unwrap();
+        std::fs::copy(&cluster.files.ca, pki.join("ca.crt")).unwrap();
+        std::fs::copy(&cluster.files.ca_key, pki.join("ca.key")).unwrap();
+        let tether = opts.bin_dir.join("tether");
+        let out = Command::new(&tether)
+            .args(["certs", "init", "--out"])
+            .arg(pki.join("konnectivity"))
+            .arg("--ca-cert")
+            .arg(pki.join("ca.crt"))
+            .arg("--ca-key")
+            .arg(pki.join("ca.key"))
+            .args(["--server-san", &server_address])
+            .args([
+                "--apiserver-url",
+                &format!("https://{}:{}", cp_net.host_ip, cluster.port),
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "tether certs init: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::fs::create_dir_all(etc.join("manifests")).unwrap();
+        std::fs::copy(
+            deploy_dir().join("konnectivity-server.yaml"),
+            etc.join("manifests/konnectivity-server.yaml"),
+        )
+        .unwrap();
+
+        let node_opts = NodeOptions {
+            server_tls_bootstrap: true,
+            external_cloud_provider: true,
+            etc_kubernetes: None,
+            masquerade_pods: true,
+            images: vec![(image.archive.clone(), image.reference.clone())],
+        };
+        let control_plane = RealNode::start_on(
+            cp_net,
+            &cluster,
+            "control-plane",
+            &NodeOptions {
+                etc_kubernetes: Some(etc.clone()),
+                ..node_opts.clone()
+            },
+        );
+        // kubeadm's mark-control-plane phase (1.20 names the taint `master`).
+        cluster.kubectl_ok(&[
+            "label",
+            "node",
+            "control-plane",
+            "node-role.kubernetes.io/control-plane=",
+            "node-role.kubernetes.io/master=",
+        ]);
+        cluster.kubectl_ok(&[
+            "taint",
+            "node",
+            "control-plane",
+            "node-role.kubernetes.io/master:NoSchedule",
+        ]);
+        // What kube-proxy does for the `kubernetes` Service on that node: pods with
+        // in-cluster configuration (the CCM) reach kube-apiserver at 10.96.0.1:443.
+        let apiserver = format!("{}:{}", control_plane.net.host_ip, cluster.port);
+        control_plane.net.ip(&[
+            "route",
+            "add",
+            "10.96.0.0/16",
+            "via",
+            &control_plane.net.host_ip,
+        ]);
+        for chain in ["OUTPUT", "PREROUTING"] {
+            control_plane.net.iptables(&[
+                "-t",
+                "nat",
+                "-A",
+                chain,
+                "-d",
+                "10.96.0.1/32",
+                "-p",
+                "tcp",
+                "--dport",
+                "443",
+                "-j",
+                "DNAT",
+                "--to-destination",
+                &apiserver,
+            ]);
+        }
+        let mut workers = Vec::new();
+        for (i, net) in worker_nets.into_iter().enumerate() {
+            workers.push(RealNode::start_on(
+                net,
+                &cluster,
+                &format!("worker-{i}"),
+                &node_opts,
+            ));
+        }
+
+        // kube-controller-manager's node IPAM, as the pod network uses it: each Node's
+        // spec.podCIDR is the range its bridge network hands out.
+        for node in std::iter::once(&control_plane).chain(&workers) {
+            cluster.kubectl_ok(&[
+                "patch",
+                "node",
+                &node.name,
+                "--type=merge",
+                "-p",
+                &format!(
+                    r#"{{"spec":{{"podCIDR":"{0}","podCIDRs":["{0}"]}}}}"#,
+                    node.pod_cidr
+                ),
+            ]);
+        }
+
+        let installed = Installed {
+            workers,
+            control_plane,
+            cluster,
+            client,
+            server_address,
+            image,
+            lan,
+            etc,
+            dir,
+        };
+        installed.apply_overlay(IMAGE);
+        installed.wait_installed();
+        installed
+    }
+
+    /// The directory of the overlay [`Installed::apply_overlay`] writes.
+    pub fn overlay_dir(&self) -> PathBuf {
+        self.dir.path().join("overlay")
+    }
+
+    /// What the control-plane node sees as `/etc/kubernetes`.
+    pub fn etc_kubernetes(&self) -> &Path {
+        &self.etc
+    }
+
+    /// The CCM inventory of this cluster: the server's agents, and a pool of LAN
+    /// addresses held on the control-plane node's LAN interface.
+    pub fn inventory(&self) -> String {
+        format!(
+            "agents:\n  urls: [http://127.0.0.1:8133/agents]\nloadBalancer:\n  interface: {}\n  pools:\n  - name: lan\n    addresses: [{}-{}]\nnodes: []\n",
+            Lan::INTERFACE,
+            self.lan.address(200),
+            self.lan.address(209)
+        )
+    }
+
+    /// Writes the overlay an operator would (README, "Install on a cluster"): `deploy/`
+    /// with `image` as the image, the control-plane node's LAN address as
+    /// `PROXY_SERVER_HOST` and [`Installed::inventory`]; applies it with
+    /// `kubectl apply -k`.
+    pub fn apply_overlay(&self, image: &str) {
+        let overlay = self.overlay_dir();
+        std::fs::create_dir_all(&overlay).unwrap();
+        let (name, tag) = image.rsplit_once(':').unwrap_or((image, "latest"));
+        // kustomize takes relative paths only.
+        let deploy = std::fs::canonicalize(deploy_dir()).unwrap();
+        let up = "../".repeat(overlay.components().count() - 1);
+        let deploy = format!(
+            "{up}{}",
+            deploy.display().to_string().trim_start_matches('/')
+        );
+        let inventory: String = self
+            .inventory()
+            .lines()
+            .map(|l| format!("    {l}\n"))
+            .collect();
+        let kustomization = format!(
+            r#"apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+resources:
+- {deploy}
+images:
+- name: tether
+  newName: {name}
+  newTag: {tag}
+patches:
+- patch: |-
+    apiVersion: apps/v1
+    kind: DaemonSet
+    metadata:
+      name: konnectivity-agent
+      namespace: kube-system
+    spec:
+      template:
+        spec:
+          containers:
+          - name: konnectivity-agent
+            env:
+            - name: PROXY_SERVER_HOST
+              value: "{address}"
+- path: inventory.yaml
+"#,
+            address = self.server_address,
+        );
+        std::fs::write(overlay.join("kustomization.yaml"), kustomization).unwrap();
+        std::fs::write(
+            overlay.join("inventory.yaml"),
+            format!(
+                "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: tether-ccm-inventory\n  namespace: kube-system\ndata:\n  inventory.yaml: |\n{inventory}"
+            ),
+        )
+        .unwrap();
+        self.cluster
+            .kubectl_ok(&["apply", "-k", overlay.to_str().unwrap()]);
+    }
+
+    /// Waits until the server's static pod runs, every node's agent is ready, a CCM
+    /// replica is ready and every node is initialised (no `uninitialized` taint).
+    pub fn wait_installed(&self) {
+        let c = &self.cluster;
+        let nodes = 1 + self.workers.len();
+        self.wait_or_explain("every agent ready", || {
+            let ready = c.kubectl_ok(&[
+                "get",
+                "daemonset",
+                "-n",
+                "kube-system",
+                "konnectivity-agent",
+                "-o",
+                "jsonpath={.status.numberReady}",
+            ]);
+            (ready.trim() == nodes.to_string()).then_some(())
+        });
+        self.wait_or_explain("a CCM replica ready", || {
+            let ready = c.kubectl_ok(&[
+                "get",
+                "deployment",
+                "-n",
+                "kube-system",
+                "tether-ccm",
+                "-o",
+                "jsonpath={.status.readyReplicas}",
+            ]);
+            (ready.trim().parse::<u32>().unwrap_or(0) >= 1).then_some(())
+        });
+        self.wait_or_explain("every node initialised by the CCM", || {
+            let taints = c.kubectl_ok(&[
+                "get",
+                "nodes",
+                "-o",
+                "jsonpath={range .items[*]}{.metadata.name}={.spec.taints[*].key};{end}",
+            ]);
+            (!taints.contains("node.cloudprovider.kubernetes.io/uninitialized")).then_some(())
+        });
+    }
+
+    /// Polls `probe` until it returns something, for [`POD_TIMEOUT`]; fails with the
+    /// cluster's state (pods, events, every container's log) if it does not.
+    pub fn wait_or_explain<T>(&self, what: &str, mut probe: impl FnMut() -> Option<T>) -> T {
+        let deadline = std::time::Instant::now() + POD_TIMEOUT;
+        loop {
+            if let Some(v) = probe() {
+                return v;
+            }
+            if std::time::Instant::now() > deadline {
+                panic!("{what}: not within {POD_TIMEOUT:?}\n{}", self.explain());
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
+
+    /// Pods, events and every container's log, for a failing test's message.
+    pub fn explain(&self) -> String {
+        let c = &self.cluster;
+        let text = |args: &[&str]| {
+            let out = c.kubectl(args);
+            format!(
+                "$ kubectl {}\n{}{}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            )
+        };
+        format!(
+            "{}\n{}\n{}\n{}",
+            text(&["get", "pods", "-A", "-o", "wide"]),
+            text(&["get", "nodes", "-o", "wide"]),
+            text(&["get", "events", "-A", "--sort-by=.lastTimestamp"]),
+            self.logs()
+        )
+    }
+
+    /// The Tether server's `/agents`, read on the control-plane node.
+    pub fn server_agents(&self) -> serde_json::Value {
+        let out = Command::new("ip")
+            .args(["netns", "exec", &self.control_plane.net.ns, "curl", "-sf"])
+            .arg("http://127.0.0.1:8133/agents")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "the server's /agents is not served");
+        serde_json::from_slice(&out.stdout).unwrap()
+    }
+
+    /// The Tether server's `/metrics`, read on the control-plane node.
+    pub fn server_metrics(&self) -> String {
+        let out = Command::new("ip")
+            .args(["netns", "exec", &self.control_plane.net.ns, "curl", "-sf"])
+            .arg("http://127.0.0.1:8133/metrics")
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// A node by name.
+    pub fn node(&self, name: &str) -> &RealNode {
+        std::iter::once(&self.control_plane)
+            .chain(&self.workers)
+            .find(|n| n.name == name)
+            .unwrap_or_else(|| panic!("no node {name}"))
+    }
+
+    /// Everything the pods and kubelets logged, for a failing test's message: read from
+    /// the nodes' files, not through the tunnel.
+    pub fn logs(&self) -> String {
+        let mut out = String::new();
+        for node in std::iter::once(&self.control_plane).chain(&self.workers) {
+            out.push_str(&node.container_logs());
+        }
+        out
+    }
+}
