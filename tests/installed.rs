@@ -5,19 +5,26 @@
 //! path and a LoadBalancer Service work through it.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::time::Duration;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 use tether_testkit::installed::{Image, Installed, InstalledOptions, IMAGE};
-use tether_testkit::kube::wait_blocking;
-use tether_testkit::kubectl::{every_kubectl_path, web_pod_containers};
+use tether_testkit::kube::{wait_blocking, Cluster};
+use tether_testkit::kubectl::{
+    download_big, every_kubectl_path, exec, exec_first_output, port_forward, web_pod_containers,
+    Killed, Streams,
+};
 use tether_testkit::TempDir;
 
 const BIN: &str = env!("CARGO_BIN_EXE_tether");
 
-/// Where the binaries this test run built are (they go into the image).
+/// The binaries that go into the image: this test run's (a debug build), or
+/// `$TETHER_IMAGE_BINARIES` (say `target/release`, for the README's figures).
 fn bin_dir() -> PathBuf {
-    Path::new(BIN).parent().unwrap().to_path_buf()
+    match std::env::var_os("TETHER_IMAGE_BINARIES") {
+        Some(dir) => std::fs::canonicalize(dir).expect("TETHER_IMAGE_BINARIES"),
+        None => Path::new(BIN).parent().unwrap().to_path_buf(),
+    }
 }
 
 fn json(path: &Path) -> serde_json::Value {
@@ -194,4 +201,474 @@ fn the_installed_form_carries_every_kubectl_path_and_a_load_balancer() {
             .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
     });
     assert_eq!(page, "hello from the pod\n");
+
+    figures_beside_direct(&i);
 }
+
+/// CPU seconds (user + system) of every process on the machine, summed by program
+/// name (`/proc/PID/comm`).
+fn cpu_by_program() -> std::collections::BTreeMap<String, f64> {
+    let mut by = std::collections::BTreeMap::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        let Some((head, rest)) = stat.rsplit_once(')') else {
+            continue;
+        };
+        let comm = head.split_once('(').map_or("", |(_, c)| c).to_string();
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        // utime and stime are fields 14 and 15 of stat; `rest` starts at field 3.
+        let ticks: f64 =
+            fields[11].parse::<f64>().unwrap_or(0.0) + fields[12].parse::<f64>().unwrap_or(0.0);
+        *by.entry(comm).or_insert(0.0) += ticks / 100.0;
+    }
+    by
+}
+
+/// What each program spent between two [`cpu_by_program`] readings, most first.
+fn cpu_spent(
+    before: &std::collections::BTreeMap<String, f64>,
+    after: &std::collections::BTreeMap<String, f64>,
+) -> Vec<(String, f64)> {
+    let mut spent: Vec<(String, f64)> = after
+        .iter()
+        .map(|(p, s)| (p.clone(), s - before.get(p).copied().unwrap_or(0.0)))
+        .filter(|(_, s)| *s > 0.0)
+        .collect();
+    spent.sort_by(|a, b| b.1.total_cmp(&a.1));
+    spent
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+/// The README's figures: `kubectl port-forward` throughput (64 MiB, 3 rounds) and the
+/// time from `kubectl exec` to its first output (5 rounds) to pod `web` on worker-0,
+/// through Tether beside a second kube-apiserver of the same cluster that dials the
+/// kubelet directly (a route to the node for the measurement). Prints medians; asserts
+/// only that both paths deliver every byte.
+fn figures_beside_direct(i: &Installed) {
+    let c = &i.cluster;
+    let worker = &i.workers[0];
+    let sum = exec(
+        c,
+        "web",
+        "web",
+        "dd if=/dev/urandom of=/www/big bs=1048576 count=64 2>/dev/null && sha256sum /www/big",
+    );
+    let sum = sum.split_whitespace().next().unwrap().to_string();
+    let _route = worker.direct_route();
+    let direct = c.start_peer_apiserver(&tether_testkit::kube::Egress::Direct);
+    let scratch = TempDir::new("tether-installed-figures");
+    let file = scratch.path().join("big.download");
+    let mut rows = Vec::new();
+    for (path, tunnel) in [("tunnel", true), ("direct", false)] {
+        let kubectl = || {
+            if tunnel {
+                c.kubectl_command()
+            } else {
+                direct.kubectl_command()
+            }
+        };
+        let (port, _pf) = port_forward(kubectl(), Streams::Spdy);
+        let cpu_before = cpu_by_program();
+        let downloads: Vec<Duration> = (0..3).map(|_| download_big(port, &file, &sum)).collect();
+        let cpu = cpu_spent(&cpu_before, &cpu_by_program());
+        let execs: Vec<Duration> = (0..5)
+            .map(|_| exec_first_output(kubectl(), Streams::Spdy))
+            .collect();
+        rows.push((path, 64.0 / median(downloads).as_secs_f64(), median(execs)));
+        let total: f64 = cpu.iter().map(|(_, s)| s).sum();
+        println!(
+            "  {path}: CPU seconds per 64 MiB, by program: {} (all: {:.2})",
+            cpu.iter()
+                .filter(|(_, s)| *s >= 0.01)
+                .map(|(p, s)| format!("{p} {:.2}", s / 3.0))
+                .collect::<Vec<_>>()
+                .join(", "),
+            total / 3.0
+        );
+    }
+    println!(
+        "installed form ({}), kubectl to a pod on {} (medians):",
+        bin_dir().display(),
+        worker.name
+    );
+    for (path, mibs, first) in &rows {
+        println!(
+            "  {path:>6}: port-forward {mibs:>6.1} MiB/s, exec to first output {:>4} ms",
+            first.as_millis()
+        );
+    }
+    println!(
+        "  tunnel/direct: port-forward {:.2}x, exec first output {:.2}x",
+        rows[0].1 / rows[1].1,
+        rows[0].2.as_secs_f64() / rows[1].2.as_secs_f64()
+    );
+}
+
+/// Runs `probe` every 250 ms on a thread of its own until dropped, recording when it
+/// failed.
+struct Prober {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<Vec<(Instant, bool)>>>,
+}
+
+impl Prober {
+    fn start(probe: impl Fn() -> bool + Send + 'static) -> Prober {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let s = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut seen = Vec::new();
+            while !s.load(std::sync::atomic::Ordering::Relaxed) {
+                let at = Instant::now();
+                seen.push((at, probe()));
+                std::thread::sleep(Duration::from_millis(250).saturating_sub(at.elapsed()));
+            }
+            seen
+        });
+        Prober {
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    /// The probes so far; stops probing.
+    fn finish(mut self) -> Vec<(Instant, bool)> {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.take().unwrap().join().unwrap()
+    }
+}
+
+impl Drop for Prober {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// The longest run of failed probes: from the first failure to the next success.
+fn longest_outage(seen: &[(Instant, bool)]) -> (Duration, usize) {
+    let (mut longest, mut failures) = (Duration::ZERO, 0);
+    let mut since: Option<Instant> = None;
+    for &(at, ok) in seen {
+        if ok {
+            if let Some(s) = since.take() {
+                longest = longest.max(at - s);
+            }
+        } else {
+            failures += 1;
+            since.get_or_insert(at);
+        }
+    }
+    if let (Some(s), Some(&(last, _))) = (since, seen.last()) {
+        longest = longest.max(last - s);
+    }
+    (longest, failures)
+}
+
+/// A cheap kubectl call that goes to `node`'s kubelet through the tunnel.
+fn node_answers(kubeconfig: &Path, node: &str) -> bool {
+    Command::new("kubectl")
+        .arg(format!("--kubeconfig={}", kubeconfig.display()))
+        .args([
+            "get",
+            "--raw",
+            &format!("/api/v1/nodes/{node}/proxy/healthz"),
+        ])
+        .arg("--request-timeout=5s")
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false)
+}
+
+/// The Service `web-lb`'s address, or "" if it has none.
+fn lb_address(c: &Cluster) -> String {
+    let out = c.kubectl(&[
+        "get",
+        "service",
+        "web-lb",
+        "-o",
+        "jsonpath={.status.loadBalancer.ingress[0].ip}",
+    ]);
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+/// Day two on the installed form: the agent DaemonSet rolled from image A to B while a
+/// `kubectl logs -f` and a port-forward run through a node's agent; the server's
+/// static pod upgraded; the CCM Deployment rolled. Prints how long new kubectl calls to
+/// the node failed in each, and asserts the bounds the README states.
+#[test]
+fn day_two_rolling_update_server_restart_and_ccm_rollout() {
+    let i = Installed::start(&InstalledOptions {
+        bin_dir: bin_dir(),
+        workers: 2,
+    });
+    let c = &i.cluster;
+    let worker = &i.workers[0];
+    worker.run_pod(c, "web", "app: web", &web_pod_containers());
+    c.apply("apiVersion: v1\nkind: Service\nmetadata:\n  name: web-lb\n  namespace: default\nspec:\n  type: LoadBalancer\n  allocateLoadBalancerNodePorts: false\n  selector:\n    app: web\n  ports:\n  - name: http\n    port: 80\n    targetPort: 8080\n");
+    let address = i.wait_or_explain("the Service's address", || {
+        Some(lb_address(c)).filter(|a| !a.is_empty())
+    });
+    let admin = c.files.admin_kubeconfig.clone();
+
+    // Image B: the same binaries under another tag, on every node as a pull would
+    // leave it.
+    let b = Image::build(
+        &bin_dir(),
+        "tether:v0.1.0-b",
+        &i.overlay_dir().with_file_name("tether-b.oci.tar"),
+    );
+    for node in std::iter::once(&i.control_plane).chain(&i.workers) {
+        node.import_image(&b.archive, &b.reference);
+    }
+
+    // --- The agent DaemonSet, A to B, with streams open through worker-0's agent.
+    let mut follow = c.kubectl_command();
+    follow
+        .args(["logs", "-f", "web", "-c", "web", "--tail=1"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    let mut logs = Killed(follow.spawn().unwrap());
+    let (lines_tx, lines) = std::sync::mpsc::channel::<Instant>();
+    let out = logs.0.stdout.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        use std::io::BufRead;
+        for _ in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+            let _ = lines_tx.send(Instant::now());
+        }
+    });
+    lines
+        .recv_timeout(Duration::from_secs(30))
+        .expect("logs -f streams");
+    let (port, _pf) = port_forward(c.kubectl_command(), Streams::Default);
+    let page = |port: u16| {
+        Command::new("curl")
+            .args(["-sf", "--max-time", "5"])
+            .arg(format!("http://127.0.0.1:{port}/"))
+            .output()
+            .map(|o| o.status.success())
+            .unwrap_or(false)
+    };
+    assert!(page(port), "port-forward before the update");
+
+    let probe_kubeconfig = admin.clone();
+    let probe_node = worker.name.clone();
+    let prober = Prober::start(move || node_answers(&probe_kubeconfig, &probe_node));
+    let rolled = Instant::now();
+    i.apply_overlay("tether:v0.1.0-b");
+    // While worker-0's agent drains, the port-forward session it carries still works.
+    let draining = i.wait_or_explain("worker-0's agent draining", || {
+        let phase = c.kubectl_ok(&[
+            "get",
+            "pods",
+            "-n",
+            "kube-system",
+            "-l",
+            "k8s-app=konnectivity-agent",
+            "--field-selector",
+            &format!("spec.nodeName={}", worker.name),
+            "-o",
+            "jsonpath={.items[*].metadata.deletionTimestamp}",
+        ]);
+        (!phase.trim().is_empty()).then(Instant::now)
+    });
+    assert!(page(port), "port-forward while the agent drains");
+    // logs -f ends when the old agent's drain does (--drain-timeout=30s).
+    let mut last_line = draining;
+    while let Ok(at) = lines.recv_timeout(Duration::from_secs(90)) {
+        last_line = at;
+    }
+    let logs_ended = Instant::now();
+    let _ = reader.join();
+    let out = c.kubectl(&[
+        "rollout",
+        "status",
+        "daemonset/konnectivity-agent",
+        "-n",
+        "kube-system",
+        "--timeout=300s",
+    ]);
+    assert!(
+        out.status.success(),
+        "rollout: {}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        i.explain()
+    );
+    i.wait_or_explain("worker-0 answering again", || {
+        node_answers(&admin, &worker.name).then_some(())
+    });
+    let (outage, failures) = longest_outage(&prober.finish());
+    let images = c.kubectl_ok(&[
+        "get",
+        "pods",
+        "-n",
+        "kube-system",
+        "-l",
+        "k8s-app=konnectivity-agent",
+        "-o",
+        "jsonpath={.items[*].spec.containers[0].image}",
+    ]);
+    assert!(
+        images.split_whitespace().all(|i| i == "tether:v0.1.0-b"),
+        "{images}"
+    );
+    println!(
+        "agent rolling update: logs -f streamed {:.1} s into the drain and ended {:.1} s after the update began; new kubectl calls to {} failed for at most {:.1} s ({failures} failed probes), update done in {:.1} s",
+        (last_line.max(draining) - draining).as_secs_f64(),
+        (logs_ended - rolled).as_secs_f64(),
+        worker.name,
+        outage.as_secs_f64(),
+        rolled.elapsed().as_secs_f64()
+    );
+    assert!(
+        outage < Duration::from_secs(30),
+        "new calls to the node failed for {outage:?}"
+    );
+    drop(logs);
+
+    // --- The server's static pod, upgraded in place (image B in its manifest).
+    let manifest = i
+        .etc_kubernetes()
+        .join("manifests/konnectivity-server.yaml");
+    let text = std::fs::read_to_string(&manifest).unwrap();
+    let probe_kubeconfig = admin.clone();
+    let probe_node = worker.name.clone();
+    let prober = Prober::start(move || node_answers(&probe_kubeconfig, &probe_node));
+    let server_container = || {
+        c.kubectl_ok(&[
+            "get",
+            "pod",
+            "-n",
+            "kube-system",
+            "konnectivity-server-control-plane",
+            "-o",
+            "jsonpath={.status.containerStatuses[0].containerID} {.status.containerStatuses[0].ready}",
+        ])
+    };
+    let before = server_container();
+    let restarted = Instant::now();
+    std::fs::write(
+        &manifest,
+        text.replace("image: tether:v0.1.0", "image: tether:v0.1.0-b"),
+    )
+    .unwrap();
+    // A new container, ready (the old one's readiness may linger in the status).
+    i.wait_or_explain("the server's new container ready", || {
+        let now = server_container();
+        (now.split_whitespace().next() != before.split_whitespace().next()
+            && now.ends_with(" true"))
+        .then_some(())
+    });
+    i.wait_or_explain("worker-0 answering through the new server", || {
+        node_answers(&admin, &worker.name).then_some(())
+    });
+    let back = restarted.elapsed();
+    let (outage, failures) = longest_outage(&prober.finish());
+    println!(
+        "server static pod upgrade: kubectl to {} worked again {:.1} s after the manifest changed (longest failure {:.1} s, {failures} failed probes)",
+        worker.name,
+        back.as_secs_f64(),
+        outage.as_secs_f64()
+    );
+    assert!(
+        back < SERVER_RESTART_BOUND,
+        "kubectl came back only after {back:?}"
+    );
+    i.wait_or_explain("every agent back", || {
+        let agents = i.server_agents();
+        (agents["agents"].as_array().map_or(0, |a| a.len()) == 1 + i.workers.len()).then_some(())
+    });
+
+    // --- The CCM Deployment, rolled: the Service keeps its address throughout.
+    let lb_probe = {
+        let ns = i.client.ns.clone();
+        let address = address.clone();
+        Prober::start(move || {
+            Command::new("ip")
+                .args(["netns", "exec", &ns, "curl", "-sf", "--max-time", "2"])
+                .arg(format!("http://{address}/"))
+                .output()
+                .map(|o| o.status.success())
+                .unwrap_or(false)
+        })
+    };
+    let kubeconfig = admin.clone();
+    let status_probe = Prober::start(move || {
+        let out = Command::new("kubectl")
+            .arg(format!("--kubeconfig={}", kubeconfig.display()))
+            .args([
+                "get",
+                "service",
+                "web-lb",
+                "-o",
+                "jsonpath={.status.loadBalancer.ingress[0].ip}",
+            ])
+            .output();
+        out.map(|o| !String::from_utf8_lossy(&o.stdout).trim().is_empty())
+            .unwrap_or(true)
+    });
+    let rolled = Instant::now();
+    c.kubectl_ok(&[
+        "rollout",
+        "restart",
+        "deployment/tether-ccm",
+        "-n",
+        "kube-system",
+    ]);
+    let out = c.kubectl(&[
+        "rollout",
+        "status",
+        "deployment/tether-ccm",
+        "-n",
+        "kube-system",
+        "--timeout=300s",
+    ]);
+    assert!(
+        out.status.success(),
+        "CCM rollout: {}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        i.explain()
+    );
+    i.wait_or_explain(
+        "the page through the load balancer after the rollout",
+        || {
+            Command::new("ip")
+                .args([
+                    "netns",
+                    "exec",
+                    &i.client.ns,
+                    "curl",
+                    "-sf",
+                    "--max-time",
+                    "2",
+                ])
+                .arg(format!("http://{address}/"))
+                .output()
+                .ok()
+                .filter(|o| o.status.success())
+                .map(|_| ())
+        },
+    );
+    let (unserved, _) = longest_outage(&lb_probe.finish());
+    let (_, no_address) = longest_outage(&status_probe.finish());
+    println!(
+        "CCM rollout: done in {:.1} s; the Service kept {address} throughout ({no_address} probes without it); the load balancer did not answer for at most {:.1} s",
+        rolled.elapsed().as_secs_f64(),
+        unserved.as_secs_f64()
+    );
+    assert_eq!(
+        no_address, 0,
+        "the Service lost its address during the rollout"
+    );
+    assert_eq!(lb_address(c), address);
+}
+
+/// How soon kubectl works again after the server's static pod is replaced: the
+/// kubelet notices the manifest (fileCheckFrequency, 10 s here, 20 s by default), stops
+/// the old pod (its graceful shutdown ends at once with nothing open), starts the new
+/// one, and the agents reconnect (their backoff is at most 10 s).
+const SERVER_RESTART_BOUND: Duration = Duration::from_secs(60);

@@ -326,8 +326,8 @@ impl Installed {
 
     /// Writes the overlay an operator would (README, "Install on a cluster"): `deploy/`
     /// with `image` as the image, the control-plane node's LAN address as
-    /// `PROXY_SERVER_HOST` and [`Installed::inventory`]; applies it with
-    /// `kubectl apply -k`.
+    /// `PROXY_SERVER_HOST`, one CCM replica for the one control-plane host, and
+    /// [`Installed::inventory`]; applies it with `kubectl apply -k`.
     pub fn apply_overlay(&self, image: &str) {
         let overlay = self.overlay_dir();
         std::fs::create_dir_all(&overlay).unwrap();
@@ -368,6 +368,15 @@ patches:
             env:
             - name: PROXY_SERVER_HOST
               value: "{address}"
+- patch: |-
+    # One control-plane host: one CCM replica (the manifest's two need two hosts).
+    apiVersion: apps/v1
+    kind: Deployment
+    metadata:
+      name: tether-ccm
+      namespace: kube-system
+    spec:
+      replicas: 1
 - path: inventory.yaml
 "#,
             address = self.server_address,

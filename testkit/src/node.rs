@@ -732,7 +732,8 @@ fn wait_alive(
     while !ready() {
         assert!(
             !proc.exited(),
-            "{what}: {proc:?} exited:\n{}\n{}",
+            "{what}: {proc:?} exited:\n{}\n{}\n{}",
+            fatal_lines(&proc.log_text()),
             tail(&proc.log_text(), 60),
             context()
         );
@@ -744,6 +745,19 @@ fn wait_alive(
         );
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// klog's fatal and error lines (`F1127 ...`, `E1127 ...`): a kubelet that exits with
+/// klog.Fatal prints every goroutine after its reason, which the tail then shows alone.
+fn fatal_lines(text: &str) -> String {
+    let klog = |l: &&str, level: char| {
+        l.starts_with(level) && l.len() > 5 && l[1..5].bytes().all(|b| b.is_ascii_digit())
+    };
+    let found: Vec<&str> = text
+        .lines()
+        .filter(|l| klog(l, 'F') || klog(l, 'E'))
+        .collect();
+    found[found.len().saturating_sub(20)..].join("\n")
 }
 
 fn tail(text: &str, lines: usize) -> String {
