@@ -672,3 +672,187 @@ fn day_two_rolling_update_server_restart_and_ccm_rollout() {
 /// the old pod (its graceful shutdown ends at once with nothing open), starts the new
 /// one, and the agents reconnect (their backoff is at most 10 s).
 const SERVER_RESTART_BOUND: Duration = Duration::from_secs(60);
+
+/// `tether certs init` as the README gives it, into `out`, with `ca` (cert, key) or a
+/// new CA.
+fn certs_init(i: &Installed, out: &Path, ca: Option<(&Path, &Path)>, force: bool) {
+    let mut cmd = Command::new(BIN);
+    cmd.args(["certs", "init", "--out"]).arg(out);
+    if let Some((cert, key)) = ca {
+        cmd.arg("--ca-cert").arg(cert).arg("--ca-key").arg(key);
+    }
+    if force {
+        cmd.arg("--force");
+    }
+    cmd.args(["--server-san", &i.server_address]).args([
+        "--apiserver-url",
+        &format!("https://{}:{}", i.control_plane.net.host_ip, i.cluster.port),
+    ]);
+    let run = cmd.output().unwrap();
+    assert!(
+        run.status.success(),
+        "tether certs init: {}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+}
+
+/// The serial of the first certificate in `pem`.
+fn serial_of(pem: &[u8]) -> String {
+    let out = tether_testkit::kube::run_with_input(
+        {
+            let mut c = Command::new("openssl");
+            c.args(["x509", "-noout", "-serial"]);
+            c
+        },
+        pem,
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+/// The serial of the certificate the server presents on the agent port, seen from
+/// `node`'s namespace.
+fn served_serial(i: &Installed, node: &str) -> String {
+    let ns = i.node(node).net.ns.clone();
+    let out = tether_testkit::kube::run_with_input(
+        {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", &ns, "openssl", "s_client", "-connect"])
+                .arg(format!("{}:8132", i.server_address));
+            c
+        },
+        b"",
+    );
+    serial_of(&out.stdout)
+}
+
+/// Certificates rotated as a cluster rotates them, with tunnels open throughout:
+/// - the agents' CA bundle, through their ServiceAccount Secret volume: the operator
+///   gives kube-controller-manager a bundle of the old and a new CA, Kubernetes updates
+///   the Secret and the kubelet swaps the volume's `..data` link; every agent reloads it;
+/// - the server's certificate, renewed in its host directory with the README's
+///   `tether certs init --force`; the server reloads it.
+///
+/// A port-forward through the node's agent keeps working across both, new kubectl
+/// calls work, and an agent started afterwards connects with the new bundle.
+#[test]
+fn certificates_rotate_without_dropping_tunnels() {
+    let mut i = Installed::start(&InstalledOptions {
+        bin_dir: bin_dir(),
+        workers: 1,
+    });
+    let worker = i.workers[0].name.clone();
+    i.workers[0].run_pod(&i.cluster, "web", "app: web", &web_pod_containers());
+    let (port, _pf) = port_forward(i.cluster.kubectl_command(), Streams::Default);
+    let page = || {
+        Command::new("curl")
+            .args(["-sf", "--max-time", "5"])
+            .arg(format!("http://127.0.0.1:{port}/"))
+            .output()
+            .map(|o| o.status.success())
+            .unwrap_or(false)
+    };
+    assert!(page(), "port-forward before the rotation");
+    let admin = i.cluster.files.admin_kubeconfig.clone();
+    let scratch = TempDir::new("tether-rotation");
+
+    // --- The agents' CA bundle, through the Secret volume.
+    let new = scratch.path().join("new-ca");
+    certs_init(&i, &new, None, false);
+    let bundle = scratch.path().join("ca-bundle.crt");
+    let mut pem = std::fs::read(&i.cluster.files.ca).unwrap();
+    pem.extend(std::fs::read(new.join("ca.crt")).unwrap());
+    std::fs::write(&bundle, &pem).unwrap();
+    let reloaded = |node: &tether_testkit::node::RealNode| {
+        node.pod_logs("kube-system_konnectivity-agent")
+            .matches("reloaded TLS material")
+            .count()
+    };
+    let before: Vec<usize> = std::iter::once(&i.control_plane)
+        .chain(&i.workers)
+        .map(reloaded)
+        .collect();
+    let rotated = Instant::now();
+    i.cluster.restart_controller_manager(&bundle);
+    i.wait_or_explain("every agent reloading the CA bundle", || {
+        std::iter::once(&i.control_plane)
+            .chain(&i.workers)
+            .zip(&before)
+            .all(|(n, b)| reloaded(n) > *b)
+            .then_some(())
+    });
+    println!(
+        "agents' CA bundle: every agent reloaded it {:.1} s after kube-controller-manager got it",
+        rotated.elapsed().as_secs_f64()
+    );
+    assert!(page(), "port-forward after the agents' CA reload");
+    assert!(node_answers(&admin, &worker), "kubectl after the CA reload");
+
+    // --- The server's certificate, renewed in place.
+    let konnectivity = i.etc_kubernetes().join("pki/konnectivity");
+    let old_serial = serial_of(&std::fs::read(konnectivity.join("server-agent.crt")).unwrap());
+    assert_eq!(served_serial(&i, &worker), old_serial);
+    let server_reloads = |i: &Installed| {
+        i.control_plane
+            .pod_logs("kube-system_konnectivity-server")
+            .matches("reloaded TLS material")
+            .count()
+    };
+    let before = server_reloads(&i);
+    let pki = i.etc_kubernetes().join("pki");
+    certs_init(
+        &i,
+        &konnectivity,
+        Some((&pki.join("ca.crt"), &pki.join("ca.key"))),
+        true,
+    );
+    let new_serial = serial_of(&std::fs::read(konnectivity.join("server-agent.crt")).unwrap());
+    assert_ne!(new_serial, old_serial);
+    let renewed = Instant::now();
+    i.wait_or_explain("the server reloading its certificate", || {
+        (server_reloads(&i) > before).then_some(())
+    });
+    assert_eq!(
+        served_serial(&i, &worker),
+        new_serial,
+        "the server serves the old certificate"
+    );
+    println!(
+        "server certificate: reloaded {:.1} s after it was renewed (--cert-reload-interval, 1m)",
+        renewed.elapsed().as_secs_f64()
+    );
+    assert!(page(), "port-forward after the server's reload");
+    assert!(
+        node_answers(&admin, &worker),
+        "kubectl after the server's reload"
+    );
+
+    // A new agent on the worker connects with the new bundle.
+    let agent_on_worker = |i: &Installed| {
+        i.cluster.kubectl_ok(&[
+            "get",
+            "pod",
+            "-n",
+            "kube-system",
+            "-l",
+            "k8s-app=konnectivity-agent",
+            "--field-selector",
+            &format!("spec.nodeName={worker}"),
+            "-o",
+            "jsonpath={range .items[*]}{.metadata.name} {.status.containerStatuses[0].ready}{\"\\n\"}{end}",
+        ])
+    };
+    let old = agent_on_worker(&i);
+    let old = old.split_whitespace().next().unwrap().to_string();
+    i.cluster
+        .kubectl_ok(&["delete", "pod", "-n", "kube-system", &old, "--wait=false"]);
+    i.wait_or_explain("a new agent on the worker, ready", || {
+        let now = agent_on_worker(&i);
+        let fresh = now
+            .lines()
+            .any(|l| !l.starts_with(&format!("{old} ")) && l.ends_with(" true"));
+        (fresh && now.lines().count() == 1).then_some(())
+    });
+    i.wait_or_explain("kubectl to the worker through the new agent", || {
+        node_answers(&admin, &worker).then_some(())
+    });
+}

@@ -279,6 +279,7 @@ pub struct Cluster {
     /// The apiserver's service-account issuer.
     pub issuer: String,
     controller_manager: Option<Proc>,
+    root_ca: Option<PathBuf>,
     scheduler: Option<Proc>,
     workloads: bool,
     apiserver_args: Vec<String>,
@@ -463,6 +464,7 @@ impl Cluster {
             url,
             port,
             controller_manager: None,
+            root_ca: None,
             scheduler: None,
             workloads: opts.workloads,
             apiserver_args: shared_args,
@@ -515,6 +517,16 @@ impl Cluster {
         cluster
     }
 
+    /// Restarts kube-controller-manager with `--root-ca-file=root_ca` (a cluster with
+    /// `workloads`): what an operator does to rotate the cluster CA. Its token
+    /// controller then puts the new bundle in every ServiceAccount token Secret's
+    /// `ca.crt`, and the kubelets update the pods' volumes.
+    pub fn restart_controller_manager(&mut self, root_ca: &Path) {
+        drop(self.controller_manager.take());
+        self.root_ca = Some(root_ca.to_path_buf());
+        self.controller_manager = Some(self.start_controller_manager());
+    }
+
     /// kube-scheduler as admin, no leader election, no serving port.
     fn start_scheduler(&self) -> Proc {
         let bin = require_kube_binary("kube-scheduler");
@@ -545,7 +557,8 @@ impl Cluster {
                 "--service-account-private-key-file={}",
                 f.sa_key.display()
             ));
-            extra.push(format!("--root-ca-file={}", f.ca.display()));
+            let root_ca = self.root_ca.as_ref().unwrap_or(&f.ca);
+            extra.push(format!("--root-ca-file={}", root_ca.display()));
         }
         Proc::spawn(
             "kube-controller-manager",

@@ -569,6 +569,32 @@ serializeImagePulls: false
         out
     }
 
+    /// Everything the containers of pods whose directory starts with `prefix`
+    /// (`NAMESPACE_NAME`) logged, read from the node's files.
+    pub fn pod_logs(&self, prefix: &str) -> String {
+        let mut out = String::new();
+        let pods = self.dir().join("log/pods");
+        for pod in std::fs::read_dir(&pods).into_iter().flatten().flatten() {
+            if !pod.file_name().to_string_lossy().starts_with(prefix) {
+                continue;
+            }
+            for container in std::fs::read_dir(pod.path())
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                for log in std::fs::read_dir(container.path())
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                {
+                    out.push_str(&std::fs::read_to_string(log.path()).unwrap_or_default());
+                }
+            }
+        }
+        out
+    }
+
     /// Writes a pod on this node running busybox `command` (one container `main`,
     /// image never pulled) and waits until it is Ready.
     pub fn run_pod(&self, cluster: &Cluster, name: &str, labels: &str, containers: &str) {
