@@ -40,17 +40,21 @@ for b in tether tether-agent; do
   [ -x "$binaries/$b" ] || { echo "build-image.sh: $binaries/$b is missing: build it first" >&2; exit 1; }
 done
 
-SUDO=""
-[ "$(id -u)" -eq 0 ] || SUDO="sudo"
+# Root: buildah's rootful storage, and the base's files owned by 0 and 65532.
+[ "$(id -u)" -eq 0 ] || { echo "build-image.sh: run it as root" >&2; exit 1; }
 if ! command -v buildah >/dev/null 2>&1; then
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends buildah >&2
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends buildah >&2
 fi
 
 # A reference as a kubelet resolves it: a bare name is docker.io/library/NAME.
-name="${tag%:*}"
-version="${tag##*:}"
-[ "$name" != "$tag" ] || version=latest
+name="$tag"
+version=latest
+last="${tag##*:}"
+if [ "$last" != "$tag" ] && [[ "$last" != */* ]]; then
+  name="${tag%:*}"
+  version="$last"
+fi
 case "$name" in
   */*) first="${name%%/*}" ;;
   *) first="" ;;
@@ -68,9 +72,15 @@ mkdir -p "$(dirname "$out")"
 work="$(mktemp -d)"
 cleanup() {
   [ -z "${base_ctr:-}" ] || buildah rm "$base_ctr" >/dev/null 2>&1 || true
-  rm -rf "$work"
+  rm -rf "$work" "$out.tmp"
 }
 trap cleanup EXIT
+# One build at a time on this machine: builds share buildah's storage and tags.
+mkdir -p "$CACHE"
+exec 9>"$CACHE/build-image.lock"
+flock 9
+dangling() { buildah images --quiet --filter dangling=true 2>/dev/null | sort; }
+dangling_before="$(dangling)"
 
 # The base: distroless/cc's contents, from this machine's Debian packages.
 arch_lib=/usr/lib/x86_64-linux-gnu
@@ -86,6 +96,7 @@ if ! buildah inspect --type image "$base" >/dev/null 2>&1; then
     cp -L "$arch_lib/$lib" "$r$arch_lib/$lib"
   done
   ln -s ../lib/x86_64-linux-gnu/ld-linux-x86-64.so.2 "$r/usr/lib64/ld-linux-x86-64.so.2"
+  # Debian's bundle (ca-certificates), as this machine has it: local additions included.
   [ -f /etc/ssl/certs/ca-certificates.crt ] && cp /etc/ssl/certs/ca-certificates.crt "$r/etc/ssl/certs/"
   for f in services protocols; do [ -f "/etc/$f" ] && cp "/etc/$f" "$r/etc/$f"; done
   cp /etc/os-release "$r/etc/os-release"
@@ -118,8 +129,10 @@ buildah build --quiet --layers=false --pull=never \
 rm -f "$out.tmp"
 buildah push --quiet "$full" "oci-archive:$out.tmp:$full" >/dev/null
 mv "$out.tmp" "$out"
-# Intermediate stages leave unnamed images behind.
-buildah rmi --prune >/dev/null 2>&1 || true
+# The intermediate stages' unnamed images (only those this build made).
+for id in $(comm -13 <(echo "$dangling_before") <(dangling)); do
+  buildah rmi "$id" >/dev/null 2>&1 || true
+done
 size="$(buildah inspect --type image --format '{{.Docker.Size}}' "$full" 2>/dev/null || true)"
 [ -n "$size" ] && [ "$size" != 0 ] || size="$(buildah images --format '{{.Size}}' "$full" | head -1)"
 echo "image $full ($size uncompressed; archive $(du -h "$out" | cut -f1))" >&2

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use tether_testkit::installed::{Image, Installed, InstalledOptions, IMAGE};
+use tether_testkit::installed::{Image, Installed, InstalledOptions, IMAGE, REGISTRY_IMAGE};
 use tether_testkit::kube::{wait_blocking, Cluster};
 use tether_testkit::kubectl::{
     download_big, every_kubectl_path, exec, exec_first_output, port_forward, web_pod_containers,
@@ -417,9 +417,10 @@ fn day_two_rolling_update_server_restart_and_ccm_rollout() {
 
     // Image B: the same binaries under another tag, on every node as a pull would
     // leave it.
+    let image_b = format!("{REGISTRY_IMAGE}-b");
     let b = Image::build(
         &bin_dir(),
-        "tether:v0.1.0-b",
+        &image_b,
         &i.overlay_dir().with_file_name("tether-b.oci.tar"),
     );
     for node in std::iter::once(&i.control_plane).chain(&i.workers) {
@@ -459,7 +460,7 @@ fn day_two_rolling_update_server_restart_and_ccm_rollout() {
     let probe_node = worker.name.clone();
     let prober = Prober::start(move || node_answers(&probe_kubeconfig, &probe_node));
     let rolled = Instant::now();
-    i.apply_overlay("tether:v0.1.0-b");
+    i.apply_overlay(&image_b);
     // While worker-0's agent drains, the port-forward session it carries still works.
     let draining = i.wait_or_explain("worker-0's agent draining", || {
         let phase = c.kubectl_ok(&[
@@ -484,6 +485,10 @@ fn day_two_rolling_update_server_restart_and_ccm_rollout() {
     }
     let logs_ended = Instant::now();
     let _ = reader.join();
+    // The port-forward session, carried by the same agent, ends with it.
+    i.wait_or_explain("the port-forward ending with the old agent", || {
+        (!page(port)).then_some(())
+    });
     let out = c.kubectl(&[
         "rollout",
         "status",
@@ -512,10 +517,7 @@ fn day_two_rolling_update_server_restart_and_ccm_rollout() {
         "-o",
         "jsonpath={.items[*].spec.containers[0].image}",
     ]);
-    assert!(
-        images.split_whitespace().all(|i| i == "tether:v0.1.0-b"),
-        "{images}"
-    );
+    assert!(images.split_whitespace().all(|i| i == image_b), "{images}");
     println!(
         "agent rolling update: logs -f streamed {:.1} s into the drain and ended {:.1} s after the update began; new kubectl calls to {} failed for at most {:.1} s ({failures} failed probes), update done in {:.1} s",
         (last_line.max(draining) - draining).as_secs_f64(),
@@ -538,8 +540,10 @@ fn day_two_rolling_update_server_restart_and_ccm_rollout() {
     let probe_kubeconfig = admin.clone();
     let probe_node = worker.name.clone();
     let prober = Prober::start(move || node_answers(&probe_kubeconfig, &probe_node));
+    // The mirror pod is deleted and made again when the manifest changes: a NotFound
+    // in between is "not yet".
     let server_container = || {
-        c.kubectl_ok(&[
+        let out = c.kubectl(&[
             "get",
             "pod",
             "-n",
@@ -547,13 +551,17 @@ fn day_two_rolling_update_server_restart_and_ccm_rollout() {
             "konnectivity-server-control-plane",
             "-o",
             "jsonpath={.status.containerStatuses[0].containerID} {.status.containerStatuses[0].ready}",
-        ])
+        ]);
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
     };
     let before = server_container();
     let restarted = Instant::now();
     std::fs::write(
         &manifest,
-        text.replace("image: tether:v0.1.0", "image: tether:v0.1.0-b"),
+        text.replace(
+            &format!("image: {REGISTRY_IMAGE}"),
+            &format!("image: {image_b}"),
+        ),
     )
     .unwrap();
     // A new container, ready (the old one's readiness may linger in the status).
@@ -608,7 +616,9 @@ fn day_two_rolling_update_server_restart_and_ccm_rollout() {
                 "jsonpath={.status.loadBalancer.ingress[0].ip}",
             ])
             .output();
-        out.map(|o| !String::from_utf8_lossy(&o.stdout).trim().is_empty())
+        // Only an answer without the address counts; a kubectl that timed out on a
+        // loaded machine says nothing about the Service.
+        out.map(|o| !o.status.success() || !String::from_utf8_lossy(&o.stdout).trim().is_empty())
             .unwrap_or(true)
     });
     let rolled = Instant::now();

@@ -297,19 +297,36 @@ fn dn(cn: &str, org: Option<&str>) -> DistinguishedName {
     dn
 }
 
-/// Writes `contents` to `path`; `secret` files get mode 0600.
+/// Writes `contents` to `path`; `secret` files get mode 0600, also when they replace a
+/// file that had another. The file is written beside `path` and renamed over it, so a
+/// process that reloads it (a server watching its certificate) never reads half of it.
 pub fn write_file(path: &Path, contents: &str, secret: bool) -> Result<(), CertError> {
     let werr = |source| CertError::Write {
         path: path.to_path_buf(),
         source,
     };
+    let name = path
+        .file_name()
+        .map_or_else(Default::default, |n| n.to_os_string());
+    let mut tmp_name = std::ffi::OsString::from(".");
+    tmp_name.push(&name);
+    tmp_name.push(format!(".tmp-{}", std::process::id()));
+    let tmp = path.with_file_name(tmp_name);
+    let _ = std::fs::remove_file(&tmp);
     let mut opts = std::fs::OpenOptions::new();
-    opts.write(true).create(true).truncate(true);
+    opts.write(true).create_new(true);
     if secret {
         opts.mode(0o600);
     }
-    let mut f = opts.open(path).map_err(werr)?;
-    f.write_all(contents.as_bytes()).map_err(werr)
+    let written = opts.open(&tmp).and_then(|mut f| {
+        f.write_all(contents.as_bytes())?;
+        f.sync_all()
+    });
+    if let Err(e) = written.and_then(|()| std::fs::rename(&tmp, path)) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(werr(e));
+    }
+    Ok(())
 }
 
 /// Writes `NAME.crt` and `NAME.key` into `dir`, returning their paths.
@@ -411,6 +428,22 @@ impl DevPki {
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn a_key_written_over_a_readable_file_is_private_and_whole() {
+        let dir = std::env::temp_dir().join(format!("tether-certs-over-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let key = dir.join("server.key");
+        std::fs::write(&key, "old").unwrap();
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).unwrap();
+        write_file(&key, "new key", true).unwrap();
+        assert_eq!(std::fs::read_to_string(&key).unwrap(), "new key");
+        let mode = std::fs::metadata(&key).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        // Nothing left beside it.
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn dev_pki_files_and_modes() {

@@ -29,6 +29,11 @@ use crate::TempDir;
 /// The image reference the manifests in `deploy/` name.
 pub const IMAGE: &str = "tether:v0.1.0";
 
+/// The image as an operator pushes it to a registry of theirs: what the installed
+/// cluster runs, set by the README's commands (a `sed` for the static pod, the
+/// overlay's `images:` for the rest), so that anything still naming [`IMAGE`] fails.
+pub const REGISTRY_IMAGE: &str = "registry.tether.test/tether:v0.1.0";
+
 /// Where this repository's `deploy/` is.
 pub fn deploy_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy")
@@ -135,7 +140,7 @@ impl Installed {
         crate::node::available().unwrap_or_else(|e| panic!("installed cluster: {e}"));
         let dir = TempDir::new("tether-installed");
         let d = dir.path().to_path_buf();
-        let image = Image::build(&opts.bin_dir, IMAGE, &d.join("tether.oci.tar"));
+        let image = Image::build(&opts.bin_dir, REGISTRY_IMAGE, &d.join("tether.oci.tar"));
 
         let lan = Lan::create();
         let cp_net = Node::create();
@@ -196,12 +201,15 @@ impl Installed {
             "tether certs init: {}",
             String::from_utf8_lossy(&out.stderr)
         );
+        // `sed 's|image: tether:v0.1.0|image: REGISTRY/tether:v0.1.0|'` (README).
         std::fs::create_dir_all(etc.join("manifests")).unwrap();
-        std::fs::copy(
-            deploy_dir().join("konnectivity-server.yaml"),
-            etc.join("manifests/konnectivity-server.yaml"),
-        )
-        .unwrap();
+        let manifest = std::fs::read_to_string(deploy_dir().join("konnectivity-server.yaml"))
+            .unwrap()
+            .replace(
+                &format!("image: {IMAGE}"),
+                &format!("image: {REGISTRY_IMAGE}"),
+            );
+        std::fs::write(etc.join("manifests/konnectivity-server.yaml"), manifest).unwrap();
 
         let node_opts = NodeOptions {
             server_tls_bootstrap: true,
@@ -298,7 +306,7 @@ impl Installed {
             etc,
             dir,
         };
-        installed.apply_overlay(IMAGE);
+        installed.apply_overlay(REGISTRY_IMAGE);
         installed.wait_installed();
         installed
     }
