@@ -117,9 +117,11 @@ if ! buildah inspect --type image "$base" >/dev/null 2>&1; then
   base_ctr=""
 fi
 
-# The build context: the Dockerfile's prebuilt stage takes target/release/{tether,tether-agent}.
+# The build context: the Dockerfile's prebuilt stage takes target/release/{tether,tether-agent},
+# the final stage deploy/image-links (upstream's program names).
 ctx="$work/context"
-mkdir -p "$ctx/target/release"
+mkdir -p "$ctx/target/release" "$ctx/deploy"
+cp -a "$ROOT/deploy/image-links" "$ctx/deploy/"
 for b in tether tether-agent; do
   objcopy --strip-debug "$binaries/$b" "$ctx/target/release/$b"
 done

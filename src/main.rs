@@ -1,5 +1,7 @@
 //! The `tether` binary: `server`, `agent`, `local` (server + agent + demo backend in one
-//! process), `ccm` and `certs`. Flags keep upstream's names and defaults.
+//! process), `ccm` and `certs`. Flags keep upstream's names and defaults; invoked as
+//! `proxy-server` or `proxy-agent` (upstream's program names) it is `tether server` or
+//! `tether agent`.
 
 use clap::{Parser, Subcommand};
 
@@ -37,7 +39,7 @@ static ALLOC: tether_ops::heap_profile::Sampling<std::alloc::System> =
 
 fn main() -> std::process::ExitCode {
     tether_ops::heap_profile::mark_installed();
-    let cli: Cli = match cmd::parse_args() {
+    let cli: Cli = match cmd::parse_args_from(cmd::upstream_program_args(std::env::args_os())) {
         Ok(c) => c,
         Err(code) => return code,
     };

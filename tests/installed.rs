@@ -89,7 +89,16 @@ fn the_image_is_what_the_dockerfile_says() {
     let passwd = std::fs::read_to_string(rootfs.join("etc/passwd")).unwrap();
     assert!(passwd.contains("nonroot:x:65532:65532:"), "{passwd}");
     assert!(!rootfs.join("bin/sh").exists(), "the image has a shell");
-    for (bin, version) in [("/tether", "tether "), ("/tether-agent", "tether-agent ")] {
+    for (bin, version) in [
+        ("/tether", "tether "),
+        ("/tether-agent", "tether-agent "),
+        // Upstream's program names (its manifests run /proxy-server, /proxy-agent, or
+        // the /usr/bin/ ones): the server by the first, the agent by the second.
+        ("/proxy-server", "tether-server "),
+        ("/usr/bin/proxy-server", "tether-server "),
+        ("/proxy-agent", "tether-agent "),
+        ("/usr/bin/proxy-agent", "tether-agent "),
+    ] {
         let out = Command::new("chroot")
             .arg("--userspec=65532:65532")
             .arg(&rootfs)

@@ -41,8 +41,37 @@ pub fn go_bool(s: &str) -> Result<bool, String> {
 /// Parses the command line; help and version are printed as usual, anything else
 /// wrong is one `error: ...` line naming the flag (exit code 2).
 pub fn parse_args<P: clap::Parser>() -> Result<P, std::process::ExitCode> {
+    parse_args_from(std::env::args_os())
+}
+
+/// The command line as `tether` takes it, from upstream's program names: invoked as
+/// `proxy-server` (the image links `/proxy-server` and `/usr/bin/proxy-server` to
+/// `/tether`) it is `tether server ARGS`, as `proxy-agent` `tether agent ARGS`, so
+/// upstream's manifests run unchanged. Other names pass through.
+pub fn upstream_program_args(
+    args: impl IntoIterator<Item = std::ffi::OsString>,
+) -> Vec<std::ffi::OsString> {
+    let mut args: Vec<std::ffi::OsString> = args.into_iter().collect();
+    let program = args
+        .first()
+        .and_then(|a| std::path::Path::new(a).file_name())
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let subcommand = match program.as_str() {
+        "proxy-server" => "server",
+        "proxy-agent" => "agent",
+        _ => return args,
+    };
+    args.insert(1, subcommand.into());
+    args
+}
+
+/// [`parse_args`] from `args` (the program name first).
+pub fn parse_args_from<P: clap::Parser>(
+    args: impl IntoIterator<Item = std::ffi::OsString>,
+) -> Result<P, std::process::ExitCode> {
     use clap::error::{ContextKind, ContextValue, ErrorKind};
-    let e = match P::try_parse() {
+    let e = match P::try_parse_from(args) {
         Ok(p) => return Ok(p),
         Err(e) => e,
     };
@@ -152,6 +181,23 @@ pub fn bind_addr(host: &str, port: u16, flag: &str) -> anyhow::Result<std::net::
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn upstream_program_names_are_subcommands() {
+        let args = |v: &[&str]| -> Vec<std::ffi::OsString> { v.iter().map(|s| s.into()).collect() };
+        assert_eq!(
+            upstream_program_args(args(&["/usr/bin/proxy-server", "--mode=grpc"])),
+            args(&["/usr/bin/proxy-server", "server", "--mode=grpc"])
+        );
+        assert_eq!(
+            upstream_program_args(args(&["proxy-agent", "--agent-id=a"])),
+            args(&["proxy-agent", "agent", "--agent-id=a"])
+        );
+        assert_eq!(
+            upstream_program_args(args(&["/tether", "certs", "dev"])),
+            args(&["/tether", "certs", "dev"])
+        );
+    }
 
     #[test]
     fn each_cause_is_printed_once() {
