@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the real-cluster tests need, idempotently, with caches outside the repo:
 #   - etcd from Debian's etcd-server package;
-#   - kube-apiserver, kubelet, kube-controller-manager and kube-scheduler 1.20.2 built from Debian
+#   - kube-apiserver, kubelet, kube-controller-manager, kube-scheduler and kube-proxy 1.20.2 built from Debian
 #     bookworm's `kubernetes` source package (full vendor/ tree) with golang-1.19-go,
 #     cached as $TETHER_CACHE/<name>-1.20.2;
 #   - the node runtime: containerd, runc, the CNI plugins, busybox-static, iptables, and the
@@ -44,7 +44,7 @@ command -v buildah >/dev/null 2>&1 || apt_install buildah
 command -v objcopy >/dev/null 2>&1 || apt_install binutils
 "$(dirname "$0")/node-images.sh" >/dev/null
 
-KUBE_BINS=(kube-apiserver kubelet kube-controller-manager kube-scheduler)
+KUBE_BINS=(kube-apiserver kubelet kube-controller-manager kube-scheduler kube-proxy)
 missing=()
 for b in "${KUBE_BINS[@]}"; do [ -x "$CACHE/$b-$VERSION" ] || missing+=("$b"); done
 PEER_SRC="$(cd "$(dirname "$0")/.." && pwd)/testkit/grpc-go-peer/main.go"

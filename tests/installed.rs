@@ -177,10 +177,9 @@ fn the_installed_form_carries_every_kubectl_path_and_a_load_balancer() {
     let scratch = TempDir::new("tether-installed-scratch");
     every_kubectl_path(c, &worker.name, worker.ip(), scratch.path());
 
-    // A LoadBalancer Service, from a host on the LAN. No kube-proxy runs on these
-    // nodes to serve node ports, so the Service has none: the CCM dials its endpoints,
-    // the pods, through the tunnel.
-    c.apply("apiVersion: v1\nkind: Service\nmetadata:\n  name: web-lb\n  namespace: default\nspec:\n  type: LoadBalancer\n  allocateLoadBalancerNodePorts: false\n  selector:\n    app: web\n  ports:\n  - name: http\n    port: 80\n    targetPort: 8080\n");
+    // A LoadBalancer Service as users write it, from a host on the LAN: the CCM dials
+    // its node ports through the tunnel, and kube-proxy on the node forwards to the pod.
+    c.apply("apiVersion: v1\nkind: Service\nmetadata:\n  name: web-lb\n  namespace: default\nspec:\n  type: LoadBalancer\n  selector:\n    app: web\n  ports:\n  - name: http\n    port: 80\n    targetPort: 8080\n");
     let ip = wait_blocking("the Service's address", Duration::from_secs(120), || {
         let ip = c.kubectl_ok(&[
             "get",
@@ -418,7 +417,7 @@ fn day_two_rolling_update_server_restart_and_ccm_rollout() {
     let c = &i.cluster;
     let worker = &i.workers[0];
     worker.run_pod(c, "web", "app: web", &web_pod_containers());
-    c.apply("apiVersion: v1\nkind: Service\nmetadata:\n  name: web-lb\n  namespace: default\nspec:\n  type: LoadBalancer\n  allocateLoadBalancerNodePorts: false\n  selector:\n    app: web\n  ports:\n  - name: http\n    port: 80\n    targetPort: 8080\n");
+    c.apply("apiVersion: v1\nkind: Service\nmetadata:\n  name: web-lb\n  namespace: default\nspec:\n  type: LoadBalancer\n  selector:\n    app: web\n  ports:\n  - name: http\n    port: 80\n    targetPort: 8080\n");
     let address = i.wait_or_explain("the Service's address", || {
         Some(lb_address(c)).filter(|a| !a.is_empty())
     });

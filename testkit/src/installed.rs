@@ -217,6 +217,7 @@ impl Installed {
             etc_kubernetes: None,
             masquerade_pods: true,
             images: vec![(image.archive.clone(), image.reference.clone())],
+            kube_proxy: true,
         };
         let control_plane = RealNode::start_on(
             cp_net,

@@ -585,26 +585,38 @@ impl Cluster {
     /// as the Node authorizer expects) that reaches the apiserver at `host:PORT` and
     /// verifies it under the name `localhost` (a SAN of its certificate).
     pub fn node_kubeconfig(&self, node: &str, host: &str, dir: &Path) -> PathBuf {
+        self.kubeconfig_at(
+            &format!("system:node:{node}"),
+            Some("system:nodes"),
+            host,
+            dir,
+            "kubelet",
+        )
+    }
+
+    /// A kubeconfig for `user` (in group `org`) in `dir` as `STEM.kubeconfig`, reaching
+    /// the apiserver at `host:PORT` and verifying it under the name `localhost`.
+    pub fn kubeconfig_at(
+        &self,
+        user: &str,
+        org: Option<&str>,
+        host: &str,
+        dir: &Path,
+        stem: &str,
+    ) -> PathBuf {
         let ca = Ca::load(&self.files.ca, &self.files.ca_key).unwrap();
         let leaf = ca
             .issue(&LeafSpec {
-                common_name: format!("system:node:{node}"),
-                organization: Some("system:nodes".into()),
+                common_name: user.into(),
+                organization: org.map(String::from),
                 client: true,
                 ..Default::default()
             })
             .unwrap();
-        let (cert, key) = write_pair(dir, "kubelet-client", &leaf).unwrap();
-        let path = dir.join("kubelet.kubeconfig");
+        let (cert, key) = write_pair(dir, &format!("{stem}-client"), &leaf).unwrap();
+        let path = dir.join(format!("{stem}.kubeconfig"));
         let url = format!("https://{host}:{}", self.port);
-        let text = kubeconfig(
-            &url,
-            &self.files.ca,
-            &cert,
-            &key,
-            &format!("system:node:{node}"),
-        )
-        .replace(
+        let text = kubeconfig(&url, &self.files.ca, &cert, &key, user).replace(
             "    certificate-authority:",
             "    tls-server-name: localhost\n    certificate-authority:",
         );

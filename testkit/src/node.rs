@@ -47,6 +47,10 @@ pub struct NodeOptions {
     /// Image archives (path, reference) imported besides busybox and pause, as a
     /// registry pull would leave them (see [`RealNode::import_image`]).
     pub images: Vec<(PathBuf, String)>,
+    /// Run kube-proxy 1.20.2 (iptables mode) on the node, as user `system:kube-proxy`
+    /// (the bootstrap role `system:node-proxier`): Services' node ports and cluster IPs
+    /// work on it.
+    pub kube_proxy: bool,
 }
 
 /// A running real node. See the module documentation.
@@ -60,6 +64,7 @@ pub struct RealNode {
     /// The Tether agent, once [`RealNode::start_agent`] ran.
     pub agent: Option<AgentProc>,
     kubelet: Option<Proc>,
+    kube_proxy: Option<Proc>,
     containerd: Option<Proc>,
     holder: Option<Proc>,
     cgroup: NodeCgroup,
@@ -146,6 +151,7 @@ impl RealNode {
             pod_cidr,
             agent: None,
             kubelet: None,
+            kube_proxy: None,
             containerd: None,
             holder: None,
             cgroup,
@@ -158,7 +164,66 @@ impl RealNode {
         }
         node.start_kubelet(cluster, opts);
         node.wait_ready(cluster);
+        if opts.kube_proxy {
+            node.start_kube_proxy(cluster);
+        }
         node
+    }
+
+    /// kube-proxy in the node's namespaces and cgroup, iptables mode; it leaves the
+    /// machine-wide conntrack sysctls alone.
+    fn start_kube_proxy(&mut self, cluster: &Cluster) {
+        let d = self.dir().to_path_buf();
+        let kubeconfig = cluster.kubeconfig_at(
+            "system:kube-proxy",
+            None,
+            &self.net.host_ip,
+            &d,
+            "kube-proxy",
+        );
+        let args = vec![
+            format!("--kubeconfig={}", kubeconfig.display()),
+            format!("--hostname-override={}", self.name),
+            "--proxy-mode=iptables".into(),
+            "--cluster-cidr=10.234.0.0/16".into(),
+            "--conntrack-max-per-core=0".into(),
+            "--conntrack-tcp-timeout-established=0".into(),
+            "--conntrack-tcp-timeout-close-wait=0".into(),
+            "--metrics-bind-address=127.0.0.1:10249".into(),
+            "--healthz-bind-address=127.0.0.1:10256".into(),
+            "--oom-score-adj=0".into(),
+            "--logtostderr=true".into(),
+            "--v=1".into(),
+        ];
+        let bin = require_kube_binary("kube-proxy");
+        let args = self.in_node(&bin.display().to_string(), &args);
+        let mut proc = Proc::spawn(&format!("kube-proxy@{}", self.name), Path::new("sh"), &args);
+        // Ready once it has written its rules.
+        let ns = self.net.ns.clone();
+        wait_alive(
+            &mut proc,
+            &format!("node {}: kube-proxy's rules", self.name),
+            Duration::from_secs(60),
+            || {
+                Command::new("ip")
+                    .args([
+                        "netns",
+                        "exec",
+                        &ns,
+                        "iptables",
+                        "-w",
+                        "-t",
+                        "nat",
+                        "-S",
+                        "KUBE-SERVICES",
+                    ])
+                    .output()
+                    .map(|o| o.status.success())
+                    .unwrap_or(false)
+            },
+            String::new,
+        );
+        self.kube_proxy = Some(proc);
     }
 
     /// The node's directory (its kubelet, containerd and log files).
@@ -638,6 +703,7 @@ serializeImagePulls: false
         // Everything in the cgroup: holder, containerd, shims, containers, kubelet, agent.
         self.cgroup.kill_all();
         for p in [
+            self.kube_proxy.take(),
             self.kubelet.take(),
             self.containerd.take(),
             self.holder.take(),
