@@ -13,10 +13,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use tether_testkit::kube::{wait_blocking, Cluster, ClusterOptions, Frontend};
-use tether_testkit::kubectl::{
-    download_big, every_kubectl_path, exec, exec_first_output, port_forward, web_pod_containers,
-    Streams,
-};
+use tether_testkit::kubectl::{compare_paths, every_kubectl_path, exec, web_pod_containers};
 use tether_testkit::netns::Node;
 use tether_testkit::node::{NodeOptions, RealNode};
 use tether_testkit::{metric, Pki, ServerProc};
@@ -346,11 +343,6 @@ fn a_node_leaves_nothing_behind_even_when_its_test_panics() {
     assert!(found.is_empty(), "left behind: {found:#?}");
 }
 
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v[v.len() / 2]
-}
-
 /// The figures the real-node issue asks for, in one run: `kubectl port-forward`
 /// throughput (64 MiB, 3 rounds) and the time from `kubectl exec` to its first output
 /// (5 rounds), through Tether (gRPC over UDS) beside the same commands against a second
@@ -379,36 +371,14 @@ fn port_forward_and_exec_through_the_tunnel_beside_direct() {
     let direct = c.start_peer_apiserver(&tether_testkit::kube::Egress::Direct);
     let file = e.pki.dir().join("big.download");
     let dials_before = agent_dials(node);
-    let mut rows = Vec::new();
-    for (path, tunnel) in [("tunnel", true), ("direct", false)] {
-        let kubectl = || {
-            if tunnel {
-                c.kubectl_command()
-            } else {
-                direct.kubectl_command()
-            }
-        };
-        let (port, _pf) = port_forward(kubectl(), Streams::Spdy);
-        let downloads: Vec<Duration> = (0..3).map(|_| download_big(port, &file, &sum)).collect();
-        let execs: Vec<Duration> = (0..5)
-            .map(|_| exec_first_output(kubectl(), Streams::Spdy))
-            .collect();
-        let t = median(downloads);
-        rows.push((path, 64.0 / t.as_secs_f64(), median(execs)));
-    }
+    compare_paths(
+        "real node, kubectl 64 MiB port-forward and exec (medians)",
+        &|| c.kubectl_command(),
+        &|| direct.kubectl_command(),
+        &file,
+        &sum,
+    );
     let dials = agent_dials(node) - dials_before;
     // Only the tunnel path dialled through the agent: 1 port-forward + 5 execs.
     assert_eq!(dials, 6.0, "the direct path went through the agent");
-    println!("real node, kubectl 64 MiB port-forward and exec (medians):");
-    for (path, mibs, first) in &rows {
-        println!(
-            "  {path:>6}: port-forward {mibs:>6.1} MiB/s, exec to first output {:>4} ms",
-            first.as_millis()
-        );
-    }
-    println!(
-        "  tunnel/direct: port-forward {:.2}x, exec first output {:.2}x",
-        rows[0].1 / rows[1].1,
-        rows[0].2.as_secs_f64() / rows[1].2.as_secs_f64()
-    );
 }

@@ -11,8 +11,7 @@ use std::time::{Duration, Instant};
 use tether_testkit::installed::{Image, Installed, InstalledOptions, IMAGE, REGISTRY_IMAGE};
 use tether_testkit::kube::{wait_blocking, Cluster};
 use tether_testkit::kubectl::{
-    download_big, every_kubectl_path, exec, exec_first_output, port_forward, web_pod_containers,
-    Killed, Streams,
+    compare_paths, every_kubectl_path, exec, port_forward, web_pod_containers, Killed, Streams,
 };
 use tether_testkit::TempDir;
 
@@ -177,19 +176,8 @@ fn the_installed_form_carries_every_kubectl_path_and_a_load_balancer() {
     let scratch = TempDir::new("tether-installed-scratch");
     every_kubectl_path(c, &worker.name, worker.ip(), scratch.path());
 
-    // A LoadBalancer Service as users write it, from a host on the LAN: the CCM dials
-    // its node ports through the tunnel, and kube-proxy on the node forwards to the pod.
-    c.apply("apiVersion: v1\nkind: Service\nmetadata:\n  name: web-lb\n  namespace: default\nspec:\n  type: LoadBalancer\n  selector:\n    app: web\n  ports:\n  - name: http\n    port: 80\n    targetPort: 8080\n");
-    let ip = wait_blocking("the Service's address", Duration::from_secs(120), || {
-        let ip = c.kubectl_ok(&[
-            "get",
-            "service",
-            "web-lb",
-            "-o",
-            "jsonpath={.status.loadBalancer.ingress[0].ip}",
-        ]);
-        (!ip.trim().is_empty()).then(|| ip.trim().to_string())
-    });
+    // A LoadBalancer Service, from a host on the LAN.
+    let ip = web_load_balancer(&i);
     let page = i.wait_or_explain("the page through the load balancer", || {
         let out = Command::new("ip")
             .args([
@@ -213,46 +201,6 @@ fn the_installed_form_carries_every_kubectl_path_and_a_load_balancer() {
     figures_beside_direct(&i);
 }
 
-/// CPU seconds (user + system) of every process on the machine, summed by program
-/// name (`/proc/PID/comm`).
-fn cpu_by_program() -> std::collections::BTreeMap<String, f64> {
-    let mut by = std::collections::BTreeMap::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
-            continue;
-        };
-        let Some((head, rest)) = stat.rsplit_once(')') else {
-            continue;
-        };
-        let comm = head.split_once('(').map_or("", |(_, c)| c).to_string();
-        let fields: Vec<&str> = rest.split_whitespace().collect();
-        // utime and stime are fields 14 and 15 of stat; `rest` starts at field 3.
-        let ticks: f64 =
-            fields[11].parse::<f64>().unwrap_or(0.0) + fields[12].parse::<f64>().unwrap_or(0.0);
-        *by.entry(comm).or_insert(0.0) += ticks / 100.0;
-    }
-    by
-}
-
-/// What each program spent between two [`cpu_by_program`] readings, most first.
-fn cpu_spent(
-    before: &std::collections::BTreeMap<String, f64>,
-    after: &std::collections::BTreeMap<String, f64>,
-) -> Vec<(String, f64)> {
-    let mut spent: Vec<(String, f64)> = after
-        .iter()
-        .map(|(p, s)| (p.clone(), s - before.get(p).copied().unwrap_or(0.0)))
-        .filter(|(_, s)| *s > 0.0)
-        .collect();
-    spent.sort_by(|a, b| b.1.total_cmp(&a.1));
-    spent
-}
-
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v[v.len() / 2]
-}
-
 /// The README's figures: `kubectl port-forward` throughput (64 MiB, 3 rounds) and the
 /// time from `kubectl exec` to its first output (5 rounds) to pod `web` on worker-0,
 /// through Tether beside a second kube-apiserver of the same cluster that dials the
@@ -272,49 +220,16 @@ fn figures_beside_direct(i: &Installed) {
     let direct = c.start_peer_apiserver(&tether_testkit::kube::Egress::Direct);
     let scratch = TempDir::new("tether-installed-figures");
     let file = scratch.path().join("big.download");
-    let mut rows = Vec::new();
-    for (path, tunnel) in [("tunnel", true), ("direct", false)] {
-        let kubectl = || {
-            if tunnel {
-                c.kubectl_command()
-            } else {
-                direct.kubectl_command()
-            }
-        };
-        let (port, _pf) = port_forward(kubectl(), Streams::Spdy);
-        let cpu_before = cpu_by_program();
-        let downloads: Vec<Duration> = (0..3).map(|_| download_big(port, &file, &sum)).collect();
-        let cpu = cpu_spent(&cpu_before, &cpu_by_program());
-        let execs: Vec<Duration> = (0..5)
-            .map(|_| exec_first_output(kubectl(), Streams::Spdy))
-            .collect();
-        rows.push((path, 64.0 / median(downloads).as_secs_f64(), median(execs)));
-        let total: f64 = cpu.iter().map(|(_, s)| s).sum();
-        println!(
-            "  {path}: CPU seconds per 64 MiB, by program: {} (all: {:.2})",
-            cpu.iter()
-                .filter(|(_, s)| *s >= 0.01)
-                .map(|(p, s)| format!("{p} {:.2}", s / 3.0))
-                .collect::<Vec<_>>()
-                .join(", "),
-            total / 3.0
-        );
-    }
-    println!(
-        "installed form ({}), kubectl to a pod on {} (medians):",
-        bin_dir().display(),
-        worker.name
-    );
-    for (path, mibs, first) in &rows {
-        println!(
-            "  {path:>6}: port-forward {mibs:>6.1} MiB/s, exec to first output {:>4} ms",
-            first.as_millis()
-        );
-    }
-    println!(
-        "  tunnel/direct: port-forward {:.2}x, exec first output {:.2}x",
-        rows[0].1 / rows[1].1,
-        rows[0].2.as_secs_f64() / rows[1].2.as_secs_f64()
+    compare_paths(
+        &format!(
+            "installed form ({}), kubectl to a pod on {} (medians)",
+            bin_dir().display(),
+            worker.name
+        ),
+        &|| c.kubectl_command(),
+        &|| direct.kubectl_command(),
+        &file,
+        &sum,
     );
 }
 
@@ -392,6 +307,18 @@ fn node_answers(kubeconfig: &Path, node: &str) -> bool {
         .unwrap_or(false)
 }
 
+/// A LoadBalancer Service `web-lb` for pod `web` as users write it (node ports
+/// allocated): the CCM dials its node ports through the tunnel, and kube-proxy on the
+/// node forwards to the pod. Returns its address once it has one.
+fn web_load_balancer(i: &Installed) -> String {
+    i.cluster.apply(
+        "apiVersion: v1\nkind: Service\nmetadata:\n  name: web-lb\n  namespace: default\nspec:\n  type: LoadBalancer\n  selector:\n    app: web\n  ports:\n  - name: http\n    port: 80\n    targetPort: 8080\n",
+    );
+    i.wait_or_explain("the Service's address", || {
+        Some(lb_address(&i.cluster)).filter(|a| !a.is_empty())
+    })
+}
+
 /// The Service `web-lb`'s address, or "" if it has none.
 fn lb_address(c: &Cluster) -> String {
     let out = c.kubectl(&[
@@ -417,10 +344,7 @@ fn day_two_rolling_update_server_restart_and_ccm_rollout() {
     let c = &i.cluster;
     let worker = &i.workers[0];
     worker.run_pod(c, "web", "app: web", &web_pod_containers());
-    c.apply("apiVersion: v1\nkind: Service\nmetadata:\n  name: web-lb\n  namespace: default\nspec:\n  type: LoadBalancer\n  selector:\n    app: web\n  ports:\n  - name: http\n    port: 80\n    targetPort: 8080\n");
-    let address = i.wait_or_explain("the Service's address", || {
-        Some(lb_address(c)).filter(|a| !a.is_empty())
-    });
+    let address = web_load_balancer(&i);
     let admin = c.files.admin_kubeconfig.clone();
 
     // Image B: the same binaries under another tag, on every node as a pull would
@@ -497,20 +421,7 @@ fn day_two_rolling_update_server_restart_and_ccm_rollout() {
     i.wait_or_explain("the port-forward ending with the old agent", || {
         (!page(port)).then_some(())
     });
-    let out = c.kubectl(&[
-        "rollout",
-        "status",
-        "daemonset/konnectivity-agent",
-        "-n",
-        "kube-system",
-        "--timeout=300s",
-    ]);
-    assert!(
-        out.status.success(),
-        "rollout: {}\n{}",
-        String::from_utf8_lossy(&out.stderr),
-        i.explain()
-    );
+    i.rollout_status("daemonset/konnectivity-agent");
     i.wait_or_explain("worker-0 answering again", || {
         node_answers(&admin, &worker.name).then_some(())
     });
@@ -637,20 +548,7 @@ fn day_two_rolling_update_server_restart_and_ccm_rollout() {
         "-n",
         "kube-system",
     ]);
-    let out = c.kubectl(&[
-        "rollout",
-        "status",
-        "deployment/tether-ccm",
-        "-n",
-        "kube-system",
-        "--timeout=300s",
-    ]);
-    assert!(
-        out.status.success(),
-        "CCM rollout: {}\n{}",
-        String::from_utf8_lossy(&out.stderr),
-        i.explain()
-    );
+    i.rollout_status("deployment/tether-ccm");
     i.wait_or_explain(
         "the page through the load balancer after the rollout",
         || {

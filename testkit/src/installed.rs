@@ -478,6 +478,25 @@ patches:
         )
     }
 
+    /// `kubectl rollout status` of `what` (say `daemonset/konnectivity-agent`) in
+    /// kube-system, which must finish within 5 minutes.
+    pub fn rollout_status(&self, what: &str) {
+        let out = self.cluster.kubectl(&[
+            "rollout",
+            "status",
+            what,
+            "-n",
+            "kube-system",
+            "--timeout=300s",
+        ]);
+        assert!(
+            out.status.success(),
+            "rollout of {what}: {}\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            self.explain()
+        );
+    }
+
     /// The Tether server's `/agents`, read on the control-plane node.
     pub fn server_agents(&self) -> serde_json::Value {
         let out = Command::new("ip")

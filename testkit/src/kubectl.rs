@@ -364,3 +364,95 @@ pub fn exec_first_output(mut cmd: Command, streams: Streams) -> Duration {
     let _ = child.0.wait();
     took
 }
+
+/// CPU seconds (user + system) of every process on the machine, summed by program
+/// name (`/proc/PID/comm`).
+pub fn cpu_by_program() -> std::collections::BTreeMap<String, f64> {
+    let mut by = std::collections::BTreeMap::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        let Some((head, rest)) = stat.rsplit_once(')') else {
+            continue;
+        };
+        let comm = head.split_once('(').map_or("", |(_, c)| c).to_string();
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        // utime and stime are fields 14 and 15 of stat; `rest` starts at field 3.
+        let ticks: f64 =
+            fields[11].parse::<f64>().unwrap_or(0.0) + fields[12].parse::<f64>().unwrap_or(0.0);
+        *by.entry(comm).or_insert(0.0) += ticks / 100.0;
+    }
+    by
+}
+
+/// What each program spent between two [`cpu_by_program`] readings, most first.
+pub fn cpu_spent(
+    before: &std::collections::BTreeMap<String, f64>,
+    after: &std::collections::BTreeMap<String, f64>,
+) -> Vec<(String, f64)> {
+    let mut spent: Vec<(String, f64)> = after
+        .iter()
+        .map(|(p, s)| (p.clone(), s - before.get(p).copied().unwrap_or(0.0)))
+        .filter(|(_, s)| *s > 0.0)
+        .collect();
+    spent.sort_by(|a, b| b.1.total_cmp(&a.1));
+    spent
+}
+
+/// The median of `v`.
+pub fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+/// `kubectl port-forward` throughput (64 MiB `/www/big` of pod `web`, whose sha256 is
+/// `sum`, downloaded into `file` 3 times) and the time from `kubectl exec` to its first
+/// output (5 times), through the kubectl commands `tunnel` and `direct`; prints the
+/// medians, the CPU each program spent per 64 MiB and the ratios under `title`. Returns
+/// the ratios (port-forward, exec) of tunnel to direct.
+pub fn compare_paths(
+    title: &str,
+    tunnel: &dyn Fn() -> Command,
+    direct: &dyn Fn() -> Command,
+    file: &Path,
+    sum: &str,
+) -> (f64, f64) {
+    let mut rows = Vec::new();
+    for (path, kubectl) in [("tunnel", tunnel), ("direct", direct)] {
+        let (port, _pf) = port_forward(kubectl(), Streams::Spdy);
+        let cpu_before = cpu_by_program();
+        let downloads: Vec<Duration> = (0..3).map(|_| download_big(port, file, sum)).collect();
+        let cpu = cpu_spent(&cpu_before, &cpu_by_program());
+        let execs: Vec<Duration> = (0..5)
+            .map(|_| exec_first_output(kubectl(), Streams::Spdy))
+            .collect();
+        rows.push((path, 64.0 / median(downloads).as_secs_f64(), median(execs)));
+        let total: f64 = cpu.iter().map(|(_, s)| s).sum();
+        println!(
+            "  {path}: CPU seconds per 64 MiB, by program: {} (all: {:.2})",
+            cpu.iter()
+                .filter(|(_, s)| *s >= 0.01)
+                .map(|(p, s)| format!("{p} {:.2}", s / 3.0))
+                .collect::<Vec<_>>()
+                .join(", "),
+            total / 3.0
+        );
+    }
+    println!("{title}:");
+    for (path, mibs, first) in &rows {
+        println!(
+            "  {path:>6}: port-forward {mibs:>6.1} MiB/s, exec to first output {:>4} ms",
+            first.as_millis()
+        );
+    }
+    let ratios = (
+        rows[0].1 / rows[1].1,
+        rows[0].2.as_secs_f64() / rows[1].2.as_secs_f64(),
+    );
+    println!(
+        "  tunnel/direct: port-forward {:.2}x, exec first output {:.2}x",
+        ratios.0, ratios.1
+    );
+    ratios
+}

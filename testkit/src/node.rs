@@ -604,10 +604,10 @@ serializeImagePulls: false
             .unwrap_or_default()
     }
 
-    /// The last lines of every container log on this node (`/var/log/pods`), read from
-    /// its files: what `kubectl logs` shows, without the tunnel.
-    pub fn container_logs(&self) -> String {
-        let mut out = String::new();
+    /// Every container log file on this node (`/var/log/pods/POD/CONTAINER/N.log`):
+    /// (pod directory, container, path).
+    fn container_log_files(&self) -> Vec<(String, String, PathBuf)> {
+        let mut files = Vec::new();
         let pods = self.dir().join("log/pods");
         for pod in std::fs::read_dir(&pods).into_iter().flatten().flatten() {
             for container in std::fs::read_dir(pod.path())
@@ -620,44 +620,41 @@ serializeImagePulls: false
                     .flatten()
                     .flatten()
                 {
-                    let text = std::fs::read_to_string(log.path()).unwrap_or_default();
-                    out.push_str(&format!(
-                        "--- {}: {}/{}\n{}\n",
-                        self.name,
-                        pod.file_name().to_string_lossy(),
-                        container.file_name().to_string_lossy(),
-                        tail(&text, 40)
+                    files.push((
+                        pod.file_name().to_string_lossy().into_owned(),
+                        container.file_name().to_string_lossy().into_owned(),
+                        log.path(),
                     ));
                 }
             }
         }
-        out
+        files
+    }
+
+    /// The last lines of every container log on this node, read from its files: what
+    /// `kubectl logs` shows, without the tunnel.
+    pub fn container_logs(&self) -> String {
+        self.container_log_files()
+            .into_iter()
+            .map(|(pod, container, path)| {
+                let text = std::fs::read_to_string(path).unwrap_or_default();
+                format!(
+                    "--- {}: {pod}/{container}\n{}\n",
+                    self.name,
+                    tail(&text, 40)
+                )
+            })
+            .collect()
     }
 
     /// Everything the containers of pods whose directory starts with `prefix`
     /// (`NAMESPACE_NAME`) logged, read from the node's files.
     pub fn pod_logs(&self, prefix: &str) -> String {
-        let mut out = String::new();
-        let pods = self.dir().join("log/pods");
-        for pod in std::fs::read_dir(&pods).into_iter().flatten().flatten() {
-            if !pod.file_name().to_string_lossy().starts_with(prefix) {
-                continue;
-            }
-            for container in std::fs::read_dir(pod.path())
-                .into_iter()
-                .flatten()
-                .flatten()
-            {
-                for log in std::fs::read_dir(container.path())
-                    .into_iter()
-                    .flatten()
-                    .flatten()
-                {
-                    out.push_str(&std::fs::read_to_string(log.path()).unwrap_or_default());
-                }
-            }
-        }
-        out
+        self.container_log_files()
+            .into_iter()
+            .filter(|(pod, _, _)| pod.starts_with(prefix))
+            .map(|(_, _, path)| std::fs::read_to_string(path).unwrap_or_default())
+            .collect()
     }
 
     /// Writes a pod on this node running busybox `command` (one container `main`,
