@@ -84,8 +84,7 @@ fn server_flags(pki: &Pki, socket: &Path) -> Vec<String> {
     flags.push(format!("--cluster-cert={}", f.server_cert.display()));
     flags.push(format!("--cluster-key={}", f.server_key.display()));
     // Agents must be authenticated (upstream's default accepts any): the last value of
-    // a repeated flag wins.
-    flags.retain(|f| f != "--cluster-ca-cert=");
+    // a repeated flag wins, as with Go's pflag (the empty default stays before it).
     flags.push(format!("--cluster-ca-cert={}", f.ca_cert.display()));
     flags
 }

@@ -17,6 +17,9 @@ const SYSTEM_CA: &str = "/etc/ssl/certs/ca-certificates.crt";
 
 /// Agent flags.
 #[derive(Args, Debug)]
+// Go's pflag: a repeated flag's last value wins (managed offerings append overrides
+// after their defaults); list flags append.
+#[command(args_override_self = true)]
 pub struct AgentArgs {
     /// Proxy server host name or IP (also checked against its certificate): one
     /// load-balancer address, or a comma-separated list of servers (HOST or HOST:PORT).

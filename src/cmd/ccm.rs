@@ -16,6 +16,9 @@ use super::{duration, go_bool, LogArgs};
 
 /// Flags of `tether ccm`.
 #[derive(Args, Debug)]
+// Go's pflag: a repeated flag's last value wins (managed offerings append overrides
+// after their defaults); list flags append.
+#[command(args_override_self = true)]
 pub struct CcmArgs {
     /// Cloud provider: `tether` (built in: an inventory file, no cloud needed).
     #[arg(long, default_value = tether_ccm::cloud::tether::NAME)]

@@ -182,6 +182,53 @@ pub fn bind_addr(host: &str, port: u16, flag: &str) -> anyhow::Result<std::net::
 mod tests {
     use super::*;
 
+    /// Go's pflag semantics, for the server's and the agent's flags (klog's included):
+    /// the last value of a repeated flag wins, a list flag appends.
+    #[test]
+    fn a_repeated_flag_takes_its_last_value_and_lists_append() {
+        #[derive(clap::Parser, Debug)]
+        struct Server {
+            #[command(flatten)]
+            args: super::server::ServerArgs,
+        }
+        #[derive(clap::Parser, Debug)]
+        struct Agent {
+            #[command(flatten)]
+            args: super::agent::AgentArgs,
+        }
+        let os = |v: &[&str]| -> Vec<std::ffi::OsString> { v.iter().map(|s| s.into()).collect() };
+        let server: Server = parse_args_from(os(&[
+            "proxy-server",
+            "-v=2",
+            "--mode=http-connect",
+            "--cipher-suites=TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256",
+            "--mode=grpc",
+            "--v=1",
+            "--cipher-suites=TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384,TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256",
+        ]))
+        .unwrap();
+        assert_eq!(server.args.mode, tether_server::Mode::Grpc);
+        assert_eq!(server.args.log.verbosity, 1);
+        assert_eq!(
+            server.args.cipher_suites,
+            [
+                "TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256",
+                "TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384",
+                "TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256"
+            ]
+        );
+        let agent: Agent = parse_args_from(os(&[
+            "proxy-agent",
+            "--agent-id=first",
+            "--proxy-server-port=8132",
+            "--agent-id=second",
+            "--proxy-server-port=8133",
+        ]))
+        .unwrap();
+        assert_eq!(agent.args.agent_id, "second");
+        assert_eq!(agent.args.proxy_server_port, 8133);
+    }
+
     #[test]
     fn upstream_program_names_are_subcommands() {
         let args = |v: &[&str]| -> Vec<std::ffi::OsString> { v.iter().map(|s| s.into()).collect() };

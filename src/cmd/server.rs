@@ -13,6 +13,9 @@ use super::{bind_addr, dead_link, duration, go_bool, LogArgs};
 
 /// Proxy server flags.
 #[derive(Args, Debug)]
+// Go's pflag: a repeated flag's last value wins (managed offerings append overrides
+// after their defaults); list flags append.
+#[command(args_override_self = true)]
 pub struct ServerArgs {
     /// Frontend protocol: grpc or http-connect.
     #[arg(long, default_value = "grpc")]
@@ -211,9 +214,10 @@ pub struct ServerArgs {
     #[arg(long, default_value = "k8s-app=konnectivity-server")]
     pub lease_label: String,
     /// TLS 1.2 cipher suites the TLS listeners offer, by Go's IANA names
-    /// (comma-separated; empty = rustls' defaults). TLS 1.3 suites are always on.
-    #[arg(long, default_value = "")]
-    pub cipher_suites: String,
+    /// (comma-separated, and repeats add to the list; empty = rustls' defaults). TLS 1.3
+    /// suites are always on.
+    #[arg(long, default_value = "", value_delimiter = ',', action = clap::ArgAction::Append)]
+    pub cipher_suites: Vec<String>,
     /// Lowest TLS version the TLS listeners accept: VersionTLS12 (empty) or VersionTLS13.
     #[arg(long, default_value = "")]
     pub tls_min_version: String,
@@ -270,8 +274,11 @@ impl ServerArgs {
 
     /// Validates the flags into a [`ServerConfig`].
     pub fn config(&self) -> anyhow::Result<ServerConfig> {
-        let policy = tether_core::tls::TlsPolicy::parse(&self.cipher_suites, &self.tls_min_version)
-            .map_err(anyhow::Error::msg)?;
+        let policy = tether_core::tls::TlsPolicy::parse(
+            &self.cipher_suites.join(","),
+            &self.tls_min_version,
+        )
+        .map_err(anyhow::Error::msg)?;
         if self.enable_contention_profiling && !self.enable_profiling {
             bail!("--enable-contention-profiling needs --enable-profiling");
         }
