@@ -458,3 +458,46 @@ fn both_binaries_raise_the_open_file_limit_to_the_hard_limit() {
         agent.log_text()
     );
 }
+
+/// What an agent that cannot reach its server writes on stderr until its health port
+/// answers, with `extra` flags.
+fn agent_stderr_until_healthy(extra: &[&str]) -> String {
+    let pki = Pki::new();
+    let port = tether_testkit::kube::free_port();
+    let stderr = pki.dir().join(format!("agent-{port}.stderr"));
+    let mut child = Command::new(AGENT_BIN)
+        .args([
+            "--proxy-server-host=127.0.0.1",
+            "--proxy-server-port=1",
+            "--health-server-host=127.0.0.1",
+            &format!("--health-server-port={port}"),
+            "--admin-server-port=0",
+        ])
+        .arg(format!("--ca-cert={}", pki.files.ca_cert.display()))
+        .args(extra)
+        .stderr(std::fs::File::create(&stderr).unwrap())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(child.try_wait().unwrap().is_none(), "the agent exited");
+        assert!(std::time::Instant::now() < deadline, "no health port");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    std::fs::read_to_string(stderr).unwrap()
+}
+
+/// klog's `--legacy-stderr-threshold-behavior=false` applies `--stderrthreshold` to
+/// standard error with `--logtostderr` on: the start-up INFO line is not written.
+#[test]
+fn stderrthreshold_applies_to_stderr_when_legacy_behaviour_is_off() {
+    let legacy = agent_stderr_until_healthy(&["--stderrthreshold=ERROR"]);
+    assert!(legacy.contains("agent starting"), "{legacy}");
+    let honoured = agent_stderr_until_healthy(&[
+        "--stderrthreshold=ERROR",
+        "--legacy-stderr-threshold-behavior=false",
+    ]);
+    assert!(!honoured.contains("agent starting"), "{honoured}");
+}

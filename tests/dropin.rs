@@ -15,7 +15,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 const BIN: &str = env!("CARGO_BIN_EXE_tether");
 
 /// klog's flags, as both upstream binaries register them, with klog's defaults.
-const KLOG: [&str; 14] = [
+const KLOG: [&str; 16] = [
     "--v=4",
     "--vmodule=",
     "--logtostderr=true",
@@ -28,6 +28,8 @@ const KLOG: [&str; 14] = [
     "--skip-log-headers=false",
     "--one-output=false",
     "--stderrthreshold=2",
+    "--alsologtostderrthreshold=INFO",
+    "--legacy-stderr-threshold-behavior=true",
     "--log-backtrace-at=:0",
     "--log-flush-frequency=5s",
 ];

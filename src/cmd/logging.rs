@@ -62,6 +62,14 @@ pub struct LogArgs {
     /// severity (INFO, WARNING, ERROR, FATAL or 0-3) also go to standard error.
     #[arg(long, default_value = "ERROR", value_parser = severity)]
     pub stderrthreshold: Level,
+    /// With --alsologtostderr: the lines at or above this severity also go to standard
+    /// error (klog's; no effect with --logtostderr).
+    #[arg(long, default_value = "INFO", value_parser = severity)]
+    pub alsologtostderrthreshold: Level,
+    /// klog's: true ignores --stderrthreshold while --logtostderr is on (every line goes
+    /// to standard error); false applies it there too.
+    #[arg(long, alias = "legacy_stderr_threshold_behavior", default_value = "true", num_args = 0..=1, default_missing_value = "true", value_parser = go_bool, value_name = "BOOL")]
+    pub legacy_stderr_threshold_behavior: bool,
     /// Accepted (`file:line` stack traces are a Go facility; Tether logs no backtraces).
     #[arg(long, alias = "log_backtrace_at", default_value = "")]
     pub log_backtrace_at: String,
@@ -160,12 +168,20 @@ impl LogArgs {
         };
         let mut layers: Vec<Box<dyn Layer<Registry> + Send + Sync>> = Vec::new();
         match &file {
-            None => layers.push(self.layer(std::io::stderr)),
+            None if self.legacy_stderr_threshold_behavior => {
+                layers.push(self.layer(std::io::stderr))
+            }
+            None => layers.push(Box::new(
+                self.layer(std::io::stderr)
+                    .with_filter(LevelFilter::from_level(self.stderrthreshold)),
+            )),
             Some(f) => {
                 layers.push(self.layer(f.clone()));
                 let stderr = self.layer(std::io::stderr);
                 layers.push(if self.alsologtostderr {
-                    stderr
+                    Box::new(
+                        stderr.with_filter(LevelFilter::from_level(self.alsologtostderrthreshold)),
+                    )
                 } else {
                     Box::new(stderr.with_filter(LevelFilter::from_level(self.stderrthreshold)))
                 });
@@ -294,6 +310,8 @@ mod tests {
             skip_log_headers: false,
             one_output: false,
             stderrthreshold: Level::ERROR,
+            alsologtostderrthreshold: Level::INFO,
+            legacy_stderr_threshold_behavior: true,
             log_backtrace_at: String::new(),
             log_flush_frequency: Duration::from_secs(5),
         };
