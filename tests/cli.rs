@@ -459,34 +459,73 @@ fn both_binaries_raise_the_open_file_limit_to_the_hard_limit() {
     );
 }
 
-/// What an agent that cannot reach its server writes on stderr until its health port
-/// answers, with `extra` flags.
-fn agent_stderr_until_healthy(extra: &[&str]) -> String {
-    let pki = Pki::new();
-    let port = tether_testkit::kube::free_port();
-    let stderr = pki.dir().join(format!("agent-{port}.stderr"));
-    let mut child = Command::new(AGENT_BIN)
-        .args([
-            "--proxy-server-host=127.0.0.1",
-            "--proxy-server-port=1",
-            "--health-server-host=127.0.0.1",
-            &format!("--health-server-port={port}"),
-            "--admin-server-port=0",
-        ])
-        .arg(format!("--ca-cert={}", pki.files.ca_cert.display()))
-        .args(extra)
+/// What `bin args` writes on stderr until its health port `port` answers.
+fn stderr_until_healthy(bin: &str, args: &[String], port: u16) -> String {
+    let dir = tether_testkit::TempDir::new("tether-cli-stderr");
+    let stderr = dir.path().join("stderr");
+    let mut child = Command::new(bin)
+        .args(args)
         .stderr(std::fs::File::create(&stderr).unwrap())
         .spawn()
         .unwrap();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(child.try_wait().unwrap().is_none(), "the agent exited");
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "{bin} exited: {}",
+            std::fs::read_to_string(&stderr).unwrap_or_default()
+        );
         assert!(std::time::Instant::now() < deadline, "no health port");
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     let _ = child.kill();
     let _ = child.wait();
     std::fs::read_to_string(stderr).unwrap()
+}
+
+/// What an agent that cannot reach its server writes on stderr until its health port
+/// answers, with `extra` flags.
+fn agent_stderr_until_healthy(extra: &[&str]) -> String {
+    let pki = Pki::new();
+    let port = tether_testkit::kube::free_port();
+    let mut args: Vec<String> = vec![
+        "--proxy-server-host=127.0.0.1".into(),
+        "--proxy-server-port=1".into(),
+        "--health-server-host=127.0.0.1".into(),
+        format!("--health-server-port={port}"),
+        "--admin-server-port=0".into(),
+        format!("--ca-cert={}", pki.files.ca_cert.display()),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    stderr_until_healthy(AGENT_BIN, &args, port)
+}
+
+/// `--kubeconfig` where neither binary reads it starts both, with a warning that says
+/// so (upstream accepts it silently).
+#[test]
+fn an_unused_kubeconfig_is_accepted_with_a_warning() {
+    let agent = agent_stderr_until_healthy(&["--kubeconfig=/nonexistent/kubeconfig"]);
+    assert!(agent.contains("--kubeconfig is unused"), "{agent}");
+    let pki = Pki::new();
+    let f = &pki.files;
+    let port = tether_testkit::kube::free_port();
+    let server = stderr_until_healthy(
+        BIN,
+        &[
+            "server".to_string(),
+            format!("--uds-name={}", pki.dir().join("s.sock").display()),
+            "--server-port=0".into(),
+            "--agent-port=0".into(),
+            "--admin-port=0".into(),
+            format!("--health-port={port}"),
+            format!("--cluster-cert={}", f.server_cert.display()),
+            format!("--cluster-key={}", f.server_key.display()),
+            format!("--cluster-ca-cert={}", f.ca_cert.display()),
+            "--kubeconfig=/nonexistent/kubeconfig".into(),
+        ],
+        port,
+    );
+    assert!(server.contains("--kubeconfig is unused"), "{server}");
 }
 
 /// klog's `--legacy-stderr-threshold-behavior=false` applies `--stderrthreshold` to

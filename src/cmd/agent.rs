@@ -221,7 +221,10 @@ impl AgentArgs {
         let tls = tether_agent::AgentTls { ca, identity, alpn };
         let servers = parse_servers(&self.proxy_server_host, self.proxy_server_port)?;
         if !self.kubeconfig.is_empty() && !self.count_server_leases {
-            bail!("--kubeconfig is only used with --count-server-leases");
+            // Upstream accepts it too.
+            tracing::warn!(
+                "--kubeconfig is unused: the agent reads it only with --count-server-leases"
+            );
         }
         let token_path = (!self.service_account_token_path.is_empty())
             .then(|| PathBuf::from(&self.service_account_token_path));

@@ -480,7 +480,8 @@ impl ServerArgs {
                 && !self.enable_lease_controller
                 && !self.watch_node_pod_cidrs
             {
-                bail!("--kubeconfig is only used for agent token authentication, the lease controller or --watch-node-pod-cidrs: also set --agent-namespace, --agent-service-account and --authentication-audience, --enable-lease-controller or --watch-node-pod-cidrs");
+                // Upstream accepts it too.
+                tracing::warn!("--kubeconfig is unused: the server reads it only for agent token authentication (--agent-namespace, --agent-service-account, --authentication-audience), --enable-lease-controller or --watch-node-pod-cidrs");
             }
             return Ok(None);
         }
