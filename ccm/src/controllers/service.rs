@@ -64,6 +64,9 @@ pub struct ServiceController {
     /// Services the provider refused as written (event sent), by key: not asked again
     /// until the Service changes or a balancer goes away (freeing what it held).
     refused: Mutex<HashMap<String, ServiceInfo>>,
+    /// The refusal last said (reason, message) per Service: a retry after another
+    /// balancer went away that ends in the same refusal says nothing new.
+    said: Mutex<HashMap<String, (String, String)>>,
 }
 
 impl ServiceController {
@@ -89,6 +92,7 @@ impl ServiceController {
             cfg,
             applied: Mutex::new(HashMap::new()),
             refused: Mutex::new(HashMap::new()),
+            said: Mutex::new(HashMap::new()),
         }
     }
 
@@ -240,6 +244,7 @@ impl ServiceController {
             // Gone (without our finalizer, e.g. deleted with --cascade=orphan of
             // finalizers): drop any balancer we made for it.
             self.refused().remove(key);
+            self.said().remove(key);
             let info = self.applied().remove(key);
             if let Some((info, _)) = info {
                 self.lbs.delete(&self.cfg.cluster_name, &info).await?;
@@ -265,6 +270,10 @@ impl ServiceController {
         self.refused.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    fn said(&self) -> std::sync::MutexGuard<'_, HashMap<String, (String, String)>> {
+        self.said.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// A balancer went away: what was refused for want of its addresses may fit now.
     fn retry_refused(&self) {
         for key in std::mem::take(&mut *self.refused()).into_keys() {
@@ -284,7 +293,9 @@ impl ServiceController {
             set_finalizers(&api, svc, &finalizers).await?;
         }
         let info = service_info(svc, &self.endpoints);
-        if self.refused().get(key) == Some(&info) {
+        // A refusal is about the Service as written (addresses, ports, annotations),
+        // never its endpoints: pods coming and going must not say it again.
+        if self.refused().get(key) == Some(&without_endpoints(&info)) {
             // Said once already; nothing changed since.
             return Ok(());
         }
@@ -348,13 +359,21 @@ impl ServiceController {
         }
         crate::metrics::get().lb_syncs.inc();
         let status = match self.lbs.ensure(&self.cfg.cluster_name, &info, &nodes).await {
-            Ok(s) => s,
+            Ok(s) => {
+                self.said().remove(key);
+                s
+            }
             Err(CloudError::Refused { reason, message }) => {
-                tracing::info!(service = %key, %reason, %message, "load balancer refused as written");
-                self.ctx
-                    .event(&target, true, &reason, "EnsureLoadBalancer", message)
-                    .await;
-                self.refused().insert(key.to_string(), info);
+                let said = (reason.to_string(), message.clone());
+                if self.said().get(key) != Some(&said) {
+                    tracing::info!(service = %key, %reason, %message, "load balancer refused as written");
+                    self.ctx
+                        .event(&target, true, &reason, "EnsureLoadBalancer", message)
+                        .await;
+                    self.said().insert(key.to_string(), said);
+                }
+                self.refused()
+                    .insert(key.to_string(), without_endpoints(&info));
                 return Ok(());
             }
             Err(e) => {
@@ -426,6 +445,7 @@ impl ServiceController {
             .map(|(info, _)| info.clone())
             .unwrap_or_else(|| service_info(svc, &self.endpoints));
         self.refused().remove(key);
+        self.said().remove(key);
         if let Err(e) = self.lbs.delete(&self.cfg.cluster_name, &info).await {
             self.ctx
                 .event(
@@ -517,6 +537,15 @@ fn target(svc: &Service) -> Target {
         name: svc.name_any(),
         uid: svc.uid(),
     }
+}
+
+/// `info` with no endpoints: what a refusal is about.
+fn without_endpoints(info: &ServiceInfo) -> ServiceInfo {
+    let mut info = info.clone();
+    for port in &mut info.ports {
+        port.endpoints.clear();
+    }
+    info
 }
 
 /// The provider's view of `svc`, with the ready endpoints of each port from `endpoints`
