@@ -31,6 +31,11 @@ fn bad_flags_fail_with_one_clear_line() {
     let (ok, err) = run(&["server", "--no-such-flag"]);
     assert!(!ok);
     assert!(error_line(&err).contains("--no-such-flag"), "{err}");
+    // Exit code 1, as upstream's binaries exit on a bad command line.
+    for bin in [BIN, AGENT_BIN] {
+        let status = Command::new(bin).arg("--no-such-flag").status().unwrap();
+        assert_eq!(status.code(), Some(1), "{bin}");
+    }
 
     let (ok, err) = run(&["server", "--mode=tcp"]);
     assert!(!ok);

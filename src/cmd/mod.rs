@@ -104,7 +104,8 @@ pub fn parse_args_from<P: clap::Parser>(
         }
     };
     eprintln!("error: {line}");
-    Err(std::process::ExitCode::from(2))
+    // As upstream's binaries (pflag, cobra) exit on a bad command line.
+    Err(std::process::ExitCode::from(1))
 }
 
 /// A command's outcome as the process exit code; an error is printed as one
