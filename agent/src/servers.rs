@@ -42,8 +42,8 @@ impl Agent {
     /// Keeps one stream to every server up until `hard_stop`: dials (round-robin over
     /// the configured addresses) until it holds as many distinct server ids as there
     /// are servers, closing duplicates. When `drain` is cancelled every stream sends
-    /// DRAIN, new dials are refused, and `run` returns once the connections have
-    /// finished.
+    /// DRAIN, no new stream is opened (dials the servers still send are served), and
+    /// `run` returns once the connections have finished.
     pub async fn run(&self, drain: CancellationToken, hard_stop: CancellationToken) {
         let work = self.work.clone();
         tether_ops::memory::spawn_trimmer(
