@@ -225,6 +225,12 @@ impl Installed {
             "control-plane",
             &NodeOptions {
                 etc_kubernetes: Some(etc.clone()),
+                // Before Kubernetes 1.30 kube-proxy takes a LoadBalancer's ingress IP
+                // on its host (the status's `ipMode: Proxy` is dropped), so on the
+                // host holding the CCM's addresses it would send the balancer's
+                // clients to pod IPs that host cannot reach (README, "Install on a
+                // cluster").
+                kube_proxy: false,
                 ..node_opts.clone()
             },
         );
