@@ -26,7 +26,7 @@ use crate::dialer::Session;
 use crate::Agent;
 
 /// How long a drained agent waits for the server to end a stream it half-closed.
-const CLOSE_GRACE: Duration = Duration::from_secs(2);
+pub(crate) const CLOSE_GRACE: Duration = Duration::from_secs(2);
 
 /// How long opening one stream (TCP, TLS, the server's response headers) may take.
 pub(crate) const ESTABLISH_TIMEOUT: Duration = Duration::from_secs(20);

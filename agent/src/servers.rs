@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::CountSource;
 use crate::lease_count::LeaseCounter;
-use crate::link::{LinkError, ESTABLISH_TIMEOUT};
+use crate::link::{LinkError, CLOSE_GRACE, ESTABLISH_TIMEOUT};
 use crate::Agent;
 
 /// The streams held, by server id; each can be stopped.
@@ -62,7 +62,25 @@ impl Agent {
         let mut next = 0usize;
         let mut duplicates = 0i64;
         loop {
-            if hard_stop.is_cancelled() || (drain.is_cancelled() && self.open_connections() == 0) {
+            if hard_stop.is_cancelled() {
+                break;
+            }
+            if drain.is_cancelled() && self.open_connections() == 0 {
+                // Each stream ends on its own once it has flushed its DRAIN and
+                // half-closed (link.rs); cancelling it now could reset a stream whose
+                // DRAIN is still queued, and the server would never learn of the drain.
+                let deadline = tokio::time::Instant::now() + CLOSE_GRACE + CLOSE_GRACE;
+                loop {
+                    let ended = held.ended.notified();
+                    if held.lock().is_empty() {
+                        break;
+                    }
+                    tokio::select! {
+                        _ = ended => {}
+                        _ = tokio::time::sleep_until(deadline) => break,
+                        _ = hard_stop.cancelled() => break,
+                    }
+                }
                 break;
             }
             let have = held.lock().len() as i64;
