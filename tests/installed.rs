@@ -26,6 +26,26 @@ fn bin_dir() -> PathBuf {
     }
 }
 
+/// `curl -sf --max-time MAX_TIME URL`, inside network namespace `ns` if given: the
+/// body when it succeeded.
+fn curl(ns: Option<&str>, url: &str, max_time: u32) -> Option<String> {
+    let mut cmd = match ns {
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns, "curl"]);
+            c
+        }
+        None => Command::new("curl"),
+    };
+    let out = cmd
+        .args(["-sf", "--max-time", &max_time.to_string(), url])
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
 fn json(path: &Path) -> serde_json::Value {
     serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
 }
@@ -117,7 +137,7 @@ fn the_image_is_what_the_dockerfile_says() {
 fn assert_agents_verified_by_token(i: &Installed) {
     let agents = i.server_agents();
     let agents = agents["agents"].as_array().unwrap();
-    for node in std::iter::once(&i.control_plane).chain(&i.workers) {
+    for node in i.nodes() {
         let agent = agents
             .iter()
             .find(|a| a["id"] == node.name.as_str())
@@ -179,22 +199,7 @@ fn the_installed_form_carries_every_kubectl_path_and_a_load_balancer() {
     // A LoadBalancer Service, from a host on the LAN.
     let ip = web_load_balancer(&i);
     let page = i.wait_or_explain("the page through the load balancer", || {
-        let out = Command::new("ip")
-            .args([
-                "netns",
-                "exec",
-                &i.client.ns,
-                "curl",
-                "-sf",
-                "--max-time",
-                "5",
-            ])
-            .arg(format!("http://{ip}/"))
-            .output()
-            .unwrap();
-        out.status
-            .success()
-            .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+        curl(Some(&i.client.ns), &format!("http://{ip}/"), 5)
     });
     assert_eq!(page, "hello from the pod\n");
 
@@ -355,7 +360,7 @@ fn day_two_rolling_update_server_restart_and_ccm_rollout() {
         &image_b,
         &i.overlay_dir().with_file_name("tether-b.oci.tar"),
     );
-    for node in std::iter::once(&i.control_plane).chain(&i.workers) {
+    for node in i.nodes() {
         node.import_image(&b.archive, &b.reference);
     }
 
@@ -378,14 +383,7 @@ fn day_two_rolling_update_server_restart_and_ccm_rollout() {
         .recv_timeout(Duration::from_secs(30))
         .expect("logs -f streams");
     let (port, _pf) = port_forward(c.kubectl_command(), Streams::Default);
-    let page = |port: u16| {
-        Command::new("curl")
-            .args(["-sf", "--max-time", "5"])
-            .arg(format!("http://127.0.0.1:{port}/"))
-            .output()
-            .map(|o| o.status.success())
-            .unwrap_or(false)
-    };
+    let page = |port: u16| curl(None, &format!("http://127.0.0.1:{port}/"), 5).is_some();
     assert!(page(port), "port-forward before the update");
 
     let probe_kubeconfig = admin.clone();
@@ -514,14 +512,7 @@ fn day_two_rolling_update_server_restart_and_ccm_rollout() {
     let lb_probe = {
         let ns = i.client.ns.clone();
         let address = address.clone();
-        Prober::start(move || {
-            Command::new("ip")
-                .args(["netns", "exec", &ns, "curl", "-sf", "--max-time", "2"])
-                .arg(format!("http://{address}/"))
-                .output()
-                .map(|o| o.status.success())
-                .unwrap_or(false)
-        })
+        Prober::start(move || curl(Some(&ns), &format!("http://{address}/"), 2).is_some())
     };
     let kubeconfig = admin.clone();
     let status_probe = Prober::start(move || {
@@ -551,23 +542,7 @@ fn day_two_rolling_update_server_restart_and_ccm_rollout() {
     i.rollout_status("deployment/tether-ccm");
     i.wait_or_explain(
         "the page through the load balancer after the rollout",
-        || {
-            Command::new("ip")
-                .args([
-                    "netns",
-                    "exec",
-                    &i.client.ns,
-                    "curl",
-                    "-sf",
-                    "--max-time",
-                    "2",
-                ])
-                .arg(format!("http://{address}/"))
-                .output()
-                .ok()
-                .filter(|o| o.status.success())
-                .map(|_| ())
-        },
+        || curl(Some(&i.client.ns), &format!("http://{address}/"), 2).map(|_| ()),
     );
     let (unserved, _) = longest_outage(&lb_probe.finish());
     let (_, no_address) = longest_outage(&status_probe.finish());
@@ -659,14 +634,7 @@ fn certificates_rotate_without_dropping_tunnels() {
     let worker = i.workers[0].name.clone();
     i.workers[0].run_pod(&i.cluster, "web", "app: web", &web_pod_containers());
     let (port, _pf) = port_forward(i.cluster.kubectl_command(), Streams::Default);
-    let page = || {
-        Command::new("curl")
-            .args(["-sf", "--max-time", "5"])
-            .arg(format!("http://127.0.0.1:{port}/"))
-            .output()
-            .map(|o| o.status.success())
-            .unwrap_or(false)
-    };
+    let page = || curl(None, &format!("http://127.0.0.1:{port}/"), 5).is_some();
     assert!(page(), "port-forward before the rotation");
     let admin = i.cluster.files.admin_kubeconfig.clone();
     let scratch = TempDir::new("tether-rotation");
@@ -683,15 +651,11 @@ fn certificates_rotate_without_dropping_tunnels() {
             .matches("reloaded TLS material")
             .count()
     };
-    let before: Vec<usize> = std::iter::once(&i.control_plane)
-        .chain(&i.workers)
-        .map(reloaded)
-        .collect();
+    let before: Vec<usize> = i.nodes().map(reloaded).collect();
     let rotated = Instant::now();
     i.cluster.restart_controller_manager(&bundle);
     i.wait_or_explain("every agent reloading the CA bundle", || {
-        std::iter::once(&i.control_plane)
-            .chain(&i.workers)
+        i.nodes()
             .zip(&before)
             .all(|(n, b)| reloaded(n) > *b)
             .then_some(())

@@ -514,20 +514,14 @@ patches:
         serde_json::from_slice(&out.stdout).unwrap()
     }
 
-    /// The Tether server's `/metrics`, read on the control-plane node.
-    pub fn server_metrics(&self) -> String {
-        let out = Command::new("ip")
-            .args(["netns", "exec", &self.control_plane.net.ns, "curl", "-sf"])
-            .arg("http://127.0.0.1:8133/metrics")
-            .output()
-            .unwrap();
-        String::from_utf8_lossy(&out.stdout).into_owned()
+    /// Every node: the control-plane node, then the workers.
+    pub fn nodes(&self) -> impl Iterator<Item = &RealNode> {
+        std::iter::once(&self.control_plane).chain(&self.workers)
     }
 
     /// A node by name.
     pub fn node(&self, name: &str) -> &RealNode {
-        std::iter::once(&self.control_plane)
-            .chain(&self.workers)
+        self.nodes()
             .find(|n| n.name == name)
             .unwrap_or_else(|| panic!("no node {name}"))
     }
@@ -536,7 +530,7 @@ patches:
     /// the nodes' files, not through the tunnel.
     pub fn logs(&self) -> String {
         let mut out = String::new();
-        for node in std::iter::once(&self.control_plane).chain(&self.workers) {
+        for node in self.nodes() {
             out.push_str(&node.container_logs());
         }
         out
