@@ -181,3 +181,101 @@ async fn tokens_are_checked_by_token_review() {
         Some(2.0)
     );
 }
+
+/// `/agents` names nodes and addresses: on an admin port off loopback it needs a bearer
+/// token that a TokenReview accepts and a SubjectAccessReview allowing `get` on
+/// `/agents` (as the CCM's ClusterRole grants); the CCM's client sends its token file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_agents_listing_off_loopback_needs_an_authorized_token() {
+    let pki = Pki::new();
+    let cluster = Cluster::start(&Egress::GrpcUds(socket_path(pki.dir())));
+    let deploy = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy");
+    cluster.kubectl_ok(&["apply", "-f", deploy.join("rbac.yaml").to_str().unwrap()]);
+    // The CCM's ClusterRole as shipped, bound to a reader ServiceAccount.
+    let ccm = std::fs::read_to_string(deploy.join("tether-ccm.yaml")).unwrap();
+    let role = ccm
+        .split("\n---\n")
+        .find(|d| d.contains("name: system:tether-cloud-controller-manager\nrules:"))
+        .expect("the CCM's ClusterRole");
+    cluster.apply(role);
+    for sa in ["reader", "stranger"] {
+        cluster.kubectl_ok(&["create", "serviceaccount", sa, "-n", "kube-system"]);
+    }
+    cluster.kubectl_ok(&[
+        "create",
+        "clusterrolebinding",
+        "agents-reader",
+        "--clusterrole=system:tether-cloud-controller-manager",
+        "--serviceaccount=kube-system:reader",
+    ]);
+
+    let mut args = token_auth_server_args(&pki, &cluster.files.server_kubeconfig);
+    args.push("--admin-bind-address=0.0.0.0".into());
+    let server = ServerProc::start(bin(), &args);
+    let tokens = TempDir::new("tether-tokens");
+    let good = token_request(&cluster, "konnectivity-agent", AUDIENCE);
+    let _agent = agent_with_token(&pki, &server, tokens.path(), "edge-1", &good);
+    server.wait_agents(1).await;
+
+    let url = format!("http://127.0.0.1:{}/agents", server.admin.port());
+    let get = |token: Option<&str>| -> (String, String) {
+        let mut cmd = std::process::Command::new("curl");
+        cmd.args(["-s", "-w", "\n%{http_code}", &url]);
+        if let Some(t) = token {
+            cmd.args(["-H", &format!("Authorization: Bearer {t}")]);
+        }
+        let out = String::from_utf8(cmd.output().unwrap().stdout).unwrap();
+        let (body, code) = out.rsplit_once('\n').unwrap();
+        (code.to_string(), body.to_string())
+    };
+    assert_eq!(get(None).0, "401");
+    assert_eq!(get(Some("not-a-token")).0, "401");
+    let stranger = cluster.service_account_token("stranger", None);
+    let (code, body) = get(Some(&stranger));
+    assert_eq!(code, "403", "{body}");
+    assert!(body.contains("may not get /agents"), "{body}");
+    let reader = cluster.service_account_token("reader", None);
+    let (code, body) = get(Some(&reader));
+    assert_eq!(code, "200", "{body}");
+    assert!(body.contains("edge-1"), "{body}");
+
+    // The CCM's client, with and without its token file.
+    let token_file = tokens.path().join("ccm-token");
+    std::fs::write(&token_file, &reader).unwrap();
+    let config = |token_file: Option<String>| tether_ccm::cloud::agents::AgentsConfig {
+        urls: vec![url.clone()],
+        token_file,
+        // The agent's TokenRequest token is bound to no pod, so nothing is verified.
+        trust_unverified_identifiers: true,
+        ..Default::default()
+    };
+    let with = tether_ccm::cloud::agents::ConnectedAgents::new(&config(Some(
+        token_file.display().to_string(),
+    )))
+    .unwrap();
+    assert!(
+        matches!(
+            with.presence("edge-1").await,
+            Ok(tether_ccm::cloud::agents::Presence::Connected(_))
+        ),
+        "the CCM's client with its token reads /agents"
+    );
+    let without = tether_ccm::cloud::agents::ConnectedAgents::new(&config(None)).unwrap();
+    let e = without.presence("edge-1").await.unwrap_err().to_string();
+    assert!(e.contains("401"), "{e}");
+
+    // On loopback (the default bind) the listing stays open, as before.
+    let open = ServerProc::start(
+        bin(),
+        &token_auth_server_args(&pki, &cluster.files.server_kubeconfig)
+            .into_iter()
+            .map(|a| a.replace("konnectivity.sock", "konnectivity-open.sock"))
+            .collect::<Vec<_>>(),
+    );
+    let url = format!("http://{}/agents", open.admin);
+    let out = std::process::Command::new("curl")
+        .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", &url])
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "200");
+}

@@ -54,13 +54,22 @@ fn bad_flags_fail_with_one_clear_line() {
     );
 
     for (args, says) in [
+        // Go would serve TLS 1.2 with it; rustls has no CBC suite, so nothing would.
         (
             &["server", "--cipher-suites=TLS_RSA_WITH_AES_128_CBC_SHA"][..],
-            "TLS_RSA_WITH_AES_128_CBC_SHA is not offered",
+            "only TLS_RSA_WITH_AES_128_CBC_SHA remain",
+        ),
+        // Upstream refuses Go's insecure list too.
+        (
+            &[
+                "server",
+                "--cipher-suites=TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA256",
+            ][..],
+            "is insecure",
         ),
         (
-            &["server", "--tls-min-version=VersionTLS10"][..],
-            "TLS 1.0 and 1.1",
+            &["server", "--tls-min-version=TLS12"][..],
+            "--tls-min-version",
         ),
         (
             &["agent", "--no-such-flag=1"][..],
@@ -71,6 +80,10 @@ fn bad_flags_fail_with_one_clear_line() {
             "is not a severity",
         ),
         (&["server", "--vmodule=router"][..], "--vmodule"),
+        (
+            &["agent", "--server-count-source=min"][..],
+            "--server-count-source",
+        ),
         (
             &["agent", "--dead-link-timeout=1s"][..],
             "--dead-link-timeout must be 0 (kernel defaults) or at least 2s",
@@ -135,9 +148,21 @@ fn bad_flags_fail_with_one_clear_line() {
         "{err}"
     );
 
-    let (ok, err) = run(&["agent", "--agent-identifiers=ipv4=not-an-ip"]);
+    // Upstream starts with it (it checks only the kinds): a warning, then the next
+    // problem (here the CA file) stops it.
+    let (ok, err) = run(&[
+        "agent",
+        "--agent-identifiers=ipv4=not-an-ip",
+        "--ca-cert=/nonexistent/ca.crt",
+        "--health-server-port=0",
+        "--admin-server-port=0",
+    ]);
     assert!(!ok);
-    assert!(error_line(&err).contains("ipv4"), "{err}");
+    assert!(
+        err.contains("ipv4=\"not-an-ip\" is invalid") && err.contains("it is ignored"),
+        "{err}"
+    );
+    assert!(error_line(&err).contains("/nonexistent/ca.crt"), "{err}");
 
     let (ok, err) = run(&["agent", "--stalled-reader-timeout=0s"]);
     assert!(!ok);
@@ -333,9 +358,6 @@ fn bad_certificates_name_the_file() {
 fn agent_only_binary_validates_like_tether_agent() {
     let pki = Pki::new();
     let f = &pki.files;
-    let (ok, err) = run_bin(AGENT_BIN, &["--agent-identifiers=ipv4=not-an-ip"]);
-    assert!(!ok);
-    assert!(error_line(&err).contains("ipv4"), "{err}");
 
     let (ok, err) = run_bin(
         AGENT_BIN,
@@ -348,10 +370,23 @@ fn agent_only_binary_validates_like_tether_agent() {
     assert!(!ok);
     assert!(error_line(&err).contains("holds no CERTIFICATE"), "{err}");
 
-    // It has no subcommands: `tether-agent server` is refused, not half-understood.
-    let (ok, err) = run_bin(AGENT_BIN, &["server"]);
+    // Arguments that are not flags are ignored with a warning, as upstream's
+    // proxy-agent ignores them.
+    let (ok, err) = run_bin(
+        AGENT_BIN,
+        &[
+            "server",
+            "--health-server-port=0",
+            "--admin-server-port=0",
+            &format!("--ca-cert={}", f.server_key.display()),
+        ],
+    );
     assert!(!ok);
-    assert!(error_line(&err).contains("'server'"), "{err}");
+    assert!(
+        err.contains("ignoring arguments that are not flags"),
+        "{err}"
+    );
+    assert!(error_line(&err).contains("holds no CERTIFICATE"), "{err}");
 
     let out = Command::new(AGENT_BIN).arg("--help").output().unwrap();
     let help = String::from_utf8_lossy(&out.stdout);

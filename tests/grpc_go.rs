@@ -217,15 +217,17 @@ async fn a_tether_agent_works_with_a_grpc_go_server() {
     })
     .await;
 
-    // SIGTERM: DRAIN reaches the grpc-go server, and the idle agent exits.
+    // SIGTERM: DRAIN reaches the grpc-go server; the draining agent stays until a
+    // second signal (or --drain-timeout), as upstream's does.
     agent.proc.signal("TERM");
     go.proc.wait_event("agent draining", START_TIMEOUT, |ev| {
         ev["agentID"] == "node-b"
     });
+    agent.proc.signal("TERM");
     let status = agent
         .proc
         .wait_exit(Duration::from_secs(20))
-        .expect("the drained agent exits");
+        .expect("the agent exits on a second signal");
     assert!(status.success(), "{status:?}");
     assert!(!go.proc.logged("ignored packet"), "{}", go.proc.log_text());
 }

@@ -248,10 +248,15 @@ async fn a_server_out_of_descriptors_accepts_again_once_they_are_free() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn draining_agent_is_last_choice_serves_when_alone_and_exits_when_idle() {
+async fn draining_agent_is_last_choice_serves_until_its_drain_timeout() {
     let pki = Pki::new();
     let server = grpc_server(&pki, &[]);
-    let mut a = AgentProc::start(bin(), &pki, server.agent, &["--agent-id=a".into()]);
+    let mut a = AgentProc::start(
+        bin(),
+        &pki,
+        server.agent,
+        &["--agent-id=a".into(), "--drain-timeout=4s".into()],
+    );
     let b = AgentProc::start(bin(), &pki, server.agent, &["--agent-id=b".into()]);
     server.wait_agents(2).await;
     let echo = backend::echo().await;
@@ -301,20 +306,23 @@ async fn draining_agent_is_last_choice_serves_when_alone_and_exits_when_idle() {
     assert_eq!(dial_count(&a).await, a_before + 1.0);
     drop(late);
 
-    // The held connection keeps working, and closing it lets agent a exit.
+    // The held connection keeps working; closing it does not end the drain: the
+    // agent serves until --drain-timeout, as upstream's until its second signal.
     held.write_all(b"q").await.unwrap();
     let mut x = [0u8; 1];
     held.read_exact(&mut x).await.unwrap();
-    assert!(
-        a.proc.wait_exit(Duration::from_millis(500)).is_none(),
-        "agent exited with a connection open"
-    );
     drop(held);
+    let mut again = client.dial(&echo.addr.to_string()).await.unwrap();
+    again.write_all(b"w").await.unwrap();
+    again.read_exact(&mut x).await.unwrap();
+    assert_eq!(&x, b"w");
+    drop(again);
     let status = a
         .proc
-        .wait_exit(Duration::from_secs(10))
-        .expect("drained agent exits");
+        .wait_exit(Duration::from_secs(20))
+        .expect("the agent exits at its drain timeout");
     assert!(status.success());
+    assert!(a.proc.logged("drain timeout: exiting"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -409,11 +417,17 @@ async fn health_readiness_and_metrics() {
         "konnectivity_network_proxy_server_established_connections",
         "konnectivity_network_proxy_server_pending_backend_dials",
         "konnectivity_network_proxy_server_dial_duration_seconds",
-        "konnectivity_network_proxy_server_dial_failure_count",
         "konnectivity_network_proxy_server_grpc_connections",
-        "konnectivity_network_proxy_server_stream_packets_total",
     ] {
         assert!(page.contains(name), "missing {name}");
+    }
+    // Before any dial there is no dial failure and no packet: those series appear on
+    // first use, as upstream's do.
+    for name in [
+        "konnectivity_network_proxy_server_dial_failure_count",
+        "konnectivity_network_proxy_server_stream_packets_total",
+    ] {
+        assert!(!page.contains(name), "{name} before any dial:\n{page}");
     }
     let page = agent.metrics().await;
     for name in [

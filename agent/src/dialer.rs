@@ -264,9 +264,9 @@ impl Session {
                     .observe(started.elapsed().as_secs_f64());
                 return Some(stream);
             }
-            Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
-                ("refused", e.to_string())
-            }
+            // Upstream's two reasons: a Go net.Error that timed out, and everything
+            // else (a refused connection included).
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::TimedOut => ("timeout", e.to_string()),
             Ok(Err(e)) => ("unknown", e.to_string()),
             Err(_) => ("timeout", "i/o timeout".to_string()),
         };

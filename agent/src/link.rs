@@ -194,11 +194,10 @@ impl Agent {
                         session.drain().await;
                         continue;
                     }
-                    _ = self.work.idle(), if draining => {
-                        tracing::info!("drained: no connections left");
-                        return Ok(true);
-                    }
-                    _ = stop.cancelled() => return Ok(false),
+                    // Draining, the stream stays and serves (as upstream's agent
+                    // until its second signal); the hard stop ends it, with a
+                    // half-close when DRAIN went first.
+                    _ = stop.cancelled() => return Ok(draining),
                 };
                 match packet {
                     Ok(Some(p)) => session.handle(p).await,
@@ -253,7 +252,7 @@ impl Agent {
                 );
             }
         }
-        let code = tether_ops::metrics::grpc_code_name(status.code());
+        let code = tether_ops::metrics::grpc_code_name(received_error_code(&status));
         self.metrics
             .stream_errors
             .with_label_values(&["to_agent", code, tether_ops::metrics::NO_PACKET])
@@ -263,6 +262,19 @@ impl Agent {
             .with_label_values(&["from_server"])
             .inc();
         status.into()
+    }
+}
+
+/// The code grpc-go's client gives a failed read, for `stream_errors_total`: a status
+/// the server sent keeps its code; a broken transport (the server gone, a reset
+/// connection, a keepalive timeout), which tonic reports as `Unknown` or `Internal`, is
+/// `Unavailable`, as grpc-go reports losing the server.
+fn received_error_code(status: &tonic::Status) -> tonic::Code {
+    use std::error::Error;
+    let transport = status.source().is_some();
+    match status.code() {
+        tonic::Code::Unknown | tonic::Code::Internal if transport => tonic::Code::Unavailable,
+        code => code,
     }
 }
 

@@ -60,9 +60,6 @@ impl Metrics {
             &["reason"],
         )
         .unwrap();
-        for reason in ["timeout", "refused", "unknown"] {
-            dial_failures.with_label_values(&[reason]);
-        }
         let open_server_connections = IntGauge::with_opts(opts(
             "open_server_connections",
             "Current number of open server connections.",
@@ -78,17 +75,13 @@ impl Metrics {
             "Current number of open endpoint connections.",
         ))
         .unwrap();
-        let packets_vec = IntCounterVec::new(
-            opts(
-                "stream_packets_total",
-                "Count of packets processed, by segment and packet type (example: from_agent, DIAL_RSP).",
-            ),
-            &["segment", "packet_type"],
-        )
-        .unwrap();
         // Upstream's segments: what the agent receives travels to_agent, what it sends
         // from_agent (indexes FROM_SERVER and TO_SERVER).
-        let packets = PacketCounters::new(&packets_vec, &["to_agent", "from_agent"]);
+        let packets = PacketCounters::new(
+            "konnectivity_network_proxy_agent_stream_packets_total",
+            "Count of packets processed, by segment and packet type (example: from_agent, DIAL_RSP).",
+            &["to_agent", "from_agent"],
+        );
         let stream_errors = IntCounterVec::new(
             opts(
                 "stream_errors_total",
@@ -131,7 +124,7 @@ impl Metrics {
             Box::new(open_server_connections.clone()),
             Box::new(known_server_count.clone()),
             Box::new(open_endpoint_connections.clone()),
-            Box::new(packets_vec),
+            Box::new(packets.clone()),
             Box::new(stream_errors.clone()),
             Box::new(server_connection_failures.clone()),
             Box::new(lease_lists.clone()),

@@ -42,8 +42,10 @@ impl Agent {
     /// Keeps one stream to every server up until `hard_stop`: dials (round-robin over
     /// the configured addresses) until it holds as many distinct server ids as there
     /// are servers, closing duplicates. When `drain` is cancelled every stream sends
-    /// DRAIN, no new stream is opened (dials the servers still send are served), and
-    /// `run` returns once the connections have finished.
+    /// DRAIN and no new stream is opened, but the streams stay and every dial the
+    /// servers still send is served, as upstream's agent does until its second signal:
+    /// a server whose every eligible agent drains (a single agent, or a node pinned by
+    /// destHost during a rollout) still reaches the node. `run` returns at `hard_stop`.
     pub async fn run(&self, drain: CancellationToken, hard_stop: CancellationToken) {
         let work = self.work.clone();
         tether_ops::memory::spawn_trimmer(
@@ -65,28 +67,13 @@ impl Agent {
             if hard_stop.is_cancelled() {
                 break;
             }
-            if drain.is_cancelled() && self.open_connections() == 0 {
-                // Each stream ends on its own once it has flushed its DRAIN and
-                // half-closed (link.rs); cancelling it now could reset a stream whose
-                // DRAIN is still queued, and the server would never learn of the drain.
-                let deadline = tokio::time::Instant::now() + CLOSE_GRACE + CLOSE_GRACE;
-                loop {
-                    let ended = held.ended.notified();
-                    if held.lock().is_empty() {
-                        break;
-                    }
-                    tokio::select! {
-                        _ = ended => {}
-                        _ = tokio::time::sleep_until(deadline) => break,
-                        _ = hard_stop.cancelled() => break,
-                    }
-                }
-                break;
-            }
             let have = held.lock().len() as i64;
             let target = self.target_count(leases.as_ref());
             self.metrics.known_server_count.set(target);
-            let want_more = !drain.is_cancelled() && (have < target || self.config.sync_forever);
+            // A count of 0 (`--server-count=0` upstream) is unknown: keep looking for
+            // servers, as upstream's agent does.
+            let want_more =
+                !drain.is_cancelled() && (have < target || target == 0 || self.config.sync_forever);
             let mut wait = self.config.sync_interval;
             if want_more {
                 let (host, port) = &self.config.servers[next % self.config.servers.len()];
@@ -115,17 +102,31 @@ impl Agent {
             // `--sync-forever` looks for new servers, so those still look every interval.
             // An idle agent then has no timer of its own here (each wake-up costs it
             // CPU on every node).
-            let timed = want_more || leases.is_some() || drain.is_cancelled();
+            let timed = want_more || leases.is_some();
             tokio::select! {
                 _ = tokio::time::sleep(wait), if timed => {}
                 _ = held.ended.notified() => {}
                 _ = drain.cancelled(), if !drain.is_cancelled() => {}
                 _ = hard_stop.cancelled() => break,
-                _ = self.work.idle(), if drain.is_cancelled() => {}
             }
         }
         for stop in held.lock().values() {
             stop.cancel();
+        }
+        if drain.is_cancelled() {
+            // Each stream half-closes once its DRAIN is out (link.rs); give the
+            // servers a moment to end their side, so none logs a reset.
+            let deadline = tokio::time::Instant::now() + CLOSE_GRACE + CLOSE_GRACE;
+            loop {
+                let ended = held.ended.notified();
+                if held.lock().is_empty() {
+                    break;
+                }
+                tokio::select! {
+                    _ = ended => {}
+                    _ = tokio::time::sleep_until(deadline) => break,
+                }
+            }
         }
     }
 
@@ -187,7 +188,7 @@ impl Agent {
     }
 
     fn target_count(&self, leases: Option<&LeaseCounter>) -> i64 {
-        let header = self.header_count.load(Ordering::Relaxed).max(1);
+        let header = self.header_count.load(Ordering::Relaxed).max(0);
         let Some(leases) = leases else { return header };
         let counted = leases.count();
         match (self.config.count_source, counted) {

@@ -221,7 +221,7 @@ async fn a_duplicate_server_is_closed_and_the_next_dial_made_at_once() {
 }
 
 #[tokio::test]
-async fn drain_announces_itself_on_every_stream_and_waits_for_the_last_connection() {
+async fn drain_announces_itself_on_every_stream_and_serves_until_the_hard_stop() {
     let pair = Pair::start(&["s1", "s2"], 2).await;
     let (drain, hard_stop) = (CancellationToken::new(), CancellationToken::new());
     let agent = pair.agent.clone();
@@ -261,16 +261,29 @@ async fn drain_announces_itself_on_every_stream_and_waits_for_the_last_connectio
         "run returned with a connection open"
     );
     assert_eq!(pair.seen.ended.load(Ordering::Relaxed), 0);
-    // ...and returns, closing them, once the target closes the last one.
+    // ...and after it closes, as upstream's agent until its second signal: a new dial
+    // is still served (the server sends one when no other agent can take it).
     drop(conn);
+    first
+        .send(Ok(Packet::dial_request("tcp", &address, 43)))
+        .await
+        .unwrap();
+    let (_conn, _) = target.accept().await.unwrap();
+    pair.wait("the dial while draining is answered", |s, _| {
+        s.dial_responses.lock().unwrap().len() == 2
+    })
+    .await;
+    assert_eq!(pair.seen.ended.load(Ordering::Relaxed), 0);
+    assert!(!run.is_finished(), "run returned while draining");
+    // The hard stop (second signal or --drain-timeout) ends it.
+    hard_stop.cancel();
     tokio::time::timeout(Duration::from_secs(10), run)
         .await
-        .expect("run returns once drained and idle")
+        .expect("run returns at the hard stop")
         .unwrap();
     pair.wait("both streams ended", |s, _| {
         s.ended.load(Ordering::Relaxed) == 2
     })
     .await;
     assert_eq!(pair.seen.connects.load(Ordering::Relaxed), 2);
-    hard_stop.cancel();
 }

@@ -215,6 +215,16 @@ impl PacketSender {
     pub async fn send(&mut self, packet: Packet) -> Result<(), ClientError> {
         self.0.send(&packet).await.map_err(ClientError::Connect)
     }
+
+    /// Ends the stream as upstream's konnectivity-client ends each tunnel: without
+    /// half-closing it, by cancelling it (RST_STREAM CANCEL, what closing its gRPC
+    /// connection amounts to for the stream).
+    pub fn cancel(mut self) {
+        if let Some(stream) = self.0.stream() {
+            stream.send_reset(h2::Reason::CANCEL);
+        }
+        self.0.take();
+    }
 }
 
 impl Drop for PacketSender {

@@ -176,42 +176,61 @@ const TLS13: [&str; 3] = [
     "TLS_CHACHA20_POLY1305_SHA256",
 ];
 static TLS13_ONLY: [&rustls::SupportedProtocolVersion; 1] = [&rustls::version::TLS13];
-/// Go names rustls deliberately lacks (CBC, static RSA key exchange, RC4, 3DES).
-const GO_ONLY: [&str; 16] = [
-    "TLS_RSA_WITH_RC4_128_SHA",
-    "TLS_RSA_WITH_3DES_EDE_CBC_SHA",
+/// Names Go's `tls.CipherSuites()` lists (so upstream accepts them) that rustls does
+/// not implement: CBC and static-RSA key exchange. They are dropped with a warning.
+const GO_ACCEPTED_NOT_OFFERED: [&str; 8] = [
     "TLS_RSA_WITH_AES_128_CBC_SHA",
     "TLS_RSA_WITH_AES_256_CBC_SHA",
-    "TLS_RSA_WITH_AES_128_CBC_SHA256",
     "TLS_RSA_WITH_AES_128_GCM_SHA256",
     "TLS_RSA_WITH_AES_256_GCM_SHA384",
-    "TLS_ECDHE_ECDSA_WITH_RC4_128_SHA",
     "TLS_ECDHE_ECDSA_WITH_AES_128_CBC_SHA",
     "TLS_ECDHE_ECDSA_WITH_AES_256_CBC_SHA",
-    "TLS_ECDHE_RSA_WITH_RC4_128_SHA",
-    "TLS_ECDHE_RSA_WITH_3DES_EDE_CBC_SHA",
     "TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA",
     "TLS_ECDHE_RSA_WITH_AES_256_CBC_SHA",
+];
+/// Names only `tls.InsecureCipherSuites()` lists: upstream refuses them at start-up.
+const GO_INSECURE: [&str; 8] = [
+    "TLS_RSA_WITH_RC4_128_SHA",
+    "TLS_RSA_WITH_3DES_EDE_CBC_SHA",
+    "TLS_RSA_WITH_AES_128_CBC_SHA256",
+    "TLS_ECDHE_ECDSA_WITH_RC4_128_SHA",
+    "TLS_ECDHE_RSA_WITH_RC4_128_SHA",
+    "TLS_ECDHE_RSA_WITH_3DES_EDE_CBC_SHA",
     "TLS_ECDHE_ECDSA_WITH_AES_128_CBC_SHA256",
     "TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA256",
 ];
 
 impl TlsPolicy {
-    /// Parses `--cipher-suites` (comma-separated Go names) and `--tls-min-version`.
-    pub fn parse(cipher_suites: &str, min_version: &str) -> Result<TlsPolicy, String> {
-        let tls13_only = match min_version {
+    /// Parses `--cipher-suites` (comma-separated Go names) and `--tls-min-version` as
+    /// upstream accepts them. Values Go accepts but rustls cannot serve (TLS 1.0/1.1, CBC
+    /// and static-RSA suites) are dropped, and the second value is the one warning to
+    /// log about them. A list that names TLS 1.3 suites only serves TLS 1.3 only, as Go
+    /// does (it has no TLS 1.2 suite left). Refused: unknown or insecure names (as
+    /// upstream refuses them), and a list whose TLS 1.2 suites are all dropped while
+    /// TLS 1.2 is allowed (Go would serve TLS 1.2 clients; Tether could not).
+    pub fn parse(
+        cipher_suites: &str,
+        min_version: &str,
+    ) -> Result<(TlsPolicy, Option<String>), String> {
+        let mut dropped: Vec<String> = Vec::new();
+        let mut tls13_only = match min_version {
             "" | "VersionTLS12" => false,
             "VersionTLS13" => true,
             "VersionTLS10" | "VersionTLS11" => {
-                return Err(format!("--tls-min-version {min_version}: TLS 1.0 and 1.1 are not offered (rustls speaks TLS 1.2 and 1.3); use VersionTLS12 or VersionTLS13"))
+                dropped.push(format!(
+                    "--tls-min-version={min_version} (TLS 1.0 and 1.1 are insecure, RFC 8996; the lowest version served is TLS 1.2)"
+                ));
+                false
             }
             other => {
                 return Err(format!(
-                    "--tls-min-version {other:?}: use VersionTLS12 or VersionTLS13"
+                    "--tls-min-version {other:?}: use VersionTLS12 or VersionTLS13 (VersionTLS10 and VersionTLS11 are accepted and serve TLS 1.2)"
                 ))
             }
         };
         let mut tls12_suites = Vec::new();
+        let mut not_offered = Vec::new();
+        let mut named_tls13 = false;
         for name in cipher_suites
             .split(',')
             .map(str::trim)
@@ -233,21 +252,41 @@ impl TlsPolicy {
                 }
             } else if TLS13.contains(&full) {
                 // Always on, as in Go.
-            } else if GO_ONLY.contains(&full) {
-                return Err(format!("--cipher-suites: {name} is not offered by Tether's TLS library (rustls has no CBC, RC4, 3DES or static-RSA suites); remove it, e.g. keep the ECDHE ..._GCM_... and CHACHA20 ones"));
+                named_tls13 = true;
+            } else if GO_ACCEPTED_NOT_OFFERED.contains(&full) {
+                if !not_offered.contains(&name) {
+                    not_offered.push(name);
+                }
+            } else if GO_INSECURE.contains(&full) {
+                return Err(format!("--cipher-suites: {name} is insecure (RC4, 3DES or CBC-SHA256) and upstream refuses it too; remove it"));
             } else {
                 return Err(format!(
                     "--cipher-suites: {name:?} is not a Go cipher suite name (e.g. TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256)"
                 ));
             }
         }
-        if !cipher_suites.trim().is_empty() && tls12_suites.is_empty() && !tls13_only {
-            return Err("--cipher-suites names no TLS 1.2 suite: TLS 1.2 clients could not connect; add one (e.g. TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256) or set --tls-min-version=VersionTLS13".into());
+        if !not_offered.is_empty() {
+            if tls12_suites.is_empty() && !tls13_only {
+                return Err(format!("--cipher-suites: of its TLS 1.2 suites only {} remain, which Tether's TLS library (rustls) does not implement (no CBC or static-RSA suites), so TLS 1.2 clients could not connect; add an ECDHE GCM or CHACHA20 suite (e.g. TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256) or set --tls-min-version=VersionTLS13", not_offered.join(", ")));
+            }
+            dropped.push(format!(
+                "cipher suites {} (rustls implements no CBC or static-RSA suite)",
+                not_offered.join(", ")
+            ));
+        } else if tls12_suites.is_empty() && named_tls13 && !tls13_only {
+            // Go keeps no TLS 1.2 suite for such a list, so only TLS 1.3 clients connect.
+            tls13_only = true;
+            dropped.push("TLS 1.2 (--cipher-suites names TLS 1.3 suites only, so TLS 1.2 has no suite left, as in Go)".into());
         }
-        Ok(TlsPolicy {
-            tls12_suites,
-            tls13_only,
-        })
+        let warning = (!dropped.is_empty())
+            .then(|| format!("not offered: {}; serving the rest", dropped.join("; ")));
+        Ok((
+            TlsPolicy {
+                tls12_suites,
+                tls13_only,
+            },
+            warning,
+        ))
     }
 
     /// The crypto provider and protocol versions for a server with this policy.
@@ -379,11 +418,12 @@ mod tests {
 
     #[test]
     fn go_cipher_suite_names() {
-        let p = TlsPolicy::parse(
+        let (p, warning) = TlsPolicy::parse(
             "TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256, TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305,TLS_AES_128_GCM_SHA256",
             "",
         )
         .unwrap();
+        assert_eq!(warning, None);
         assert_eq!(
             p.tls12_suites,
             [
@@ -393,21 +433,46 @@ mod tests {
         );
         let (provider, _) = p.server_provider();
         assert_eq!(provider.cipher_suites.len(), 3 + 2);
+        // The Mozilla "Old" / OpenShift profiles: CBC dropped with one warning.
+        let (p, warning) = TlsPolicy::parse(
+            "TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256,TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA,TLS_RSA_WITH_AES_256_CBC_SHA",
+            "VersionTLS10",
+        )
+        .unwrap();
+        assert_eq!(p.tls12_suites, ["TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256"]);
+        assert!(!p.tls13_only);
+        let warning = warning.unwrap();
+        assert!(warning.contains("VersionTLS10"), "{warning}");
+        assert!(
+            warning.contains("TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA, TLS_RSA_WITH_AES_256_CBC_SHA"),
+            "{warning}"
+        );
+        // Only CBC suites with TLS 1.2 allowed: nothing would serve a TLS 1.2 client.
         let e = TlsPolicy::parse("TLS_RSA_WITH_AES_128_CBC_SHA", "").unwrap_err();
         assert!(
-            e.contains("TLS_RSA_WITH_AES_128_CBC_SHA is not offered"),
+            e.contains("only TLS_RSA_WITH_AES_128_CBC_SHA remain"),
             "{e}"
         );
+        assert!(TlsPolicy::parse("TLS_RSA_WITH_AES_128_CBC_SHA", "VersionTLS13").is_ok());
+        assert!(TlsPolicy::parse("TLS_ECDHE_RSA_WITH_3DES_EDE_CBC_SHA", "")
+            .unwrap_err()
+            .contains("insecure"));
         assert!(TlsPolicy::parse("NOPE", "")
             .unwrap_err()
             .contains("not a Go cipher"));
-        assert!(TlsPolicy::parse("TLS_AES_128_GCM_SHA256", "").is_err());
-        assert!(TlsPolicy::parse("TLS_AES_128_GCM_SHA256", "VersionTLS13").is_ok());
-        assert!(TlsPolicy::parse("", "VersionTLS11")
-            .unwrap_err()
-            .contains("TLS 1.0 and 1.1"));
+        // TLS 1.3 names only: TLS 1.3 only, as Go serves it.
+        let (p, warning) =
+            TlsPolicy::parse("TLS_AES_128_GCM_SHA256,TLS_AES_256_GCM_SHA384", "").unwrap();
+        assert!(p.tls13_only);
+        assert!(warning.unwrap().contains("TLS 1.2"));
+        let (p, warning) = TlsPolicy::parse("TLS_AES_128_GCM_SHA256", "VersionTLS13").unwrap();
+        assert!(p.tls13_only && warning.is_none());
+        let (p, warning) = TlsPolicy::parse("", "VersionTLS11").unwrap();
+        assert!(!p.tls13_only && warning.unwrap().contains("RFC 8996"));
+        assert!(TlsPolicy::parse("", "TLS12").is_err());
         let (_, v) = TlsPolicy::parse("", "VersionTLS13")
             .unwrap()
+            .0
             .server_provider();
         assert_eq!(v.len(), 1);
         // AES-128-GCM leads each protocol version, as in Go.

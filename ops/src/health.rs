@@ -62,22 +62,30 @@ async fn readyz(
 }
 
 async fn metrics(State(state): State<HealthState>) -> impl IntoResponse {
-    render(&state.registry)
+    // As client_golang's promhttp.Handler(): in flight while rendering, counted after.
+    let handler = crate::metrics::promhttp();
+    handler.in_flight.inc();
+    let page = render(&state.registry);
+    handler.in_flight.dec();
+    handler.requests.with_label_values(&["200"]).inc();
+    page
 }
 
-/// Renders `registry` in Prometheus text exposition format.
+/// Renders `registry` in Prometheus text exposition format, `le` and `quantile`
+/// values spelt as client_golang spells them.
 pub fn render(registry: &Registry) -> ([(axum::http::HeaderName, &'static str); 1], String) {
     let mut buf = Vec::new();
     let encoder = TextEncoder::new();
     if let Err(e) = encoder.encode(&registry.gather(), &mut buf) {
         tracing::warn!(error = %e, "encoding metrics failed");
     }
+    let text = String::from_utf8(buf).unwrap_or_default();
     (
         [(
             axum::http::header::CONTENT_TYPE,
             "text/plain; version=0.0.4",
         )],
-        String::from_utf8(buf).unwrap_or_default(),
+        crate::metrics::go_label_floats(&text),
     )
 }
 

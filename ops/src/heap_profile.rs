@@ -364,14 +364,16 @@ fn location_names<'a>(
         .collect()
 }
 
+/// A pprof string table under construction (index 0 is "").
 #[derive(Default)]
-struct Strings {
-    table: Vec<String>,
+pub(crate) struct Strings {
+    pub(crate) table: Vec<String>,
     ids: HashMap<String, i64>,
 }
 
 impl Strings {
-    fn id(&mut self, s: &str) -> i64 {
+    /// The index of `s`, added when new.
+    pub(crate) fn id(&mut self, s: &str) -> i64 {
         if let Some(i) = self.ids.get(s) {
             return *i;
         }

@@ -2,6 +2,7 @@
 //! metrics HTTP, profiling, certificate reload, allocator policy, the open-file limit,
 //! the Kubernetes client with its rate limit, signals and Go-style durations for flags.
 
+pub mod authz;
 pub mod duration;
 pub mod health;
 pub mod heap_profile;

@@ -1,6 +1,6 @@
 //! Metric helpers shared by server and agent.
 
-use prometheus::{IntCounter, IntCounterVec};
+use prometheus::IntCounterVec;
 use tether_proto::PacketType;
 
 /// Upstream's `packet_type` label values, indexed by the enum value, then Tether's
@@ -42,8 +42,10 @@ pub fn grpc_code_name(code: tonic::Code) -> &'static str {
 }
 
 /// A registry holding the standard `process_*` metrics (CPU seconds, resident and
-/// virtual memory, open and maximum fds, start time), as every Go binary exports, and
-/// the heap's in-use and free bytes ([`crate::memory::HeapCollector`]).
+/// virtual memory, open and maximum fds, start time, and the families client_golang
+/// added since: network bytes and the address-space limit), as every Go binary exports,
+/// `promhttp_metric_handler_*` (shared by every registry of the process, as Go's default
+/// registry is), and the heap's in-use and free bytes ([`crate::memory::HeapCollector`]).
 pub fn registry_with_process() -> prometheus::Registry {
     let registry = prometheus::Registry::new();
     registry
@@ -52,13 +54,249 @@ pub fn registry_with_process() -> prometheus::Registry {
         ))
         .expect("process metrics registered once");
     registry
+        .register(Box::new(ProcessExtras::new()))
+        .expect("process metrics registered once");
+    let handler = promhttp();
+    registry
+        .register(Box::new(handler.requests.clone()))
+        .expect("promhttp metrics registered once");
+    registry
+        .register(Box::new(handler.in_flight.clone()))
+        .expect("promhttp metrics registered once");
+    registry
         .register(Box::new(crate::memory::HeapCollector::new()))
         .expect("heap metrics registered once");
     registry
 }
 
+/// client_golang's `promhttp.Handler()` instrumentation of the `/metrics` handler.
+#[derive(Clone)]
+pub struct PromHttp {
+    /// `promhttp_metric_handler_requests_total{code}`: scrapes served, by status.
+    pub requests: IntCounterVec,
+    /// `promhttp_metric_handler_requests_in_flight`: scrapes being served.
+    pub in_flight: prometheus::IntGauge,
+}
+
+/// The process's one [`PromHttp`], as Go's default registry has one.
+pub fn promhttp() -> &'static PromHttp {
+    static HANDLER: std::sync::OnceLock<PromHttp> = std::sync::OnceLock::new();
+    HANDLER.get_or_init(|| {
+        let requests = IntCounterVec::new(
+            prometheus::Opts::new(
+                "promhttp_metric_handler_requests_total",
+                "Total number of scrapes by HTTP status code.",
+            ),
+            &["code"],
+        )
+        .expect("valid metric");
+        // client_golang creates these three up front.
+        for code in ["200", "500", "503"] {
+            requests.with_label_values(&[code]);
+        }
+        let in_flight = prometheus::IntGauge::new(
+            "promhttp_metric_handler_requests_in_flight",
+            "Current number of scrapes being served.",
+        )
+        .expect("valid metric");
+        PromHttp {
+            requests,
+            in_flight,
+        }
+    })
+}
+
+/// client_golang's newer process families: `process_network_receive_bytes_total` and
+/// `process_network_transmit_bytes_total` (the IP octets of `/proc/self/net/netstat`,
+/// which count the network namespace, as Go's do) and `process_virtual_memory_max_bytes`
+/// (the address-space limit; unlimited is 2^64-1, as procfs reads it).
+pub struct ProcessExtras {
+    received: prometheus::Counter,
+    sent: prometheus::Counter,
+    vsize_max: prometheus::Gauge,
+}
+
+impl ProcessExtras {
+    /// The three families, unregistered.
+    pub fn new() -> Self {
+        ProcessExtras {
+            received: prometheus::Counter::new(
+                "process_network_receive_bytes_total",
+                "Number of bytes received by the process over the network.",
+            )
+            .expect("valid metric"),
+            sent: prometheus::Counter::new(
+                "process_network_transmit_bytes_total",
+                "Number of bytes sent by the process over the network.",
+            )
+            .expect("valid metric"),
+            vsize_max: prometheus::Gauge::new(
+                "process_virtual_memory_max_bytes",
+                "Maximum amount of virtual memory available in bytes.",
+            )
+            .expect("valid metric"),
+        }
+    }
+}
+
+impl Default for ProcessExtras {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// `InOctets` and `OutOctets` of the `IpExt` lines of a `/proc/PID/net/netstat` text.
+fn ip_octets(netstat: &str) -> Option<(f64, f64)> {
+    let mut lines = netstat.lines().filter(|l| l.starts_with("IpExt:"));
+    let names: Vec<&str> = lines.next()?.split_whitespace().collect();
+    let values: Vec<&str> = lines.next()?.split_whitespace().collect();
+    let get = |name: &str| -> Option<f64> {
+        let i = names.iter().position(|n| *n == name)?;
+        values.get(i)?.parse().ok()
+    };
+    Some((get("InOctets")?, get("OutOctets")?))
+}
+
+/// The soft "Max address space" of a `/proc/PID/limits` text, in bytes.
+fn address_space_limit(limits: &str) -> Option<f64> {
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max address space"))?;
+    let soft = line["Max address space".len()..]
+        .split_whitespace()
+        .next()?;
+    if soft == "unlimited" {
+        Some(u64::MAX as f64)
+    } else {
+        soft.parse().ok()
+    }
+}
+
+impl prometheus::core::Collector for ProcessExtras {
+    fn desc(&self) -> Vec<&prometheus::core::Desc> {
+        self.received
+            .desc()
+            .into_iter()
+            .chain(self.sent.desc())
+            .chain(self.vsize_max.desc())
+            .collect()
+    }
+
+    fn collect(&self) -> Vec<prometheus::proto::MetricFamily> {
+        let mut out = Vec::new();
+        if let Some((rx, tx)) = std::fs::read_to_string("/proc/self/net/netstat")
+            .ok()
+            .as_deref()
+            .and_then(ip_octets)
+        {
+            // Counters only go up; reset and add the kernel's totals.
+            self.received.reset();
+            self.received.inc_by(rx);
+            self.sent.reset();
+            self.sent.inc_by(tx);
+            out.extend(self.received.collect());
+            out.extend(self.sent.collect());
+        }
+        if let Some(max) = std::fs::read_to_string("/proc/self/limits")
+            .ok()
+            .as_deref()
+            .and_then(address_space_limit)
+        {
+            self.vsize_max.set(max);
+            out.extend(self.vsize_max.collect());
+        }
+        out
+    }
+}
+
+/// A number as Go's `strconv.FormatFloat(f, 'g', -1, 64)` writes it, which is how
+/// client_golang prints `le` and `quantile` label values: `1e-06`, `0.005`, `2.5`,
+/// `1e+06`. Prometheus 2.x keys series by the label's text, so `le="0.000001"` and
+/// `le="1e-06"` would be two series to it.
+pub fn go_float(f: f64) -> String {
+    if f.is_nan() {
+        return "NaN".into();
+    }
+    if f.is_infinite() {
+        return if f > 0.0 { "+Inf" } else { "-Inf" }.into();
+    }
+    if f == 0.0 {
+        return if f.is_sign_negative() { "-0" } else { "0" }.into();
+    }
+    // Rust's `{:e}` is the shortest round-trip digits: "1.5e-6", "1e0", "-2.5e5".
+    let sci = format!("{f:e}");
+    let (mantissa, exp) = sci.split_once('e').expect("{:e} has an exponent");
+    let exp: i32 = exp.parse().expect("{:e} exponent is an integer");
+    let (sign, mantissa) = match mantissa.strip_prefix('-') {
+        Some(m) => ("-", m),
+        None => ("", mantissa),
+    };
+    let digits: String = mantissa.chars().filter(|c| *c != '.').collect();
+    // strconv's shortest %g: the exponent form when exp < -4 || exp >= 6.
+    if !(-4..6).contains(&exp) {
+        let mut m = digits[..1].to_string();
+        if digits.len() > 1 {
+            m.push('.');
+            m.push_str(&digits[1..]);
+        }
+        let esign = if exp < 0 { '-' } else { '+' };
+        return format!("{sign}{m}e{esign}{:02}", exp.abs());
+    }
+    let point = exp + 1; // digits before the decimal point
+    let body = if point <= 0 {
+        format!("0.{}{}", "0".repeat((-point) as usize), digits)
+    } else if point as usize >= digits.len() {
+        format!("{}{}", digits, "0".repeat(point as usize - digits.len()))
+    } else {
+        format!(
+            "{}.{}",
+            &digits[..point as usize],
+            &digits[point as usize..]
+        )
+    };
+    format!("{sign}{body}")
+}
+
+/// Rewrites the `le` and `quantile` label values of a text exposition as
+/// client_golang prints them ([`go_float`]).
+pub fn go_label_floats(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() + 64);
+    for line in text.split_inclusive('\n') {
+        if line.starts_with('#') || !(line.contains("le=\"") || line.contains("quantile=\"")) {
+            out.push_str(line);
+            continue;
+        }
+        let mut rest = line;
+        while let Some(i) = ["le=\"", "quantile=\""]
+            .iter()
+            .filter_map(|k| rest.find(k).map(|i| (i, k.len())))
+            .min()
+            .map(|(i, n)| i + n)
+        {
+            out.push_str(&rest[..i]);
+            rest = &rest[i..];
+            let end = rest.find('"').unwrap_or(rest.len());
+            let value = &rest[..end];
+            match value.parse::<f64>() {
+                Ok(f) => out.push_str(&go_float(f)),
+                Err(_) => out.push_str(value),
+            }
+            rest = &rest[end..];
+        }
+        out.push_str(rest);
+    }
+    out
+}
+
 /// The `packet_type` label of a stream error that carried no packet.
 pub const NO_PACKET: &str = "Unknown";
+
+/// The `packet_type` label of raw packet type `ty`: its name, or `Unknown`.
+pub fn packet_type_name(ty: i32) -> &'static str {
+    PacketType::try_from(ty)
+        .map(|t| PACKET_TYPES[type_index(t)])
+        .unwrap_or(NO_PACKET)
+}
 
 /// Index of a packet type in `PACKET_TYPES`.
 fn type_index(ty: PacketType) -> usize {
@@ -68,23 +306,35 @@ fn type_index(ty: PacketType) -> usize {
     }
 }
 
-/// Per-packet counters resolved once, so counting a DATA packet costs one atomic add
-/// instead of a label lookup.
+/// `stream_packets_total{segment,packet_type}`: one atomic add per packet (no label
+/// lookup), and, as client_golang's vectors do, a series only once its first packet is
+/// counted (no zero series for packet types never seen).
 #[derive(Clone)]
 pub struct PacketCounters {
-    counters: Vec<IntCounter>,
+    desc: prometheus::core::Desc,
+    segments: Vec<&'static str>,
+    counters: std::sync::Arc<Vec<std::sync::atomic::AtomicU64>>,
 }
 
 impl PacketCounters {
-    /// Resolves `vec{<first label>=segment, packet_type=..}` for every segment.
-    pub fn new(vec: &IntCounterVec, segments: &[&str]) -> Self {
-        let mut counters = Vec::with_capacity(segments.len() * PACKET_TYPES.len());
-        for seg in segments {
-            for ty in PACKET_TYPES {
-                counters.push(vec.with_label_values(&[seg, ty]));
-            }
+    /// Counters for every `segments` x packet type, under the full metric `name`.
+    pub fn new(name: &str, help: &str, segments: &[&'static str]) -> Self {
+        let desc = prometheus::core::Desc::new(
+            name.into(),
+            help.into(),
+            vec!["segment".into(), "packet_type".into()],
+            Default::default(),
+        )
+        .expect("valid metric");
+        PacketCounters {
+            desc,
+            segments: segments.to_vec(),
+            counters: std::sync::Arc::new(
+                (0..segments.len() * PACKET_TYPES.len())
+                    .map(|_| std::sync::atomic::AtomicU64::new(0))
+                    .collect(),
+            ),
         }
-        PacketCounters { counters }
     }
 
     /// Counts one packet of raw type `ty` on the segment with index `segment`.
@@ -94,9 +344,56 @@ impl PacketCounters {
                 .counters
                 .get(segment * PACKET_TYPES.len() + type_index(ty))
             {
-                c.inc();
+                c.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
         }
+    }
+
+    /// The count for `segment` (index) and `ty`, for tests.
+    pub fn get(&self, segment: usize, ty: PacketType) -> u64 {
+        self.counters[segment * PACKET_TYPES.len() + type_index(ty)]
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+impl prometheus::core::Collector for PacketCounters {
+    fn desc(&self) -> Vec<&prometheus::core::Desc> {
+        vec![&self.desc]
+    }
+
+    fn collect(&self) -> Vec<prometheus::proto::MetricFamily> {
+        use prometheus::proto;
+        let mut family = proto::MetricFamily::default();
+        family.set_name(self.desc.fq_name.clone());
+        family.set_help(self.desc.help.clone());
+        family.set_field_type(proto::MetricType::COUNTER);
+        let label = |name: &str, value: &str| {
+            let mut l = proto::LabelPair::default();
+            l.set_name(name.into());
+            l.set_value(value.into());
+            l
+        };
+        let mut metrics = Vec::new();
+        for (s, segment) in self.segments.iter().enumerate() {
+            for (t, ty) in PACKET_TYPES.iter().enumerate() {
+                let n = self.counters[s * PACKET_TYPES.len() + t]
+                    .load(std::sync::atomic::Ordering::Relaxed);
+                if n == 0 {
+                    continue;
+                }
+                let mut counter = proto::Counter::default();
+                counter.set_value(n as f64);
+                let mut m = proto::Metric::default();
+                m.set_label(vec![label("packet_type", ty), label("segment", segment)]);
+                m.set_counter(counter);
+                metrics.push(m);
+            }
+        }
+        if metrics.is_empty() {
+            return Vec::new();
+        }
+        family.set_metric(metrics);
+        vec![family]
     }
 }
 
@@ -159,5 +456,49 @@ impl CertExpiry {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn floats_print_as_go_prints_them() {
+        for (f, go) in [
+            (0.000001, "1e-06"),
+            (0.00001, "1e-05"),
+            (0.0001, "0.0001"),
+            (0.005, "0.005"),
+            (0.025, "0.025"),
+            (2.5, "2.5"),
+            (1.0, "1"),
+            (12.5, "12.5"),
+            (86400.0, "86400"),
+            (100000.0, "100000"),
+            (1e6, "1e+06"),
+            (1234567.0, "1.234567e+06"),
+            (u64::MAX as f64, "1.8446744073709552e+19"),
+            (-0.5, "-0.5"),
+            (f64::INFINITY, "+Inf"),
+            (0.0, "0"),
+        ] {
+            assert_eq!(go_float(f), go, "{f}");
+        }
+        let text = "# HELP x_bucket le=\"0.000001\"\nx_bucket{a=\"b\",le=\"0.000001\"} 3\nx_bucket{le=\"+Inf\"} 4\nq{quantile=\"0.5\"} 1\n";
+        assert_eq!(
+            go_label_floats(text),
+            "# HELP x_bucket le=\"0.000001\"\nx_bucket{a=\"b\",le=\"1e-06\"} 3\nx_bucket{le=\"+Inf\"} 4\nq{quantile=\"0.5\"} 1\n"
+        );
+    }
+
+    #[test]
+    fn proc_files_parse() {
+        let netstat = "TcpExt: SyncookiesSent X\nTcpExt: 0 1\nIpExt: InNoRoutes InOctets OutOctets\nIpExt: 0 1234 5678\n";
+        assert_eq!(ip_octets(netstat), Some((1234.0, 5678.0)));
+        let limits = "Limit                     Soft Limit           Hard Limit           Units\nMax address space         unlimited            unlimited            bytes\n";
+        assert_eq!(address_space_limit(limits), Some(u64::MAX as f64));
+        let limits = "Max address space         4096            unlimited            bytes\n";
+        assert_eq!(address_space_limit(limits), Some(4096.0));
     }
 }

@@ -201,7 +201,7 @@ impl AgentLink {
             router.remove_agent(&agent);
             failed
         });
-        let outbound = std::pin::pin!(write_agent(reply, packets));
+        let outbound = std::pin::pin!(write_agent(router, reply, packets));
         let ok = || Status::new(Code::Ok, "");
         match futures::future::select(inbound, outbound).await {
             Either::Left((Some(failed), _)) => Some(failed),
@@ -399,8 +399,14 @@ async fn serve_agent(
                 let _ = body.flow_control().release_capacity(chunk.len());
                 messages.push(chunk);
             }
-            // The agent cancelled its call: as good as an end (tonic's reading).
-            Some(Err(e)) if e.reason() == Some(h2::Reason::CANCEL) => return None,
+            // The agent cancelled its call or went away: an end for the stream, and a
+            // `Canceled` stream error, as upstream counts it.
+            Some(Err(e)) if e.reason() == Some(h2::Reason::CANCEL) => {
+                router
+                    .metrics
+                    .stream_error(Segment::FromAgent, Code::Cancelled);
+                return None;
+            }
             Some(Err(e)) => break status_from_h2(&e),
             None if messages.mid_message() => {
                 break Status::internal("the stream ended inside a message")
@@ -416,10 +422,15 @@ async fn serve_agent(
 }
 
 /// Writes the packets for the agent until they end (true) or the stream fails.
-async fn write_agent(reply: &mut Reply, mut packets: PacketStream) -> bool {
+async fn write_agent(router: &Router, reply: &mut Reply, mut packets: PacketStream) -> bool {
     while let Some(packet) = packets.next().await {
         if let Err(e) = reply.send(&packet).await {
             tracing::debug!(error = %e, "cannot write to the agent");
+            router.metrics.send_error(
+                Segment::ToAgent,
+                h2serve::send_error_code(&e),
+                packet.r#type,
+            );
             return false;
         }
     }

@@ -80,16 +80,29 @@ pub(crate) fn check_call(
 
 /// What an h2 error on a stream means as a gRPC status, as tonic maps it.
 pub(crate) fn status_from_h2(e: &h2::Error) -> Status {
-    use h2::Reason;
+    // grpc-go's server cancels a stream's context when its peer resets the stream or
+    // the connection goes, so a read fails `Canceled` whatever the reset's reason: the
+    // code upstream's `stream_errors_total` carries. Only a peer that is too chatty
+    // gets a code of its own.
     let code = match e.reason() {
-        Some(Reason::CANCEL) => Code::Cancelled,
-        Some(Reason::REFUSED_STREAM) => Code::Unavailable,
-        Some(Reason::ENHANCE_YOUR_CALM) => Code::ResourceExhausted,
-        Some(Reason::INADEQUATE_SECURITY) => Code::PermissionDenied,
-        Some(_) => Code::Internal,
-        None => Code::Unknown,
+        Some(h2::Reason::ENHANCE_YOUR_CALM) => Code::ResourceExhausted,
+        _ => Code::Cancelled,
     };
     Status::new(code, e.to_string())
+}
+
+/// The code grpc-go's server gives a failed write: `Unavailable` ("transport is
+/// closing") once the connection is gone, `Canceled` when only the stream was reset.
+pub(crate) fn send_error_code(e: &std::io::Error) -> Code {
+    let reset = e
+        .get_ref()
+        .and_then(|inner| inner.downcast_ref::<h2::Error>())
+        .is_some_and(|h2| h2.is_reset() && !h2.is_go_away() && !h2.is_io());
+    if reset {
+        Code::Cancelled
+    } else {
+        Code::Unavailable
+    }
 }
 
 /// Serves one connection until the client goes, a keepalive ping goes unanswered, or

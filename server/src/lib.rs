@@ -149,6 +149,33 @@ pub struct ServerConfig {
     pub nodes: Option<nodes::WatchConfig>,
     /// Serve pprof profiles on the admin port (`--enable-profiling`).
     pub profiling: bool,
+    /// Who may read `/agents` on the admin port.
+    pub agents_access: AgentsAccess,
+}
+
+/// Who may read `/agents` (agent ids, node names, addresses and verified identities)
+/// on the admin port.
+#[derive(Debug, Clone, PartialEq)]
+pub enum AgentsAccess {
+    /// Anyone who reaches the port: for an admin port bound to loopback.
+    Anyone,
+    /// A bearer token that a TokenReview accepts and a SubjectAccessReview allowing
+    /// `get` on the non-resource URL `/agents`, asked of the cluster in `kubeconfig`
+    /// (or in-cluster). Without a usable client, nobody.
+    Authorized {
+        /// `--kubeconfig`, or `None` for the in-cluster configuration.
+        kubeconfig: Option<std::path::PathBuf>,
+    },
+}
+
+impl AgentsAccess {
+    /// `Anyone` on a loopback bind, else `Authorized`.
+    pub fn for_bind(admin: Option<SocketAddr>, kubeconfig: Option<std::path::PathBuf>) -> Self {
+        match admin {
+            Some(a) if !a.ip().is_loopback() => AgentsAccess::Authorized { kubeconfig },
+            _ => AgentsAccess::Anyone,
+        }
+    }
 }
 
 /// Why the server could not start.
@@ -260,6 +287,7 @@ enum FrontendListener {
 
 /// The server, bound and ready to run.
 pub struct BoundServer {
+    agents_delegation: Option<tether_ops::authz::Delegation>,
     lease_client: Option<kube::Client>,
     nodes_client: Option<kube::Client>,
     reloadables: Vec<Arc<dyn tether_ops::reload::Reload>>,
@@ -404,11 +432,24 @@ impl Server {
             Some(w) => Some(tether_ops::kubeclient::client(w.kubeconfig.as_deref()).await?),
             None => None,
         };
+        let agents_delegation = match &config.agents_access {
+            AgentsAccess::Anyone => None,
+            AgentsAccess::Authorized { kubeconfig } => {
+                match tether_ops::kubeclient::client(kubeconfig.as_deref()).await {
+                    Ok(c) => Some(tether_ops::authz::Delegation::with(c)),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "/agents is refused to everyone: the admin port is not bound to loopback, so /agents needs a bearer token reviewed by the cluster, and there is no Kubernetes client (set --kubeconfig, or bind the admin port to 127.0.0.1)");
+                        None
+                    }
+                }
+            }
+        };
         let router = Router::new(config.router.clone(), metrics);
         if config.nodes.as_ref().is_some_and(|w| w.route_pod_ips) {
             router.registry().nodes().route_pod_ips();
         }
         Ok(BoundServer {
+            agents_delegation,
             lease_client,
             nodes_client,
             reloadables: tls_sources.reloadables,
@@ -449,7 +490,14 @@ impl BoundServer {
             spawn_health(&self.router, l, &hard_stop);
         }
         if let Some(l) = self.admin.take() {
-            spawn_admin(&self.router, l, self.config.profiling, &hard_stop);
+            let access = match (&self.config.agents_access, self.agents_delegation.take()) {
+                (AgentsAccess::Anyone, _) => AgentsReaders::Anyone,
+                (AgentsAccess::Authorized { .. }, delegation) => AgentsReaders::Authorized {
+                    delegation,
+                    decisions: Arc::default(),
+                },
+            };
+            spawn_admin(&self.router, l, self.config.profiling, access, &hard_stop);
         }
         let (config, router) = (self.config.clone(), self.router.clone());
         let (agent_task, frontends) = self.spawn_listeners(server_count, &drain, &hard_stop);
@@ -592,21 +640,52 @@ fn spawn_health(router: &Arc<Router>, listener: TcpListener, hard_stop: &Cancell
     tether_ops::health::spawn("health", listener, app, hard_stop.clone());
 }
 
+/// How `/agents` requests are checked.
+#[derive(Clone)]
+enum AgentsReaders {
+    Anyone,
+    Authorized {
+        /// `None`: no Kubernetes client, so every request is refused.
+        delegation: Option<tether_ops::authz::Delegation>,
+        decisions: Arc<tether_ops::authz::DecisionCache>,
+    },
+}
+
 /// `/metrics`, the profiles and `/agents` on the admin port.
 fn spawn_admin(
     router: &Arc<Router>,
     listener: TcpListener,
     profiling: bool,
+    readers: AgentsReaders,
     hard_stop: &CancellationToken,
 ) {
+    use axum::response::IntoResponse;
     let r = router.clone();
-    let agents = axum::routing::get(move || {
-        let body = r.registry().agents_json();
+    let agents = axum::routing::get(move |headers: axum::http::HeaderMap| {
+        let (r, readers) = (r.clone(), readers.clone());
         async move {
+            if let AgentsReaders::Authorized {
+                delegation,
+                decisions,
+            } = &readers
+            {
+                let decision = match delegation {
+                    Some(d) => decisions.authorize(d, &headers, "/agents").await,
+                    None => Err((
+                        StatusCode::FORBIDDEN,
+                        "/agents: the admin port is not on loopback and the server has no Kubernetes client to review tokens (set --kubeconfig or bind --admin-bind-address=127.0.0.1)".into(),
+                    )),
+                };
+                if let Err((status, why)) = decision {
+                    tracing::info!(reason = %why, "/agents request refused");
+                    return (status, format!("{why}\n")).into_response();
+                }
+            }
             (
                 [(axum::http::header::CONTENT_TYPE, "application/json")],
-                body,
+                r.registry().agents_json(),
             )
+                .into_response()
         }
     });
     let registry = router.metrics.registry.clone();

@@ -50,16 +50,6 @@ pub enum DialFailure {
 }
 
 impl DialFailure {
-    const ALL: [DialFailure; 7] = [
-        DialFailure::NoAgent,
-        DialFailure::ErrorResponse,
-        DialFailure::UnrecognizedResponse,
-        DialFailure::SendRsp,
-        DialFailure::BackendClose,
-        DialFailure::BackendDialTimeout,
-        DialFailure::FrontendClose,
-    ];
-
     fn label(self) -> &'static str {
         match self {
             DialFailure::NoAgent => "no_agent",
@@ -143,8 +133,10 @@ impl Metrics {
                 "connection_duration_seconds",
                 "Duration of established connections, from a successful dial until close, in seconds",
             )
+            // Upstream main's buckets.
             .buckets(vec![
-                0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 1800.0, 3600.0,
+                1.0, 5.0, 15.0, 30.0, 60.0, 300.0, 900.0, 1800.0, 3600.0, 14400.0, 43200.0,
+                86400.0,
             ]),
         )
         .unwrap();
@@ -194,7 +186,6 @@ impl Metrics {
             &["service_method"],
         )
         .unwrap();
-        full_receive_channels.with_label_values(&["Proxy"]);
         let dial_failures = IntCounterVec::new(
             opts(
                 "dial_failure_count",
@@ -236,17 +227,16 @@ impl Metrics {
         ] {
             connections_refused.with_label_values(&[listener, reason]);
         }
-        let packets_vec = IntCounterVec::new(
-            opts("stream_packets_total", "Count of packets processed, by segment and packet type (example: from_client, DIAL_REQ)"),
-            &["segment", "packet_type"],
-        )
-        .unwrap();
+        let packets = PacketCounters::new(
+            &format!("{NAMESPACE}_{SUBSYSTEM}_stream_packets_total"),
+            "Count of packets processed, by segment and packet type (example: from_client, DIAL_REQ)",
+            &SEGMENTS,
+        );
         let stream_errors = IntCounterVec::new(
             opts("stream_errors_total", "Count of gRPC stream errors, by segment, grpc Code, packet type. (example: from_agent, Code.Unavailable, DIAL_RSP)"),
             &["segment", "code", "packet_type"],
         )
         .unwrap();
-        let packets = PacketCounters::new(&packets_vec, &SEGMENTS);
         let culled_leases = IntCounter::with_opts(opts(
             "culled_leases_count",
             "Count of expired leases that the lease garbage collection controller has culled.",
@@ -261,13 +251,15 @@ impl Metrics {
                 &["http_status_code", "reason"],
             )
             .unwrap();
+            // Upstream gives these client_golang's default buckets.
             let latency = HistogramVec::new(
                 hopts(
                     &format!("lease_{verb}_latency_seconds"),
                     &format!(
                         "Latency of lease {verb} calls by the server to the apiserver in seconds"
                     ),
-                ),
+                )
+                .buckets(prometheus::DEFAULT_BUCKETS.to_vec()),
                 &["http_status_code"],
             )
             .unwrap();
@@ -275,10 +267,6 @@ impl Metrics {
         };
         let (list_total, list_latency) = calls("list");
         let (delete_total, delete_latency) = calls("delete");
-        // Every reason exists from the start at 0, so rate() and alerts work at once.
-        for reason in DialFailure::ALL {
-            dial_failures.with_label_values(&[reason.label()]);
-        }
         for c in [
             Box::new(dial_duration.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(frontend_write_duration.clone()),
@@ -290,7 +278,7 @@ impl Metrics {
             Box::new(established_connections.clone()),
             Box::new(full_receive_channels.clone()),
             Box::new(dial_failures.clone()),
-            Box::new(packets_vec),
+            Box::new(packets.clone()),
             Box::new(stream_errors.clone()),
             Box::new(token_reviews.clone()),
             Box::new(unverified_identifiers.clone()),
@@ -349,7 +337,18 @@ impl Metrics {
             .observe(established.elapsed().as_secs_f64());
     }
 
-    /// Counts one stream error.
+    /// Counts one failed send of a packet of type `ty` (raw enum value).
+    pub fn send_error(&self, segment: Segment, code: tonic::Code, ty: i32) {
+        self.stream_errors
+            .with_label_values(&[
+                SEGMENTS[segment as usize],
+                tether_ops::metrics::grpc_code_name(code),
+                tether_ops::metrics::packet_type_name(ty),
+            ])
+            .inc();
+    }
+
+    /// Counts one failed read (no packet: `packet_type="Unknown"`, as upstream).
     pub fn stream_error(&self, segment: Segment, code: tonic::Code) {
         self.stream_errors
             .with_label_values(&[

@@ -24,7 +24,8 @@ static ALLOC: tether_ops::heap_profile::Sampling<std::alloc::System> =
 
 fn main() -> std::process::ExitCode {
     tether_ops::heap_profile::mark_installed();
-    match tether::cmd::parse_args::<Cli>() {
+    let args = tether::cmd::agent_program_args(std::env::args_os());
+    match tether::cmd::parse_args_from::<Cli>(args) {
         Ok(cli) => tether::cmd::exit_code(tether::cmd::agent::main(cli.args)),
         Err(code) => code,
     }

@@ -15,6 +15,9 @@ use super::{bind_addr, duration, go_bool, LogArgs};
 /// The system CA bundle used when --ca-cert is not given (as upstream uses the system pool).
 const SYSTEM_CA: &str = "/etc/ssl/certs/ca-certificates.crt";
 
+/// grpc-go raises a client's keepalive interval to at least this (0 included).
+const GRPC_MIN_CLIENT_KEEPALIVE: Duration = Duration::from_secs(10);
+
 /// Agent flags.
 #[derive(Args, Debug)]
 // Go's pflag: a repeated flag's last value wins (managed offerings append overrides
@@ -62,7 +65,8 @@ pub struct AgentArgs {
     /// behind a load balancer when their count is not announced).
     #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
     pub sync_forever: bool,
-    /// HTTP/2 keepalive interval to the server.
+    /// HTTP/2 keepalive interval to the server (0 is 10s, grpc-go's minimum; shorter
+    /// positive values are honoured, where grpc-go raises them to 10s).
     #[arg(long, default_value = "1h", value_parser = duration)]
     pub keepalive_time: Duration,
     /// Close a server connection that has been silent this long and reconnect, whatever
@@ -85,7 +89,9 @@ pub struct AgentArgs {
     /// Target dial timeout (upstream hard-codes 5s).
     #[arg(long, default_value = "5s", value_parser = duration)]
     pub dial_timeout: Duration,
-    /// After the first SIGTERM, exit at the latest after this even if connections remain.
+    /// After the first SIGTERM the agent sends DRAIN and keeps serving (new dials
+    /// included, as upstream's agent) for this long, then exits; a second signal exits
+    /// at once. Keep it below the pod's terminationGracePeriodSeconds.
     #[arg(long, default_value = "30s", value_parser = duration)]
     pub drain_timeout: Duration,
     /// Threads running the agent's tasks (0 = one per CPU). One thread carries an
@@ -112,6 +118,9 @@ pub struct AgentArgs {
 
     #[command(flatten)]
     pub log: LogArgs,
+    /// Arguments that are not flags: ignored with a warning, as proxy-agent ignores them.
+    #[arg(hide = true)]
+    pub positional: Vec<String>,
 
     /// Take the number of servers from their live Leases.
     #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
@@ -129,8 +138,9 @@ pub struct AgentArgs {
         default_value = "k8s-app=konnectivity-server"
     )]
     pub lease_label_selector: String,
-    /// default (leases when counting them, else the servers' servercount) or max.
-    #[arg(long, default_value = "default", value_parser = ["default", "max"])]
+    /// default (leases when counting them, else the servers' servercount) or max; empty
+    /// is default.
+    #[arg(long, default_value = "default", value_parser = ["", "default", "max"])]
     pub server_count_source: String,
     /// Serve pprof CPU and heap profiles under /debug/pprof/ on the admin port.
     #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
@@ -199,8 +209,14 @@ fn parse_servers(list: &str, default_port: u16) -> anyhow::Result<Vec<(String, u
 impl AgentArgs {
     /// Validates the flags into an [`AgentConfig`].
     pub fn config(&self) -> anyhow::Result<AgentConfig> {
-        AgentIdentifiers::parse(&self.agent_identifiers, true)
-            .map_err(|e| anyhow::anyhow!("--agent-identifiers: {e}"))?;
+        // Upstream checks only the identifiers' kinds, so a value such as an unexpanded
+        // `ipv4=${HOST_IP}` (in one of its own examples) starts; it can never match a
+        // dial, and the server skips it. Say so loudly instead of refusing to start.
+        if let Err(e) = AgentIdentifiers::parse(&self.agent_identifiers, true) {
+            tracing::warn!(
+                "--agent-identifiers: {e}; it is ignored (no dial can match it): fix the value"
+            );
+        }
         let ca = if self.ca_cert.is_empty() {
             PathBuf::from(SYSTEM_CA)
         } else {
@@ -242,11 +258,25 @@ impl AgentArgs {
         if self.sync_interval.is_zero() || self.sync_interval_cap < self.sync_interval {
             bail!("--sync-interval must be positive and not above --sync-interval-cap");
         }
-        if self.keepalive_time.is_zero()
-            || self.dial_timeout.is_zero()
-            || self.stalled_reader_timeout.is_zero()
-        {
-            bail!("--keepalive-time, --dial-timeout and --stalled-reader-timeout must be positive (e.g. 5s)");
+        if self.dial_timeout.is_zero() || self.stalled_reader_timeout.is_zero() {
+            bail!("--dial-timeout and --stalled-reader-timeout must be positive (e.g. 5s)");
+        }
+        // grpc-go raises 0 (and anything below 10s) to 10s. Tether honours a
+        // shorter positive interval (it finds a dead link sooner), but 0 has no
+        // meaning of its own: it is grpc-go's 10s.
+        let keepalive = if self.keepalive_time.is_zero() {
+            tracing::warn!(
+                "--keepalive-time=0: pinging every 10s, as grpc-go (and so upstream's agent) does"
+            );
+            GRPC_MIN_CLIENT_KEEPALIVE
+        } else {
+            self.keepalive_time
+        };
+        if !self.positional.is_empty() {
+            tracing::warn!(
+                arguments = ?self.positional,
+                "ignoring arguments that are not flags (upstream's proxy-agent ignores them too)"
+            );
         }
         let dead_link = super::dead_link(self.dead_link_timeout)?;
         Ok(AgentConfig {
@@ -273,7 +303,7 @@ impl AgentArgs {
             token_path,
             sync_interval: self.sync_interval,
             sync_interval_cap: self.sync_interval_cap,
-            keepalive: self.keepalive_time,
+            keepalive,
             dead_link,
             dial_timeout: self.dial_timeout,
             channel_size: self.xfr_channel_size,
@@ -284,7 +314,7 @@ impl AgentArgs {
     }
 }
 
-/// Runs the agent until drained or signalled twice.
+/// Runs the agent until the drain timeout after a signal, or a second signal.
 pub fn main(args: AgentArgs) -> anyhow::Result<()> {
     args.log.init()?;
     let config = args.config()?;

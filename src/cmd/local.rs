@@ -116,6 +116,7 @@ async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()
             tether_ops::limits::open_file_limit().unwrap_or(1024),
         ),
         profiling: false,
+        agents_access: tether_server::AgentsAccess::Anyone,
         cert_reload_interval: Duration::from_secs(60),
         lease: None,
     };

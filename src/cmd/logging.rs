@@ -24,12 +24,16 @@ pub struct LogArgs {
     /// klog verbosity: 0-2 info, 3-4 debug, 5+ trace (RUST_LOG overrides).
     #[arg(long = "v", short = 'v', default_value_t = 0, value_name = "LEVEL")]
     pub verbosity: u8,
-    /// Per-module verbosity, `pattern=N[,pattern=N]`: modules whose name is `pattern`
-    /// (e.g. `tunnel=5`) log at level N.
+    /// Per-module verbosity, `pattern=N[,pattern=N]`: Tether modules whose name matches
+    /// the pattern (a klog glob with `*` and `?`, e.g. `router=5`, `agent*=4`) log at
+    /// level N. Upstream's patterns name Go files; one that matches no Tether module is
+    /// logged once and has no effect.
     #[arg(long, default_value = "")]
     pub vmodule: String,
-    /// Log format: text or json.
-    #[arg(long, default_value = "text", value_parser = ["text", "json"])]
+    /// Log line format: text (tracing's), json, or klog (upstream's
+    /// `I1127 15:04:05.000000 pid file:line] msg` lines). The default is text, and klog
+    /// when invoked as proxy-server or proxy-agent (upstream's program names).
+    #[arg(long, default_value = "text", value_parser = ["text", "json", "klog"])]
     pub log_format: String,
     /// Log to standard error instead of files.
     #[arg(long, default_value = "true", num_args = 0..=1, default_missing_value = "true", value_parser = go_bool, value_name = "BOOL")]
@@ -37,7 +41,9 @@ pub struct LogArgs {
     /// Log to standard error as well as the log file.
     #[arg(long, default_value = "false", num_args = 0..=1, default_missing_value = "true", value_parser = go_bool, value_name = "BOOL")]
     pub alsologtostderr: bool,
-    /// With --logtostderr=false: write the log in this directory (as `tether.log`).
+    /// With --logtostderr=false: write the log in this directory (as `tether.log`; with
+    /// --log-format=klog as klog names it, `PROGRAM.HOST.USER.log.INFO.DATE-TIME.PID`
+    /// with a `PROGRAM.INFO` link).
     #[arg(long, alias = "log_dir", default_value = "")]
     pub log_dir: String,
     /// With --logtostderr=false: write the log to this file.
@@ -90,16 +96,125 @@ fn severity(s: &str) -> Result<Level, String> {
     }
 }
 
-/// Crates whose modules `--vmodule` names.
-const CRATES: [&str; 7] = [
-    "tether",
-    "tether_server",
-    "tether_agent",
-    "tether_core",
-    "tether_ccm",
-    "tether_client",
-    "tether_certs",
+/// The modules `--vmodule` patterns are matched against, by crate (the unit test
+/// `every_module_is_listed` keeps this list in step with the source tree).
+const MODULES: &[(&str, &str)] = &[
+    ("tether", "cmd"),
+    ("tether_core", "admission"),
+    ("tether_core", "drain"),
+    ("tether_core", "flow"),
+    ("tether_core", "goaway"),
+    ("tether_core", "grpc"),
+    ("tether_core", "identifiers"),
+    ("tether_core", "pump"),
+    ("tether_core", "queue"),
+    ("tether_core", "read_ahead"),
+    ("tether_core", "tls"),
+    ("tether_core", "transport"),
+    ("tether_core", "write_through"),
+    ("tether_ops", "duration"),
+    ("tether_ops", "health"),
+    ("tether_ops", "heap_profile"),
+    ("tether_ops", "kubeclient"),
+    ("tether_ops", "limits"),
+    ("tether_ops", "memory"),
+    ("tether_ops", "metrics"),
+    ("tether_ops", "profiling"),
+    ("tether_ops", "ratelimit"),
+    ("tether_ops", "reload"),
+    ("tether_ops", "shutdown"),
+    ("tether_server", "agent_link"),
+    ("tether_server", "auth"),
+    ("tether_server", "frontend"),
+    ("tether_server", "h2serve"),
+    ("tether_server", "identity"),
+    ("tether_server", "lease"),
+    ("tether_server", "metrics"),
+    ("tether_server", "nodes"),
+    ("tether_server", "router"),
+    ("tether_agent", "config"),
+    ("tether_agent", "dialer"),
+    ("tether_agent", "lease_count"),
+    ("tether_agent", "link"),
+    ("tether_agent", "metrics"),
+    ("tether_agent", "servers"),
+    ("tether_client", "grpc"),
+    ("tether_ccm", "cloud"),
+    ("tether_ccm", "controllers"),
+    ("tether_ccm", "credentials"),
+    ("tether_ccm", "informer"),
+    ("tether_ccm", "leader"),
+    ("tether_ccm", "metrics"),
+    ("tether_ccm", "serving"),
+    ("tether_ccm", "workqueue"),
+    ("tether_certs", "csr"),
+    ("tether_certs", "inspect"),
 ];
+
+/// klog's `--vmodule` glob (Go's `filepath.Match` without character classes): `*`
+/// matches any run of characters, `?` one.
+fn glob_match(pattern: &str, name: &str) -> bool {
+    fn go(p: &[u8], n: &[u8]) -> bool {
+        match p.split_first() {
+            None => n.is_empty(),
+            Some((b'*', rest)) => (0..=n.len()).any(|i| go(rest, &n[i..])),
+            Some((b'?', rest)) => !n.is_empty() && go(rest, &n[1..]),
+            Some((c, rest)) => n.first() == Some(c) && go(rest, &n[1..]),
+        }
+    }
+    // klog matches a pattern with a `/` against the whole path, else the file's base
+    // name: for Tether, the last path element of the pattern against the module.
+    let pattern = pattern.rsplit('/').next().unwrap_or(pattern);
+    let pattern = pattern.strip_suffix(".go").unwrap_or(pattern);
+    let pattern = pattern.strip_suffix(".rs").unwrap_or(pattern);
+    go(pattern.as_bytes(), name.as_bytes())
+}
+
+/// The program name klog puts in its file names: the name this process was run as.
+fn program_name() -> String {
+    std::env::args_os()
+        .next()
+        .and_then(|a| {
+            Path::new(&a)
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+        })
+        .unwrap_or_else(|| "tether".into())
+}
+
+/// klog's log file name in `--log-dir`: `PROGRAM.HOST.USER.log.INFO.YYYYMMDD-HHMMSS.PID`.
+fn klog_file_name(now: time::OffsetDateTime) -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "unknownhost".into());
+    use std::os::unix::fs::MetadataExt;
+    let uid = std::fs::metadata("/proc/self")
+        .map(|m| m.uid())
+        .unwrap_or(u32::MAX);
+    let user = std::fs::read_to_string("/etc/passwd")
+        .ok()
+        .and_then(|p| {
+            p.lines().find_map(|l| {
+                let mut f = l.split(':');
+                let name = f.next()?;
+                (f.nth(1)? == uid.to_string()).then(|| name.to_string())
+            })
+        })
+        .unwrap_or_else(|| "unknownuser".into());
+    format!(
+        "{}.{host}.{user}.log.INFO.{:04}{:02}{:02}-{:02}{:02}{:02}.{}",
+        program_name(),
+        now.year(),
+        u8::from(now.month()),
+        now.day(),
+        now.hour(),
+        now.minute(),
+        now.second(),
+        std::process::id()
+    )
+}
 
 fn level_of(v: u8) -> &'static str {
     match v {
@@ -124,17 +239,22 @@ impl LogArgs {
         } else {
             PathBuf::from(&self.log_dir)
         };
+        if self.log_format == "klog" {
+            return Some(dir.join(klog_file_name(time::OffsetDateTime::now_utc())));
+        }
         Some(dir.join("tether.log"))
     }
 
-    fn filter(&self) -> Result<EnvFilter, String> {
+    /// The level filter, and the `--vmodule` patterns that name no Tether module.
+    fn filter(&self) -> Result<(EnvFilter, Vec<String>), String> {
         if let Ok(f) = EnvFilter::try_from_default_env() {
-            return Ok(f);
+            return Ok((f, Vec::new()));
         }
         let mut directives = format!(
             "{},h2=info,tower=info,hyper=info,rustls=info,hyper_util=info",
             level_of(self.verbosity)
         );
+        let mut unmatched = Vec::new();
         for entry in self.vmodule.split(',').filter(|e| !e.trim().is_empty()) {
             let (pattern, n) = entry
                 .trim()
@@ -143,29 +263,45 @@ impl LogArgs {
             let n: u8 = n
                 .parse()
                 .map_err(|_| format!("--vmodule {entry:?}: {n:?} is not a level"))?;
-            if pattern.is_empty() || !pattern.chars().all(|c| c.is_alphanumeric() || c == '_') {
-                return Err(format!(
-                    "--vmodule {entry:?}: the pattern must be a module name such as router"
-                ));
+            let mut matched = false;
+            for (krate, module) in MODULES {
+                if glob_match(pattern, module) {
+                    directives.push_str(&format!(",{krate}::{module}={}", level_of(n)));
+                    matched = true;
+                }
             }
-            for krate in CRATES {
-                directives.push_str(&format!(",{krate}::{pattern}={}", level_of(n)));
+            if !matched {
+                unmatched.push(pattern.to_string());
             }
         }
-        EnvFilter::try_new(&directives).map_err(|e| format!("--vmodule: {e}"))
+        Ok((
+            EnvFilter::try_new(&directives).map_err(|e| format!("--vmodule: {e}"))?,
+            unmatched,
+        ))
     }
 
     /// Checks the flags and installs the global tracing subscriber; an error names the
     /// flag to fix.
     pub fn init(&self) -> anyhow::Result<()> {
-        let filter = self.filter().map_err(anyhow::Error::msg)?;
-        let file = match self.file_path() {
+        let (filter, unmatched) = self.filter().map_err(anyhow::Error::msg)?;
+        let path = self.file_path();
+        let file = match &path {
             Some(path) => Some(CappedFile::open(
-                &path,
+                path,
                 self.log_file_max_size * 1024 * 1024,
             )?),
             None => None,
         };
+        if let (Some(path), true, true) =
+            (&path, self.log_file.is_empty(), self.log_format == "klog")
+        {
+            // klog's `PROGRAM.INFO` link to the newest file; best effort, as klog's.
+            if let (Some(dir), Some(name)) = (path.parent(), path.file_name()) {
+                let link = dir.join(format!("{}.INFO", program_name()));
+                let _ = std::fs::remove_file(&link);
+                let _ = std::os::unix::fs::symlink(name, &link);
+            }
+        }
         let mut layers: Vec<Box<dyn Layer<Registry> + Send + Sync>> = Vec::new();
         match &file {
             None if self.legacy_stderr_threshold_behavior => {
@@ -192,6 +328,13 @@ impl LogArgs {
             .with(filter)
             .try_init()
             .map_err(|e| anyhow::anyhow!("cannot install the logger: {e}"))?;
+        if !unmatched.is_empty() {
+            tracing::warn!(
+                patterns = %unmatched.join(","),
+                "--vmodule: these patterns match no Tether module (upstream's name Go source files); modules: {}",
+                MODULES.iter().map(|(_, m)| *m).collect::<Vec<_>>().join(",")
+            );
+        }
         Ok(())
     }
 
@@ -204,6 +347,12 @@ impl LogArgs {
             .with_ansi(false)
             .with_file(self.add_dir_header)
             .with_line_number(self.add_dir_header);
+        if self.log_format == "klog" {
+            return Box::new(base.event_format(super::klog::Klog {
+                dir_header: self.add_dir_header,
+                skip_headers: self.skip_headers,
+            }));
+        }
         match (self.log_format == "json", self.skip_headers) {
             (true, _) => Box::new(base.json().flatten_event(true)),
             (false, true) => Box::new(base.without_time().with_level(false).with_target(false)),
@@ -292,6 +441,39 @@ mod tests {
     }
 
     #[test]
+    fn every_module_is_listed() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        for (krate, dir) in [
+            ("tether_core", "core"),
+            ("tether_ops", "ops"),
+            ("tether_server", "server"),
+            ("tether_agent", "agent"),
+            ("tether_client", "client"),
+            ("tether_ccm", "ccm"),
+            ("tether_certs", "certs"),
+        ] {
+            for entry in std::fs::read_dir(root.join(dir).join("src")).unwrap() {
+                let path = entry.unwrap().path();
+                let name = path.file_stem().unwrap().to_str().unwrap().to_string();
+                if ["lib", "tests"].contains(&name.as_str()) {
+                    continue;
+                }
+                assert!(
+                    MODULES.contains(&(krate, name.as_str())),
+                    "MODULES lacks ({krate:?}, {name:?})"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn klog_file_names() {
+        let now = time::OffsetDateTime::from_unix_timestamp(1795791845).unwrap();
+        let name = klog_file_name(now);
+        assert!(name.contains(".log.INFO.20261127-150405."), "{name}");
+    }
+
+    #[test]
     fn severities_and_vmodule() {
         assert_eq!(severity("warning").unwrap(), Level::WARN);
         assert_eq!(severity("2").unwrap(), Level::ERROR);
@@ -316,11 +498,21 @@ mod tests {
             log_flush_frequency: Duration::from_secs(5),
         };
         if std::env::var_os("RUST_LOG").is_none() {
-            let f = args.filter().unwrap().to_string();
+            let (f, unmatched) = args.filter().unwrap();
+            let f = f.to_string();
             assert!(f.contains("tether_server::router=trace"), "{f}");
             assert!(f.contains("tether_agent::dialer=debug"), "{f}");
+            assert!(unmatched.is_empty());
             args.vmodule = "router".into();
             assert!(args.filter().is_err());
+            // klog globs, and upstream's Go file names (which match nothing here).
+            args.vmodule = "agent*=4,pkg/server/backend_manager.go=5,l?nk=5".into();
+            let (f, unmatched) = args.filter().unwrap();
+            let f = f.to_string();
+            assert!(f.contains("tether_server::agent_link=debug"), "{f}");
+            assert!(f.contains("tether_agent::link=trace"), "{f}");
+            assert!(!f.contains("dialer"), "{f}");
+            assert_eq!(unmatched, ["pkg/server/backend_manager.go"]);
         }
         assert_eq!(args.file_path(), None);
         args.logtostderr = false;

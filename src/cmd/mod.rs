@@ -4,6 +4,7 @@
 pub mod agent;
 pub mod ccm;
 pub mod certs;
+pub mod klog;
 pub mod local;
 pub mod logging;
 pub mod server;
@@ -46,8 +47,9 @@ pub fn parse_args<P: clap::Parser>() -> Result<P, std::process::ExitCode> {
 
 /// The command line as `tether` takes it, from upstream's program names: invoked as
 /// `proxy-server` (the image links `/proxy-server` and `/usr/bin/proxy-server` to
-/// `/tether`) it is `tether server ARGS`, as `proxy-agent` `tether agent ARGS`, so
-/// upstream's manifests run unchanged. Other names pass through.
+/// `/tether`) it is `tether server --log-format=klog ARGS`, as `proxy-agent` `tether
+/// agent --log-format=klog ARGS`, so upstream's manifests run unchanged and log klog's
+/// lines. Other names pass through.
 pub fn upstream_program_args(
     args: impl IntoIterator<Item = std::ffi::OsString>,
 ) -> Vec<std::ffi::OsString> {
@@ -62,7 +64,24 @@ pub fn upstream_program_args(
         "proxy-agent" => "agent",
         _ => return args,
     };
-    args.insert(1, subcommand.into());
+    // Upstream's names log upstream's klog lines; a later --log-format still wins.
+    args.splice(1..1, [subcommand.into(), "--log-format=klog".into()]);
+    args
+}
+
+/// `tether-agent`'s command line: invoked as `proxy-agent` (the image's upstream name
+/// for it) the default log format is klog's, as for `tether` run as `proxy-agent`.
+pub fn agent_program_args(
+    args: impl IntoIterator<Item = std::ffi::OsString>,
+) -> Vec<std::ffi::OsString> {
+    let mut args: Vec<std::ffi::OsString> = args.into_iter().collect();
+    let upstream = args
+        .first()
+        .and_then(|a| std::path::Path::new(a).file_name())
+        .is_some_and(|n| n == "proxy-agent");
+    if upstream {
+        args.insert(1, "--log-format=klog".into());
+    }
     args
 }
 
@@ -169,14 +188,28 @@ fn raise_open_files() {
 /// `host:port` for a bind address flag that may be empty (all interfaces).
 pub fn bind_addr(host: &str, port: u16, flag: &str) -> anyhow::Result<std::net::SocketAddr> {
     let host = if host.is_empty() { "0.0.0.0" } else { host };
-    let ip: std::net::IpAddr = host
+    if let Ok(ip) = host
         .trim_start_matches('[')
         .trim_end_matches(']')
-        .parse()
-        .map_err(|_| {
-            anyhow::anyhow!("--{flag} {host:?} is not an IP address (use e.g. 127.0.0.1 or ::)")
-        })?;
-    Ok(std::net::SocketAddr::new(ip, port))
+        .parse::<std::net::IpAddr>()
+    {
+        return Ok(std::net::SocketAddr::new(ip, port));
+    }
+    // A host name, as Go's net.Listen takes one (k0s passes `localhost`): its first
+    // address, IPv4 first as Go prefers.
+    use std::net::ToSocketAddrs;
+    let addrs: Vec<std::net::SocketAddr> = (host, port)
+        .to_socket_addrs()
+        .map_err(|e| {
+            anyhow::anyhow!("--{flag} {host:?} is neither an IP address nor a name this host resolves ({e}); use e.g. 127.0.0.1 or ::")
+        })?
+        .collect();
+    addrs
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or(addrs.first())
+        .copied()
+        .ok_or_else(|| anyhow::anyhow!("--{flag} {host:?} resolves to no address"))
 }
 
 #[cfg(test)]
@@ -235,15 +268,28 @@ mod tests {
         let args = |v: &[&str]| -> Vec<std::ffi::OsString> { v.iter().map(|s| s.into()).collect() };
         assert_eq!(
             upstream_program_args(args(&["/usr/bin/proxy-server", "--mode=grpc"])),
-            args(&["/usr/bin/proxy-server", "server", "--mode=grpc"])
+            args(&[
+                "/usr/bin/proxy-server",
+                "server",
+                "--log-format=klog",
+                "--mode=grpc"
+            ])
         );
         assert_eq!(
             upstream_program_args(args(&["proxy-agent", "--agent-id=a"])),
-            args(&["proxy-agent", "agent", "--agent-id=a"])
+            args(&["proxy-agent", "agent", "--log-format=klog", "--agent-id=a"])
         );
         assert_eq!(
             upstream_program_args(args(&["/tether", "certs", "dev"])),
             args(&["/tether", "certs", "dev"])
+        );
+        assert_eq!(
+            agent_program_args(args(&["/proxy-agent", "--v=2"])),
+            args(&["/proxy-agent", "--log-format=klog", "--v=2"])
+        );
+        assert_eq!(
+            agent_program_args(args(&["/tether-agent", "--v=2"])),
+            args(&["/tether-agent", "--v=2"])
         );
     }
 

@@ -11,6 +11,16 @@ use tether_server::{FrontendConfig, Listen, Mode, RouterConfig, Server, ServerCo
 
 use super::{bind_addr, dead_link, duration, go_bool, LogArgs};
 
+/// A server keepalive interval as grpc-go's server applies it: 0 is its default of two
+/// hours, and anything below one second is one second.
+fn grpc_server_keepalive(time: Duration) -> Duration {
+    if time.is_zero() {
+        Duration::from_secs(2 * 3600)
+    } else {
+        time.max(Duration::from_secs(1))
+    }
+}
+
 /// Proxy server flags.
 #[derive(Args, Debug)]
 // Go's pflag: a repeated flag's last value wins (managed offerings append overrides
@@ -80,7 +90,7 @@ pub struct ServerArgs {
     /// CA that agent client certificates must chain to; set = certificates required.
     #[arg(long, default_value = "")]
     pub cluster_ca_cert: String,
-    /// HTTP/2 keepalive interval on agent connections.
+    /// HTTP/2 keepalive interval on agent connections (0: grpc-go's default, 2h).
     #[arg(long, default_value = "1h", value_parser = duration)]
     pub keepalive_time: Duration,
     /// Close an agent connection whose peer has been silent this long, whatever
@@ -92,7 +102,8 @@ pub struct ServerArgs {
     /// This server's id (sent to agents).
     #[arg(long, env = "PROXY_SERVER_ID", default_value = "")]
     pub server_id: String,
-    /// Number of proxy servers (sent to agents).
+    /// Number of proxy servers (sent to agents; 0 tells them the count is unknown, so
+    /// they keep connecting to find every server).
     #[arg(long, default_value_t = 1)]
     pub server_count: u32,
 
@@ -178,6 +189,9 @@ pub struct ServerArgs {
 
     #[command(flatten)]
     pub log: LogArgs,
+    /// Arguments that are not flags: ignored with a warning, as proxy-server ignores them.
+    #[arg(hide = true)]
+    pub positional: Vec<String>,
 
     /// Namespace of the agents' service account (token authentication).
     #[arg(long, default_value = "")]
@@ -215,10 +229,12 @@ pub struct ServerArgs {
     pub lease_label: String,
     /// TLS 1.2 cipher suites the TLS listeners offer, by Go's IANA names
     /// (comma-separated, and repeats add to the list; empty = rustls' defaults). TLS 1.3
-    /// suites are always on.
+    /// suites are always on; a list of TLS 1.3 names only serves TLS 1.3 only. Go's CBC
+    /// and static-RSA names are dropped with a warning (rustls has none).
     #[arg(long, default_value = "", value_delimiter = ',', action = clap::ArgAction::Append)]
     pub cipher_suites: Vec<String>,
     /// Lowest TLS version the TLS listeners accept: VersionTLS12 (empty) or VersionTLS13.
+    /// VersionTLS10 and VersionTLS11 are accepted with a warning and serve TLS 1.2.
     #[arg(long, default_value = "")]
     pub tls_min_version: String,
     /// Serve pprof CPU and heap profiles under /debug/pprof/ on the admin port.
@@ -274,11 +290,14 @@ impl ServerArgs {
 
     /// Validates the flags into a [`ServerConfig`].
     pub fn config(&self) -> anyhow::Result<ServerConfig> {
-        let policy = tether_core::tls::TlsPolicy::parse(
+        let (policy, not_offered) = tether_core::tls::TlsPolicy::parse(
             &self.cipher_suites.join(","),
             &self.tls_min_version,
         )
         .map_err(anyhow::Error::msg)?;
+        if let Some(warning) = not_offered {
+            tracing::warn!("{warning}");
+        }
         if self.enable_contention_profiling && !self.enable_profiling {
             bail!("--enable-contention-profiling needs --enable-profiling");
         }
@@ -367,11 +386,11 @@ impl ServerArgs {
         if self.xfr_channel_size == 0 {
             bail!("--xfr-channel-size must be at least 1");
         }
-        if self.server_count == 0 {
-            bail!("--server-count must be at least 1");
-        }
-        if self.keepalive_time.is_zero() || self.frontend_keepalive_time.is_zero() {
-            bail!("--keepalive-time and --frontend-keepalive-time must be positive (e.g. 30s, 1h)");
+        if !self.positional.is_empty() {
+            tracing::warn!(
+                arguments = ?self.positional,
+                "ignoring arguments that are not flags (upstream's proxy-server ignores them too)"
+            );
         }
         if agent_auth.is_none() && self.cluster_ca_cert.is_empty() {
             if !self.unsafe_allow_unauthenticated_agents {
@@ -415,8 +434,8 @@ impl ServerArgs {
                 ca: opt_path(&self.cluster_ca_cert),
                 policy,
             },
-            agent_keepalive: self.keepalive_time,
-            frontend_keepalive: self.frontend_keepalive_time,
+            agent_keepalive: grpc_server_keepalive(self.keepalive_time),
+            frontend_keepalive: grpc_server_keepalive(self.frontend_keepalive_time),
             agent_dead_link,
             health_addr: Some(health_addr),
             admin_addr: Some(admin_addr),
@@ -438,6 +457,10 @@ impl ServerArgs {
             nodes,
             admission: self.admission(),
             profiling: self.enable_profiling,
+            agents_access: tether_server::AgentsAccess::for_bind(
+                Some(admin_addr),
+                opt_path(&self.kubeconfig),
+            ),
         })
     }
 }
@@ -476,12 +499,17 @@ impl ServerArgs {
         ];
         let set = parts.iter().filter(|p| !p.is_empty()).count();
         if set == 0 {
+            let admin_loopback = self
+                .admin_bind_address
+                .parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_loopback());
             if !self.kubeconfig.is_empty()
                 && !self.enable_lease_controller
                 && !self.watch_node_pod_cidrs
+                && admin_loopback
             {
                 // Upstream accepts it too.
-                tracing::warn!("--kubeconfig is unused: the server reads it only for agent token authentication (--agent-namespace, --agent-service-account, --authentication-audience), --enable-lease-controller or --watch-node-pod-cidrs");
+                tracing::warn!("--kubeconfig is unused: the server reads it only for agent token authentication (--agent-namespace, --agent-service-account, --authentication-audience), --enable-lease-controller, --watch-node-pod-cidrs or authorizing /agents on a non-loopback --admin-bind-address");
             }
             return Ok(None);
         }

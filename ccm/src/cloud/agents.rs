@@ -37,6 +37,14 @@ pub struct AgentsConfig {
     /// For labs: use identifiers the server did not verify as if it had.
     #[serde(default)]
     pub trust_unverified_identifiers: bool,
+    /// A bearer token file sent with each request (read again each time), for servers
+    /// whose admin port is not bound to loopback: they authorize `/agents` with a
+    /// TokenReview and a SubjectAccessReview for `get` on `/agents`. The admin port is
+    /// plain HTTP, so the token crosses the network in clear text: keep the admin port
+    /// on loopback (the default, and what the manifests ship) unless you must. Absent:
+    /// no token is sent.
+    #[serde(default)]
+    pub token_file: Option<String>,
     /// Replaced by `deleteNodesAfterSeconds` (refused with a message saying so).
     #[serde(default)]
     pub grace_period_seconds: Option<u64>,
@@ -149,6 +157,7 @@ impl Index {
 #[derive(Debug)]
 pub struct ConnectedAgents {
     urls: Vec<hyper::Uri>,
+    token_file: Option<std::path::PathBuf>,
     delete_after: Option<Duration>,
     trust_all: bool,
     state: Mutex<State>,
@@ -178,8 +187,16 @@ impl ConnectedAgents {
                 Ok(uri)
             })
             .collect::<Result<_, _>>()?;
+        let token_file = match &config.token_file {
+            Some(f) => {
+                std::fs::metadata(f).map_err(|e| format!("agents.tokenFile {f:?}: {e}"))?;
+                Some(f.into())
+            }
+            None => None,
+        };
         Ok(ConnectedAgents {
             urls,
+            token_file,
             delete_after: config.delete_nodes_after_seconds.map(Duration::from_secs),
             trust_all: config.trust_unverified_identifiers,
             state: Mutex::new(State {
@@ -238,7 +255,18 @@ impl ConnectedAgents {
         let mut errors = Vec::new();
         let mut answered = false;
         for uri in &self.urls {
-            match tokio::time::timeout(REQUEST_TIMEOUT, get(uri)).await {
+            // A projected token is rotated on disk: read it for each request.
+            let token = match &self.token_file {
+                Some(f) => match std::fs::read_to_string(f) {
+                    Ok(t) => Some(t.trim().to_string()),
+                    Err(e) => {
+                        errors.push(format!("agents.tokenFile {}: {e}", f.display()));
+                        continue;
+                    }
+                },
+                None => None,
+            };
+            match tokio::time::timeout(REQUEST_TIMEOUT, get(uri, token.as_deref())).await {
                 Ok(Ok(list)) => {
                     answered = true;
                     for a in list.agents {
@@ -262,7 +290,7 @@ impl ConnectedAgents {
     }
 }
 
-async fn get(uri: &hyper::Uri) -> Result<Listing, String> {
+async fn get(uri: &hyper::Uri, token: Option<&str>) -> Result<Listing, String> {
     let host = uri.host().unwrap_or_default().trim_matches(['[', ']']);
     let port = uri.port_u16().unwrap_or(80);
     let stream = tokio::net::TcpStream::connect((host, port))
@@ -272,8 +300,12 @@ async fn get(uri: &hyper::Uri) -> Result<Listing, String> {
         .await
         .map_err(|e| e.to_string())?;
     tokio::spawn(conn);
-    let req = hyper::Request::get(uri.path_and_query().map(|p| p.as_str()).unwrap_or("/"))
-        .header(hyper::header::HOST, format!("{host}:{port}"))
+    let mut req = hyper::Request::get(uri.path_and_query().map(|p| p.as_str()).unwrap_or("/"))
+        .header(hyper::header::HOST, format!("{host}:{port}"));
+    if let Some(token) = token {
+        req = req.header(hyper::header::AUTHORIZATION, format!("Bearer {token}"));
+    }
+    let req = req
         .body(http_body_util::Empty::<bytes::Bytes>::new())
         .map_err(|e| e.to_string())?;
     let resp = sender.send_request(req).await.map_err(|e| e.to_string())?;

@@ -188,9 +188,11 @@ async fn write_client(
         };
         if let Err(e) = reply.send(&packet).await {
             tracing::debug!(error = %e, "cannot write to the frontend client");
-            router
-                .metrics
-                .stream_error(Segment::ToClient, Code::Unavailable);
+            router.metrics.send_error(
+                Segment::ToClient,
+                h2serve::send_error_code(&e),
+                packet.r#type,
+            );
             return;
         }
     }

@@ -37,7 +37,7 @@ where
     };
     tracing::Span::current().record("address", address.as_str());
     let (tx, rx) = tether_core::queue::queue();
-    let fe = FrontendStream::new(tx);
+    let fe = FrontendStream::http_connect(tx);
     let mut rx = outbox(rx);
     let connect_id = match dial(&router, &fe, &mut rx, &address, &shutdown).await {
         Ok(id) => id,

@@ -107,7 +107,9 @@ impl Router {
     /// connection's window first). False when the frontend is gone.
     fn to_frontend(&self, fe: &FrontendStream, out: impl Into<Outgoing>) -> bool {
         let out = out.into();
-        self.metrics.packet(Segment::ToClient, out.kind());
+        if fe.counted {
+            self.metrics.packet(Segment::ToClient, out.kind());
+        }
         fe.send(out)
     }
 
@@ -132,7 +134,9 @@ impl Router {
         req: DialRequest,
     ) -> Result<(), DialError> {
         let Some(agent) = self.registry.select(&self.config.strategies, &req.address) else {
-            self.metrics.dial_failed(DialFailure::NoAgent);
+            if fe.counted {
+                self.metrics.dial_failed(DialFailure::NoAgent);
+            }
             tracing::info!(address = %req.address, "no agent available for dial");
             return Err(DialError::NoAgent);
         };
@@ -291,7 +295,23 @@ impl Router {
             return false;
         }
         match conn.agent() {
-            Some(agent) => self.to_agent(&agent, packet).await,
+            Some(agent) => {
+                // The agent's queue is full: this frontend stream waits, as upstream's
+                // does when its receive channel is full (`service_method="Proxy"`).
+                let full = (agent.tx.capacity() == 0).then(|| {
+                    let g = self
+                        .metrics
+                        .full_receive_channels
+                        .with_label_values(&["Proxy"]);
+                    g.inc();
+                    g
+                });
+                let sent = self.to_agent(&agent, packet).await;
+                if let Some(g) = full {
+                    g.dec();
+                }
+                sent
+            }
             None => false,
         }
     }
@@ -431,7 +451,7 @@ impl Router {
             let g = self
                 .metrics
                 .full_receive_channels
-                .with_label_values(&["Proxy"]);
+                .with_label_values(&["Connect"]);
             g.inc();
             g
         });

@@ -39,6 +39,9 @@ pub struct FrontendStream {
     /// channel; DATA in it is bounded per connection by its receive window.
     tx: queue::Sender<Outgoing>,
     routes: Mutex<Routes>,
+    /// Upstream counts a gRPC frontend's packets and no-agent dials; an HTTP-CONNECT
+    /// connection's, never.
+    pub(crate) counted: bool,
 }
 
 /// A frontend stream's routes.
@@ -60,6 +63,18 @@ impl FrontendStream {
             id: NEXT_FRONTEND.fetch_add(1, Ordering::Relaxed),
             tx,
             routes: Mutex::new(Routes::default()),
+            counted: true,
+        })
+    }
+
+    /// An HTTP-CONNECT connection's stream: as upstream, its `to_client` packets and
+    /// its dials that find no agent are not counted in the metrics.
+    pub fn http_connect(tx: queue::Sender<Outgoing>) -> Arc<Self> {
+        Arc::new(FrontendStream {
+            id: NEXT_FRONTEND.fetch_add(1, Ordering::Relaxed),
+            tx,
+            routes: Mutex::new(Routes::default()),
+            counted: false,
         })
     }
 
