@@ -436,6 +436,70 @@ fn upstream_manifest_flags_are_accepted() {
     assert!(proc.logged("\"message\":\"server listening\""));
 }
 
+/// Values Tether used to refuse start with upstream's meaning: stray positional
+/// arguments (ignored with a warning), `--keepalive-time=0` and
+/// `--frontend-keepalive-time=0` (grpc-go's defaults), `--server-count=0` (the count is
+/// unknown: agents keep looking for servers), an empty `--server-count-source`, and
+/// `--vmodule` globs and Go file names.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn values_upstream_accepts_start_with_upstreams_meaning() {
+    use std::time::Duration;
+    use tether_testkit::process::{socket_path, uds_frontend_args};
+    use tether_testkit::{AgentProc, ServerProc};
+    let pki = Pki::new();
+    let mut args = uds_frontend_args(&pki, "grpc", &socket_path(pki.dir()));
+    args.extend(
+        [
+            "--keepalive-time=0",
+            "--frontend-keepalive-time=0",
+            "--server-count=0",
+            "--vmodule=server*=5,pkg/server/backend_manager.go=4,rout?r=4",
+            "stray",
+        ]
+        .map(String::from),
+    );
+    let server = ServerProc::start(std::path::Path::new(BIN), &args);
+    assert!(server.proc.logged("ignoring arguments that are not flags"));
+    assert!(
+        server.proc.logged("pkg/server/backend_manager.go"),
+        "the unmatched pattern is named"
+    );
+    let agent = AgentProc::start(
+        std::path::Path::new(BIN),
+        &pki,
+        server.agent,
+        &[
+            "--keepalive-time=0".into(),
+            "--server-count-source=".into(),
+            "--sync-interval=200ms".into(),
+            "--sync-interval-cap=200ms".into(),
+            "another".into(),
+        ],
+    );
+    server.wait_agents(1).await;
+    assert!(agent.proc.logged("pinging every 10s"));
+    assert!(agent.proc.logged("ignoring arguments that are not flags"));
+    // A count of 0 is unknown: holding the one server, the agent still looks for
+    // more (and closes the duplicates it reaches), as upstream's agent does.
+    let ev = agent
+        .proc
+        .wait_event("connected to proxy server", Duration::from_secs(10), |_| {
+            true
+        });
+    assert_eq!(ev["server_count"], 0, "{ev}");
+    agent.proc.wait_event(
+        "reached a server this agent is already connected to; closing the duplicate stream and retrying",
+        Duration::from_secs(20),
+        |_| true,
+    );
+    let page = agent.metrics().await;
+    assert_eq!(
+        tether_testkit::metric(&page, "konnectivity_network_proxy_agent_known_server_count"),
+        Some(0.0),
+        "{page}"
+    );
+}
+
 /// The soft and hard open-file limits of process `pid`, from `/proc/PID/limits`.
 fn open_file_limits(pid: u32) -> (String, String) {
     let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
