@@ -183,8 +183,9 @@ async fn tokens_are_checked_by_token_review() {
 }
 
 /// `/agents` names nodes and addresses: on an admin port off loopback it needs a bearer
-/// token that a TokenReview accepts and a SubjectAccessReview allowing `get` on
-/// `/agents` (as the CCM's ClusterRole grants); the CCM's client sends its token file.
+/// token bound to the `tether-admin` audience that a TokenReview accepts and a
+/// SubjectAccessReview allowing `get` on `/agents` (as the CCM's ClusterRole grants);
+/// the CCM's client sends its token file.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_agents_listing_off_loopback_needs_an_authorized_token() {
     let pki = Pki::new();
@@ -230,11 +231,16 @@ async fn the_agents_listing_off_loopback_needs_an_authorized_token() {
     };
     assert_eq!(get(None).0, "401");
     assert_eq!(get(Some("not-a-token")).0, "401");
-    let stranger = cluster.service_account_token("stranger", None);
+    let audience = tether_server::AGENTS_AUDIENCE;
+    let stranger = cluster.service_account_token("stranger", Some(audience));
     let (code, body) = get(Some(&stranger));
     assert_eq!(code, "403", "{body}");
     assert!(body.contains("may not get /agents"), "{body}");
-    let reader = cluster.service_account_token("reader", None);
+    // The reader's token for kube-apiserver itself (the kind one could replay against
+    // the cluster, were it read off this plain-HTTP port) is refused.
+    let api_token = cluster.service_account_token("reader", None);
+    assert_eq!(get(Some(&api_token)).0, "401");
+    let reader = cluster.service_account_token("reader", Some(audience));
     let (code, body) = get(Some(&reader));
     assert_eq!(code, "200", "{body}");
     assert!(body.contains("edge-1"), "{body}");

@@ -85,6 +85,10 @@ fn bad_flags_fail_with_one_clear_line() {
             "--server-count-source",
         ),
         (
+            &["server", "--", "--require-agent-identity-match"][..],
+            "comes after `--`",
+        ),
+        (
             &["agent", "--dead-link-timeout=1s"][..],
             "--dead-link-timeout must be 0 (kernel defaults) or at least 2s",
         ),

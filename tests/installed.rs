@@ -204,6 +204,61 @@ fn the_installed_form_carries_every_kubectl_path_and_a_load_balancer() {
     assert_eq!(page, "hello from the pod\n");
 
     figures_beside_direct(&i);
+    the_docs_agent_manifest_runs_with_only_the_image_changed(&i, scratch.path());
+}
+
+/// A platform team's image swap: the Kubernetes docs' agent DaemonSet
+/// (tests/golden/k8s-docs-konnectivity-agent.yaml, verbatim), with only its image and
+/// `--proxy-server-host` changed, replaces the shipped one. Its `/proxy-agent` runs
+/// from Tether's image, logs klog's lines, authenticates with the docs' token, and
+/// every kubectl path to worker-0 works through it.
+fn the_docs_agent_manifest_runs_with_only_the_image_changed(i: &Installed, scratch: &Path) {
+    let c = &i.cluster;
+    let docs = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/k8s-docs-konnectivity-agent.yaml"),
+    )
+    .unwrap()
+    .replace(
+        "us.gcr.io/k8s-artifacts-prod/kas-network-proxy/proxy-agent:v0.0.37",
+        REGISTRY_IMAGE,
+    )
+    .replace("35.225.206.7", &i.server_address);
+    let file = scratch.join("docs-agent.yaml");
+    std::fs::write(&file, docs).unwrap();
+    c.kubectl_ok(&["replace", "-f", file.to_str().unwrap()]);
+    i.rollout_status("daemonset/konnectivity-agent");
+    // The docs' agents have random IDs and no identifiers: the server knows each
+    // worker's by its pod-bound token. (Their only toleration is CriticalAddonsOnly,
+    // so the tainted control-plane node has none.)
+    for worker in &i.workers {
+        i.wait_or_explain(&format!("{}'s docs agent verified", worker.name), || {
+            let agents = i.server_agents();
+            agents["agents"]
+                .as_array()?
+                .iter()
+                .any(|a| {
+                    a["verifiedNode"] == worker.name.as_str() && a["id"] != worker.name.as_str()
+                })
+                .then_some(())
+        });
+    }
+    let logs = c.kubectl_ok(&[
+        "logs",
+        "-n",
+        "kube-system",
+        "-l",
+        "k8s-app=konnectivity-agent",
+        "--tail=-1",
+    ]);
+    assert!(
+        logs.lines()
+            .any(|l| l.starts_with('I') && l.contains("] \"connected to proxy server\"")),
+        "the docs' /proxy-agent logs klog lines:\n{logs}"
+    );
+    let worker = &i.workers[0];
+    let again = scratch.join("docs-agent");
+    std::fs::create_dir_all(&again).unwrap();
+    every_kubectl_path(c, &worker.name, worker.ip(), &again);
 }
 
 /// The README's figures: `kubectl port-forward` throughput (64 MiB, 3 rounds) and the

@@ -376,6 +376,9 @@ async fn set_up(t: &Tether, soak: &Soak) -> anyhow::Result<Cluster> {
                 "--proxy-server-host={host}:{},{host}:{}",
                 ports[0], ports[1]
             ),
+            // A drained agent serves until its drain timeout (as upstream's until its
+            // second signal); 5 s keeps the churn's rhythm.
+            "--drain-timeout=5s".into(),
         ];
         if let Some(k) = node {
             args.push(format!("--health-server-host={}", cluster.nodes[k].link_ip));
@@ -679,8 +682,9 @@ async fn chaos(cluster: &Cluster, events: &Events) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Stops `p`: SIGKILL (`kill`), or SIGTERM and wait for its exit (its drain ends when
-/// its tunnels do, or at --drain-timeout, 30 s).
+/// Stops `p`: SIGKILL (`kill`), or SIGTERM and wait for its exit (an agent's at its
+/// --drain-timeout, 5 s here; a server's when its tunnels end or at its graceful
+/// shutdown timeout).
 fn stop_process(p: &mut tether_testkit::Proc, kill: bool, what: &str) -> anyhow::Result<()> {
     if kill {
         p.kill();

@@ -148,7 +148,7 @@ async fn healthz(State(ctx): State<Ctx>) -> Response {
 async fn metrics(State(ctx): State<Ctx>, headers: HeaderMap) -> Response {
     match ctx
         .decisions
-        .authorize(&ctx.delegation, &headers, "/metrics")
+        .authorize(&ctx.delegation, &headers, "/metrics", None)
         .await
     {
         Ok(()) => tether_ops::health::render(&ctx.registry).into_response(),

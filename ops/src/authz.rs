@@ -21,10 +21,26 @@ const DECISION_CAP: usize = 1024;
 /// Allowed, or the status and reason to answer with.
 pub type Decision = Result<(), (StatusCode, String)>;
 
-/// Recent decisions by SHA-256 of the token (the token itself is not kept).
-#[derive(Default)]
+/// At most this many reviews are in flight; a request beyond them gets 429, so that
+/// callers with made-up tokens cannot turn one endpoint into a flood of TokenReviews.
+const MAX_REVIEWS_IN_FLIGHT: usize = 4;
+/// A review that takes longer is abandoned (500, not cached).
+const REVIEW_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Recent decisions by SHA-256 of the path and token (the token itself is not kept),
+/// and the reviews in flight.
 pub struct DecisionCache {
     map: Mutex<std::collections::HashMap<[u8; 32], (std::time::Instant, Decision)>>,
+    in_flight: tokio::sync::Semaphore,
+}
+
+impl Default for DecisionCache {
+    fn default() -> Self {
+        DecisionCache {
+            map: Mutex::default(),
+            in_flight: tokio::sync::Semaphore::new(MAX_REVIEWS_IN_FLIGHT),
+        }
+    }
 }
 
 impl DecisionCache {
@@ -80,12 +96,17 @@ impl Delegation {
 impl DecisionCache {
     /// Decides whether the bearer token in `headers` may `get` `path`: 401 without a
     /// token or with one the TokenReview rejects, 403 when the SubjectAccessReview
-    /// denies, 500 when either review could not be sent (not cached).
+    /// denies, 429 while [`MAX_REVIEWS_IN_FLIGHT`] reviews are pending, 500 when a review
+    /// could not be sent (not cached; the caller learns no more than that). With
+    /// `audiences`, the token must have been issued for one of them: a token bound to
+    /// such an audience is useless against kube-apiserver itself, so one read off the
+    /// wire cannot be replayed there.
     pub async fn authorize(
         &self,
         delegation: &Delegation,
         headers: &HeaderMap,
         path: &str,
+        audiences: Option<&[&str]>,
     ) -> Decision {
         let token = headers
             .get(axum::http::header::AUTHORIZATION)
@@ -101,9 +122,33 @@ impl DecisionCache {
         if let Some(d) = self.get(&key, now) {
             return d;
         }
-        let d = review(delegation, token, path).await;
+        let Ok(_slot) = self.in_flight.try_acquire() else {
+            return Err((
+                StatusCode::TOO_MANY_REQUESTS,
+                "too many authorization checks in flight; retry".into(),
+            ));
+        };
+        let d =
+            match tokio::time::timeout(REVIEW_TIMEOUT, review(delegation, token, path, audiences))
+                .await
+            {
+                Ok(d) => d,
+                Err(_) => Err((
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("no review answer within {REVIEW_TIMEOUT:?}"),
+                )),
+            };
         self.put(&key, &d, now);
-        d
+        match d {
+            Err((StatusCode::INTERNAL_SERVER_ERROR, why)) => {
+                tracing::warn!(%path, error = %why, "cannot check an HTTP caller's token");
+                Err((
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "the authorization check failed; see the server's log".into(),
+                ))
+            }
+            d => d,
+        }
     }
 }
 
@@ -112,12 +157,13 @@ async fn review(
     delegation: &Delegation,
     token: &str,
     path: &str,
+    audiences: Option<&[&str]>,
 ) -> Result<(), (StatusCode, String)> {
     let reviews: Api<TokenReview> = Api::all(delegation.authentication.clone());
     let review = TokenReview {
         spec: TokenReviewSpec {
             token: Some(token.into()),
-            audiences: None,
+            audiences: audiences.map(|a| a.iter().map(|s| s.to_string()).collect()),
         },
         ..Default::default()
     };
@@ -134,6 +180,16 @@ async fn review(
         .unwrap_or_default();
     if status.authenticated != Some(true) {
         return Err((StatusCode::UNAUTHORIZED, "Unauthorized".into()));
+    }
+    // An authenticator that ignores the audiences asked for answers none: not bound.
+    if let Some(wanted) = audiences {
+        let bound = status
+            .audiences
+            .as_ref()
+            .is_some_and(|got| got.iter().any(|a| wanted.contains(&a.as_str())));
+        if !bound {
+            return Err((StatusCode::UNAUTHORIZED, "Unauthorized".into()));
+        }
     }
     let user = status.user.unwrap_or_default();
     let sars: Api<SubjectAccessReview> = Api::all(delegation.authorization.clone());

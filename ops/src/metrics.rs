@@ -267,12 +267,14 @@ pub fn go_label_floats(text: &str) -> String {
             continue;
         }
         let mut rest = line;
-        while let Some(i) = ["le=\"", "quantile=\""]
-            .iter()
-            .filter_map(|k| rest.find(k).map(|i| (i, k.len())))
-            .min()
-            .map(|(i, n)| i + n)
-        {
+        // A label is `le` or `quantile` only right after `{` or `,` (not `file=`).
+        let find = |rest: &str| -> Option<usize> {
+            ["{le=\"", ",le=\"", "{quantile=\"", ",quantile=\""]
+                .iter()
+                .filter_map(|k| rest.find(k).map(|i| i + k.len()))
+                .min()
+        };
+        while let Some(i) = find(rest) {
             out.push_str(&rest[..i]);
             rest = &rest[i..];
             let end = rest.find('"').unwrap_or(rest.len());
@@ -485,10 +487,10 @@ mod tests {
         ] {
             assert_eq!(go_float(f), go, "{f}");
         }
-        let text = "# HELP x_bucket le=\"0.000001\"\nx_bucket{a=\"b\",le=\"0.000001\"} 3\nx_bucket{le=\"+Inf\"} 4\nq{quantile=\"0.5\"} 1\n";
+        let text = "# HELP x_bucket le=\"0.000001\"\nx_bucket{a=\"b\",le=\"0.000001\"} 3\nx_bucket{le=\"+Inf\"} 4\nq{quantile=\"0.5\"} 1\nc{file=\"0.000001\"} 1\n";
         assert_eq!(
             go_label_floats(text),
-            "# HELP x_bucket le=\"0.000001\"\nx_bucket{a=\"b\",le=\"1e-06\"} 3\nx_bucket{le=\"+Inf\"} 4\nq{quantile=\"0.5\"} 1\n"
+            "# HELP x_bucket le=\"0.000001\"\nx_bucket{a=\"b\",le=\"1e-06\"} 3\nx_bucket{le=\"+Inf\"} 4\nq{quantile=\"0.5\"} 1\nc{file=\"0.000001\"} 1\n"
         );
     }
 

@@ -42,7 +42,12 @@ pub fn router() -> Router {
         // As Go's: the command line, arguments separated by NUL bytes.
         .route(
             "/debug/pprof/cmdline",
-            get(|| async { std::env::args().collect::<Vec<_>>().join("\0") }),
+            get(|| async {
+                std::env::args_os()
+                    .map(|a| a.to_string_lossy().into_owned())
+                    .collect::<Vec<_>>()
+                    .join("\0")
+            }),
         )
         .route("/debug/pprof/{name}", get(missing))
 }

@@ -153,15 +153,20 @@ pub struct ServerConfig {
     pub agents_access: AgentsAccess,
 }
 
+/// The audience a token must be bound to for `/agents` off loopback (a projected
+/// ServiceAccount token with this audience): kube-apiserver refuses such a token, so
+/// one read off the admin port's plain HTTP cannot be replayed against the cluster.
+pub const AGENTS_AUDIENCE: &str = "tether-admin";
+
 /// Who may read `/agents` (agent ids, node names, addresses and verified identities)
 /// on the admin port.
 #[derive(Debug, Clone, PartialEq)]
 pub enum AgentsAccess {
     /// Anyone who reaches the port: for an admin port bound to loopback.
     Anyone,
-    /// A bearer token that a TokenReview accepts and a SubjectAccessReview allowing
-    /// `get` on the non-resource URL `/agents`, asked of the cluster in `kubeconfig`
-    /// (or in-cluster). Without a usable client, nobody.
+    /// A bearer token bound to [`AGENTS_AUDIENCE`] that a TokenReview accepts and a
+    /// SubjectAccessReview allowing `get` on the non-resource URL `/agents`, asked of
+    /// the cluster in `kubeconfig` (or in-cluster). Without a usable client, nobody.
     Authorized {
         /// `--kubeconfig`, or `None` for the in-cluster configuration.
         kubeconfig: Option<std::path::PathBuf>,
@@ -670,14 +675,18 @@ fn spawn_admin(
             } = &readers
             {
                 let decision = match delegation {
-                    Some(d) => decisions.authorize(d, &headers, "/agents").await,
+                    Some(d) => {
+                        decisions
+                            .authorize(d, &headers, "/agents", Some(&[AGENTS_AUDIENCE]))
+                            .await
+                    }
                     None => Err((
                         StatusCode::FORBIDDEN,
                         "/agents: the admin port is not on loopback and the server has no Kubernetes client to review tokens (set --kubeconfig or bind --admin-bind-address=127.0.0.1)".into(),
                     )),
                 };
                 if let Err((status, why)) = decision {
-                    tracing::info!(reason = %why, "/agents request refused");
+                    tracing::debug!(reason = %why, %status, "/agents request refused");
                     return (status, format!("{why}\n")).into_response();
                 }
             }

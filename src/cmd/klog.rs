@@ -73,6 +73,25 @@ where
     }
 }
 
+/// Formats the spans' fields as klog formats an event's pairs (`key="value"`, strings
+/// quoted), so a peer's text in a span cannot forge a key or a line either.
+pub struct KlogSpanFields;
+
+impl<'writer> tracing_subscriber::fmt::FormatFields<'writer> for KlogSpanFields {
+    fn format_fields<R: tracing_subscriber::field::RecordFields>(
+        &self,
+        mut writer: Writer<'writer>,
+        fields: R,
+    ) -> fmt::Result {
+        let mut visitor = KlogFields::default();
+        fields.record(&mut visitor);
+        if !visitor.message.is_empty() {
+            write!(writer, "msg={} ", go_quote(&visitor.message))?;
+        }
+        writer.write_str(visitor.pairs.trim_start())
+    }
+}
+
 /// klog's severity letters; tracing's DEBUG and TRACE are klog's `V(n)` lines, which
 /// klog writes as `I`.
 fn severity_letter(level: Level) -> char {
@@ -112,17 +131,39 @@ impl Visit for KlogFields {
             self.message = format!("{value:?}");
         } else {
             let text = format!("{value:?}");
-            // Display-like values (addresses, ids) are quoted as klog quotes a string;
-            // numbers and booleans stay bare.
+            // Numbers and booleans stay bare; a string Debug already quoted (and so
+            // escaped) stays as it is; anything else, peers' text included, is quoted
+            // here, so no value can end the line or forge a key.
             let bare = !text.is_empty()
                 && (text.parse::<f64>().is_ok() || text == "true" || text == "false");
-            if bare || text.starts_with('"') {
+            if bare || is_quoted_literal(&text) {
                 let _ = write!(self.pairs, " {}={}", key(field), text);
             } else {
                 let _ = write!(self.pairs, " {}={}", key(field), go_quote(&text));
             }
         }
     }
+}
+
+/// Is `text` one quoted string literal as Rust's Debug writes it: a quote, characters
+/// with every inner quote escaped and no control character, a closing quote?
+fn is_quoted_literal(text: &str) -> bool {
+    let Some(inner) = text.strip_prefix('"').and_then(|t| t.strip_suffix('"')) else {
+        return false;
+    };
+    let mut escaped = false;
+    for c in inner.chars() {
+        if c.is_control() {
+            return false;
+        }
+        match (escaped, c) {
+            (true, _) => escaped = false,
+            (false, '\\') => escaped = true,
+            (false, '"') => return false,
+            _ => {}
+        }
+    }
+    !escaped
 }
 
 /// tracing spells `r#type` fields with the raw prefix; klog keys have none.
@@ -176,6 +217,7 @@ mod tests {
         let subscriber = tracing_subscriber::registry().with(
             tracing_subscriber::fmt::layer()
                 .with_ansi(false)
+                .fmt_fields(KlogSpanFields)
                 .event_format(Klog {
                     dir_header: false,
                     skip_headers: false,
@@ -213,6 +255,34 @@ mod tests {
             && b[21] == b' '
             && line[22..29].trim_start().parse::<u32>().is_ok()
             && b[29] == b' '
+    }
+
+    #[test]
+    fn a_peer_cannot_forge_a_line_or_a_key() {
+        let buf = Buf::default();
+        let sink = buf.clone();
+        let subscriber = tracing_subscriber::registry().with(
+            tracing_subscriber::fmt::layer()
+                .with_ansi(false)
+                .fmt_fields(KlogSpanFields)
+                .event_format(Klog {
+                    dir_header: false,
+                    skip_headers: false,
+                })
+                .with_writer(move || sink.clone()),
+        );
+        let evil = "\"x\" forged=\"yes\"\nE1127 00:00:00.000000 1 fake.go:1] \"owned\"";
+        tracing::subscriber::with_default(subscriber, || {
+            let span = tracing::info_span!("agent", id = %evil);
+            let _g = span.enter();
+            tracing::info!(error = %evil, debug = ?evil, "dial failed");
+        });
+        let text = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
+        assert_eq!(text.lines().count(), 1, "{text}");
+        assert!(!text.contains(" forged=\"yes\""), "{text}");
+        assert!(is_quoted_literal(r#""a \"b\" c""#));
+        assert!(!is_quoted_literal(r#""a" b="c""#));
+        assert!(!is_quoted_literal("\"a\nb\""));
     }
 
     #[test]

@@ -348,10 +348,12 @@ impl LogArgs {
             .with_file(self.add_dir_header)
             .with_line_number(self.add_dir_header);
         if self.log_format == "klog" {
-            return Box::new(base.event_format(super::klog::Klog {
-                dir_header: self.add_dir_header,
-                skip_headers: self.skip_headers,
-            }));
+            return Box::new(base.fmt_fields(super::klog::KlogSpanFields).event_format(
+                super::klog::Klog {
+                    dir_header: self.add_dir_header,
+                    skip_headers: self.skip_headers,
+                },
+            ));
         }
         match (self.log_format == "json", self.skip_headers) {
             (true, _) => Box::new(base.json().flatten_event(true)),

@@ -290,6 +290,17 @@ impl ServerArgs {
 
     /// Validates the flags into a [`ServerConfig`].
     pub fn config(&self) -> anyhow::Result<ServerConfig> {
+        // A flag after `--` would be dropped (pflag's reading, and upstream's): a
+        // security flag among them must not be lost to a warning.
+        if let Some(flag) = self.positional.iter().find(|a| a.starts_with('-')) {
+            bail!("{flag:?} comes after `--`, so it is not read as a flag: remove the `--`");
+        }
+        if !self.positional.is_empty() {
+            tracing::warn!(
+                arguments = ?self.positional,
+                "ignoring arguments that are not flags (upstream's proxy-server ignores them too)"
+            );
+        }
         let (policy, not_offered) = tether_core::tls::TlsPolicy::parse(
             &self.cipher_suites.join(","),
             &self.tls_min_version,
@@ -385,12 +396,6 @@ impl ServerArgs {
         }
         if self.xfr_channel_size == 0 {
             bail!("--xfr-channel-size must be at least 1");
-        }
-        if !self.positional.is_empty() {
-            tracing::warn!(
-                arguments = ?self.positional,
-                "ignoring arguments that are not flags (upstream's proxy-server ignores them too)"
-            );
         }
         if agent_auth.is_none() && self.cluster_ca_cert.is_empty() {
             if !self.unsafe_allow_unauthenticated_agents {

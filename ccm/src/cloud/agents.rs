@@ -19,6 +19,8 @@ use super::CloudError;
 
 /// How long one answer from the servers is reused.
 const CACHE_FOR: Duration = Duration::from_secs(2);
+/// The largest `/agents` answer read.
+const MAX_LISTING: usize = 32 << 20;
 /// How long one request to a server may take.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -39,10 +41,11 @@ pub struct AgentsConfig {
     pub trust_unverified_identifiers: bool,
     /// A bearer token file sent with each request (read again each time), for servers
     /// whose admin port is not bound to loopback: they authorize `/agents` with a
-    /// TokenReview and a SubjectAccessReview for `get` on `/agents`. The admin port is
-    /// plain HTTP, so the token crosses the network in clear text: keep the admin port
-    /// on loopback (the default, and what the manifests ship) unless you must. Absent:
-    /// no token is sent.
+    /// TokenReview for the `tether-admin` audience and a SubjectAccessReview for `get`
+    /// on `/agents`. Use a projected ServiceAccount token with that audience: the admin
+    /// port is plain HTTP, and such a token is worthless against kube-apiserver. Keep the
+    /// admin port on loopback (the default, and what the manifests ship) unless you
+    /// must: its answers are not authenticated either. Absent: no token is sent.
     #[serde(default)]
     pub token_file: Option<String>,
     /// Replaced by `deleteNodesAfterSeconds` (refused with a message saying so).
@@ -310,11 +313,11 @@ async fn get(uri: &hyper::Uri, token: Option<&str>) -> Result<Listing, String> {
         .map_err(|e| e.to_string())?;
     let resp = sender.send_request(req).await.map_err(|e| e.to_string())?;
     let status = resp.status();
-    let body = resp
-        .into_body()
+    // A listing of 10,000 agents is about 3 MiB; anything far larger is not one.
+    let body = http_body_util::Limited::new(resp.into_body(), MAX_LISTING)
         .collect()
         .await
-        .map_err(|e| e.to_string())?
+        .map_err(|e| format!("reading the listing: {e}"))?
         .to_bytes();
     if !status.is_success() {
         return Err(format!("HTTP {status}"));
