@@ -112,6 +112,7 @@ const MODULES: &[(&str, &str)] = &[
     ("tether_core", "tls"),
     ("tether_core", "transport"),
     ("tether_core", "write_through"),
+    ("tether_ops", "authz"),
     ("tether_ops", "duration"),
     ("tether_ops", "health"),
     ("tether_ops", "heap_profile"),
