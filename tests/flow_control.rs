@@ -137,6 +137,15 @@ async fn without_flow_control_the_server_closes_a_stalled_client_connection() {
         Duration::from_secs(30),
         |_| true,
     );
+    // The agent's stream waited on the stalled client meanwhile: upstream's full
+    // receive channel of an agent stream (`Connect`).
+    let page = s.server.metrics().await;
+    assert!(
+        page.contains(
+            r#"konnectivity_network_proxy_server_full_receive_channels{service_method="Connect"}"#
+        ),
+        "{page}"
+    );
     open_gate.send(()).unwrap();
     let result = tokio::time::timeout(BUSY_DEADLINE, stalled)
         .await

@@ -158,10 +158,22 @@ async fn agent_and_client_reconnect_after_server_restart() {
     })
     .await;
 
-    let server = grpc_server(&pki, &[&format!("--agent-port={agent_port}")]);
+    let mut server = grpc_server(&pki, &[&format!("--agent-port={agent_port}")]);
     server.wait_agents(1).await;
     roundtrip(client).await;
     assert_eq!(http_get(agent.health, "/readyz").await.unwrap().0, 200);
+
+    // A server that dies (no clean end of the stream) is `Unavailable` on the agent's
+    // receiving segment, as grpc-go reports losing the server (upstream's dashboards
+    // key on the code); the clean SIGTERM above counted nothing, as upstream's EOF.
+    server.proc.kill();
+    let unavailable = r#"konnectivity_network_proxy_agent_stream_errors_total{code="Unavailable",packet_type="Unknown",segment="to_agent"}"#;
+    wait_until(
+        "the agent counts the lost server",
+        Duration::from_secs(10),
+        || async { (metric(&agent.metrics().await, unavailable)? >= 1.0).then_some(()) },
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
