@@ -99,7 +99,37 @@ fn address(family: Family, n: u128) -> IpAddr {
     }
 }
 
+/// Addresses no load balancer may take: (first, last, family, why). Loopback is
+/// allowed only where nothing is announced (`--lb-bind-address=127.0.0.1` on a lab
+/// host); on an interface it would shadow the host's own.
+const UNUSABLE: [(&str, &str, &str); 9] = [
+    ("0.0.0.0", "0.255.255.255", "is or holds the unspecified address (0.0.0.0/8): a listener there takes every address of the host"),
+    ("224.0.0.0", "239.255.255.255", "holds multicast addresses (224.0.0.0/4)"),
+    ("240.0.0.0", "255.255.255.255", "holds reserved or broadcast addresses (240.0.0.0/4)"),
+    ("169.254.0.0", "169.254.255.255", "holds link-local addresses (169.254.0.0/16)"),
+    ("::", "::", "is the unspecified address (::): a listener there takes every address of the host"),
+    ("ff00::", "ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff", "holds multicast addresses (ff00::/8)"),
+    ("fe80::", "febf:ffff:ffff:ffff:ffff:ffff:ffff:ffff", "holds link-local addresses (fe80::/10)"),
+    ("127.0.0.0", "127.255.255.255", "holds loopback addresses (127.0.0.0/8), which cannot be announced on an interface"),
+    ("::1", "::1", "is the loopback address (::1), which cannot be announced on an interface"),
+];
+
 impl Range {
+    /// Why no load balancer may use this range, if it may not; `announced`: its
+    /// addresses go on an interface.
+    fn unusable(&self, announced: bool) -> Option<&'static str> {
+        UNUSABLE.iter().find_map(|(first, last, why)| {
+            let loopback = why.contains("loopback");
+            let (first, last): (IpAddr, IpAddr) = (first.parse().ok()?, last.parse().ok()?);
+            let special = Range {
+                family: Family::of(first),
+                first: number(first),
+                last: number(last),
+            };
+            (self.overlaps(&special) && (announced || !loopback)).then_some(*why)
+        })
+    }
+
     fn contains(&self, ip: IpAddr) -> bool {
         Family::of(ip) == self.family && (self.first..=self.last).contains(&number(ip))
     }
@@ -240,6 +270,9 @@ impl Pools {
             for a in &p.addresses {
                 let r =
                     Range::parse(a).map_err(|e| format!("loadBalancer pool {:?}: {e}", p.name))?;
+                if let Some(why) = r.unusable(config.interface.is_some()) {
+                    return Err(format!("loadBalancer pool {:?}: {a:?} {why}", p.name));
+                }
                 let clash = pools
                     .iter()
                     .map(|q| (q.name.as_str(), &q.ranges))
@@ -616,6 +649,8 @@ mod tests {
             "network and broadcast left out"
         );
         assert!(ok.contains(ip("2001:db8::2")));
+        // Loopback only where nothing is announced (--lb-bind-address=127.0.0.1).
+        assert!(pools("pools:\n- name: a\n  addresses: [127.0.0.1]\n").is_ok());
         for (bad, says) in [
             ("pools: []\n", "empty"),
             ("pools:\n- name: a\n  addresses: [192.0.2.9-192.0.2.1]\n", "ends before"),
@@ -626,6 +661,14 @@ mod tests {
             ("pools:\n- name: a\n  addresses: [192.0.2.1]\n- name: a\n  addresses: [192.0.2.7]\n", "named twice"),
             ("interface: a-very-long-interface-name\npools:\n- name: a\n  addresses: [192.0.2.1]\n", "interface"),
             ("pools:\n- name: a\n  adresses: [192.0.2.1]\n", "adresses"),
+            ("pools:\n- name: a\n  addresses: [0.0.0.0]\n", "unspecified"),
+            ("pools:\n- name: a\n  addresses: [\"::\"]\n", "unspecified"),
+            ("pools:\n- name: a\n  addresses: [224.0.0.0/28]\n", "multicast"),
+            ("pools:\n- name: a\n  addresses: [ff02::1]\n", "multicast"),
+            ("pools:\n- name: a\n  addresses: [169.254.1.1]\n", "link-local"),
+            ("pools:\n- name: a\n  addresses: [255.255.255.255]\n", "broadcast"),
+            ("interface: eth0\npools:\n- name: a\n  addresses: [127.0.0.5]\n", "loopback"),
+            ("interface: eth0\npools:\n- name: a\n  addresses: [126.255.255.250-127.0.0.1]\n", "loopback"),
         ] {
             let e = pools(bad).unwrap_err();
             assert!(e.contains(says), "{bad}: {e}");

@@ -22,7 +22,6 @@ use async_trait::async_trait;
 use tether_client::Client;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpListener;
-use tokio::sync::OnceCell;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -126,7 +125,9 @@ struct Balancer {
 /// The balancers, by Service UID.
 pub struct TunnelLoadBalancers {
     tunnel_uds: PathBuf,
-    client: OnceCell<Client>,
+    /// One tunnel connection (HTTP/2) per Service, by UID: readers that stop on one
+    /// Service pin at most that connection's window, never another Service's traffic.
+    clients: tokio::sync::Mutex<HashMap<String, Client>>,
     allocator: Mutex<Allocator>,
     /// Without pools: the one address every Service shares.
     bind: Option<IpAddr>,
@@ -169,7 +170,7 @@ impl TunnelLoadBalancers {
             .map(|i| Announcer::new(i, pools.clone()));
         Ok(TunnelLoadBalancers {
             tunnel_uds: cfg.tunnel_uds,
-            client: OnceCell::new(),
+            clients: tokio::sync::Mutex::new(HashMap::new()),
             allocator: Mutex::new(Allocator::new(pools)),
             bind,
             announcer,
@@ -177,18 +178,23 @@ impl TunnelLoadBalancers {
         })
     }
 
-    async fn client(&self) -> Result<Client, CloudError> {
-        self.client
-            .get_or_try_init(|| async {
-                Client::uds(&self.tunnel_uds).await.map_err(|e| {
-                    CloudError::Provider(format!(
-                        "cannot reach the Tether server at {}: {e}",
-                        self.tunnel_uds.display()
-                    ))
-                })
-            })
-            .await
-            .cloned()
+    /// The tunnel connection of Service `uid`, made on first use. Each Service has its
+    /// own: HTTP/2 flow control is per stream and per connection, and eight stalled
+    /// downloads (a 1 MiB stream window each) would otherwise fill a shared
+    /// connection's 4 MiB window and stop every other Service's traffic with it.
+    async fn client(&self, uid: &str) -> Result<Client, CloudError> {
+        let mut clients = self.clients.lock().await;
+        if let Some(c) = clients.get(uid) {
+            return Ok(c.clone());
+        }
+        let client = Client::uds(&self.tunnel_uds).await.map_err(|e| {
+            CloudError::Provider(format!(
+                "cannot reach the Tether server at {}: {e}",
+                self.tunnel_uds.display()
+            ))
+        })?;
+        clients.insert(uid.to_string(), client.clone());
+        Ok(client)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Balancer>> {
@@ -340,7 +346,7 @@ impl LoadBalancers for TunnelLoadBalancers {
                 )));
             }
         }
-        let client = self.client().await?;
+        let client = self.client(&svc.uid).await?;
         let req = self.request(svc).map_err(refused)?;
         let before: Vec<IpAddr> = self.allocator().holding(&svc.uid).to_vec();
         let addresses = self.allocator().assign(&req).map_err(refused)?;
@@ -474,6 +480,8 @@ impl LoadBalancers for TunnelLoadBalancers {
     }
 
     async fn delete(&self, _cluster: &str, svc: &ServiceInfo) -> Result<(), CloudError> {
+        // The connection closes once the stopped listeners' connections drop it.
+        self.clients.lock().await.remove(&svc.uid);
         let removed = self.lock().remove(&svc.uid);
         let freed = self.allocator().release(&svc.uid);
         if let Some(b) = removed {
