@@ -1007,51 +1007,46 @@ async fn real_world_command_lines_run_from_the_image_layout() {
         })
     };
     let f = &pki.files;
-    let mut server = Proc::spawn(
-        "klog-server",
-        &root.join("proxy-server"),
-        &[
-            format!("--uds-name={}", dir.path().join("klog.sock").display()),
-            "--server-port=0".into(),
-            "--agent-port=0".into(),
-            "--health-port=0".into(),
-            "--admin-port=0".into(),
-            format!("--cluster-cert={}", f.server_cert.display()),
-            format!("--cluster-key={}", f.server_key.display()),
-            format!("--cluster-ca-cert={}", f.ca_cert.display()),
-        ],
-    );
-    wait_until(
-        "a klog line from /proxy-server",
-        Duration::from_secs(30),
-        || {
-            let ok = klog_line(&server.log_text(), "server listening");
-            async move { ok.then_some(()) }
-        },
-    )
-    .await;
-    server.kill();
-    let mut agent = Proc::spawn(
-        "klog-agent",
-        &root.join("usr/bin/proxy-agent"),
-        &[
-            format!("--ca-cert={}", f.ca_cert.display()),
-            format!("--agent-cert={}", f.agent_cert.display()),
-            format!("--agent-key={}", f.agent_key.display()),
-            "--proxy-server-host=127.0.0.1".into(),
-            format!("--proxy-server-port={}", reference.agent.port()),
-            "--health-server-port=0".into(),
-            "--admin-server-port=0".into(),
-        ],
-    );
-    wait_until(
-        "a klog line from /usr/bin/proxy-agent",
-        Duration::from_secs(30),
-        || {
-            let ok = klog_line(&agent.log_text(), "connected to proxy server");
-            async move { ok.then_some(()) }
-        },
-    )
-    .await;
-    agent.kill();
+    let runs: [(&str, Vec<String>, &str); 2] = [
+        (
+            "proxy-server",
+            vec![
+                format!("--uds-name={}", dir.path().join("klog.sock").display()),
+                "--server-port=0".into(),
+                "--agent-port=0".into(),
+                "--health-port=0".into(),
+                "--admin-port=0".into(),
+                format!("--cluster-cert={}", f.server_cert.display()),
+                format!("--cluster-key={}", f.server_key.display()),
+                format!("--cluster-ca-cert={}", f.ca_cert.display()),
+            ],
+            "server listening",
+        ),
+        (
+            "usr/bin/proxy-agent",
+            vec![
+                format!("--ca-cert={}", f.ca_cert.display()),
+                format!("--agent-cert={}", f.agent_cert.display()),
+                format!("--agent-key={}", f.agent_key.display()),
+                "--proxy-server-host=127.0.0.1".into(),
+                format!("--proxy-server-port={}", reference.agent.port()),
+                "--health-server-port=0".into(),
+                "--admin-server-port=0".into(),
+            ],
+            "connected to proxy server",
+        ),
+    ];
+    for (program, args, message) in runs {
+        let mut proc = Proc::spawn(program, &root.join(program), &args);
+        wait_until(
+            &format!("a klog line from /{program}"),
+            Duration::from_secs(30),
+            || {
+                let ok = klog_line(&proc.log_text(), message);
+                async move { ok.then_some(()) }
+            },
+        )
+        .await;
+        proc.kill();
+    }
 }

@@ -209,17 +209,7 @@ fn parse_servers(list: &str, default_port: u16) -> anyhow::Result<Vec<(String, u
 impl AgentArgs {
     /// Validates the flags into an [`AgentConfig`].
     pub fn config(&self) -> anyhow::Result<AgentConfig> {
-        // A flag after `--` would be dropped (pflag's reading, and upstream's): a
-        // security flag among them must not be lost to a warning.
-        if let Some(flag) = self.positional.iter().find(|a| a.starts_with('-')) {
-            bail!("{flag:?} comes after `--`, so it is not read as a flag: remove the `--`");
-        }
-        if !self.positional.is_empty() {
-            tracing::warn!(
-                arguments = ?self.positional,
-                "ignoring arguments that are not flags (upstream's proxy-agent ignores them too)"
-            );
-        }
+        super::check_positionals(&self.positional, "proxy-agent")?;
         // Upstream checks only the identifiers' kinds, so a value such as an unexpanded
         // `ipv4=${HOST_IP}` (in one of its own examples) starts; it can never match a
         // dial, and the server skips it. Say so loudly instead of refusing to start.

@@ -210,8 +210,8 @@ mod tests {
         }
     }
 
-    #[test]
-    fn lines_parse_as_klog_lines() {
+    /// What `log` writes through a klog layer.
+    fn logged(log: impl FnOnce()) -> String {
         let buf = Buf::default();
         let sink = buf.clone();
         let subscriber = tracing_subscriber::registry().with(
@@ -224,12 +224,18 @@ mod tests {
                 })
                 .with_writer(move || sink.clone()),
         );
-        tracing::subscriber::with_default(subscriber, || {
+        tracing::subscriber::with_default(subscriber, log);
+        let text = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
+        text
+    }
+
+    #[test]
+    fn lines_parse_as_klog_lines() {
+        let text = logged(|| {
             let span = tracing::info_span!("agent", agent_id = "a-1");
             let _g = span.enter();
             tracing::warn!(count = 3, addr = %"10.0.0.1:10250", "dial \"failed\"");
         });
-        let text = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
         let line = text.lines().next().unwrap();
         // Lmmdd hh:mm:ss.uuuuuu threadid file:line] msg
         let re = regex_lite(line);
@@ -259,25 +265,12 @@ mod tests {
 
     #[test]
     fn a_peer_cannot_forge_a_line_or_a_key() {
-        let buf = Buf::default();
-        let sink = buf.clone();
-        let subscriber = tracing_subscriber::registry().with(
-            tracing_subscriber::fmt::layer()
-                .with_ansi(false)
-                .fmt_fields(KlogSpanFields)
-                .event_format(Klog {
-                    dir_header: false,
-                    skip_headers: false,
-                })
-                .with_writer(move || sink.clone()),
-        );
         let evil = "\"x\" forged=\"yes\"\nE1127 00:00:00.000000 1 fake.go:1] \"owned\"";
-        tracing::subscriber::with_default(subscriber, || {
+        let text = logged(|| {
             let span = tracing::info_span!("agent", id = %evil);
             let _g = span.enter();
             tracing::info!(error = %evil, debug = ?evil, "dial failed");
         });
-        let text = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
         assert_eq!(text.lines().count(), 1, "{text}");
         assert!(!text.contains(" forged=\"yes\""), "{text}");
         assert!(is_quoted_literal(r#""a \"b\" c""#));

@@ -45,6 +45,30 @@ pub fn parse_args<P: clap::Parser>() -> Result<P, std::process::ExitCode> {
     parse_args_from(std::env::args_os())
 }
 
+/// The file name this process was run as (`args[0]` without its directory).
+fn program_name(args: &[std::ffi::OsString]) -> String {
+    args.first()
+        .and_then(|a| std::path::Path::new(a).file_name())
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+/// Arguments that are not flags, as upstream's binaries take them: ignored with a
+/// warning; but a flag after `--` (which pflag would drop silently, a security flag
+/// among them) is refused.
+pub fn check_positionals(positional: &[String], program: &str) -> anyhow::Result<()> {
+    if let Some(flag) = positional.iter().find(|a| a.starts_with('-')) {
+        anyhow::bail!("{flag:?} comes after `--`, so it is not read as a flag: remove the `--`");
+    }
+    if !positional.is_empty() {
+        tracing::warn!(
+            arguments = ?positional,
+            "ignoring arguments that are not flags (upstream's {program} ignores them too)"
+        );
+    }
+    Ok(())
+}
+
 /// The command line as `tether` takes it, from upstream's program names: invoked as
 /// `proxy-server` (the image links `/proxy-server` and `/usr/bin/proxy-server` to
 /// `/tether`) it is `tether server --log-format=klog ARGS`, as `proxy-agent` `tether
@@ -54,12 +78,7 @@ pub fn upstream_program_args(
     args: impl IntoIterator<Item = std::ffi::OsString>,
 ) -> Vec<std::ffi::OsString> {
     let mut args: Vec<std::ffi::OsString> = args.into_iter().collect();
-    let program = args
-        .first()
-        .and_then(|a| std::path::Path::new(a).file_name())
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let subcommand = match program.as_str() {
+    let subcommand = match program_name(&args).as_str() {
         "proxy-server" => "server",
         "proxy-agent" => "agent",
         _ => return args,
@@ -75,11 +94,7 @@ pub fn agent_program_args(
     args: impl IntoIterator<Item = std::ffi::OsString>,
 ) -> Vec<std::ffi::OsString> {
     let mut args: Vec<std::ffi::OsString> = args.into_iter().collect();
-    let upstream = args
-        .first()
-        .and_then(|a| std::path::Path::new(a).file_name())
-        .is_some_and(|n| n == "proxy-agent");
-    if upstream {
+    if program_name(&args) == "proxy-agent" {
         args.insert(1, "--log-format=klog".into());
     }
     args

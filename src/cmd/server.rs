@@ -290,17 +290,7 @@ impl ServerArgs {
 
     /// Validates the flags into a [`ServerConfig`].
     pub fn config(&self) -> anyhow::Result<ServerConfig> {
-        // A flag after `--` would be dropped (pflag's reading, and upstream's): a
-        // security flag among them must not be lost to a warning.
-        if let Some(flag) = self.positional.iter().find(|a| a.starts_with('-')) {
-            bail!("{flag:?} comes after `--`, so it is not read as a flag: remove the `--`");
-        }
-        if !self.positional.is_empty() {
-            tracing::warn!(
-                arguments = ?self.positional,
-                "ignoring arguments that are not flags (upstream's proxy-server ignores them too)"
-            );
-        }
+        super::check_positionals(&self.positional, "proxy-server")?;
         let (policy, not_offered) = tether_core::tls::TlsPolicy::parse(
             &self.cipher_suites.join(","),
             &self.tls_min_version,
