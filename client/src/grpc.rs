@@ -25,6 +25,24 @@ use tracing::Instrument;
 /// TCP connect plus TLS handshake plus HTTP/2 preface.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The HTTP/2 receive windows a client connection offers.
+#[derive(Debug, Clone, Copy)]
+pub struct Windows {
+    /// Per stream (one tunnelled connection): what may be in flight towards a reader.
+    pub stream: u32,
+    /// Per connection: shared by every stream on it.
+    pub connection: u32,
+}
+
+impl Default for Windows {
+    fn default() -> Self {
+        Windows {
+            stream: H2_STREAM_WINDOW,
+            connection: H2_CONN_WINDOW,
+        }
+    }
+}
+
 /// Where the proxy server's gRPC frontend listens.
 pub(crate) enum Target {
     Uds(PathBuf),
@@ -47,16 +65,16 @@ impl Target {
 
     /// Opens a new HTTP/2 connection; its connection task runs until every handle and
     /// stream on it is gone or the peer goes away.
-    pub(crate) async fn connect(&self) -> io::Result<SendRequest<Bytes>> {
+    pub(crate) async fn connect(&self, windows: Windows) -> io::Result<SendRequest<Bytes>> {
         let connect = async {
             match self {
-                Target::Uds(path) => handshake(UnixStream::connect(path).await?).await,
+                Target::Uds(path) => handshake(UnixStream::connect(path).await?, windows).await,
                 Target::Tls { host, tls, .. } => {
                     let name = tether_core::tls::server_name(host)
                         .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
                     let authority = self.authority();
                     let tls = transport::connect_tls(&authority, name, tls.clone()).await?;
-                    handshake(tls).await
+                    handshake(tls, windows).await
                 }
             }
         };
@@ -66,13 +84,13 @@ impl Target {
     }
 }
 
-async fn handshake<S>(io: S) -> io::Result<SendRequest<Bytes>>
+async fn handshake<S>(io: S, windows: Windows) -> io::Result<SendRequest<Bytes>>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let (send, conn) = h2::client::Builder::new()
-        .initial_window_size(H2_STREAM_WINDOW)
-        .initial_connection_window_size(H2_CONN_WINDOW)
+        .initial_window_size(windows.stream)
+        .initial_connection_window_size(windows.connection)
         .max_frame_size(H2_MAX_FRAME)
         .handshake(FirstFlight::new(io))
         .await

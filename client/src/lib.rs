@@ -5,6 +5,7 @@
 //! streams run on a bare HTTP/2 connection (`grpc`), reconnected when it fails.
 
 mod grpc;
+pub use grpc::Windows;
 #[cfg(test)]
 mod tests;
 
@@ -69,6 +70,7 @@ pub struct Client {
 
 struct Shared {
     target: Target,
+    windows: grpc::Windows,
     authority: String,
     /// The current HTTP/2 connection and its generation (bumped on each reconnect).
     conn: std::sync::Mutex<(u64, SendRequest<Bytes>)>,
@@ -79,7 +81,17 @@ struct Shared {
 impl Client {
     /// Connects over the Unix socket at `path` (what kube-apiserver does).
     pub async fn uds(path: impl Into<PathBuf>) -> Result<Self, ClientError> {
-        Self::connect(Target::Uds(path.into())).await
+        Self::connect(Target::Uds(path.into()), grpc::Windows::default()).await
+    }
+
+    /// [`Client::uds`] with other HTTP/2 receive windows: a small stream window and a
+    /// large connection window let many readers stall before the connection (and every
+    /// stream on it) does.
+    pub async fn uds_with_windows(
+        path: impl Into<PathBuf>,
+        windows: grpc::Windows,
+    ) -> Result<Self, ClientError> {
+        Self::connect(Target::Uds(path.into()), windows).await
     }
 
     /// Connects over TCP with mutual TLS (the config must offer ALPN `h2`).
@@ -89,15 +101,16 @@ impl Client {
         tls: Arc<rustls::ClientConfig>,
     ) -> Result<Self, ClientError> {
         let (host, port) = (host.to_string(), port);
-        Self::connect(Target::Tls { host, port, tls }).await
+        Self::connect(Target::Tls { host, port, tls }, grpc::Windows::default()).await
     }
 
-    async fn connect(target: Target) -> Result<Self, ClientError> {
-        let send = target.connect().await?;
+    async fn connect(target: Target, windows: grpc::Windows) -> Result<Self, ClientError> {
+        let send = target.connect(windows).await?;
         Ok(Client {
             shared: Arc::new(Shared {
                 authority: target.authority(),
                 target,
+                windows,
                 conn: std::sync::Mutex::new((0, send)),
                 reconnecting: tokio::sync::Mutex::new(()),
             }),
@@ -124,7 +137,7 @@ impl Client {
                 send // another dial has reconnected meanwhile
             } else {
                 tracing::debug!("proxy connection failed; reconnecting");
-                let send = self.shared.target.connect().await?;
+                let send = self.shared.target.connect(self.shared.windows).await?;
                 *self.shared.conn.lock().expect("not poisoned") = (generation + 1, send.clone());
                 send
             }

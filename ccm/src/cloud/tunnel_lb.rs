@@ -122,6 +122,16 @@ struct Balancer {
     shared: Shared,
 }
 
+/// The balancers' tunnel windows. The frontend socket is local (microseconds away), so
+/// 256 KiB in flight per connection moves gigabytes a second; and it takes 64 readers
+/// that stop reading before their Service's 16 MiB connection window is full and its
+/// other connections stall too (other Services have connections of their own). It is
+/// also what one Service's stalled readers can hold in the CCM: 16 MiB at most.
+const LB_WINDOWS: tether_client::Windows = tether_client::Windows {
+    stream: 256 << 10,
+    connection: 16 << 20,
+};
+
 /// The balancers, by Service UID.
 pub struct TunnelLoadBalancers {
     tunnel_uds: PathBuf,
@@ -179,20 +189,22 @@ impl TunnelLoadBalancers {
     }
 
     /// The tunnel connection of Service `uid`, made on first use. Each Service has its
-    /// own: HTTP/2 flow control is per stream and per connection, and eight stalled
-    /// downloads (a 1 MiB stream window each) would otherwise fill a shared
-    /// connection's 4 MiB window and stop every other Service's traffic with it.
+    /// own, with [`LB_WINDOWS`]: HTTP/2 flow control is per stream and per connection,
+    /// and with the default windows four stalled downloads (1 MiB each) fill a 4 MiB
+    /// connection window and stop every other stream on it, other Services' included.
     async fn client(&self, uid: &str) -> Result<Client, CloudError> {
         let mut clients = self.clients.lock().await;
         if let Some(c) = clients.get(uid) {
             return Ok(c.clone());
         }
-        let client = Client::uds(&self.tunnel_uds).await.map_err(|e| {
-            CloudError::Provider(format!(
-                "cannot reach the Tether server at {}: {e}",
-                self.tunnel_uds.display()
-            ))
-        })?;
+        let client = Client::uds_with_windows(&self.tunnel_uds, LB_WINDOWS)
+            .await
+            .map_err(|e| {
+                CloudError::Provider(format!(
+                    "cannot reach the Tether server at {}: {e}",
+                    self.tunnel_uds.display()
+                ))
+            })?;
         clients.insert(uid.to_string(), client.clone());
         Ok(client)
     }
