@@ -1423,7 +1423,8 @@ fn event_count(cluster: &Cluster, name: &str, reason: &str) -> u64 {
 /// Address pools against the real apiserver: two Services on port 443 get distinct
 /// addresses and both serve; `loadBalancerIP` is honoured; an address taken, outside
 /// the pools (or in another namespace's pool) or of the wrong family is one Warning
-/// event; a sharing key shares an address until ports collide; a namespace's pool
+/// event; a sharing key shares an address until ports collide, and across namespaces
+/// only when both sides opt in; a namespace's pool
 /// serves it first; allocations survive a restart (a Service created meanwhile does
 /// not take them); an exhausted pool is an event, and the Service gets the address a
 /// deleted one frees; `allocateLoadBalancerNodePorts: false` reaches the pod; a PROXY
@@ -1603,6 +1604,42 @@ fn services_get_their_own_addresses_from_the_pools() {
     );
     wait_for_event(&cluster, "s3", "PortCollision");
     cluster.kubectl_ok(&["delete", "service", "s3"]);
+
+    // The same key in another namespace gets an address of its own, until both sides
+    // name each other's namespace.
+    lb_service(&cluster, "team", "x1", 8055, None, key.clone(), no.clone());
+    let ip_x = wait_ingress(&cluster, "team", "x1");
+    assert_ne!(ip_x, ip_s, "shared across namespaces without an opt-in");
+    let cross = |ns: &str| json!({"tether.dev/lb-sharing-key": "dns", "tether.dev/lb-sharing-cross-namespace": ns});
+    lb_service(
+        &cluster,
+        "default",
+        "s1",
+        8053,
+        None,
+        cross("team"),
+        no.clone(),
+    );
+    lb_service(
+        &cluster,
+        "default",
+        "s2",
+        8054,
+        None,
+        cross("team"),
+        no.clone(),
+    );
+    lb_service(
+        &cluster,
+        "team",
+        "x2",
+        8056,
+        None,
+        cross("default"),
+        json!({"loadBalancerIP": ip_s}),
+    );
+    assert_eq!(wait_ingress(&cluster, "team", "x2"), ip_s);
+    cluster.kubectl_ok(&["delete", "service", "-n", "team", "x1", "x2"]);
 
     // No node ports: straight to the ready endpoint's pod IP and targetPort.
     lb_service(

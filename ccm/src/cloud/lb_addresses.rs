@@ -333,6 +333,10 @@ pub struct Request {
     pub current: Vec<IpAddr>,
     /// The sharing key annotation, if any.
     pub sharing_key: Option<String>,
+    /// Other namespaces whose Services may share its address (`*`: any), from
+    /// `tether.dev/lb-sharing-cross-namespace`. Sharing across namespaces needs both
+    /// sides to allow it, as Cilium's LB-IPAM asks.
+    pub sharing_namespaces: Vec<String>,
     /// Its ports as (protocol, port).
     pub ports: Vec<(String, u16)>,
 }
@@ -366,8 +370,21 @@ pub mod reasons {
 struct Holder {
     uid: String,
     service: String,
+    namespace: String,
     sharing_key: Option<String>,
+    sharing_namespaces: Vec<String>,
     ports: Vec<(String, u16)>,
+}
+
+impl Holder {
+    /// Does this holder let a Service of `namespace` share its address?
+    fn allows(&self, namespace: &str) -> bool {
+        self.namespace == namespace
+            || self
+                .sharing_namespaces
+                .iter()
+                .any(|n| n == "*" || n == namespace)
+    }
 }
 
 /// Who holds which address.
@@ -420,6 +437,29 @@ impl Allocator {
         };
         let same_key =
             req.sharing_key.is_some() && others.iter().all(|h| h.sharing_key == req.sharing_key);
+        let me = Holder {
+            uid: req.uid.clone(),
+            service: req.service.clone(),
+            namespace: req.namespace.clone(),
+            sharing_key: req.sharing_key.clone(),
+            sharing_namespaces: req.sharing_namespaces.clone(),
+            ports: Vec::new(),
+        };
+        let foreign: Vec<&str> = others
+            .iter()
+            .filter(|h| !(h.allows(&req.namespace) && me.allows(&h.namespace)))
+            .map(|h| h.service.as_str())
+            .collect();
+        if same_key && !foreign.is_empty() {
+            return Err(Refusal {
+                reason: reasons::IN_USE,
+                message: format!(
+                    "address {ip} is held by {} in another namespace; Services of two namespaces share an address only when both name the other's namespace (or *) in {}",
+                    foreign.join(", "),
+                    super::annotations::SHARING_CROSS_NAMESPACE
+                ),
+            });
+        }
         if !same_key {
             return Err(Refusal {
                 reason: reasons::IN_USE,
@@ -532,12 +572,20 @@ impl Allocator {
             if chosen.iter().any(|c| Family::of(*c) == *family) {
                 continue;
             }
-            // Kept from the status (a restart, a leader change) when still valid.
-            let kept = req.current.iter().copied().find(|ip| {
-                Family::of(*ip) == *family
-                    && self.eligible(req, *ip)
-                    && self.shareable(req, *ip).is_ok()
-            });
+            // Kept from the status (a restart, a leader change) when still in a pool
+            // open to it. An address it holds that it may no longer share (it added a
+            // port its partner serves, say) is kept and the change refused: a
+            // Service's address never moves silently.
+            let current = req
+                .current
+                .iter()
+                .chain(self.holding(&req.uid))
+                .copied()
+                .find(|ip| Family::of(*ip) == *family && self.eligible(req, *ip));
+            if let Some(ip) = current {
+                self.shareable(req, ip)?;
+            }
+            let kept = current;
             match kept.or_else(|| self.pick(req, *family)) {
                 Some(ip) => chosen.push(ip),
                 None if i == 0 || req.require_all => {
@@ -582,7 +630,9 @@ impl Allocator {
             self.held.entry(*ip).or_default().push(Holder {
                 uid: req.uid.clone(),
                 service: req.service.clone(),
+                namespace: req.namespace.clone(),
                 sharing_key: req.sharing_key.clone(),
+                sharing_namespaces: req.sharing_namespaces.clone(),
                 ports: req.ports.clone(),
             });
         }
@@ -770,5 +820,59 @@ mod tests {
         // The address is freed only when its last holder goes.
         assert!(a.release("web").is_empty());
         assert_eq!(a.release("dns"), first);
+    }
+
+    #[test]
+    fn a_shared_address_is_kept_and_a_colliding_change_refused() {
+        let mut a =
+            Allocator::new(pools("pools:\n- name: p\n  addresses: [10.0.0.1-10.0.0.9]\n").unwrap());
+        let mut web = req("web", "d");
+        web.sharing_key = Some("k".into());
+        let shared = a.assign(&web).unwrap();
+        let mut dns = req("dns", "d");
+        dns.sharing_key = Some("k".into());
+        dns.ports = vec![("TCP".into(), 53)];
+        assert_eq!(a.assign(&dns).unwrap(), shared);
+        // dns adds web's port: its address does not move; the change is refused (the
+        // controller keeps it serving on what it had and says why in an event).
+        dns.ports.push(("TCP".into(), 443));
+        dns.current = shared.clone();
+        let e = a.assign(&dns).unwrap_err();
+        assert_eq!(e.reason, reasons::PORT_COLLISION, "{e:?}");
+        assert_eq!(a.holding("dns"), shared.as_slice());
+        // Dropping the port again is fine, on the same address.
+        dns.ports.pop();
+        assert_eq!(a.assign(&dns).unwrap(), shared);
+    }
+
+    #[test]
+    fn sharing_across_namespaces_needs_both_sides() {
+        let mut a =
+            Allocator::new(pools("pools:\n- name: p\n  addresses: [10.0.0.1-10.0.0.9]\n").unwrap());
+        let mut web = req("web", "team-a");
+        web.sharing_key = Some("k".into());
+        let first = a.assign(&web).unwrap();
+        // Another namespace naming the same key gets an address of its own...
+        let mut other = req("other", "team-b");
+        other.sharing_key = Some("k".into());
+        other.ports = vec![("TCP".into(), 80)];
+        assert_ne!(a.assign(&other).unwrap(), first);
+        // ...and asking for web's address is refused, even when it allows team-a.
+        other.requested = first.clone();
+        other.sharing_namespaces = vec!["team-a".into()];
+        let e = a.assign(&other).unwrap_err();
+        assert_eq!(e.reason, reasons::IN_USE, "{e:?}");
+        assert!(e.message.contains("another namespace"), "{}", e.message);
+        // Once web allows team-b too, they share.
+        web.sharing_namespaces = vec!["team-b".into()];
+        assert_eq!(a.assign(&web).unwrap(), first);
+        assert_eq!(a.assign(&other).unwrap(), first);
+        // `*` on both sides works as well.
+        let mut third = req("third", "team-c");
+        third.sharing_key = Some("k".into());
+        third.ports = vec![("TCP".into(), 8443)];
+        third.sharing_namespaces = vec!["*".into()];
+        third.requested = first.clone();
+        assert_eq!(a.assign(&third).unwrap_err().reason, reasons::IN_USE);
     }
 }

@@ -141,6 +141,8 @@ pub struct ServiceInfo {
     pub current_ips: Vec<String>,
     /// [`annotations::SHARING_KEY`]: Services with the same key may share an address.
     pub sharing_key: Option<String>,
+    /// [`annotations::SHARING_CROSS_NAMESPACE`]: other namespaces that may share it.
+    pub sharing_namespaces: Vec<String>,
     /// [`annotations::PROXY_PROTOCOL`]: a PROXY protocol header goes to backends first.
     pub proxy_protocol: Option<ProxyProtocol>,
     /// Traffic goes to NodePorts (`allocateLoadBalancerNodePorts` is not `false`);
@@ -169,6 +171,9 @@ pub mod annotations {
     pub const LOAD_BALANCER_IPS: &str = "tether.dev/load-balancer-ips";
     /// Services naming the same key may share an address when their ports differ.
     pub const SHARING_KEY: &str = "tether.dev/lb-sharing-key";
+    /// Comma-separated namespaces (or `*`) whose Services may share this Service's
+    /// address under the same sharing key; needed on both Services.
+    pub const SHARING_CROSS_NAMESPACE: &str = "tether.dev/lb-sharing-cross-namespace";
     /// `v1` or `v2`: backends get a PROXY protocol header with the client's address.
     pub const PROXY_PROTOCOL: &str = "tether.dev/lb-proxy-protocol";
     /// The legacy annotation for source ranges (used when the spec field is empty).

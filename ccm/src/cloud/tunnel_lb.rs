@@ -262,6 +262,11 @@ impl TunnelLoadBalancers {
                 Some(_) => Some(BIND_ADDRESS_SHARING.into()),
                 None => svc.sharing_key.clone(),
             },
+            // One --lb-bind-address is every Service's, whatever its namespace.
+            sharing_namespaces: match self.bind {
+                Some(_) => vec!["*".into()],
+                None => svc.sharing_namespaces.clone(),
+            },
             ports: svc
                 .ports
                 .iter()

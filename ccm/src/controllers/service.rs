@@ -641,6 +641,7 @@ fn info_of(
             .get(annotations::SHARING_KEY)
             .map(|k| k.trim().to_string())
             .filter(|k| !k.is_empty()),
+        sharing_namespaces: list_annotation(svc, annotations::SHARING_CROSS_NAMESPACE),
         proxy_protocol,
         node_ports: spec.allocate_load_balancer_node_ports != Some(false),
     }
