@@ -510,6 +510,8 @@ fn a_load_balancer_service_is_reachable_through_the_tunnel() {
         free_port()
     ));
     wait_for_event(&cluster, "dns", "UnsupportedProtocol");
+    // With no TCP port it gets no address and no ingress.
+    assert!(ingress_ips(&cluster, "default", "dns").is_empty());
     cluster.kubectl_ok(&["delete", "service", "dns"]);
 
     // Source ranges are enforced at accept, changed in place, and counted.

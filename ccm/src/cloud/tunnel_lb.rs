@@ -355,6 +355,21 @@ impl LoadBalancers for TunnelLoadBalancers {
         nodes: &[Backend],
     ) -> Result<LoadBalancerStatus, CloudError> {
         let tcp: Vec<&ServicePort> = svc.ports.iter().filter(|p| p.protocol == "TCP").collect();
+        if tcp.is_empty() {
+            // Nothing to serve: no address (it would be a pool address for nothing)
+            // and no ingress a client would take for a working balancer.
+            return Err(CloudError::Refused {
+                reason: crate::controllers::service::UNSUPPORTED_PROTOCOL.into(),
+                message: format!(
+                    "no TCP port, so no load balancer: the tether load balancer forwards TCP only (Konnectivity dials TCP); port(s) {} not served",
+                    svc.ports
+                        .iter()
+                        .map(|p| format!("{}/{}", p.port, p.protocol))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            });
+        }
         if svc.node_ports {
             if let Some(p) = tcp.iter().find(|p| p.node_port == 0) {
                 return Err(CloudError::Provider(format!(

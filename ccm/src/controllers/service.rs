@@ -769,7 +769,9 @@ fn service_warnings(svc: &Service, info: &ServiceInfo) -> Vec<(&'static str, Str
         .filter(|p| p.protocol != "TCP")
         .map(|p| format!("{}/{}", p.port, p.protocol))
         .collect();
-    if !unsupported.is_empty() {
+    // With no TCP port at all the provider refuses the Service (no address, no
+    // ingress) and its refusal is the one event.
+    if !unsupported.is_empty() && unsupported.len() < info.ports.len() {
         out.push((
             UNSUPPORTED_PROTOCOL,
             format!(
