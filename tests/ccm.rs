@@ -1759,6 +1759,27 @@ fn services_get_their_own_addresses_from_the_pools() {
     wait_for_event(&cluster, "x2", "NoAddressAvailable");
     cluster.kubectl_ok(&["delete", "service", "web-c"]);
     assert_eq!(wait_ingress(&cluster, "default", "x2"), addr(17));
+    // An address freed by a change (not a deletion) goes to the Service refused for
+    // it: web-a moves to x2's address once x2 is gone, and web-d, refused since the
+    // start for wanting ip_a, gets it.
+    cluster.kubectl_ok(&["delete", "service", "x2"]);
+    lb_service(
+        &cluster,
+        "default",
+        "web-a",
+        443,
+        Some(30080),
+        no.clone(),
+        json!({"loadBalancerIP": addr(17)}),
+    );
+    assert_eq!(
+        wait_blocking("web-a moved", Duration::from_secs(30), || {
+            let ips = ingress_ips(&cluster, "default", "web-a");
+            (ips == [addr(17)]).then_some(ips)
+        }),
+        [addr(17)]
+    );
+    assert_eq!(wait_ingress(&cluster, "default", "web-d"), ip_a);
     drop(ccm);
     drop(tunnel);
 }

@@ -160,6 +160,10 @@ impl ServiceController {
                     let mut tick = super::Ticker::new(this.cfg.resync);
                     tick.next(&stop).await;
                     while tick.next(&stop).await {
+                        // Refused Services too: what they wanted may be free now
+                        // (pools grew, a Service changed); the same refusal is not
+                        // said again.
+                        this.retry_refused();
                         this.queue_all_balancers();
                     }
                 }
@@ -274,7 +278,8 @@ impl ServiceController {
         self.said.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A balancer went away: what was refused for want of its addresses may fit now.
+    /// A balancer went away or moved, or it is time to resync: what was refused for want
+    /// of addresses or ports may fit now.
     fn retry_refused(&self) {
         for key in std::mem::take(&mut *self.refused()).into_keys() {
             self.queue.add(&key);
@@ -361,6 +366,11 @@ impl ServiceController {
         let status = match self.lbs.ensure(&self.cfg.cluster_name, &info, &nodes).await {
             Ok(s) => {
                 self.said().remove(key);
+                // A changed Service may have moved off an address (or port) that a
+                // refused one was waiting for.
+                if before.as_ref().is_some_and(|(applied, _)| *applied != info) {
+                    self.retry_refused();
+                }
                 s
             }
             Err(CloudError::Refused { reason, message }) => {
