@@ -1487,9 +1487,11 @@ fn services_get_their_own_addresses_from_the_pools() {
         json!({}),
         json!({}),
     );
+    let secure = free_port();
     let ccm_args = [
         format!("--tunnel-uds={}", tunnel.socket.display()),
         "--lb-resync-period=1s".into(),
+        format!("--secure-port={secure}"),
     ];
     let mut ccm = start_ccm_with(&cluster, &inventory, "ccm", &ccm_args);
 
@@ -1780,6 +1782,57 @@ fn services_get_their_own_addresses_from_the_pools() {
         [addr(17)]
     );
     assert_eq!(wait_ingress(&cluster, "default", "web-d"), ip_a);
+
+    // The general pool is full. Pools reload without a restart: one more address in
+    // the cloud config, and the waiting Service gets it at the next resync.
+    lb_service(
+        &cluster,
+        "default",
+        "x3",
+        8080,
+        None,
+        no.clone(),
+        no.clone(),
+    );
+    wait_for_event(&cluster, "x3", "NoAddressAvailable");
+    let url = format!("https://127.0.0.1:{secure}/metrics");
+    let reader = metrics_reader_token(&cluster);
+    let page = https_get(&url, Some(&reader)).1;
+    let gauge = |page: &str, name: &str| {
+        tether_testkit::metric(page, &format!("{name}{{pool=\"general\"}}"))
+    };
+    assert_eq!(
+        gauge(&page, "tether_ccm_lb_addresses_total"),
+        Some(8.0),
+        "{page}"
+    );
+    assert_eq!(
+        gauge(&page, "tether_ccm_lb_addresses_in_use"),
+        Some(8.0),
+        "{page}"
+    );
+    write_inventory(
+        &inventory,
+        &format!(
+            "nodes:\n{}loadBalancer:\n  pools:\n  - name: general\n    addresses: [{}-{}]\n  - name: team\n    addresses: [{}]\n    namespaces: [team]\n",
+            machine("node-1", &node.node_ip, false),
+            addr(10),
+            addr(18),
+            addr(30)
+        ),
+    );
+    assert_eq!(wait_ingress(&cluster, "default", "x3"), addr(18));
+    let page = https_get(&url, Some(&reader)).1;
+    assert_eq!(
+        gauge(&page, "tether_ccm_lb_addresses_total"),
+        Some(9.0),
+        "{page}"
+    );
+    assert_eq!(
+        gauge(&page, "tether_ccm_lb_addresses_in_use"),
+        Some(9.0),
+        "{page}"
+    );
     drop(ccm);
     drop(tunnel);
 }

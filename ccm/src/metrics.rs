@@ -50,6 +50,10 @@ pub struct Metrics {
     pub lb_active: IntGaugeVec,
     /// `tether_ccm_lb_bytes_total{service,direction}`.
     pub lb_bytes: IntCounterVec,
+    /// `tether_ccm_lb_addresses_in_use{pool}`.
+    pub lb_addresses_in_use: IntGaugeVec,
+    /// `tether_ccm_lb_addresses_total{pool}`.
+    pub lb_addresses_total: IntGaugeVec,
 }
 
 fn latency_buckets() -> Vec<f64> {
@@ -166,6 +170,22 @@ impl Metrics {
                 "Bytes forwarded by load balancers, by Service and direction (to_backend, to_client).",
                 &["service", "direction"],
             ),
+            lb_addresses_in_use: IntGaugeVec::new(
+                Opts::new(
+                    "tether_ccm_lb_addresses_in_use",
+                    "Load-balancer addresses held by Services, by pool.",
+                ),
+                &["pool"],
+            )
+            .expect("valid metric"),
+            lb_addresses_total: IntGaugeVec::new(
+                Opts::new(
+                    "tether_ccm_lb_addresses_total",
+                    "Load-balancer addresses in each pool (IPv4 CIDRs without their network and broadcast addresses).",
+                ),
+                &["pool"],
+            )
+            .expect("valid metric"),
             deletions_withheld: counter_vec(
                 "node_lifecycle_controller_deletions_withheld_total",
                 "Checks of not-Ready nodes unknown to the provider that were not deleted, by reason (uninitialized: never initialised by this CCM).",
@@ -193,6 +213,8 @@ impl Metrics {
             Box::new(self.lb_connections.clone()),
             Box::new(self.lb_active.clone()),
             Box::new(self.lb_bytes.clone()),
+            Box::new(self.lb_addresses_in_use.clone()),
+            Box::new(self.lb_addresses_total.clone()),
         ]
     }
 }

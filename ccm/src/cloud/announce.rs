@@ -27,7 +27,7 @@ const ANNOUNCEMENTS: u32 = 3;
 /// Adds, announces and removes pool addresses on one interface.
 pub struct Announcer {
     interface: String,
-    pools: Pools,
+    pools: std::sync::RwLock<Pools>,
     netlink: Netlink,
     /// Addresses added and announced: one already there and announced is not
     /// announced again on every ensure (a resync, an endpoint change).
@@ -46,7 +46,7 @@ impl Announcer {
     pub fn new(interface: String, pools: Pools) -> Self {
         Announcer {
             interface,
-            pools,
+            pools: std::sync::RwLock::new(pools),
             netlink: Netlink::default(),
             announced: Default::default(),
         }
@@ -54,6 +54,11 @@ impl Announcer {
 
     fn announced(&self) -> std::sync::MutexGuard<'_, std::collections::HashSet<IpAddr>> {
         self.announced.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Takes changed pools (what the start-up cleanup counts as its own).
+    pub fn set_pools(&self, pools: Pools) {
+        *self.pools.write().unwrap_or_else(|e| e.into_inner()) = pools;
     }
 
     /// The interface it announces on.
@@ -232,7 +237,8 @@ impl Announcer {
     pub async fn release_all(&self) -> Result<usize, CloudError> {
         let link = self.link().await?;
         let mut ours = self.addresses(link, None).await?;
-        ours.retain(|(ip, _)| self.pools.contains(*ip));
+        let pools = self.pools.read().unwrap_or_else(|e| e.into_inner()).clone();
+        ours.retain(|(ip, _)| pools.contains(*ip));
         let n = ours.len();
         self.remove(ours).await?;
         self.announced().clear();

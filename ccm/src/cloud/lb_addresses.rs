@@ -405,6 +405,35 @@ impl Allocator {
         }
     }
 
+    /// The pools it gives from.
+    pub fn pools(&self) -> &Pools {
+        &self.pools
+    }
+
+    /// Gives from `pools` from now on. What Services hold stays theirs until their next
+    /// sync; one whose address left every pool then moves to a free one.
+    pub fn set_pools(&mut self, pools: Pools) {
+        self.pools = pools;
+    }
+
+    /// Per pool: (name, addresses held, addresses in it), for
+    /// `tether_ccm_lb_addresses_in_use` and `..._total`.
+    pub fn usage(&self) -> Vec<(String, u64, u64)> {
+        self.pools
+            .pools
+            .iter()
+            .map(|p| {
+                let total: u128 = p.ranges.iter().map(|r| r.last - r.first + 1).sum();
+                let used = self.held.keys().filter(|ip| p.contains(**ip)).count();
+                (
+                    p.name.clone(),
+                    used as u64,
+                    total.min(u64::MAX as u128) as u64,
+                )
+            })
+            .collect()
+    }
+
     /// What `uid` holds now.
     pub fn holding(&self, uid: &str) -> &[IpAddr] {
         self.by_uid.get(uid).map(Vec::as_slice).unwrap_or(&[])
@@ -874,5 +903,29 @@ mod tests {
         third.sharing_namespaces = vec!["*".into()];
         third.requested = first.clone();
         assert_eq!(a.assign(&third).unwrap_err().reason, reasons::IN_USE);
+    }
+
+    #[test]
+    fn pools_change_in_place_and_report_their_use() {
+        let mut a = Allocator::new(
+            pools("pools:\n- name: p\n  addresses: [10.0.0.1-10.0.0.2]\n- name: q\n  addresses: [10.0.1.0/30]\n").unwrap(),
+        );
+        assert_eq!(
+            a.usage(),
+            [("p".to_string(), 0, 2), ("q".to_string(), 0, 2)]
+        );
+        a.assign(&req("a", "d")).unwrap();
+        a.assign(&req("b", "d")).unwrap();
+        assert_eq!(a.assign(&req("c", "d")).unwrap(), [ip("10.0.1.1")]);
+        assert_eq!(a.usage()[0], ("p".to_string(), 2, 2));
+        // A grown pool serves at once; what is held stays held.
+        a.set_pools(pools("pools:\n- name: p\n  addresses: [10.0.0.1-10.0.0.3]\n").unwrap());
+        assert_eq!(a.holding("a"), [ip("10.0.0.1")]);
+        assert_eq!(a.assign(&req("d", "d")).unwrap(), [ip("10.0.0.3")]);
+        assert_eq!(a.usage(), [("p".to_string(), 3, 3)]);
+        // c's address left the pools: at its next sync it moves (here: none is free).
+        let mut c = req("c", "d");
+        c.current = vec![ip("10.0.1.1")];
+        assert_eq!(a.assign(&c).unwrap_err().reason, reasons::EXHAUSTED);
     }
 }

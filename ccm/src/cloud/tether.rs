@@ -249,6 +249,8 @@ struct Loaded {
     /// When the file's modification time was last looked at.
     checked: Instant,
     machines: BTreeMap<String, Machine>,
+    /// The `loadBalancer:` pools as last read.
+    pools: Option<super::lb_addresses::Pools>,
 }
 
 /// The file's modification time is looked at no more often than this.
@@ -273,6 +275,7 @@ impl Inventory {
                 modified,
                 checked: Instant::now(),
                 machines: std::mem::take(&mut config.machines),
+                pools: config.load_balancer.clone(),
             }),
         };
         Ok((inventory, config))
@@ -280,9 +283,21 @@ impl Inventory {
 
     /// The machine called `name`, reading the file again first if it changed.
     pub fn get(&self, name: &str) -> Option<Machine> {
+        self.current().machines.get(name).cloned()
+    }
+
+    /// The `loadBalancer:` pools, reading the file again first if it changed: pools
+    /// change without a restart.
+    pub fn pools(&self) -> Option<super::lb_addresses::Pools> {
+        self.current().pools.clone()
+    }
+
+    /// What is loaded, re-read first when the file changed (at most once a second). A
+    /// file that became invalid keeps the previous contents.
+    fn current(&self) -> std::sync::MutexGuard<'_, Loaded> {
         let mut loaded = self.loaded.lock().unwrap_or_else(|e| e.into_inner());
         if loaded.checked.elapsed() < RECHECK {
-            return loaded.machines.get(name).cloned();
+            return loaded;
         }
         loaded.checked = Instant::now();
         let modified = std::fs::metadata(&self.path)
@@ -295,6 +310,7 @@ impl Inventory {
                     tracing::info!(path = %self.path.display(), nodes = machines.len(), "inventory reloaded");
                     loaded.modified = m;
                     loaded.machines = machines;
+                    loaded.pools = config.load_balancer;
                 }
                 Err(e) => {
                     tracing::error!(error = %e, "inventory changed but is invalid; keeping the previous one");
@@ -302,7 +318,7 @@ impl Inventory {
                 }
             }
         }
-        loaded.machines.get(name).cloned()
+        loaded
     }
 }
 
@@ -333,17 +349,24 @@ impl TetherProvider {
         lb: Option<super::tunnel_lb::TunnelLbConfig>,
     ) -> Result<Self, InventoryError> {
         let (inventory, config) = Inventory::load(cloud_config)?;
+        let inventory = Arc::new(inventory);
         Ok(TetherProvider {
-            inventory: Arc::new(inventory),
+            inventory: inventory.clone(),
             agents: config.agents.map(Arc::new),
             routes: config
                 .routes
                 .map(|r| Arc::new(super::host_routes::HostRoutes::new(r))),
             load_balancers: match (lb, config.load_balancer) {
-                (Some(c), pools) => Some(Arc::new(
-                    super::tunnel_lb::TunnelLoadBalancers::new(c, pools)
-                        .map_err(InventoryError::LoadBalancer)?,
-                )),
+                (Some(c), pools) => {
+                    let with_pools = pools.is_some();
+                    let lbs = super::tunnel_lb::TunnelLoadBalancers::new(c, pools)
+                        .map_err(InventoryError::LoadBalancer)?;
+                    Some(Arc::new(if with_pools {
+                        lbs.reloading_pools(inventory.clone())
+                    } else {
+                        lbs
+                    }))
+                }
                 (None, Some(_)) => {
                     return Err(InventoryError::LoadBalancer(format!(
                         "cloud config {}: loadBalancer pools are configured but --tunnel-uds is not set: load balancers reach the nodes through the Tether server's socket",

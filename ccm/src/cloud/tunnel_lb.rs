@@ -143,6 +143,8 @@ pub struct TunnelLoadBalancers {
     bind: Option<IpAddr>,
     announcer: Option<Announcer>,
     balancers: Mutex<HashMap<String, Balancer>>,
+    /// Where changed pools are read from (the cloud config), if they may change.
+    inventory: Option<Arc<super::tether::Inventory>>,
 }
 
 impl TunnelLoadBalancers {
@@ -185,7 +187,38 @@ impl TunnelLoadBalancers {
             bind,
             announcer,
             balancers: Mutex::new(HashMap::new()),
+            inventory: None,
         })
+    }
+
+    /// Takes the pools from `inventory` as it changes (the cloud config's
+    /// `loadBalancer:` section, re-read when the file changes): addresses added become
+    /// available at the next sync or resync, Services on removed ones move at theirs.
+    pub fn reloading_pools(mut self, inventory: Arc<super::tether::Inventory>) -> Self {
+        self.inventory = Some(inventory);
+        self
+    }
+
+    /// Adopts changed pools, if the cloud config changed them. The interface is fixed
+    /// at start-up (a different one is logged and needs a restart).
+    fn refresh_pools(&self) {
+        let Some(new) = self.inventory.as_ref().and_then(|i| i.pools()) else {
+            return;
+        };
+        let mut allocator = self.allocator();
+        if allocator.pools() == &new {
+            return;
+        }
+        if new.interface != allocator.pools().interface {
+            tracing::warn!(was = ?allocator.pools().interface, now = ?new.interface, "loadBalancer.interface changed: restart the CCM to move the addresses; the pools' other changes apply now");
+        }
+        let interface = allocator.pools().interface.clone();
+        let pools = super::lb_addresses::Pools { interface, ..new };
+        tracing::info!(pools = pools.pools.len(), "load-balancer pools reloaded");
+        if let Some(a) = &self.announcer {
+            a.set_pools(pools.clone());
+        }
+        allocator.set_pools(pools);
     }
 
     /// The tunnel connection of Service `uid`, made on first use. Each Service has its
@@ -215,6 +248,21 @@ impl TunnelLoadBalancers {
 
     fn allocator(&self) -> std::sync::MutexGuard<'_, Allocator> {
         self.allocator.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Publishes each pool's addresses in use and in all (pools gone lose their series).
+    fn publish_usage(&self) {
+        let m = crate::metrics::get();
+        m.lb_addresses_in_use.reset();
+        m.lb_addresses_total.reset();
+        for (pool, used, total) in self.allocator().usage() {
+            m.lb_addresses_in_use
+                .with_label_values(&[pool.as_str()])
+                .set(used as i64);
+            m.lb_addresses_total
+                .with_label_values(&[pool.as_str()])
+                .set(total.min(i64::MAX as u64) as i64);
+        }
     }
 
     /// What `svc` asks of the allocator; an unparsable requested address is refused.
@@ -379,6 +427,7 @@ impl LoadBalancers for TunnelLoadBalancers {
             }
         }
         let client = self.client(&svc.uid).await?;
+        self.refresh_pools();
         let req = self.request(svc).map_err(refused)?;
         let before: Vec<IpAddr> = self.allocator().holding(&svc.uid).to_vec();
         let addresses = self.allocator().assign(&req).map_err(refused)?;
@@ -490,6 +539,7 @@ impl LoadBalancers for TunnelLoadBalancers {
                 .collect()
         };
         self.let_go(gone).await;
+        self.publish_usage();
         Ok(Self::status(&addresses))
     }
 
@@ -523,6 +573,7 @@ impl LoadBalancers for TunnelLoadBalancers {
             tracing::info!(service = %label(svc), "load balancer removed");
         }
         self.let_go(freed).await;
+        self.publish_usage();
         Ok(())
     }
 }
