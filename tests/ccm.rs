@@ -320,6 +320,40 @@ fn only_the_leader_acts_and_a_standby_takes_over_when_it_dies() {
     wait_node(&cluster, "node-b", "initialized by the new leader", |n| {
         n["spec"]["providerID"] == "tether://node-b"
     });
+
+    // SIGTERM (a rolling update): the leader stops its controllers, then releases the
+    // lease and waits for kube-apiserver to have it before it exits; the standby takes
+    // over at its next retry, well inside the lease duration.
+    let mut second = second;
+    let identity = second.wait_event("cloud-controller-manager starting", START_TIMEOUT, |_| true)
+        ["identity"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let third = start_ccm(&cluster, &inventory, "ccm-3");
+    third.wait_event("waiting to become leader", START_TIMEOUT, |_| true);
+    second.signal("TERM");
+    let termed = Instant::now();
+    second
+        .wait_exit(Duration::from_secs(30))
+        .expect("the leader stops on SIGTERM");
+    let holder = cluster.kubectl_ok(&[
+        "get",
+        "lease",
+        "-n",
+        "kube-system",
+        "cloud-controller-manager",
+        "-o",
+        "jsonpath={.spec.holderIdentity}",
+    ]);
+    assert!(
+        holder != identity && second.logged("leader lease released"),
+        "the lease still names the old leader after it exited: {holder:?}"
+    );
+    third.wait_event("became leader", LEASE * 3, |_| true);
+    let took = termed.elapsed();
+    eprintln!("standby took over {took:?} after SIGTERM of the leader (lease {LEASE:?})");
+    assert!(took < LEASE, "graceful handover took {took:?}");
 }
 
 /// A Tether server on the host (gRPC frontend on a socket) and an agent inside `node`.

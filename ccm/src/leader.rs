@@ -157,14 +157,52 @@ impl Elector {
     }
 }
 
-/// Waits until this replica leads (`None` if `shutdown` comes first). The returned token
-/// is cancelled when leadership is lost; the lease is renewed in the background and
-/// released when `shutdown` is cancelled.
+/// Leadership held: `lost` is cancelled when it is lost; [`Leadership::release`] gives
+/// it up.
+pub struct Leadership {
+    /// Cancelled when the lease is lost (taken, or not renewed in time).
+    pub lost: CancellationToken,
+    release: CancellationToken,
+    released: Option<tokio::sync::oneshot::Receiver<()>>,
+}
+
+impl Drop for Leadership {
+    /// Leadership dropped without [`Leadership::release`] (an early return) is given
+    /// up in the background rather than renewed on.
+    fn drop(&mut self) {
+        self.release.cancel();
+    }
+}
+
+/// How long a release may take before the process goes anyway.
+const RELEASE_TIMEOUT: Duration = Duration::from_secs(5);
+
+impl Leadership {
+    /// Gives the lease up and waits (at most 5 s) until kube-apiserver has the
+    /// release: called once what only the leader holds (addresses, routes) is gone, so
+    /// a standby takes over at its next retry instead of after the lease duration, and
+    /// never while this process still holds them.
+    pub async fn release(mut self) {
+        self.release.cancel();
+        let Some(released) = self.released.take() else {
+            return;
+        };
+        if tokio::time::timeout(RELEASE_TIMEOUT, released)
+            .await
+            .is_err()
+        {
+            tracing::warn!(timeout = ?RELEASE_TIMEOUT, "leader lease release not confirmed in time");
+        }
+    }
+}
+
+/// Waits until this replica leads (`None` if `shutdown` comes first). The lease is then
+/// renewed in the background until it is lost or [`Leadership::release`]d.
 pub async fn lead(
     client: kube::Client,
     cfg: LeaderElection,
     shutdown: CancellationToken,
-) -> Option<CancellationToken> {
+) -> Option<Leadership> {
     let span = tracing::info_span!("leader_election", lease = %format!("{}/{}", cfg.namespace, cfg.name), identity = %cfg.identity);
     let mut elector = Elector {
         api: Api::namespaced(client, &cfg.namespace),
@@ -187,15 +225,22 @@ pub async fn lead(
         }
         tracing::info!("became leader");
         let lost = CancellationToken::new();
-        let lost_out = lost.clone();
+        let release = CancellationToken::new();
+        let (released_tx, released) = tokio::sync::oneshot::channel();
+        let leadership = Leadership {
+            lost: lost.clone(),
+            release: release.clone(),
+            released: Some(released),
+        };
         tokio::spawn(
             async move {
                 let mut last_renewed = Instant::now();
                 loop {
                     tokio::select! {
                         _ = tokio::time::sleep(elector.cfg.retry_period) => {}
-                        _ = shutdown.cancelled() => {
+                        _ = release.cancelled() => {
                             elector.release().await;
+                            let _ = released_tx.send(());
                             return;
                         }
                     }
@@ -223,7 +268,7 @@ pub async fn lead(
             }
             .in_current_span(),
         );
-        Some(lost_out)
+        Some(leadership)
     }
     .instrument(span)
     .await

@@ -205,7 +205,7 @@ pub async fn run(
         .map(|le| le.name.as_str())
         .unwrap_or("cloud-controller-manager")]);
     leader_metric.set(0);
-    let lost = match &config.leader_election {
+    let (lost, leadership) = match &config.leader_election {
         Some(le) => {
             // Routes a former leader on this host left behind (it crashed, or lost
             // its lease) go before we stand by: only the leader's host routes.
@@ -225,11 +225,11 @@ pub async fn run(
                     .await;
             }
             match leader::lead(client.clone(), le.clone(), shutdown.clone()).await {
-                Some(lost) => lost,
+                Some(l) => (l.lost.clone(), Some(l)),
                 None => return Ok(()),
             }
         }
-        None => CancellationToken::new(),
+        None => (CancellationToken::new(), None),
     };
     leader_metric.set(1);
     {
@@ -430,6 +430,11 @@ pub async fn run(
     .await;
     if drained.is_err() {
         tracing::warn!(timeout = ?STOP_TIMEOUT, "controllers did not stop in time");
+    }
+    // Only now, with the leader's addresses and routes gone, the lease: a standby
+    // takes over at its next retry, and never while we still hold them.
+    if let (Ok(()), Some(l)) = (&result, leadership) {
+        l.release().await;
     }
     result
 }
