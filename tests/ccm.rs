@@ -617,7 +617,9 @@ fn a_load_balancer_service_is_reachable_through_the_tunnel() {
             echo(&mut c, b'e').then_some(())
         },
     );
-    let page = scrape(&cluster, &format!("https://127.0.0.1:{secure}"), &[]);
+    let reader = metrics_reader_token(&cluster);
+    let metrics_url = format!("https://127.0.0.1:{secure}/metrics");
+    let page = https_get(&metrics_url, Some(&reader)).1;
     let value = |needles: &[&str]| -> f64 {
         page.lines()
             .find(|l| needles.iter().all(|n| l.contains(n)))
@@ -676,6 +678,15 @@ fn a_load_balancer_service_is_reachable_through_the_tunnel() {
     assert!(
         std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
         "listener still open after the Service was deleted"
+    );
+    // Its per-Service series went with it.
+    let page = https_get(&metrics_url, Some(&reader)).1;
+    assert!(page.contains("tether_ccm_lb_"), "{page}");
+    assert!(
+        !page
+            .lines()
+            .any(|l| l.starts_with("tether_ccm_lb_") && l.contains(web)),
+        "series of the deleted Service remain:\n{page}"
     );
     drop(tunnel);
 }

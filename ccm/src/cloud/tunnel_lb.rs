@@ -346,6 +346,24 @@ impl TunnelLoadBalancers {
     }
 }
 
+/// Drops a deleted Service's per-Service series, so that a cluster whose Services come
+/// and go does not grow its scrape forever.
+fn forget_series(service: &str) {
+    let m = crate::metrics::get();
+    let _ = m.lb_active.remove_label_values(&[service]);
+    for result in [
+        "accepted",
+        "refused_source_range",
+        "refused_limit",
+        "no_backend",
+    ] {
+        let _ = m.lb_connections.remove_label_values(&[service, result]);
+    }
+    for direction in ["to_backend", "to_client"] {
+        let _ = m.lb_bytes.remove_label_values(&[service, direction]);
+    }
+}
+
 fn label(svc: &ServiceInfo) -> String {
     format!("{}/{}", svc.namespace, svc.name)
 }
@@ -572,6 +590,7 @@ impl LoadBalancers for TunnelLoadBalancers {
             }
             tracing::info!(service = %label(svc), "load balancer removed");
         }
+        forget_series(&label(svc));
         self.let_go(freed).await;
         self.publish_usage();
         Ok(())
