@@ -242,20 +242,27 @@ fn the_docs_agent_manifest_runs_with_only_the_image_changed(i: &Installed, scrat
                 .then_some(())
         });
     }
-    let logs = c.kubectl_ok(&[
-        "logs",
+    // Worker-0's agent's log (through that agent: the control-plane node has none
+    // now, so the label's every pod would not do).
+    let worker = &i.workers[0];
+    let pod = c.kubectl_ok(&[
+        "get",
+        "pods",
         "-n",
         "kube-system",
         "-l",
         "k8s-app=konnectivity-agent",
-        "--tail=-1",
+        "--field-selector",
+        &format!("spec.nodeName={},status.phase=Running", worker.name),
+        "-o",
+        "jsonpath={.items[0].metadata.name}",
     ]);
+    let logs = c.kubectl_ok(&["logs", "-n", "kube-system", pod.trim()]);
     assert!(
         logs.lines()
             .any(|l| l.starts_with('I') && l.contains("] \"connected to proxy server\"")),
         "the docs' /proxy-agent logs klog lines:\n{logs}"
     );
-    let worker = &i.workers[0];
     let again = scratch.join("docs-agent");
     std::fs::create_dir_all(&again).unwrap();
     every_kubectl_path(c, &worker.name, worker.ip(), &again);

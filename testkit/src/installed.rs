@@ -476,9 +476,16 @@ patches:
             )
         };
         format!(
-            "{}\n{}\n{}\n{}",
+            "{}\n{}\n{}\n{}\n{}\n{}",
             text(&["get", "pods", "-A", "-o", "wide"]),
             text(&["get", "nodes", "-o", "wide"]),
+            text(&[
+                "get",
+                "nodes",
+                "-o",
+                "jsonpath={range .items[*]}{.metadata.name}: taints {.spec.taints} conditions {.status.conditions[*].type}={.status.conditions[*].status}{\"\\n\"}{end}",
+            ]),
+            text(&["get", "daemonsets", "-A", "-o", "wide"]),
             text(&["get", "events", "-A", "--sort-by=.lastTimestamp"]),
             self.logs()
         )

@@ -552,7 +552,10 @@ impl Cluster {
         let mut controllers = "csrsigning,csrcleaner,endpoint,endpointslice".to_string();
         let mut extra = Vec::new();
         if self.workloads {
-            controllers.push_str(",daemonset,deployment,replicaset,serviceaccount,serviceaccount-token,garbagecollector");
+            // nodelifecycle: as in any cluster, it lifts the `not-ready` taint kubelets
+            // register with once they are Ready (pods that do not tolerate every taint,
+            // such as the Kubernetes docs' agent DaemonSet, wait for that).
+            controllers.push_str(",daemonset,deployment,replicaset,serviceaccount,serviceaccount-token,garbagecollector,nodelifecycle");
             extra.push(format!(
                 "--service-account-private-key-file={}",
                 f.sa_key.display()

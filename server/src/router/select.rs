@@ -100,6 +100,21 @@ impl AgentStream {
         }
     }
 
+    /// Is `host` (canonical) the node this agent was verified to run on (its pod-bound
+    /// token's, or its kubelet certificate's), by name or by an address that node's
+    /// Node object lists now? Then the agent reaches it whether or not it claimed it:
+    /// upstream's own manifests (the Kubernetes docs' DaemonSet) claim no identifiers,
+    /// and a dial to a node's address must still go to that node's agent.
+    pub fn on_verified_node(&self, host: &str, nodes: &NodeInventory) -> bool {
+        let Some(node) = self.verified.node.as_deref() else {
+            return false;
+        };
+        match host.parse::<IpAddr>() {
+            Ok(ip) => nodes.has_address(node, ip),
+            Err(_) => node.eq_ignore_ascii_case(host),
+        }
+    }
+
     /// Did the server verify the agent's network `net` (inside its token's node's pod
     /// networks)?
     pub fn vouched_network(&self, net: &Cidr, nodes: &NodeInventory) -> bool {
@@ -142,7 +157,7 @@ impl AgentStream {
                     .iter()
                     .any(|h| v.hosts.iter().any(|n| n.eq_ignore_ascii_case(h)))
                     || ids.ips.iter().any(|ip| v.ips.contains(ip))
-                    || (v.node.is_some() && !ids.ips.is_empty())
+                    || v.node.is_some()
             }
             Strategy::DefaultRoute => ids.default_route && trust_claims,
             Strategy::DestCidr => {
@@ -165,8 +180,9 @@ impl AgentStream {
         match strategy {
             Strategy::Default => true,
             Strategy::DestHost => {
-                self.identifiers.matches_host(host)
-                    && (trust || self.vouched_host(host, &reg.nodes))
+                (self.identifiers.matches_host(host)
+                    && (trust || self.vouched_host(host, &reg.nodes)))
+                    || self.on_verified_node(host, &reg.nodes)
             }
             Strategy::DefaultRoute => self.identifiers.default_route && trust,
             Strategy::DestCidr => {
@@ -646,6 +662,37 @@ mod tests {
         assert!(reg
             .select(&parse_strategies("destHost").unwrap(), "10.244.1.9:80")
             .is_none());
+    }
+
+    #[test]
+    fn an_agent_that_claims_nothing_reaches_its_verified_node() {
+        let reg = Registry::default();
+        reg.nodes().set(&[
+            node("n1", "10.244.1.0/24", "192.0.2.1"),
+            node("n2", "10.244.2.0/24", "192.0.2.2"),
+        ]);
+        let token = |node: &str| Verified {
+            by: "serviceaccount-token",
+            hosts: vec![],
+            ips: vec![],
+            node: Some(node.into()),
+            principal: Some(node.into()),
+        };
+        // The Kubernetes docs' agents: random IDs, no identifiers.
+        reg.add(verified_agent("3f2a", "", token("n1"))).unwrap();
+        reg.add(verified_agent("9c1b", "", token("n2"))).unwrap();
+        let s = parse_strategies("destHost,destCIDR,default").unwrap();
+        for _ in 0..20 {
+            assert_eq!(reg.select(&s, "192.0.2.1:10250").unwrap().agent_id, "3f2a");
+            assert_eq!(reg.select(&s, "192.0.2.2:10250").unwrap().agent_id, "9c1b");
+            assert_eq!(reg.select(&s, "n2:10250").unwrap().agent_id, "9c1b");
+        }
+        // An unverified agent claiming n1's address still gets none of its dials.
+        reg.add(agent("impostor", "ipv4=192.0.2.1&host=n1"))
+            .unwrap();
+        for _ in 0..20 {
+            assert_eq!(reg.select(&s, "192.0.2.1:10250").unwrap().agent_id, "3f2a");
+        }
     }
 
     #[test]
