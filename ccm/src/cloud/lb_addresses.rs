@@ -99,34 +99,28 @@ fn address(family: Family, n: u128) -> IpAddr {
     }
 }
 
-/// Addresses no load balancer may take: (first, last, family, why). Loopback is
-/// allowed only where nothing is announced (`--lb-bind-address=127.0.0.1` on a lab
-/// host); on an interface it would shadow the host's own.
-const UNUSABLE: [(&str, &str, &str); 9] = [
-    ("0.0.0.0", "0.255.255.255", "is or holds the unspecified address (0.0.0.0/8): a listener there takes every address of the host"),
-    ("224.0.0.0", "239.255.255.255", "holds multicast addresses (224.0.0.0/4)"),
-    ("240.0.0.0", "255.255.255.255", "holds reserved or broadcast addresses (240.0.0.0/4)"),
-    ("169.254.0.0", "169.254.255.255", "holds link-local addresses (169.254.0.0/16)"),
-    ("::", "::", "is the unspecified address (::): a listener there takes every address of the host"),
-    ("ff00::", "ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff", "holds multicast addresses (ff00::/8)"),
-    ("fe80::", "febf:ffff:ffff:ffff:ffff:ffff:ffff:ffff", "holds link-local addresses (fe80::/10)"),
-    ("127.0.0.0", "127.255.255.255", "holds loopback addresses (127.0.0.0/8), which cannot be announced on an interface"),
-    ("::1", "::1", "is the loopback address (::1), which cannot be announced on an interface"),
+/// Addresses no load balancer may take: (range, only when announced, why). Loopback is
+/// refused only where addresses are announced (`--lb-bind-address=127.0.0.1` on a lab
+/// host is fine); on an interface it would shadow the host's own.
+const UNUSABLE: [(&str, bool, &str); 9] = [
+    ("0.0.0.0-0.255.255.255", false, "is or holds the unspecified address (0.0.0.0/8): a listener there takes every address of the host"),
+    ("224.0.0.0-239.255.255.255", false, "holds multicast addresses (224.0.0.0/4)"),
+    ("240.0.0.0-255.255.255.255", false, "holds reserved or broadcast addresses (240.0.0.0/4)"),
+    ("169.254.0.0-169.254.255.255", false, "holds link-local addresses (169.254.0.0/16)"),
+    ("::", false, "is the unspecified address (::): a listener there takes every address of the host"),
+    ("ff00::-ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff", false, "holds multicast addresses (ff00::/8)"),
+    ("fe80::-febf:ffff:ffff:ffff:ffff:ffff:ffff:ffff", false, "holds link-local addresses (fe80::/10)"),
+    ("127.0.0.0-127.255.255.255", true, "holds loopback addresses (127.0.0.0/8), which cannot be announced on an interface"),
+    ("::1", true, "is the loopback address (::1), which cannot be announced on an interface"),
 ];
 
 impl Range {
     /// Why no load balancer may use this range, if it may not; `announced`: its
     /// addresses go on an interface.
     fn unusable(&self, announced: bool) -> Option<&'static str> {
-        UNUSABLE.iter().find_map(|(first, last, why)| {
-            let loopback = why.contains("loopback");
-            let (first, last): (IpAddr, IpAddr) = (first.parse().ok()?, last.parse().ok()?);
-            let special = Range {
-                family: Family::of(first),
-                first: number(first),
-                last: number(last),
-            };
-            (self.overlaps(&special) && (announced || !loopback)).then_some(*why)
+        UNUSABLE.iter().find_map(|(range, only_announced, why)| {
+            let special = Range::parse(range).expect("a valid range");
+            (self.overlaps(&special) && (announced || !only_announced)).then_some(*why)
         })
     }
 
@@ -376,15 +370,10 @@ struct Holder {
     ports: Vec<(String, u16)>,
 }
 
-impl Holder {
-    /// Does this holder let a Service of `namespace` share its address?
-    fn allows(&self, namespace: &str) -> bool {
-        self.namespace == namespace
-            || self
-                .sharing_namespaces
-                .iter()
-                .any(|n| n == "*" || n == namespace)
-    }
+/// Does a Service of namespace `own`, open to `open_to` (its cross-namespace sharing
+/// annotation), let a Service of namespace `other` share its address?
+fn allows(own: &str, open_to: &[String], other: &str) -> bool {
+    own == other || open_to.iter().any(|n| n == "*" || n == other)
 }
 
 /// Who holds which address.
@@ -466,17 +455,12 @@ impl Allocator {
         };
         let same_key =
             req.sharing_key.is_some() && others.iter().all(|h| h.sharing_key == req.sharing_key);
-        let me = Holder {
-            uid: req.uid.clone(),
-            service: req.service.clone(),
-            namespace: req.namespace.clone(),
-            sharing_key: req.sharing_key.clone(),
-            sharing_namespaces: req.sharing_namespaces.clone(),
-            ports: Vec::new(),
-        };
         let foreign: Vec<&str> = others
             .iter()
-            .filter(|h| !(h.allows(&req.namespace) && me.allows(&h.namespace)))
+            .filter(|h| {
+                !(allows(&h.namespace, &h.sharing_namespaces, &req.namespace)
+                    && allows(&req.namespace, &req.sharing_namespaces, &h.namespace))
+            })
             .map(|h| h.service.as_str())
             .collect();
         if same_key && !foreign.is_empty() {
@@ -614,8 +598,7 @@ impl Allocator {
             if let Some(ip) = current {
                 self.shareable(req, ip)?;
             }
-            let kept = current;
-            match kept.or_else(|| self.pick(req, *family)) {
+            match current.or_else(|| self.pick(req, *family)) {
                 Some(ip) => chosen.push(ip),
                 None if i == 0 || req.require_all => {
                     return Err(Refusal {
