@@ -339,22 +339,20 @@ impl Metrics {
 
     /// Counts one failed send of a packet of type `ty` (raw enum value).
     pub fn send_error(&self, segment: Segment, code: tonic::Code, ty: i32) {
-        self.stream_errors
-            .with_label_values(&[
-                SEGMENTS[segment as usize],
-                tether_ops::metrics::grpc_code_name(code),
-                tether_ops::metrics::packet_type_name(ty),
-            ])
-            .inc();
+        self.count_error(segment, code, tether_ops::metrics::packet_type_name(ty));
     }
 
     /// Counts one failed read (no packet: `packet_type="Unknown"`, as upstream).
     pub fn stream_error(&self, segment: Segment, code: tonic::Code) {
+        self.count_error(segment, code, tether_ops::metrics::NO_PACKET);
+    }
+
+    fn count_error(&self, segment: Segment, code: tonic::Code, packet_type: &str) {
         self.stream_errors
             .with_label_values(&[
                 SEGMENTS[segment as usize],
                 tether_ops::metrics::grpc_code_name(code),
-                tether_ops::metrics::NO_PACKET,
+                packet_type,
             ])
             .inc();
     }
