@@ -350,12 +350,6 @@ impl PacketCounters {
             }
         }
     }
-
-    /// The count for `segment` (index) and `ty`, for tests.
-    pub fn get(&self, segment: usize, ty: PacketType) -> u64 {
-        self.counters[segment * PACKET_TYPES.len() + type_index(ty)]
-            .load(std::sync::atomic::Ordering::Relaxed)
-    }
 }
 
 impl prometheus::core::Collector for PacketCounters {

@@ -172,7 +172,7 @@ fn key(field: &Field) -> &str {
 }
 
 /// A string as Go's `strconv.Quote` writes it (the escapes klog's text output uses).
-pub fn go_quote(s: &str) -> String {
+fn go_quote(s: &str) -> String {
     let mut out = String::with_capacity(s.len() + 2);
     out.push('"');
     for c in s.chars() {

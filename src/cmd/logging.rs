@@ -173,13 +173,9 @@ fn glob_match(pattern: &str, name: &str) -> bool {
 
 /// The program name klog puts in its file names: the name this process was run as.
 fn program_name() -> String {
-    std::env::args_os()
-        .next()
-        .and_then(|a| {
-            Path::new(&a)
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-        })
+    let first: Vec<std::ffi::OsString> = std::env::args_os().take(1).collect();
+    Some(super::program_name(&first))
+        .filter(|n| !n.is_empty())
         .unwrap_or_else(|| "tether".into())
 }
 

@@ -46,7 +46,7 @@ pub fn parse_args<P: clap::Parser>() -> Result<P, std::process::ExitCode> {
 }
 
 /// The file name this process was run as (`args[0]` without its directory).
-fn program_name(args: &[std::ffi::OsString]) -> String {
+pub(crate) fn program_name(args: &[std::ffi::OsString]) -> String {
     args.first()
         .and_then(|a| std::path::Path::new(a).file_name())
         .map(|n| n.to_string_lossy().into_owned())
