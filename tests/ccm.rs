@@ -1843,19 +1843,16 @@ fn services_get_their_own_addresses_from_the_pools() {
     let url = format!("https://127.0.0.1:{secure}/metrics");
     let reader = metrics_reader_token(&cluster);
     let page = https_get(&url, Some(&reader)).1;
-    let gauge = |page: &str, name: &str| {
-        tether_testkit::metric(page, &format!("{name}{{pool=\"general\"}}"))
+    // (addresses in all, in use) of the general pool.
+    let usage = |page: &str| {
+        let gauge =
+            |name: &str| tether_testkit::metric(page, &format!("{name}{{pool=\"general\"}}"));
+        (
+            gauge("tether_ccm_lb_addresses_total"),
+            gauge("tether_ccm_lb_addresses_in_use"),
+        )
     };
-    assert_eq!(
-        gauge(&page, "tether_ccm_lb_addresses_total"),
-        Some(8.0),
-        "{page}"
-    );
-    assert_eq!(
-        gauge(&page, "tether_ccm_lb_addresses_in_use"),
-        Some(8.0),
-        "{page}"
-    );
+    assert_eq!(usage(&page), (Some(8.0), Some(8.0)), "{page}");
     write_inventory(
         &inventory,
         &format!(
@@ -1868,16 +1865,7 @@ fn services_get_their_own_addresses_from_the_pools() {
     );
     assert_eq!(wait_ingress(&cluster, "default", "x3"), addr(18));
     let page = https_get(&url, Some(&reader)).1;
-    assert_eq!(
-        gauge(&page, "tether_ccm_lb_addresses_total"),
-        Some(9.0),
-        "{page}"
-    );
-    assert_eq!(
-        gauge(&page, "tether_ccm_lb_addresses_in_use"),
-        Some(9.0),
-        "{page}"
-    );
+    assert_eq!(usage(&page), (Some(9.0), Some(9.0)), "{page}");
     drop(ccm);
     drop(tunnel);
 }

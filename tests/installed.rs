@@ -155,6 +155,22 @@ fn assert_agents_verified_by_token(i: &Installed) {
     }
 }
 
+/// `jsonpath` of the agent pods that `field_selector` picks (say `spec.nodeName=N`).
+fn agent_pods(c: &Cluster, field_selector: &str, jsonpath: &str) -> String {
+    c.kubectl_ok(&[
+        "get",
+        "pods",
+        "-n",
+        "kube-system",
+        "-l",
+        "k8s-app=konnectivity-agent",
+        "--field-selector",
+        field_selector,
+        "-o",
+        &format!("jsonpath={jsonpath}"),
+    ])
+}
+
 /// Every kubelet's serving certificate was requested, approved by the CCM and issued
 /// (kube-apiserver verifies them: `--kubelet-certificate-authority`).
 fn assert_serving_certificates_issued(i: &Installed) {
@@ -245,18 +261,11 @@ fn the_docs_agent_manifest_runs_with_only_the_image_changed(i: &Installed, scrat
     // Worker-0's agent's log (through that agent: the control-plane node has none
     // now, so the label's every pod would not do).
     let worker = &i.workers[0];
-    let pod = c.kubectl_ok(&[
-        "get",
-        "pods",
-        "-n",
-        "kube-system",
-        "-l",
-        "k8s-app=konnectivity-agent",
-        "--field-selector",
+    let pod = agent_pods(
+        c,
         &format!("spec.nodeName={},status.phase=Running", worker.name),
-        "-o",
-        "jsonpath={.items[0].metadata.name}",
-    ]);
+        "{.items[0].metadata.name}",
+    );
     let logs = c.kubectl_ok(&["logs", "-n", "kube-system", pod.trim()]);
     assert!(
         logs.lines()
@@ -455,18 +464,11 @@ fn day_two_rolling_update_server_restart_and_ccm_rollout() {
     i.apply_overlay(&image_b);
     // While worker-0's agent drains, the port-forward session it carries still works.
     let draining = i.wait_or_explain("worker-0's agent draining", || {
-        let phase = c.kubectl_ok(&[
-            "get",
-            "pods",
-            "-n",
-            "kube-system",
-            "-l",
-            "k8s-app=konnectivity-agent",
-            "--field-selector",
+        let phase = agent_pods(
+            c,
             &format!("spec.nodeName={}", worker.name),
-            "-o",
-            "jsonpath={.items[*].metadata.deletionTimestamp}",
-        ]);
+            "{.items[*].metadata.deletionTimestamp}",
+        );
         (!phase.trim().is_empty()).then(Instant::now)
     });
     assert!(page(port), "port-forward while the agent drains");
@@ -770,18 +772,11 @@ fn certificates_rotate_without_dropping_tunnels() {
 
     // A new agent on the worker connects with the new bundle.
     let agent_on_worker = |i: &Installed| {
-        i.cluster.kubectl_ok(&[
-            "get",
-            "pod",
-            "-n",
-            "kube-system",
-            "-l",
-            "k8s-app=konnectivity-agent",
-            "--field-selector",
+        agent_pods(
+            &i.cluster,
             &format!("spec.nodeName={worker}"),
-            "-o",
-            "jsonpath={range .items[*]}{.metadata.name} {.status.containerStatuses[0].ready}{\"\\n\"}{end}",
-        ])
+            "{range .items[*]}{.metadata.name} {.status.containerStatuses[0].ready}{\"\\n\"}{end}",
+        )
     };
     let old = agent_on_worker(&i);
     let old = old.split_whitespace().next().unwrap().to_string();
