@@ -317,6 +317,7 @@ fn effective_caps(pid: u32) -> u64 {
 const NET_BIND_SERVICE: u64 = 1 << 10;
 const NET_ADMIN: u64 = 1 << 12;
 const NET_RAW: u64 = 1 << 13;
+const SYS_ADMIN: u64 = 1 << 21;
 
 /// The manifest's privileges are exactly what holding addresses needs.
 fn announcing_caps() -> (u32, u32, Vec<String>) {
@@ -324,7 +325,7 @@ fn announcing_caps() -> (u32, u32, Vec<String>) {
     caps.sort();
     assert_eq!(
         caps,
-        ["net_admin", "net_bind_service", "net_raw"],
+        ["net_admin", "net_bind_service", "net_raw", "sys_admin"],
         "the manifest adds exactly what announcing addresses needs"
     );
     (uid, gid, caps)
@@ -386,13 +387,14 @@ fn routes_need_net_admin() {
     );
     assert_eq!(
         effective_caps(with.pid()),
-        NET_ADMIN | NET_RAW | NET_BIND_SERVICE
+        SYS_ADMIN | NET_ADMIN | NET_RAW | NET_BIND_SERVICE
     );
 }
 
 /// The manifest's privileges, and nothing more, hold a Service's address: the CCM (root
-/// with exactly NET_ADMIN, NET_RAW and NET_BIND_SERVICE, on a control-plane "host"
-/// sharing a LAN with a client) adds the address to its interface, announces it (a
+/// with exactly SYS_ADMIN, NET_ADMIN, NET_RAW and NET_BIND_SERVICE, on a control-plane
+/// "host" sharing a LAN with a client) adds the address to a macvlan in its own
+/// namespace, announces it (a
 /// client that never asked learns it from the gratuitous ARP) and serves port 443
 /// through the tunnel. Without any one of the three it says what is missing.
 #[test]
@@ -442,13 +444,26 @@ fn holding_load_balancer_addresses_needs_exactly_the_manifests_capabilities() {
     )
     .unwrap();
     let kubeconfig = cluster.ccm_kubeconfig();
-    let run = |name: &str, caps: &[String]| {
+    let spawn = |name: &str, caps: &[String]| {
         let mut args = as_manifest(uid, gid, caps, &inventory, &kubeconfig);
         args.push(format!("--tunnel-uds={}", socket.display()));
-        let p = host.spawn(name, "setpriv", &args);
+        host.spawn(name, "setpriv", &args)
+    };
+    let run = |name: &str, caps: &[String]| {
+        let p = spawn(name, caps);
         p.wait_event("cloud-controller-manager starting", START_TIMEOUT, |_| true);
         p
     };
+    // Without SYS_ADMIN there is no namespace for the addresses: a start-up error.
+    let fewer: Vec<String> = caps.iter().filter(|c| *c != "sys_admin").cloned().collect();
+    let mut ccm = spawn("ccm-no-sys_admin", &fewer);
+    let status = ccm.wait_exit(START_TIMEOUT).expect("the CCM exits");
+    assert!(!status.success());
+    assert!(
+        ccm.logged("needs CAP_SYS_ADMIN"),
+        "without SYS_ADMIN: {}",
+        ccm.log_text()
+    );
     for (missing, says) in [
         ("net_admin", "needs CAP_NET_ADMIN"),
         ("net_raw", "needs CAP_NET_RAW"),
@@ -477,7 +492,7 @@ fn holding_load_balancer_addresses_needs_exactly_the_manifests_capabilities() {
     assert_eq!(page, "hello from node-1\n");
     assert_eq!(
         effective_caps(ccm.pid()),
-        NET_ADMIN | NET_RAW | NET_BIND_SERVICE
+        SYS_ADMIN | NET_ADMIN | NET_RAW | NET_BIND_SERVICE
     );
     assert!(
         !ccm.logged("Permission denied") && !ccm.logged("needs CAP_"),

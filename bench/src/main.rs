@@ -876,7 +876,8 @@ fn start_load_balancer(target: SocketAddr, uds: &Path) -> anyhow::Result<(u16, P
 /// The CCM's tunnel load balancer for one Service (port: a free one; one node at
 /// `to`'s address with `to`'s port as its NodePort), as `tether ccm` runs it.
 async fn load_balancer(to: SocketAddr, uds: PathBuf) -> anyhow::Result<()> {
-    use tether_ccm::cloud::{tunnel_lb, Backend, LoadBalancers, ServiceInfo, ServicePort};
+    use tether_ccm::cloud::{Backend, LoadBalancers, ServiceInfo, ServicePort};
+    use tether_ccm::lb::balancer as tunnel_lb;
     let lbs = tunnel_lb::TunnelLoadBalancers::new(
         tunnel_lb::TunnelLbConfig {
             bind: Some(std::net::Ipv4Addr::LOCALHOST.into()),

@@ -8,6 +8,7 @@ pub mod cloud;
 pub mod controllers;
 pub mod credentials;
 pub mod informer;
+pub mod lb;
 pub mod leader;
 pub mod metrics;
 pub mod serving;

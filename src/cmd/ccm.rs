@@ -238,7 +238,7 @@ impl CcmArgs {
         let lb = match (bind, self.tunnel_uds.as_str()) {
             (Some(_), "") => bail!("--lb-bind-address needs --tunnel-uds: load balancers reach the nodes through the Tether server's socket"),
             (_, "") => None,
-            (bind, uds) => Some(tether_ccm::cloud::tunnel_lb::TunnelLbConfig {
+            (bind, uds) => Some(tether_ccm::lb::balancer::TunnelLbConfig {
                 bind,
                 tunnel_uds: PathBuf::from(uds),
             }),

@@ -4,14 +4,11 @@
 //! their configuration from `--cloud-config`.
 
 pub mod agents;
-pub mod announce;
 #[cfg(feature = "test-util")]
 pub mod fake;
 pub mod host_routes;
-pub mod lb_addresses;
 pub mod netlink;
 pub mod tether;
-pub mod tunnel_lb;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

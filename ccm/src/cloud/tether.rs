@@ -11,7 +11,7 @@
 //! routes:                    # optional, off when absent: THIS HOST is the pod-network
 //!   table: 254               # router; main table
 //!   protocol: 84             # marks our routes (`ip route show proto 84`)
-//! loadBalancer:              # addresses for LoadBalancer Services (see lb_addresses)
+//! loadBalancer:              # addresses for LoadBalancer Services (see lb::addresses)
 //!   interface: eth0          # the leader adds and announces them here
 //!   pools:
 //!   - {name: public, addresses: [192.0.2.10-192.0.2.49]}
@@ -148,7 +148,7 @@ struct File {
     #[serde(default)]
     routes: Option<super::host_routes::HostRoutesConfig>,
     #[serde(default)]
-    load_balancer: Option<super::lb_addresses::LoadBalancerConfig>,
+    load_balancer: Option<crate::lb::addresses::LoadBalancerConfig>,
 }
 
 /// A parsed cloud config.
@@ -161,7 +161,7 @@ pub struct CloudConfig {
     /// Where routes go; `None` (no `routes:` section): no routes at all.
     pub routes: Option<super::host_routes::HostRoutesConfig>,
     /// Load-balancer address pools (validated); `None`: no `loadBalancer:` section.
-    pub load_balancer: Option<super::lb_addresses::Pools>,
+    pub load_balancer: Option<crate::lb::addresses::Pools>,
 }
 
 const ADDRESS_TYPES: [&str; 5] = [
@@ -228,7 +228,7 @@ pub fn parse(path: &Path, text: &str) -> Result<CloudConfig, InventoryError> {
     let load_balancer = match &file.load_balancer {
         Some(lb) => {
             Some(
-                super::lb_addresses::Pools::new(lb).map_err(|e| InventoryError::Parse {
+                crate::lb::addresses::Pools::new(lb).map_err(|e| InventoryError::Parse {
                     path: path.into(),
                     source: serde::de::Error::custom(e),
                 })?,
@@ -250,7 +250,7 @@ struct Loaded {
     checked: Instant,
     machines: BTreeMap<String, Machine>,
     /// The `loadBalancer:` pools as last read.
-    pools: Option<super::lb_addresses::Pools>,
+    pools: Option<crate::lb::addresses::Pools>,
 }
 
 /// The file's modification time is looked at no more often than this.
@@ -288,7 +288,7 @@ impl Inventory {
 
     /// The `loadBalancer:` pools, reading the file again first if it changed: pools
     /// change without a restart.
-    pub fn pools(&self) -> Option<super::lb_addresses::Pools> {
+    pub fn pools(&self) -> Option<crate::lb::addresses::Pools> {
         self.current().pools.clone()
     }
 
@@ -337,7 +337,7 @@ pub struct TetherProvider {
     inventory: Arc<Inventory>,
     agents: Option<Arc<super::agents::ConnectedAgents>>,
     routes: Option<Arc<super::host_routes::HostRoutes>>,
-    load_balancers: Option<Arc<super::tunnel_lb::TunnelLoadBalancers>>,
+    load_balancers: Option<Arc<crate::lb::balancer::TunnelLoadBalancers>>,
 }
 
 impl TetherProvider {
@@ -346,7 +346,7 @@ impl TetherProvider {
     /// pools, else `lb.bind`).
     pub fn new(
         cloud_config: &Path,
-        lb: Option<super::tunnel_lb::TunnelLbConfig>,
+        lb: Option<crate::lb::balancer::TunnelLbConfig>,
     ) -> Result<Self, InventoryError> {
         let (inventory, config) = Inventory::load(cloud_config)?;
         let inventory = Arc::new(inventory);
@@ -359,7 +359,7 @@ impl TetherProvider {
             load_balancers: match (lb, config.load_balancer) {
                 (Some(c), pools) => {
                     let with_pools = pools.is_some();
-                    let lbs = super::tunnel_lb::TunnelLoadBalancers::new(c, pools)
+                    let lbs = crate::lb::balancer::TunnelLoadBalancers::new(c, pools)
                         .map_err(InventoryError::LoadBalancer)?;
                     Some(Arc::new(if with_pools {
                         lbs.reloading_pools(inventory.clone())

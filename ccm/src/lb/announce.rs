@@ -1,121 +1,81 @@
-//! Holding load-balancer addresses on the leader's host: each address is added to the
-//! configured interface over rtnetlink (/32 or /128; IPv6 without duplicate address
-//! detection, which would delay a takeover by seconds) and announced so that neighbours
-//! move their caches to this host at once: gratuitous ARP for IPv4, an unsolicited
-//! neighbour advertisement (override set) for IPv6, sent three times a second apart.
-//! Addresses go again when the leader steps down; a replica about to stand by removes
-//! any pool address a crashed predecessor left on its interface. Adding and removing
-//! need CAP_NET_ADMIN, announcing CAP_NET_RAW.
+//! Holding load-balancer addresses in the load balancers' own namespace (see
+//! [`super::netns`]): each address is added to its macvlan device (/32 or /128; IPv6
+//! without duplicate address detection, which would delay a takeover by seconds) and
+//! announced so that neighbours move their caches to this replica at once: gratuitous
+//! ARP for IPv4, an unsolicited neighbour advertisement (override set) for IPv6, sent
+//! three times a second apart. Addresses go again when the replica lets go; the host's
+//! own addresses are never touched (they are not in the namespace). Adding and
+//! removing need CAP_NET_ADMIN, announcing CAP_NET_RAW.
 
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::TryStreamExt;
 use rtnetlink::packet_route::address::{
-    AddressAttribute, AddressFlags, AddressHeaderFlags, AddressMessage,
+    AddressAttribute, AddressFlags, AddressHeaderFlags, AddressMessage, AddressScope,
 };
-use rtnetlink::packet_route::link::LinkAttribute;
 
-use super::lb_addresses::Pools;
-use super::netlink::{errno, Netlink};
-use super::CloudError;
+use super::netns::{Device, LbNamespace};
+use crate::cloud::netlink::errno;
+use crate::cloud::CloudError;
 
 /// Announcements per address taken (the first at once, then one a second).
 const ANNOUNCEMENTS: u32 = 3;
 
-/// Adds, announces and removes pool addresses on one interface.
+/// Adds, announces and removes addresses in the load balancers' namespace.
 pub struct Announcer {
-    interface: String,
-    pools: std::sync::RwLock<Pools>,
-    netlink: Netlink,
+    ns: Arc<LbNamespace>,
     /// Addresses added and announced: one already there and announced is not
     /// announced again on every ensure (a resync, an endpoint change).
     announced: std::sync::Mutex<std::collections::HashSet<IpAddr>>,
 }
 
-/// The interface's index and hardware address.
-#[derive(Debug, Clone, Copy)]
-struct Link {
-    index: u32,
-    mac: [u8; 6],
-}
-
 impl Announcer {
-    /// Addresses of `pools` on `interface`.
-    pub fn new(interface: String, pools: Pools) -> Self {
-        Announcer {
-            interface,
-            pools: std::sync::RwLock::new(pools),
-            netlink: Netlink::default(),
+    /// Addresses on a macvlan of `interface`, in a namespace made now (which fails
+    /// without CAP_SYS_ADMIN).
+    pub fn new(interface: &str) -> Result<Self, String> {
+        Ok(Announcer {
+            ns: Arc::new(LbNamespace::create(interface)?),
             announced: Default::default(),
-        }
+        })
     }
 
     fn announced(&self) -> std::sync::MutexGuard<'_, std::collections::HashSet<IpAddr>> {
         self.announced.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Takes changed pools (what the start-up cleanup counts as its own).
-    pub fn set_pools(&self, pools: Pools) {
-        *self.pools.write().unwrap_or_else(|e| e.into_inner()) = pools;
-    }
-
-    /// The interface it announces on.
+    /// The host interface it announces on.
     pub fn interface(&self) -> &str {
-        &self.interface
+        self.ns.parent()
     }
 
-    async fn link(&self) -> Result<Link, CloudError> {
-        let handle = self.netlink.handle().await?;
-        let mut links = handle
-            .link()
-            .get()
-            .match_name(self.interface.clone())
-            .execute();
-        let msg = match links.try_next().await {
-            Ok(Some(m)) => m,
-            Ok(None) => return Err(self.no_interface()),
-            Err(e) if errno(&e) == Some(libc::ENODEV) => return Err(self.no_interface()),
-            Err(e) => {
-                return Err(self
-                    .netlink
-                    .failed(format!("cannot read interface {}", self.interface), &e)
-                    .await)
-            }
+    /// Whether this replica may hold the addresses: its interface exists, is up and
+    /// has carrier.
+    pub async fn ready(&self) -> Result<(), String> {
+        self.ns.parent_ready().await
+    }
+
+    /// A listener on `addr` in the namespace.
+    pub async fn listen(&self, addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+        self.ns.listen(addr).await
+    }
+
+    fn failed(&self, what: String, e: &rtnetlink::Error) -> CloudError {
+        let hint = match errno(e) {
+            Some(libc::EPERM) => " (the CCM needs CAP_NET_ADMIN)",
+            _ => "",
         };
-        let mac = msg
-            .attributes
-            .iter()
-            .find_map(|a| match a {
-                LinkAttribute::Address(m) if m.len() == 6 => {
-                    let mut mac = [0u8; 6];
-                    mac.copy_from_slice(m);
-                    Some(mac)
-                }
-                _ => None,
-            })
-            .unwrap_or([0; 6]);
-        Ok(Link {
-            index: msg.header.index,
-            mac,
-        })
+        CloudError::Provider(format!("{what}: {e}{hint}"))
     }
 
-    fn no_interface(&self) -> CloudError {
-        CloudError::Provider(format!(
-            "loadBalancer.interface {:?} does not exist on this host",
-            self.interface
-        ))
-    }
-
-    /// Adds `ip` to the interface (already there is fine) and announces it, unless it
+    /// Adds `ip` to the device (already there is fine) and announces it, unless it
     /// was there already and announced since it was added.
     pub async fn hold(&self, ip: IpAddr) -> Result<(), CloudError> {
-        let link = self.link().await?;
-        let handle = self.netlink.handle().await?;
+        let device = self.ns.device().await?;
+        let handle = self.ns.netlink().await?;
         let prefix = if ip.is_ipv4() { 32 } else { 128 };
-        let mut add = handle.address().add(link.index, ip, prefix);
+        let mut add = handle.address().add(device.index, ip, prefix);
         if ip.is_ipv6() {
             let msg = add.message_mut();
             msg.header.flags = AddressHeaderFlags::Nodad;
@@ -125,29 +85,22 @@ impl Announcer {
         match add.execute().await {
             Ok(()) => {
                 self.announced().remove(&ip);
-                tracing::info!(%ip, interface = %self.interface, "load-balancer address added")
+                tracing::info!(%ip, interface = %self.interface(), "load-balancer address added")
             }
             Err(e) if errno(&e) == Some(libc::EEXIST) => {
                 if self.announced().contains(&ip) {
                     return Ok(());
                 }
             }
-            Err(e) => {
-                return Err(self
-                    .netlink
-                    .failed(
-                        format!("cannot add {ip} to interface {}", self.interface),
-                        &e,
-                    )
-                    .await)
-            }
+            Err(e) => return Err(self.failed(format!("cannot add {ip}"), &e)),
         }
         // The first announcement now (a failure is the caller's to report), the rest in
         // the background for neighbours that missed it.
-        announce(link, ip).map_err(|e| {
+        let first = self.ns.run(move || announce(device, ip)).await;
+        first.map_err(|e| {
             CloudError::Provider(format!(
                 "cannot announce {ip} on {}: {e}{}",
-                self.interface,
+                self.interface(),
                 if e.raw_os_error() == Some(libc::EPERM) {
                     " (the CCM needs CAP_NET_RAW to announce addresses)"
                 } else {
@@ -156,26 +109,26 @@ impl Announcer {
             ))
         })?;
         self.announced().insert(ip);
-        let iface: Arc<str> = self.interface.as_str().into();
+        let ns = self.ns.clone();
         tokio::spawn(async move {
             for _ in 1..ANNOUNCEMENTS {
                 tokio::time::sleep(Duration::from_secs(1)).await;
-                if let Err(e) = announce(link, ip) {
-                    tracing::warn!(%ip, interface = %iface, error = %e, "announcement failed");
+                if let Err(e) = ns.run(move || announce(device, ip)).await {
+                    tracing::warn!(%ip, interface = %ns.parent(), error = %e, "announcement failed");
                 }
             }
         });
         Ok(())
     }
 
-    /// The interface's addresses (only `ip`, when given), each with its message.
+    /// The device's addresses other than link-local ones (only `ip`, when given).
     async fn addresses(
         &self,
-        link: Link,
         only: Option<IpAddr>,
     ) -> Result<Vec<(IpAddr, AddressMessage)>, CloudError> {
-        let handle = self.netlink.handle().await?;
-        let mut get = handle.address().get().set_link_index_filter(link.index);
+        let device = self.ns.device().await?;
+        let handle = self.ns.netlink().await?;
+        let mut get = handle.address().get().set_link_index_filter(device.index);
         if let Some(ip) = only {
             get = get.set_address_filter(ip);
         }
@@ -183,19 +136,17 @@ impl Announcer {
         let mut out = Vec::new();
         loop {
             match dump.try_next().await {
-                Ok(Some(msg)) => {
+                Ok(Some(msg)) if msg.header.scope != AddressScope::Link => {
                     let ip = msg.attributes.iter().find_map(|a| match a {
                         AddressAttribute::Address(ip) => Some(*ip),
                         _ => None,
                     });
                     out.extend(ip.map(|ip| (ip, msg)));
                 }
+                Ok(Some(_)) => {}
                 Ok(None) => return Ok(out),
                 Err(e) => {
-                    return Err(self
-                        .netlink
-                        .failed(format!("cannot list addresses of {}", self.interface), &e)
-                        .await)
+                    return Err(self.failed("cannot list the load-balancer addresses".into(), &e))
                 }
             }
         }
@@ -204,41 +155,29 @@ impl Announcer {
     /// Deletes the listed addresses (already gone is fine) and forgets their
     /// announcement.
     async fn remove(&self, found: Vec<(IpAddr, AddressMessage)>) -> Result<(), CloudError> {
-        let handle = self.netlink.handle().await?;
+        let handle = self.ns.netlink().await?;
         for (ip, msg) in found {
             self.announced().remove(&ip);
             match handle.address().del(msg).execute().await {
                 Ok(()) => {
-                    tracing::info!(%ip, interface = %self.interface, "load-balancer address removed")
+                    tracing::info!(%ip, interface = %self.interface(), "load-balancer address removed")
                 }
                 Err(e) if errno(&e) == Some(libc::EADDRNOTAVAIL) => {}
-                Err(e) => {
-                    return Err(self
-                        .netlink
-                        .failed(
-                            format!("cannot remove {ip} from interface {}", self.interface),
-                            &e,
-                        )
-                        .await)
-                }
+                Err(e) => return Err(self.failed(format!("cannot remove {ip}"), &e)),
             }
         }
         Ok(())
     }
 
-    /// Removes `ip` from the interface (not there is fine).
+    /// Removes `ip` (not there is fine).
     pub async fn release(&self, ip: IpAddr) -> Result<(), CloudError> {
-        let link = self.link().await?;
-        let found = self.addresses(link, Some(ip)).await?;
+        let found = self.addresses(Some(ip)).await?;
         self.remove(found).await
     }
 
-    /// Removes every address of the pools from the interface; returns how many.
+    /// Removes every address; returns how many. Everything on the device is ours.
     pub async fn release_all(&self) -> Result<usize, CloudError> {
-        let link = self.link().await?;
-        let mut ours = self.addresses(link, None).await?;
-        let pools = self.pools.read().unwrap_or_else(|e| e.into_inner()).clone();
-        ours.retain(|(ip, _)| pools.contains(*ip));
+        let ours = self.addresses(None).await?;
         let n = ours.len();
         self.remove(ours).await?;
         self.announced().clear();
@@ -249,7 +188,7 @@ impl Announcer {
 /// Sends one announcement of `ip` on `link` (a raw packet socket: the only unsafe
 /// code of the CCM, four libc calls).
 #[allow(unsafe_code)]
-fn announce(link: Link, ip: IpAddr) -> std::io::Result<()> {
+fn announce(link: Device, ip: IpAddr) -> std::io::Result<()> {
     let frames = match ip {
         IpAddr::V4(v4) => vec![
             garp(link.mac, v4.octets(), 1),

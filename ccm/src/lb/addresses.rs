@@ -469,7 +469,7 @@ impl Allocator {
                 message: format!(
                     "address {ip} is held by {} in another namespace; Services of two namespaces share an address only when both name the other's namespace (or *) in {}",
                     foreign.join(", "),
-                    super::annotations::SHARING_CROSS_NAMESPACE
+                    crate::cloud::annotations::SHARING_CROSS_NAMESPACE
                 ),
             });
         }
@@ -479,7 +479,7 @@ impl Allocator {
                 message: format!(
                     "address {ip} is held by {} (share it only by giving both Services the same {} annotation)",
                     names(),
-                    super::annotations::SHARING_KEY
+                    crate::cloud::annotations::SHARING_KEY
                 ),
             });
         }

@@ -1,6 +1,6 @@
 //! Load balancers over the tunnel, the `tether` provider's LoadBalancers: each
 //! LoadBalancer Service gets its own addresses from the `loadBalancer:` pools (see
-//! [`super::lb_addresses`]; without pools, every Service shares `--lb-bind-address`
+//! [`super::addresses`]; without pools, every Service shares `--lb-bind-address`
 //! and colliding ports are refused), held on the leader's interface (see
 //! [`super::announce`]). For each address and TCP port the CCM listens, and forwards
 //! every connection through the Tether server's gRPC frontend to a backend node's
@@ -25,9 +25,9 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use super::addresses::{Allocator, Family, Pools, Refusal, Request};
 use super::announce::Announcer;
-use super::lb_addresses::{Allocator, Family, Pools, Refusal, Request};
-use super::{
+use crate::cloud::{
     Backend, CloudError, LoadBalancerStatus, LoadBalancers, ProxyProtocol, ServiceInfo, ServicePort,
 };
 
@@ -92,14 +92,11 @@ impl Policy {
     }
 
     fn admits(&self, ip: IpAddr) -> bool {
-        !self.restricted || self.ranges.iter().any(|r| r.contains(unmapped(ip)))
-    }
-}
-
-fn unmapped(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(ip),
-        v4 => v4,
+        !self.restricted
+            || self
+                .ranges
+                .iter()
+                .any(|r| r.contains(super::proxy_protocol::unmapped(ip)))
     }
 }
 
@@ -144,7 +141,7 @@ pub struct TunnelLoadBalancers {
     announcer: Option<Announcer>,
     balancers: Mutex<HashMap<String, Balancer>>,
     /// Where changed pools are read from (the cloud config), if they may change.
-    inventory: Option<Arc<super::tether::Inventory>>,
+    inventory: Option<Arc<crate::cloud::tether::Inventory>>,
 }
 
 impl TunnelLoadBalancers {
@@ -159,9 +156,9 @@ impl TunnelLoadBalancers {
             }
             (Some(p), None) => (p, None),
             (None, Some(bind)) => {
-                let single = super::lb_addresses::LoadBalancerConfig {
+                let single = super::addresses::LoadBalancerConfig {
                     interface: None,
-                    pools: vec![super::lb_addresses::PoolConfig {
+                    pools: vec![super::addresses::PoolConfig {
                         name: BIND_ADDRESS_SHARING.into(),
                         addresses: vec![bind.to_string()],
                         namespaces: Vec::new(),
@@ -176,10 +173,13 @@ impl TunnelLoadBalancers {
                 )
             }
         };
-        let announcer = pools
-            .interface
-            .clone()
-            .map(|i| Announcer::new(i, pools.clone()));
+        let announcer = match &pools.interface {
+            Some(i) => {
+                refuse_host_addresses(&pools)?;
+                Some(Announcer::new(i)?)
+            }
+            None => None,
+        };
         Ok(TunnelLoadBalancers {
             tunnel_uds: cfg.tunnel_uds,
             clients: tokio::sync::Mutex::new(HashMap::new()),
@@ -194,7 +194,7 @@ impl TunnelLoadBalancers {
     /// Takes the pools from `inventory` as it changes (the cloud config's
     /// `loadBalancer:` section, re-read when the file changes): addresses added become
     /// available at the next sync or resync, Services on removed ones move at theirs.
-    pub fn reloading_pools(mut self, inventory: Arc<super::tether::Inventory>) -> Self {
+    pub fn reloading_pools(mut self, inventory: Arc<crate::cloud::tether::Inventory>) -> Self {
         self.inventory = Some(inventory);
         self
     }
@@ -213,11 +213,14 @@ impl TunnelLoadBalancers {
             tracing::warn!(was = ?allocator.pools().interface, now = ?new.interface, "loadBalancer.interface changed: restart the CCM to move the addresses; the pools' other changes apply now");
         }
         let interface = allocator.pools().interface.clone();
-        let pools = super::lb_addresses::Pools { interface, ..new };
-        tracing::info!(pools = pools.pools.len(), "load-balancer pools reloaded");
-        if let Some(a) = &self.announcer {
-            a.set_pools(pools.clone());
+        let pools = super::addresses::Pools { interface, ..new };
+        if self.announcer.is_some() {
+            if let Err(e) = refuse_host_addresses(&pools) {
+                tracing::error!(error = %e, "changed load-balancer pools not taken");
+                return;
+            }
         }
+        tracing::info!(pools = pools.pools.len(), "load-balancer pools reloaded");
         allocator.set_pools(pools);
     }
 
@@ -273,7 +276,7 @@ impl TunnelLoadBalancers {
                 Ok(ip) => requested.push(ip),
                 Err(_) => {
                     return Err(Refusal {
-                        reason: super::lb_addresses::reasons::INVALID,
+                        reason: super::addresses::reasons::INVALID,
                         message: format!(
                             "requested load-balancer address {r:?} is not an IP address"
                         ),
@@ -492,7 +495,11 @@ impl LoadBalancers for TunnelLoadBalancers {
         // what was serving before serving (and the new ones are retried).
         let mut fresh: Vec<(SocketAddr, Listener)> = Vec::new();
         for (addr, target) in wanted.iter().filter(|(a, _)| !keep.contains_key(a)) {
-            let listener = match TcpListener::bind(addr).await {
+            let bound = match &self.announcer {
+                Some(a) => a.listen(*addr).await,
+                None => TcpListener::bind(addr).await,
+            };
+            let listener = match bound {
                 Ok(l) => l,
                 Err(e) => {
                     for (_, l) in fresh {
@@ -595,6 +602,22 @@ impl LoadBalancers for TunnelLoadBalancers {
         self.publish_usage();
         Ok(())
     }
+}
+
+/// Refuses pools holding an address of this host: announced from the load-balancer
+/// namespace, it would take the host's own address away from it on the LAN.
+fn refuse_host_addresses(pools: &Pools) -> Result<(), String> {
+    let host = super::netns::host_addresses()
+        .map_err(|e| format!("cannot list this host's addresses: {e}"))?;
+    for (interface, ip) in host {
+        if let Some(pool) = pools.pools.iter().find(|p| p.contains(ip)) {
+            return Err(format!(
+                "loadBalancer pool {:?} holds {ip}, an address of this host (interface {interface}): announcing it would take it from the host; take it out of the pool",
+                pool.name
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn refused(r: Refusal) -> CloudError {
@@ -750,7 +773,7 @@ impl PortServer {
         name: &str,
     ) {
         if let (Some(version), Ok(local)) = (policy.proxy_protocol, conn.local_addr()) {
-            let header = proxy_header(version, peer, local);
+            let header = super::proxy_protocol::header(version, peer, local);
             if let Err(e) = upstream.write_all(&header).await {
                 tracing::debug!(error = %e, backend = %name, "cannot send the PROXY header");
                 return;
@@ -782,50 +805,6 @@ impl PortServer {
                 tracing::debug!(timeout = ?policy.idle_timeout, "idle connection closed");
             }
             _ = self.stop.cancelled() => {}
-        }
-    }
-}
-
-/// The PROXY protocol header telling a backend that `client` connected to `local`
-/// (v1: the text line; v2: the binary form). IPv4-mapped addresses count as IPv4.
-fn proxy_header(version: ProxyProtocol, client: SocketAddr, local: SocketAddr) -> Vec<u8> {
-    let (src, dst) = (unmapped(client.ip()), unmapped(local.ip()));
-    // Mixed families (cannot happen on one socket, but be safe): as IPv6.
-    let (src, dst) = match (src, dst) {
-        (IpAddr::V4(s), IpAddr::V6(d)) => (IpAddr::V6(s.to_ipv6_mapped()), IpAddr::V6(d)),
-        (IpAddr::V6(s), IpAddr::V4(d)) => (IpAddr::V6(s), IpAddr::V6(d.to_ipv6_mapped())),
-        other => other,
-    };
-    match version {
-        ProxyProtocol::V1 => {
-            let family = if src.is_ipv4() { "TCP4" } else { "TCP6" };
-            format!(
-                "PROXY {family} {src} {dst} {} {}\r\n",
-                client.port(),
-                local.port()
-            )
-            .into_bytes()
-        }
-        ProxyProtocol::V2 => {
-            let mut h = b"\r\n\r\n\0\r\nQUIT\n".to_vec();
-            // Version 2, PROXY command.
-            h.push(0x21);
-            let addresses: Vec<u8> = match (src, dst) {
-                (IpAddr::V4(s), IpAddr::V4(d)) => {
-                    h.push(0x11); // TCP over IPv4
-                    [&s.octets()[..], &d.octets()[..]].concat()
-                }
-                (IpAddr::V6(s), IpAddr::V6(d)) => {
-                    h.push(0x21); // TCP over IPv6
-                    [&s.octets()[..], &d.octets()[..]].concat()
-                }
-                _ => unreachable!("families made equal above"),
-            };
-            h.extend(((addresses.len() + 4) as u16).to_be_bytes());
-            h.extend(addresses);
-            h.extend(client.port().to_be_bytes());
-            h.extend(local.port().to_be_bytes());
-            h
         }
     }
 }
@@ -903,38 +882,5 @@ async fn idle(
             return;
         }
         tokio::time::sleep_until(at).await;
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn proxy_headers_follow_the_spec() {
-        let client: SocketAddr = "192.0.2.7:51000".parse().unwrap();
-        let local: SocketAddr = "[::ffff:198.51.100.1]:443".parse().unwrap();
-        assert_eq!(
-            proxy_header(ProxyProtocol::V1, client, local),
-            b"PROXY TCP4 192.0.2.7 198.51.100.1 51000 443\r\n"
-        );
-        let v2 = proxy_header(ProxyProtocol::V2, client, local);
-        assert_eq!(&v2[..12], b"\r\n\r\n\0\r\nQUIT\n");
-        assert_eq!(&v2[12..16], &[0x21, 0x11, 0, 12]);
-        assert_eq!(&v2[16..20], &[192, 0, 2, 7]);
-        assert_eq!(&v2[24..28], &[0xc7, 0x38, 0x01, 0xbb]);
-        let six = proxy_header(
-            ProxyProtocol::V1,
-            "[2001:db8::7]:1".parse().unwrap(),
-            "[2001:db8::1]:2".parse().unwrap(),
-        );
-        assert_eq!(six, b"PROXY TCP6 2001:db8::7 2001:db8::1 1 2\r\n");
-        let six2 = proxy_header(
-            ProxyProtocol::V2,
-            "[2001:db8::7]:1".parse().unwrap(),
-            "[2001:db8::1]:2".parse().unwrap(),
-        );
-        assert_eq!(&six2[13..16], &[0x21, 0, 36]);
-        assert_eq!(six2.len(), 16 + 36);
     }
 }
