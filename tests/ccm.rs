@@ -2003,163 +2003,345 @@ fn curl_quick(netns: &str, url: &str) -> Option<String> {
     curl_within(Some(netns), url, "0.5")
 }
 
-/// The MAC address of `interface` inside `node`.
-fn mac_of(node: &Node, interface: &str) -> String {
-    let out = node.ip(&["link", "show", interface]);
-    out.split_whitespace()
-        .skip_while(|w| *w != "link/ether")
-        .nth(1)
-        .expect("an ethernet address")
-        .to_string()
+/// Who answers ARP for `vip` on the LAN, asked from `client` (100 ms for answers).
+fn arp_answers(client: &Node, vip: &str) -> Vec<String> {
+    tether_testkit::arp::who_has(
+        &client.ns,
+        tether_testkit::netns::Lan::INTERFACE,
+        vip.parse().unwrap(),
+        Duration::from_millis(100),
+    )
 }
 
-/// The MAC `node` has cached for `ip`, if any.
-fn neighbour(node: &Node, ip: &str) -> Option<String> {
-    let out = node.ip(&["neigh", "show", ip]);
-    out.split_whitespace()
-        .skip_while(|w| *w != "lladdr")
-        .nth(1)
-        .map(str::to_string)
+/// The load-balancer lease's holder, if any.
+fn lb_lease_holder(cluster: &Cluster) -> Option<String> {
+    get_json(
+        cluster,
+        &[
+            "-n",
+            "kube-system",
+            "get",
+            "lease",
+            "cloud-controller-manager-load-balancers",
+            "-o",
+            "json",
+        ],
+    )
+    .and_then(|l| l["spec"]["holderIdentity"].as_str().map(str::to_string))
+    .filter(|h| !h.is_empty())
 }
 
-/// Two CCM replicas on two "control-plane hosts" sharing a LAN with a client: the
-/// leader holds the Service's address on its interface and announces it; SIGKILL it
-/// while the client keeps connecting, and the address answers again through the new
-/// leader within lease duration + 2 s, with the same IP (the gap is printed). The
-/// crashed leader's host keeps the address only until its CCM comes back as a standby.
-#[test]
-fn a_load_balancer_address_fails_over_with_the_leader() {
-    use tether_testkit::netns::Lan;
-    let node = Node::create();
-    let tunnel = Tunnel::start(&node, "node-1", &format!("ipv4={}", node.node_ip));
-    let _page = node.serve_page(30080, "hello over the lan\n");
-    let cluster = Cluster::start(&Egress::Direct);
-    cluster.add_node("node-1", &node.node_ip);
-    cluster.set_node_ready("node-1", true);
+fn get_json(cluster: &Cluster, args: &[&str]) -> Option<Value> {
+    let out = cluster.kubectl(args);
+    out.status
+        .success()
+        .then(|| serde_json::from_slice(&out.stdout).ok())
+        .flatten()
+}
 
-    let lan = Lan::create();
-    let hosts: Vec<Node> = (0..2).map(|_| Node::create()).collect();
-    let client = Node::create();
-    for n in hosts.iter().chain([&client]) {
-        lan.attach(n);
-    }
-    let relay_dirs: Vec<TempDir> = (0..2).map(|_| TempDir::new("tether-relay")).collect();
-    let _relays: Vec<_> = hosts
-        .iter()
-        .zip(&relay_dirs)
-        .map(|(h, d)| h.reach_host_port(cluster.port, d.path()))
-        .collect();
-    let vip = lan.address(100);
-    let (_dir, inventory) = inventory_dir();
-    write_inventory(
-        &inventory,
-        &format!(
-            "nodes:\n{}loadBalancer:\n  interface: {}\n  pools:\n  - name: lan\n    addresses: [{vip}]\n",
-            machine("node-1", &node.node_ip, false),
-            Lan::INTERFACE
-        ),
-    );
-    lb_service(
-        &cluster,
-        "default",
-        "web",
-        80,
-        Some(30080),
-        serde_json::json!({}),
-        serde_json::json!({}),
-    );
-    let start = |i: usize, name: &str| {
-        start_ccm_in(
-            Some(&hosts[i]),
-            &cluster,
+/// Two control-plane "hosts" sharing a LAN with a client, the set-up of the failover
+/// tests: a node behind the tunnel serving the NodePort, a Service on port 80 and the
+/// pool's one address.
+struct Failover {
+    node: Node,
+    tunnel: Tunnel,
+    _page: tether_testkit::netns::ServedPage,
+    cluster: Cluster,
+    lan: tether_testkit::netns::Lan,
+    hosts: Vec<Node>,
+    client: Node,
+    _relays: Vec<[Proc; 2]>,
+    _relay_dirs: Vec<TempDir>,
+    _dir: TempDir,
+    inventory: PathBuf,
+    vip: String,
+}
+
+impl Failover {
+    fn new() -> Failover {
+        use tether_testkit::netns::Lan;
+        let node = Node::create();
+        let tunnel = Tunnel::start(&node, "node-1", &format!("ipv4={}", node.node_ip));
+        let page = node.serve_page(30080, "hello over the lan\n");
+        let cluster = Cluster::start(&Egress::Direct);
+        cluster.add_node("node-1", &node.node_ip);
+        cluster.set_node_ready("node-1", true);
+        let lan = Lan::create();
+        let hosts: Vec<Node> = (0..2).map(|_| Node::create()).collect();
+        let client = Node::create();
+        for n in hosts.iter().chain([&client]) {
+            lan.attach(n);
+        }
+        let relay_dirs: Vec<TempDir> = (0..2).map(|_| TempDir::new("tether-relay")).collect();
+        let relays: Vec<_> = hosts
+            .iter()
+            .zip(&relay_dirs)
+            .map(|(h, d)| h.reach_host_port(cluster.port, d.path()))
+            .collect();
+        let vip = lan.address(100);
+        let (dir, inventory) = inventory_dir();
+        write_inventory(
             &inventory,
+            &format!(
+                "nodes:\n{}loadBalancer:\n  interface: {}\n  pools:\n  - name: lan\n    addresses: [{vip}]\n",
+                machine("node-1", &node.node_ip, false),
+                Lan::INTERFACE
+            ),
+        );
+        lb_service(
+            &cluster,
+            "default",
+            "web",
+            80,
+            Some(30080),
+            serde_json::json!({}),
+            serde_json::json!({}),
+        );
+        Failover {
+            node,
+            tunnel,
+            _page: page,
+            cluster,
+            lan,
+            hosts,
+            client,
+            _relays: relays,
+            _relay_dirs: relay_dirs,
+            _dir: dir,
+            inventory,
+            vip,
+        }
+    }
+
+    /// A replica on host `i`; returns once it stands by for (or holds) the
+    /// load-balancer lease.
+    fn start(&self, i: usize, name: &str) -> Proc {
+        let p = start_ccm_in(
+            Some(&self.hosts[i]),
+            &self.cluster,
+            &self.inventory,
             name,
             &[
                 "--secure-port=0".into(),
-                format!("--tunnel-uds={}", tunnel.socket.display()),
+                format!("--tunnel-uds={}", self.tunnel.socket.display()),
             ],
-        )
-    };
-    let holds = |i: usize| {
-        hosts[i]
-            .ip(&["addr", "show", "dev", Lan::INTERFACE])
-            .contains(&format!("{vip}/32"))
-    };
-    let url = format!("http://{vip}/");
-    let mut a = start(0, "ccm-a");
-    assert_eq!(wait_ingress(&cluster, "default", "web"), vip);
-    wait_blocking(
-        "the leader holds the address",
-        Duration::from_secs(30),
-        || holds(0).then_some(()),
-    );
-    let b = start(1, "ccm-b");
-    b.wait_event("waiting to become leader", START_TIMEOUT, |_| true);
-    assert!(!holds(1), "a standby holds the address");
-    assert_eq!(
-        wait_blocking(
-            "the client reaches the service",
-            Duration::from_secs(30),
-            || { curl_quick(&client.ns, &url) }
-        ),
-        "hello over the lan\n"
-    );
-    assert_eq!(
-        neighbour(&client, &vip).as_deref(),
-        Some(mac_of(&hosts[0], Lan::INTERFACE).as_str())
-    );
+        );
+        p.wait_event("waiting to become leader", START_TIMEOUT, |e| {
+            e.to_string().contains("load-balancers")
+        });
+        p
+    }
 
-    // SIGKILL: nothing is released; the lease runs out and the standby takes over.
-    a.kill();
-    let killed = Instant::now();
-    let mut last_failure = killed;
-    loop {
-        match curl_quick(&client.ns, &url) {
-            Some(body) => {
-                assert_eq!(body, "hello over the lan\n");
-                break;
-            }
-            None => last_failure = Instant::now(),
+    fn url(&self) -> String {
+        format!("http://{}/", self.vip)
+    }
+
+    /// Waits until exactly one MAC answers ARP for the address, and returns it.
+    fn wait_single_answer(&self, what: &str) -> String {
+        wait_blocking(what, Duration::from_secs(30), || {
+            let answers = arp_answers(&self.client, &self.vip);
+            (answers.len() == 1).then(|| answers[0].clone())
+        })
+    }
+
+    /// `n` connections in a row, each with a flushed neighbour cache first: all reach
+    /// the page.
+    fn hundred_tries(&self, n: usize) {
+        for i in 0..n {
+            self.client.ip(&[
+                "neigh",
+                "flush",
+                "dev",
+                tether_testkit::netns::Lan::INTERFACE,
+            ]);
+            assert_eq!(
+                curl_within(Some(&self.client.ns), &self.url(), "2").as_deref(),
+                Some("hello over the lan\n"),
+                "try {i} of {n} failed"
+            );
         }
+    }
+}
+
+/// Crash: SIGKILL the replica holding the address and restart none on its host. Its
+/// namespace dies with it, so its host stops answering ARP at once (no stale address);
+/// the standby takes the load-balancer lease when it runs out (4 s) and answers. At no
+/// moment do both answer. Then a client with a flushed neighbour cache connects 100
+/// times out of 100. The host's own interface never carries the address.
+#[test]
+fn a_crashed_holders_address_moves_within_seconds_and_its_host_goes_silent() {
+    let f = Failover::new();
+    let mut a = f.start(0, "ccm-a");
+    assert_eq!(wait_ingress(&f.cluster, "default", "web"), f.vip);
+    let mac_a = f.wait_single_answer("the first replica answering ARP");
+    let _b = f.start(1, "ccm-b");
+    assert_eq!(arp_answers(&f.client, &f.vip), [mac_a.clone()]);
+    for h in &f.hosts {
         assert!(
-            killed.elapsed() < LEASE * 4,
-            "the address never answered again"
+            !h.ip(&["addr", "show"]).contains(&f.vip),
+            "the address is on a host's own interface"
         );
     }
-    let gap = killed.elapsed();
-    eprintln!(
-        "failover: the address answered again {gap:?} after SIGKILL of the leader (last failure at {:?}; lease {LEASE:?})",
-        last_failure - killed
-    );
-    assert!(
-        gap <= LEASE + Duration::from_secs(2),
-        "failover took {gap:?}"
-    );
-    assert!(holds(1), "the new leader holds the address");
-    assert_eq!(
-        ingress_ips(&cluster, "default", "web"),
-        std::slice::from_ref(&vip)
-    );
-    assert_eq!(
-        neighbour(&client, &vip).as_deref(),
-        Some(mac_of(&hosts[1], Lan::INTERFACE).as_str()),
-        "the client's cache moved to the new leader"
+    wait_blocking(
+        "the client reaches the Service",
+        Duration::from_secs(30),
+        || curl_quick(&f.client.ns, &f.url()),
     );
 
-    // The crashed replica comes back as a standby: the stale address goes first.
-    assert!(holds(0), "nothing could have removed it (expected)");
-    let a2 = start(0, "ccm-a2");
-    a2.wait_event("waiting to become leader", START_TIMEOUT, |_| true);
+    a.kill();
+    let killed = Instant::now();
+    let (mut silent, mut answered) = (None, None);
+    while answered.is_none() {
+        let answers = arp_answers(&f.client, &f.vip);
+        assert!(
+            answers.len() <= 1,
+            "two hosts answer ARP at once: {answers:?}"
+        );
+        if !answers.contains(&mac_a) && silent.is_none() {
+            silent = Some(killed.elapsed());
+        }
+        if answers.len() == 1 && answers[0] != mac_a {
+            answered = Some(killed.elapsed());
+        }
+        assert!(
+            killed.elapsed() < Duration::from_secs(30),
+            "nobody took the address over"
+        );
+    }
+    let (silent, answered) = (silent.unwrap(), answered.unwrap());
+    f.hundred_tries(100);
+    let served = killed.elapsed();
+    eprintln!(
+        "crash: the dead host stopped answering ARP {silent:?} after SIGKILL; the standby answered after {answered:?}; 100/100 connections done at {served:?}"
+    );
     assert!(
-        !holds(0),
-        "the former leader's stale address survived its restart"
+        silent < Duration::from_secs(2),
+        "the dead host answered for {silent:?}"
     );
-    assert_eq!(
-        curl_quick(&client.ns, &url).as_deref(),
-        Some("hello over the lan\n")
+    assert!(
+        answered < Duration::from_secs(6),
+        "takeover took {answered:?}"
     );
-    drop(b);
-    drop(tunnel);
+    assert_eq!(ingress_ips(&f.cluster, "default", "web"), [f.vip.clone()]);
+    drop(f.node);
+}
+
+/// SIGTERM of the holder, the way a rolling update stops it: the addresses go first,
+/// then the lease is released, and the process waits until the standby holds it. A
+/// client connecting every 100 ms sees under a second of failures.
+#[test]
+fn a_graceful_handover_costs_under_a_second() {
+    let f = Failover::new();
+    let mut a = f.start(0, "ccm-a");
+    assert_eq!(wait_ingress(&f.cluster, "default", "web"), f.vip);
+    let mac_a = f.wait_single_answer("the first replica answering ARP");
+    let _b = f.start(1, "ccm-b");
+    let holder_a = lb_lease_holder(&f.cluster).expect("a holder");
+    wait_blocking(
+        "the client reaches the Service",
+        Duration::from_secs(30),
+        || curl_quick(&f.client.ns, &f.url()),
+    );
+    // Connect every 100 ms from before the signal until well after the handover.
+    let (stop, url, ns) = (
+        std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false)),
+        f.url(),
+        f.client.ns.clone(),
+    );
+    let prober = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let start = Instant::now();
+            let mut failures: Vec<Duration> = Vec::new();
+            let mut tries = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let at = Instant::now();
+                tries += 1;
+                if curl_within(Some(&ns), &url, "0.3").as_deref() != Some("hello over the lan\n") {
+                    failures.push(start.elapsed());
+                }
+                std::thread::sleep(Duration::from_millis(100).saturating_sub(at.elapsed()));
+            }
+            (tries, failures)
+        })
+    };
+    std::thread::sleep(Duration::from_secs(1));
+    a.signal("TERM");
+    let exited = a
+        .wait_exit(Duration::from_secs(30))
+        .expect("the holder exits");
+    assert!(exited.success(), "{}", a.log_text());
+    let holder = lb_lease_holder(&f.cluster);
+    assert!(
+        holder.is_some() && holder.as_ref() != Some(&holder_a),
+        "the lease had no new holder when the old process exited: {holder:?}"
+    );
+    let mac_b = f.wait_single_answer("the standby answering ARP");
+    assert_ne!(mac_b, mac_a);
+    std::thread::sleep(Duration::from_secs(2));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (tries, failures) = prober.join().unwrap();
+    let window = match (failures.first(), failures.last()) {
+        (Some(first), Some(last)) => *last - *first + Duration::from_millis(100),
+        _ => Duration::ZERO,
+    };
+    eprintln!(
+        "graceful handover: {} of {tries} connections failed, over {window:?}",
+        failures.len()
+    );
+    assert!(
+        window < Duration::from_secs(1),
+        "connections failed for {window:?}: {failures:?}"
+    );
+    drop(f.node);
+}
+
+/// Partition: cut the holder from the apiserver only (its packets to the apiserver
+/// dropped in its namespace). It lets go of the address when it cannot renew (2 s),
+/// before the lease can run out for the standby (4 s): at no moment do both hosts
+/// answer ARP; the time until only the standby answers is printed.
+#[test]
+fn a_holder_cut_from_the_apiserver_lets_go_before_the_standby_takes_over() {
+    let f = Failover::new();
+    let _a = f.start(0, "ccm-a");
+    assert_eq!(wait_ingress(&f.cluster, "default", "web"), f.vip);
+    let mac_a = f.wait_single_answer("the first replica answering ARP");
+    let _b = f.start(1, "ccm-b");
+    f.hosts[0].iptables(&[
+        "-A",
+        "OUTPUT",
+        "-p",
+        "tcp",
+        "--dport",
+        &f.cluster.port.to_string(),
+        "-j",
+        "DROP",
+    ]);
+    let cut = Instant::now();
+    let (mut silent, mut answered) = (None, None);
+    while answered.is_none() {
+        let answers = arp_answers(&f.client, &f.vip);
+        assert!(
+            answers.len() <= 1,
+            "two hosts answer ARP at once: {answers:?}"
+        );
+        if !answers.contains(&mac_a) && silent.is_none() {
+            silent = Some(cut.elapsed());
+        }
+        if answers.len() == 1 && answers[0] != mac_a {
+            answered = Some(cut.elapsed());
+        }
+        assert!(
+            cut.elapsed() < Duration::from_secs(40),
+            "nobody took the address over"
+        );
+    }
+    let (silent, answered) = (silent.unwrap(), answered.unwrap());
+    eprintln!(
+        "partition: the cut-off holder stopped answering ARP {silent:?} after the cut; only the standby answered from {answered:?}"
+    );
+    f.hundred_tries(20);
+    drop(f.lan);
 }
 
 /// Reads `bytes` from `addr` and returns the throughput in MiB/s (None if the

@@ -27,6 +27,7 @@ fn config(enabled: Enabled) -> CcmConfig {
         configure_cloud_routes: true,
         route_reconciliation_period: Duration::from_millis(500),
         leader_election: None,
+        load_balancer_lease: None,
         identity: "test".into(),
     }
 }

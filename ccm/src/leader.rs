@@ -29,6 +29,9 @@ pub struct LeaderElection {
     pub renew_deadline: Duration,
     /// `--leader-elect-retry-period` (2 s).
     pub retry_period: Duration,
+    /// After a release, wait up to this long for another replica to hold the lease
+    /// (a rolling update then never ends with nobody holding it). `None`: do not wait.
+    pub await_successor: Option<Duration>,
 }
 
 /// What went wrong talking to the API server.
@@ -133,6 +136,25 @@ impl Elector {
     }
 
     /// Gives the lease up (only if we still hold it).
+    /// Polls the lease until another replica holds it, for at most `within`.
+    async fn await_successor(&self, within: Duration) {
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            if let Ok(Some(lease)) = self.api.get_opt(&self.cfg.name).await {
+                let holder = lease
+                    .spec
+                    .and_then(|s| s.holder_identity)
+                    .unwrap_or_default();
+                if !holder.is_empty() && holder != self.cfg.identity {
+                    tracing::info!(%holder, "lease handed over");
+                    return;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        tracing::info!(waited = ?within, "no other replica took the lease");
+    }
+
     async fn release(&self) {
         let Ok(Some(mut lease)) = self.api.get_opt(&self.cfg.name).await else {
             return;
@@ -174,8 +196,9 @@ impl Drop for Leadership {
     }
 }
 
-/// How long a release may take before the process goes anyway.
-const RELEASE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a release (and the wait for a successor) may take before the process goes
+/// anyway.
+const RELEASE_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Leadership {
     /// Gives the lease up and waits (at most 5 s) until kube-apiserver has the
@@ -240,14 +263,22 @@ pub async fn lead(
                         _ = tokio::time::sleep(elector.cfg.retry_period) => {}
                         _ = release.cancelled() => {
                             elector.release().await;
+                            if let Some(within) = elector.cfg.await_successor {
+                                elector.await_successor(within).await;
+                            }
                             let _ = released_tx.send(());
                             return;
                         }
                     }
-                    let attempt = tokio::time::timeout(
-                        elector.cfg.renew_deadline,
-                        elector.try_acquire_or_renew(),
-                    )
+                    // An attempt may not outlast the deadline: a leader cut off from the
+                    // apiserver steps down by then, well before the lease can expire
+                    // for anyone else.
+                    let left = elector
+                        .cfg
+                        .renew_deadline
+                        .saturating_sub(last_renewed.elapsed())
+                        .max(Duration::from_millis(100));
+                    let attempt = tokio::time::timeout(left, elector.try_acquire_or_renew())
                     .await;
                     match attempt {
                         Ok(Ok(true)) => last_renewed = Instant::now(),

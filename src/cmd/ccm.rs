@@ -53,6 +53,17 @@ pub struct CcmArgs {
     /// Lease name.
     #[arg(long, default_value = "cloud-controller-manager")]
     pub leader_elect_resource_name: String,
+    /// The load balancers' own lease (its holder holds the addresses): how long it is
+    /// valid. Shorter than the controllers' so that a crashed holder's addresses move
+    /// within seconds.
+    #[arg(long, default_value = "4s", value_parser = duration)]
+    pub lb_lease_duration: Duration,
+    /// A load-balancer lease holder that cannot renew within this lets go.
+    #[arg(long, default_value = "2s", value_parser = duration)]
+    pub lb_lease_renew_deadline: Duration,
+    /// How often to try to acquire or renew the load-balancer lease.
+    #[arg(long, default_value = "500ms", value_parser = duration)]
+    pub lb_lease_retry_period: Duration,
     /// Accepted for compatibility; only `leases` is supported.
     #[arg(long, default_value = "leases", value_parser = ["leases"])]
     pub leader_elect_resource_lock: String,
@@ -258,6 +269,13 @@ impl CcmArgs {
         {
             bail!("--leader-elect-retry-period < --leader-elect-renew-deadline < --leader-elect-lease-duration must hold (defaults 2s, 10s, 15s)");
         }
+        if self.leader_elect
+            && !(self.lb_lease_retry_period < self.lb_lease_renew_deadline
+                && self.lb_lease_renew_deadline < self.lb_lease_duration
+                && self.lb_lease_duration.subsec_nanos() == 0)
+        {
+            bail!("--lb-lease-retry-period < --lb-lease-renew-deadline < --lb-lease-duration (whole seconds) must hold (defaults 500ms, 2s, 4s)");
+        }
         if !(self.kube_api_qps > 0.0 && self.provider_qps > 0.0)
             || self.kube_api_burst == 0
             || self.provider_burst == 0
@@ -295,6 +313,17 @@ impl CcmArgs {
                 lease_duration: self.leader_elect_lease_duration,
                 renew_deadline: self.leader_elect_renew_deadline,
                 retry_period: self.leader_elect_retry_period,
+                await_successor: None,
+            }),
+            load_balancer_lease: self.leader_elect.then(|| LeaderElection {
+                namespace: self.leader_elect_resource_namespace.clone(),
+                name: format!("{}-load-balancers", self.leader_elect_resource_name),
+                identity: identity.clone(),
+                lease_duration: self.lb_lease_duration,
+                renew_deadline: self.lb_lease_renew_deadline,
+                retry_period: self.lb_lease_retry_period,
+                // Before the process exits, a standby holds the addresses.
+                await_successor: Some(self.lb_lease_duration),
             }),
             identity,
         };

@@ -2,6 +2,7 @@
 //! server and agent processes (JSON logs parsed for readiness, killed on drop), test
 //! backends on port 0, and `wait_until` with a deadline instead of sleeps.
 
+pub mod arp;
 pub mod backend;
 pub mod installed;
 pub mod kube;

@@ -251,6 +251,12 @@ pub trait LoadBalancers: Send + Sync {
     /// what only the leader may hold (listeners, addresses on this host), leaving the
     /// balancers' recorded state for the next leader.
     async fn release_all(&self, _cluster: &str) {}
+    /// Whether this replica can hold the balancers now (the `tether` provider: its
+    /// interface exists, is up and has carrier). A replica that cannot does not stand
+    /// for the load-balancer lease, and gives it up when this starts failing.
+    async fn ready(&self) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// A route: traffic for `cidr` goes to `node`'s address.
@@ -410,6 +416,9 @@ impl LoadBalancers for Limited<dyn LoadBalancers> {
     }
     async fn release_all(&self, cluster: &str) {
         self.inner.release_all(cluster).await
+    }
+    async fn ready(&self) -> Result<(), String> {
+        self.inner.ready().await
     }
 }
 

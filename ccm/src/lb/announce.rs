@@ -29,6 +29,10 @@ pub struct Announcer {
     /// Addresses added and announced: one already there and announced is not
     /// announced again on every ensure (a resync, an endpoint change).
     announced: std::sync::Mutex<std::collections::HashSet<IpAddr>>,
+    /// Set by [`Self::release_all`] (the replica let go), cleared by [`Self::resume`]:
+    /// while set, nothing is added, so that a sync still in flight when the lease was
+    /// lost cannot put an address back.
+    fenced: tokio::sync::Mutex<bool>,
 }
 
 impl Announcer {
@@ -38,6 +42,7 @@ impl Announcer {
         Ok(Announcer {
             ns: Arc::new(LbNamespace::create(interface)?),
             announced: Default::default(),
+            fenced: tokio::sync::Mutex::new(false),
         })
     }
 
@@ -72,6 +77,12 @@ impl Announcer {
     /// Adds `ip` to the device (already there is fine) and announces it, unless it
     /// was there already and announced since it was added.
     pub async fn hold(&self, ip: IpAddr) -> Result<(), CloudError> {
+        let fenced = self.fenced.lock().await;
+        if *fenced {
+            return Err(CloudError::Provider(format!(
+                "not holding {ip}: this replica let go of the load-balancer addresses"
+            )));
+        }
         let device = self.ns.device().await?;
         let handle = self.ns.netlink().await?;
         let prefix = if ip.is_ipv4() { 32 } else { 128 };
@@ -109,6 +120,7 @@ impl Announcer {
             ))
         })?;
         self.announced().insert(ip);
+        drop(fenced);
         let ns = self.ns.clone();
         tokio::spawn(async move {
             for _ in 1..ANNOUNCEMENTS {
@@ -175,12 +187,21 @@ impl Announcer {
         self.remove(found).await
     }
 
-    /// Removes every address; returns how many. Everything on the device is ours.
+    /// Holds addresses again (a new term as holder).
+    pub async fn resume(&self) {
+        *self.fenced.lock().await = false;
+    }
+
+    /// Removes every address and adds none until [`Self::resume`]; returns how many.
+    /// Everything on the device is ours.
     pub async fn release_all(&self) -> Result<usize, CloudError> {
+        let mut fenced = self.fenced.lock().await;
+        *fenced = true;
         let ours = self.addresses(None).await?;
         let n = ours.len();
         self.remove(ours).await?;
         self.announced().clear();
+        drop(fenced);
         Ok(n)
     }
 }

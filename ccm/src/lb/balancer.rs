@@ -385,6 +385,9 @@ impl LoadBalancers for TunnelLoadBalancers {
     }
 
     async fn restore(&self, _cluster: &str, services: &[ServiceInfo]) {
+        if let Some(a) = &self.announcer {
+            a.resume().await;
+        }
         let mut allocator = self.allocator();
         for svc in services {
             if let Ok(req) = self.request(svc) {
@@ -414,6 +417,13 @@ impl LoadBalancers for TunnelLoadBalancers {
                 ),
                 Err(e) => tracing::warn!(error = %e, "cannot remove load-balancer addresses"),
             }
+        }
+    }
+
+    async fn ready(&self) -> Result<(), String> {
+        match &self.announcer {
+            Some(a) => a.ready().await,
+            None => Ok(()),
         }
     }
 
