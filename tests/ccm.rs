@@ -2299,6 +2299,119 @@ fn a_graceful_handover_costs_under_a_second() {
     drop(f.node);
 }
 
+/// Host exposure: the addresses live in the CCM's own namespace, so the holder's host
+/// daemons are never reachable on them and never blocked by them. A Service on 6443 is
+/// refused with an event (and gets no address); a daemon on `0.0.0.0:P` of the holder's
+/// host is not reachable on the address, while a Service on the same P is, and the
+/// daemon restarts on P while the address is held; a Tether server on the holder's
+/// host restarts on 0.0.0.0:8132 while the address is held.
+#[test]
+fn the_holders_host_daemons_are_neither_exposed_nor_blocked() {
+    let f = Failover::new();
+    let _a = f.start(0, "ccm-a");
+    assert_eq!(wait_ingress(&f.cluster, "default", "web"), f.vip);
+    let host = &f.hosts[0];
+    // A Service on the apiserver's port: refused, said in an event, no ingress.
+    lb_service(
+        &f.cluster,
+        "default",
+        "api",
+        6443,
+        Some(30443),
+        serde_json::json!({}),
+        serde_json::json!({}),
+    );
+    wait_blocking("a PortReserved event", Duration::from_secs(30), || {
+        (event_count(&f.cluster, "api", "PortReserved") > 0).then_some(())
+    });
+    assert!(ingress_ips(&f.cluster, "default", "api").is_empty());
+
+    // A host daemon on 0.0.0.0:P and a Service on P, side by side.
+    let p = 18000 + (std::process::id() % 1000) as u16;
+    let daemon = |name: &str| {
+        host.spawn(
+            name,
+            "socat",
+            &[
+                format!("TCP-LISTEN:{p},fork,reuseaddr"),
+                "SYSTEM:echo host daemon".into(),
+            ],
+        )
+    };
+    // What a connection from inside the host to its own P gets.
+    let local = || {
+        let out = Command::new("ip")
+            .args(["netns", "exec", &host.ns, "sh", "-c"])
+            .arg(format!("socat -T1 - TCP:127.0.0.1:{p} </dev/null"))
+            .output()
+            .ok()?;
+        String::from_utf8_lossy(&out.stdout)
+            .contains("host daemon")
+            .then_some(())
+    };
+    let mut d = daemon("host-daemon");
+    wait_blocking("the host daemon", Duration::from_secs(10), local);
+    let vip_p = format!("http://{}:{p}/", f.vip);
+    assert!(
+        curl_within(Some(&f.client.ns), &vip_p, "1").is_none(),
+        "the host daemon answered on the load-balancer address"
+    );
+    let holder_port = f.cluster.kubectl(&[
+        "patch", "service", "web", "--type=json", "-p",
+        &format!(r#"[{{"op":"add","path":"/spec/ports/-","value":{{"name":"alt","port":{p},"targetPort":{p},"nodePort":30081}}}}]"#),
+    ]);
+    assert!(
+        holder_port.status.success(),
+        "{}",
+        String::from_utf8_lossy(&holder_port.stderr)
+    );
+    let _alt = f.node.serve_page(30081, "the service on P\n");
+    assert_eq!(
+        wait_blocking("the Service on P", Duration::from_secs(30), || {
+            curl_quick(&f.client.ns, &vip_p)
+        }),
+        "the service on P\n"
+    );
+    // The daemon restarts on P while the address holds P.
+    d.kill();
+    let d2 = daemon("host-daemon-again");
+    wait_blocking(
+        "the host daemon bound to P again",
+        Duration::from_secs(10),
+        local,
+    );
+    assert_eq!(
+        curl_quick(&f.client.ns, &vip_p).as_deref(),
+        Some("the service on P\n")
+    );
+
+    // A Tether server on the holder's host, on the agents' port of every address.
+    let pki = Pki::with_sans(std::slice::from_ref(&host.link_ip));
+    let socket = socket_path(pki.dir());
+    let mut args: Vec<String> = vec![
+        "server".into(),
+        "--log-format=json".into(),
+        "--agent-port=8132".into(),
+        "--agent-bind-address=0.0.0.0".into(),
+        "--health-port=0".into(),
+        "--admin-port=0".into(),
+    ];
+    args.extend(uds_frontend_args(&pki, "grpc", &socket));
+    for round in 0..2 {
+        let mut server = host.spawn(&format!("host-server-{round}"), BIN, &args);
+        server.wait_event("server listening", START_TIMEOUT, |_| true);
+        assert!(
+            curl_within(Some(&f.client.ns), &format!("http://{}:8132/", f.vip), "1").is_none(),
+            "the host's Tether server answered on the load-balancer address"
+        );
+        server.signal("TERM");
+        server
+            .wait_exit(Duration::from_secs(30))
+            .expect("the server stops");
+    }
+    drop(d2);
+}
+
 /// Partition: cut the holder from the apiserver only (its packets to the apiserver
 /// dropped in its namespace). It lets go of the address when it cannot renew (2 s),
 /// before the lease can run out for the standby (4 s): at no moment do both hosts

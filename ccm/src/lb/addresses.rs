@@ -16,6 +16,7 @@
 //!   - name: team-a           # only Services in these namespaces draw from it (first)
 //!     addresses: [198.51.100.0/28]
 //!     namespaces: [team-a]
+//!   reservedPorts: [6443, 8132]  # refused to Services (default: DEFAULT_RESERVED_PORTS)
 //! ```
 
 use std::collections::{BTreeMap, HashMap};
@@ -34,7 +35,20 @@ pub struct LoadBalancerConfig {
     pub interface: Option<String>,
     /// The pools, in order of preference.
     pub pools: Vec<PoolConfig>,
+    /// Ports no Service may ask for: the control plane's own, so that a LoadBalancer
+    /// address never answers like a control-plane component. Absent:
+    /// [`DEFAULT_RESERVED_PORTS`]; `[]` reserves none.
+    #[serde(default)]
+    pub reserved_ports: Option<Vec<u16>>,
 }
+
+/// Ports refused to Services unless `reservedPorts` says otherwise: etcd (2379, 2380),
+/// kube-apiserver (6443), the Konnectivity server (8132 agents, 8133 health, 8134
+/// admin), kubelet (10250), kube-proxy (10256), kube-controller-manager (10257), the
+/// CCM (10258) and kube-scheduler (10259).
+pub const DEFAULT_RESERVED_PORTS: &[u16] = &[
+    2379, 2380, 6443, 8132, 8133, 8134, 10250, 10256, 10257, 10258, 10259,
+];
 
 /// One pool as written.
 #[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
@@ -233,6 +247,8 @@ pub struct Pools {
     pub interface: Option<String>,
     /// The pools, in the order written.
     pub pools: Vec<Pool>,
+    /// Ports refused to Services (see [`LoadBalancerConfig::reserved_ports`]).
+    pub reserved_ports: Vec<u16>,
 }
 
 impl Pools {
@@ -289,6 +305,10 @@ impl Pools {
         Ok(Pools {
             interface: config.interface.clone(),
             pools,
+            reserved_ports: config
+                .reserved_ports
+                .clone()
+                .unwrap_or_else(|| DEFAULT_RESERVED_PORTS.to_vec()),
         })
     }
 
@@ -358,6 +378,8 @@ pub mod reasons {
     pub const EXHAUSTED: &str = "NoAddressAvailable";
     /// An annotation or field naming addresses is not valid.
     pub const INVALID: &str = "InvalidLoadBalancerIP";
+    /// A port is reserved for the control plane.
+    pub const RESERVED_PORT: &str = "PortReserved";
 }
 
 #[derive(Debug, Clone)]

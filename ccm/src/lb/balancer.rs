@@ -163,6 +163,7 @@ impl TunnelLoadBalancers {
                         addresses: vec![bind.to_string()],
                         namespaces: Vec::new(),
                     }],
+                    reserved_ports: None,
                 };
                 (Pools::new(&single)?, Some(bind))
             }
@@ -457,8 +458,24 @@ impl LoadBalancers for TunnelLoadBalancers {
                 )));
             }
         }
-        let client = self.client(&svc.uid).await?;
         self.refresh_pools();
+        let reserved: Vec<u16> = {
+            let allocator = self.allocator();
+            let r = &allocator.pools().reserved_ports;
+            tcp.iter()
+                .map(|p| p.port)
+                .filter(|p| r.contains(p))
+                .collect()
+        };
+        if !reserved.is_empty() {
+            return Err(CloudError::Refused {
+                reason: super::addresses::reasons::RESERVED_PORT.into(),
+                message: format!(
+                    "port(s) {reserved:?} are reserved for the control plane (loadBalancer.reservedPorts in the cloud config)"
+                ),
+            });
+        }
+        let client = self.client(&svc.uid).await?;
         let req = self.request(svc).map_err(refused)?;
         let before: Vec<IpAddr> = self.allocator().holding(&svc.uid).to_vec();
         let addresses = self.allocator().assign(&req).map_err(refused)?;
