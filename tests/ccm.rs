@@ -1998,6 +1998,87 @@ fn a_pod_ip_is_dialled_by_the_agent_on_its_node() {
     );
 }
 
+/// `externalTrafficPolicy: Local` with two nodes, only one of which has an endpoint:
+/// every connection goes to that node's NodePort; none reaches the other node (whose
+/// NodePort answers differently, and whose agent is connected and verified).
+#[test]
+fn local_policy_sends_nothing_to_a_node_without_an_endpoint() {
+    use serde_json::json;
+    let nodes = [Node::create(), Node::create()];
+    let pki = Pki::with_sans(&[nodes[0].host_ip.clone(), nodes[1].host_ip.clone()]);
+    let socket = socket_path(pki.dir());
+    let cluster = Cluster::start(&Egress::Direct);
+    let mut args = uds_frontend_args(&pki, "grpc", &socket);
+    // Dials go to the agent verified for the node's address (the LB needs destHost:
+    // with `default` alone the server picks any agent).
+    args.push("--agent-bind-address=0.0.0.0".into());
+    args.push("--proxy-strategies=destHost".into());
+    let server = ServerProc::start(Path::new(BIN), &args);
+    let mut machines = String::new();
+    let mut _running = Vec::new();
+    for (i, node) in nodes.iter().enumerate() {
+        let name = format!("node-{i}");
+        _running.push(AgentProc::start_in(
+            Some(node),
+            Path::new(BIN),
+            &pki,
+            format!("{}:{}", node.host_ip, server.agent.port())
+                .parse()
+                .unwrap(),
+            &pki.node_agent_args(&name, &node.node_ip),
+        ));
+        cluster.add_node(&name, &node.node_ip);
+        cluster.set_node_ready(&name, true);
+        machines.push_str(&machine(&name, &node.node_ip, false));
+    }
+    let _pages: Vec<_> = nodes
+        .iter()
+        .enumerate()
+        .map(|(i, n)| n.serve_page(30082, &format!("node-{i}\n")))
+        .collect();
+    let k = std::process::id() % 250;
+    let (_dir, inventory) = inventory_dir();
+    write_inventory(
+        &inventory,
+        &format!("nodes:\n{machines}loadBalancer:\n  pools:\n  - name: general\n    addresses: [127.79.{k}.10]\n"),
+    );
+    lb_service(
+        &cluster,
+        "default",
+        "local",
+        80,
+        Some(30082),
+        json!({}),
+        json!({"externalTrafficPolicy": "Local"}),
+    );
+    cluster.apply(&format!(
+        "apiVersion: v1\nkind: Endpoints\nmetadata:\n  name: local\n  namespace: default\nsubsets:\n- addresses:\n  - ip: {}\n    nodeName: node-0\n  ports:\n  - name: p\n    port: 8080\n",
+        nodes[0].pod_ip
+    ));
+    let ccm = start_ccm_with(
+        &cluster,
+        &inventory,
+        "ccm",
+        &[format!("--tunnel-uds={}", socket.display())],
+    );
+    let ip = wait_ingress(&cluster, "default", "local");
+    let url = format!("http://{ip}:80/");
+    assert_eq!(
+        wait_blocking("the balancer serving", Duration::from_secs(30), || curl(
+            None, &url
+        )),
+        "node-0\n"
+    );
+    for n in 0..20 {
+        assert_eq!(
+            curl(None, &url)
+                .unwrap_or_else(|| panic!("connection {n} failed:\n{}", ccm.log_text())),
+            "node-0\n",
+            "connection {n} reached the node without an endpoint"
+        );
+    }
+}
+
 /// One quick try at `url` from inside `netns` (half a second at most).
 fn curl_quick(netns: &str, url: &str) -> Option<String> {
     curl_within(Some(netns), url, "0.5")
