@@ -363,6 +363,26 @@ impl TunnelConn {
     }
 }
 
+impl TunnelConn {
+    /// The next received chunk whole, as it arrived (no copy into a caller's buffer);
+    /// `None` at end of stream. Mixes with `poll_read`: either takes from the front.
+    pub fn poll_chunk(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<Option<Bytes>>> {
+        self.wakers.read.register(cx.waker());
+        self.pull();
+        if let Some(chunk) = self.unread.pop_front() {
+            self.unread_len -= chunk.len();
+            return Poll::Ready(Ok(Some(chunk)));
+        }
+        if let Some(why) = self.failure.take() {
+            return Poll::Ready(Err(io::Error::new(io::ErrorKind::ConnectionReset, why)));
+        }
+        if self.inbound.is_none() {
+            return Poll::Ready(Ok(None));
+        }
+        Poll::Pending
+    }
+}
+
 impl AsyncRead for TunnelConn {
     fn poll_read(
         mut self: Pin<&mut Self>,

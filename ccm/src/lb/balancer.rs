@@ -808,25 +808,16 @@ impl PortServer {
         }
         let last = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let epoch = tokio::time::Instant::now();
-        let mut a = Tracked {
-            inner: &mut conn,
-            last: last.clone(),
-            epoch,
-        };
-        let mut b = Tracked {
-            inner: upstream,
-            last: last.clone(),
-            epoch,
-        };
+        let mut splice = Splice::new(&mut conn, &mut upstream, last.clone(), epoch);
         tokio::select! {
-            r = tokio::io::copy_bidirectional(&mut a, &mut b) => match r {
-                Ok((up, down)) => {
-                    let bytes = &crate::metrics::get().lb_bytes;
-                    let service = self.shared.service.as_str();
-                    bytes.with_label_values(&[service, "to_backend"]).inc_by(up);
-                    bytes.with_label_values(&[service, "to_client"]).inc_by(down);
+            r = &mut splice => {
+                let bytes = &crate::metrics::get().lb_bytes;
+                let service = self.shared.service.as_str();
+                bytes.with_label_values(&[service, "to_backend"]).inc_by(splice.up);
+                bytes.with_label_values(&[service, "to_client"]).inc_by(splice.down);
+                if let Err(e) = r {
+                    tracing::debug!(error = %e, backend = %name, "forwarded connection ended with an error");
                 }
-                Err(e) => tracing::debug!(error = %e, backend = %name, "forwarded connection ended with an error"),
             },
             _ = idle(last, epoch, policy.idle_timeout) => {
                 tracing::debug!(timeout = ?policy.idle_timeout, "idle connection closed");
@@ -852,48 +843,148 @@ impl Drop for OpenGuard {
     }
 }
 
-/// A stream that notes (in ms since `epoch`) when it last read bytes.
-struct Tracked<S> {
-    inner: S,
+/// Copies both ways between a client connection and its tunnel connection until both
+/// directions have ended, noting (in ms since `epoch`) when bytes last moved. Lean on
+/// purpose: what arrives through the tunnel is written to the client as it came (no
+/// copy through a buffer of ours), and the client's bytes are read 64 KiB at a time,
+/// one tunnel frame each.
+struct Splice<'a> {
+    conn: &'a mut tokio::net::TcpStream,
+    tunnel: &'a mut tether_client::TunnelConn,
     last: Arc<std::sync::atomic::AtomicU64>,
     epoch: tokio::time::Instant,
+    /// Client to backend: the buffer, how much of it is filled and how much was sent.
+    up_buf: Box<[u8]>,
+    up_filled: usize,
+    up_sent: usize,
+    up_done: bool,
+    /// Backend to client: the chunk being written.
+    down_chunk: Option<bytes::Bytes>,
+    down_done: bool,
+    /// Bytes moved each way.
+    up: u64,
+    down: u64,
 }
 
-impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Tracked<S> {
-    fn poll_read(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &mut tokio::io::ReadBuf<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        let before = buf.filled().len();
-        let r = std::pin::Pin::new(&mut self.inner).poll_read(cx, buf);
-        if buf.filled().len() > before {
-            let ms = self.epoch.elapsed().as_millis() as u64;
-            self.last.store(ms, Ordering::Relaxed);
+/// The client's bytes per read (and so per tunnel frame).
+const UP_CHUNK: usize = 64 * 1024;
+
+impl<'a> Splice<'a> {
+    fn new(
+        conn: &'a mut tokio::net::TcpStream,
+        tunnel: &'a mut tether_client::TunnelConn,
+        last: Arc<std::sync::atomic::AtomicU64>,
+        epoch: tokio::time::Instant,
+    ) -> Self {
+        Splice {
+            conn,
+            tunnel,
+            last,
+            epoch,
+            up_buf: vec![0u8; UP_CHUNK].into_boxed_slice(),
+            up_filled: 0,
+            up_sent: 0,
+            up_done: false,
+            down_chunk: None,
+            down_done: false,
+            up: 0,
+            down: 0,
         }
-        r
+    }
+
+    fn moved(&self) {
+        let ms = self.epoch.elapsed().as_millis() as u64;
+        self.last.store(ms, Ordering::Relaxed);
+    }
+
+    /// Client to backend, as far as it can go now; Ready once the client's end of
+    /// stream has been passed on.
+    fn poll_up(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<std::io::Result<()>> {
+        use std::task::Poll;
+        use tokio::io::{AsyncRead, AsyncWrite};
+        loop {
+            if self.up_sent < self.up_filled {
+                let buf = &self.up_buf[self.up_sent..self.up_filled];
+                let n =
+                    std::task::ready!(std::pin::Pin::new(&mut *self.tunnel).poll_write(cx, buf))?;
+                self.up_sent += n;
+                self.up += n as u64;
+                continue;
+            }
+            let mut rb = tokio::io::ReadBuf::new(&mut self.up_buf);
+            std::task::ready!(std::pin::Pin::new(&mut *self.conn).poll_read(cx, &mut rb))?;
+            let n = rb.filled().len();
+            if n == 0 {
+                std::task::ready!(std::pin::Pin::new(&mut *self.tunnel).poll_shutdown(cx))?;
+                return Poll::Ready(Ok(()));
+            }
+            self.moved();
+            (self.up_filled, self.up_sent) = (n, 0);
+        }
+    }
+
+    /// Backend to client, likewise.
+    fn poll_down(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        use std::task::Poll;
+        use tokio::io::AsyncWrite;
+        loop {
+            if let Some(chunk) = &mut self.down_chunk {
+                let n =
+                    std::task::ready!(std::pin::Pin::new(&mut *self.conn).poll_write(cx, chunk))?;
+                if n == 0 {
+                    return Poll::Ready(Err(std::io::ErrorKind::WriteZero.into()));
+                }
+                self.down += n as u64;
+                let _ = chunk.split_to(n);
+                if chunk.is_empty() {
+                    self.down_chunk = None;
+                }
+                continue;
+            }
+            match std::task::ready!(self.tunnel.poll_chunk(cx))? {
+                Some(chunk) => {
+                    self.moved();
+                    self.down_chunk = Some(chunk);
+                }
+                None => {
+                    std::task::ready!(std::pin::Pin::new(&mut *self.conn).poll_shutdown(cx))?;
+                    return Poll::Ready(Ok(()));
+                }
+            }
+        }
     }
 }
 
-impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Tracked<S> {
-    fn poll_write(
+impl std::future::Future for Splice<'_> {
+    type Output = std::io::Result<()>;
+    fn poll(
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
-        buf: &[u8],
-    ) -> std::task::Poll<std::io::Result<usize>> {
-        std::pin::Pin::new(&mut self.inner).poll_write(cx, buf)
-    }
-    fn poll_flush(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
-    }
-    fn poll_shutdown(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+    ) -> std::task::Poll<Self::Output> {
+        use std::task::Poll;
+        let this = &mut *self;
+        if !this.up_done {
+            match this.poll_up(cx) {
+                Poll::Ready(Ok(())) => this.up_done = true,
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => {}
+            }
+        }
+        if !this.down_done {
+            match this.poll_down(cx) {
+                Poll::Ready(Ok(())) => this.down_done = true,
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => {}
+            }
+        }
+        if this.up_done && this.down_done {
+            Poll::Ready(Ok(()))
+        } else {
+            Poll::Pending
+        }
     }
 }
 
