@@ -2634,3 +2634,83 @@ fn stalled_downloads_on_one_service_leave_another_its_throughput() {
     );
     assert!(ratio >= 0.8, "B kept {ratio:.2}x of its throughput");
 }
+
+/// `--lb-max-connections` caps client connections over every Service: with a cap of
+/// two, two open connections on Service A leave none for B (closed at once, counted as
+/// `refused_global_limit`), and B serves again once A's close.
+#[test]
+fn the_global_connection_cap_holds_over_every_service() {
+    use std::io::Read;
+    let node = Node::create();
+    let tunnel = Tunnel::start(&node, "node-1", &format!("ipv4={}", node.node_ip));
+    let _zero: Vec<_> = [30092u16, 30093]
+        .iter()
+        .map(|p| {
+            node.spawn(
+                &format!("zero-{p}"),
+                "socat",
+                &[
+                    format!("TCP-LISTEN:{p},bind={},fork,reuseaddr", node.node_ip),
+                    "OPEN:/dev/zero,rdonly".into(),
+                ],
+            )
+        })
+        .collect();
+    let cluster = Cluster::start(&Egress::Direct);
+    let (_dir, inventory) = inventory_dir();
+    write_machines(&inventory, &[("node-1", &node.node_ip, false)]);
+    cluster.add_node("node-1", &node.node_ip);
+    cluster.set_node_ready("node-1", true);
+    let (port_a, port_b) = (free_port(), free_port());
+    for (name, port, node_port) in [("a", port_a, 30092), ("b", port_b, 30093)] {
+        cluster.apply(&format!(
+            "apiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n  namespace: default\nspec:\n  type: LoadBalancer\n  ports:\n  - name: bulk\n    port: {port}\n    nodePort: {node_port}\n"
+        ));
+    }
+    let metrics_port = free_port();
+    let _ccm = start_ccm_with(
+        &cluster,
+        &inventory,
+        "ccm",
+        &[
+            "--lb-bind-address=127.0.0.1".into(),
+            "--lb-max-connections=2".into(),
+            format!("--secure-port={metrics_port}"),
+            format!("--tunnel-uds={}", tunnel.socket.display()),
+        ],
+    );
+    // A connection that delivers bytes, or None if it is closed at once.
+    let open = |port: u16| -> Option<std::net::TcpStream> {
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+        let mut first = [0u8; 1024];
+        s.read_exact(&mut first).ok()?;
+        Some(s)
+    };
+    let a1 = wait_blocking("A serving", Duration::from_secs(60), || open(port_a));
+    let a2 = open(port_a).expect("a second connection on A");
+    assert!(
+        open(port_b).is_none(),
+        "B got a third connection over the cap"
+    );
+    let reader = metrics_reader_token(&cluster);
+    let page = https_get(
+        &format!("https://127.0.0.1:{metrics_port}/metrics"),
+        Some(&reader),
+    )
+    .1;
+    assert!(
+        page.lines()
+            .any(|l| l.starts_with("tether_ccm_lb_connections_total{")
+                && l.contains("default/b")
+                && l.contains("refused_global_limit")
+                && !l.ends_with(" 0")),
+        "{page}"
+    );
+    drop((a1, a2));
+    wait_blocking(
+        "B serving once A's connections closed",
+        Duration::from_secs(30),
+        || open(port_b),
+    );
+}

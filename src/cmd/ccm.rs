@@ -121,6 +121,11 @@ pub struct CcmArgs {
     /// balancers reach the nodes. Empty: no load balancers.
     #[arg(long, default_value = "")]
     pub tunnel_uds: String,
+    /// tether provider: client connections open at once over every load balancer
+    /// (each Service also has its own limit, the tether.dev/lb-max-connections
+    /// annotation); more are refused and counted.
+    #[arg(long, default_value_t = tether_ccm::lb::balancer::DEFAULT_MAX_CONNECTIONS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub lb_max_connections: usize,
     /// How often every load balancer is ensured again (drift repair).
     #[arg(long, default_value = "1m", value_parser = duration)]
     pub lb_resync_period: Duration,
@@ -252,6 +257,7 @@ impl CcmArgs {
             (bind, uds) => Some(tether_ccm::lb::balancer::TunnelLbConfig {
                 bind,
                 tunnel_uds: PathBuf::from(uds),
+                max_connections: self.lb_max_connections,
             }),
         };
         let provider: Arc<dyn Provider> = match self.cloud_provider.as_str() {

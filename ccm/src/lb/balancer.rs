@@ -38,7 +38,16 @@ pub struct TunnelLbConfig {
     pub bind: Option<IpAddr>,
     /// The Tether server's gRPC frontend socket (`--tunnel-uds`).
     pub tunnel_uds: PathBuf,
+    /// `--lb-max-connections`: open connections over every Service at once (each
+    /// Service also has its own limit, `tether.dev/lb-max-connections`).
+    pub max_connections: usize,
 }
+
+/// Default of [`TunnelLbConfig::max_connections`]. With stalled clients a connection
+/// holds at most 128 KiB of ours plus what its stream window lets in (256 KiB), and a
+/// Service's connections together at most its connection window (16 MiB): see the
+/// memory limit in deploy/tether-ccm.yaml.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 2048;
 
 /// The implicit sharing key of Services sharing `--lb-bind-address`.
 const BIND_ADDRESS_SHARING: &str = "--lb-bind-address";
@@ -109,6 +118,9 @@ struct Shared {
     /// Connections open now, every port (`tether_ccm_lb_active_connections{service}`,
     /// also what the limit counts).
     active: prometheus::IntGauge,
+    /// Connections open now over every Service, and their cap.
+    all: Arc<AtomicUsize>,
+    max_all: usize,
 }
 
 struct Balancer {
@@ -140,6 +152,9 @@ pub struct TunnelLoadBalancers {
     bind: Option<IpAddr>,
     announcer: Option<Announcer>,
     balancers: Mutex<HashMap<String, Balancer>>,
+    /// Connections open over every Service, and `--lb-max-connections`.
+    open: Arc<AtomicUsize>,
+    max_connections: usize,
     /// Where changed pools are read from (the cloud config), if they may change.
     inventory: Option<Arc<crate::cloud::tether::Inventory>>,
 }
@@ -188,6 +203,8 @@ impl TunnelLoadBalancers {
             bind,
             announcer,
             balancers: Mutex::new(HashMap::new()),
+            open: Arc::new(AtomicUsize::new(0)),
+            max_connections: cfg.max_connections,
             inventory: None,
         })
     }
@@ -359,6 +376,7 @@ fn forget_series(service: &str) {
         "accepted",
         "refused_source_range",
         "refused_limit",
+        "refused_global_limit",
         "no_backend",
     ] {
         let _ = m.lb_connections.remove_label_values(&[service, result]);
@@ -500,6 +518,8 @@ impl LoadBalancers for TunnelLoadBalancers {
                         active: crate::metrics::get()
                             .lb_active
                             .with_label_values(&[label(svc).as_str()]),
+                        all: self.open.clone(),
+                        max_all: self.max_connections,
                     },
                     HashMap::new(),
                 ),
@@ -734,8 +754,17 @@ impl PortServer {
             tracing::debug!(%peer, max = policy.max_connections, "connection limit reached; refused");
             return None;
         }
+        if self.shared.all.fetch_add(1, Ordering::AcqRel) >= self.shared.max_all {
+            self.shared.all.fetch_sub(1, Ordering::AcqRel);
+            self.count("refused_global_limit");
+            tracing::debug!(%peer, max = self.shared.max_all, "--lb-max-connections reached; refused");
+            return None;
+        }
         self.count("accepted");
-        Some(OpenGuard::new(self.shared.active.clone()))
+        Some(OpenGuard::new(
+            self.shared.active.clone(),
+            self.shared.all.clone(),
+        ))
     }
 
     /// The backends now, by name: the nodes' NodePort, or the ready endpoints.
@@ -828,33 +857,37 @@ impl PortServer {
 }
 
 /// Counts a connection among a Service's open ones until dropped.
-struct OpenGuard(prometheus::IntGauge);
+/// (The global count was taken by the caller.)
+struct OpenGuard(prometheus::IntGauge, Arc<AtomicUsize>);
 
 impl OpenGuard {
-    fn new(open: prometheus::IntGauge) -> Self {
+    fn new(open: prometheus::IntGauge, all: Arc<AtomicUsize>) -> Self {
         open.inc();
-        OpenGuard(open)
+        OpenGuard(open, all)
     }
 }
 
 impl Drop for OpenGuard {
     fn drop(&mut self) {
         self.0.dec();
+        self.1.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
 /// Copies both ways between a client connection and its tunnel connection until both
 /// directions have ended, noting (in ms since `epoch`) when bytes last moved. Lean on
 /// purpose: what arrives through the tunnel is written to the client as it came (no
-/// copy through a buffer of ours), and the client's bytes are read 64 KiB at a time,
-/// one tunnel frame each.
+/// copy through a buffer of ours), and the client's bytes are read up to
+/// [`READ_CHUNK`](tether_core::pump::READ_CHUNK) at a time, one tunnel frame each, in a
+/// buffer that starts small (an idle connection holds 16 KiB) and grows while reads
+/// fill it.
 struct Splice<'a> {
     conn: &'a mut tokio::net::TcpStream,
     tunnel: &'a mut tether_client::TunnelConn,
     last: Arc<std::sync::atomic::AtomicU64>,
     epoch: tokio::time::Instant,
     /// Client to backend: the buffer, how much of it is filled and how much was sent.
-    up_buf: Box<[u8]>,
+    up_buf: Vec<u8>,
     up_filled: usize,
     up_sent: usize,
     up_done: bool,
@@ -866,8 +899,9 @@ struct Splice<'a> {
     down: u64,
 }
 
-/// The client's bytes per read (and so per tunnel frame).
-const UP_CHUNK: usize = 64 * 1024;
+/// The client's bytes per read at first; reads that fill it double it, up to
+/// `READ_CHUNK`.
+const UP_FIRST: usize = 16 * 1024;
 
 impl<'a> Splice<'a> {
     fn new(
@@ -881,7 +915,7 @@ impl<'a> Splice<'a> {
             tunnel,
             last,
             epoch,
-            up_buf: vec![0u8; UP_CHUNK].into_boxed_slice(),
+            up_buf: vec![0u8; UP_FIRST],
             up_filled: 0,
             up_sent: 0,
             up_done: false,
@@ -914,6 +948,10 @@ impl<'a> Splice<'a> {
             let mut rb = tokio::io::ReadBuf::new(&mut self.up_buf);
             std::task::ready!(std::pin::Pin::new(&mut *self.conn).poll_read(cx, &mut rb))?;
             let n = rb.filled().len();
+            if n == self.up_buf.len() && n < tether_core::pump::READ_CHUNK {
+                let grown = (n * 2).min(tether_core::pump::READ_CHUNK);
+                self.up_buf.resize(grown, 0);
+            }
             if n == 0 {
                 std::task::ready!(std::pin::Pin::new(&mut *self.tunnel).poll_shutdown(cx))?;
                 return Poll::Ready(Ok(()));
