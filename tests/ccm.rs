@@ -2714,3 +2714,67 @@ fn the_global_connection_cap_holds_over_every_service() {
         || open(port_b),
     );
 }
+
+/// Before 1.30 kube-proxy captures an ingress IP; `loadBalancer.ingressHostnameSuffix`
+/// publishes `<address>.<suffix>` instead (no IP for kube-proxy to take), the balancer
+/// listens on the address, and a restarted CCM reads the address back from the name.
+#[test]
+fn an_ingress_hostname_suffix_publishes_names_kube_proxy_ignores() {
+    let node = Node::create();
+    let tunnel = Tunnel::start(&node, "node-1", &format!("ipv4={}", node.node_ip));
+    let _page = node.serve_page(30084, "hello by name\n");
+    let cluster = Cluster::start(&Egress::Direct);
+    cluster.add_node("node-1", &node.node_ip);
+    cluster.set_node_ready("node-1", true);
+    let k = std::process::id() % 250;
+    let vip = format!("127.80.{k}.10");
+    let (_dir, inventory) = inventory_dir();
+    write_inventory(
+        &inventory,
+        &format!(
+            "nodes:\n{}loadBalancer:\n  ingressHostnameSuffix: sslip.io\n  pools:\n  - name: general\n    addresses: [{vip}]\n",
+            machine("node-1", &node.node_ip, false)
+        ),
+    );
+    lb_service(
+        &cluster,
+        "default",
+        "named",
+        80,
+        Some(30084),
+        serde_json::json!({}),
+        serde_json::json!({}),
+    );
+    let ingress = || {
+        get_json(&cluster, &["get", "service", "named", "-o", "json"])
+            .map(|s| s["status"]["loadBalancer"]["ingress"].clone())
+            .filter(|i| i.as_array().is_some_and(|a| !a.is_empty()))
+    };
+    let args = [format!("--tunnel-uds={}", tunnel.socket.display())];
+    let ccm = start_ccm_with(&cluster, &inventory, "ccm", &args);
+    let first = wait_blocking("a hostname ingress", Duration::from_secs(30), ingress);
+    assert_eq!(
+        first,
+        serde_json::json!([{"hostname": format!("{vip}.sslip.io")}]),
+        "a hostname and no IP"
+    );
+    assert_eq!(
+        wait_blocking(
+            "the balancer on the address",
+            Duration::from_secs(30),
+            || { curl(None, &format!("http://{vip}/")) }
+        ),
+        "hello by name\n"
+    );
+    drop(ccm);
+    let _again = start_ccm_with(&cluster, &inventory, "ccm-again", &args);
+    assert_eq!(
+        wait_blocking(
+            "served again after a restart",
+            Duration::from_secs(30),
+            || { curl(None, &format!("http://{vip}/")) }
+        ),
+        "hello by name\n"
+    );
+    assert_eq!(ingress(), Some(first));
+}

@@ -144,6 +144,7 @@ const MODULES: &[(&str, &str)] = &[
     ("tether_ccm", "controllers"),
     ("tether_ccm", "credentials"),
     ("tether_ccm", "informer"),
+    ("tether_ccm", "lb"),
     ("tether_ccm", "leader"),
     ("tether_ccm", "metrics"),
     ("tether_ccm", "serving"),

@@ -134,7 +134,8 @@ pub struct ServiceInfo {
     /// Addresses asked for (`spec.loadBalancerIP`, or the annotation
     /// [`annotations::LOAD_BALANCER_IPS`]), as written.
     pub requested_ips: Vec<String>,
-    /// The ingress IPs its status shows now (kept across restarts and leader changes).
+    /// The ingress IPs (or hostnames) its status shows now (kept across restarts and
+    /// leader changes).
     pub current_ips: Vec<String>,
     /// [`annotations::SHARING_KEY`]: Services with the same key may share an address.
     pub sharing_key: Option<String>,

@@ -631,7 +631,7 @@ fn info_of(
         .and_then(|l| l.ingress.as_ref())
         .into_iter()
         .flatten()
-        .filter_map(|i| i.ip.clone())
+        .filter_map(|i| i.ip.clone().or_else(|| i.hostname.clone()))
         .collect();
     ServiceInfo {
         namespace: svc.namespace().unwrap_or_default(),

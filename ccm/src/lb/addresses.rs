@@ -40,6 +40,13 @@ pub struct LoadBalancerConfig {
     /// [`DEFAULT_RESERVED_PORTS`]; `[]` reserves none.
     #[serde(default)]
     pub reserved_ports: Option<Vec<u16>>,
+    /// Publish each address as a hostname, `<address>.<suffix>` (IPv6 with `-` for
+    /// `:`), instead of an IP: before Kubernetes 1.30 the apiserver drops `ipMode`,
+    /// and kube-proxy captures an ingress IP, sending in-cluster clients around the
+    /// balancer; it ignores hostnames (OpenStack's `ingress-hostname-suffix`). The
+    /// name must resolve to the address: a wildcard DNS such as `sslip.io`, or yours.
+    #[serde(default)]
+    pub ingress_hostname_suffix: Option<String>,
 }
 
 /// Ports refused to Services unless `reservedPorts` says otherwise: etcd (2379, 2380),
@@ -249,6 +256,8 @@ pub struct Pools {
     pub pools: Vec<Pool>,
     /// Ports refused to Services (see [`LoadBalancerConfig::reserved_ports`]).
     pub reserved_ports: Vec<u16>,
+    /// See [`LoadBalancerConfig::ingress_hostname_suffix`].
+    pub ingress_hostname_suffix: Option<String>,
 }
 
 impl Pools {
@@ -262,6 +271,24 @@ impl Pools {
             if i.is_empty() || i.len() > 15 || i.contains('/') || i.contains(char::is_whitespace) {
                 return Err(format!(
                     "loadBalancer.interface {i:?} is not an interface name"
+                ));
+            }
+        }
+        if let Some(suffix) = &config.ingress_hostname_suffix {
+            let ok = !suffix.is_empty()
+                && suffix.len() <= 200
+                && suffix.split('.').all(|label| {
+                    !label.is_empty()
+                        && label.len() <= 63
+                        && !label.starts_with('-')
+                        && !label.ends_with('-')
+                        && label
+                            .chars()
+                            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+                });
+            if !ok {
+                return Err(format!(
+                    "loadBalancer.ingressHostnameSuffix {suffix:?} is not a DNS name (lower-case labels, no leading dot)"
                 ));
             }
         }
@@ -309,6 +336,7 @@ impl Pools {
                 .reserved_ports
                 .clone()
                 .unwrap_or_else(|| DEFAULT_RESERVED_PORTS.to_vec()),
+            ingress_hostname_suffix: config.ingress_hostname_suffix.clone(),
         })
     }
 
@@ -700,9 +728,55 @@ impl Allocator {
     }
 }
 
+/// `ip` as a hostname under `suffix` (`192.0.2.10.sslip.io`, `2001-db8--10.sslip.io`).
+pub fn ingress_hostname(ip: IpAddr, suffix: &str) -> String {
+    match ip {
+        IpAddr::V4(v4) => format!("{v4}.{suffix}"),
+        IpAddr::V6(v6) => format!("{}.{suffix}", v6.to_string().replace(':', "-")),
+    }
+}
+
+/// The address an [`ingress_hostname`] under `suffix` names, if it is one.
+pub fn address_of_hostname(name: &str, suffix: &str) -> Option<IpAddr> {
+    let head = name.strip_suffix(suffix)?.strip_suffix('.')?;
+    head.parse().ok().or_else(|| {
+        head.replace('-', ":")
+            .parse::<std::net::Ipv6Addr>()
+            .ok()
+            .map(IpAddr::V6)
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ingress_hostnames_name_their_address() {
+        for ip in ["192.0.2.10", "2001:db8::10", "::ffff:1.2.3.4"] {
+            let ip: IpAddr = ip.parse().unwrap();
+            let name = ingress_hostname(ip, "sslip.io");
+            assert_eq!(address_of_hostname(&name, "sslip.io"), Some(ip), "{name}");
+        }
+        assert_eq!(
+            ingress_hostname("2001:db8::10".parse().unwrap(), "lb.example"),
+            "2001-db8--10.lb.example"
+        );
+        assert_eq!(address_of_hostname("x.sslip.io", "sslip.io"), None);
+        assert_eq!(address_of_hostname("192.0.2.10.other.io", "sslip.io"), None);
+        let bad = |suffix: &str| {
+            pools(&format!(
+                "ingressHostnameSuffix: {suffix:?}\npools:\n- name: a\n  addresses: [192.0.2.1]\n"
+            ))
+            .unwrap_err()
+        };
+        assert!(bad(".sslip.io").contains("not a DNS name"));
+        assert!(bad("SSLIP.io").contains("not a DNS name"));
+        assert!(pools(
+            "ingressHostnameSuffix: sslip.io\npools:\n- name: a\n  addresses: [192.0.2.1]\n"
+        )
+        .is_ok());
+    }
 
     fn pools(yaml: &str) -> Result<Pools, String> {
         let c: LoadBalancerConfig = serde_yaml::from_str(yaml).map_err(|e| e.to_string())?;

@@ -179,6 +179,7 @@ impl TunnelLoadBalancers {
                         namespaces: Vec::new(),
                     }],
                     reserved_ports: None,
+                    ingress_hostname_suffix: None,
                 };
                 (Pools::new(&single)?, Some(bind))
             }
@@ -322,11 +323,19 @@ impl TunnelLoadBalancers {
             families,
             require_all: svc.require_dual_stack,
             requested,
-            current: svc
-                .current_ips
-                .iter()
-                .filter_map(|ip| ip.parse().ok())
-                .collect(),
+            current: {
+                let suffix = self.allocator().pools().ingress_hostname_suffix.clone();
+                svc.current_ips
+                    .iter()
+                    .filter_map(|ip| {
+                        ip.parse().ok().or_else(|| {
+                            suffix
+                                .as_deref()
+                                .and_then(|s| super::addresses::address_of_hostname(ip, s))
+                        })
+                    })
+                    .collect()
+            },
             sharing_key: match self.bind {
                 Some(_) => Some(BIND_ADDRESS_SHARING.into()),
                 None => svc.sharing_key.clone(),
@@ -345,12 +354,25 @@ impl TunnelLoadBalancers {
         })
     }
 
-    fn status(addresses: &[IpAddr]) -> LoadBalancerStatus {
-        LoadBalancerStatus {
-            ips: addresses.iter().map(ToString::to_string).collect(),
-            hostnames: Vec::new(),
-            // Traffic must reach this proxy, never be short-cut by kube-proxy.
-            proxy: true,
+    /// The ingress: the addresses, or their hostnames with
+    /// `loadBalancer.ingressHostnameSuffix`.
+    fn status(&self, addresses: &[IpAddr]) -> LoadBalancerStatus {
+        let suffix = self.allocator().pools().ingress_hostname_suffix.clone();
+        match suffix {
+            Some(suffix) => LoadBalancerStatus {
+                ips: Vec::new(),
+                hostnames: addresses
+                    .iter()
+                    .map(|ip| super::addresses::ingress_hostname(*ip, &suffix))
+                    .collect(),
+                proxy: true,
+            },
+            None => LoadBalancerStatus {
+                ips: addresses.iter().map(ToString::to_string).collect(),
+                hostnames: Vec::new(),
+                // Traffic must reach this proxy, never be short-cut by kube-proxy.
+                proxy: true,
+            },
         }
     }
 
@@ -397,23 +419,24 @@ impl LoadBalancers for TunnelLoadBalancers {
         _cluster: &str,
         svc: &ServiceInfo,
     ) -> Result<Option<LoadBalancerStatus>, CloudError> {
-        Ok(self
-            .lock()
-            .get(&svc.uid)
-            .map(|b| Self::status(&b.addresses)))
+        let held = self.lock().get(&svc.uid).map(|b| b.addresses.clone());
+        Ok(held.map(|a| self.status(&a)))
     }
 
     async fn restore(&self, _cluster: &str, services: &[ServiceInfo]) {
         if let Some(a) = &self.announcer {
             a.resume().await;
         }
+        // (request() reads the allocator's pools: the requests first, then the lock.)
+        let requests: Vec<(&ServiceInfo, Request)> = services
+            .iter()
+            .filter_map(|svc| self.request(svc).ok().map(|r| (svc, r)))
+            .collect();
         let mut allocator = self.allocator();
-        for svc in services {
-            if let Ok(req) = self.request(svc) {
-                let kept = allocator.restore(&req);
-                if !kept.is_empty() {
-                    tracing::info!(service = %label(svc), addresses = ?kept, "load-balancer addresses read back");
-                }
+        for (svc, req) in requests {
+            let kept = allocator.restore(&req);
+            if !kept.is_empty() {
+                tracing::info!(service = %label(svc), addresses = ?kept, "load-balancer addresses read back");
             }
         }
     }
@@ -612,7 +635,7 @@ impl LoadBalancers for TunnelLoadBalancers {
         };
         self.let_go(gone).await;
         self.publish_usage();
-        Ok(Self::status(&addresses))
+        Ok(self.status(&addresses))
     }
 
     async fn update(
