@@ -234,7 +234,9 @@ pub async fn lead(
     };
     async {
         tracing::info!("waiting to become leader");
+        let mut acquired_at;
         loop {
+            acquired_at = Instant::now();
             match elector.try_acquire_or_renew().await {
                 Ok(true) => break,
                 Ok(false) => {}
@@ -257,7 +259,7 @@ pub async fn lead(
         };
         tokio::spawn(
             async move {
-                let mut last_renewed = Instant::now();
+                let mut last_renewed = acquired_at;
                 loop {
                     tokio::select! {
                         _ = tokio::time::sleep(elector.cfg.retry_period) => {}
@@ -273,15 +275,23 @@ pub async fn lead(
                     // An attempt may not outlast the deadline: a leader cut off from the
                     // apiserver steps down by then, well before the lease can expire
                     // for anyone else.
+                    // A renewal counts from when its attempt started: the write may have
+                    // been seen by a standby (whose clock starts then) before we had
+                    // the answer.
                     let left = elector
                         .cfg
                         .renew_deadline
-                        .saturating_sub(last_renewed.elapsed())
-                        .max(Duration::from_millis(100));
-                    let attempt = tokio::time::timeout(left, elector.try_acquire_or_renew())
-                    .await;
+                        .saturating_sub(last_renewed.elapsed());
+                    if left.is_zero() {
+                        tracing::error!(deadline = ?elector.cfg.renew_deadline, "could not renew the leader lease in time; stepping down");
+                        lost.cancel();
+                        return;
+                    }
+                    let started = Instant::now();
+                    let attempt =
+                        tokio::time::timeout(left, elector.try_acquire_or_renew()).await;
                     match attempt {
-                        Ok(Ok(true)) => last_renewed = Instant::now(),
+                        Ok(Ok(true)) => last_renewed = started,
                         Ok(Ok(false)) => {
                             tracing::error!("leader lease taken by another replica; stepping down");
                             lost.cancel();

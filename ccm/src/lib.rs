@@ -449,6 +449,12 @@ async fn run_load_balancers(
             return;
         };
         holding.set(1);
+        // The addresses' kernel lifetime: what is left of the lease after the renew
+        // deadline, so that a holder that hangs loses them before a standby can hold
+        // the lease; refreshed every retry period while we hold it.
+        let lifetime = le.lease_duration.saturating_sub(le.renew_deadline).max(Duration::from_secs(1));
+        lbs.resume().await;
+        lbs.refresh(lifetime).await;
         let stop = CancellationToken::new();
         let mut term = {
             let (clients, lbs, config) = (clients.clone(), lbs.clone(), config.clone());
@@ -464,6 +470,7 @@ async fn run_load_balancers(
                 if let Err(why) = lbs.ready().await {
                     return why;
                 }
+                lbs.refresh(lifetime).await;
             }
         };
         let release = tokio::select! {
@@ -487,6 +494,8 @@ async fn run_load_balancers(
             tracing::warn!(timeout = ?STOP_TIMEOUT, "the service controller did not stop in time");
             term.abort();
         }
+        // Whatever a sync still in flight set up (listeners, balancer state) goes too.
+        lbs.release_all(&config.cluster_name).await;
         if release {
             leadership.release().await;
         }

@@ -277,10 +277,10 @@ impl CcmArgs {
         }
         if self.leader_elect
             && !(self.lb_lease_retry_period < self.lb_lease_renew_deadline
-                && self.lb_lease_renew_deadline < self.lb_lease_duration
+                && self.lb_lease_renew_deadline + self.lb_lease_retry_period <= self.lb_lease_duration
                 && self.lb_lease_duration.subsec_nanos() == 0)
         {
-            bail!("--lb-lease-retry-period < --lb-lease-renew-deadline < --lb-lease-duration (whole seconds) must hold (defaults 500ms, 2s, 4s)");
+            bail!("--lb-lease-retry-period < --lb-lease-renew-deadline, deadline + retry period <= --lb-lease-duration (whole seconds) must hold: a holder must let go before the lease can run out elsewhere (defaults 500ms, 2s, 4s)");
         }
         if !(self.kube_api_qps > 0.0 && self.provider_qps > 0.0)
             || self.kube_api_burst == 0

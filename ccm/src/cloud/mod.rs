@@ -258,6 +258,12 @@ pub trait LoadBalancers: Send + Sync {
     async fn ready(&self) -> Result<(), String> {
         Ok(())
     }
+    /// The lease holder, every retry period: what it holds stays valid for `lifetime`
+    /// more (the `tether` provider: the addresses' kernel lifetime), so that a holder
+    /// that hangs while alive lets go by itself.
+    async fn refresh(&self, _lifetime: std::time::Duration) {}
+    /// A new term as holder: what `release_all` fenced off may be held again.
+    async fn resume(&self) {}
 }
 
 /// A route: traffic for `cidr` goes to `node`'s address.
@@ -420,6 +426,12 @@ impl LoadBalancers for Limited<dyn LoadBalancers> {
     }
     async fn ready(&self) -> Result<(), String> {
         self.inner.ready().await
+    }
+    async fn refresh(&self, lifetime: std::time::Duration) {
+        self.inner.refresh(lifetime).await
+    }
+    async fn resume(&self) {
+        self.inner.resume().await
     }
 }
 

@@ -28,11 +28,15 @@ pub struct Announcer {
     ns: Arc<LbNamespace>,
     /// Addresses added and announced: one already there and announced is not
     /// announced again on every ensure (a resync, an endpoint change).
-    announced: std::sync::Mutex<std::collections::HashSet<IpAddr>>,
+    announced: Arc<std::sync::Mutex<std::collections::HashSet<IpAddr>>>,
     /// Set by [`Self::release_all`] (the replica let go), cleared by [`Self::resume`]:
     /// while set, nothing is added, so that a sync still in flight when the lease was
     /// lost cannot put an address back.
     fenced: tokio::sync::Mutex<bool>,
+    /// The lifetime (whole seconds) addresses get, 0 for none: a holder refreshes it
+    /// while it holds the lease ([`Self::refresh`]), so a process that hangs while
+    /// alive loses its addresses when it stops refreshing.
+    lifetime: std::sync::atomic::AtomicU32,
 }
 
 impl Announcer {
@@ -43,11 +47,12 @@ impl Announcer {
             ns: Arc::new(LbNamespace::create(interface)?),
             announced: Default::default(),
             fenced: tokio::sync::Mutex::new(false),
+            lifetime: std::sync::atomic::AtomicU32::new(0),
         })
     }
 
     fn announced(&self) -> std::sync::MutexGuard<'_, std::collections::HashSet<IpAddr>> {
-        self.announced.lock().unwrap_or_else(|e| e.into_inner())
+        lock_set(&self.announced)
     }
 
     /// The host interface it announces on.
@@ -85,15 +90,7 @@ impl Announcer {
         }
         let device = self.ns.device().await?;
         let handle = self.ns.netlink().await?;
-        let prefix = if ip.is_ipv4() { 32 } else { 128 };
-        let mut add = handle.address().add(device.index, ip, prefix);
-        if ip.is_ipv6() {
-            let msg = add.message_mut();
-            msg.header.flags = AddressHeaderFlags::Nodad;
-            msg.attributes
-                .push(AddressAttribute::Flags(AddressFlags::Nodad));
-        }
-        match add.execute().await {
+        match self.add(&handle, device, ip, false).await {
             Ok(()) => {
                 self.announced().remove(&ip);
                 tracing::info!(%ip, interface = %self.interface(), "load-balancer address added")
@@ -121,15 +118,74 @@ impl Announcer {
         })?;
         self.announced().insert(ip);
         drop(fenced);
-        let ns = self.ns.clone();
+        let (ns, held) = (self.ns.clone(), self.announced.clone());
         tokio::spawn(async move {
             for _ in 1..ANNOUNCEMENTS {
                 tokio::time::sleep(Duration::from_secs(1)).await;
+                // Not for an address let go of since (it would point neighbours here).
+                if !lock_set(&held).contains(&ip) {
+                    return;
+                }
                 if let Err(e) = ns.run(move || announce(device, ip)).await {
                     tracing::warn!(%ip, interface = %ns.parent(), error = %e, "announcement failed");
                 }
             }
         });
+        Ok(())
+    }
+
+    /// Adds (or with `replace`, refreshes) `ip` with the current lifetime.
+    async fn add(
+        &self,
+        handle: &rtnetlink::Handle,
+        device: Device,
+        ip: IpAddr,
+        replace: bool,
+    ) -> Result<(), rtnetlink::Error> {
+        let prefix = if ip.is_ipv4() { 32 } else { 128 };
+        let mut add = handle.address().add(device.index, ip, prefix);
+        if replace {
+            add = add.replace();
+        }
+        let msg = add.message_mut();
+        if ip.is_ipv6() {
+            msg.header.flags = AddressHeaderFlags::Nodad;
+            msg.attributes
+                .push(AddressAttribute::Flags(AddressFlags::Nodad));
+        }
+        let secs = self.lifetime.load(std::sync::atomic::Ordering::Relaxed);
+        if secs > 0 {
+            let mut info = rtnetlink::packet_route::address::CacheInfo::default();
+            info.ifa_preferred = secs;
+            info.ifa_valid = secs;
+            msg.attributes.push(AddressAttribute::CacheInfo(info));
+        }
+        add.execute().await
+    }
+
+    /// Gives every held address `lifetime` (whole seconds, at least one) from now. The
+    /// lease holder calls this every retry period; a holder that hangs stops, and the
+    /// kernel removes its addresses when the lifetime ends.
+    pub async fn refresh(&self, lifetime: Duration) -> Result<(), CloudError> {
+        let secs = lifetime.as_secs().max(1) as u32;
+        self.lifetime
+            .store(secs, std::sync::atomic::Ordering::Relaxed);
+        let fenced = self.fenced.lock().await;
+        if *fenced {
+            return Ok(());
+        }
+        let held: Vec<IpAddr> = self.announced().iter().copied().collect();
+        if held.is_empty() {
+            return Ok(());
+        }
+        let device = self.ns.device().await?;
+        let handle = self.ns.netlink().await?;
+        for ip in held {
+            if let Err(e) = self.add(&handle, device, ip, true).await {
+                return Err(self.failed(format!("cannot refresh {ip}"), &e));
+            }
+        }
+        drop(fenced);
         Ok(())
     }
 
@@ -193,17 +249,40 @@ impl Announcer {
     }
 
     /// Removes every address and adds none until [`Self::resume`]; returns how many.
-    /// Everything on the device is ours.
+    /// Everything on the device is ours. If they cannot be removed one by one, the
+    /// device goes (taking them all); if even that fails, the process ends, and the
+    /// kernel destroys the namespace: a replica that lets go never keeps answering.
     pub async fn release_all(&self) -> Result<usize, CloudError> {
         let mut fenced = self.fenced.lock().await;
         *fenced = true;
-        let ours = self.addresses(None).await?;
-        let n = ours.len();
-        self.remove(ours).await?;
         self.announced().clear();
+        let removed = match self.addresses(None).await {
+            Ok(ours) => {
+                let n = ours.len();
+                self.remove(ours).await.map(|()| n)
+            }
+            Err(e) => Err(e),
+        };
+        let n = match removed {
+            Ok(n) => n,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot remove the load-balancer addresses; deleting their device");
+                if let Err(e2) = self.ns.delete_device().await {
+                    tracing::error!(error = %e2, "cannot delete the load-balancer device either; exiting so that the kernel removes the addresses");
+                    std::process::abort();
+                }
+                0
+            }
+        };
         drop(fenced);
         Ok(n)
     }
+}
+
+fn lock_set(
+    set: &std::sync::Mutex<std::collections::HashSet<IpAddr>>,
+) -> std::sync::MutexGuard<'_, std::collections::HashSet<IpAddr>> {
+    set.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Sends one announcement of `ip` on `link` (a raw packet socket: the only unsafe

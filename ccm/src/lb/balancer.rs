@@ -43,11 +43,12 @@ pub struct TunnelLbConfig {
     pub max_connections: usize,
 }
 
-/// Default of [`TunnelLbConfig::max_connections`]. With stalled clients a connection
-/// holds at most 128 KiB of ours plus what its stream window lets in (256 KiB), and a
-/// Service's connections together at most its connection window (16 MiB): see the
-/// memory limit in deploy/tether-ccm.yaml.
-pub const DEFAULT_MAX_CONNECTIONS: usize = 2048;
+/// Default of [`TunnelLbConfig::max_connections`]. With a client that stops reading, a
+/// connection holds at most about 896 KiB: 128 KiB read from the client, a 128 KiB
+/// chunk being written to it, 384 KiB received and unread (the tunnel client's
+/// read-ahead and one more packet) and 256 KiB its stream window lets the server send:
+/// 1024 of them fit the 1 GiB memory limit in deploy/tether-ccm.yaml.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
 
 /// The implicit sharing key of Services sharing `--lb-bind-address`.
 const BIND_ADDRESS_SHARING: &str = "--lb-bind-address";
@@ -423,10 +424,13 @@ impl LoadBalancers for TunnelLoadBalancers {
         Ok(held.map(|a| self.status(&a)))
     }
 
-    async fn restore(&self, _cluster: &str, services: &[ServiceInfo]) {
+    async fn resume(&self) {
         if let Some(a) = &self.announcer {
             a.resume().await;
         }
+    }
+
+    async fn restore(&self, _cluster: &str, services: &[ServiceInfo]) {
         // (request() reads the allocator's pools: the requests first, then the lock.)
         let requests: Vec<(&ServiceInfo, Request)> = services
             .iter()
@@ -466,6 +470,14 @@ impl LoadBalancers for TunnelLoadBalancers {
         match &self.announcer {
             Some(a) => a.ready().await,
             None => Ok(()),
+        }
+    }
+
+    async fn refresh(&self, lifetime: std::time::Duration) {
+        if let Some(a) = &self.announcer {
+            if let Err(e) = a.refresh(lifetime).await {
+                tracing::warn!(error = %e, "cannot refresh the load-balancer addresses' lifetime");
+            }
         }
     }
 

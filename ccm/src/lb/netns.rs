@@ -249,6 +249,22 @@ impl LbNamespace {
         Ok(device)
     }
 
+    /// Deletes the device (and with it every address on it); it is made again on next
+    /// use.
+    pub async fn delete_device(&self) -> Result<(), CloudError> {
+        let _one = self.setup.lock().await;
+        let Some(d) = self.find_device().await? else {
+            return Ok(());
+        };
+        let inside = self.netlink().await?;
+        inside
+            .link()
+            .del(d.index)
+            .execute()
+            .await
+            .map_err(|e| CloudError::Provider(format!("cannot delete the load-balancer device: {e}")))
+    }
+
     async fn find_device(&self) -> Result<Option<Device>, CloudError> {
         let inside = self.netlink().await?;
         let mut links = inside.link().get().match_name(DEVICE.to_string()).execute();
