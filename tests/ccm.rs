@@ -2493,6 +2493,61 @@ fn the_holders_host_daemons_are_neither_exposed_nor_blocked() {
     drop(d2);
 }
 
+/// A holder that hangs while alive (SIGSTOP): its addresses' kernel lifetime (2 s,
+/// refreshed while it holds the lease) runs out, so its host goes silent before the
+/// standby can take the lease (4 s); never both answer. Woken again (SIGCONT), it finds
+/// itself late, lets go and stands by without answering again.
+#[test]
+fn a_hung_holder_goes_silent_before_the_standby_takes_over() {
+    let f = Failover::new();
+    let a = f.start(0, "ccm-a");
+    assert_eq!(wait_ingress(&f.cluster, "default", "web"), f.vip);
+    let mac_a = f.wait_single_answer("the first replica answering ARP");
+    let _b = f.start(1, "ccm-b");
+    // Hold the address a few lifetimes first: it is refreshed, not expiring.
+    for _ in 0..30 {
+        assert_eq!(arp_answers(&f.client, &f.vip), std::slice::from_ref(&mac_a));
+    }
+    a.signal("STOP");
+    let stopped = Instant::now();
+    let (mut silent, mut answered) = (None, None);
+    while answered.is_none() {
+        let answers = arp_answers(&f.client, &f.vip);
+        assert!(
+            answers.len() <= 1,
+            "two hosts answer ARP at once: {answers:?}"
+        );
+        if !answers.contains(&mac_a) && silent.is_none() {
+            silent = Some(stopped.elapsed());
+        }
+        if answers.len() == 1 && answers[0] != mac_a {
+            answered = Some(stopped.elapsed());
+        }
+        assert!(
+            stopped.elapsed() < Duration::from_secs(30),
+            "nobody took the address over"
+        );
+    }
+    let (silent, answered) = (silent.unwrap(), answered.unwrap());
+    eprintln!(
+        "hung holder: silent {silent:?} after SIGSTOP (address lifetime); the standby answered from {answered:?}"
+    );
+    a.signal("CONT");
+    // It lets go, or exits: its controllers' lease ran out too, and a leader that loses
+    // that lease exits, as upstream's does.
+    let mut a = a;
+    wait_blocking("the woken replica lets go", Duration::from_secs(30), || {
+        (a.exited() || a.logged("stepping down") || a.logged("giving up the load-balancer lease"))
+            .then_some(())
+    });
+    for _ in 0..20 {
+        let answers = arp_answers(&f.client, &f.vip);
+        assert_eq!(answers.len(), 1, "after SIGCONT: {answers:?}");
+        assert_ne!(answers[0], mac_a, "the woken replica answers again");
+    }
+    f.hundred_tries(20);
+}
+
 /// Partition: cut the holder from the apiserver only (its packets to the apiserver
 /// dropped in its namespace). It lets go of the address when it cannot renew (2 s),
 /// before the lease can run out for the standby (4 s): at no moment do both hosts

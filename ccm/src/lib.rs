@@ -452,9 +452,12 @@ async fn run_load_balancers(
         // The addresses' kernel lifetime: what is left of the lease after the renew
         // deadline, so that a holder that hangs loses them before a standby can hold
         // the lease; refreshed every retry period while we hold it.
-        let lifetime = le.lease_duration.saturating_sub(le.renew_deadline).max(Duration::from_secs(1));
+        let lifetime = le
+            .lease_duration
+            .saturating_sub(le.renew_deadline)
+            .max(Duration::from_secs(1));
         lbs.resume().await;
-        lbs.refresh(lifetime).await;
+        let _ = lbs.refresh(lifetime).await;
         let stop = CancellationToken::new();
         let mut term = {
             let (clients, lbs, config) = (clients.clone(), lbs.clone(), config.clone());
@@ -470,7 +473,9 @@ async fn run_load_balancers(
                 if let Err(why) = lbs.ready().await {
                     return why;
                 }
-                lbs.refresh(lifetime).await;
+                if let Err(why) = lbs.refresh(lifetime).await {
+                    return why;
+                }
             }
         };
         let release = tokio::select! {

@@ -277,7 +277,8 @@ impl CcmArgs {
         }
         if self.leader_elect
             && !(self.lb_lease_retry_period < self.lb_lease_renew_deadline
-                && self.lb_lease_renew_deadline + self.lb_lease_retry_period <= self.lb_lease_duration
+                && self.lb_lease_renew_deadline + self.lb_lease_retry_period
+                    <= self.lb_lease_duration
                 && self.lb_lease_duration.subsec_nanos() == 0)
         {
             bail!("--lb-lease-retry-period < --lb-lease-renew-deadline, deadline + retry period <= --lb-lease-duration (whole seconds) must hold: a holder must let go before the lease can run out elsewhere (defaults 500ms, 2s, 4s)");

@@ -260,8 +260,10 @@ pub trait LoadBalancers: Send + Sync {
     }
     /// The lease holder, every retry period: what it holds stays valid for `lifetime`
     /// more (the `tether` provider: the addresses' kernel lifetime), so that a holder
-    /// that hangs while alive lets go by itself.
-    async fn refresh(&self, _lifetime: std::time::Duration) {}
+    /// that hangs while alive lets go by itself. An error: this replica must let go.
+    async fn refresh(&self, _lifetime: std::time::Duration) -> Result<(), String> {
+        Ok(())
+    }
     /// A new term as holder: what `release_all` fenced off may be held again.
     async fn resume(&self) {}
 }
@@ -427,7 +429,7 @@ impl LoadBalancers for Limited<dyn LoadBalancers> {
     async fn ready(&self) -> Result<(), String> {
         self.inner.ready().await
     }
-    async fn refresh(&self, lifetime: std::time::Duration) {
+    async fn refresh(&self, lifetime: std::time::Duration) -> Result<(), String> {
         self.inner.refresh(lifetime).await
     }
     async fn resume(&self) {

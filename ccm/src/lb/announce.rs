@@ -20,6 +20,9 @@ use super::netns::{Device, LbNamespace};
 use crate::cloud::netlink::errno;
 use crate::cloud::CloudError;
 
+/// A refresh later than the lifetime less this is too late (see [`Announcer::refresh`]).
+const REFRESH_MARGIN: Duration = Duration::from_millis(500);
+
 /// Announcements per address taken (the first at once, then one a second).
 const ANNOUNCEMENTS: u32 = 3;
 
@@ -37,6 +40,8 @@ pub struct Announcer {
     /// while it holds the lease ([`Self::refresh`]), so a process that hangs while
     /// alive loses its addresses when it stops refreshing.
     lifetime: std::sync::atomic::AtomicU32,
+    /// When the lifetimes were last refreshed (from the attempt's start).
+    refreshed: std::sync::Mutex<Option<std::time::Instant>>,
 }
 
 impl Announcer {
@@ -48,6 +53,7 @@ impl Announcer {
             announced: Default::default(),
             fenced: tokio::sync::Mutex::new(false),
             lifetime: std::sync::atomic::AtomicU32::new(0),
+            refreshed: std::sync::Mutex::new(None),
         })
     }
 
@@ -166,6 +172,10 @@ impl Announcer {
     /// Gives every held address `lifetime` (whole seconds, at least one) from now. The
     /// lease holder calls this every retry period; a holder that hangs stops, and the
     /// kernel removes its addresses when the lifetime ends.
+    ///
+    /// A refresh that comes too late (the process was stopped, or starved) fails
+    /// instead: the kernel may have removed the addresses already, and refreshing
+    /// would add them back while a standby may hold them. The caller then lets go.
     pub async fn refresh(&self, lifetime: Duration) -> Result<(), CloudError> {
         let secs = lifetime.as_secs().max(1) as u32;
         self.lifetime
@@ -174,9 +184,21 @@ impl Announcer {
         if *fenced {
             return Ok(());
         }
+        let started = std::time::Instant::now();
+        let late = self
+            .refreshed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some_and(|at| started - at >= lifetime.saturating_sub(REFRESH_MARGIN));
         let held: Vec<IpAddr> = self.announced().iter().copied().collect();
         if held.is_empty() {
+            *self.refreshed.lock().unwrap_or_else(|e| e.into_inner()) = Some(started);
             return Ok(());
+        }
+        if late {
+            return Err(CloudError::Provider(format!(
+                "the addresses' lifetime ({secs} s) may have run out before this refresh"
+            )));
         }
         let device = self.ns.device().await?;
         let handle = self.ns.netlink().await?;
@@ -185,6 +207,7 @@ impl Announcer {
                 return Err(self.failed(format!("cannot refresh {ip}"), &e));
             }
         }
+        *self.refreshed.lock().unwrap_or_else(|e| e.into_inner()) = Some(started);
         drop(fenced);
         Ok(())
     }
@@ -256,6 +279,7 @@ impl Announcer {
         let mut fenced = self.fenced.lock().await;
         *fenced = true;
         self.announced().clear();
+        *self.refreshed.lock().unwrap_or_else(|e| e.into_inner()) = None;
         let removed = match self.addresses(None).await {
             Ok(ours) => {
                 let n = ours.len();

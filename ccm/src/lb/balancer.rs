@@ -473,11 +473,10 @@ impl LoadBalancers for TunnelLoadBalancers {
         }
     }
 
-    async fn refresh(&self, lifetime: std::time::Duration) {
-        if let Some(a) = &self.announcer {
-            if let Err(e) = a.refresh(lifetime).await {
-                tracing::warn!(error = %e, "cannot refresh the load-balancer addresses' lifetime");
-            }
+    async fn refresh(&self, lifetime: std::time::Duration) -> Result<(), String> {
+        match &self.announcer {
+            Some(a) => a.refresh(lifetime).await.map_err(|e| e.to_string()),
+            None => Ok(()),
         }
     }
 

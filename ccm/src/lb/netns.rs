@@ -257,12 +257,9 @@ impl LbNamespace {
             return Ok(());
         };
         let inside = self.netlink().await?;
-        inside
-            .link()
-            .del(d.index)
-            .execute()
-            .await
-            .map_err(|e| CloudError::Provider(format!("cannot delete the load-balancer device: {e}")))
+        inside.link().del(d.index).execute().await.map_err(|e| {
+            CloudError::Provider(format!("cannot delete the load-balancer device: {e}"))
+        })
     }
 
     async fn find_device(&self) -> Result<Option<Device>, CloudError> {
