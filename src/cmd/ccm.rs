@@ -342,6 +342,10 @@ impl CcmArgs {
 pub fn main(args: CcmArgs) -> anyhow::Result<()> {
     args.log.init()?;
     let (config, provider) = args.config()?;
+    // SYS_ADMIN made the load balancers' namespace (if any); nothing needs it from here
+    // on, and the runtime's threads, started below, inherit its absence.
+    tether_ccm::lb::netns::drop_sys_admin()
+        .map_err(|e| anyhow::anyhow!("cannot drop CAP_SYS_ADMIN: {e}"))?;
     let kubeconfig = (!args.kubeconfig.is_empty()).then(|| PathBuf::from(&args.kubeconfig));
     let registry = prometheus::Registry::new();
     tether_ccm::metrics::register(&registry).expect("metrics registered once");

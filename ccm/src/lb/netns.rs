@@ -403,7 +403,56 @@ fn enter_new_namespace() -> std::io::Result<OwnedFd> {
         return Err(std::io::Error::last_os_error());
     }
     // SAFETY: `fd` is a fresh descriptor nobody else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // This thread makes the listeners: it keeps no SYS_ADMIN.
+    drop_sys_admin()?;
+    Ok(fd)
+}
+
+/// Linux capability number of CAP_SYS_ADMIN.
+const CAP_SYS_ADMIN: u32 = 21;
+
+/// Drops CAP_SYS_ADMIN from the calling thread's effective, permitted and inheritable
+/// sets (threads it starts later inherit that). The CCM needs it only to create the
+/// load balancers' namespace: `tether ccm` drops it on its main thread once the
+/// provider is built, before any runtime thread exists, and the namespace thread right
+/// after `unshare`.
+#[allow(unsafe_code)]
+pub fn drop_sys_admin() -> std::io::Result<()> {
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: i32,
+    }
+    #[repr(C)]
+    #[derive(Clone, Copy, Default)]
+    struct Data {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    const VERSION_3: u32 = 0x2008_0522;
+    let mut header = Header {
+        version: VERSION_3,
+        pid: 0,
+    };
+    let mut data = [Data::default(); 2];
+    // SAFETY: capget fills two Data for version 3 from a valid header.
+    if unsafe { libc::syscall(libc::SYS_capget, &mut header, data.as_mut_ptr()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let bit = 1u32 << CAP_SYS_ADMIN;
+    if data[0].permitted & bit == 0 && data[0].effective & bit == 0 {
+        return Ok(());
+    }
+    data[0].effective &= !bit;
+    data[0].permitted &= !bit;
+    data[0].inheritable &= !bit;
+    // SAFETY: capset reads the header and two Data; dropping is always allowed.
+    if unsafe { libc::syscall(libc::SYS_capset, &header, data.as_ptr()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// The host's addresses, each with its interface's name (getifaddrs(3)).
