@@ -49,12 +49,13 @@ pub struct LoadBalancerConfig {
     pub ingress_hostname_suffix: Option<String>,
 }
 
-/// Ports refused to Services unless `reservedPorts` says otherwise: etcd (2379, 2380),
-/// kube-apiserver (6443), the Konnectivity server (8132 agents, 8133 health, 8134
-/// admin), kubelet (10250), kube-proxy (10256), kube-controller-manager (10257), the
-/// CCM (10258) and kube-scheduler (10259).
+/// Ports refused to Services unless `reservedPorts` says otherwise: etcd (2379, 2380,
+/// 2381 metrics), kube-apiserver (6443), the Konnectivity server (8132 agents, 8133
+/// health, 8134 admin), kube-proxy (10249 metrics, 10256 health), kubelet (10250,
+/// 10255 read-only), kube-controller-manager (10257), the CCM (10258) and
+/// kube-scheduler (10259).
 pub const DEFAULT_RESERVED_PORTS: &[u16] = &[
-    2379, 2380, 6443, 8132, 8133, 8134, 10250, 10256, 10257, 10258, 10259,
+    2379, 2380, 2381, 6443, 8132, 8133, 8134, 10249, 10250, 10255, 10256, 10257, 10258, 10259,
 ];
 
 /// One pool as written.

@@ -446,6 +446,9 @@ impl LoadBalancers for TunnelLoadBalancers {
     }
 
     async fn release_all(&self, _cluster: &str) {
+        // Tunnel connections close once their listeners' connections drop them; a
+        // Service deleted while we stand by would otherwise keep one.
+        self.clients.lock().await.clear();
         let all: Vec<Balancer> = self.lock().drain().map(|(_, b)| b).collect();
         for b in &all {
             for l in b.listeners.values() {
@@ -1052,7 +1055,9 @@ impl std::future::Future for Splice<'_> {
                 Poll::Pending => {}
             }
         }
-        if this.up_done && this.down_done {
+        // The backend's end closes the whole connection (Konnectivity has no
+        // half-close: nothing more the client sends could reach it).
+        if this.down_done {
             Poll::Ready(Ok(()))
         } else {
             Poll::Pending
