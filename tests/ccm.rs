@@ -2244,6 +2244,25 @@ impl Failover {
     }
 }
 
+/// `ip addr show` of the load-balancer device inside process `pid`'s namespace (the
+/// one its `tether-lb-netns` thread made).
+fn lb_namespace_addresses(pid: u32) -> String {
+    let task = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|t| t.ok())
+        .find(|t| {
+            std::fs::read_to_string(t.path().join("comm"))
+                .is_ok_and(|c| c.trim() == "tether-lb-netns")
+        })
+        .expect("the namespace thread");
+    let out = Command::new("nsenter")
+        .arg(format!("--net={}", task.path().join("ns/net").display()))
+        .args(["ip", "addr", "show", "dev", "tether-lb"])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 /// Crash: SIGKILL the replica holding the address and restart none on its host. Its
 /// namespace dies with it, so its host stops answering ARP at once (no stale address);
 /// the standby takes the load-balancer lease when it runs out (4 s) and answers. At no
@@ -2263,6 +2282,11 @@ fn a_crashed_holders_address_moves_within_seconds_and_its_host_goes_silent() {
             "the address is on a host's own interface"
         );
     }
+    // It is on the macvlan in the CCM's own namespace (its namespace thread's), alone:
+    // no IPv6 address of the device's own either.
+    let inside = lb_namespace_addresses(a.pid());
+    assert!(inside.contains(&format!("{}/32", f.vip)), "{inside}");
+    assert!(!inside.contains("inet6"), "{inside}");
     wait_blocking(
         "the client reaches the Service",
         Duration::from_secs(30),

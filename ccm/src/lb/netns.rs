@@ -231,6 +231,20 @@ impl LbNamespace {
             ))
         })?;
         let inside = self.netlink().await?;
+        // No IPv6 address of its own (no link-local, no SLAAC from router
+        // advertisements): the device carries the load-balancer addresses only. A
+        // kernel without IPv6 refuses; that is fine.
+        {
+            use rtnetlink::packet_route::link::{AfSpecInet6, AfSpecUnspec, In6AddrGenMode};
+            let none = LinkUnspec::new_with_index(device.index)
+                .append_extra_attribute(LinkAttribute::AfSpecUnspec(vec![AfSpecUnspec::Inet6(
+                    vec![AfSpecInet6::AddrGenMode(In6AddrGenMode::None)],
+                )]))
+                .build();
+            if let Err(e) = inside.link().set(none).execute().await {
+                tracing::debug!(error = %e, "cannot turn off IPv6 address generation on the load-balancer device");
+            }
+        }
         for index in [Some(device.index), self.loopback().await?]
             .into_iter()
             .flatten()
