@@ -2637,42 +2637,72 @@ fn download_rate(addr: &str, bytes: usize) -> Option<f64> {
     Some(bytes as f64 / (1 << 20) as f64 / start.elapsed().as_secs_f64())
 }
 
+/// A node behind the tunnel with an endless download on two NodePorts, and
+/// LoadBalancer Services `a` and `b` on them (on free ports).
+struct BulkServices {
+    tunnel: Tunnel,
+    _zero: Vec<Proc>,
+    cluster: Cluster,
+    _dir: TempDir,
+    inventory: PathBuf,
+    ports: (u16, u16),
+    _node: Node,
+}
+
+impl BulkServices {
+    fn new(node_ports: [u16; 2]) -> BulkServices {
+        let node = Node::create();
+        let tunnel = Tunnel::start(&node, "node-1", &format!("ipv4={}", node.node_ip));
+        let zero = node_ports
+            .iter()
+            .map(|p| {
+                node.spawn(
+                    &format!("zero-{p}"),
+                    "socat",
+                    &[
+                        format!("TCP-LISTEN:{p},bind={},fork,reuseaddr", node.node_ip),
+                        "OPEN:/dev/zero,rdonly".into(),
+                    ],
+                )
+            })
+            .collect();
+        let cluster = Cluster::start(&Egress::Direct);
+        let (dir, inventory) = inventory_dir();
+        write_machines(&inventory, &[("node-1", &node.node_ip, false)]);
+        cluster.add_node("node-1", &node.node_ip);
+        cluster.set_node_ready("node-1", true);
+        let ports = (free_port(), free_port());
+        for (name, port, node_port) in
+            [("a", ports.0, node_ports[0]), ("b", ports.1, node_ports[1])]
+        {
+            cluster.apply(&format!(
+                "apiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n  namespace: default\nspec:\n  type: LoadBalancer\n  ports:\n  - name: bulk\n    port: {port}\n    nodePort: {node_port}\n"
+            ));
+        }
+        BulkServices {
+            tunnel,
+            _zero: zero,
+            cluster,
+            _dir: dir,
+            inventory,
+            ports,
+            _node: node,
+        }
+    }
+}
+
 /// Eight stalled downloads on Service A (clients that stop reading) must not starve
 /// Service B: each Service has its own tunnel connection, so A's stalled streams fill
 /// only A's HTTP/2 windows. B keeps at least 80% of what it moves alone (best of three
 /// 64 MiB downloads each way, interleaved).
 #[test]
 fn stalled_downloads_on_one_service_leave_another_its_throughput() {
-    let node = Node::create();
-    let tunnel = Tunnel::start(&node, "node-1", &format!("ipv4={}", node.node_ip));
-    // An endless download on the node's two "NodePorts".
-    let _zero: Vec<_> = [30090u16, 30091]
-        .iter()
-        .map(|p| {
-            node.spawn(
-                &format!("zero-{p}"),
-                "socat",
-                &[
-                    format!("TCP-LISTEN:{p},bind={},fork,reuseaddr", node.node_ip),
-                    "OPEN:/dev/zero,rdonly".into(),
-                ],
-            )
-        })
-        .collect();
-    let cluster = Cluster::start(&Egress::Direct);
-    let (_dir, inventory) = inventory_dir();
-    write_machines(&inventory, &[("node-1", &node.node_ip, false)]);
-    cluster.add_node("node-1", &node.node_ip);
-    cluster.set_node_ready("node-1", true);
-    let (port_a, port_b) = (free_port(), free_port());
-    for (name, port, node_port) in [("a", port_a, 30090), ("b", port_b, 30091)] {
-        cluster.apply(&format!(
-            "apiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n  namespace: default\nspec:\n  type: LoadBalancer\n  ports:\n  - name: bulk\n    port: {port}\n    nodePort: {node_port}\n"
-        ));
-    }
+    let bulk = BulkServices::new([30090, 30091]);
+    let (cluster, inventory, tunnel) = (&bulk.cluster, bulk.inventory.as_path(), &bulk.tunnel);
+    let (port_a, port_b) = bulk.ports;
     let _ccm = start_ccm_with(
-        &cluster,
-        &inventory,
+        cluster,
+        inventory,
         "ccm",
         &[
             "--lb-bind-address=127.0.0.1".into(),
@@ -2720,36 +2750,13 @@ fn stalled_downloads_on_one_service_leave_another_its_throughput() {
 #[test]
 fn the_global_connection_cap_holds_over_every_service() {
     use std::io::Read;
-    let node = Node::create();
-    let tunnel = Tunnel::start(&node, "node-1", &format!("ipv4={}", node.node_ip));
-    let _zero: Vec<_> = [30092u16, 30093]
-        .iter()
-        .map(|p| {
-            node.spawn(
-                &format!("zero-{p}"),
-                "socat",
-                &[
-                    format!("TCP-LISTEN:{p},bind={},fork,reuseaddr", node.node_ip),
-                    "OPEN:/dev/zero,rdonly".into(),
-                ],
-            )
-        })
-        .collect();
-    let cluster = Cluster::start(&Egress::Direct);
-    let (_dir, inventory) = inventory_dir();
-    write_machines(&inventory, &[("node-1", &node.node_ip, false)]);
-    cluster.add_node("node-1", &node.node_ip);
-    cluster.set_node_ready("node-1", true);
-    let (port_a, port_b) = (free_port(), free_port());
-    for (name, port, node_port) in [("a", port_a, 30092), ("b", port_b, 30093)] {
-        cluster.apply(&format!(
-            "apiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n  namespace: default\nspec:\n  type: LoadBalancer\n  ports:\n  - name: bulk\n    port: {port}\n    nodePort: {node_port}\n"
-        ));
-    }
+    let bulk = BulkServices::new([30092, 30093]);
+    let (cluster, inventory, tunnel) = (&bulk.cluster, bulk.inventory.as_path(), &bulk.tunnel);
+    let (port_a, port_b) = bulk.ports;
     let metrics_port = free_port();
     let _ccm = start_ccm_with(
-        &cluster,
-        &inventory,
+        cluster,
+        inventory,
         "ccm",
         &[
             "--lb-bind-address=127.0.0.1".into(),
@@ -2772,7 +2779,7 @@ fn the_global_connection_cap_holds_over_every_service() {
         open(port_b).is_none(),
         "B got a third connection over the cap"
     );
-    let reader = metrics_reader_token(&cluster);
+    let reader = metrics_reader_token(cluster);
     let page = https_get(
         &format!("https://127.0.0.1:{metrics_port}/metrics"),
         Some(&reader),
