@@ -1896,17 +1896,8 @@ fn a_pod_ip_is_dialled_by_the_agent_on_its_node() {
     let mut _running = Vec::new();
     for (i, node) in nodes.iter().enumerate() {
         let name = format!("node-{i}");
-        _running.push(AgentProc::start_in(
-            Some(node),
-            Path::new(BIN),
-            &pki,
-            format!("{}:{}", node.host_ip, server.agent.port())
-                .parse()
-                .unwrap(),
-            // Its own node's certificate: the server routes pod IPs to the agent it
-            // verified as the pod's node.
-            &pki.node_agent_args(&name, &node.node_ip),
-        ));
+        // Its own node's certificate: the server routes to the agent it verified.
+        _running.push(node_agent(node, &name, &pki, &server));
         let pod_cidr = format!("{}.0/24", &node.pod_ip[..node.pod_ip.rfind('.').unwrap()]);
         add_node_with_pod_cidr(&cluster, &name, &node.node_ip, &pod_cidr);
         cluster.set_node_ready(&name, true);
@@ -1998,6 +1989,20 @@ fn a_pod_ip_is_dialled_by_the_agent_on_its_node() {
     );
 }
 
+/// An agent in `node`, named `name`, with that node's own certificate (bound to its
+/// address), connected to `server`.
+fn node_agent(node: &Node, name: &str, pki: &Pki, server: &ServerProc) -> AgentProc {
+    AgentProc::start_in(
+        Some(node),
+        Path::new(BIN),
+        pki,
+        format!("{}:{}", node.host_ip, server.agent.port())
+            .parse()
+            .unwrap(),
+        &pki.node_agent_args(name, &node.node_ip),
+    )
+}
+
 /// `externalTrafficPolicy: Local` with two nodes, only one of which has an endpoint:
 /// every connection goes to that node's NodePort; none reaches the other node (whose
 /// NodePort answers differently, and whose agent is connected and verified).
@@ -2018,15 +2023,8 @@ fn local_policy_sends_nothing_to_a_node_without_an_endpoint() {
     let mut _running = Vec::new();
     for (i, node) in nodes.iter().enumerate() {
         let name = format!("node-{i}");
-        _running.push(AgentProc::start_in(
-            Some(node),
-            Path::new(BIN),
-            &pki,
-            format!("{}:{}", node.host_ip, server.agent.port())
-                .parse()
-                .unwrap(),
-            &pki.node_agent_args(&name, &node.node_ip),
-        ));
+        // Its own node's certificate: the server routes to the agent it verified.
+        _running.push(node_agent(node, &name, &pki, &server));
         cluster.add_node(&name, &node.node_ip);
         cluster.set_node_ready(&name, true);
         machines.push_str(&machine(&name, &node.node_ip, false));
@@ -2217,6 +2215,27 @@ impl Failover {
         format!("http://{}/", self.vip)
     }
 
+    /// Probes ARP every 100 ms from `since` until a MAC other than `old` answers alone
+    /// (asserting that two never answer at once): returns when `old` first went silent
+    /// and when the other first answered.
+    fn takeover(&self, old: &str, since: Instant, limit: Duration) -> (Duration, Duration) {
+        let mut silent = None;
+        loop {
+            let answers = arp_answers(&self.client, &self.vip);
+            assert!(
+                answers.len() <= 1,
+                "two hosts answer ARP at once: {answers:?}"
+            );
+            if silent.is_none() && !answers.iter().any(|a| a == old) {
+                silent = Some(since.elapsed());
+            }
+            if answers.len() == 1 && answers[0] != old {
+                return (silent.unwrap_or_default(), since.elapsed());
+            }
+            assert!(since.elapsed() < limit, "nobody took the address over");
+        }
+    }
+
     /// Waits until exactly one MAC answers ARP for the address, and returns it.
     fn wait_single_answer(&self, what: &str) -> String {
         wait_blocking(what, Duration::from_secs(30), || {
@@ -2295,25 +2314,7 @@ fn a_crashed_holders_address_moves_within_seconds_and_its_host_goes_silent() {
 
     a.kill();
     let killed = Instant::now();
-    let (mut silent, mut answered) = (None, None);
-    while answered.is_none() {
-        let answers = arp_answers(&f.client, &f.vip);
-        assert!(
-            answers.len() <= 1,
-            "two hosts answer ARP at once: {answers:?}"
-        );
-        if !answers.contains(&mac_a) && silent.is_none() {
-            silent = Some(killed.elapsed());
-        }
-        if answers.len() == 1 && answers[0] != mac_a {
-            answered = Some(killed.elapsed());
-        }
-        assert!(
-            killed.elapsed() < Duration::from_secs(30),
-            "nobody took the address over"
-        );
-    }
-    let (silent, answered) = (silent.unwrap(), answered.unwrap());
+    let (silent, answered) = f.takeover(&mac_a, killed, Duration::from_secs(30));
     f.hundred_tries(100);
     let served = killed.elapsed();
     eprintln!(
@@ -2534,25 +2535,7 @@ fn a_hung_holder_goes_silent_before_the_standby_takes_over() {
     }
     a.signal("STOP");
     let stopped = Instant::now();
-    let (mut silent, mut answered) = (None, None);
-    while answered.is_none() {
-        let answers = arp_answers(&f.client, &f.vip);
-        assert!(
-            answers.len() <= 1,
-            "two hosts answer ARP at once: {answers:?}"
-        );
-        if !answers.contains(&mac_a) && silent.is_none() {
-            silent = Some(stopped.elapsed());
-        }
-        if answers.len() == 1 && answers[0] != mac_a {
-            answered = Some(stopped.elapsed());
-        }
-        assert!(
-            stopped.elapsed() < Duration::from_secs(30),
-            "nobody took the address over"
-        );
-    }
-    let (silent, answered) = (silent.unwrap(), answered.unwrap());
+    let (silent, answered) = f.takeover(&mac_a, stopped, Duration::from_secs(30));
     eprintln!(
         "hung holder: silent {silent:?} after SIGSTOP (address lifetime); the standby answered from {answered:?}"
     );
@@ -2594,25 +2577,7 @@ fn a_holder_cut_from_the_apiserver_lets_go_before_the_standby_takes_over() {
         "DROP",
     ]);
     let cut = Instant::now();
-    let (mut silent, mut answered) = (None, None);
-    while answered.is_none() {
-        let answers = arp_answers(&f.client, &f.vip);
-        assert!(
-            answers.len() <= 1,
-            "two hosts answer ARP at once: {answers:?}"
-        );
-        if !answers.contains(&mac_a) && silent.is_none() {
-            silent = Some(cut.elapsed());
-        }
-        if answers.len() == 1 && answers[0] != mac_a {
-            answered = Some(cut.elapsed());
-        }
-        assert!(
-            cut.elapsed() < Duration::from_secs(40),
-            "nobody took the address over"
-        );
-    }
-    let (silent, answered) = (silent.unwrap(), answered.unwrap());
+    let (silent, answered) = f.takeover(&mac_a, cut, Duration::from_secs(40));
     eprintln!(
         "partition: the cut-off holder stopped answering ARP {silent:?} after the cut; only the standby answered from {answered:?}"
     );
