@@ -197,7 +197,7 @@ impl Drop for Leadership {
 }
 
 /// How long a release (and the wait for a successor) may take before the process goes
-/// anyway.
+/// anyway (10 s).
 const RELEASE_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Leadership {

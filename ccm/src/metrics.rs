@@ -154,7 +154,7 @@ impl Metrics {
             ),
             lb_connections: counter_vec(
                 "tether_ccm_lb_connections_total",
-                "Client connections to load balancers by Service and result: accepted, refused_source_range, no_backend (no node answered).",
+                "Client connections to load balancers by Service and result: accepted, refused_source_range, refused_limit (the Service's), refused_global_limit (--lb-max-connections), no_backend (no node answered).",
                 &["service", "result"],
             ),
             lb_active: IntGaugeVec::new(

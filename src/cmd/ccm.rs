@@ -275,6 +275,9 @@ impl CcmArgs {
         {
             bail!("--leader-elect-retry-period < --leader-elect-renew-deadline < --leader-elect-lease-duration must hold (defaults 2s, 10s, 15s)");
         }
+        if !self.leader_elect && !self.tunnel_uds.is_empty() {
+            tracing::warn!("--leader-elect=false: this replica holds every load-balancer address without a lease; run exactly one replica, or two will answer for the same addresses");
+        }
         if self.leader_elect
             && !(self.lb_lease_retry_period < self.lb_lease_renew_deadline
                 && self.lb_lease_renew_deadline + self.lb_lease_retry_period

@@ -877,10 +877,6 @@ impl PortServer {
         let mut splice = Splice::new(&mut conn, &mut upstream, last.clone(), epoch);
         tokio::select! {
             r = &mut splice => {
-                let bytes = &crate::metrics::get().lb_bytes;
-                let service = self.shared.service.as_str();
-                bytes.with_label_values(&[service, "to_backend"]).inc_by(splice.up);
-                bytes.with_label_values(&[service, "to_client"]).inc_by(splice.down);
                 if let Err(e) = r {
                     tracing::debug!(error = %e, backend = %name, "forwarded connection ended with an error");
                 }
@@ -890,6 +886,15 @@ impl PortServer {
             }
             _ = self.stop.cancelled() => {}
         }
+        // Counted however the connection ended (idle timeout, listener stopped).
+        let bytes = &crate::metrics::get().lb_bytes;
+        let service = self.shared.service.as_str();
+        bytes
+            .with_label_values(&[service, "to_backend"])
+            .inc_by(splice.up);
+        bytes
+            .with_label_values(&[service, "to_client"])
+            .inc_by(splice.down);
     }
 }
 
