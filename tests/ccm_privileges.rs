@@ -522,6 +522,26 @@ fn the_manifests_inventory_is_valid() {
     let text = cm["data"]["inventory.yaml"].as_str().unwrap();
     let config = tether_ccm::cloud::tether::parse(Path::new("inventory.yaml"), text)
         .unwrap_or_else(|e| panic!("{e}"));
+    // Shipped off: no address is announced until the operator sets their own.
+    assert!(config.load_balancer.is_none());
+    // The commented example, uncommented, is valid.
+    let mut uncommented = String::new();
+    let mut inside = false;
+    for line in text.lines() {
+        if line.trim_start() == "# loadBalancer:" {
+            inside = true;
+        } else if inside && !line.trim_start().starts_with("#   ") {
+            inside = false;
+        }
+        uncommented.push_str(&if inside {
+            line.replacen("# ", "", 1)
+        } else {
+            line.to_string()
+        });
+        uncommented.push('\n');
+    }
+    let config = tether_ccm::cloud::tether::parse(Path::new("inventory.yaml"), &uncommented)
+        .unwrap_or_else(|e| panic!("{e}\n{uncommented}"));
     let pools = config.load_balancer.expect("the manifest shows pools");
     assert_eq!(pools.interface.as_deref(), Some("eth0"));
     assert!(pools.contains("192.0.2.10".parse().unwrap()));

@@ -209,9 +209,8 @@ fn bad_flags_fail_with_one_clear_line() {
     let (ok, err) = run(&["ccm", &cloud_config, "--lb-bind-address=127.0.0.1"]);
     assert!(!ok);
     assert!(error_line(&err).contains("needs --tunnel-uds"), "{err}");
-    let (ok, err) = run(&["ccm", &cloud_config, "--tunnel-uds=/tmp/x.sock"]);
-    assert!(!ok);
-    assert!(error_line(&err).contains("need addresses"), "{err}");
+    // (--tunnel-uds without pools: load balancers are off, not an error; the shipped
+    // manifest is that way until the operator adds pools.)
     // Pools: checked at start-up, and not mixed with --lb-bind-address.
     let pools = "loadBalancer:\n  interface: eth0\n  pools:\n  - {name: a, addresses: [192.0.2.10-192.0.2.20]}\n";
     std::fs::write(&inventory, pools).unwrap();

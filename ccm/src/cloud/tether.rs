@@ -357,6 +357,11 @@ impl TetherProvider {
                 .routes
                 .map(|r| Arc::new(super::host_routes::HostRoutes::new(r))),
             load_balancers: match (lb, config.load_balancer) {
+                // Off unless asked for: no pools and no --lb-bind-address.
+                (Some(c), None) if c.bind.is_none() => {
+                    tracing::info!("no loadBalancer pools in the cloud config and no --lb-bind-address: LoadBalancer Services are left alone");
+                    None
+                }
                 (Some(c), pools) => {
                     let with_pools = pools.is_some();
                     let lbs = crate::lb::balancer::TunnelLoadBalancers::new(c, pools)
