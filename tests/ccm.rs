@@ -2709,9 +2709,10 @@ fn stalled_downloads_on_one_service_leave_another_its_throughput() {
     assert!(ratio >= 0.8, "B kept {ratio:.2}x of its throughput");
 }
 
-/// `--lb-max-connections` caps client connections over every Service: with a cap of
-/// two, two open connections on Service A leave none for B (closed at once, counted as
-/// `refused_global_limit`), and B serves again once A's close.
+/// `--lb-max-connections` caps client connections over every Service, and its last
+/// quarter goes only to Services under their fair share: with a cap of four, Service A
+/// gets three and is refused a fourth (`refused_global_limit`), B still gets one, and
+/// then nobody gets more; B serves again once A's close.
 #[test]
 fn the_global_connection_cap_holds_over_every_service() {
     use std::io::Read;
@@ -2725,7 +2726,7 @@ fn the_global_connection_cap_holds_over_every_service() {
         "ccm",
         &[
             "--lb-bind-address=127.0.0.1".into(),
-            "--lb-max-connections=2".into(),
+            "--lb-max-connections=4".into(),
             format!("--secure-port={metrics_port}"),
             format!("--tunnel-uds={}", tunnel.socket.display()),
         ],
@@ -2740,10 +2741,13 @@ fn the_global_connection_cap_holds_over_every_service() {
     };
     let a1 = wait_blocking("A serving", Duration::from_secs(60), || open(port_a));
     let a2 = open(port_a).expect("a second connection on A");
+    let a3 = open(port_a).expect("a third connection on A");
     assert!(
-        open(port_b).is_none(),
-        "B got a third connection over the cap"
+        open(port_a).is_none(),
+        "A took the last quarter of the cap beyond its share"
     );
+    let b1 = open(port_b).expect("B gets its share while A is busy");
+    assert!(open(port_b).is_none(), "a fifth connection over the cap");
     let reader = metrics_reader_token(cluster);
     let page = https_get(
         &format!("https://127.0.0.1:{metrics_port}/metrics"),
@@ -2753,14 +2757,14 @@ fn the_global_connection_cap_holds_over_every_service() {
     assert!(
         page.lines()
             .any(|l| l.starts_with("tether_ccm_lb_connections_total{")
-                && l.contains("default/b")
+                && l.contains("default/a")
                 && l.contains("refused_global_limit")
                 && !l.ends_with(" 0")),
         "{page}"
     );
-    drop((a1, a2));
+    drop((a1, a2, a3, b1));
     wait_blocking(
-        "B serving once A's connections closed",
+        "B serving once the connections closed",
         Duration::from_secs(30),
         || open(port_b),
     );

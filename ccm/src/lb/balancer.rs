@@ -122,6 +122,10 @@ struct Shared {
     /// Connections open now over every Service, and their cap.
     all: Arc<AtomicUsize>,
     max_all: usize,
+    /// Services with a connection open now (for the fair share).
+    busy: Arc<AtomicUsize>,
+    /// This Service's open connections (exact, for the share and `busy`).
+    mine: Arc<AtomicUsize>,
 }
 
 struct Balancer {
@@ -156,6 +160,8 @@ pub struct TunnelLoadBalancers {
     /// Connections open over every Service, and `--lb-max-connections`.
     open: Arc<AtomicUsize>,
     max_connections: usize,
+    /// Services with a connection open.
+    busy: Arc<AtomicUsize>,
     /// Where changed pools are read from (the cloud config), if they may change.
     inventory: Option<Arc<crate::cloud::tether::Inventory>>,
 }
@@ -207,6 +213,7 @@ impl TunnelLoadBalancers {
             balancers: Mutex::new(HashMap::new()),
             open: Arc::new(AtomicUsize::new(0)),
             max_connections: cfg.max_connections,
+            busy: Arc::new(AtomicUsize::new(0)),
             inventory: None,
         })
     }
@@ -557,6 +564,8 @@ impl LoadBalancers for TunnelLoadBalancers {
                             .with_label_values(&[label(svc).as_str()]),
                         all: self.open.clone(),
                         max_all: self.max_connections,
+                        busy: self.busy.clone(),
+                        mine: Arc::new(AtomicUsize::new(0)),
                     },
                     HashMap::new(),
                 ),
@@ -791,17 +800,25 @@ impl PortServer {
             tracing::debug!(%peer, max = policy.max_connections, "connection limit reached; refused");
             return None;
         }
-        if self.shared.all.fetch_add(1, Ordering::AcqRel) >= self.shared.max_all {
+        let (max, mine) = (
+            self.shared.max_all,
+            self.shared.mine.load(Ordering::Acquire),
+        );
+        let before = self.shared.all.fetch_add(1, Ordering::AcqRel);
+        // The last quarter of the cap goes only to Services under their fair share
+        // (the cap over the Services holding connections, and one more): a busy Service
+        // cannot take every connection, and a new one always gets some.
+        let congested = before * 4 >= max * 3;
+        let others = self.shared.busy.load(Ordering::Acquire) + usize::from(mine == 0);
+        let share = max / (others + 1);
+        if before >= max || (congested && mine >= share) {
             self.shared.all.fetch_sub(1, Ordering::AcqRel);
             self.count("refused_global_limit");
-            tracing::debug!(%peer, max = self.shared.max_all, "--lb-max-connections reached; refused");
+            tracing::debug!(%peer, max, open = before, share, "--lb-max-connections (or this Service's share of it) reached; refused");
             return None;
         }
         self.count("accepted");
-        Some(OpenGuard::new(
-            self.shared.active.clone(),
-            self.shared.all.clone(),
-        ))
+        Some(OpenGuard::new(&self.shared))
     }
 
     /// The backends now, by name: the nodes' NodePort, or the ready endpoints.
@@ -900,19 +917,35 @@ impl PortServer {
 
 /// Counts a connection among a Service's open ones until dropped.
 /// (The global count was taken by the caller.)
-struct OpenGuard(prometheus::IntGauge, Arc<AtomicUsize>);
+struct OpenGuard {
+    open: prometheus::IntGauge,
+    all: Arc<AtomicUsize>,
+    busy: Arc<AtomicUsize>,
+    mine: Arc<AtomicUsize>,
+}
 
 impl OpenGuard {
-    fn new(open: prometheus::IntGauge, all: Arc<AtomicUsize>) -> Self {
-        open.inc();
-        OpenGuard(open, all)
+    fn new(shared: &Shared) -> Self {
+        shared.active.inc();
+        if shared.mine.fetch_add(1, Ordering::AcqRel) == 0 {
+            shared.busy.fetch_add(1, Ordering::AcqRel);
+        }
+        OpenGuard {
+            open: shared.active.clone(),
+            all: shared.all.clone(),
+            busy: shared.busy.clone(),
+            mine: shared.mine.clone(),
+        }
     }
 }
 
 impl Drop for OpenGuard {
     fn drop(&mut self) {
-        self.0.dec();
-        self.1.fetch_sub(1, Ordering::AcqRel);
+        self.open.dec();
+        if self.mine.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.busy.fetch_sub(1, Ordering::AcqRel);
+        }
+        self.all.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
