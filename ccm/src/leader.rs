@@ -49,6 +49,8 @@ struct Elector {
     cfg: LeaderElection,
     /// The last record seen and when we first saw it.
     observed: Option<(String, Instant)>,
+    /// When the lease another replica holds runs out, as last observed.
+    expires: Option<Instant>,
 }
 
 impl Elector {
@@ -111,8 +113,10 @@ impl Elector {
             .unwrap_or(self.cfg.lease_duration);
         let ours = holder == self.cfg.identity;
         if !ours && !holder.is_empty() && first_seen.elapsed() < duration {
+            self.expires = Some(first_seen + duration);
             return Ok(false);
         }
+        self.expires = None;
         let mut new = spec;
         if !ours {
             new.acquire_time = Some(now.clone());
@@ -231,6 +235,7 @@ pub async fn lead(
         api: Api::namespaced(client, &cfg.namespace),
         cfg,
         observed: None,
+        expires: None,
     };
     async {
         tracing::info!("waiting to become leader");
@@ -243,8 +248,16 @@ pub async fn lead(
                 Err(e) => tracing::warn!(error = %e, "leader election attempt failed"),
             }
             let jitter = elector.cfg.retry_period.mul_f64(rand::random::<f64>() * 0.2);
+            // The next try at the next retry, or just after the holder's lease runs
+            // out if that is sooner: a crashed holder is replaced without waiting up
+            // to a retry period more.
+            let mut wait = elector.cfg.retry_period + jitter;
+            if let Some(at) = elector.expires.take() {
+                let margin = Duration::from_millis(10);
+                wait = wait.min(at.saturating_duration_since(Instant::now()) + margin);
+            }
             tokio::select! {
-                _ = tokio::time::sleep(elector.cfg.retry_period + jitter) => {}
+                _ = tokio::time::sleep(wait) => {}
                 _ = shutdown.cancelled() => return None,
             }
         }
