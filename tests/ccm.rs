@@ -2555,6 +2555,41 @@ fn a_hung_holder_goes_silent_before_the_standby_takes_over() {
     f.hundred_tries(20);
 }
 
+/// The holder's interface goes down: it gives up the load-balancer lease at once (not
+/// when the lease runs out), and the standby takes the address; brought back up, the
+/// first replica stands by and does not answer.
+#[test]
+fn a_holder_whose_interface_goes_down_gives_up_the_lease() {
+    use tether_testkit::netns::Lan;
+    let f = Failover::new();
+    let a = f.start(0, "ccm-a");
+    assert_eq!(wait_ingress(&f.cluster, "default", "web"), f.vip);
+    let mac_a = f.wait_single_answer("the first replica answering ARP");
+    let _b = f.start(1, "ccm-b");
+    let holder_a = lb_lease_holder(&f.cluster).expect("a holder");
+    f.hosts[0].ip(&["link", "set", Lan::INTERFACE, "down"]);
+    let down = Instant::now();
+    a.wait_event(
+        "giving up the load-balancer lease",
+        Duration::from_secs(30),
+        |_| true,
+    );
+    let (_, answered) = f.takeover(&mac_a, down, Duration::from_secs(30));
+    let holder = lb_lease_holder(&f.cluster);
+    eprintln!("interface down: the standby answered ARP {answered:?} after the holder's interface went down");
+    assert!(holder.is_some() && holder != Some(holder_a), "{holder:?}");
+    assert!(
+        answered < Duration::from_secs(3),
+        "the standby took {answered:?}: the lease was not given up"
+    );
+    f.hosts[0].ip(&["link", "set", Lan::INTERFACE, "up"]);
+    for _ in 0..20 {
+        let answers = arp_answers(&f.client, &f.vip);
+        assert_eq!(answers.len(), 1, "{answers:?}");
+        assert_ne!(answers[0], mac_a);
+    }
+}
+
 /// Partition: cut the holder from the apiserver only (its packets to the apiserver
 /// dropped in its namespace). It lets go of the address when it cannot renew (2 s),
 /// before the lease can run out for the standby (4 s): at no moment do both hosts
