@@ -478,6 +478,7 @@ async fn run_load_balancers(
                 }
             }
         };
+        let mut ended = false;
         let release = tokio::select! {
             _ = shutdown.cancelled() => true,
             _ = leadership.lost.cancelled() => false,
@@ -487,15 +488,21 @@ async fn run_load_balancers(
             }
             r = &mut term => {
                 tracing::error!(result = ?r, "the service controller ended");
+                ended = true;
                 true
             }
         };
         // The addresses go at once (a sync in flight cannot add one back), before the
         // controller has finished stopping and before the lease is released.
         stop.cancel();
+        if !release {
+            // Lost: syncs still in flight are cancelled (a status write from a replica
+            // that no longer holds the lease would race the new holder's).
+            term.abort();
+        }
         lbs.release_all(&config.cluster_name).await;
         holding.set(0);
-        if tokio::time::timeout(STOP_TIMEOUT, &mut term).await.is_err() {
+        if !ended && tokio::time::timeout(STOP_TIMEOUT, &mut term).await.is_err() {
             tracing::warn!(timeout = ?STOP_TIMEOUT, "the service controller did not stop in time");
             term.abort();
         }
@@ -506,6 +513,14 @@ async fn run_load_balancers(
         }
         if shutdown.is_cancelled() {
             return;
+        }
+        if ended {
+            // A controller that could not run (say, its caches never synced): not again
+            // at once.
+            tokio::select! {
+                _ = tokio::time::sleep(STOP_TIMEOUT) => {}
+                _ = shutdown.cancelled() => return,
+            }
         }
     }
 }
