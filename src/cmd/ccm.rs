@@ -265,7 +265,11 @@ impl CcmArgs {
                 if self.cloud_config.is_empty() {
                     bail!("--cloud-provider=tether needs --cloud-config: the inventory file (see README.md, tether ccm)");
                 }
-                Arc::new(TetherProvider::new(&PathBuf::from(&self.cloud_config), lb)?)
+                let provider = TetherProvider::new(&PathBuf::from(&self.cloud_config), lb)?;
+                if !self.leader_elect && provider.announces() {
+                    tracing::warn!("--leader-elect=false: this replica holds and announces every load-balancer address without a lease; run exactly one replica, or two will answer for the same addresses");
+                }
+                Arc::new(provider)
             }
             other => bail!("--cloud-provider: unknown provider {other:?} (this build has: tether)"),
         };
@@ -274,9 +278,6 @@ impl CcmArgs {
                 && self.leader_elect_renew_deadline < self.leader_elect_lease_duration)
         {
             bail!("--leader-elect-retry-period < --leader-elect-renew-deadline < --leader-elect-lease-duration must hold (defaults 2s, 10s, 15s)");
-        }
-        if !self.leader_elect && !self.tunnel_uds.is_empty() {
-            tracing::warn!("--leader-elect=false: this replica holds every load-balancer address without a lease; run exactly one replica, or two will answer for the same addresses");
         }
         if self.leader_elect
             && !(self.lb_lease_retry_period < self.lb_lease_renew_deadline

@@ -384,6 +384,13 @@ impl TetherProvider {
     }
 }
 
+impl TetherProvider {
+    /// Whether its load balancers hold and announce addresses (`loadBalancer.interface`).
+    pub fn announces(&self) -> bool {
+        self.load_balancers.as_ref().is_some_and(|l| l.announces())
+    }
+}
+
 impl Provider for TetherProvider {
     fn name(&self) -> &str {
         NAME

@@ -251,6 +251,11 @@ impl TunnelLoadBalancers {
         allocator.set_pools(pools);
     }
 
+    /// Whether the addresses are held and announced here (`loadBalancer.interface`).
+    pub fn announces(&self) -> bool {
+        self.announcer.is_some()
+    }
+
     /// The tunnel connection of Service `uid`, made on first use. Each Service has its
     /// own, with [`LB_WINDOWS`]: HTTP/2 flow control is per stream and per connection,
     /// and with the default windows four stalled downloads (1 MiB each) fill a 4 MiB
