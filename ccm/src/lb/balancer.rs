@@ -116,15 +116,14 @@ struct Shared {
     service: String,
     nodes: Arc<RwLock<Vec<Backend>>>,
     policy: Arc<RwLock<Policy>>,
-    /// Connections open now, every port (`tether_ccm_lb_active_connections{service}`,
-    /// also what the limit counts).
+    /// Connections open now, every port (`tether_ccm_lb_active_connections{service}`).
     active: prometheus::IntGauge,
     /// Connections open now over every Service, and their cap.
     all: Arc<AtomicUsize>,
     max_all: usize,
     /// Services with a connection open now (for the fair share).
     busy: Arc<AtomicUsize>,
-    /// This Service's open connections (exact, for the share and `busy`).
+    /// This Service's open connections (what its limit, its share and `busy` count).
     mine: Arc<AtomicUsize>,
 }
 
@@ -800,15 +799,15 @@ impl PortServer {
             tracing::debug!(%peer, "client outside loadBalancerSourceRanges refused");
             return None;
         }
-        if self.shared.active.get() >= policy.max_connections as i64 {
-            self.count("refused_limit");
-            tracing::debug!(%peer, max = policy.max_connections, "connection limit reached; refused");
-            return None;
-        }
         let (max, mine) = (
             self.shared.max_all,
             self.shared.mine.load(Ordering::Acquire),
         );
+        if mine >= policy.max_connections {
+            self.count("refused_limit");
+            tracing::debug!(%peer, max = policy.max_connections, "connection limit reached; refused");
+            return None;
+        }
         let before = self.shared.all.fetch_add(1, Ordering::AcqRel);
         // The last quarter of the cap goes only to Services under their fair share
         // (the cap over the Services holding connections, and one more): a busy Service
