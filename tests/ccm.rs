@@ -656,9 +656,11 @@ fn a_load_balancer_service_is_reachable_through_the_tunnel() {
         Duration::from_secs(30),
         || curl(None, &lb_url).is_none().then_some(()),
     );
-    cluster.apply(&format!(
-        "apiVersion: v1\nkind: Endpoints\nmetadata:\n  name: web\n  namespace: default\nsubsets:\n- addresses:\n  - ip: {}\n    nodeName: node-1\n  ports:\n  - name: http\n    port: 30080\n",
-        node.node_ip
+    cluster.apply(&endpoint_slice(
+        "web",
+        "http",
+        30080,
+        &[(&node.node_ip, "node-1")],
     ));
     assert_eq!(
         wait_blocking(
@@ -1420,6 +1422,21 @@ fn lb_service(
     cluster.apply(&svc.to_string());
 }
 
+/// An EndpointSlice (v1beta1, as 1.20 serves it) of Service `default/service`: ready
+/// endpoints (address, node) on port `port` named `port_name`. The tests' clusters run
+/// no kube-controller-manager, so hand-made Endpoints would not be mirrored into one.
+fn endpoint_slice(service: &str, port_name: &str, port: u16, endpoints: &[(&str, &str)]) -> String {
+    let endpoints: String = endpoints
+        .iter()
+        .map(|(ip, node)| {
+            format!("- addresses: [{ip}]\n  conditions:\n    ready: true\n  topology:\n    kubernetes.io/hostname: {node}\n")
+        })
+        .collect();
+    format!(
+        "apiVersion: discovery.k8s.io/v1beta1\nkind: EndpointSlice\nmetadata:\n  name: {service}-1\n  namespace: default\n  labels:\n    kubernetes.io/service-name: {service}\n    endpointslice.kubernetes.io/managed-by: tests\naddressType: IPv4\nendpoints:\n{endpoints}ports:\n- name: {port_name}\n  port: {port}\n  protocol: TCP\n"
+    )
+}
+
 /// The ingress IPs of Service `ns/name`.
 fn ingress_ips(cluster: &Cluster, ns: &str, name: &str) -> Vec<String> {
     let out = cluster.kubectl(&["get", "service", "-n", ns, name, "-o", "json"]);
@@ -1707,10 +1724,18 @@ fn services_get_their_own_addresses_from_the_pools() {
         svc_p["spec"]["ports"][0]["nodePort"].is_null(),
         "the apiserver allocated a nodePort: {svc_p}"
     );
-    cluster.apply(&format!(
-        "apiVersion: v1\nkind: Endpoints\nmetadata:\n  name: web-p\n  namespace: default\nsubsets:\n- addresses:\n  - ip: {}\n    nodeName: node-1\n  ports:\n  - name: p\n    port: 8080\n",
-        node.pod_ip
+    // An EndpointSlice and no Endpoints (as a cluster whose Endpoints stopped at 1,000
+    // addresses, or a controller that writes only slices): v1beta1 is what 1.20 serves.
+    cluster.apply(&endpoint_slice(
+        "web-p",
+        "p",
+        8080,
+        &[(&node.pod_ip, "node-1")],
     ));
+    assert!(cluster
+        .kubectl(&["get", "endpoints", "web-p"])
+        .stderr
+        .starts_with(b"Error from server (NotFound)"));
     let ip_p = wait_ingress(&cluster, "default", "web-p");
     assert_eq!(
         wait_blocking(
@@ -1892,7 +1917,7 @@ fn a_pod_ip_is_dialled_by_the_agent_on_its_node() {
     ]);
     let server = ServerProc::start(Path::new(BIN), &args);
     let mut machines = String::new();
-    let mut endpoints = String::new();
+    let mut endpoints = Vec::new();
     let mut _running = Vec::new();
     for (i, node) in nodes.iter().enumerate() {
         let name = format!("node-{i}");
@@ -1902,7 +1927,7 @@ fn a_pod_ip_is_dialled_by_the_agent_on_its_node() {
         add_node_with_pod_cidr(&cluster, &name, &node.node_ip, &pod_cidr);
         cluster.set_node_ready(&name, true);
         machines.push_str(&machine(&name, &node.node_ip, false));
-        endpoints.push_str(&format!("  - ip: {}\n    nodeName: {name}\n", node.pod_ip));
+        endpoints.push((node.pod_ip.as_str(), name));
     }
     let _pods: Vec<_> = nodes
         .iter()
@@ -1935,9 +1960,8 @@ fn a_pod_ip_is_dialled_by_the_agent_on_its_node() {
         json!({}),
         json!({"allocateLoadBalancerNodePorts": false, "ports": [{"name": "p", "port": 80, "targetPort": 8080}]}),
     );
-    cluster.apply(&format!(
-        "apiVersion: v1\nkind: Endpoints\nmetadata:\n  name: pods\n  namespace: default\nsubsets:\n- addresses:\n{endpoints}  ports:\n  - name: p\n    port: 8080\n"
-    ));
+    let endpoints: Vec<(&str, &str)> = endpoints.iter().map(|(ip, n)| (*ip, n.as_str())).collect();
+    cluster.apply(&endpoint_slice("pods", "p", 8080, &endpoints));
     let _ccm = start_ccm_with(
         &cluster,
         &inventory,
@@ -2049,9 +2073,11 @@ fn local_policy_sends_nothing_to_a_node_without_an_endpoint() {
         json!({}),
         json!({"externalTrafficPolicy": "Local"}),
     );
-    cluster.apply(&format!(
-        "apiVersion: v1\nkind: Endpoints\nmetadata:\n  name: local\n  namespace: default\nsubsets:\n- addresses:\n  - ip: {}\n    nodeName: node-0\n  ports:\n  - name: p\n    port: 8080\n",
-        nodes[0].pod_ip
+    cluster.apply(&endpoint_slice(
+        "local",
+        "p",
+        8080,
+        &[(&nodes[0].pod_ip, "node-0")],
     ));
     let ccm = start_ccm_with(
         &cluster,
@@ -2061,6 +2087,7 @@ fn local_policy_sends_nothing_to_a_node_without_an_endpoint() {
     );
     let ip = wait_ingress(&cluster, "default", "local");
     let url = format!("http://{ip}:80/");
+
     assert_eq!(
         wait_blocking("the balancer serving", Duration::from_secs(30), || curl(
             None, &url

@@ -35,7 +35,32 @@ where
     K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
     K::DynamicType: Default + Eq + std::hash::Hash + Clone + Send + Sync,
 {
-    let (store, writer) = reflector::store();
+    spawn_with(
+        what,
+        api,
+        Default::default(),
+        |o: &K| Some(key(o)),
+        queues,
+        shutdown,
+    )
+}
+
+/// [`spawn`] for a type known at run time (`dyntype`), queueing `key_of(object)`
+/// (nothing for `None`) on each change: an EndpointSlice queues its Service's key.
+pub fn spawn_with<K>(
+    what: &'static str,
+    api: Api<K>,
+    dyntype: K::DynamicType,
+    key_of: impl Fn(&K) -> Option<String> + Send + 'static,
+    queues: Vec<Arc<WorkQueue>>,
+    shutdown: CancellationToken,
+) -> Store<K>
+where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone + Send + Sync,
+{
+    let writer = reflector::store::Writer::new(dyntype);
+    let store = writer.as_reader();
     let stream = reflector::reflector(
         writer,
         watcher(api, watcher::Config::default()).default_backoff(),
@@ -51,9 +76,10 @@ where
                 match event {
                     Some(Ok(watcher::Event::Apply(obj) | watcher::Event::InitApply(obj)))
                     | Some(Ok(watcher::Event::Delete(obj))) => {
-                        let k = key(&obj);
-                        for q in &queues {
-                            q.add(&k);
+                        if let Some(k) = key_of(&obj) {
+                            for q in &queues {
+                                q.add(&k);
+                            }
                         }
                     }
                     Some(Ok(_)) => {}

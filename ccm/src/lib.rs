@@ -7,6 +7,7 @@
 pub mod cloud;
 pub mod controllers;
 pub mod credentials;
+pub mod endpoints;
 pub mod informer;
 pub mod lb;
 pub mod leader;
@@ -548,19 +549,19 @@ async fn serve_load_balancers(
         vec![queue.clone()],
         stop.clone(),
     );
-    // Endpoints changes re-sync their Service (same key): Local policy backends.
-    let endpoints = informer::spawn(
-        "endpoints",
-        Api::<k8s_openapi::api::core::v1::Endpoints>::all(client.clone()),
-        vec![queue.clone()],
-        stop.clone(),
-    );
+    // Endpoint changes re-sync their Service (same key): Local policy and no-NodePort
+    // backends.
+    let Some(endpoints) =
+        endpoints::EndpointsCache::spawn(client.clone(), queue.clone(), stop.clone()).await
+    else {
+        return Ok(());
+    };
     tokio::select! {
         r = async {
-            nodes.wait_until_ready().await?;
-            services.wait_until_ready().await?;
+            nodes.wait_until_ready().await.map_err(|e| e.to_string())?;
+            services.wait_until_ready().await.map_err(|e| e.to_string())?;
             endpoints.wait_until_ready().await
-        } => r.map_err(|e| CcmError::CacheSync(e.to_string()))?,
+        } => r.map_err(CcmError::CacheSync)?,
         _ = stop.cancelled() => return Ok(()),
     }
     let ctx = Context {

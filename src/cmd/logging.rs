@@ -143,6 +143,7 @@ const MODULES: &[(&str, &str)] = &[
     ("tether_ccm", "cloud"),
     ("tether_ccm", "controllers"),
     ("tether_ccm", "credentials"),
+    ("tether_ccm", "endpoints"),
     ("tether_ccm", "informer"),
     ("tether_ccm", "lb"),
     ("tether_ccm", "leader"),

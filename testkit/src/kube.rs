@@ -545,11 +545,12 @@ impl Cluster {
     }
 
     /// kube-controller-manager with the CSR signer (cluster CA) and the endpoint
-    /// controllers, as admin, no leader election, no serving port.
+    /// controllers (slices mirrored from hand-made Endpoints too), as admin, no leader election, no serving port.
     fn start_controller_manager(&self) -> Proc {
         let bin = require_kube_binary("kube-controller-manager");
         let f = &self.files;
-        let mut controllers = "csrsigning,csrcleaner,endpoint,endpointslice".to_string();
+        let mut controllers =
+            "csrsigning,csrcleaner,endpoint,endpointslice,endpointslicemirroring".to_string();
         let mut extra = Vec::new();
         if self.workloads {
             // nodelifecycle: as in any cluster, it lifts the `not-ready` taint kubelets

@@ -25,6 +25,7 @@ use crate::cloud::{
     annotations, Backend, CloudError, LoadBalancerStatus, LoadBalancers, ProxyProtocol,
     ServiceInfo, ServicePort,
 };
+use crate::endpoints::{EndpointsCache, Ready};
 use crate::workqueue::{Outcome, WorkQueue};
 
 /// Our finalizer on Services with a balancer.
@@ -54,7 +55,7 @@ pub struct ServiceController {
     ctx: Context,
     lbs: Arc<dyn LoadBalancers>,
     services: Store<Service>,
-    endpoints: Store<k8s_openapi::api::core::v1::Endpoints>,
+    endpoints: EndpointsCache,
     queue: Arc<WorkQueue>,
     node_events: Arc<WorkQueue>,
     cfg: ServiceConfig,
@@ -77,7 +78,7 @@ impl ServiceController {
         ctx: Context,
         lbs: Arc<dyn LoadBalancers>,
         services: Store<Service>,
-        endpoints: Store<k8s_openapi::api::core::v1::Endpoints>,
+        endpoints: EndpointsCache,
         queue: Arc<WorkQueue>,
         node_events: Arc<WorkQueue>,
         cfg: ServiceConfig,
@@ -210,8 +211,8 @@ impl ServiceController {
     }
 
     /// The backends of `svc`: every eligible node, or with `externalTrafficPolicy:
-    /// Local` only those with a ready endpoint of the Service (core/v1 Endpoints, served
-    /// by every Kubernetes version; a node without one would drop the traffic).
+    /// Local` only those with a ready endpoint of the Service (a node without one would
+    /// drop the traffic).
     pub fn backends_for(&self, svc: &Service) -> Vec<Backend> {
         let all = self.backends();
         let local = svc
@@ -222,21 +223,11 @@ impl ServiceController {
         if !local {
             return all;
         }
-        let key = ObjectRef::new(&svc.name_any()).within(&svc.namespace().unwrap_or_default());
-        let with_endpoints: std::collections::HashSet<String> = self
+        let ready = self
             .endpoints
-            .get(&key)
-            .map(|ep| {
-                ep.subsets
-                    .iter()
-                    .flatten()
-                    .flat_map(|s| s.addresses.iter().flatten())
-                    .filter_map(|a| a.node_name.clone())
-                    .collect()
-            })
-            .unwrap_or_default();
+            .ready(&svc.namespace().unwrap_or_default(), &svc.name_any());
         all.into_iter()
-            .filter(|b| with_endpoints.contains(&b.name))
+            .filter(|b| ready.nodes.contains(&b.name))
             .collect()
     }
 
@@ -558,20 +549,15 @@ fn without_endpoints(info: &ServiceInfo) -> ServiceInfo {
     info
 }
 
-/// The provider's view of `svc`, with the ready endpoints of each port from `endpoints`
-/// (the Service's Endpoints object, if any).
-pub fn service_info(
-    svc: &Service,
-    endpoints: &Store<k8s_openapi::api::core::v1::Endpoints>,
-) -> ServiceInfo {
-    let key = ObjectRef::new(&svc.name_any()).within(&svc.namespace().unwrap_or_default());
-    info_of(svc, endpoints.get(&key).as_deref())
+/// The provider's view of `svc`, with the ready endpoints of each port.
+pub fn service_info(svc: &Service, endpoints: &EndpointsCache) -> ServiceInfo {
+    info_of(
+        svc,
+        &endpoints.ready(&svc.namespace().unwrap_or_default(), &svc.name_any()),
+    )
 }
 
-fn info_of(
-    svc: &Service,
-    endpoints: Option<&k8s_openapi::api::core::v1::Endpoints>,
-) -> ServiceInfo {
+fn info_of(svc: &Service, ready: &Ready) -> ServiceInfo {
     let spec = svc.spec.clone().unwrap_or_default();
     let ports = spec
         .ports
@@ -583,7 +569,7 @@ fn info_of(
                 protocol: p.protocol.clone().unwrap_or_else(|| "TCP".into()),
                 port: u16::try_from(p.port).unwrap_or(0),
                 node_port: p.node_port.and_then(|n| u16::try_from(n).ok()).unwrap_or(0),
-                endpoints: ready_endpoints(endpoints, &name),
+                endpoints: ready.ports.get(&name).cloned().unwrap_or_default(),
                 name,
             }
         })
@@ -668,33 +654,6 @@ fn list_annotation(svc: &Service, name: &str) -> Vec<String> {
                 .collect()
         })
         .unwrap_or_default()
-}
-
-/// The ready (pod IP, targetPort) pairs of the Service port called `port_name`.
-fn ready_endpoints(
-    endpoints: Option<&k8s_openapi::api::core::v1::Endpoints>,
-    port_name: &str,
-) -> Vec<std::net::SocketAddr> {
-    let mut out = Vec::new();
-    for subset in endpoints
-        .into_iter()
-        .flat_map(|e| e.subsets.iter().flatten())
-    {
-        let port = subset
-            .ports
-            .iter()
-            .flatten()
-            .find(|p| p.name.as_deref().unwrap_or("") == port_name)
-            .and_then(|p| u16::try_from(p.port).ok());
-        let Some(port) = port else { continue };
-        for a in subset.addresses.iter().flatten() {
-            if let Ok(ip) = a.ip.parse() {
-                out.push(std::net::SocketAddr::new(ip, port));
-            }
-        }
-    }
-    out.sort();
-    out
 }
 
 /// The Service's limits and PROXY protocol version from its annotations, the defaults
@@ -856,7 +815,7 @@ mod tests {
                      "ports": [{"port": 53, "protocol": "UDP"}, {"port": 80, "nodePort": 30080}]}
         }))
         .unwrap();
-        let info = info_of(&svc, None);
+        let info = info_of(&svc, &Ready::default());
         assert_eq!(
             (info.max_connections, info.idle_timeout),
             (
@@ -876,7 +835,7 @@ mod tests {
         svc.metadata.annotations = None;
         svc.spec.as_mut().unwrap().load_balancer_source_ranges = None;
         svc.spec.as_mut().unwrap().ports.as_mut().unwrap().remove(0);
-        let info = info_of(&svc, None);
+        let info = info_of(&svc, &Ready::default());
         assert!(service_warnings(&svc, &info).is_empty());
         assert_eq!(info.idle_timeout, crate::cloud::DEFAULT_IDLE_TIMEOUT);
     }
