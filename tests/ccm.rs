@@ -202,8 +202,10 @@ fn nodes_are_initialized_tainted_on_shutdown_and_deleted_when_gone() {
 
     // Gone from the inventory and NotReady: the Node is deleted. A Ready node that is
     // gone is left alone (upstream checks only nodes that are not Ready).
-    write_machines(&inventory, &[("node-a", "10.0.0.1", false)]);
+    // (NotReady first: once it is gone from the inventory, a NotReady node may be
+    // deleted at the next monitor period.)
     cluster.set_node_ready("node-b", false);
+    write_machines(&inventory, &[("node-a", "10.0.0.1", false)]);
     wait_blocking("node-b deleted", Duration::from_secs(30), || {
         node_json(&cluster, "node-b").is_none().then_some(())
     });
@@ -2119,8 +2121,13 @@ fn arp_answers(client: &Node, vip: &str) -> Vec<String> {
     )
 }
 
-/// The load-balancer lease's holder, if any.
+/// The holder of pool `lan`'s lease, if any.
 fn lb_lease_holder(cluster: &Cluster) -> Option<String> {
+    pool_lease_holder(cluster, "lan")
+}
+
+/// The holder of `pool`'s lease, if any.
+fn pool_lease_holder(cluster: &Cluster, pool: &str) -> Option<String> {
     get_json(
         cluster,
         &[
@@ -2128,7 +2135,7 @@ fn lb_lease_holder(cluster: &Cluster) -> Option<String> {
             "kube-system",
             "get",
             "lease",
-            "cloud-controller-manager-load-balancers",
+            &format!("cloud-controller-manager-lb-{pool}"),
             "-o",
             "json",
         ],
@@ -2161,10 +2168,18 @@ struct Failover {
     _dir: TempDir,
     inventory: PathBuf,
     vip: String,
+    /// With two pools: the second pool's address (Service `web2`, port 80) and its page.
+    vip2: Option<String>,
+    _page2: Option<tether_testkit::netns::ServedPage>,
 }
 
 impl Failover {
     fn new() -> Failover {
+        Failover::with_pools(1)
+    }
+
+    /// With `pools` (1 or 2) pools of one address each, a Service on each.
+    fn with_pools(pools: usize) -> Failover {
         use tether_testkit::netns::Lan;
         let node = Node::create();
         let tunnel = Tunnel::start(&node, "node-1", &format!("ipv4={}", node.node_ip));
@@ -2185,15 +2200,31 @@ impl Failover {
             .map(|(h, d)| h.reach_host_port(cluster.port, d.path()))
             .collect();
         let vip = lan.address(100);
+        let vip2 = (pools > 1).then(|| lan.address(101));
         let (dir, inventory) = inventory_dir();
         write_inventory(
             &inventory,
             &format!(
-                "nodes:\n{}loadBalancer:\n  interface: {}\n  pools:\n  - name: lan\n    addresses: [{vip}]\n",
+                "nodes:\n{}loadBalancer:\n  interface: {}\n  pools:\n  - name: lan\n    addresses: [{vip}]\n{}",
                 machine("node-1", &node.node_ip, false),
-                Lan::INTERFACE
+                Lan::INTERFACE,
+                vip2.as_ref()
+                    .map(|v| format!("  - name: lan2\n    addresses: [{v}]\n"))
+                    .unwrap_or_default()
             ),
         );
+        let page2 = vip2.as_ref().map(|v| {
+            lb_service(
+                &cluster,
+                "default",
+                "web2",
+                80,
+                Some(30081),
+                serde_json::json!({}),
+                serde_json::json!({"loadBalancerIP": v}),
+            );
+            node.serve_page(30081, "hello from the second pool\n")
+        });
         lb_service(
             &cluster,
             "default",
@@ -2216,6 +2247,8 @@ impl Failover {
             _dir: dir,
             inventory,
             vip,
+            vip2,
+            _page2: page2,
         }
     }
 
@@ -2233,7 +2266,7 @@ impl Failover {
             ],
         );
         p.wait_event("waiting to become leader", START_TIMEOUT, |e| {
-            e.to_string().contains("load-balancers")
+            e.to_string().contains("cloud-controller-manager-lb-lan")
         });
         p
     }
@@ -2287,6 +2320,45 @@ impl Failover {
                 "try {i} of {n} failed"
             );
         }
+    }
+}
+
+/// Connects to `url` from `ns` every 100 ms (0.3 s each) until finished: the
+/// moments the page did not come back.
+struct ConnProber {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<(usize, Vec<Duration>)>,
+}
+
+impl ConnProber {
+    fn start(ns: &str, url: String, page: &'static str) -> ConnProber {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (s, ns) = (stop.clone(), ns.to_string());
+        let thread = std::thread::spawn(move || {
+            let start = Instant::now();
+            let (mut tries, mut failures) = (0, Vec::new());
+            while !s.load(std::sync::atomic::Ordering::Relaxed) {
+                let at = Instant::now();
+                tries += 1;
+                if curl_within(Some(&ns), &url, "0.3").as_deref() != Some(page) {
+                    failures.push(start.elapsed());
+                }
+                std::thread::sleep(Duration::from_millis(100).saturating_sub(at.elapsed()));
+            }
+            (tries, failures)
+        });
+        ConnProber { stop, thread }
+    }
+
+    /// Stops: (tries, failures, the window from the first failure to the last).
+    fn finish(self) -> (usize, Vec<Duration>, Duration) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let (tries, failures) = self.thread.join().unwrap();
+        let window = match (failures.first(), failures.last()) {
+            (Some(first), Some(last)) => *last - *first + Duration::from_millis(100),
+            _ => Duration::ZERO,
+        };
+        (tries, failures, window)
     }
 }
 
@@ -2379,28 +2451,7 @@ fn a_graceful_handover_costs_under_a_second() {
         || curl_quick(&f.client.ns, &f.url()),
     );
     // Connect every 100 ms from before the signal until well after the handover.
-    let (stop, url, ns) = (
-        std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false)),
-        f.url(),
-        f.client.ns.clone(),
-    );
-    let prober = {
-        let stop = stop.clone();
-        std::thread::spawn(move || {
-            let start = Instant::now();
-            let mut failures: Vec<Duration> = Vec::new();
-            let mut tries = 0;
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                let at = Instant::now();
-                tries += 1;
-                if curl_within(Some(&ns), &url, "0.3").as_deref() != Some("hello over the lan\n") {
-                    failures.push(start.elapsed());
-                }
-                std::thread::sleep(Duration::from_millis(100).saturating_sub(at.elapsed()));
-            }
-            (tries, failures)
-        })
-    };
+    let prober = ConnProber::start(&f.client.ns, f.url(), "hello over the lan\n");
     std::thread::sleep(Duration::from_secs(1));
     a.signal("TERM");
     let exited = a
@@ -2415,12 +2466,7 @@ fn a_graceful_handover_costs_under_a_second() {
     let mac_b = f.wait_single_answer("the standby answering ARP");
     assert_ne!(mac_b, mac_a);
     std::thread::sleep(Duration::from_secs(2));
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let (tries, failures) = prober.join().unwrap();
-    let window = match (failures.first(), failures.last()) {
-        (Some(first), Some(last)) => *last - *first + Duration::from_millis(100),
-        _ => Duration::ZERO,
-    };
+    let (tries, failures, window) = prober.finish();
     eprintln!(
         "graceful handover: {} of {tries} connections failed, over {window:?}",
         failures.len()
@@ -2430,6 +2476,100 @@ fn a_graceful_handover_costs_under_a_second() {
         "connections failed for {window:?}: {failures:?}"
     );
     drop(f.node);
+}
+
+/// Two pools, two replicas: the pools spread. The first replica takes both; the second,
+/// holding none, asks for one and is handed it gracefully (connections to the moved
+/// address fail for under a second, the other address's never); after the first
+/// replica stops, the second holds both, and a replica started again takes one back.
+#[test]
+fn pools_spread_over_the_replicas() {
+    let f = Failover::with_pools(2);
+    let vip2 = f.vip2.clone().unwrap();
+    let a = f.start(0, "ccm-a");
+    assert_eq!(wait_ingress(&f.cluster, "default", "web"), f.vip);
+    assert_eq!(wait_ingress(&f.cluster, "default", "web2"), vip2);
+    let mac_a = f.wait_single_answer("the first replica answering ARP");
+    wait_blocking(
+        "the first replica holding both pools",
+        Duration::from_secs(30),
+        || (arp_answers(&f.client, &vip2) == [mac_a.clone()]).then_some(()),
+    );
+    let url2 = format!("http://{vip2}/");
+    for url in [f.url(), url2.clone()] {
+        wait_blocking("the client reaching both", Duration::from_secs(30), || {
+            curl_quick(&f.client.ns, &url)
+        });
+    }
+    let probes = [
+        ConnProber::start(&f.client.ns, f.url(), "hello over the lan\n"),
+        ConnProber::start(&f.client.ns, url2.clone(), "hello from the second pool\n"),
+    ];
+    let spread = |what: &str| {
+        let started = Instant::now();
+        let macs = wait_blocking(what, Duration::from_secs(30), || {
+            let one = arp_answers(&f.client, &f.vip);
+            let two = arp_answers(&f.client, &vip2);
+            assert!(
+                one.len() <= 1 && two.len() <= 1,
+                "two hosts answer at once: {one:?} {two:?}"
+            );
+            (one.len() == 1 && two.len() == 1 && one != two)
+                .then(|| (one[0].clone(), two[0].clone()))
+        });
+        (macs, started.elapsed())
+    };
+    let b = f.start(1, "ccm-b");
+    let ((one, two), took) = spread("the second replica taking a pool");
+    assert!(one == mac_a || two == mac_a);
+    let holders: Vec<Option<String>> = ["lan", "lan2"]
+        .iter()
+        .map(|p| pool_lease_holder(&f.cluster, p))
+        .collect();
+    assert!(
+        holders[0].is_some() && holders[1].is_some() && holders[0] != holders[1],
+        "{holders:?}"
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    let results: Vec<_> = probes.into_iter().map(ConnProber::finish).collect();
+    let moved = if one == mac_a { 1 } else { 0 };
+    eprintln!(
+        "spread: pool {} moved {took:?} after the second replica stood by; its connections failed for {:?} ({} of {}), the other pool's {} of {}",
+        moved + 1,
+        results[moved].2,
+        results[moved].1.len(),
+        results[moved].0,
+        results[1 - moved].1.len(),
+        results[1 - moved].0,
+    );
+    assert!(
+        results[moved].2 < Duration::from_secs(1),
+        "{:?}",
+        results[moved].1
+    );
+    assert!(
+        results[1 - moved].1.is_empty(),
+        "{:?}",
+        results[1 - moved].1
+    );
+    // The first replica stops: the second holds both; one started again takes one back.
+    let mut a = a;
+    a.signal("TERM");
+    a.wait_exit(Duration::from_secs(30))
+        .expect("the first replica exits");
+    let mac_b = if one == mac_a { two } else { one };
+    wait_blocking(
+        "the second replica holding both",
+        Duration::from_secs(30),
+        || {
+            (arp_answers(&f.client, &f.vip) == [mac_b.clone()]
+                && arp_answers(&f.client, &vip2) == [mac_b.clone()])
+            .then_some(())
+        },
+    );
+    let _a2 = f.start(0, "ccm-a2");
+    spread("a restarted replica taking a pool back");
+    drop(b);
 }
 
 /// Host exposure: the addresses live in the CCM's own namespace, so the holder's host
@@ -2571,7 +2711,7 @@ fn a_hung_holder_goes_silent_before_the_standby_takes_over() {
     // that lease exits, as upstream's does.
     let mut a = a;
     wait_blocking("the woken replica lets go", Duration::from_secs(30), || {
-        (a.exited() || a.logged("stepping down") || a.logged("giving up the load-balancer lease"))
+        (a.exited() || a.logged("stepping down") || a.logged("giving up the pool's lease"))
             .then_some(())
     });
     for _ in 0..20 {
@@ -2597,7 +2737,7 @@ fn a_holder_whose_interface_goes_down_gives_up_the_lease() {
     f.hosts[0].ip(&["link", "set", Lan::INTERFACE, "down"]);
     let down = Instant::now();
     a.wait_event(
-        "giving up the load-balancer lease",
+        "giving up the pool's lease",
         Duration::from_secs(30),
         |_| true,
     );
@@ -2720,8 +2860,8 @@ impl BulkServices {
 
 /// Eight stalled downloads on Service A (clients that stop reading) must not starve
 /// Service B: each Service has its own tunnel connection, so A's stalled streams fill
-/// only A's HTTP/2 windows. B keeps at least 80% of what it moves alone (best of three
-/// 64 MiB downloads each way, interleaved).
+/// only A's HTTP/2 windows. B keeps at least 80% of what it moves alone (the median of
+/// three interleaved rounds, each a 64 MiB download alone and one beside).
 #[test]
 fn stalled_downloads_on_one_service_leave_another_its_throughput() {
     let bulk = BulkServices::new([30090, 30091]);
@@ -2762,9 +2902,18 @@ fn stalled_downloads_on_one_service_leave_another_its_throughput() {
         drop(stalled);
     }
     let best = |v: &[f64]| v.iter().cloned().fold(0.0, f64::max);
-    let ratio = best(&stalled_beside) / best(&alone);
+    // Each round's pair ran back to back, under the same load from whatever else runs
+    // on the machine: the median of the rounds' ratios (starvation would be near zero
+    // in every round).
+    let mut ratios: Vec<f64> = stalled_beside
+        .iter()
+        .zip(&alone)
+        .map(|(beside, alone)| beside / alone)
+        .collect();
+    ratios.sort_by(f64::total_cmp);
+    let ratio = ratios[ratios.len() / 2];
     eprintln!(
-        "Service B: {:.0} MiB/s alone, {:.0} MiB/s beside 8 stalled downloads on A ({ratio:.2}x; rounds {alone:.0?} / {stalled_beside:.0?})",
+        "Service B: {:.0} MiB/s alone, {:.0} MiB/s beside 8 stalled downloads on A (median round {ratio:.2}x; rounds {alone:.0?} / {stalled_beside:.0?})",
         best(&alone),
         best(&stalled_beside)
     );

@@ -909,7 +909,18 @@ async fn load_balancer(to: SocketAddr, uds: PathBuf) -> anyhow::Result<()> {
         name: "backend".into(),
         address: to.ip().to_string(),
     };
-    lbs.ensure("bench", &svc, &[node])
+    // Assigned (as the leader's service controller does), then served (as the pool's
+    // holder does).
+    let status = lbs
+        .ensure("bench", &svc, std::slice::from_ref(&node))
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    for pool in lbs.pool_names() {
+        lbs.resume_pool(&pool).await;
+    }
+    let addresses: Vec<std::net::IpAddr> =
+        status.ips.iter().filter_map(|ip| ip.parse().ok()).collect();
+    lbs.serve(&svc, &[node], &addresses)
         .await
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     println!("{port}");

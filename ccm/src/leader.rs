@@ -4,7 +4,17 @@
 //! clock skew between replicas does not matter); a leader that cannot renew within the
 //! renew deadline steps down. On graceful shutdown the lease is released so that a
 //! standby takes over at once.
+//!
+//! Leases of a kind a replica may hold several of (the load-balancer pools') can be
+//! balanced ([`LeaderElection::balance`]): a replica waits one more retry period per
+//! lease of the kind it holds before taking a free one, the holder writes how many it
+//! holds on the lease, and a standby holding at least two fewer asks for it in an
+//! annotation; the holder hands it over gracefully (its term lets go first, then the
+//! lease is released to the asker, whom the others leave it to).
 
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
@@ -32,7 +42,18 @@ pub struct LeaderElection {
     /// After a release, wait up to this long for another replica to hold the lease
     /// (a rolling update then never ends with nobody holding it). `None`: do not wait.
     pub await_successor: Option<Duration>,
+    /// How many leases of this kind this replica holds (see the module's doc): set,
+    /// they are balanced over the replicas. The caller keeps it current as its terms
+    /// start and end (a granted handover takes one off at once).
+    pub balance: Option<Arc<AtomicUsize>>,
 }
+
+/// The holder's count of leases of the kind (balanced leases).
+pub const HELD_ANNOTATION: &str = "tether.dev/leases-held";
+/// A standby's request for the lease: `<identity> <leases it holds>`.
+pub const REQUEST_ANNOTATION: &str = "tether.dev/handover-request";
+/// Released to this identity: the others leave it to it for a lease duration.
+pub const HANDOVER_ANNOTATION: &str = "tether.dev/handover-to";
 
 /// What went wrong talking to the API server.
 #[derive(Debug, thiserror::Error)]
@@ -51,6 +72,28 @@ struct Elector {
     observed: Option<(String, Instant)>,
     /// When the lease another replica holds runs out, as last observed.
     expires: Option<Instant>,
+    /// A handover was asked for (by us, of the holder) or granted to us: look again
+    /// soon rather than at the next retry.
+    eager: bool,
+    /// Set when the holder granted a standby's request: the identity to release to.
+    granted: Option<String>,
+}
+
+/// What one attempt found.
+enum Attempt {
+    /// We hold the lease.
+    Held,
+    /// Another replica does (or a write raced ours).
+    NotHeld,
+}
+
+fn annotation<'a>(lease: &'a Lease, key: &str) -> Option<&'a str> {
+    lease
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(key))
+        .map(String::as_str)
 }
 
 impl Elector {
@@ -62,8 +105,33 @@ impl Elector {
         }
     }
 
-    /// Acquires or renews; true when we hold the lease afterwards.
+    /// Acquires or renews; true when we hold the lease afterwards. A write that loses
+    /// to another (a standby's request on a balanced lease) is read again and retried.
     async fn try_acquire_or_renew(&mut self) -> Result<bool, LeaseError> {
+        for _ in 0..3 {
+            match self.attempt().await {
+                Ok(Some(Attempt::Held)) => return Ok(true),
+                Ok(Some(Attempt::NotHeld)) => return Ok(false),
+                // Conflict: read again.
+                Ok(None) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(false)
+    }
+
+    /// How many leases of the kind we hold, 0 when not balanced.
+    fn held(&self) -> usize {
+        self.cfg
+            .balance
+            .as_ref()
+            .map(|b| b.load(Ordering::SeqCst))
+            .unwrap_or(0)
+    }
+
+    /// One read and write; `None` when the write lost to a concurrent one.
+    async fn attempt(&mut self) -> Result<Option<Attempt>, LeaseError> {
+        self.eager = false;
         let now = MicroTime(Timestamp::now());
         let secs = self.cfg.lease_duration.as_secs().max(1) as i32;
         let existing = match self.api.get_opt(&self.cfg.name).await {
@@ -71,10 +139,15 @@ impl Elector {
             Err(e) => return Err(self.err(e)),
         };
         let Some(mut lease) = existing else {
+            let mut annotations = BTreeMap::new();
+            if self.cfg.balance.is_some() {
+                annotations.insert(HELD_ANNOTATION.to_string(), (self.held() + 1).to_string());
+            }
             let lease = Lease {
                 metadata: ObjectMeta {
                     name: Some(self.cfg.name.clone()),
                     namespace: Some(self.cfg.namespace.clone()),
+                    annotations: (!annotations.is_empty()).then_some(annotations),
                     ..Default::default()
                 },
                 spec: Some(LeaseSpec {
@@ -87,8 +160,8 @@ impl Elector {
                 }),
             };
             return match self.api.create(&PostParams::default(), &lease).await {
-                Ok(_) => Ok(true),
-                Err(kube::Error::Api(e)) if e.code == 409 => Ok(false),
+                Ok(_) => Ok(Some(Attempt::Held)),
+                Err(kube::Error::Api(e)) if e.code == 409 => Ok(Some(Attempt::NotHeld)),
                 Err(e) => Err(self.err(e)),
             };
         };
@@ -112,9 +185,22 @@ impl Elector {
             .map(|s| Duration::from_secs(s.max(0) as u64))
             .unwrap_or(self.cfg.lease_duration);
         let ours = holder == self.cfg.identity;
+        let balanced = self.cfg.balance.is_some();
         if !ours && !holder.is_empty() && first_seen.elapsed() < duration {
             self.expires = Some(first_seen + duration);
-            return Ok(false);
+            if balanced {
+                return self.maybe_ask(lease).await;
+            }
+            return Ok(Some(Attempt::NotHeld));
+        }
+        // Released to another replica: theirs for a lease duration.
+        if !ours && holder.is_empty() && balanced {
+            if let Some(to) = annotation(&lease, HANDOVER_ANNOTATION) {
+                if to != self.cfg.identity && first_seen.elapsed() < self.cfg.lease_duration {
+                    self.expires = Some(first_seen + self.cfg.lease_duration);
+                    return Ok(Some(Attempt::NotHeld));
+                }
+            }
         }
         self.expires = None;
         let mut new = spec;
@@ -125,6 +211,31 @@ impl Elector {
         }
         new.renew_time = Some(now);
         new.lease_duration_seconds = Some(secs);
+        if balanced {
+            let request = annotation(&lease, REQUEST_ANNOTATION).map(str::to_string);
+            let annotations = lease.metadata.annotations.get_or_insert_with(BTreeMap::new);
+            annotations.remove(HANDOVER_ANNOTATION);
+            annotations.remove(REQUEST_ANNOTATION);
+            let mut held = self.held() + usize::from(!ours);
+            if ours && self.granted.is_none() {
+                if let Some((asker, theirs)) = request.as_deref().and_then(parse_request) {
+                    // Granted only if it leaves both nearer an even share; the count
+                    // drops now, so another request this round sees it.
+                    let counter = self.cfg.balance.clone().unwrap_or_default();
+                    let granted = counter
+                        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |mine| {
+                            (mine > theirs + 1).then(|| mine - 1)
+                        })
+                        .is_ok();
+                    if granted {
+                        tracing::info!(%asker, theirs, mine = held, "handing the lease over to even out the replicas' shares");
+                        self.granted = Some(asker.to_string());
+                        held -= 1;
+                    }
+                }
+            }
+            annotations.insert(HELD_ANNOTATION.to_string(), held.to_string());
+        }
         lease.spec = Some(new);
         // Replace carries the resourceVersion we read: a concurrent writer wins, we
         // lose with a conflict.
@@ -133,10 +244,55 @@ impl Elector {
             .replace(&self.cfg.name, &PostParams::default(), &lease)
             .await
         {
-            Ok(_) => Ok(true),
-            Err(kube::Error::Api(e)) if e.code == 409 => Ok(false),
+            Ok(_) => Ok(Some(Attempt::Held)),
+            Err(kube::Error::Api(e)) if e.code == 409 => {
+                if self.granted.take().is_some() {
+                    // Not written: the grant did not happen.
+                    if let Some(b) = &self.cfg.balance {
+                        b.fetch_add(1, Ordering::SeqCst);
+                    }
+                }
+                Ok(None)
+            }
             Err(e) => Err(self.err(e)),
         }
+    }
+
+    /// A standby of a balanced lease held by another: asks for it when the holder
+    /// holds at least two more of the kind than we do (and nobody asked yet).
+    async fn maybe_ask(&mut self, mut lease: Lease) -> Result<Option<Attempt>, LeaseError> {
+        let theirs: Option<usize> =
+            annotation(&lease, HELD_ANNOTATION).and_then(|h| h.parse().ok());
+        let mine = self.held();
+        let Some(theirs) = theirs.filter(|t| *t > mine + 1) else {
+            return Ok(Some(Attempt::NotHeld));
+        };
+        if let Some(r) = annotation(&lease, REQUEST_ANNOTATION) {
+            // Ours is pending, or another's is: the holder answers at its next renewal.
+            self.eager = r.starts_with(&format!("{} ", self.cfg.identity));
+            return Ok(Some(Attempt::NotHeld));
+        }
+        lease
+            .metadata
+            .annotations
+            .get_or_insert_with(BTreeMap::new)
+            .insert(
+                REQUEST_ANNOTATION.to_string(),
+                format!("{} {mine}", self.cfg.identity),
+            );
+        match self
+            .api
+            .replace(&self.cfg.name, &PostParams::default(), &lease)
+            .await
+        {
+            Ok(_) => {
+                tracing::info!(holds = theirs, mine, "asked the holder for the lease");
+                self.eager = true;
+            }
+            Err(kube::Error::Api(e)) if e.code == 409 => {}
+            Err(e) => return Err(self.err(e)),
+        }
+        Ok(Some(Attempt::NotHeld))
     }
 
     /// Gives the lease up (only if we still hold it).
@@ -163,6 +319,12 @@ impl Elector {
         let Ok(Some(mut lease)) = self.api.get_opt(&self.cfg.name).await else {
             return;
         };
+        if let Some(to) = &self.granted {
+            let annotations = lease.metadata.annotations.get_or_insert_with(BTreeMap::new);
+            annotations.insert(HANDOVER_ANNOTATION.to_string(), to.clone());
+            annotations.remove(REQUEST_ANNOTATION);
+            annotations.insert(HELD_ANNOTATION.to_string(), "0".into());
+        }
         let Some(spec) = lease.spec.as_mut() else {
             return;
         };
@@ -188,6 +350,9 @@ impl Elector {
 pub struct Leadership {
     /// Cancelled when the lease is lost (taken, or not renewed in time).
     pub lost: CancellationToken,
+    /// Balanced leases: cancelled when the holder granted a standby's request; the
+    /// term lets go, then [`Leadership::release`] hands the lease to the asker.
+    pub handover: CancellationToken,
     release: CancellationToken,
     released: Option<tokio::sync::oneshot::Receiver<()>>,
 }
@@ -223,6 +388,12 @@ impl Leadership {
     }
 }
 
+/// `<identity> <count>` of a handover request.
+fn parse_request(r: &str) -> Option<(&str, usize)> {
+    let (who, n) = r.rsplit_once(' ')?;
+    Some((who, n.parse().ok()?))
+}
+
 /// Waits until this replica leads (`None` if `shutdown` comes first). The lease is then
 /// renewed in the background until it is lost or [`Leadership::release`]d.
 pub async fn lead(
@@ -236,6 +407,8 @@ pub async fn lead(
         cfg,
         observed: None,
         expires: None,
+        eager: false,
+        granted: None,
     };
     async {
         tracing::info!("waiting to become leader");
@@ -256,6 +429,14 @@ pub async fn lead(
                 let margin = Duration::from_millis(10);
                 wait = wait.min(at.saturating_duration_since(Instant::now()) + margin);
             }
+            if elector.eager {
+                // A handover asked for: the holder answers within a retry period.
+                wait = wait.min(Duration::from_millis(100));
+            } else {
+                // One more retry period per lease of the kind held: a replica holding
+                // fewer takes a free one first.
+                wait += elector.cfg.retry_period * elector.held() as u32;
+            }
             tokio::select! {
                 _ = tokio::time::sleep(wait) => {}
                 _ = shutdown.cancelled() => return None,
@@ -263,10 +444,12 @@ pub async fn lead(
         }
         tracing::info!("became leader");
         let lost = CancellationToken::new();
+        let handover = CancellationToken::new();
         let release = CancellationToken::new();
         let (released_tx, released) = tokio::sync::oneshot::channel();
         let leadership = Leadership {
             lost: lost.clone(),
+            handover: handover.clone(),
             release: release.clone(),
             released: Some(released),
         };
@@ -278,7 +461,9 @@ pub async fn lead(
                         _ = tokio::time::sleep(elector.cfg.retry_period) => {}
                         _ = release.cancelled() => {
                             elector.release().await;
-                            if let Some(within) = elector.cfg.await_successor {
+                            if elector.granted.is_some() {
+                                // The asker takes it at once; nothing to wait for.
+                            } else if let Some(within) = elector.cfg.await_successor {
                                 elector.await_successor(within).await;
                             }
                             let _ = released_tx.send(());
@@ -304,7 +489,12 @@ pub async fn lead(
                     let attempt =
                         tokio::time::timeout(left, elector.try_acquire_or_renew()).await;
                     match attempt {
-                        Ok(Ok(true)) => last_renewed = started,
+                        Ok(Ok(true)) => {
+                            last_renewed = started;
+                            if elector.granted.is_some() {
+                                handover.cancel();
+                            }
+                        }
                         Ok(Ok(false)) => {
                             tracing::error!("leader lease taken by another replica; stepping down");
                             lost.cancel();
@@ -326,4 +516,18 @@ pub async fn lead(
     }
     .instrument(span)
     .await
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn handover_requests_name_the_asker_and_its_count() {
+        assert_eq!(
+            super::parse_request("host-a_1234 2"),
+            Some(("host-a_1234", 2))
+        );
+        assert_eq!(super::parse_request("host a 0"), Some(("host a", 0)));
+        assert_eq!(super::parse_request("host-a"), None);
+        assert_eq!(super::parse_request("host-a x"), None);
+    }
 }

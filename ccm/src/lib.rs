@@ -150,9 +150,9 @@ pub struct CcmConfig {
     pub route_reconciliation_period: Duration,
     /// Leader election; `None` with `--leader-elect=false`.
     pub leader_election: Option<leader::LeaderElection>,
-    /// The load balancers' own lease (shorter than the controllers'): its holder runs
-    /// the service controller and holds the addresses. `None` with
-    /// `--leader-elect=false`.
+    /// The load-balancer pools' leases (shorter than the controllers'; `name` is their
+    /// prefix, `-<pool>` is added): each pool's holder holds and serves its addresses.
+    /// `None` with `--leader-elect=false`.
     pub load_balancer_lease: Option<leader::LeaderElection>,
     /// Reported as the event source.
     pub identity: String,
@@ -211,18 +211,29 @@ pub async fn run(
         .map(|le| le.name.as_str())
         .unwrap_or("cloud-controller-manager")]);
     leader_metric.set(0);
-    // The load balancers run beside the other controllers, under their own lease.
-    let load_balancers = match (provider.load_balancers(), config.enabled.service) {
+    // The load balancers' data plane runs on every replica, beside the controllers:
+    // each serves the pools whose leases it holds.
+    let lb_shutdown = shutdown.child_token();
+    let load_balancers = match (provider.load_balancer_server(), config.enabled.service) {
         (Some(lbs), true) => Some(tokio::spawn(
-            run_load_balancers(clients.clone(), lbs, config.clone(), shutdown.clone())
-                .instrument(tracing::info_span!("load_balancers")),
+            lb::pools::run(
+                clients.root.clone(),
+                lbs,
+                lb::pools::ServingConfig {
+                    lease: config.load_balancer_lease.clone(),
+                    load_balancer_class: config.load_balancer_class.clone(),
+                    resync: config.lb_resync_period,
+                    workers: config.concurrent_service_syncs,
+                },
+                lb_shutdown.clone(),
+            )
+            .instrument(tracing::info_span!("load_balancers")),
         )),
-        (None, true) => {
-            tracing::warn!(provider = provider.name(), "service controller disabled: the provider has no load balancers (tether: set --tunnel-uds, and loadBalancer pools in the cloud config or --lb-bind-address)");
-            None
-        }
         _ => None,
     };
+    if config.enabled.service && provider.load_balancers().is_none() {
+        tracing::warn!(provider = provider.name(), "service controller disabled: the provider has no load balancers (tether: set --tunnel-uds, and loadBalancer pools in the cloud config or --lb-bind-address)");
+    }
     let (lost, leadership) = match &config.leader_election {
         Some(le) => {
             // Routes a former leader on this host left behind (it crashed, or lost
@@ -282,9 +293,14 @@ pub async fn run(
     let _stop_on_exit = stop.clone().drop_guard();
 
     let node_queue = WorkQueue::new("node");
+    let lb_node_events = WorkQueue::new("lb-nodes");
     let mut node_queues = Vec::new();
     if config.enabled.node {
         node_queues.push(node_queue.clone());
+    }
+    let load_balancer_api = provider.load_balancers().filter(|_| config.enabled.service);
+    if load_balancer_api.is_some() {
+        node_queues.push(lb_node_events.clone());
     }
     let nodes = informer::spawn(
         "nodes",
@@ -381,6 +397,44 @@ pub async fn run(
         ),
         _ => {}
     }
+    if let Some(lbs) = load_balancer_api {
+        // Assigns the addresses and publishes them in the Services' status; the pools'
+        // holders serve them.
+        let queue = WorkQueue::new("service");
+        let services = informer::spawn(
+            "services",
+            Api::<k8s_openapi::api::core::v1::Service>::all(client.clone()),
+            vec![queue.clone()],
+            stop.clone(),
+        );
+        let Some(endpoints) =
+            endpoints::EndpointsCache::spawn(client.clone(), queue.clone(), stop.clone()).await
+        else {
+            return Ok(());
+        };
+        tokio::select! {
+            r = async {
+                services.wait_until_ready().await.map_err(|e| e.to_string())?;
+                endpoints.wait_until_ready().await
+            } => r.map_err(CcmError::CacheSync)?,
+            _ = shutdown.cancelled() => return Ok(()),
+        }
+        let c = controllers::service::ServiceController::new(
+            ctx_for(credentials::SERVICE),
+            lbs,
+            services,
+            endpoints,
+            queue,
+            lb_node_events,
+            controllers::service::ServiceConfig {
+                cluster_name: config.cluster_name.clone(),
+                load_balancer_class: config.load_balancer_class.clone(),
+                resync: config.lb_resync_period,
+                workers: config.concurrent_service_syncs,
+            },
+        );
+        spawn("service", Box::pin(c.run(stop.clone())));
+    }
     tracing::info!(cluster = %config.cluster_name, enabled = ?config.enabled, "controllers started");
     let result = tokio::select! {
         _ = shutdown.cancelled() => Ok(()),
@@ -402,190 +456,13 @@ pub async fn run(
     if let (Ok(()), Some(l)) = (&result, leadership) {
         l.release().await;
     }
-    if let (Ok(()), Some(lb)) = (&result, load_balancers) {
+    // The pools are let go of (each lease handed to a standby) whether we stop or
+    // lost the controllers' lease.
+    lb_shutdown.cancel();
+    if let Some(lb) = load_balancers {
         let _ = lb.await;
     }
     result
-}
-
-/// The load balancers' terms: stand by (while the interface is usable), take the
-/// load-balancer lease, run the service controller until shutdown, a lost lease or an
-/// unusable interface, let go of the addresses, and only then release the lease. A lost
-/// lease is not fatal here: the replica stands by again.
-async fn run_load_balancers(
-    clients: credentials::Clients,
-    lbs: Arc<dyn cloud::LoadBalancers>,
-    config: CcmConfig,
-    shutdown: CancellationToken,
-) {
-    let Some(le) = config.load_balancer_lease.clone() else {
-        let _ = serve_load_balancers(&clients, lbs, &config, shutdown).await;
-        return;
-    };
-    let holding = crate::metrics::get()
-        .leader
-        .with_label_values(&[le.name.as_str()]);
-    holding.set(0);
-    loop {
-        // Stand for the lease only with a usable interface.
-        let mut said = None;
-        loop {
-            match lbs.ready().await {
-                Ok(()) => break,
-                Err(why) => {
-                    if said.as_ref() != Some(&why) {
-                        tracing::warn!(reason = %why, "not standing for the load-balancer lease");
-                        said = Some(why);
-                    }
-                }
-            }
-            tokio::select! {
-                _ = tokio::time::sleep(le.retry_period) => {}
-                _ = shutdown.cancelled() => return,
-            }
-        }
-        let Some(leadership) =
-            leader::lead(clients.root.clone(), le.clone(), shutdown.clone()).await
-        else {
-            return;
-        };
-        holding.set(1);
-        // The addresses' kernel lifetime: what is left of the lease after the renew
-        // deadline, so that a holder that hangs loses them before a standby can hold
-        // the lease; refreshed every retry period while we hold it.
-        let lifetime = le
-            .lease_duration
-            .saturating_sub(le.renew_deadline)
-            .max(Duration::from_secs(1));
-        lbs.resume().await;
-        let _ = lbs.refresh(lifetime).await;
-        let stop = CancellationToken::new();
-        let mut term = {
-            let (clients, lbs, config) = (clients.clone(), lbs.clone(), config.clone());
-            let stop = stop.clone();
-            tokio::spawn(
-                async move { serve_load_balancers(&clients, lbs, &config, stop).await }
-                    .in_current_span(),
-            )
-        };
-        let unusable = async {
-            loop {
-                tokio::time::sleep(le.retry_period).await;
-                if let Err(why) = lbs.ready().await {
-                    return why;
-                }
-                if let Err(why) = lbs.refresh(lifetime).await {
-                    return why;
-                }
-            }
-        };
-        let mut ended = false;
-        let release = tokio::select! {
-            _ = shutdown.cancelled() => true,
-            _ = leadership.lost.cancelled() => false,
-            why = unusable => {
-                tracing::warn!(reason = %why, "giving up the load-balancer lease");
-                true
-            }
-            r = &mut term => {
-                tracing::error!(result = ?r, "the service controller ended");
-                ended = true;
-                true
-            }
-        };
-        // The addresses go at once (a sync in flight cannot add one back), before the
-        // controller has finished stopping and before the lease is released.
-        stop.cancel();
-        if !release {
-            // Lost: syncs still in flight are cancelled (a status write from a replica
-            // that no longer holds the lease would race the new holder's).
-            term.abort();
-        }
-        lbs.release_all(&config.cluster_name).await;
-        holding.set(0);
-        if !ended && tokio::time::timeout(STOP_TIMEOUT, &mut term).await.is_err() {
-            tracing::warn!(timeout = ?STOP_TIMEOUT, "the service controller did not stop in time");
-            term.abort();
-        }
-        // Whatever a sync still in flight set up (listeners, balancer state) goes too.
-        lbs.release_all(&config.cluster_name).await;
-        if release {
-            leadership.release().await;
-        }
-        if shutdown.is_cancelled() {
-            return;
-        }
-        if ended {
-            // A controller that could not run (say, its caches never synced): not again
-            // at once.
-            tokio::select! {
-                _ = tokio::time::sleep(STOP_TIMEOUT) => {}
-                _ = shutdown.cancelled() => return,
-            }
-        }
-    }
-}
-
-/// Runs the service controller (with its own caches) until `stop`; it lets go of the
-/// balancers when it ends.
-async fn serve_load_balancers(
-    clients: &credentials::Clients,
-    lbs: Arc<dyn cloud::LoadBalancers>,
-    config: &CcmConfig,
-    stop: CancellationToken,
-) -> Result<(), CcmError> {
-    let client = clients.root.clone();
-    let queue = WorkQueue::new("service");
-    let node_events = WorkQueue::new("lb-nodes");
-    let nodes = informer::spawn(
-        "nodes",
-        Api::<Node>::all(client.clone()),
-        vec![node_events.clone()],
-        stop.clone(),
-    );
-    let services = informer::spawn(
-        "services",
-        Api::<k8s_openapi::api::core::v1::Service>::all(client.clone()),
-        vec![queue.clone()],
-        stop.clone(),
-    );
-    // Endpoint changes re-sync their Service (same key): Local policy and no-NodePort
-    // backends.
-    let Some(endpoints) =
-        endpoints::EndpointsCache::spawn(client.clone(), queue.clone(), stop.clone()).await
-    else {
-        return Ok(());
-    };
-    tokio::select! {
-        r = async {
-            nodes.wait_until_ready().await.map_err(|e| e.to_string())?;
-            services.wait_until_ready().await.map_err(|e| e.to_string())?;
-            endpoints.wait_until_ready().await
-        } => r.map_err(CcmError::CacheSync)?,
-        _ = stop.cancelled() => return Ok(()),
-    }
-    let ctx = Context {
-        client: clients.controller(credentials::SERVICE),
-        identity: config.identity.clone(),
-        nodes,
-        recorder: Default::default(),
-    };
-    let c = controllers::service::ServiceController::new(
-        ctx,
-        lbs,
-        services,
-        endpoints,
-        queue,
-        node_events,
-        controllers::service::ServiceConfig {
-            cluster_name: config.cluster_name.clone(),
-            load_balancer_class: config.load_balancer_class.clone(),
-            resync: config.lb_resync_period,
-            workers: config.concurrent_service_syncs,
-        },
-    );
-    c.run(stop).await;
-    Ok(())
 }
 
 /// How long controllers get to stop (and clean up) at shutdown or step-down.

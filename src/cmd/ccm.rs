@@ -53,15 +53,15 @@ pub struct CcmArgs {
     /// Lease name.
     #[arg(long, default_value = "cloud-controller-manager")]
     pub leader_elect_resource_name: String,
-    /// The load balancers' own lease (its holder holds the addresses): how long it is
-    /// valid. Shorter than the controllers' so that a crashed holder's addresses move
-    /// within seconds.
+    /// Each load-balancer pool's own lease (`<--leader-elect-resource-name>-lb-<pool>`;
+    /// its holder holds and serves the pool's addresses): how long it is valid. Shorter
+    /// than the controllers' so that a crashed holder's addresses move within seconds.
     #[arg(long, default_value = "4s", value_parser = duration)]
     pub lb_lease_duration: Duration,
-    /// A load-balancer lease holder that cannot renew within this lets go.
+    /// A pool's lease holder that cannot renew within this lets go.
     #[arg(long, default_value = "2s", value_parser = duration)]
     pub lb_lease_renew_deadline: Duration,
-    /// How often to try to acquire or renew the load-balancer lease.
+    /// How often to try to acquire or renew a pool's lease.
     #[arg(long, default_value = "500ms", value_parser = duration)]
     pub lb_lease_retry_period: Duration,
     /// Accepted for compatibility; only `leases` is supported.
@@ -325,16 +325,19 @@ impl CcmArgs {
                 renew_deadline: self.leader_elect_renew_deadline,
                 retry_period: self.leader_elect_retry_period,
                 await_successor: None,
+                balance: None,
             }),
+            // One lease per pool, `<this>-<pool>`, balanced over the replicas.
             load_balancer_lease: self.leader_elect.then(|| LeaderElection {
                 namespace: self.leader_elect_resource_namespace.clone(),
-                name: format!("{}-load-balancers", self.leader_elect_resource_name),
+                name: format!("{}-lb", self.leader_elect_resource_name),
                 identity: identity.clone(),
                 lease_duration: self.lb_lease_duration,
                 renew_deadline: self.lb_lease_renew_deadline,
                 retry_period: self.lb_lease_retry_period,
                 // Before the process exits, a standby holds the addresses.
                 await_successor: Some(self.lb_lease_duration),
+                balance: Some(Default::default()),
             }),
             identity,
         };

@@ -248,24 +248,9 @@ pub trait LoadBalancers: Send + Sync {
     /// Before any sync: what these Services' status shows they hold (their ingress
     /// addresses) is theirs, never handed to another.
     async fn restore(&self, _cluster: &str, _services: &[ServiceInfo]) {}
-    /// The controller stops (shutdown, lost lease) or is about to stand by: let go of
-    /// what only the leader may hold (listeners, addresses on this host), leaving the
-    /// balancers' recorded state for the next leader.
+    /// The controller stops (shutdown, lost leadership): forget what is kept in
+    /// memory (the next leader reads it back through [`Self::restore`]).
     async fn release_all(&self, _cluster: &str) {}
-    /// Whether this replica can hold the balancers now (the `tether` provider: its
-    /// interface exists, is up and has carrier). A replica that cannot does not stand
-    /// for the load-balancer lease, and gives it up when this starts failing.
-    async fn ready(&self) -> Result<(), String> {
-        Ok(())
-    }
-    /// The lease holder, every retry period: what it holds stays valid for `lifetime`
-    /// more (the `tether` provider: the addresses' kernel lifetime), so that a holder
-    /// that hangs while alive lets go by itself. An error: this replica must let go.
-    async fn refresh(&self, _lifetime: std::time::Duration) -> Result<(), String> {
-        Ok(())
-    }
-    /// A new term as holder: what `release_all` fenced off may be held again.
-    async fn resume(&self) {}
 }
 
 /// A route: traffic for `cidr` goes to `node`'s address.
@@ -303,6 +288,11 @@ pub trait Provider: Send + Sync {
     }
     /// Routes, if supported.
     fn routes(&self) -> Option<Arc<dyn Routes>> {
+        None
+    }
+    /// The `tether` provider's data plane: each replica serves the load balancers of
+    /// the pools whose leases it holds.
+    fn load_balancer_server(&self) -> Option<Arc<crate::lb::balancer::TunnelLoadBalancers>> {
         None
     }
 }
@@ -367,6 +357,10 @@ impl Provider for Limited<dyn Provider> {
             gate: self.gate.clone(),
         }))
     }
+    fn load_balancer_server(&self) -> Option<Arc<crate::lb::balancer::TunnelLoadBalancers>> {
+        // Local work (listeners, netlink), not provider API calls.
+        self.inner.load_balancer_server()
+    }
 }
 
 #[async_trait]
@@ -425,15 +419,6 @@ impl LoadBalancers for Limited<dyn LoadBalancers> {
     }
     async fn release_all(&self, cluster: &str) {
         self.inner.release_all(cluster).await
-    }
-    async fn ready(&self) -> Result<(), String> {
-        self.inner.ready().await
-    }
-    async fn refresh(&self, lifetime: std::time::Duration) -> Result<(), String> {
-        self.inner.refresh(lifetime).await
-    }
-    async fn resume(&self) {
-        self.inner.resume().await
     }
 }
 

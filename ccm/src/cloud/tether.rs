@@ -409,6 +409,9 @@ impl Provider for TetherProvider {
             .clone()
             .map(|l| l as Arc<dyn super::LoadBalancers>)
     }
+    fn load_balancer_server(&self) -> Option<Arc<crate::lb::balancer::TunnelLoadBalancers>> {
+        self.load_balancers.clone()
+    }
 }
 
 struct InventoryInstances {

@@ -98,14 +98,7 @@ impl ServiceController {
     }
 
     fn ours(&self, svc: &Service) -> bool {
-        let Some(spec) = &svc.spec else { return false };
-        if spec.type_.as_deref() != Some("LoadBalancer") {
-            return false;
-        }
-        match &spec.load_balancer_class {
-            None => true,
-            Some(c) => self.cfg.load_balancer_class.as_ref() == Some(c),
-        }
+        is_ours(svc, self.cfg.load_balancer_class.as_deref())
     }
 
     fn queue_all_balancers(&self) {
@@ -196,39 +189,14 @@ impl ServiceController {
         last.lbs.release_all(&last.cfg.cluster_name).await;
     }
 
-    /// Nodes eligible as backends: Ready, not excluded, not being deleted, with an
-    /// InternalIP; sorted by name.
+    /// Nodes eligible as backends.
     pub fn backends(&self) -> Vec<Backend> {
-        let mut out: Vec<Backend> = self
-            .ctx
-            .nodes
-            .state()
-            .iter()
-            .filter_map(|n| eligible(n))
-            .collect();
-        out.sort_by(|a, b| a.name.cmp(&b.name));
-        out
+        backends(&self.ctx.nodes)
     }
 
-    /// The backends of `svc`: every eligible node, or with `externalTrafficPolicy:
-    /// Local` only those with a ready endpoint of the Service (a node without one would
-    /// drop the traffic).
+    /// The backends of `svc`.
     pub fn backends_for(&self, svc: &Service) -> Vec<Backend> {
-        let all = self.backends();
-        let local = svc
-            .spec
-            .as_ref()
-            .and_then(|s| s.external_traffic_policy.as_deref())
-            == Some("Local");
-        if !local {
-            return all;
-        }
-        let ready = self
-            .endpoints
-            .ready(&svc.namespace().unwrap_or_default(), &svc.name_any());
-        all.into_iter()
-            .filter(|b| ready.nodes.contains(&b.name))
-            .collect()
+        backends_for(&self.ctx.nodes, &self.endpoints, svc)
     }
 
     /// Brings the balancer of Service `key` (`namespace/name`) in line.
@@ -538,6 +506,50 @@ fn target(svc: &Service) -> Target {
         name: svc.name_any(),
         uid: svc.uid(),
     }
+}
+
+/// Is `svc` a LoadBalancer Service of ours: without a `loadBalancerClass`, or with
+/// `class` (`--load-balancer-class`)?
+pub fn is_ours(svc: &Service, class: Option<&str>) -> bool {
+    let Some(spec) = &svc.spec else { return false };
+    if spec.type_.as_deref() != Some("LoadBalancer") {
+        return false;
+    }
+    match &spec.load_balancer_class {
+        None => true,
+        Some(c) => class == Some(c.as_str()),
+    }
+}
+
+/// Nodes eligible as backends: Ready, not excluded, not being deleted, with an
+/// InternalIP; sorted by name.
+pub fn backends(nodes: &Store<Node>) -> Vec<Backend> {
+    let mut out: Vec<Backend> = nodes.state().iter().filter_map(|n| eligible(n)).collect();
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    out
+}
+
+/// The backends of `svc`: every eligible node, or with `externalTrafficPolicy: Local`
+/// only those with a ready endpoint of the Service (a node without one would drop the
+/// traffic).
+pub fn backends_for(
+    nodes: &Store<Node>,
+    endpoints: &EndpointsCache,
+    svc: &Service,
+) -> Vec<Backend> {
+    let all = backends(nodes);
+    let local = svc
+        .spec
+        .as_ref()
+        .and_then(|s| s.external_traffic_policy.as_deref())
+        == Some("Local");
+    if !local {
+        return all;
+    }
+    let ready = endpoints.ready(&svc.namespace().unwrap_or_default(), &svc.name_any());
+    all.into_iter()
+        .filter(|b| ready.nodes.contains(&b.name))
+        .collect()
 }
 
 /// `info` with no endpoints: what a refusal is about.

@@ -58,6 +58,20 @@ pub const DEFAULT_RESERVED_PORTS: &[u16] = &[
     2379, 2380, 2381, 6443, 8132, 8133, 8134, 10249, 10250, 10255, 10256, 10257, 10258, 10259,
 ];
 
+/// The longest pool name: it ends the pool's Lease name (`<lease>-lb-<pool>`).
+pub const MAX_POOL_NAME: usize = 40;
+
+/// A DNS label of at most [`MAX_POOL_NAME`] characters.
+fn is_lease_suffix(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= MAX_POOL_NAME
+        && !name.starts_with('-')
+        && !name.ends_with('-')
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+}
+
 /// One pool as written.
 #[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -298,6 +312,12 @@ impl Pools {
             if p.name.is_empty() {
                 return Err("loadBalancer.pools: a pool has no name".into());
             }
+            if !is_lease_suffix(&p.name) {
+                return Err(format!(
+                    "loadBalancer pool name {:?} must be a DNS label of at most {MAX_POOL_NAME} characters (lower-case letters, digits and '-'): it names the pool's Lease",
+                    p.name
+                ));
+            }
             if pools.iter().any(|q| q.name == p.name) {
                 return Err(format!("loadBalancer.pools: {:?} is named twice", p.name));
             }
@@ -344,6 +364,14 @@ impl Pools {
     /// Is `ip` in any pool?
     pub fn contains(&self, ip: IpAddr) -> bool {
         self.pools.iter().any(|p| p.contains(ip))
+    }
+
+    /// The name of the pool holding `ip`.
+    pub fn pool_of(&self, ip: IpAddr) -> Option<&str> {
+        self.pools
+            .iter()
+            .find(|p| p.contains(ip))
+            .map(|p| p.name.as_str())
     }
 
     /// The pools a Service in `namespace` may draw from, its namespace's own first.
@@ -808,6 +836,8 @@ mod tests {
             "network and broadcast left out"
         );
         assert!(ok.contains(ip("2001:db8::2")));
+        assert_eq!(ok.pool_of(ip("2001:db8::2")), Some("a"));
+        assert_eq!(ok.pool_of(ip("192.0.2.3")), None);
         // Loopback only where nothing is announced (--lb-bind-address=127.0.0.1).
         assert!(pools("pools:\n- name: a\n  addresses: [127.0.0.1]\n").is_ok());
         for (bad, says) in [
@@ -820,6 +850,8 @@ mod tests {
             ("pools:\n- name: a\n  addresses: [192.0.2.1]\n- name: a\n  addresses: [192.0.2.7]\n", "named twice"),
             ("interface: a-very-long-interface-name\npools:\n- name: a\n  addresses: [192.0.2.1]\n", "interface"),
             ("pools:\n- name: a\n  adresses: [192.0.2.1]\n", "adresses"),
+            ("pools:\n- name: Public\n  addresses: [192.0.2.1]\n", "DNS label"),
+            ("pools:\n- name: a_b\n  addresses: [192.0.2.1]\n", "DNS label"),
             ("pools:\n- name: a\n  addresses: [0.0.0.0]\n", "unspecified"),
             ("pools:\n- name: a\n  addresses: [\"::\"]\n", "unspecified"),
             ("pools:\n- name: a\n  addresses: [224.0.0.0/28]\n", "multicast"),

@@ -7,6 +7,7 @@
 //! own addresses are never touched (they are not in the namespace). Adding and
 //! removing need CAP_NET_ADMIN, announcing CAP_NET_RAW.
 
+use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,22 +27,25 @@ const REFRESH_MARGIN: Duration = Duration::from_millis(500);
 /// Announcements per address taken (the first at once, then one a second).
 const ANNOUNCEMENTS: u32 = 3;
 
-/// Adds, announces and removes addresses in the load balancers' namespace.
+/// Addresses added and announced, with their pool.
+type Announced = Arc<std::sync::Mutex<HashMap<IpAddr, String>>>;
+
+/// Adds, announces and removes addresses in the load balancers' namespace, pool by
+/// pool: only the addresses of pools this replica holds (their leases) are added.
 pub struct Announcer {
     ns: Arc<LbNamespace>,
     /// Addresses added and announced: one already there and announced is not
-    /// announced again on every ensure (a resync, an endpoint change).
-    announced: Arc<std::sync::Mutex<std::collections::HashSet<IpAddr>>>,
-    /// Set by [`Self::release_all`] (the replica let go), cleared by [`Self::resume`]:
-    /// while set, nothing is added, so that a sync still in flight when the lease was
-    /// lost cannot put an address back.
-    fenced: tokio::sync::Mutex<bool>,
+    /// announced again on every sync (a resync, an endpoint change).
+    announced: Announced,
+    /// The pools held, each with when its addresses' lifetimes were last refreshed
+    /// (from the attempt's start). [`Self::resume`] adds a pool, [`Self::release_pool`]
+    /// takes it out: from then on none of its addresses is added, so that a sync still
+    /// in flight when the lease was lost cannot put one back.
+    held: tokio::sync::Mutex<HashMap<String, Option<std::time::Instant>>>,
     /// The lifetime (whole seconds) addresses get, 0 for none: a holder refreshes it
-    /// while it holds the lease ([`Self::refresh`]), so a process that hangs while
-    /// alive loses its addresses when it stops refreshing.
+    /// while it holds the pool's lease ([`Self::refresh`]), so a process that hangs
+    /// while alive loses its addresses when it stops refreshing.
     lifetime: std::sync::atomic::AtomicU32,
-    /// When the lifetimes were last refreshed (from the attempt's start).
-    refreshed: std::sync::Mutex<Option<std::time::Instant>>,
 }
 
 impl Announcer {
@@ -51,14 +55,13 @@ impl Announcer {
         Ok(Announcer {
             ns: Arc::new(LbNamespace::create(interface)?),
             announced: Default::default(),
-            fenced: tokio::sync::Mutex::new(false),
+            held: Default::default(),
             lifetime: std::sync::atomic::AtomicU32::new(0),
-            refreshed: std::sync::Mutex::new(None),
         })
     }
 
-    fn announced(&self) -> std::sync::MutexGuard<'_, std::collections::HashSet<IpAddr>> {
-        lock_set(&self.announced)
+    fn announced(&self) -> std::sync::MutexGuard<'_, HashMap<IpAddr, String>> {
+        lock_map(&self.announced)
     }
 
     /// The host interface it announces on.
@@ -85,13 +88,14 @@ impl Announcer {
         CloudError::Provider(format!("{what}: {e}{hint}"))
     }
 
-    /// Adds `ip` to the device (already there is fine) and announces it, unless it
-    /// was there already and announced since it was added.
-    pub async fn hold(&self, ip: IpAddr) -> Result<(), CloudError> {
-        let fenced = self.fenced.lock().await;
-        if *fenced {
+    /// Adds `ip` of `pool` to the device (already there is fine) and announces it,
+    /// unless it was there already and announced since it was added. Refused unless
+    /// the pool is held.
+    pub async fn hold(&self, ip: IpAddr, pool: &str) -> Result<(), CloudError> {
+        let held = self.held.lock().await;
+        if !held.contains_key(pool) {
             return Err(CloudError::Provider(format!(
-                "not holding {ip}: this replica let go of the load-balancer addresses"
+                "not holding {ip}: this replica does not hold pool {pool:?}"
             )));
         }
         let device = self.ns.device().await?;
@@ -99,10 +103,10 @@ impl Announcer {
         match self.add(&handle, device, ip, false).await {
             Ok(()) => {
                 self.announced().remove(&ip);
-                tracing::info!(%ip, interface = %self.interface(), "load-balancer address added")
+                tracing::info!(%ip, pool, interface = %self.interface(), "load-balancer address added")
             }
             Err(e) if errno(&e) == Some(libc::EEXIST) => {
-                if self.announced().contains(&ip) {
+                if self.announced().contains_key(&ip) {
                     return Ok(());
                 }
             }
@@ -122,14 +126,14 @@ impl Announcer {
                 }
             ))
         })?;
-        self.announced().insert(ip);
-        drop(fenced);
+        self.announced().insert(ip, pool.to_string());
+        drop(held);
         let (ns, held) = (self.ns.clone(), self.announced.clone());
         tokio::spawn(async move {
             for _ in 1..ANNOUNCEMENTS {
                 tokio::time::sleep(Duration::from_secs(1)).await;
                 // Not for an address let go of since (it would point neighbours here).
-                if !lock_set(&held).contains(&ip) {
+                if !lock_map(&held).contains_key(&ip) {
                     return;
                 }
                 if let Err(e) = ns.run(move || announce(device, ip)).await {
@@ -169,30 +173,32 @@ impl Announcer {
         add.execute().await
     }
 
-    /// Gives every held address `lifetime` (whole seconds, at least one) from now. The
-    /// lease holder calls this every retry period; a holder that hangs stops, and the
-    /// kernel removes its addresses when the lifetime ends.
+    /// Gives every address of `pool` `lifetime` (whole seconds, at least one) from
+    /// now. The pool's lease holder calls this every retry period; a holder that hangs
+    /// stops, and the kernel removes its addresses when the lifetime ends.
     ///
     /// A refresh that comes too late (the process was stopped, or starved) fails
     /// instead: the kernel may have removed the addresses already, and refreshing
     /// would add them back while a standby may hold them. The caller then lets go.
-    pub async fn refresh(&self, lifetime: Duration) -> Result<(), CloudError> {
+    pub async fn refresh(&self, pool: &str, lifetime: Duration) -> Result<(), CloudError> {
         let secs = lifetime.as_secs().max(1) as u32;
         self.lifetime
             .store(secs, std::sync::atomic::Ordering::Relaxed);
-        let fenced = self.fenced.lock().await;
-        if *fenced {
+        let mut guard = self.held.lock().await;
+        let Some(refreshed) = guard.get_mut(pool) else {
             return Ok(());
-        }
+        };
         let started = std::time::Instant::now();
-        let late = self
-            .refreshed
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_some_and(|at| started - at >= lifetime.saturating_sub(REFRESH_MARGIN));
-        let held: Vec<IpAddr> = self.announced().iter().copied().collect();
+        let late =
+            refreshed.is_some_and(|at| started - at >= lifetime.saturating_sub(REFRESH_MARGIN));
+        let held: Vec<IpAddr> = self
+            .announced()
+            .iter()
+            .filter(|(_, p)| p.as_str() == pool)
+            .map(|(ip, _)| *ip)
+            .collect();
         if held.is_empty() {
-            *self.refreshed.lock().unwrap_or_else(|e| e.into_inner()) = Some(started);
+            *refreshed = Some(started);
             return Ok(());
         }
         if late {
@@ -207,8 +213,9 @@ impl Announcer {
                 return Err(self.failed(format!("cannot refresh {ip}"), &e));
             }
         }
-        *self.refreshed.lock().unwrap_or_else(|e| e.into_inner()) = Some(started);
-        drop(fenced);
+        if let Some(r) = guard.get_mut(pool) {
+            *r = Some(started);
+        }
         Ok(())
     }
 
@@ -266,22 +273,29 @@ impl Announcer {
         self.remove(found).await
     }
 
-    /// Holds addresses again (a new term as holder).
-    pub async fn resume(&self) {
-        *self.fenced.lock().await = false;
+    /// Holds `pool`'s addresses again (a new term as its holder).
+    pub async fn resume(&self, pool: &str) {
+        self.held.lock().await.insert(pool.to_string(), None);
     }
 
-    /// Removes every address and adds none until [`Self::resume`]; returns how many.
-    /// Everything on the device is ours. If they cannot be removed one by one, the
-    /// device goes (taking them all); if even that fails, the process ends, and the
-    /// kernel destroys the namespace: a replica that lets go never keeps answering.
-    pub async fn release_all(&self) -> Result<usize, CloudError> {
-        let mut fenced = self.fenced.lock().await;
-        *fenced = true;
-        self.announced().clear();
-        *self.refreshed.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    /// Removes every address of `pool` (those `in_pool` says are) and adds none of its
+    /// addresses until [`Self::resume`]; returns how many went. Everything on the
+    /// device is ours. If they cannot be removed one by one, the device goes (taking
+    /// every pool's addresses: the other pools' holders then fail to refresh and let
+    /// go too); if even that fails, the process ends, and the kernel destroys the
+    /// namespace: a replica that lets go never keeps answering.
+    pub async fn release_pool(
+        &self,
+        pool: &str,
+        in_pool: &(dyn Fn(IpAddr) -> bool + Sync),
+    ) -> Result<usize, CloudError> {
+        let mut held = self.held.lock().await;
+        held.remove(pool);
+        self.announced()
+            .retain(|ip, p| p.as_str() != pool && !in_pool(*ip));
         let removed = match self.addresses(None).await {
-            Ok(ours) => {
+            Ok(all) => {
+                let ours: Vec<_> = all.into_iter().filter(|(ip, _)| in_pool(*ip)).collect();
                 let n = ours.len();
                 self.remove(ours).await.map(|()| n)
             }
@@ -290,7 +304,7 @@ impl Announcer {
         let n = match removed {
             Ok(n) => n,
             Err(e) => {
-                tracing::error!(error = %e, "cannot remove the load-balancer addresses; deleting their device");
+                tracing::error!(error = %e, pool, "cannot remove the load-balancer addresses; deleting their device");
                 if let Err(e2) = self.ns.delete_device().await {
                     tracing::error!(error = %e2, "cannot delete the load-balancer device either; exiting so that the kernel removes the addresses");
                     std::process::abort();
@@ -298,15 +312,15 @@ impl Announcer {
                 0
             }
         };
-        drop(fenced);
+        drop(held);
         Ok(n)
     }
 }
 
-fn lock_set(
-    set: &std::sync::Mutex<std::collections::HashSet<IpAddr>>,
-) -> std::sync::MutexGuard<'_, std::collections::HashSet<IpAddr>> {
-    set.lock().unwrap_or_else(|e| e.into_inner())
+fn lock_map(
+    map: &std::sync::Mutex<HashMap<IpAddr, String>>,
+) -> std::sync::MutexGuard<'_, HashMap<IpAddr, String>> {
+    map.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Sends one announcement of `ip` on `link` (a raw packet socket: the only unsafe

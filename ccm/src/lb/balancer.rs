@@ -50,8 +50,13 @@ pub struct TunnelLbConfig {
 /// 1024 of them fit the 1 GiB memory limit in deploy/tether-ccm.yaml.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
 
+/// How long connecting to the Tether server's socket may take.
+const TUNNEL_CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// The implicit sharing key of Services sharing `--lb-bind-address`.
 const BIND_ADDRESS_SHARING: &str = "--lb-bind-address";
+/// The pool `--lb-bind-address` makes (its Lease: `<lease>-lb-bind-address`).
+const BIND_ADDRESS_POOL: &str = "bind-address";
 
 /// Where one port's connections go (changed in place).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -163,6 +168,8 @@ pub struct TunnelLoadBalancers {
     busy: Arc<AtomicUsize>,
     /// Where changed pools are read from (the cloud config), if they may change.
     inventory: Option<Arc<crate::cloud::tether::Inventory>>,
+    /// The pools this replica serves now (their leases held).
+    serving: tokio::sync::RwLock<std::collections::HashSet<String>>,
 }
 
 impl TunnelLoadBalancers {
@@ -180,7 +187,7 @@ impl TunnelLoadBalancers {
                 let single = super::addresses::LoadBalancerConfig {
                     interface: None,
                     pools: vec![super::addresses::PoolConfig {
-                        name: BIND_ADDRESS_SHARING.into(),
+                        name: BIND_ADDRESS_POOL.into(),
                         addresses: vec![bind.to_string()],
                         namespaces: Vec::new(),
                     }],
@@ -214,6 +221,7 @@ impl TunnelLoadBalancers {
             max_connections: cfg.max_connections,
             busy: Arc::new(AtomicUsize::new(0)),
             inventory: None,
+            serving: Default::default(),
         })
     }
 
@@ -264,14 +272,22 @@ impl TunnelLoadBalancers {
         if let Some(c) = clients.get(uid) {
             return Ok(c.clone());
         }
-        let client = Client::uds_with_windows(&self.tunnel_uds, LB_WINDOWS)
-            .await
-            .map_err(|e| {
-                CloudError::Provider(format!(
+        let connect = Client::uds_with_windows(&self.tunnel_uds, LB_WINDOWS);
+        let client = match tokio::time::timeout(TUNNEL_CONNECT_TIMEOUT, connect).await {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => {
+                return Err(CloudError::Provider(format!(
                     "cannot reach the Tether server at {}: {e}",
                     self.tunnel_uds.display()
-                ))
-            })?;
+                )))
+            }
+            Err(_) => {
+                return Err(CloudError::Provider(format!(
+                    "the Tether server at {} did not answer within {TUNNEL_CONNECT_TIMEOUT:?}",
+                    self.tunnel_uds.display()
+                )))
+            }
+        };
         clients.insert(uid.to_string(), client.clone());
         Ok(client)
     }
@@ -388,9 +404,16 @@ impl TunnelLoadBalancers {
         }
     }
 
-    /// Lets go of addresses nobody holds any more (logged: the next ensure or the
-    /// start-up clean-up retries).
+    /// Lets go of addresses no Service served here has any more (logged: the next
+    /// sync retries).
     async fn let_go(&self, freed: Vec<IpAddr>) {
+        let freed: Vec<IpAddr> = {
+            let all = self.lock();
+            freed
+                .into_iter()
+                .filter(|ip| !all.values().any(|b| b.addresses.contains(ip)))
+                .collect()
+        };
         if let Some(a) = &self.announcer {
             for ip in freed {
                 if let Err(e) = a.release(ip).await {
@@ -424,6 +447,9 @@ fn label(svc: &ServiceInfo) -> String {
     format!("{}/{}", svc.namespace, svc.name)
 }
 
+/// The allocation side, for the service controller (which runs on the controllers'
+/// leader): addresses are assigned and published in the Services' status; whoever
+/// holds each pool's lease serves them from there ([`TunnelLoadBalancers::serve`]).
 #[async_trait]
 impl LoadBalancers for TunnelLoadBalancers {
     async fn get(
@@ -431,14 +457,8 @@ impl LoadBalancers for TunnelLoadBalancers {
         _cluster: &str,
         svc: &ServiceInfo,
     ) -> Result<Option<LoadBalancerStatus>, CloudError> {
-        let held = self.lock().get(&svc.uid).map(|b| b.addresses.clone());
-        Ok(held.map(|a| self.status(&a)))
-    }
-
-    async fn resume(&self) {
-        if let Some(a) = &self.announcer {
-            a.resume().await;
-        }
+        let held = self.allocator().holding(&svc.uid).to_vec();
+        Ok((!held.is_empty()).then(|| self.status(&held)))
     }
 
     async fn restore(&self, _cluster: &str, services: &[ServiceInfo]) {
@@ -457,48 +477,15 @@ impl LoadBalancers for TunnelLoadBalancers {
     }
 
     async fn release_all(&self, _cluster: &str) {
-        // Tunnel connections close once their listeners' connections drop them; a
-        // Service deleted while we stand by would otherwise keep one.
-        self.clients.lock().await.clear();
-        let all: Vec<Balancer> = self.lock().drain().map(|(_, b)| b).collect();
-        for b in &all {
-            for l in b.listeners.values() {
-                l.stop.cancel();
-            }
-        }
+        // The next leader reads the allocations back from the Services' status.
         self.allocator().clear();
-        if let Some(a) = &self.announcer {
-            match a.release_all().await {
-                Ok(0) => {}
-                Ok(n) => tracing::info!(
-                    addresses = n,
-                    interface = a.interface(),
-                    "load-balancer addresses let go"
-                ),
-                Err(e) => tracing::warn!(error = %e, "cannot remove load-balancer addresses"),
-            }
-        }
-    }
-
-    async fn ready(&self) -> Result<(), String> {
-        match &self.announcer {
-            Some(a) => a.ready().await,
-            None => Ok(()),
-        }
-    }
-
-    async fn refresh(&self, lifetime: std::time::Duration) -> Result<(), String> {
-        match &self.announcer {
-            Some(a) => a.refresh(lifetime).await.map_err(|e| e.to_string()),
-            None => Ok(()),
-        }
     }
 
     async fn ensure(
         &self,
         _cluster: &str,
         svc: &ServiceInfo,
-        nodes: &[Backend],
+        _nodes: &[Backend],
     ) -> Result<LoadBalancerStatus, CloudError> {
         let tcp: Vec<&ServicePort> = svc.ports.iter().filter(|p| p.protocol == "TCP").collect();
         if tcp.is_empty() {
@@ -515,14 +502,6 @@ impl LoadBalancers for TunnelLoadBalancers {
                         .join(", ")
                 ),
             });
-        }
-        if svc.node_ports {
-            if let Some(p) = tcp.iter().find(|p| p.node_port == 0) {
-                return Err(CloudError::Provider(format!(
-                    "port {} has no nodePort yet",
-                    p.port
-                )));
-            }
         }
         self.refresh_pools();
         let reserved: Vec<u16> = {
@@ -541,22 +520,195 @@ impl LoadBalancers for TunnelLoadBalancers {
                 ),
             });
         }
-        let client = self.client(&svc.uid).await?;
         let req = self.request(svc).map_err(refused)?;
-        let before: Vec<IpAddr> = self.allocator().holding(&svc.uid).to_vec();
         let addresses = self.allocator().assign(&req).map_err(refused)?;
+        self.publish_usage();
+        Ok(self.status(&addresses))
+    }
+
+    async fn update(
+        &self,
+        _cluster: &str,
+        _svc: &ServiceInfo,
+        _nodes: &[Backend],
+    ) -> Result<(), CloudError> {
+        // The pool holders read the node set themselves.
+        Ok(())
+    }
+
+    async fn delete(&self, _cluster: &str, svc: &ServiceInfo) -> Result<(), CloudError> {
+        self.allocator().release(&svc.uid);
+        self.publish_usage();
+        Ok(())
+    }
+}
+
+/// The serving side: each replica serves the addresses of the pools whose leases it
+/// holds, for every Service whose status shows one of them.
+impl TunnelLoadBalancers {
+    /// The pools' names (the cloud config re-read first), in the order written.
+    pub fn pool_names(&self) -> Vec<String> {
+        self.refresh_pools();
+        self.allocator()
+            .pools()
+            .pools
+            .iter()
+            .map(|p| p.name.clone())
+            .collect()
+    }
+
+    /// The name of the pool holding `ip`.
+    fn pool_of(&self, ip: IpAddr) -> Option<String> {
+        self.allocator().pools().pool_of(ip).map(str::to_string)
+    }
+
+    /// The addresses a Service's status shows (IPs, or names under
+    /// `loadBalancer.ingressHostnameSuffix`) that are in a pool.
+    pub fn published(&self, svc: &ServiceInfo) -> Vec<IpAddr> {
+        let suffix = self.allocator().pools().ingress_hostname_suffix.clone();
+        svc.current_ips
+            .iter()
+            .filter_map(|ip| {
+                ip.parse().ok().or_else(|| {
+                    suffix
+                        .as_deref()
+                        .and_then(|s| super::addresses::address_of_hostname(ip, s))
+                })
+            })
+            .collect()
+    }
+
+    /// Whether this replica can hold addresses now: its interface exists, is up and has
+    /// carrier. One that cannot does not stand for the pools' leases, and gives them up
+    /// when this starts failing.
+    pub async fn ready(&self) -> Result<(), String> {
+        match &self.announcer {
+            Some(a) => a.ready().await,
+            None => Ok(()),
+        }
+    }
+
+    /// A new term as `pool`'s holder: its addresses are served from now on.
+    pub async fn resume_pool(&self, pool: &str) {
         if let Some(a) = &self.announcer {
-            for ip in &addresses {
-                a.hold(*ip).await?;
+            a.resume(pool).await;
+        }
+        self.serving.write().await.insert(pool.to_string());
+    }
+
+    /// `pool`'s holder, every retry period: its addresses stay valid for `lifetime`
+    /// more (their kernel lifetime), so that a holder that hangs while alive lets go
+    /// by itself. An error: this replica must let go.
+    pub async fn refresh_pool(
+        &self,
+        pool: &str,
+        lifetime: std::time::Duration,
+    ) -> Result<(), String> {
+        match &self.announcer {
+            Some(a) => a.refresh(pool, lifetime).await.map_err(|e| e.to_string()),
+            None => Ok(()),
+        }
+    }
+
+    /// Lets go of `pool`: its listeners stop (with their connections) and its
+    /// addresses go, and none is served again until [`Self::resume_pool`]. Serves in
+    /// flight finish first, so none puts one back.
+    pub async fn release_pool(&self, pool: &str) {
+        let mut serving = self.serving.write().await;
+        serving.remove(pool);
+        let in_pool = {
+            let pools = self.allocator().pools().clone();
+            let name = pool.to_string();
+            move |ip: IpAddr| pools.pool_of(ip) == Some(name.as_str())
+        };
+        let mut idle = Vec::new();
+        for (uid, b) in self.lock().iter_mut() {
+            b.listeners.retain(|addr, l| {
+                let keep = !in_pool(addr.ip());
+                if !keep {
+                    l.stop.cancel();
+                }
+                keep
+            });
+            b.addresses.retain(|ip| !in_pool(*ip));
+            if b.listeners.is_empty() {
+                idle.push(uid.clone());
             }
         }
-        let (shared, mut keep) = {
+        // Tunnel connections close once their listeners' connections drop them.
+        {
+            let mut clients = self.clients.lock().await;
+            for uid in &idle {
+                clients.remove(uid);
+            }
+        }
+        if let Some(a) = &self.announcer {
+            match a.release_pool(pool, &in_pool).await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(
+                    pool,
+                    addresses = n,
+                    interface = a.interface(),
+                    "load-balancer addresses let go"
+                ),
+                Err(e) => tracing::warn!(pool, error = %e, "cannot remove load-balancer addresses"),
+            }
+        }
+        drop(serving);
+    }
+
+    /// Serves `svc` over `nodes` on those of `addresses` (its status) whose pools this
+    /// replica holds, and on no other: listeners as its TCP ports ask, the addresses
+    /// held and announced. Listeners kept pick up a changed target in place.
+    pub async fn serve(
+        &self,
+        svc: &ServiceInfo,
+        nodes: &[Backend],
+        addresses: &[IpAddr],
+    ) -> Result<(), CloudError> {
+        let pools_of = |serving: &std::collections::HashSet<String>| -> Vec<(IpAddr, String)> {
+            addresses
+                .iter()
+                .filter_map(|ip| self.pool_of(*ip).map(|p| (*ip, p)))
+                .filter(|(_, p)| serving.contains(p))
+                .collect()
+        };
+        if pools_of(&*self.serving.read().await).is_empty() {
+            self.unserve(svc).await;
+            return Ok(());
+        }
+        let tcp: Vec<&ServicePort> = svc.ports.iter().filter(|p| p.protocol == "TCP").collect();
+        if svc.node_ports {
+            if let Some(p) = tcp.iter().find(|p| p.node_port == 0) {
+                return Err(CloudError::Provider(format!(
+                    "port {} has no nodePort yet",
+                    p.port
+                )));
+            }
+        }
+        // The tunnel connection before the pools are fenced: a Tether server slow to
+        // answer must not hold up a pool's release.
+        let client = self.client(&svc.uid).await?;
+        let serving = self.serving.read().await;
+        let mine = pools_of(&serving);
+        if mine.is_empty() {
+            drop(serving);
+            self.unserve(svc).await;
+            return Ok(());
+        }
+        if let Some(a) = &self.announcer {
+            for (ip, pool) in &mine {
+                a.hold(*ip, pool).await?;
+            }
+        }
+        let addresses: Vec<IpAddr> = mine.iter().map(|(ip, _)| *ip).collect();
+        let (shared, mut keep, before) = {
             let mut all = self.lock();
             match all.remove(&svc.uid) {
                 Some(b) => {
                     *b.shared.nodes.write().unwrap_or_else(|e| e.into_inner()) = nodes.to_vec();
                     *b.shared.policy.write().unwrap_or_else(|e| e.into_inner()) = Policy::of(svc);
-                    (b.shared, b.listeners)
+                    (b.shared, b.listeners, b.addresses)
                 }
                 None => (
                     Shared {
@@ -572,6 +724,7 @@ impl LoadBalancers for TunnelLoadBalancers {
                         mine: Arc::new(AtomicUsize::new(0)),
                     },
                     HashMap::new(),
+                    Vec::new(),
                 ),
             }
         };
@@ -652,52 +805,41 @@ impl LoadBalancers for TunnelLoadBalancers {
                 shared,
             },
         );
-        // Addresses this Service moved off, if nobody else holds them.
-        let gone: Vec<IpAddr> = {
-            let allocator = self.allocator();
-            before
-                .into_iter()
-                .filter(|ip| !addresses.contains(ip) && !allocator.is_held(*ip))
-                .collect()
-        };
+        drop(serving);
+        // Addresses this Service moved off, if no other Service served here has them.
+        let gone: Vec<IpAddr> = before
+            .into_iter()
+            .filter(|ip| !addresses.contains(ip))
+            .collect();
         self.let_go(gone).await;
-        self.publish_usage();
-        Ok(self.status(&addresses))
+        Ok(())
     }
 
-    async fn update(
-        &self,
-        _cluster: &str,
-        svc: &ServiceInfo,
-        nodes: &[Backend],
-    ) -> Result<(), CloudError> {
-        match self.lock().get(&svc.uid) {
-            Some(b) => {
-                *b.shared.nodes.write().unwrap_or_else(|e| e.into_inner()) = nodes.to_vec();
-                Ok(())
-            }
-            None => Err(CloudError::Provider(format!(
-                "no load balancer for {} yet",
-                label(svc)
-            ))),
-        }
-    }
-
-    async fn delete(&self, _cluster: &str, svc: &ServiceInfo) -> Result<(), CloudError> {
-        // The connection closes once the stopped listeners' connections drop it.
+    /// Stops serving `svc` here: its listeners stop (with their connections), its
+    /// series go, and its addresses, unless another Service served here has them.
+    pub async fn unserve(&self, svc: &ServiceInfo) {
         self.clients.lock().await.remove(&svc.uid);
         let removed = self.lock().remove(&svc.uid);
-        let freed = self.allocator().release(&svc.uid);
-        if let Some(b) = removed {
-            for l in b.listeners.into_values() {
-                l.stop.cancel();
-            }
-            tracing::info!(service = %label(svc), "load balancer removed");
+        let Some(b) = removed else { return };
+        for l in b.listeners.into_values() {
+            l.stop.cancel();
         }
+        tracing::info!(service = %label(svc), "load balancer no longer served here");
         forget_series(&label(svc));
-        self.let_go(freed).await;
-        self.publish_usage();
-        Ok(())
+        self.let_go(b.addresses).await;
+    }
+
+    /// Stops serving the Service with UID `uid` whatever it was (it is gone).
+    pub async fn unserve_uid(&self, uid: &str, service: &str) {
+        self.clients.lock().await.remove(uid);
+        let removed = self.lock().remove(uid);
+        let Some(b) = removed else { return };
+        for l in b.listeners.into_values() {
+            l.stop.cancel();
+        }
+        tracing::info!(service, "load balancer removed");
+        forget_series(service);
+        self.let_go(b.addresses).await;
     }
 }
 

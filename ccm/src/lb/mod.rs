@@ -4,14 +4,15 @@
 //! - [`addresses`]: the pools and the allocator (which Service gets which address).
 //! - [`netns`]: the network namespace the addresses live in, apart from the host's.
 //! - [`announce`]: holding addresses in that namespace and announcing them (ARP/NDP).
-//! - [`balancer`]: the per-port data plane (listeners, backends, the tunnel hop).
+//! - [`balancer`]: the allocation side (for the service controller) and the per-port
+//!   data plane (listeners, backends, the tunnel hop).
+//! - [`pools`]: which replica holds which pool (a lease per pool, balanced over the
+//!   replicas), and serving each held pool's Services from their status.
 //! - [`proxy_protocol`]: the PROXY protocol header telling backends the client.
-//!
-//! Which replica holds the addresses is decided by a lease of its own (see
-//! [`crate::leader`] and `load_balancer_lease` in [`crate::CcmConfig`]).
 
 pub mod addresses;
 pub mod announce;
 pub mod balancer;
 pub mod netns;
+pub mod pools;
 pub mod proxy_protocol;

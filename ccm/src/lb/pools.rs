@@ -1,0 +1,366 @@
+//! Pool ownership and serving. Each load-balancer pool has a Lease of its own,
+//! `<--leader-elect-resource-name>-lb-<pool>` (4 s / 2 s / 500 ms by default); the
+//! replica holding it adds and announces the pool's addresses and serves every Service
+//! whose status shows one of them, from its own watches of nodes, Services and
+//! EndpointSlices (kept warm on standbys, so a takeover starts serving at once). The
+//! service controller, on the controllers' leader, only assigns the addresses. The
+//! pools' leases are balanced over the replicas ([`crate::leader`]), so the pools
+//! spread: a replica holding fewer takes a free one first and asks a holder of at least
+//! two more for one.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Node, Service};
+use kube::api::Api;
+use kube::runtime::reflector::{ObjectRef, Store};
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use super::balancer::TunnelLoadBalancers;
+use crate::cloud::ServiceInfo;
+use crate::controllers::service::{backends, backends_for, is_ours, service_info};
+use crate::endpoints::EndpointsCache;
+use crate::leader::LeaderElection;
+use crate::workqueue::{Outcome, WorkQueue};
+
+/// How the pools are held and served.
+#[derive(Debug, Clone)]
+pub struct ServingConfig {
+    /// The pools' leases: `name` is their prefix (`-<pool>` is added); `None` with
+    /// `--leader-elect=false` (this replica serves every pool).
+    pub lease: Option<LeaderElection>,
+    /// `--load-balancer-class`.
+    pub load_balancer_class: Option<String>,
+    /// How often every Service is served again (`--lb-resync-period`).
+    pub resync: Duration,
+    /// Services synced at once (`--concurrent-service-syncs`).
+    pub workers: usize,
+}
+
+/// How often the pool list is read again (pools come and go with the cloud config).
+const POOL_CHECK: Duration = Duration::from_secs(1);
+
+/// Serves the pools this replica holds until `shutdown`; then lets go of each (its
+/// addresses first, then its lease, handed to a standby) before returning.
+pub async fn run(
+    client: kube::Client,
+    lbs: Arc<TunnelLoadBalancers>,
+    cfg: ServingConfig,
+    shutdown: CancellationToken,
+) {
+    let stop = CancellationToken::new();
+    let _stop = stop.clone().drop_guard();
+    let queue = WorkQueue::new("lb-serve");
+    let node_events = WorkQueue::new("lb-serve-nodes");
+    let nodes = crate::informer::spawn(
+        "nodes",
+        Api::<Node>::all(client.clone()),
+        vec![node_events.clone()],
+        stop.clone(),
+    );
+    let services = crate::informer::spawn(
+        "services",
+        Api::<Service>::all(client.clone()),
+        vec![queue.clone()],
+        stop.clone(),
+    );
+    let Some(endpoints) = EndpointsCache::spawn(client.clone(), queue.clone(), stop.clone()).await
+    else {
+        return;
+    };
+    let ready = async {
+        nodes.wait_until_ready().await.map_err(|e| e.to_string())?;
+        services
+            .wait_until_ready()
+            .await
+            .map_err(|e| e.to_string())?;
+        endpoints.wait_until_ready().await
+    };
+    tokio::select! {
+        r = ready => if let Err(e) = r {
+            tracing::error!(error = %e, "load-balancer caches did not sync");
+            return;
+        },
+        _ = shutdown.cancelled() => return,
+    }
+    let server = Arc::new(Server {
+        lbs: lbs.clone(),
+        nodes,
+        services,
+        endpoints,
+        queue: queue.clone(),
+        class: cfg.load_balancer_class.clone(),
+        served: Mutex::new(HashMap::new()),
+    });
+    // The node set changed: every balancer gets it.
+    {
+        let (n, stop) = (node_events.clone(), stop.clone());
+        tokio::spawn(async move {
+            stop.cancelled().await;
+            n.shut_down();
+        });
+        let server = server.clone();
+        tokio::spawn(
+            async move {
+                let mut last = backends(&server.nodes);
+                while let Some(key) = node_events.next().await {
+                    node_events.done(key, Outcome::Done);
+                    let now = backends(&server.nodes);
+                    if now != last {
+                        last = now;
+                        server.queue_all();
+                    }
+                }
+            }
+            .instrument(tracing::info_span!("lb_serve_nodes")),
+        );
+    }
+    // Drift repair.
+    {
+        let (server, stop, period) = (server.clone(), stop.clone(), cfg.resync);
+        tokio::spawn(
+            async move {
+                let mut tick = crate::controllers::Ticker::new(period);
+                tick.next(&stop).await;
+                while tick.next(&stop).await {
+                    server.queue_all();
+                }
+            }
+            .instrument(tracing::info_span!("lb_serve_resync")),
+        );
+    }
+    let workers = {
+        let (server, stop, n) = (server.clone(), stop.clone(), cfg.workers.max(1));
+        tokio::spawn(queue.clone().work(n, stop, move |key| {
+            let server = server.clone();
+            async move {
+                server
+                    .sync(&key)
+                    .instrument(tracing::debug_span!("serve_service", service = %key))
+                    .await
+            }
+        }))
+    };
+    // One term per pool, following the cloud config.
+    let held = cfg
+        .lease
+        .as_ref()
+        .and_then(|l| l.balance.clone())
+        .unwrap_or_default();
+    let mut terms: HashMap<String, (CancellationToken, tokio::task::JoinHandle<()>)> =
+        HashMap::new();
+    loop {
+        let names = lbs.pool_names();
+        for name in &names {
+            if terms.contains_key(name) {
+                continue;
+            }
+            let end = shutdown.child_token();
+            let lease = cfg.lease.clone().map(|mut l| {
+                l.name = format!("{}-{name}", l.name);
+                l.balance = Some(held.clone());
+                l
+            });
+            let task = tokio::spawn(
+                term(
+                    client.clone(),
+                    server.clone(),
+                    lease,
+                    name.clone(),
+                    end.clone(),
+                )
+                .instrument(tracing::info_span!("lb_pool", pool = %name)),
+            );
+            terms.insert(name.clone(), (end, task));
+        }
+        let gone: Vec<String> = terms
+            .keys()
+            .filter(|n| !names.contains(n))
+            .cloned()
+            .collect();
+        for name in gone {
+            if let Some((end, task)) = terms.remove(&name) {
+                tracing::info!(pool = %name, "pool removed from the cloud config; letting it go");
+                end.cancel();
+                let _ = task.await;
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(POOL_CHECK) => {}
+            _ = shutdown.cancelled() => break,
+        }
+    }
+    // Every pool lets go at once, each handing its lease to a standby.
+    for (_, (_, task)) in terms {
+        let _ = task.await;
+    }
+    stop.cancel();
+    queue.shut_down();
+    let _ = workers.await;
+}
+
+/// One pool's terms: stand by (while the interface is usable), take the pool's lease,
+/// serve its addresses until shutdown, a lost lease, an unusable interface or a
+/// handover; let go of the addresses, and only then release the lease.
+async fn term(
+    client: kube::Client,
+    server: Arc<Server>,
+    lease: Option<LeaderElection>,
+    pool: String,
+    end: CancellationToken,
+) {
+    let lbs = server.lbs.clone();
+    let Some(le) = lease else {
+        lbs.resume_pool(&pool).await;
+        server.queue_all();
+        end.cancelled().await;
+        lbs.release_pool(&pool).await;
+        return;
+    };
+    let held = le.balance.clone().unwrap_or_default();
+    let holding = crate::metrics::get()
+        .leader
+        .with_label_values(&[le.name.as_str()]);
+    holding.set(0);
+    loop {
+        // Stand for the lease only with a usable interface.
+        let mut said = None;
+        loop {
+            match lbs.ready().await {
+                Ok(()) => break,
+                Err(why) => {
+                    if said.as_ref() != Some(&why) {
+                        tracing::warn!(reason = %why, "not standing for the pool's lease");
+                        said = Some(why);
+                    }
+                }
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(le.retry_period) => {}
+                _ = end.cancelled() => return,
+            }
+        }
+        let Some(leadership) = crate::leader::lead(client.clone(), le.clone(), end.clone()).await
+        else {
+            return;
+        };
+        held.fetch_add(1, Ordering::SeqCst);
+        holding.set(1);
+        // The addresses' kernel lifetime: what is left of the lease after the renew
+        // deadline, so that a holder that hangs loses them before a standby can hold
+        // the lease; refreshed every retry period while we hold it.
+        let lifetime = le
+            .lease_duration
+            .saturating_sub(le.renew_deadline)
+            .max(Duration::from_secs(1));
+        lbs.resume_pool(&pool).await;
+        let _ = lbs.refresh_pool(&pool, lifetime).await;
+        server.queue_all();
+        let unusable = async {
+            loop {
+                tokio::time::sleep(le.retry_period).await;
+                if let Err(why) = lbs.ready().await {
+                    return why;
+                }
+                if let Err(why) = lbs.refresh_pool(&pool, lifetime).await {
+                    return why;
+                }
+            }
+        };
+        let release = tokio::select! {
+            _ = end.cancelled() => true,
+            _ = leadership.lost.cancelled() => false,
+            _ = leadership.handover.cancelled() => true,
+            why = unusable => {
+                tracing::warn!(reason = %why, "giving up the pool's lease");
+                true
+            }
+        };
+        // The addresses go (serves in flight finish first and none adds one back)
+        // before the lease is released.
+        lbs.release_pool(&pool).await;
+        holding.set(0);
+        // A granted handover took its count off already.
+        if !leadership.handover.is_cancelled() {
+            held.fetch_sub(1, Ordering::SeqCst);
+        }
+        if release {
+            leadership.release().await;
+        }
+        if end.is_cancelled() {
+            return;
+        }
+    }
+}
+
+/// Serves each Service on the addresses of the pools held here.
+struct Server {
+    lbs: Arc<TunnelLoadBalancers>,
+    nodes: Store<Node>,
+    services: Store<Service>,
+    endpoints: EndpointsCache,
+    queue: Arc<WorkQueue>,
+    class: Option<String>,
+    /// What was served, by Service key (to stop serving one that is gone).
+    served: Mutex<HashMap<String, ServiceInfo>>,
+}
+
+impl Server {
+    fn served(&self) -> std::sync::MutexGuard<'_, HashMap<String, ServiceInfo>> {
+        self.served.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Queues every LoadBalancer Service (a pool was taken, the node set changed).
+    fn queue_all(&self) {
+        for svc in self.services.state() {
+            if is_ours(&svc, self.class.as_deref()) {
+                self.queue.add(&crate::informer::key(svc.as_ref()));
+            }
+        }
+        for key in self.served().keys() {
+            self.queue.add(key);
+        }
+    }
+
+    async fn sync(&self, key: &str) -> Outcome {
+        let (ns, name) = key.split_once('/').unwrap_or(("default", key));
+        let svc = self.services.get(&ObjectRef::new(name).within(ns));
+        let wanted = svc.as_ref().filter(|s| {
+            is_ours(s, self.class.as_deref()) && s.metadata.deletion_timestamp.is_none()
+        });
+        let Some(svc) = wanted else {
+            let gone = self.served().remove(key);
+            if let Some(info) = gone {
+                self.lbs.unserve(&info).await;
+            }
+            return Outcome::Done;
+        };
+        let info = service_info(svc, &self.endpoints);
+        // Made again under the same name: the old one's balancer goes first.
+        let old = self
+            .served()
+            .get(key)
+            .filter(|o| o.uid != info.uid)
+            .cloned();
+        if let Some(old) = old {
+            self.served().remove(key);
+            self.lbs.unserve(&old).await;
+        }
+        let addresses: Vec<IpAddr> = self.lbs.published(&info);
+        let nodes = backends_for(&self.nodes, &self.endpoints, svc);
+        match self.lbs.serve(&info, &nodes, &addresses).await {
+            Ok(()) => {
+                self.served().insert(key.to_string(), info);
+                Outcome::Done
+            }
+            Err(e) => {
+                tracing::warn!(service = %key, error = %e, "cannot serve the load balancer; retrying");
+                Outcome::Retry(None)
+            }
+        }
+    }
+}
