@@ -984,7 +984,17 @@ fn main() -> anyhow::Result<()> {
     }
     if let (Some(to), Some(uds)) = (args.lb_to, &args.lb_tunnel_uds) {
         tether_ops::memory::tune_allocator();
-        return tokio::runtime::Runtime::new()?.block_on(load_balancer(to, uds.clone()));
+        let mut rt = tokio::runtime::Builder::new_multi_thread();
+        if let Some(n) = std::env::var("TETHER_BENCH_LB_WORKERS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+        {
+            rt.worker_threads(n);
+        }
+        return rt
+            .enable_all()
+            .build()?
+            .block_on(load_balancer(to, uds.clone()));
     }
     // The gRPC client here is the client crate as the CCM runs it: same allocator policy.
     tether_ops::memory::tune_allocator();

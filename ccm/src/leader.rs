@@ -42,10 +42,41 @@ pub struct LeaderElection {
     /// After a release, wait up to this long for another replica to hold the lease
     /// (a rolling update then never ends with nobody holding it). `None`: do not wait.
     pub await_successor: Option<Duration>,
-    /// How many leases of this kind this replica holds (see the module's doc): set,
-    /// they are balanced over the replicas. The caller keeps it current as its terms
-    /// start and end (a granted handover takes one off at once).
-    pub balance: Option<Arc<AtomicUsize>>,
+    /// This replica's share of leases of this kind (see the module's doc): set, they
+    /// are balanced over the replicas.
+    pub balance: Option<Arc<Balance>>,
+}
+
+/// A replica's share of balanced leases.
+#[derive(Debug, Default)]
+pub struct Balance {
+    /// How many it holds. The caller keeps it current as its terms start and end; a
+    /// granted handover takes one off as soon as it is written.
+    pub held: AtomicUsize,
+    /// The lease it asked for, and when: one request at a time, so that an asker
+    /// does not collect several leases on one stale count.
+    asking: std::sync::Mutex<Option<(String, Instant)>>,
+}
+
+impl Balance {
+    fn asking(&self) -> std::sync::MutexGuard<'_, Option<(String, Instant)>> {
+        self.asking.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// A count taken off until the grant it was reserved for is written (put back if the
+/// write fails or is abandoned).
+struct Reserved<'a> {
+    balance: &'a Balance,
+    committed: bool,
+}
+
+impl Drop for Reserved<'_> {
+    fn drop(&mut self) {
+        if !self.committed {
+            self.balance.held.fetch_add(1, Ordering::SeqCst);
+        }
+    }
 }
 
 /// The holder's count of leases of the kind (balanced leases).
@@ -117,7 +148,12 @@ impl Elector {
                 Err(e) => return Err(e),
             }
         }
-        Ok(false)
+        // Not "taken": a holder decides by its renew deadline.
+        Err(LeaseError {
+            namespace: self.cfg.namespace.clone(),
+            name: self.cfg.name.clone(),
+            source: kube::Error::Service("three write conflicts in a row".into()),
+        })
     }
 
     /// How many leases of the kind we hold, 0 when not balanced.
@@ -125,8 +161,25 @@ impl Elector {
         self.cfg
             .balance
             .as_ref()
-            .map(|b| b.load(Ordering::SeqCst))
+            .map(|b| b.held.load(Ordering::SeqCst))
             .unwrap_or(0)
+    }
+
+    /// Whether our pending request is for this lease (and not stale).
+    fn asked_for_this(&self) -> bool {
+        let Some(b) = &self.cfg.balance else {
+            return false;
+        };
+        let mut asking = b.asking();
+        match &*asking {
+            Some((name, at)) if at.elapsed() > self.cfg.lease_duration * 2 => {
+                let _ = name;
+                *asking = None;
+                false
+            }
+            Some((name, _)) => *name == self.cfg.name,
+            None => false,
+        }
     }
 
     /// One read and write; `None` when the write lost to a concurrent one.
@@ -193,11 +246,12 @@ impl Elector {
             }
             return Ok(Some(Attempt::NotHeld));
         }
-        // Released to another replica: theirs for a lease duration.
+        // Released to another replica: theirs for two retry periods (it polls fast).
         if !ours && holder.is_empty() && balanced {
             if let Some(to) = annotation(&lease, HANDOVER_ANNOTATION) {
-                if to != self.cfg.identity && first_seen.elapsed() < self.cfg.lease_duration {
-                    self.expires = Some(first_seen + self.cfg.lease_duration);
+                let reserved = self.cfg.retry_period * 2;
+                if to != self.cfg.identity && first_seen.elapsed() < reserved {
+                    self.expires = Some(first_seen + reserved);
                     return Ok(Some(Attempt::NotHeld));
                 }
             }
@@ -217,24 +271,58 @@ impl Elector {
             annotations.remove(HANDOVER_ANNOTATION);
             annotations.remove(REQUEST_ANNOTATION);
             let mut held = self.held() + usize::from(!ours);
+            let mut grant = None;
             if ours && self.granted.is_none() {
-                if let Some((asker, theirs)) = request.as_deref().and_then(parse_request) {
-                    // Granted only if it leaves both nearer an even share; the count
-                    // drops now, so another request this round sees it.
-                    let counter = self.cfg.balance.clone().unwrap_or_default();
-                    let granted = counter
+                if let (Some((asker, theirs)), Some(balance)) = (
+                    request.as_deref().and_then(parse_request),
+                    self.cfg.balance.as_deref(),
+                ) {
+                    // Granted only if it leaves both nearer an even share. The count
+                    // drops now, so another request this round sees it, and comes back
+                    // if the grant is not written.
+                    let reserved = balance
+                        .held
                         .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |mine| {
-                            (mine > theirs + 1).then(|| mine - 1)
+                            (mine > theirs.saturating_add(1)).then(|| mine - 1)
                         })
                         .is_ok();
-                    if granted {
-                        tracing::info!(%asker, theirs, mine = held, "handing the lease over to even out the replicas' shares");
-                        self.granted = Some(asker.to_string());
-                        held -= 1;
+                    if reserved {
+                        held = held.saturating_sub(1);
+                        grant = Some((
+                            asker.to_string(),
+                            theirs,
+                            Reserved {
+                                balance,
+                                committed: false,
+                            },
+                        ));
                     }
                 }
             }
             annotations.insert(HELD_ANNOTATION.to_string(), held.to_string());
+            if !ours {
+                if let Some(b) = &self.cfg.balance {
+                    // What we asked for, or not: we hold one more now.
+                    b.asking().take();
+                }
+            }
+            lease.spec = Some(new);
+            let written = self
+                .api
+                .replace(&self.cfg.name, &PostParams::default(), &lease)
+                .await;
+            return match written {
+                Ok(_) => {
+                    if let Some((asker, theirs, mut reserved)) = grant {
+                        reserved.committed = true;
+                        tracing::info!(%asker, theirs, mine = held, "handing the lease over to even out the replicas' shares");
+                        self.granted = Some(asker);
+                    }
+                    Ok(Some(Attempt::Held))
+                }
+                Err(kube::Error::Api(e)) if e.code == 409 => Ok(None),
+                Err(e) => Err(self.err(e)),
+            };
         }
         lease.spec = Some(new);
         // Replace carries the resourceVersion we read: a concurrent writer wins, we
@@ -245,15 +333,7 @@ impl Elector {
             .await
         {
             Ok(_) => Ok(Some(Attempt::Held)),
-            Err(kube::Error::Api(e)) if e.code == 409 => {
-                if self.granted.take().is_some() {
-                    // Not written: the grant did not happen.
-                    if let Some(b) = &self.cfg.balance {
-                        b.fetch_add(1, Ordering::SeqCst);
-                    }
-                }
-                Ok(None)
-            }
+            Err(kube::Error::Api(e)) if e.code == 409 => Ok(None),
             Err(e) => Err(self.err(e)),
         }
     }
@@ -264,13 +344,36 @@ impl Elector {
         let theirs: Option<usize> =
             annotation(&lease, HELD_ANNOTATION).and_then(|h| h.parse().ok());
         let mine = self.held();
-        let Some(theirs) = theirs.filter(|t| *t > mine + 1) else {
+        let ours_pending = annotation(&lease, REQUEST_ANNOTATION)
+            .is_some_and(|r| r.starts_with(&format!("{} ", self.cfg.identity)));
+        if self.asked_for_this() {
+            // Answered at the holder's next renewal: a grant is released to us.
+            self.eager = true;
+            if !ours_pending {
+                // Denied (the request is gone and the holder kept it).
+                if let Some(b) = &self.cfg.balance {
+                    b.asking().take();
+                }
+            }
+            return Ok(Some(Attempt::NotHeld));
+        }
+        let Some(theirs) = theirs.filter(|t| *t > mine.saturating_add(1)) else {
             return Ok(Some(Attempt::NotHeld));
         };
-        if let Some(r) = annotation(&lease, REQUEST_ANNOTATION) {
-            // Ours is pending, or another's is: the holder answers at its next renewal.
-            self.eager = r.starts_with(&format!("{} ", self.cfg.identity));
+        if annotation(&lease, REQUEST_ANNOTATION).is_some() {
+            // Another's is pending: the holder answers it first.
             return Ok(Some(Attempt::NotHeld));
+        }
+        // One request at a time.
+        {
+            let Some(b) = &self.cfg.balance else {
+                return Ok(Some(Attempt::NotHeld));
+            };
+            let mut asking = b.asking();
+            if asking.is_some() {
+                return Ok(Some(Attempt::NotHeld));
+            }
+            *asking = Some((self.cfg.name.clone(), Instant::now()));
         }
         lease
             .metadata
@@ -289,8 +392,14 @@ impl Elector {
                 tracing::info!(holds = theirs, mine, "asked the holder for the lease");
                 self.eager = true;
             }
-            Err(kube::Error::Api(e)) if e.code == 409 => {}
-            Err(e) => return Err(self.err(e)),
+            Err(e) => {
+                if let Some(b) = &self.cfg.balance {
+                    b.asking().take();
+                }
+                if !matches!(&e, kube::Error::Api(a) if a.code == 409) {
+                    return Err(self.err(e));
+                }
+            }
         }
         Ok(Some(Attempt::NotHeld))
     }
@@ -316,8 +425,23 @@ impl Elector {
     }
 
     async fn release(&self) {
-        let Ok(Some(mut lease)) = self.api.get_opt(&self.cfg.name).await else {
-            return;
+        // A standby's request written meanwhile is a conflict: read again.
+        for _ in 0..3 {
+            match self.release_once().await {
+                Err(kube::Error::Api(e)) if e.code == 409 => continue,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot release the leader lease");
+                    return;
+                }
+                Ok(()) => return,
+            }
+        }
+        tracing::warn!("cannot release the leader lease: three write conflicts in a row");
+    }
+
+    async fn release_once(&self) -> Result<(), kube::Error> {
+        let Some(mut lease) = self.api.get_opt(&self.cfg.name).await? else {
+            return Ok(());
         };
         if let Some(to) = &self.granted {
             let annotations = lease.metadata.annotations.get_or_insert_with(BTreeMap::new);
@@ -326,22 +450,19 @@ impl Elector {
             annotations.insert(HELD_ANNOTATION.to_string(), "0".into());
         }
         let Some(spec) = lease.spec.as_mut() else {
-            return;
+            return Ok(());
         };
         if spec.holder_identity.as_deref() != Some(&self.cfg.identity) {
-            return;
+            return Ok(());
         }
         spec.holder_identity = None;
         spec.lease_duration_seconds = Some(1);
         spec.renew_time = Some(MicroTime(Timestamp::now()));
-        match self
-            .api
+        self.api
             .replace(&self.cfg.name, &PostParams::default(), &lease)
-            .await
-        {
-            Ok(_) => tracing::info!("leader lease released"),
-            Err(e) => tracing::warn!(error = %e, "cannot release the leader lease"),
-        }
+            .await?;
+        tracing::info!("leader lease released");
+        Ok(())
     }
 }
 
@@ -353,6 +474,8 @@ pub struct Leadership {
     /// Balanced leases: cancelled when the holder granted a standby's request; the
     /// term lets go, then [`Leadership::release`] hands the lease to the asker.
     pub handover: CancellationToken,
+    /// When the last successful renewal started.
+    renewed: Arc<std::sync::Mutex<Instant>>,
     release: CancellationToken,
     released: Option<tokio::sync::oneshot::Receiver<()>>,
 }
@@ -370,6 +493,14 @@ impl Drop for Leadership {
 const RELEASE_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Leadership {
+    /// How long ago the last successful renewal started (the acquisition, at first).
+    pub fn since_renewal(&self) -> Duration {
+        self.renewed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .elapsed()
+    }
+
     /// Gives the lease up and waits (at most 5 s) until kube-apiserver has the
     /// release: called once what only the leader holds (addresses, routes) is gone, so
     /// a standby takes over at its next retry instead of after the lease duration, and
@@ -432,10 +563,11 @@ pub async fn lead(
             if elector.eager {
                 // A handover asked for: the holder answers within a retry period.
                 wait = wait.min(Duration::from_millis(100));
-            } else {
-                // One more retry period per lease of the kind held: a replica holding
-                // fewer takes a free one first.
-                wait += elector.cfg.retry_period * elector.held() as u32;
+            } else if elector.held() > 0 {
+                // One more retry period for a replica that holds leases of the kind
+                // already: one holding none takes a free one first. (Not more: a
+                // takeover after a crash must stay within seconds.)
+                wait += elector.cfg.retry_period;
             }
             tokio::select! {
                 _ = tokio::time::sleep(wait) => {}
@@ -447,14 +579,18 @@ pub async fn lead(
         let handover = CancellationToken::new();
         let release = CancellationToken::new();
         let (released_tx, released) = tokio::sync::oneshot::channel();
+        let renewed = Arc::new(std::sync::Mutex::new(acquired_at));
         let leadership = Leadership {
             lost: lost.clone(),
             handover: handover.clone(),
+            renewed: renewed.clone(),
             release: release.clone(),
             released: Some(released),
         };
         tokio::spawn(
             async move {
+                // However this task ends (a panic included), the term hears of it.
+                let _lost = lost.clone().drop_guard();
                 let mut last_renewed = acquired_at;
                 loop {
                     tokio::select! {
@@ -491,6 +627,7 @@ pub async fn lead(
                     match attempt {
                         Ok(Ok(true)) => {
                             last_renewed = started;
+                            *renewed.lock().unwrap_or_else(|e| e.into_inner()) = started;
                             if elector.granted.is_some() {
                                 handover.cancel();
                             }

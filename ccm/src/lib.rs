@@ -214,6 +214,8 @@ pub async fn run(
     // The load balancers' data plane runs on every replica, beside the controllers:
     // each serves the pools whose leases it holds.
     let lb_shutdown = shutdown.child_token();
+    // An early return lets go of the pools too (in the background).
+    let _lb_stop = lb_shutdown.clone().drop_guard();
     let load_balancers = match (provider.load_balancer_server(), config.enabled.service) {
         (Some(lbs), true) => Some(tokio::spawn(
             lb::pools::run(
@@ -407,9 +409,11 @@ pub async fn run(
             vec![queue.clone()],
             stop.clone(),
         );
-        let Some(endpoints) =
-            endpoints::EndpointsCache::spawn(client.clone(), queue.clone(), stop.clone()).await
-        else {
+        let endpoints = tokio::select! {
+            e = endpoints::EndpointsCache::spawn(client.clone(), queue.clone(), stop.clone()) => e,
+            _ = shutdown.cancelled() => None,
+        };
+        let Some(endpoints) = endpoints else {
             return Ok(());
         };
         tokio::select! {

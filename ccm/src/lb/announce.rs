@@ -93,9 +93,20 @@ impl Announcer {
     /// the pool is held.
     pub async fn hold(&self, ip: IpAddr, pool: &str) -> Result<(), CloudError> {
         let held = self.held.lock().await;
-        if !held.contains_key(pool) {
+        let Some(refreshed) = held.get(pool) else {
             return Err(CloudError::Provider(format!(
                 "not holding {ip}: this replica does not hold pool {pool:?}"
+            )));
+        };
+        // As for a late refresh: after a freeze the pool's addresses may have expired
+        // and a standby may hold them; this one must not come back.
+        let secs = self.lifetime.load(std::sync::atomic::Ordering::Relaxed);
+        let lifetime = Duration::from_secs(secs.into());
+        if secs > 0
+            && refreshed.is_some_and(|at| at.elapsed() >= lifetime.saturating_sub(REFRESH_MARGIN))
+        {
+            return Err(CloudError::Provider(format!(
+                "not holding {ip}: pool {pool:?}'s addresses were not refreshed within their lifetime"
             )));
         }
         let device = self.ns.device().await?;

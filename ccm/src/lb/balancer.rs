@@ -133,8 +133,9 @@ struct Shared {
 }
 
 struct Balancer {
-    /// Its addresses, in the Service's family order.
-    addresses: Vec<IpAddr>,
+    /// The addresses served here, each with the pool it was served under (what is let
+    /// go with that pool, whatever the cloud config says of the pool now).
+    addresses: Vec<(IpAddr, String)>,
     /// Listeners by (address, port).
     listeners: HashMap<SocketAddr, Listener>,
     shared: Shared,
@@ -268,8 +269,7 @@ impl TunnelLoadBalancers {
     /// and with the default windows four stalled downloads (1 MiB each) fill a 4 MiB
     /// connection window and stop every other stream on it, other Services' included.
     async fn client(&self, uid: &str) -> Result<Client, CloudError> {
-        let mut clients = self.clients.lock().await;
-        if let Some(c) = clients.get(uid) {
+        if let Some(c) = self.clients.lock().await.get(uid) {
             return Ok(c.clone());
         }
         let connect = Client::uds_with_windows(&self.tunnel_uds, LB_WINDOWS);
@@ -288,8 +288,14 @@ impl TunnelLoadBalancers {
                 )))
             }
         };
-        clients.insert(uid.to_string(), client.clone());
-        Ok(client)
+        // (Not connected under the lock: one slow connection holds up no other.)
+        Ok(self
+            .clients
+            .lock()
+            .await
+            .entry(uid.to_string())
+            .or_insert(client)
+            .clone())
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Balancer>> {
@@ -411,7 +417,10 @@ impl TunnelLoadBalancers {
             let all = self.lock();
             freed
                 .into_iter()
-                .filter(|ip| !all.values().any(|b| b.addresses.contains(ip)))
+                .filter(|ip| {
+                    !all.values()
+                        .any(|b| b.addresses.iter().any(|(a, _)| a == ip))
+                })
                 .collect()
         };
         if let Some(a) = &self.announcer {
@@ -616,25 +625,34 @@ impl TunnelLoadBalancers {
     pub async fn release_pool(&self, pool: &str) {
         let mut serving = self.serving.write().await;
         serving.remove(pool);
-        let in_pool = {
-            let pools = self.allocator().pools().clone();
-            let name = pool.to_string();
-            move |ip: IpAddr| pools.pool_of(ip) == Some(name.as_str())
-        };
+        // What was served under the pool, and what the cloud config puts in it now.
+        let mut recorded: std::collections::HashSet<IpAddr> = Default::default();
         let mut idle = Vec::new();
         for (uid, b) in self.lock().iter_mut() {
+            let gone: Vec<IpAddr> = b
+                .addresses
+                .iter()
+                .filter(|(_, p)| p == pool)
+                .map(|(ip, _)| *ip)
+                .collect();
             b.listeners.retain(|addr, l| {
-                let keep = !in_pool(addr.ip());
+                let keep = !gone.contains(&addr.ip());
                 if !keep {
                     l.stop.cancel();
                 }
                 keep
             });
-            b.addresses.retain(|ip| !in_pool(*ip));
+            b.addresses.retain(|(_, p)| p != pool);
             if b.listeners.is_empty() {
                 idle.push(uid.clone());
             }
+            recorded.extend(gone);
         }
+        let in_pool = {
+            let pools = self.allocator().pools().clone();
+            let name = pool.to_string();
+            move |ip: IpAddr| recorded.contains(&ip) || pools.pool_of(ip) == Some(name.as_str())
+        };
         // Tunnel connections close once their listeners' connections drop them.
         {
             let mut clients = self.clients.lock().await;
@@ -696,19 +714,23 @@ impl TunnelLoadBalancers {
             self.unserve(svc).await;
             return Ok(());
         }
-        if let Some(a) = &self.announcer {
-            for (ip, pool) in &mine {
-                a.hold(*ip, pool).await?;
-            }
-        }
         let addresses: Vec<IpAddr> = mine.iter().map(|(ip, _)| *ip).collect();
+        // The entry stays in the map, claiming old and new addresses, while listeners
+        // are bound: a Service sharing an address that lets go meanwhile sees the claim
+        // and leaves the address.
         let (shared, mut keep, before) = {
             let mut all = self.lock();
-            match all.remove(&svc.uid) {
+            match all.get_mut(&svc.uid) {
                 Some(b) => {
                     *b.shared.nodes.write().unwrap_or_else(|e| e.into_inner()) = nodes.to_vec();
                     *b.shared.policy.write().unwrap_or_else(|e| e.into_inner()) = Policy::of(svc);
-                    (b.shared, b.listeners, b.addresses)
+                    let before = b.addresses.clone();
+                    for m in &mine {
+                        if !b.addresses.contains(m) {
+                            b.addresses.push(m.clone());
+                        }
+                    }
+                    (b.shared.clone(), std::mem::take(&mut b.listeners), before)
                 }
                 None => (
                     Shared {
@@ -728,6 +750,31 @@ impl TunnelLoadBalancers {
                 ),
             }
         };
+        let exists = self.lock().contains_key(&svc.uid);
+        if !exists {
+            self.lock().insert(
+                svc.uid.clone(),
+                Balancer {
+                    addresses: mine.clone(),
+                    listeners: HashMap::new(),
+                    shared: shared.clone(),
+                },
+            );
+        }
+        let restore = |keep: HashMap<SocketAddr, Listener>, before: Vec<(IpAddr, String)>| {
+            if let Some(b) = self.lock().get_mut(&svc.uid) {
+                b.listeners = keep;
+                b.addresses = before;
+            }
+        };
+        if let Some(a) = &self.announcer {
+            for (ip, pool) in &mine {
+                if let Err(e) = a.hold(*ip, pool).await {
+                    restore(keep, before);
+                    return Err(e);
+                }
+            }
+        }
         let wanted: Vec<(SocketAddr, PortTarget)> = addresses
             .iter()
             .flat_map(|ip| {
@@ -755,14 +802,7 @@ impl TunnelLoadBalancers {
                     for (_, l) in fresh {
                         l.stop.cancel();
                     }
-                    self.lock().insert(
-                        svc.uid.clone(),
-                        Balancer {
-                            addresses: before,
-                            listeners: keep,
-                            shared,
-                        },
-                    );
+                    restore(keep, before);
                     return Err(CloudError::Provider(format!(
                         "cannot listen on {addr} for {}: {e}",
                         label(svc)
@@ -800,7 +840,7 @@ impl TunnelLoadBalancers {
         self.lock().insert(
             svc.uid.clone(),
             Balancer {
-                addresses: addresses.clone(),
+                addresses: mine,
                 listeners: keep,
                 shared,
             },
@@ -809,6 +849,7 @@ impl TunnelLoadBalancers {
         // Addresses this Service moved off, if no other Service served here has them.
         let gone: Vec<IpAddr> = before
             .into_iter()
+            .map(|(ip, _)| ip)
             .filter(|ip| !addresses.contains(ip))
             .collect();
         self.let_go(gone).await;
@@ -826,20 +867,8 @@ impl TunnelLoadBalancers {
         }
         tracing::info!(service = %label(svc), "load balancer no longer served here");
         forget_series(&label(svc));
-        self.let_go(b.addresses).await;
-    }
-
-    /// Stops serving the Service with UID `uid` whatever it was (it is gone).
-    pub async fn unserve_uid(&self, uid: &str, service: &str) {
-        self.clients.lock().await.remove(uid);
-        let removed = self.lock().remove(uid);
-        let Some(b) = removed else { return };
-        for l in b.listeners.into_values() {
-            l.stop.cancel();
-        }
-        tracing::info!(service, "load balancer removed");
-        forget_series(service);
-        self.let_go(b.addresses).await;
+        self.let_go(b.addresses.into_iter().map(|(ip, _)| ip).collect())
+            .await;
     }
 }
 

@@ -44,6 +44,9 @@ pub struct ServingConfig {
 /// How often the pool list is read again (pools come and go with the cloud config).
 const POOL_CHECK: Duration = Duration::from_secs(1);
 
+/// A refresh must leave this much before the renew deadline.
+const REFRESH_MARGIN: Duration = Duration::from_millis(250);
+
 /// Serves the pools this replica holds until `shutdown`; then lets go of each (its
 /// addresses first, then its lease, handed to a standby) before returning.
 pub async fn run(
@@ -68,8 +71,11 @@ pub async fn run(
         vec![queue.clone()],
         stop.clone(),
     );
-    let Some(endpoints) = EndpointsCache::spawn(client.clone(), queue.clone(), stop.clone()).await
-    else {
+    let endpoints = tokio::select! {
+        e = EndpointsCache::spawn(client.clone(), queue.clone(), stop.clone()) => e,
+        _ = shutdown.cancelled() => None,
+    };
+    let Some(endpoints) = endpoints else {
         return;
     };
     let ready = async {
@@ -153,6 +159,8 @@ pub async fn run(
         .unwrap_or_default();
     let mut terms: HashMap<String, (CancellationToken, tokio::task::JoinHandle<()>)> =
         HashMap::new();
+    // Terms of removed pools, letting go.
+    let mut ending: Vec<tokio::task::JoinHandle<()>> = Vec::new();
     loop {
         let names = lbs.pool_names();
         for name in &names {
@@ -186,7 +194,7 @@ pub async fn run(
             if let Some((end, task)) = terms.remove(&name) {
                 tracing::info!(pool = %name, "pool removed from the cloud config; letting it go");
                 end.cancel();
-                let _ = task.await;
+                ending.push(task);
             }
         }
         tokio::select! {
@@ -195,7 +203,7 @@ pub async fn run(
         }
     }
     // Every pool lets go at once, each handing its lease to a standby.
-    for (_, (_, task)) in terms {
+    for task in terms.into_values().map(|(_, t)| t).chain(ending) {
         let _ = task.await;
     }
     stop.cancel();
@@ -248,7 +256,7 @@ async fn term(
         else {
             return;
         };
-        held.fetch_add(1, Ordering::SeqCst);
+        held.held.fetch_add(1, Ordering::SeqCst);
         holding.set(1);
         // The addresses' kernel lifetime: what is left of the lease after the renew
         // deadline, so that a holder that hangs loses them before a standby can hold
@@ -265,6 +273,12 @@ async fn term(
                 tokio::time::sleep(le.retry_period).await;
                 if let Err(why) = lbs.ready().await {
                     return why;
+                }
+                // The addresses may outlive a refresh by `lifetime`: only while that
+                // still ends before the lease could run out elsewhere (the last
+                // renewal's start plus the lease duration).
+                if leadership.since_renewal() + REFRESH_MARGIN >= le.renew_deadline {
+                    return "the pool's lease was not renewed in time".to_string();
                 }
                 if let Err(why) = lbs.refresh_pool(&pool, lifetime).await {
                     return why;
@@ -286,7 +300,9 @@ async fn term(
         holding.set(0);
         // A granted handover took its count off already.
         if !leadership.handover.is_cancelled() {
-            held.fetch_sub(1, Ordering::SeqCst);
+            let _ = held
+                .held
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
         }
         if release {
             leadership.release().await;
