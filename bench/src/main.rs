@@ -147,6 +147,9 @@ enum Route {
     HttpConnectUds,
     Ssh,
     Relay,
+    /// The tunnel with one plain relay behind it: the LB route's floor (as many TCP
+    /// connections, the cheapest possible hop in place of the balancer).
+    GrpcRelay,
     LoadBalancer,
 }
 
@@ -158,6 +161,7 @@ impl Route {
             Route::HttpConnectUds => "tether http-connect/uds",
             Route::Ssh => "ssh -L",
             Route::Relay => "2 plain relays (floor)",
+            Route::GrpcRelay => "grpc/uds + 1 relay",
             Route::LoadBalancer => "ccm LB + grpc/uds",
         }
     }
@@ -179,6 +183,8 @@ struct Env {
     ssh_port: Option<u16>,
     relay_port: Option<u16>,
     lb_port: Option<u16>,
+    /// One plain relay in front of the backend (the LB route's floor).
+    backend_relay_port: Option<u16>,
     grpc_server_pid: u32,
     grpc_agent_pid: u32,
     grpc_health: SocketAddr,
@@ -248,6 +254,10 @@ impl Env {
                 Box::pin(s)
             }
             Route::GrpcUds => Box::pin(self.client.dial(&target.to_string()).await?),
+            Route::GrpcRelay => {
+                let port = self.backend_relay_port.context("relay not set up")?;
+                Box::pin(self.client.dial(&format!("127.0.0.1:{port}")).await?)
+            }
             Route::HttpConnectUds => http_connect(&self.connect_socket, target).await?,
             Route::Ssh | Route::Relay | Route::LoadBalancer => {
                 let port = match route {
@@ -984,17 +994,7 @@ fn main() -> anyhow::Result<()> {
     }
     if let (Some(to), Some(uds)) = (args.lb_to, &args.lb_tunnel_uds) {
         tether_ops::memory::tune_allocator();
-        let mut rt = tokio::runtime::Builder::new_multi_thread();
-        if let Some(n) = std::env::var("TETHER_BENCH_LB_WORKERS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-        {
-            rt.worker_threads(n);
-        }
-        return rt
-            .enable_all()
-            .build()?
-            .block_on(load_balancer(to, uds.clone()));
+        return tokio::runtime::Runtime::new()?.block_on(load_balancer(to, uds.clone()));
     }
     // The gRPC client here is the client crate as the CCM runs it: same allocator policy.
     tether_ops::memory::tune_allocator();
@@ -1100,9 +1100,15 @@ async fn bench(args: Args) -> anyhow::Result<()> {
         procs.extend(relays);
         Some(port)
     };
-    let lb_port = if args.no_lb {
-        None
+    let (lb_port, backend_relay_port) = if args.no_lb {
+        (None, None)
     } else {
+        let (relay_port, relay) = spawn_self("relay", &[format!("--relay-to={backend}")])?;
+        carriers.push((
+            Route::GrpcRelay,
+            vec![relay.0.id(), grpc_server_pid, grpc_agent_pid],
+        ));
+        procs.push(relay);
         let (port, lb) = start_load_balancer(backend, &grpc_socket)?;
         // The balancer's own CPU, and the pair it rides on.
         carriers.push((
@@ -1110,7 +1116,7 @@ async fn bench(args: Args) -> anyhow::Result<()> {
             vec![lb.0.id(), grpc_server_pid, grpc_agent_pid],
         ));
         procs.push(lb);
-        Some(port)
+        (Some(port), Some(relay_port))
     };
     procs.extend([gs, ga, cs, ca]);
     let env = Arc::new(Env {
@@ -1120,6 +1126,7 @@ async fn bench(args: Args) -> anyhow::Result<()> {
         ssh_port,
         relay_port,
         lb_port,
+        backend_relay_port,
         grpc_server_pid,
         grpc_agent_pid,
         grpc_health: gev["health"].as_str().unwrap_or_default().parse()?,
@@ -1140,6 +1147,7 @@ async fn bench(args: Args) -> anyhow::Result<()> {
         routes.push(Route::Relay);
     }
     if env.lb_port.is_some() {
+        routes.push(Route::GrpcRelay);
         routes.push(Route::LoadBalancer);
     }
     let n = args.size_mib << 20;

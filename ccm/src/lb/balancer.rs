@@ -118,7 +118,6 @@ impl Policy {
 /// What every listener of one Service shares (changed in place on updates).
 #[derive(Clone)]
 struct Shared {
-    service: String,
     nodes: Arc<RwLock<Vec<Backend>>>,
     policy: Arc<RwLock<Policy>>,
     /// Connections open now, every port (`tether_ccm_lb_active_connections{service}`).
@@ -130,6 +129,37 @@ struct Shared {
     busy: Arc<AtomicUsize>,
     /// This Service's open connections (what its limit, its share and `busy` count).
     mine: Arc<AtomicUsize>,
+    /// Its counters, looked up once rather than on every connection.
+    counters: Arc<Counters>,
+}
+
+/// One Service's series of `tether_ccm_lb_connections_total` (by result) and
+/// `tether_ccm_lb_bytes_total` (by direction).
+struct Counters {
+    accepted: prometheus::IntCounter,
+    refused_source_range: prometheus::IntCounter,
+    refused_limit: prometheus::IntCounter,
+    refused_global_limit: prometheus::IntCounter,
+    no_backend: prometheus::IntCounter,
+    to_backend: prometheus::IntCounter,
+    to_client: prometheus::IntCounter,
+}
+
+impl Counters {
+    fn of(service: &str) -> Counters {
+        let m = crate::metrics::get();
+        let c = |result: &str| m.lb_connections.with_label_values(&[service, result]);
+        let b = |direction: &str| m.lb_bytes.with_label_values(&[service, direction]);
+        Counters {
+            accepted: c("accepted"),
+            refused_source_range: c("refused_source_range"),
+            refused_limit: c("refused_limit"),
+            refused_global_limit: c("refused_global_limit"),
+            no_backend: c("no_backend"),
+            to_backend: b("to_backend"),
+            to_client: b("to_client"),
+        }
+    }
 }
 
 struct Balancer {
@@ -734,7 +764,6 @@ impl TunnelLoadBalancers {
                 }
                 None => (
                     Shared {
-                        service: label(svc),
                         nodes: Arc::new(RwLock::new(nodes.to_vec())),
                         policy: Arc::new(RwLock::new(Policy::of(svc))),
                         active: crate::metrics::get()
@@ -744,6 +773,7 @@ impl TunnelLoadBalancers {
                         max_all: self.max_connections,
                         busy: self.busy.clone(),
                         mine: Arc::new(AtomicUsize::new(0)),
+                        counters: Arc::new(Counters::of(&label(svc))),
                     },
                     HashMap::new(),
                     Vec::new(),
@@ -955,18 +985,15 @@ async fn serve(
 }
 
 impl PortServer {
-    fn count(&self, result: &str) {
-        crate::metrics::get()
-            .lb_connections
-            .with_label_values(&[self.shared.service.as_str(), result])
-            .inc();
+    fn counters(&self) -> &Counters {
+        &self.shared.counters
     }
 
     /// The source-range and connection-limit checks; a guard counting the connection
     /// as open when it is admitted.
     fn admit(&self, peer: SocketAddr, policy: &Policy) -> Option<OpenGuard> {
         if !policy.admits(peer.ip()) {
-            self.count("refused_source_range");
+            self.counters().refused_source_range.inc();
             tracing::debug!(%peer, "client outside loadBalancerSourceRanges refused");
             return None;
         }
@@ -975,7 +1002,7 @@ impl PortServer {
             self.shared.mine.load(Ordering::Acquire),
         );
         if mine >= policy.max_connections {
-            self.count("refused_limit");
+            self.counters().refused_limit.inc();
             tracing::debug!(%peer, max = policy.max_connections, "connection limit reached; refused");
             return None;
         }
@@ -988,11 +1015,11 @@ impl PortServer {
         let share = max / (others + 1);
         if before >= max || (congested && mine >= share) {
             self.shared.all.fetch_sub(1, Ordering::AcqRel);
-            self.count("refused_global_limit");
+            self.counters().refused_global_limit.inc();
             tracing::debug!(%peer, max, open = before, share, "--lb-max-connections (or this Service's share of it) reached; refused");
             return None;
         }
-        self.count("accepted");
+        self.counters().accepted.inc();
         Some(OpenGuard::new(&self.shared))
     }
 
@@ -1025,7 +1052,7 @@ impl PortServer {
         open: OpenGuard,
     ) {
         if candidates.is_empty() {
-            self.count("no_backend");
+            self.counters().no_backend.inc();
             tracing::info!("no ready backend to forward to; connection closed");
             return;
         }
@@ -1043,7 +1070,7 @@ impl PortServer {
                 }
             }
         }
-        self.count("no_backend");
+        self.counters().no_backend.inc();
         tracing::warn!("no backend answered; connection closed");
     }
 
@@ -1079,14 +1106,8 @@ impl PortServer {
             _ = self.stop.cancelled() => {}
         }
         // Counted however the connection ended (idle timeout, listener stopped).
-        let bytes = &crate::metrics::get().lb_bytes;
-        let service = self.shared.service.as_str();
-        bytes
-            .with_label_values(&[service, "to_backend"])
-            .inc_by(splice.up);
-        bytes
-            .with_label_values(&[service, "to_client"])
-            .inc_by(splice.down);
+        self.counters().to_backend.inc_by(splice.up);
+        self.counters().to_client.inc_by(splice.down);
     }
 }
 
