@@ -222,23 +222,31 @@ fn from_slices(slices: &[Slice]) -> Ready {
                     continue;
                 };
                 let name = p.name.clone().unwrap_or_default();
-                for a in &e.addresses {
-                    if let Ok(ip) = a.parse() {
-                        ready
-                            .ports
-                            .entry(name.clone())
-                            .or_default()
-                            .push(SocketAddr::new(ip, port));
-                    }
+                for ip in e.addresses.iter().filter_map(|a| a.parse().ok()) {
+                    ready.add(&name, SocketAddr::new(ip, port));
                 }
             }
         }
     }
-    for addrs in ready.ports.values_mut() {
-        addrs.sort();
-        addrs.dedup();
+    ready.sorted()
+}
+
+impl Ready {
+    fn add(&mut self, port_name: &str, addr: SocketAddr) {
+        self.ports
+            .entry(port_name.to_string())
+            .or_default()
+            .push(addr);
     }
-    ready
+
+    /// Each port's addresses sorted, each once (slices may repeat an endpoint).
+    fn sorted(mut self) -> Ready {
+        for addrs in self.ports.values_mut() {
+            addrs.sort();
+            addrs.dedup();
+        }
+        self
+    }
 }
 
 fn from_endpoints(endpoints: Option<&Endpoints>) -> Ready {
@@ -254,20 +262,12 @@ fn from_endpoints(endpoints: Option<&Endpoints>) -> Ready {
             let Ok(ip) = a.ip.parse() else { continue };
             for p in subset.ports.iter().flatten() {
                 if let Ok(port) = u16::try_from(p.port) {
-                    ready
-                        .ports
-                        .entry(p.name.clone().unwrap_or_default())
-                        .or_default()
-                        .push(SocketAddr::new(ip, port));
+                    ready.add(p.name.as_deref().unwrap_or(""), SocketAddr::new(ip, port));
                 }
             }
         }
     }
-    for addrs in ready.ports.values_mut() {
-        addrs.sort();
-        addrs.dedup();
-    }
-    ready
+    ready.sorted()
 }
 
 #[cfg(test)]

@@ -387,19 +387,7 @@ impl TunnelLoadBalancers {
             families,
             require_all: svc.require_dual_stack,
             requested,
-            current: {
-                let suffix = self.allocator().pools().ingress_hostname_suffix.clone();
-                svc.current_ips
-                    .iter()
-                    .filter_map(|ip| {
-                        ip.parse().ok().or_else(|| {
-                            suffix
-                                .as_deref()
-                                .and_then(|s| super::addresses::address_of_hostname(ip, s))
-                        })
-                    })
-                    .collect()
-            },
+            current: self.published(svc),
             sharing_key: match self.bind {
                 Some(_) => Some(BIND_ADDRESS_SHARING.into()),
                 None => svc.sharing_key.clone(),
@@ -602,7 +590,7 @@ impl TunnelLoadBalancers {
     }
 
     /// The addresses a Service's status shows (IPs, or names under
-    /// `loadBalancer.ingressHostnameSuffix`) that are in a pool.
+    /// `loadBalancer.ingressHostnameSuffix`).
     pub fn published(&self, svc: &ServiceInfo) -> Vec<IpAddr> {
         let suffix = self.allocator().pools().ingress_hostname_suffix.clone();
         svc.current_ips
