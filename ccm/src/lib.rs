@@ -217,8 +217,20 @@ pub async fn run(
     // An early return lets go of the pools too (in the background).
     let _lb_stop = lb_shutdown.clone().drop_guard();
     let load_balancers = match (provider.load_balancer_server(), config.enabled.service) {
-        (Some(lbs), true) => Some(tokio::spawn(
-            lb::pools::run(
+        (Some(lbs), true) => {
+            // Its health check fails once it has ended before shutdown (say, its
+            // caches never synced): this replica then serves no pool.
+            let serving = Arc::new(std::sync::atomic::AtomicBool::new(true));
+            let flag = serving.clone();
+            let stopping = lb_shutdown.clone();
+            health.add("load-balancers", move || {
+                if flag.load(std::sync::atomic::Ordering::Relaxed) || stopping.is_cancelled() {
+                    Ok(())
+                } else {
+                    Err("the load balancers' data plane stopped".into())
+                }
+            });
+            let run = lb::pools::run(
                 clients.root.clone(),
                 lbs,
                 lb::pools::ServingConfig {
@@ -228,9 +240,16 @@ pub async fn run(
                     workers: config.concurrent_service_syncs,
                 },
                 lb_shutdown.clone(),
-            )
-            .instrument(tracing::info_span!("load_balancers")),
-        )),
+            );
+            let exit = ExitFlag(serving);
+            Some(tokio::spawn(
+                async move {
+                    run.await;
+                    drop(exit);
+                }
+                .instrument(tracing::info_span!("load_balancers")),
+            ))
+        }
         _ => None,
     };
     if config.enabled.service && provider.load_balancers().is_none() {

@@ -1,6 +1,6 @@
 //! Load-balancer addresses of the `tether` provider: the `loadBalancer:` section of the
 //! cloud config (address pools of ranges and CIDRs, IPv4 and IPv6, optionally reserved
-//! to namespaces; the interface the leader announces them on) and the allocator giving
+//! to namespaces; the interface each pool's holder announces them on) and the allocator giving
 //! each Service its own addresses: the ones it asks for, the ones its status already
 //! shows (so allocations survive restarts and leader changes), else the lowest free
 //! one of the first pool it may use. Two Services share an address only when both name
@@ -28,7 +28,7 @@ use serde::Deserialize;
 #[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct LoadBalancerConfig {
-    /// The interface the leader adds the addresses to and announces them on (ARP /
+    /// The interface each pool's holder adds its addresses to and announces them on (ARP /
     /// neighbour advertisements). Absent: the addresses are not added anywhere; they
     /// must already be local on every control-plane host (routed there by you).
     #[serde(default)]
@@ -265,7 +265,7 @@ impl Pool {
 /// The validated `loadBalancer:` section.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Pools {
-    /// Where the leader announces (see [`LoadBalancerConfig::interface`]).
+    /// Where each pool's holder announces (see [`LoadBalancerConfig::interface`]).
     pub interface: Option<String>,
     /// The pools, in the order written.
     pub pools: Vec<Pool>,

@@ -1,8 +1,8 @@
 //! Load balancers over the tunnel, the `tether` provider's LoadBalancers: each
 //! LoadBalancer Service gets its own addresses from the `loadBalancer:` pools (see
 //! [`super::addresses`]; without pools, every Service shares `--lb-bind-address`
-//! and colliding ports are refused), held on the leader's interface (see
-//! [`super::announce`]). For each address and TCP port the CCM listens, and forwards
+//! and colliding ports are refused), held by the replica holding each pool's Lease
+//! (see [`super::pools`] and [`super::announce`]). For each address and TCP port the CCM listens, and forwards
 //! every connection through the Tether server's gRPC frontend to a backend node's
 //! NodePort (round-robin, the next node when a dial fails), or with
 //! `allocateLoadBalancerNodePorts: false` to a ready endpoint's pod IP and targetPort.
