@@ -368,6 +368,24 @@ fn longest_outage(seen: &[(Instant, bool)]) -> (Duration, usize) {
     (longest, failures)
 }
 
+/// A container's `startedAt` (RFC 3339, whole seconds).
+fn started_at(text: &str) -> time::OffsetDateTime {
+    time::OffsetDateTime::parse(text.trim(), &time::format_description::well_known::Rfc3339)
+        .unwrap_or_else(|e| panic!("startedAt {text:?}: {e}"))
+}
+
+/// When the first successful probe at or after `since` (wall clock) was made.
+fn first_answer_after(
+    seen: &[(Instant, bool)],
+    since: time::OffsetDateTime,
+) -> Option<time::OffsetDateTime> {
+    let (now_wall, now) = (time::OffsetDateTime::now_utc(), Instant::now());
+    seen.iter()
+        .filter(|(_, ok)| *ok)
+        .map(|(at, _)| now_wall - (now - *at))
+        .find(|at| *at >= since)
+}
+
 /// A cheap kubectl call that goes to `node`'s kubelet through the tunnel.
 fn node_answers(kubeconfig: &Path, node: &str) -> bool {
     Command::new("kubectl")
@@ -505,19 +523,10 @@ fn day_two_rolling_update_server_restart_and_ccm_rollout() {
         "-o",
         "jsonpath={.items[0].status.containerStatuses[0].state.running.startedAt}",
     ]);
-    let started = time::OffsetDateTime::parse(
-        started.trim(),
-        &time::format_description::well_known::Rfc3339,
-    )
-    .unwrap_or_else(|e| panic!("new agent's startedAt {started:?}: {e}"));
-    let (now_wall, now) = (time::OffsetDateTime::now_utc(), Instant::now());
-    let answered = seen
-        .iter()
-        .filter(|(_, ok)| *ok)
-        .map(|(at, _)| now_wall - (now - *at))
-        .find(|at| *at >= started)
-        .expect("a probe answered after the new agent started");
-    let tether_part = answered - started;
+    let started = started_at(&started);
+    let tether_part = first_answer_after(&seen, started)
+        .expect("a probe answered after the new agent started")
+        - started;
     let images = c.kubectl_ok(&[
         "get",
         "pods",
@@ -592,12 +601,34 @@ fn day_two_rolling_update_server_restart_and_ccm_rollout() {
         node_answers(&admin, &worker.name).then_some(())
     });
     let back = restarted.elapsed();
-    let (outage, failures) = longest_outage(&prober.finish());
+    let seen = prober.finish();
+    let (outage, failures) = longest_outage(&seen);
+    // The kubelet's part (noticing the manifest, stopping and starting the pod) is
+    // what a loaded machine stretches; Tether's is from the new server's start to
+    // kubectl answering (the agents' reconnect backoff is at most 10 s).
+    let started = started_at(&c.kubectl_ok(&[
+        "get",
+        "pod",
+        "-n",
+        "kube-system",
+        "konnectivity-server-control-plane",
+        "-o",
+        "jsonpath={.status.containerStatuses[0].state.running.startedAt}",
+    ]));
+    let tether_part = first_answer_after(&seen, started)
+        .map(|at| at - started)
+        .unwrap_or(time::Duration::ZERO);
     println!(
-        "server static pod upgrade: kubectl to {} worked again {:.1} s after the manifest changed (longest failure {:.1} s, {failures} failed probes)",
+        "server static pod upgrade: kubectl to {} worked again {:.1} s after the manifest changed (longest failure {:.1} s, {failures} failed probes), {:.1} s after the new server started",
         worker.name,
         back.as_secs_f64(),
-        outage.as_secs_f64()
+        outage.as_secs_f64(),
+        tether_part.as_seconds_f64()
+    );
+    // startedAt has whole seconds.
+    assert!(
+        tether_part < time::Duration::seconds(20),
+        "kubectl came back {tether_part} after the new server started"
     );
     assert!(
         back < SERVER_RESTART_BOUND,
@@ -661,8 +692,10 @@ fn day_two_rolling_update_server_restart_and_ccm_rollout() {
 /// How soon kubectl works again after the server's static pod is replaced: the
 /// kubelet notices the manifest (fileCheckFrequency, 10 s here, 20 s by default), stops
 /// the old pod (its graceful shutdown ends at once with nothing open), starts the new
-/// one, and the agents reconnect (their backoff is at most 10 s).
-const SERVER_RESTART_BOUND: Duration = Duration::from_secs(60);
+/// one, and the agents reconnect (their backoff is at most 10 s). A clean-clone CI
+/// run, four such clusters at once on 2 cores, stretched the kubelet's part to 65 s;
+/// Tether's part is asserted on its own.
+const SERVER_RESTART_BOUND: Duration = Duration::from_secs(150);
 
 /// `tether certs init` as the README gives it, into `out`, with `ca` (cert, key) or a
 /// new CA.
