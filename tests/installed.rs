@@ -568,7 +568,7 @@ fn day_two_rolling_update_server_restart_and_ccm_rollout() {
     let prober = Prober::start(move || node_answers(&probe_kubeconfig, &probe_node));
     // The mirror pod is deleted and made again when the manifest changes: a NotFound
     // in between is "not yet".
-    let server_container = || {
+    let server_pod = |jsonpath: &str| {
         let out = c.kubectl(&[
             "get",
             "pod",
@@ -576,9 +576,14 @@ fn day_two_rolling_update_server_restart_and_ccm_rollout() {
             "kube-system",
             "konnectivity-server-control-plane",
             "-o",
-            "jsonpath={.status.containerStatuses[0].containerID} {.status.containerStatuses[0].ready}",
+            &format!("jsonpath={jsonpath}"),
         ]);
         String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    let server_container = || {
+        server_pod(
+            "{.status.containerStatuses[0].containerID} {.status.containerStatuses[0].ready}",
+        )
     };
     let before = server_container();
     let restarted = Instant::now();
@@ -606,15 +611,9 @@ fn day_two_rolling_update_server_restart_and_ccm_rollout() {
     // The kubelet's part (noticing the manifest, stopping and starting the pod) is
     // what a loaded machine stretches; Tether's is from the new server's start to
     // kubectl answering (the agents' reconnect backoff is at most 10 s).
-    let started = started_at(&c.kubectl_ok(&[
-        "get",
-        "pod",
-        "-n",
-        "kube-system",
-        "konnectivity-server-control-plane",
-        "-o",
-        "jsonpath={.status.containerStatuses[0].state.running.startedAt}",
-    ]));
+    let started = started_at(&server_pod(
+        "{.status.containerStatuses[0].state.running.startedAt}",
+    ));
     let tether_part = first_answer_after(&seen, started)
         .map(|at| at - started)
         .unwrap_or(time::Duration::ZERO);
