@@ -172,8 +172,7 @@ impl Elector {
         };
         let mut asking = b.asking();
         match &*asking {
-            Some((name, at)) if at.elapsed() > self.cfg.lease_duration * 2 => {
-                let _ = name;
+            Some((_, at)) if at.elapsed() > self.cfg.lease_duration * 2 => {
                 *asking = None;
                 false
             }
