@@ -248,25 +248,25 @@ async fn the_agents_listing_off_loopback_needs_an_authorized_token() {
     // The CCM's client, with and without its token file.
     let token_file = tokens.path().join("ccm-token");
     std::fs::write(&token_file, &reader).unwrap();
-    let config = |token_file: Option<String>| tether_ccm::cloud::agents::AgentsConfig {
+    let config = |token_file: Option<String>| tether_ccm::provider::agents::AgentsConfig {
         urls: vec![url.clone()],
         token_file,
         // The agent's TokenRequest token is bound to no pod, so nothing is verified.
         trust_unverified_identifiers: true,
         ..Default::default()
     };
-    let with = tether_ccm::cloud::agents::ConnectedAgents::new(&config(Some(
+    let with = tether_ccm::provider::agents::ConnectedAgents::new(&config(Some(
         token_file.display().to_string(),
     )))
     .unwrap();
     assert!(
         matches!(
             with.presence("edge-1").await,
-            Ok(tether_ccm::cloud::agents::Presence::Connected(_))
+            Ok(tether_ccm::provider::agents::Presence::Connected(_))
         ),
         "the CCM's client with its token reads /agents"
     );
-    let without = tether_ccm::cloud::agents::ConnectedAgents::new(&config(None)).unwrap();
+    let without = tether_ccm::provider::agents::ConnectedAgents::new(&config(None)).unwrap();
     let e = without.presence("edge-1").await.unwrap_err().to_string();
     assert!(e.contains("401"), "{e}");
 

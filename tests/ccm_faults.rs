@@ -29,6 +29,7 @@ fn config(enabled: Enabled) -> CcmConfig {
         leader_election: None,
         load_balancer_lease: None,
         identity: "test".into(),
+        load_balancer_server: None,
     }
 }
 

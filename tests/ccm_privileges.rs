@@ -520,7 +520,7 @@ fn the_manifests_inventory_is_valid() {
         .find(|d| d["kind"] == "ConfigMap")
         .expect("the inventory ConfigMap");
     let text = cm["data"]["inventory.yaml"].as_str().unwrap();
-    let config = tether_ccm::cloud::tether::parse(Path::new("inventory.yaml"), text)
+    let config = tether_ccm::provider::parse(Path::new("inventory.yaml"), text)
         .unwrap_or_else(|e| panic!("{e}"));
     // Shipped off: no address is announced until the operator sets their own.
     assert!(config.load_balancer.is_none());
@@ -540,7 +540,7 @@ fn the_manifests_inventory_is_valid() {
         });
         uncommented.push('\n');
     }
-    let config = tether_ccm::cloud::tether::parse(Path::new("inventory.yaml"), &uncommented)
+    let config = tether_ccm::provider::parse(Path::new("inventory.yaml"), &uncommented)
         .unwrap_or_else(|e| panic!("{e}\n{uncommented}"));
     let pools = config.load_balancer.expect("the manifest shows pools");
     assert_eq!(pools.interface.as_deref(), Some("eth0"));

@@ -266,7 +266,7 @@ fn fuzz_certificate_parsers() {
 fn fuzz_ccm_cloud_config() {
     fuzz!().for_each(|bytes: &[u8]| {
         if let Ok(text) = std::str::from_utf8(bytes) {
-            let _ = tether_ccm::cloud::tether::parse(std::path::Path::new("cloud.yaml"), text);
+            let _ = tether_ccm::provider::parse(std::path::Path::new("cloud.yaml"), text);
         }
     });
 }

@@ -44,7 +44,7 @@ impl Agent {
     /// A new agent (nothing runs until [`Agent::run`]); fails on unusable TLS files.
     pub fn new(config: AgentConfig) -> Result<Self, tether_core::tls::TlsError> {
         let metrics = Metrics::new();
-        let expiry = tether_ops::metrics::CertExpiry::new(&metrics.registry);
+        let expiry = metrics.cert_expiry.clone();
         let t = config.tls.clone();
         let mut paths = vec![t.ca.clone()];
         if let Some((c, k)) = &t.identity {
@@ -101,7 +101,7 @@ impl Agent {
             "health",
             listener,
             tether_ops::health::health_router(
-                self.metrics.registry.clone(),
+                self.metrics.registry().clone(),
                 ready,
                 StatusCode::SERVICE_UNAVAILABLE,
             ),
@@ -114,7 +114,10 @@ impl Agent {
         tether_ops::health::spawn(
             "admin",
             listener,
-            tether_ops::health::admin_router(self.metrics.registry.clone(), self.config.profiling),
+            tether_ops::health::admin_router(
+                self.metrics.registry().clone(),
+                self.config.profiling,
+            ),
             shutdown,
         );
     }

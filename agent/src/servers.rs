@@ -177,7 +177,7 @@ impl Agent {
             Ok(c) => Some(LeaseCounter::spawn(
                 c,
                 lc,
-                self.metrics.lease_metrics(),
+                self.metrics.lease.clone(),
                 hard_stop.clone(),
             )),
             Err(e) => {

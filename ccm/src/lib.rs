@@ -12,6 +12,8 @@ pub mod informer;
 pub mod lb;
 pub mod leader;
 pub mod metrics;
+pub mod netlink;
+pub mod provider;
 pub mod serving;
 pub mod workqueue;
 
@@ -156,6 +158,9 @@ pub struct CcmConfig {
     pub load_balancer_lease: Option<leader::LeaderElection>,
     /// Reported as the event source.
     pub identity: String,
+    /// The load balancers' data plane (the `tether` provider's), which every replica
+    /// runs beside the controllers, serving the pools whose leases it holds.
+    pub load_balancer_server: Option<Arc<lb::balancer::TunnelLoadBalancers>>,
 }
 
 /// Why the controller manager stopped.
@@ -216,7 +221,7 @@ pub async fn run(
     let lb_shutdown = shutdown.child_token();
     // An early return lets go of the pools too (in the background).
     let _lb_stop = lb_shutdown.clone().drop_guard();
-    let load_balancers = match (provider.load_balancer_server(), config.enabled.service) {
+    let load_balancers = match (config.load_balancer_server.clone(), config.enabled.service) {
         (Some(lbs), true) => {
             // Its health check fails once it has ended before shutdown (say, its
             // caches never synced): this replica then serves no pool.

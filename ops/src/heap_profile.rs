@@ -208,14 +208,9 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Sampling<A> {
 
 /// The heap profile as Go writes it (sample types alloc_objects, alloc_space,
 /// inuse_objects, inuse_space; period 512 KiB of space), values scaled from the
-/// samples to estimates of the whole heap.
+/// samples to estimates of the whole heap. Resolving its addresses fills the symbol
+/// cache; the caller drops it (`profiling` does, after each profile).
 pub fn profile() -> Result<Vec<u8>, String> {
-    let rendered = render();
-    crate::profiling::drop_symbols();
-    rendered
-}
-
-fn render() -> Result<Vec<u8>, String> {
     use pprof::protos::{self, Message};
     let stacks: Vec<(Box<[usize]>, Stats)> = guarded(|| {
         let guard = TABLE.lock().unwrap_or_else(|e| e.into_inner());

@@ -36,25 +36,18 @@ pub struct RestMetrics {
     duration: prometheus::HistogramVec,
 }
 
-impl Default for RestMetrics {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
 impl RestMetrics {
-    /// Unregistered metrics.
-    pub fn new() -> Self {
+    /// Both families, registered in `catalog`.
+    pub fn new(catalog: &crate::metrics::Catalog) -> Self {
         RestMetrics {
-            requests: prometheus::IntCounterVec::new(
+            requests: catalog.made(prometheus::IntCounterVec::new(
                 prometheus::Opts::new(
                     "rest_client_requests_total",
                     "Number of HTTP requests, partitioned by status code, method, and host.",
                 ),
                 &["code", "method", "host"],
-            )
-            .expect("valid metric"),
-            duration: prometheus::HistogramVec::new(
+            )),
+            duration: catalog.made(prometheus::HistogramVec::new(
                 prometheus::HistogramOpts::new(
                     "rest_client_request_duration_seconds",
                     "Request latency in seconds. Broken down by verb, and host.",
@@ -63,15 +56,8 @@ impl RestMetrics {
                     0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0,
                 ]),
                 &["verb", "host"],
-            )
-            .expect("valid metric"),
+            )),
         }
-    }
-
-    /// Registers both on `registry`.
-    pub fn register(&self, registry: &prometheus::Registry) -> Result<(), prometheus::Error> {
-        registry.register(Box::new(self.requests.clone()))?;
-        registry.register(Box::new(self.duration.clone()))
     }
 
     /// Requests sent so far, every code and method.

@@ -41,32 +41,158 @@ pub fn grpc_code_name(code: tonic::Code) -> &'static str {
     }
 }
 
-/// A registry holding the standard `process_*` metrics (CPU seconds, resident and
-/// virtual memory, open and maximum fds, start time, and the families client_golang
-/// added since: network bytes and the address-space limit), as every Go binary exports,
-/// `promhttp_metric_handler_*` (shared by every registry of the process, as Go's default
-/// registry is), and the heap's in-use and free bytes ([`crate::memory::HeapCollector`]).
-pub fn registry_with_process() -> prometheus::Registry {
-    let registry = prometheus::Registry::new();
-    registry
-        .register(Box::new(
-            prometheus::process_collector::ProcessCollector::for_self(),
-        ))
-        .expect("process metrics registered once");
-    registry
-        .register(Box::new(ProcessExtras::new()))
-        .expect("process metrics registered once");
-    let handler = promhttp();
-    registry
-        .register(Box::new(handler.requests.clone()))
-        .expect("promhttp metrics registered once");
-    registry
-        .register(Box::new(handler.in_flight.clone()))
-        .expect("promhttp metrics registered once");
-    registry
-        .register(Box::new(crate::memory::HeapCollector::new()))
-        .expect("heap metrics registered once");
-    registry
+/// A metric registry that keeps what was registered on it, so that the metric
+/// reference in `docs/` is generated from the same declarations `/metrics` serves.
+/// Clones share the registry.
+#[derive(Clone, Default)]
+pub struct Catalog {
+    registry: prometheus::Registry,
+    collectors: std::sync::Arc<std::sync::Mutex<Vec<Shared>>>,
+}
+
+/// A collector registered once and also kept by the catalog.
+#[derive(Clone)]
+struct Shared(std::sync::Arc<dyn prometheus::core::Collector>);
+
+impl prometheus::core::Collector for Shared {
+    fn desc(&self) -> Vec<&prometheus::core::Desc> {
+        self.0.desc()
+    }
+
+    fn collect(&self) -> Vec<prometheus::proto::MetricFamily> {
+        self.0.collect()
+    }
+}
+
+/// One metric family as the reference lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FamilyDoc {
+    /// The family's full name.
+    pub name: String,
+    /// `counter`, `gauge`, `histogram`, `summary` or `untyped`.
+    pub kind: &'static str,
+    /// Its help text.
+    pub help: String,
+    /// Its label names (variable, then constant).
+    pub labels: Vec<String>,
+}
+
+impl Catalog {
+    /// A catalog holding the standard `process_*` metrics (CPU seconds, resident and
+    /// virtual memory, open and maximum fds, start time, and the families
+    /// client_golang added since: network bytes and the address-space limit), as every
+    /// Go binary exports, `promhttp_metric_handler_*` (shared by every registry of the
+    /// process, as Go's default registry is), and the heap's in-use and free bytes
+    /// ([`crate::memory::HeapCollector`]).
+    pub fn with_process() -> Self {
+        let catalog = Catalog::default();
+        catalog.keep(prometheus::process_collector::ProcessCollector::for_self());
+        catalog.keep(ProcessExtras::new());
+        let handler = promhttp();
+        catalog.add(handler.requests.clone());
+        catalog.add(handler.in_flight.clone());
+        catalog.keep(crate::memory::HeapCollector::new());
+        catalog
+    }
+
+    /// The registry `/metrics` renders.
+    pub fn registry(&self) -> &prometheus::Registry {
+        &self.registry
+    }
+
+    /// Registers `collector` and returns it. Names are fixed at compile time, so a
+    /// clash is a programming error and panics.
+    pub fn add<C: prometheus::core::Collector + Clone + 'static>(&self, collector: C) -> C {
+        self.keep(collector.clone());
+        collector
+    }
+
+    /// Registers a collector nobody else keeps a handle to (one that reads the
+    /// process's state when scraped).
+    pub fn keep(&self, collector: impl prometheus::core::Collector + 'static) {
+        let shared = Shared(std::sync::Arc::new(collector));
+        self.registry
+            .register(Box::new(shared.clone()))
+            .expect("metric names are unique");
+        self.collectors.lock().expect("catalog lock").push(shared);
+    }
+
+    /// Registers what a prometheus constructor made ([`Catalog::add`]); its options
+    /// are fixed at compile time, so an error is a programming error and panics.
+    pub fn made<C: prometheus::core::Collector + Clone + 'static>(
+        &self,
+        made: Result<C, prometheus::Error>,
+    ) -> C {
+        self.add(made.expect("valid metric"))
+    }
+
+    /// Every family registered, sorted by name.
+    pub fn families(&self) -> Vec<FamilyDoc> {
+        use prometheus::core::Collector;
+        use prometheus::proto::MetricType;
+        let collectors = self.collectors.lock().expect("catalog lock");
+        let mut out = Vec::new();
+        for c in collectors.iter() {
+            let collected = c.collect();
+            for desc in c.desc() {
+                let kind = collected
+                    .iter()
+                    .find(|f| f.name() == desc.fq_name)
+                    .map(|f| match f.get_field_type() {
+                        MetricType::COUNTER => "counter",
+                        MetricType::GAUGE => "gauge",
+                        MetricType::HISTOGRAM => "histogram",
+                        MetricType::SUMMARY => "summary",
+                        MetricType::UNTYPED => "untyped",
+                    })
+                    .unwrap_or("untyped");
+                let labels = desc
+                    .variable_labels
+                    .iter()
+                    .cloned()
+                    .chain(desc.const_label_pairs.iter().map(|l| l.name().to_string()))
+                    .collect();
+                out.push(FamilyDoc {
+                    name: desc.fq_name.clone(),
+                    kind,
+                    help: desc.help.clone(),
+                    labels,
+                });
+            }
+        }
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        out
+    }
+}
+
+/// Declares a set of metrics once: each field's name, type and construction sit
+/// together, and `declare(catalog)` builds them in order (each initialiser sees the
+/// catalog under the name given after `in`, and the fields built before it) and
+/// returns the set. The struct also gets `catalog`, the registry `/metrics` renders.
+#[macro_export]
+macro_rules! metric_set {
+    (
+        $(#[$meta:meta])*
+        $vis:vis struct $name:ident in $cat:ident {
+            $( $(#[$fmeta:meta])* $fvis:vis $field:ident : $ty:ty = $init:expr ),* $(,)?
+        }
+    ) => {
+        $(#[$meta])*
+        #[derive(Clone)]
+        $vis struct $name {
+            /// The registry `/metrics` renders, and what was declared on it.
+            pub catalog: $crate::metrics::Catalog,
+            $( $(#[$fmeta])* $fvis $field: $ty, )*
+        }
+
+        impl $name {
+            /// Builds every metric of the set and registers it in `catalog`.
+            pub fn declare($cat: $crate::metrics::Catalog) -> Self {
+                $( let $field: $ty = $init; )*
+                $name { catalog: $cat, $( $field, )* }
+            }
+        }
+    };
 }
 
 /// client_golang's `promhttp.Handler()` instrumentation of the `/metrics` handler.
@@ -385,9 +511,7 @@ impl prometheus::core::Collector for PacketCounters {
                 metrics.push(m);
             }
         }
-        if metrics.is_empty() {
-            return Vec::new();
-        }
+        // An empty family still says what it is; the registry leaves it out of pages.
         family.set_metric(metrics);
         vec![family]
     }
@@ -408,19 +532,15 @@ pub struct CertExpiry {
 }
 
 impl CertExpiry {
-    /// Registers the gauge in `registry`.
-    pub fn new(registry: &prometheus::Registry) -> Self {
-        let gauge = prometheus::IntGaugeVec::new(
+    /// Registers the gauge in `catalog`.
+    pub fn new(catalog: &Catalog) -> Self {
+        let gauge = catalog.made(prometheus::IntGaugeVec::new(
             prometheus::Opts::new(
                 "tether_certificate_expiry_timestamp_seconds",
                 "Not-after time (Unix seconds) of each loaded certificate, by what loaded it (source), its file's name and its place in that file.",
             ),
             &["source", "file", "index"],
-        )
-        .expect("valid metric");
-        registry
-            .register(Box::new(gauge.clone()))
-            .expect("metric registered once");
+        ));
         CertExpiry { gauge }
     }
 

@@ -198,9 +198,13 @@ async fn heap() -> impl IntoResponse {
             b"heap profiling needs the tether binary's sampling allocator\n".to_vec(),
         );
     }
-    let written = tokio::task::spawn_blocking(crate::heap_profile::profile)
-        .await
-        .unwrap_or_else(|e| Err(e.to_string()));
+    let written = tokio::task::spawn_blocking(|| {
+        let written = crate::heap_profile::profile();
+        drop_symbols();
+        written
+    })
+    .await
+    .unwrap_or_else(|e| Err(e.to_string()));
     answer(written, "Could not write the heap profile")
 }
 

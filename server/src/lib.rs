@@ -403,7 +403,7 @@ impl Server {
         check_frontend_trust(&config)?;
         let metrics = metrics::Metrics::new();
         let mut tls_sources = TlsSources {
-            expiry: tether_ops::metrics::CertExpiry::new(&metrics.registry),
+            expiry: metrics.cert_expiry.clone(),
             reloadables: Vec::new(),
         };
         let agent_tls = tls_sources.source("agent listener", &config.agent_tls, &[tls::ALPN_H2])?;
@@ -640,7 +640,7 @@ fn spawn_health(router: &Arc<Router>, listener: TcpListener, hard_stop: &Cancell
         0 => Err("no agent connected".into()),
         n => Ok(format!("{n} agent stream(s) connected")),
     });
-    let registry = router.metrics.registry.clone();
+    let registry = router.metrics.registry().clone();
     let app = tether_ops::health::health_router(registry, ready, StatusCode::INTERNAL_SERVER_ERROR);
     tether_ops::health::spawn("health", listener, app, hard_stop.clone());
 }
@@ -697,7 +697,7 @@ fn spawn_admin(
                 .into_response()
         }
     });
-    let registry = router.metrics.registry.clone();
+    let registry = router.metrics.registry().clone();
     let app = tether_ops::health::admin_router(registry, profiling).route("/agents", agents);
     tether_ops::health::spawn("admin", listener, app, hard_stop.clone());
 }

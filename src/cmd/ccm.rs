@@ -6,8 +6,9 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Args;
-use tether_ccm::cloud::{tether::TetherProvider, Provider};
+use tether_ccm::cloud::Provider;
 use tether_ccm::leader::LeaderElection;
+use tether_ccm::provider::TetherProvider;
 use tether_ccm::{CcmConfig, Enabled};
 use tether_ops::ratelimit::TokenBucket;
 use tracing::Instrument;
@@ -20,25 +21,34 @@ use super::{duration, go_bool, LogArgs};
 // after their defaults); list flags append.
 #[command(args_override_self = true)]
 pub struct CcmArgs {
-    /// Cloud provider: `tether` (built in: an inventory file, no cloud needed).
-    #[arg(long, default_value = tether_ccm::cloud::tether::NAME)]
+    /// Cloud provider: `tether`, the only one in this build (an inventory file, no cloud).
+    #[arg(long, default_value = tether_ccm::provider::NAME)]
     pub cloud_provider: String,
-    /// The provider's configuration (for `tether`: the inventory file).
+    /// The provider's configuration (for `tether`: the inventory file; required).
     #[arg(long, default_value = "")]
     pub cloud_config: String,
     /// Kubeconfig (empty: in-cluster).
     #[arg(long, default_value = "")]
     pub kubeconfig: String,
-    /// Controllers to run: `*`, names, `-name` to disable; the first entry naming a
-    /// controller wins (cloud-node-controller, cloud-node-lifecycle-controller,
-    /// node-route-controller, service-lb-controller, kubelet-serving-csr-approver; the
-    /// aliases cloud-node, cloud-node-lifecycle, route, service).
+    /// Controllers to run: `*`, names, `-name` to disable.
+    ///
+    /// The first entry naming a controller wins. Names: cloud-node-controller,
+    /// cloud-node-lifecycle-controller, node-route-controller, service-lb-controller,
+    /// kubelet-serving-csr-approver (or the aliases cloud-node, cloud-node-lifecycle,
+    /// route, service). `-node-ipam-controller` is accepted; turning node-ipam-controller
+    /// on is refused (kube-controller-manager allocates podCIDRs).
     #[arg(long, default_value = "*", value_delimiter = ',')]
     pub controllers: Vec<String>,
     /// Elect a leader among replicas on a Lease.
+    ///
+    /// Only the leader runs the controllers; a leader that cannot renew in time exits.
+    /// With false there are no load-balancer pool leases either: run exactly one replica
+    /// (a warning says so when loadBalancer.interface is set).
     #[arg(long, default_value = "true", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
     pub leader_elect: bool,
     /// How long a leader's lease is valid.
+    ///
+    /// Start-up refuses anything but retry period < renew deadline < lease duration.
     #[arg(long, default_value = "15s", value_parser = duration)]
     pub leader_elect_lease_duration: Duration,
     /// A leader that cannot renew within this steps down.
@@ -53,24 +63,32 @@ pub struct CcmArgs {
     /// Lease name.
     #[arg(long, default_value = "cloud-controller-manager")]
     pub leader_elect_resource_name: String,
-    /// Each load-balancer pool's own lease (`<--leader-elect-resource-name>-lb-<pool>`;
-    /// its holder holds and serves the pool's addresses): how long it is valid. Shorter
-    /// than the controllers' so that a crashed holder's addresses move within seconds.
+    /// How long each load-balancer pool's own Lease is valid.
+    ///
+    /// The Lease is `<--leader-elect-resource-name>-lb-<pool>`; its holder holds and
+    /// serves the pool's addresses. Shorter than the controllers' so that a crashed
+    /// holder's addresses move within seconds. Start-up refuses anything but retry period
+    /// < renew deadline and deadline + retry period <= duration (whole seconds). With
+    /// --leader-elect=false there is no such Lease. Tether only.
     #[arg(long, default_value = "4s", value_parser = duration)]
     pub lb_lease_duration: Duration,
-    /// A pool's lease holder that cannot renew within this lets go.
+    /// A pool's lease holder that cannot renew within this lets go. Tether only.
     #[arg(long, default_value = "2s", value_parser = duration)]
     pub lb_lease_renew_deadline: Duration,
-    /// How often to try to acquire or renew a pool's lease.
+    /// How often to try to acquire or renew a pool's lease. Tether only.
     #[arg(long, default_value = "500ms", value_parser = duration)]
     pub lb_lease_retry_period: Duration,
-    /// Accepted for compatibility; only `leases` is supported.
+    /// Lock type: only `leases`, upstream's default, is supported.
     #[arg(long, default_value = "leases", value_parser = ["leases"])]
     pub leader_elect_resource_lock: String,
     /// How often not-ready nodes are checked with the provider.
+    ///
+    /// A node the provider says is gone (by the deletion policies) is deleted; one it says
+    /// is shut down gets the node.cloudprovider.kubernetes.io/shutdown taint, removed once
+    /// it is Ready.
     #[arg(long, default_value = "5s", value_parser = duration)]
     pub node_monitor_period: Duration,
-    /// How often node addresses are synced from the provider.
+    /// How often node addresses and the inventory's labels are synced from the provider.
     #[arg(long, default_value = "5m", value_parser = duration)]
     pub node_status_update_frequency: Duration,
     /// Cluster name passed to the provider.
@@ -79,25 +97,30 @@ pub struct CcmArgs {
     /// How often the route controller reconciles pod-network routes.
     #[arg(long, default_value = "10s", value_parser = duration)]
     pub route_reconciliation_period: Duration,
-    /// Program a route per node podCIDR (needs --cluster-cidr).
+    /// Program a route per node podCIDR (needs --cluster-cidr); false turns routes off.
+    ///
+    /// The route controller also needs a `routes:` section in the cloud config.
     #[arg(long, default_value = "true", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
     pub configure_cloud_routes: bool,
     /// The pod network, comma-separated for dual stack (e.g. 10.244.0.0/16,fd00:10::/56);
     /// routes are made for podCIDRs inside it and only ours inside it are deleted.
     #[arg(long, default_value = "")]
     pub cluster_cidr: String,
-    /// Must stay false: Tether's CCM has no node-IPAM controller (kube-controller-manager
-    /// allocates podCIDRs with its own --allocate-node-cidrs).
+    /// Must stay false: Tether's CCM has no node-IPAM controller.
+    ///
+    /// true is refused at start-up: kube-controller-manager allocates podCIDRs with its
+    /// own --allocate-node-cidrs.
     #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
     pub allocate_node_cidrs: bool,
     /// Nodes initialised at once.
     #[arg(long, default_value_t = 1)]
     pub concurrent_node_syncs: usize,
-    /// Each controller calls the API as its own ServiceAccount in kube-system
-    /// (node-controller, service-controller, route-controller,
-    /// kubelet-serving-csr-approver) with short-lived tokens from the TokenRequest API,
-    /// renewed before they expire; watches and leader election stay on --kubeconfig's
-    /// identity.
+    /// Each controller calls the API as its own ServiceAccount in kube-system.
+    ///
+    /// The ServiceAccounts are node-controller, service-controller, route-controller and
+    /// kubelet-serving-csr-approver, with one-hour tokens from the TokenRequest API
+    /// renewed at 80% of their life; watches and leader election stay on --kubeconfig's
+    /// identity. Without it everything runs as --kubeconfig's identity.
     #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
     pub use_service_account_credentials: bool,
     /// Kubeconfig for TokenReviews of /metrics callers (empty: --kubeconfig).
@@ -106,27 +129,35 @@ pub struct CcmArgs {
     /// Kubeconfig for SubjectAccessReviews of /metrics callers (empty: --kubeconfig).
     #[arg(long, default_value = "")]
     pub authorization_kubeconfig: String,
-    /// Services synced at once.
+    /// Services synced at once (never the same one twice).
     #[arg(long, default_value_t = 1)]
     pub concurrent_service_syncs: usize,
-    /// Services with this `loadBalancerClass` are handled too (those without one
-    /// always are).
+    /// Services with this `loadBalancerClass` are handled too.
+    ///
+    /// Those without one always are. Tether only.
     #[arg(long, default_value = "")]
     pub load_balancer_class: String,
-    /// tether provider, without loadBalancer pools in the cloud config: every load
-    /// balancer listens on this address (the ingress IP all Services share).
+    /// Without loadBalancer pools: the address every load balancer listens on.
+    ///
+    /// tether provider: the one ingress IP all Services share, colliding ports refused
+    /// with a PortCollision event. Refused together with loadBalancer pools in the cloud
+    /// config, and needs --tunnel-uds. Tether only.
     #[arg(long, default_value = "")]
     pub lb_bind_address: String,
-    /// tether provider: the Tether server's gRPC frontend socket, through which load
-    /// balancers reach the nodes. Empty: no load balancers.
+    /// The Tether server's gRPC frontend socket, through which load balancers reach nodes.
+    ///
+    /// tether provider. Empty: no load balancers. Tether only.
     #[arg(long, default_value = "")]
     pub tunnel_uds: String,
-    /// tether provider: client connections open at once over every load balancer
-    /// (each Service also has its own limit, the tether.dev/lb-max-connections
-    /// annotation); more are refused and counted.
+    /// Client connections open at once over every load balancer.
+    ///
+    /// tether provider. Past three quarters of it, only Services under their fair share
+    /// (the cap over the Services holding connections, plus one) get more. More are
+    /// refused and counted (refused_global_limit). Each Service also has its own limit,
+    /// the tether.dev/lb-max-connections annotation. Tether only.
     #[arg(long, default_value_t = tether_ccm::lb::balancer::DEFAULT_MAX_CONNECTIONS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub lb_max_connections: usize,
-    /// How often every load balancer is ensured again (drift repair).
+    /// How often every load balancer is ensured again (drift repair). Tether only.
     #[arg(long, default_value = "1m", value_parser = duration)]
     pub lb_resync_period: Duration,
     /// Kubernetes API requests per second (client-side limit).
@@ -135,14 +166,18 @@ pub struct CcmArgs {
     /// Kubernetes API burst above the rate.
     #[arg(long, default_value_t = 30)]
     pub kube_api_burst: u32,
-    /// Cloud provider calls per second (client-side limit).
+    /// Cloud provider calls per second (client-side limit). Tether only.
     #[arg(long, default_value_t = 20.0)]
     pub provider_qps: f64,
-    /// Cloud provider burst above the rate.
+    /// Cloud provider burst above the rate. Tether only.
     #[arg(long, default_value_t = 30)]
     pub provider_burst: u32,
-    /// HTTPS port for /healthz (anonymous) and /metrics (delegated authentication and
-    /// authorization); 0 turns it off.
+    /// HTTPS port for /healthz and /metrics; 0 turns it off.
+    ///
+    /// /healthz (also /livez and /readyz) is anonymous, with one check per controller plus
+    /// leader election. /metrics needs a bearer token a TokenReview accepts and a
+    /// SubjectAccessReview allowing `get` on /metrics.
+
     #[arg(long, default_value_t = 10258)]
     pub secure_port: u16,
     /// Address the HTTPS endpoint binds.
@@ -260,16 +295,20 @@ impl CcmArgs {
                 max_connections: self.lb_max_connections,
             }),
         };
-        let provider: Arc<dyn Provider> = match self.cloud_provider.as_str() {
-            tether_ccm::cloud::tether::NAME => {
+        let (provider, load_balancer_server): (Arc<dyn Provider>, _) = match self
+            .cloud_provider
+            .as_str()
+        {
+            tether_ccm::provider::NAME => {
                 if self.cloud_config.is_empty() {
-                    bail!("--cloud-provider=tether needs --cloud-config: the inventory file (see README.md, tether ccm)");
+                    bail!("--cloud-provider=tether needs --cloud-config: the inventory file (see docs/ccm.md)");
                 }
                 let provider = TetherProvider::new(&PathBuf::from(&self.cloud_config), lb)?;
                 if !self.leader_elect && provider.announces() {
                     tracing::warn!("--leader-elect=false: this replica holds and announces every load-balancer address without a lease; run exactly one replica, or two will answer for the same addresses");
                 }
-                Arc::new(provider)
+                let server = provider.load_balancer_server();
+                (Arc::new(provider), server)
             }
             other => bail!("--cloud-provider: unknown provider {other:?} (this build has: tether)"),
         };
@@ -305,6 +344,7 @@ impl CcmArgs {
             .unwrap_or_else(|| "tether-ccm".into());
         let identity = format!("{host}_{}", uuid::Uuid::new_v4());
         let config = CcmConfig {
+            load_balancer_server,
             cluster_name: self.cluster_name.clone(),
             enabled,
             node_monitor_period: self.node_monitor_period,
@@ -354,20 +394,9 @@ pub fn main(args: CcmArgs) -> anyhow::Result<()> {
     tether_ccm::lb::netns::drop_sys_admin()
         .map_err(|e| anyhow::anyhow!("cannot drop CAP_SYS_ADMIN: {e}"))?;
     let kubeconfig = (!args.kubeconfig.is_empty()).then(|| PathBuf::from(&args.kubeconfig));
-    let registry = prometheus::Registry::new();
-    tether_ccm::metrics::register(&registry).expect("metrics registered once");
-    let rest_metrics = tether_ops::kubeclient::RestMetrics::new();
-    rest_metrics
-        .register(&registry)
-        .expect("metrics registered once");
-    let provider_calls = prometheus::IntCounter::new(
-        "tether_ccm_provider_calls_total",
-        "Calls made to the cloud provider.",
-    )
-    .expect("valid metric");
-    registry
-        .register(Box::new(provider_calls.clone()))
-        .expect("registered once");
+    let metrics = tether_ccm::metrics::get();
+    let registry = metrics.catalog.registry().clone();
+    let (rest_metrics, provider_calls) = (metrics.rest.clone(), metrics.provider_calls.clone());
     let secure = args.secure_listener()?;
     let health = tether_ccm::serving::Health::default();
     let provider = tether_ccm::cloud::rate_limited(

@@ -24,62 +24,86 @@ pub struct LogArgs {
     /// klog verbosity: 0-2 info, 3-4 debug, 5+ trace (RUST_LOG overrides).
     #[arg(long = "v", short = 'v', default_value_t = 0, value_name = "LEVEL")]
     pub verbosity: u8,
-    /// Per-module verbosity, `pattern=N[,pattern=N]`: Tether modules whose name matches
-    /// the pattern (a klog glob with `*` and `?`, e.g. `router=5`, `agent*=4`) log at
-    /// level N. Upstream's patterns name Go files; one that matches no Tether module is
-    /// logged once and has no effect.
+    /// Per-module verbosity, `pattern=N[,pattern=N]`.
+    ///
+    /// Tether modules whose name matches the pattern (a klog glob with `*` and `?`, e.g.
+    /// `router=5`, `agent*=4`) log at level N. Upstream's patterns name Go files; one that
+    /// matches no Tether module is logged once and has no effect.
     #[arg(long, default_value = "")]
     pub vmodule: String,
-    /// Log line format: text (tracing's), json, or klog (upstream's
-    /// `I1127 15:04:05.000000 pid file:line] msg` lines). The default is text, and klog
-    /// when invoked as proxy-server or proxy-agent (upstream's program names).
+    /// Log line format: text (tracing's), json, or klog (upstream's lines).
+    ///
+    /// klog writes `I1127 15:04:05.000000 pid file:line] "msg" k="v"` lines, for log
+    /// shippers that parse upstream's. The default is text, and klog when invoked as
+    /// proxy-server or proxy-agent (upstream's program names). Tether only.
     #[arg(long, default_value = "text", value_parser = ["text", "json", "klog"])]
     pub log_format: String,
-    /// Log to standard error instead of files.
+    /// Log to standard error only; false logs to --log-file or --log-dir.
     #[arg(long, default_value = "true", num_args = 0..=1, default_missing_value = "true", value_parser = go_bool, value_name = "BOOL")]
     pub logtostderr: bool,
-    /// Log to standard error as well as the log file.
+    /// With a log file, log to standard error as well.
+    ///
+    /// Lines at or above --alsologtostderrthreshold (by default, every line) go to both.
     #[arg(long, default_value = "false", num_args = 0..=1, default_missing_value = "true", value_parser = go_bool, value_name = "BOOL")]
     pub alsologtostderr: bool,
-    /// With --logtostderr=false: write the log in this directory (as `tether.log`; with
-    /// --log-format=klog as klog names it, `PROGRAM.HOST.USER.log.INFO.DATE-TIME.PID`
-    /// with a `PROGRAM.INFO` link).
+    /// With --logtostderr=false and no --log-file: write the log in this directory.
+    ///
+    /// The file is `tether.log`; with --log-format=klog, klog's
+    /// `PROGRAM.HOST.USER.log.INFO.DATE-TIME.PID` and a `PROGRAM.INFO` link to it (one
+    /// file for every severity). Empty: the temporary directory, as klog. The directory is
+    /// created if missing.
     #[arg(long, alias = "log_dir", default_value = "")]
     pub log_dir: String,
     /// With --logtostderr=false: write the log to this file.
+    ///
+    /// Created with its directory if missing, and appended to.
     #[arg(long, alias = "log_file", default_value = "")]
     pub log_file: String,
-    /// Largest log file in MB (0 = unlimited); like klog, the file starts over when full.
+    /// Largest log file in MB (0 = unlimited).
+    ///
+    /// As klog does, a full file starts over (truncated); no rotated copies are kept.
     #[arg(long, alias = "log_file_max_size", default_value_t = 1800)]
     pub log_file_max_size: u64,
-    /// Add the source file's directory to each line's header.
+    /// Add the source file's path to each line's header.
+    ///
+    /// text and json lines gain the source `file:line`; klog lines, which always name the
+    /// file, name its directory too.
     #[arg(long, alias = "add_dir_header", default_value = "false", num_args = 0..=1, default_missing_value = "true", value_parser = go_bool, value_name = "BOOL")]
     pub add_dir_header: bool,
     /// Lines without the time/level/target header.
+    ///
+    /// klog lines then have no header at all; json lines are unchanged.
     #[arg(long, alias = "skip_headers", default_value = "false", num_args = 0..=1, default_missing_value = "true", value_parser = go_bool, value_name = "BOOL")]
     pub skip_headers: bool,
-    /// Accepted (Tether writes no header when it opens a log file).
+    /// Accepted: Tether writes no header when it opens a log file.
     #[arg(long, alias = "skip_log_headers", default_value = "false", num_args = 0..=1, default_missing_value = "true", value_parser = go_bool, value_name = "BOOL")]
     pub skip_log_headers: bool,
-    /// Accepted (Tether writes one log file, never one per severity).
+    /// Accepted: Tether writes one log file, never one per severity.
     #[arg(long, alias = "one_output", default_value = "false", num_args = 0..=1, default_missing_value = "true", value_parser = go_bool, value_name = "BOOL")]
     pub one_output: bool,
-    /// With --logtostderr=false and without --alsologtostderr: lines at or above this
-    /// severity (INFO, WARNING, ERROR, FATAL or 0-3) also go to standard error.
+    /// Severity from which a log file's lines also go to standard error.
+    ///
+    /// With --logtostderr=false and without --alsologtostderr: lines at or above it
+    /// (INFO, WARNING, ERROR, FATAL or 0-3) also go to standard error. With
+    /// --legacy-stderr-threshold-behavior=false it applies with --logtostderr too.
     #[arg(long, default_value = "ERROR", value_parser = severity)]
     pub stderrthreshold: Level,
-    /// With --alsologtostderr: the lines at or above this severity also go to standard
-    /// error (klog's; no effect with --logtostderr).
+    /// Severity from which --alsologtostderr copies a log file's lines to standard error.
+    ///
+    /// klog's; no effect with --logtostderr.
     #[arg(long, default_value = "INFO", value_parser = severity)]
     pub alsologtostderrthreshold: Level,
-    /// klog's: true ignores --stderrthreshold while --logtostderr is on (every line goes
-    /// to standard error); false applies it there too.
+    /// klog's: true ignores --stderrthreshold while --logtostderr is on.
+    ///
+    /// Every line then goes to standard error; false applies --stderrthreshold there too
+    /// (lines below it are not written).
     #[arg(long, alias = "legacy_stderr_threshold_behavior", default_value = "true", num_args = 0..=1, default_missing_value = "true", value_parser = go_bool, value_name = "BOOL")]
     pub legacy_stderr_threshold_behavior: bool,
-    /// Accepted (`file:line` stack traces are a Go facility; Tether logs no backtraces).
+    /// Accepted: `file:line` backtraces are a Go facility; Tether logs none.
     #[arg(long, alias = "log_backtrace_at", default_value = "")]
     pub log_backtrace_at: String,
-    /// Accepted (Tether writes every line at once; nothing waits to be flushed).
+    /// Accepted: Tether writes every line at once; nothing waits to be flushed.
+
     #[arg(long, default_value = "5s", value_parser = duration)]
     pub log_flush_frequency: Duration,
 }
@@ -99,7 +123,9 @@ fn severity(s: &str) -> Result<Level, String> {
 /// The modules `--vmodule` patterns are matched against, by crate (the unit test
 /// `every_module_is_listed` keeps this list in step with the source tree).
 const MODULES: &[(&str, &str)] = &[
+    ("tether", "cli"),
     ("tether", "cmd"),
+    ("tether", "reference"),
     ("tether_core", "admission"),
     ("tether_core", "drain"),
     ("tether_core", "flow"),
@@ -148,6 +174,8 @@ const MODULES: &[(&str, &str)] = &[
     ("tether_ccm", "lb"),
     ("tether_ccm", "leader"),
     ("tether_ccm", "metrics"),
+    ("tether_ccm", "netlink"),
+    ("tether_ccm", "provider"),
     ("tether_ccm", "serving"),
     ("tether_ccm", "workqueue"),
     ("tether_certs", "csr"),

@@ -3,12 +3,8 @@
 //! provider may answer. Providers are chosen by name (`--cloud-provider`) and read
 //! their configuration from `--cloud-config`.
 
-pub mod agents;
 #[cfg(feature = "test-util")]
 pub mod fake;
-pub mod host_routes;
-pub mod netlink;
-pub mod tether;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -290,11 +286,6 @@ pub trait Provider: Send + Sync {
     fn routes(&self) -> Option<Arc<dyn Routes>> {
         None
     }
-    /// The `tether` provider's data plane: each replica serves the load balancers of
-    /// the pools whose leases it holds.
-    fn load_balancer_server(&self) -> Option<Arc<crate::lb::balancer::TunnelLoadBalancers>> {
-        None
-    }
 }
 
 /// The provider ID scheme of the built-in provider.
@@ -356,10 +347,6 @@ impl Provider for Limited<dyn Provider> {
             inner,
             gate: self.gate.clone(),
         }))
-    }
-    fn load_balancer_server(&self) -> Option<Arc<crate::lb::balancer::TunnelLoadBalancers>> {
-        // Local work (listeners, netlink), not provider API calls.
-        self.inner.load_balancer_server()
     }
 }
 

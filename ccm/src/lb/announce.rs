@@ -18,8 +18,8 @@ use rtnetlink::packet_route::address::{
 };
 
 use super::netns::{Device, LbNamespace};
-use crate::cloud::netlink::errno;
 use crate::cloud::CloudError;
+use crate::netlink::errno;
 
 /// A refresh later than the lifetime less this is too late (see [`Announcer::refresh`]).
 const REFRESH_MARGIN: Duration = Duration::from_millis(500);

@@ -181,6 +181,10 @@ const LB_WINDOWS: tether_client::Windows = tether_client::Windows {
     connection: 16 << 20,
 };
 
+/// Reads the pools as they are now (the provider's configuration, re-read when it
+/// changes); `None` when they cannot be read.
+pub type PoolSource = Arc<dyn Fn() -> Option<Pools> + Send + Sync>;
+
 /// The balancers, by Service UID.
 pub struct TunnelLoadBalancers {
     tunnel_uds: PathBuf,
@@ -198,9 +202,18 @@ pub struct TunnelLoadBalancers {
     /// Services with a connection open.
     busy: Arc<AtomicUsize>,
     /// Where changed pools are read from (the cloud config), if they may change.
-    inventory: Option<Arc<crate::cloud::tether::Inventory>>,
+    pool_source: Option<PoolSource>,
     /// The pools this replica serves now (their leases held).
     serving: tokio::sync::RwLock<std::collections::HashSet<String>>,
+}
+
+impl std::fmt::Debug for TunnelLoadBalancers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TunnelLoadBalancers")
+            .field("tunnel_uds", &self.tunnel_uds)
+            .field("bind", &self.bind)
+            .finish_non_exhaustive()
+    }
 }
 
 impl TunnelLoadBalancers {
@@ -251,23 +264,23 @@ impl TunnelLoadBalancers {
             open: Arc::new(AtomicUsize::new(0)),
             max_connections: cfg.max_connections,
             busy: Arc::new(AtomicUsize::new(0)),
-            inventory: None,
+            pool_source: None,
             serving: Default::default(),
         })
     }
 
-    /// Takes the pools from `inventory` as it changes (the cloud config's
+    /// Takes the pools from `source` as they change (the cloud config's
     /// `loadBalancer:` section, re-read when the file changes): addresses added become
     /// available at the next sync or resync, Services on removed ones move at theirs.
-    pub fn reloading_pools(mut self, inventory: Arc<crate::cloud::tether::Inventory>) -> Self {
-        self.inventory = Some(inventory);
+    pub fn reloading_pools(mut self, source: PoolSource) -> Self {
+        self.pool_source = Some(source);
         self
     }
 
     /// Adopts changed pools, if the cloud config changed them. The interface is fixed
     /// at start-up (a different one is logged and needs a restart).
     fn refresh_pools(&self) {
-        let Some(new) = self.inventory.as_ref().and_then(|i| i.pools()) else {
+        let Some(new) = self.pool_source.as_ref().and_then(|read| read()) else {
             return;
         };
         let mut allocator = self.allocator();

@@ -27,8 +27,8 @@ use rtnetlink::packet_route::link::{LinkAttribute, LinkFlags, MacVlanMode};
 use rtnetlink::packet_route::route::{RouteAttribute, RouteScope};
 use rtnetlink::{LinkMacVlan, LinkUnspec, RouteMessageBuilder};
 
-use crate::cloud::netlink::{errno, Netlink};
 use crate::cloud::CloudError;
+use crate::netlink::{errno, Netlink};
 
 /// The macvlan device's name inside the namespace.
 pub const DEVICE: &str = "tether-lb";

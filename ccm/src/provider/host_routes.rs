@@ -13,7 +13,7 @@ use rtnetlink::packet_route::route::{
 use rtnetlink::RouteMessageBuilder;
 use serde::Deserialize;
 
-use super::{CloudError, Route, Routes};
+use crate::cloud::{CloudError, Route, Routes};
 
 /// The routing protocol number our routes carry by default (`ip route ... proto 84`).
 pub const DEFAULT_PROTOCOL: u8 = 84;
@@ -52,7 +52,7 @@ impl Default for HostRoutesConfig {
 /// Routes in the host's routing table.
 pub struct HostRoutes {
     config: HostRoutesConfig,
-    netlink: super::netlink::Netlink,
+    netlink: crate::netlink::Netlink,
 }
 
 impl HostRoutes {
@@ -173,7 +173,7 @@ impl Routes for HostRoutes {
         match handle.route().del(msg).execute().await {
             Ok(()) => Ok(()),
             // Already gone (ESRCH).
-            Err(e) if super::netlink::errno(&e) == Some(libc::ESRCH) => Ok(()),
+            Err(e) if crate::netlink::errno(&e) == Some(libc::ESRCH) => Ok(()),
             Err(e) => Err(self
                 .netlink
                 .failed(

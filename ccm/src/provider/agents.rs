@@ -15,7 +15,7 @@ use hyper_util::rt::TokioIo;
 use serde::Deserialize;
 use tokio::sync::Mutex;
 
-use super::CloudError;
+use crate::cloud::CloudError;
 
 /// How long one answer from the servers is reused.
 const CACHE_FOR: Duration = Duration::from_secs(2);
@@ -170,7 +170,7 @@ impl ConnectedAgents {
     /// Validates the configuration (start-up errors).
     pub fn new(config: &AgentsConfig) -> Result<Self, String> {
         if config.grace_period_seconds.is_some() {
-            return Err("agents.gracePeriodSeconds is gone: nodes are no longer deleted when their agent leaves unless you opt in with agents.deleteNodesAfterSeconds (see README, CCM policies)".into());
+            return Err("agents.gracePeriodSeconds is gone: nodes are no longer deleted when their agent leaves unless you opt in with agents.deleteNodesAfterSeconds (see docs/ccm.md, policies)".into());
         }
         if config.urls.is_empty() {
             return Err("agents.urls is empty: list the servers' admin /agents URLs".into());

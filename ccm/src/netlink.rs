@@ -4,7 +4,7 @@
 
 use tokio::sync::Mutex;
 
-use super::CloudError;
+use crate::cloud::CloudError;
 
 /// A lazily opened rtnetlink connection.
 #[derive(Default)]

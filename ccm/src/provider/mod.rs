@@ -31,6 +31,9 @@
 //! it. An inventory node is deleted (once not Ready) only when the inventory no longer
 //! lists it; an agent node only under `deleteNodesAfterSeconds`.
 
+pub mod agents;
+pub mod host_routes;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -39,7 +42,7 @@ use std::time::{Duration, Instant, SystemTime};
 use async_trait::async_trait;
 use serde::Deserialize;
 
-use super::{
+use crate::cloud::{
     Address, CloudError, InstanceMetadata, Instances, NodeInfo, Provider, TETHER_PROVIDER_ID_PREFIX,
 };
 
@@ -144,9 +147,9 @@ struct File {
     #[serde(default)]
     nodes: Vec<Machine>,
     #[serde(default)]
-    agents: Option<super::agents::AgentsConfig>,
+    agents: Option<agents::AgentsConfig>,
     #[serde(default)]
-    routes: Option<super::host_routes::HostRoutesConfig>,
+    routes: Option<host_routes::HostRoutesConfig>,
     #[serde(default)]
     load_balancer: Option<crate::lb::addresses::LoadBalancerConfig>,
 }
@@ -157,9 +160,9 @@ pub struct CloudConfig {
     /// The inventory, by node name.
     pub machines: BTreeMap<String, Machine>,
     /// Where to learn which agents are connected, if anywhere (URLs validated).
-    pub agents: Option<super::agents::ConnectedAgents>,
+    pub agents: Option<agents::ConnectedAgents>,
     /// Where routes go; `None` (no `routes:` section): no routes at all.
-    pub routes: Option<super::host_routes::HostRoutesConfig>,
+    pub routes: Option<host_routes::HostRoutesConfig>,
     /// Load-balancer address pools (validated); `None`: no `loadBalancer:` section.
     pub load_balancer: Option<crate::lb::addresses::Pools>,
 }
@@ -215,14 +218,12 @@ pub fn parse(path: &Path, text: &str) -> Result<CloudConfig, InventoryError> {
         }
     }
     let agents = match &file.agents {
-        Some(a) => {
-            Some(
-                super::agents::ConnectedAgents::new(a).map_err(|e| InventoryError::Parse {
-                    path: path.into(),
-                    source: serde::de::Error::custom(e),
-                })?,
-            )
-        }
+        Some(a) => Some(
+            agents::ConnectedAgents::new(a).map_err(|e| InventoryError::Parse {
+                path: path.into(),
+                source: serde::de::Error::custom(e),
+            })?,
+        ),
         None => None,
     };
     let load_balancer = match &file.load_balancer {
@@ -335,8 +336,8 @@ fn read(path: &Path) -> Result<(Option<SystemTime>, String), InventoryError> {
 /// The `tether` provider.
 pub struct TetherProvider {
     inventory: Arc<Inventory>,
-    agents: Option<Arc<super::agents::ConnectedAgents>>,
-    routes: Option<Arc<super::host_routes::HostRoutes>>,
+    agents: Option<Arc<agents::ConnectedAgents>>,
+    routes: Option<Arc<host_routes::HostRoutes>>,
     load_balancers: Option<Arc<crate::lb::balancer::TunnelLoadBalancers>>,
 }
 
@@ -355,7 +356,7 @@ impl TetherProvider {
             agents: config.agents.map(Arc::new),
             routes: config
                 .routes
-                .map(|r| Arc::new(super::host_routes::HostRoutes::new(r))),
+                .map(|r| Arc::new(host_routes::HostRoutes::new(r))),
             load_balancers: match (lb, config.load_balancer) {
                 // Off unless asked for: no pools and no --lb-bind-address.
                 (Some(c), None) if c.bind.is_none() => {
@@ -367,7 +368,10 @@ impl TetherProvider {
                     let lbs = crate::lb::balancer::TunnelLoadBalancers::new(c, pools)
                         .map_err(InventoryError::LoadBalancer)?;
                     Some(Arc::new(if with_pools {
-                        lbs.reloading_pools(inventory.clone())
+                        {
+                        let inventory = inventory.clone();
+                        lbs.reloading_pools(Arc::new(move || inventory.pools()))
+                    }
                     } else {
                         lbs
                     }))
@@ -385,6 +389,12 @@ impl TetherProvider {
 }
 
 impl TetherProvider {
+    /// Its load balancers' data plane: each replica serves the load balancers of the
+    /// pools whose leases it holds ([`crate::CcmConfig::load_balancer_server`]).
+    pub fn load_balancer_server(&self) -> Option<Arc<crate::lb::balancer::TunnelLoadBalancers>> {
+        self.load_balancers.clone()
+    }
+
     /// Whether its load balancers hold and announce addresses (`loadBalancer.interface`).
     pub fn announces(&self) -> bool {
         self.load_balancers.as_ref().is_some_and(|l| l.announces())
@@ -401,28 +411,27 @@ impl Provider for TetherProvider {
             agents: self.agents.clone(),
         }))
     }
-    fn routes(&self) -> Option<Arc<dyn super::Routes>> {
-        self.routes.clone().map(|r| r as Arc<dyn super::Routes>)
+    fn routes(&self) -> Option<Arc<dyn crate::cloud::Routes>> {
+        self.routes
+            .clone()
+            .map(|r| r as Arc<dyn crate::cloud::Routes>)
     }
-    fn load_balancers(&self) -> Option<Arc<dyn super::LoadBalancers>> {
+    fn load_balancers(&self) -> Option<Arc<dyn crate::cloud::LoadBalancers>> {
         self.load_balancers
             .clone()
-            .map(|l| l as Arc<dyn super::LoadBalancers>)
-    }
-    fn load_balancer_server(&self) -> Option<Arc<crate::lb::balancer::TunnelLoadBalancers>> {
-        self.load_balancers.clone()
+            .map(|l| l as Arc<dyn crate::cloud::LoadBalancers>)
     }
 }
 
 struct InventoryInstances {
     inventory: Arc<Inventory>,
-    agents: Option<Arc<super::agents::ConnectedAgents>>,
+    agents: Option<Arc<agents::ConnectedAgents>>,
 }
 
 /// Where a node's instance is known from.
 enum Found {
     Inventory(Machine, String),
-    Agent(super::agents::Agent, String),
+    Agent(agents::Agent, String),
     /// Not listed, and known only through an agent that is away; the policy keeps it.
     Absent,
     /// An agent claims it without verification.
@@ -450,12 +459,12 @@ impl InventoryInstances {
             None => None,
         };
         Ok(match presence {
-            Some(super::agents::Presence::Connected(a)) => Found::Agent(a, name),
+            Some(agents::Presence::Connected(a)) => Found::Agent(a, name),
             // The operator took it out of the inventory.
             _ if source == Some(FROM_INVENTORY) => Found::Gone,
-            Some(super::agents::Presence::Unverified(why)) => Found::Unverified(why),
-            Some(super::agents::Presence::Absent) => Found::Absent,
-            Some(super::agents::Presence::Gone) => Found::Gone,
+            Some(agents::Presence::Unverified(why)) => Found::Unverified(why),
+            Some(agents::Presence::Absent) => Found::Absent,
+            Some(agents::Presence::Gone) => Found::Gone,
             // No agents section: an agent node keeps existing (the section may come
             // back); anything else was the inventory's.
             None if source == Some(FROM_AGENT) => Found::Absent,
@@ -470,13 +479,13 @@ impl InventoryInstances {
             return Vec::new();
         };
         match agents.presence(name).await {
-            Ok(super::agents::Presence::Connected(a)) => internal_ips(&a),
+            Ok(agents::Presence::Connected(a)) => internal_ips(&a),
             _ => Vec::new(),
         }
     }
 }
 
-fn internal_ips(agent: &super::agents::Agent) -> Vec<Address> {
+fn internal_ips(agent: &agents::Agent) -> Vec<Address> {
     agent
         .ips
         .iter()
