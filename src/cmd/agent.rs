@@ -24,32 +24,45 @@ const GRPC_MIN_CLIENT_KEEPALIVE: Duration = Duration::from_secs(10);
 // after their defaults); list flags append.
 #[command(args_override_self = true)]
 pub struct AgentArgs {
-    /// Proxy server host name or IP (also checked against its certificate): one
-    /// load-balancer address, or a comma-separated list of servers (HOST or HOST:PORT).
+    /// Proxy server host name or IP, also the name its certificate must carry.
+    ///
+    /// One address (a load balancer's), or a comma-separated list of every server
+    /// (`HOST`, `HOST:PORT` or `[IPV6]:PORT`; no load balancer needed, a Tether
+    /// extension). A host without a port uses --proxy-server-port.
     #[arg(long, default_value = "127.0.0.1")]
     pub proxy_server_host: String,
-    /// Proxy server agent port.
+    /// Proxy server agent port (for hosts given without one).
     #[arg(long, default_value_t = 8091)]
     pub proxy_server_port: u16,
-    /// CA bundle that signs the server's certificate (default: the system bundle).
+    /// CA bundle that signs the server's certificate (empty: the system bundle).
+    ///
+    /// The system bundle is /etc/ssl/certs/ca-certificates.crt.
     #[arg(long, default_value = "")]
     pub ca_cert: String,
-    /// Client certificate presented to the server.
+    /// Client certificate presented to the server (with --agent-key).
     #[arg(long, default_value = "")]
     pub agent_cert: String,
-    /// Client key.
+    /// Client key (with --agent-cert).
     #[arg(long, default_value = "")]
     pub agent_key: String,
-    /// ALPN protocols offered besides h2 (grpc-go adds h2 to the list).
+    /// ALPN protocols offered besides h2, comma-separated.
+    ///
+    /// h2 is added at the end of the list unless it is named in it, as grpc-go's
+    /// credentials do.
     #[arg(long, value_delimiter = ',')]
     pub alpn_proto: Vec<String>,
-    /// Service-account token sent as a bearer token (re-read on every connect).
+    /// Service-account token file, sent as a bearer token (re-read on every connect).
     #[arg(long, default_value = "")]
     pub service_account_token_path: String,
-    /// This agent's id (default: a random uuid).
+    /// This agent's ID, sent as `agentid` (empty: a random UUID).
     #[arg(long, env = "PROXY_AGENT_ID", default_value = "")]
     pub agent_id: String,
     /// What this agent can reach: host=..&ipv4=..&ipv6=..&cidr=..&default-route=true.
+    ///
+    /// A Tether server routes only by the identifiers it verified (by the agent's
+    /// certificate or its token's node) unless it runs with
+    /// --unsafe-trust-agent-identifiers. A value that does not parse is logged and
+    /// ignored.
     #[arg(long, default_value = "")]
     pub agent_identifiers: String,
     /// First reconnect delay (grows x1.5 with 10% jitter).
@@ -58,61 +71,84 @@ pub struct AgentArgs {
     /// Largest reconnect delay.
     #[arg(long, default_value = "10s", value_parser = duration)]
     pub sync_interval_cap: Duration,
-    /// Accepted for compatibility (readiness is tracked per stream).
+    /// Accepted: readiness follows the streams directly.
     #[arg(long, default_value = "1s", value_parser = duration)]
     pub probe_interval: Duration,
-    /// Keep dialling even when connected to every known server (finds new servers
-    /// behind a load balancer when their count is not announced).
+    /// Keep dialling even when connected to every known server.
+    ///
+    /// Finds new servers behind a load balancer when their count is not announced.
     #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
     pub sync_forever: bool,
-    /// HTTP/2 keepalive interval to the server (0 is 10s, grpc-go's minimum; shorter
-    /// positive values are honoured, where grpc-go raises them to 10s).
+    /// HTTP/2 keepalive interval to the server.
+    ///
+    /// 0 is 10s, grpc-go's minimum; shorter positive values are honoured, where grpc-go
+    /// raises them to 10s. Each time a server closes the connection for pinging too often
+    /// (GOAWAY ENHANCE_YOUR_CALM, grpc-go's `too_many_pings`), the interval is doubled for
+    /// later streams, as grpc-go clients do. However long it is, a silent connection is
+    /// closed after --dead-link-timeout.
     #[arg(long, default_value = "1h", value_parser = duration)]
     pub keepalive_time: Duration,
-    /// Close a server connection that has been silent this long and reconnect, whatever
-    /// --keepalive-time is (TCP keepalive and TCP_USER_TIMEOUT; a Tether extension).
-    /// 0 leaves the kernel's defaults.
+    /// Close a server connection that has been silent this long, and redial.
+    ///
+    /// Whatever --keepalive-time is, the kernel watches the TCP connection: idle, it is
+    /// probed after half of this and given up after three unanswered probes a sixth of it
+    /// apart; data left unacknowledged this long ends it too (TCP_USER_TIMEOUT). Probes
+    /// are invisible to HTTP/2, so no server ping policy objects. 0 leaves the kernel's
+    /// defaults; otherwise at least 2s. Tether only.
     #[arg(long, default_value = "30s", value_parser = duration)]
     pub dead_link_timeout: Duration,
-    /// Packets buffered towards the server on the stream.
+    /// Packets queued towards the server on each stream.
     #[arg(long, default_value_t = 150)]
     pub xfr_channel_size: usize,
-    /// Offer per-connection credit flow control to the server (a Tether extension;
-    /// upstream servers ignore the offer). `false` behaves like an upstream agent.
+    /// Offer per-connection credit flow control to the server (`tether-flow-window`).
+    ///
+    /// Upstream servers ignore the offer. `false` behaves like an upstream agent. Tether
+    /// only.
     #[arg(long, default_value = "true", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
     pub flow_control: bool,
-    /// Without flow control (upstream server): a connection whose target has not read
-    /// its queued data (4 MiB) for this long is closed instead of holding up the
-    /// stream.
+    /// Without flow control (an upstream server): how long a target may leave data unread.
+    ///
+    /// A connection whose target has left its queued data (4 MiB) unread for this long is
+    /// closed instead of holding up the stream. Tether only.
     #[arg(long, default_value = "30s", value_parser = duration)]
     pub stalled_reader_timeout: Duration,
-    /// Target dial timeout (upstream hard-codes 5s).
+    /// Target dial timeout (upstream hard-codes 5s). Tether only.
     #[arg(long, default_value = "5s", value_parser = duration)]
     pub dial_timeout: Duration,
-    /// After the first SIGTERM the agent sends DRAIN and keeps serving (new dials
-    /// included, as upstream's agent) for this long, then exits; a second signal exits
-    /// at once. Keep it below the pod's terminationGracePeriodSeconds.
+    /// After the first SIGTERM, exit at the latest after this.
+    ///
+    /// The agent sends DRAIN and keeps serving (new dials included, as upstream's agent)
+    /// for this long, then exits; a second signal exits at once. Keep it below the pod's
+    /// terminationGracePeriodSeconds. Tether only.
     #[arg(long, default_value = "30s", value_parser = duration)]
     pub drain_timeout: Duration,
-    /// Threads running the agent's tasks (0 = one per CPU). One thread carries an
-    /// agent's traffic with the fewest cross-thread wake-ups and the least memory; raise
-    /// it on nodes whose tunnels carry more than one core can encrypt.
+    /// Threads running the agent's tasks (0 = one per CPU).
+    ///
+    /// One thread carries an agent's traffic with the fewest cross-thread wake-ups and
+    /// the least memory; raise it on nodes whose tunnels carry more than one core can
+    /// encrypt. Tether only.
     #[arg(long, default_value_t = 1)]
     pub worker_threads: usize,
     /// Health bind address (empty = all interfaces).
     #[arg(long, default_value = "")]
     pub health_server_host: String,
-    /// Health port (/healthz, /readyz, /metrics).
+    /// Health port: /healthz, /readyz and /metrics.
+    ///
+    /// /readyz answers 503 until a stream to a server is up.
     #[arg(long, default_value_t = 8093)]
     pub health_server_port: u16,
     /// Admin bind address.
     #[arg(long, default_value = "127.0.0.1")]
     pub admin_bind_address: String,
-    /// Admin port (/metrics).
+    /// Admin port: /metrics, and the pprof profiles with --enable-profiling.
     #[arg(long, default_value_t = 8094)]
     pub admin_server_port: u16,
 
     /// How often certificate files are checked for changes (SIGHUP reloads at once).
+    ///
+    /// New connections use the new material; established streams keep going. A reload
+    /// that fails (a half-written file, a key that does not match) keeps the old
+    /// certificates and logs why. Tether only.
     #[arg(long, default_value = "1m", value_parser = duration)]
     pub cert_reload_interval: Duration,
 
@@ -123,36 +159,55 @@ pub struct AgentArgs {
     pub positional: Vec<String>,
 
     /// Take the number of servers from their live Leases.
+    ///
+    /// One list, then a watch, with --kubeconfig or the in-cluster configuration; needs
+    /// get, list and watch on leases in --lease-namespace.
     #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
     pub count_server_leases: bool,
     /// Kubeconfig for counting leases (empty = in-cluster configuration).
+    ///
+    /// Read only with --count-server-leases.
     #[arg(long, default_value = "")]
     pub kubeconfig: String,
     /// Namespace of the servers' Leases.
     #[arg(long, default_value = "kube-system")]
     pub lease_namespace: String,
-    /// Label selector of the servers' Leases (`--lease-label` in v0.36.0).
+    /// Label selector of the servers' Leases.
+    ///
+    /// `--lease-label` is v0.36.0's name for it (a hidden alias on upstream's main); both
+    /// are accepted.
     #[arg(
         long,
         alias = "lease-label",
         default_value = "k8s-app=konnectivity-server"
     )]
     pub lease_label_selector: String,
-    /// default (leases when counting them, else the servers' servercount) or max; empty
-    /// is default.
+    /// Where the number of servers comes from: default or max (empty is default).
+    ///
+    /// default: the live Leases with --count-server-leases, else the servers'
+    /// `servercount`; max: the larger of the two.
     #[arg(long, default_value = "default", value_parser = ["", "default", "max"])]
     pub server_count_source: String,
     /// Serve pprof CPU and heap profiles under /debug/pprof/ on the admin port.
+    ///
+    /// /debug/pprof/profile?seconds=N (CPU) and /debug/pprof/heap (sampled heap, one
+    /// sample per 512 KiB allocated, as Go), in the pprof protobuf `go tool pprof` reads;
+    /// /debug/pprof/goroutine lists threads and tokio tasks. Costs memory once used: the
+    /// CPU profiler (pprof-rs) keeps its 64 MiB sample table from its first profile on;
+    /// the debug info parsed to name a profile's functions is dropped once each profile
+    /// is written.
     #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
     pub enable_profiling: bool,
-    /// Accepted with --enable-profiling (Go's lock contention profile has no Tether
-    /// counterpart; /debug/pprof/block answers 404).
+    /// Accepted (needs --enable-profiling): Rust has no block or mutex profile like Go's.
+    ///
+    /// /debug/pprof/block answers 404.
     #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
     pub enable_contention_profiling: bool,
-    /// Accepted for compatibility; Tether always talks JSON to the apiserver.
+    /// Accepted: Tether always talks JSON to the apiserver.
     #[arg(long, default_value = "application/vnd.kubernetes.protobuf")]
     pub kube_api_content_type: String,
-    /// Deprecated upstream (always on there); accepted.
+    /// Accepted: deprecated upstream, and always on there.
+
     #[arg(long, default_value = "true", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
     pub warn_on_channel_limit: bool,
 }

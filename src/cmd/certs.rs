@@ -35,18 +35,23 @@ pub struct CommonArgs {
     #[arg(long)]
     pub out: PathBuf,
     /// files (PEM, keys 0600) or secret (Kubernetes Secret YAML in secrets.yaml).
+    ///
+    /// secret writes one `kubernetes.io/tls` Secret per certificate into secrets.yaml
+    /// (0600) instead of files; `init` then writes no kubeconfig.
     #[arg(long, default_value = "files")]
     pub format: Format,
-    /// Namespace of emitted Secrets.
+    /// Namespace of emitted Secrets (--format secret).
     #[arg(long, default_value = "kube-system")]
     pub namespace: String,
-    /// Key type: ecdsa-p256, rsa-2048 or rsa-4096.
+    /// Key type of every key generated: ecdsa-p256, rsa-2048 or rsa-4096.
     #[arg(long, default_value = "ecdsa-p256")]
     pub key_algorithm: KeyAlgorithm,
     /// Leaf certificate validity in days.
     #[arg(long, default_value_t = 365)]
     pub validity_days: u32,
     /// Overwrite existing files.
+    ///
+    /// Without it no existing file is replaced: the command fails before writing any.
     #[arg(long)]
     pub force: bool,
 }
@@ -57,15 +62,21 @@ pub struct InitArgs {
     #[command(flatten)]
     pub common: CommonArgs,
     /// Reuse this CA certificate (e.g. the cluster's /etc/kubernetes/pki/ca.crt).
+    ///
+    /// Without --ca-cert and --ca-key a new CA is generated (and ca.key written);
+    /// kube-apiserver then trusts konnectivity-server.conf only if it trusts that CA.
     #[arg(long, requires = "ca_key")]
     pub ca_cert: Option<PathBuf>,
     /// The CA's key.
     #[arg(long, requires = "ca_cert")]
     pub ca_key: Option<PathBuf>,
     /// DNS name or IP agents dial (repeatable; at least one).
+    ///
+    /// The SANs of the agent-facing certificate (server-agent.crt) and, with localhost and
+    /// 127.0.0.1, of the frontend one (server-frontend.crt).
     #[arg(long = "server-san", required = true)]
     pub server_sans: Vec<String>,
-    /// kube-apiserver URL for the server's kubeconfig.
+    /// kube-apiserver URL for the server's kubeconfig (konnectivity-server.conf).
     #[arg(long, default_value = "https://127.0.0.1:6443")]
     pub apiserver_url: String,
 }
@@ -76,6 +87,10 @@ pub struct AgentArgs {
     #[command(flatten)]
     pub common: CommonArgs,
     /// The node this agent runs on (its agent id).
+    ///
+    /// The certificate's CN and a DNS SAN (organization system:konnectivity-agents), so
+    /// that the server verifies the agent as this node; written as agent-NODE.{crt,key}.
+
     #[arg(long)]
     pub node: String,
     /// The node's addresses (repeatable), bound into the certificate as IP SANs.

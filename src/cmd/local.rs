@@ -26,6 +26,9 @@ pub struct LocalArgs {
     pub http_connect_port: u16,
     /// Directory for the PKI and the socket (default: a fresh temporary directory,
     /// removed on exit).
+    ///
+    /// A directory given here is kept on exit.
+
     #[arg(long)]
     pub dir: Option<PathBuf>,
     #[command(flatten)]

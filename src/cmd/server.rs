@@ -34,14 +34,22 @@ pub struct ServerArgs {
     #[arg(long, default_value = "")]
     pub uds_name: String,
     /// Remove a stale socket file at --uds-name before listening.
+    ///
+    /// A file there that is not a socket is never removed: start-up fails instead.
     #[arg(long, default_value = "true", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
     pub delete_existing_uds_file: bool,
-    /// Permission bits of the --uds-name socket, octal (e.g. 0660: owner and group may
-    /// connect). Empty: 0770, as upstream creates it (umask 0007).
+    /// Permission bits of the --uds-name socket, octal (e.g. 0660).
+    ///
+    /// 0660 lets the owner and the group connect. Empty: 0770, as upstream creates the
+    /// socket (umask 0007). Needs --uds-name. Tether only.
     #[arg(long, default_value = "")]
     pub uds_socket_mode: String,
-    /// Numeric group ID given the --uds-name socket, so that a non-root client in that
-    /// group (the CCM's load balancers) can connect. Empty: the server's group.
+    /// Numeric group ID given the --uds-name socket.
+    ///
+    /// Lets a non-root client in that group (kube-apiserver, the CCM's load balancers)
+    /// connect. Empty: the server's group. Needs --uds-name; a group other than the
+    /// server's own must be among the server's groups (a pod's supplementalGroups), or the
+    /// server needs CAP_CHOWN. Tether only.
     #[arg(long, default_value = "")]
     pub uds_socket_group: String,
     /// Frontend TCP port (must be 0 with --uds-name).
@@ -50,32 +58,41 @@ pub struct ServerArgs {
     /// Frontend bind address (empty = all interfaces).
     #[arg(long, default_value = "")]
     pub server_bind_address: String,
-    /// Frontend serving certificate (TCP mode).
+    /// Frontend serving certificate (TCP mode; also the agent listener's without
+    /// --cluster-cert).
     #[arg(long, default_value = "")]
     pub server_cert: String,
-    /// Frontend serving key (TCP mode).
+    /// Frontend serving key (TCP mode; also the agent listener's without --cluster-key).
     #[arg(long, default_value = "")]
     pub server_key: String,
-    /// CA that frontend client certificates must chain to (mandatory in TCP mode). It
-    /// must not be the agents' CA (--cluster-ca-cert) unless --frontend-client-names is
-    /// set: an agent's certificate must never open tunnels.
+    /// CA that frontend client certificates must chain to (mandatory in TCP mode).
+    ///
+    /// It must not be the agents' CA (--cluster-ca-cert) unless --frontend-client-names is
+    /// set, since an agent's certificate must never open tunnels: start-up fails otherwise
+    /// (--unsafe-shared-frontend-ca overrides). `tether certs init` writes a CA of its own
+    /// for this, frontend-ca.crt.
     #[arg(long, default_value = "")]
     pub server_ca_cert: String,
-    /// Names (CN or DNS SAN) a TCP frontend client certificate must carry, comma
-    /// separated, e.g. the apiserver's konnectivity client certificate's CN (empty: any
-    /// certificate --server-ca-cert signed). Tether only.
+    /// Names (CN or DNS SAN) a TCP frontend client certificate must carry, comma-separated.
+    ///
+    /// For a PKI whose one CA also signs agents: e.g. the CN of kube-apiserver's
+    /// konnectivity client certificate. Empty: any certificate --server-ca-cert signed.
+    /// Tether only.
     #[arg(long, default_value = "", value_delimiter = ',')]
     pub frontend_client_names: Vec<String>,
-    /// UNSAFE: let the TCP frontend trust the agents' CA with no required client name,
-    /// so that a stolen agent certificate opens tunnels to any address (upstream's
-    /// behaviour). Tether only.
+    /// UNSAFE: let the TCP frontend trust the agents' CA with no required client name.
+    ///
+    /// A stolen agent certificate then opens tunnels to any address (upstream's
+    /// behaviour). Logs UNSAFE at start; see docs/threat-model.md. Tether only.
     #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
     pub unsafe_shared_frontend_ca: bool,
     /// HTTP/2 keepalive interval on frontend connections.
+    ///
+    /// 0 is grpc-go's server default, 2h; anything below 1s is 1s.
     #[arg(long, default_value = "1h", value_parser = duration)]
     pub frontend_keepalive_time: Duration,
 
-    /// Agent listener port.
+    /// Agent listener port (always TLS).
     #[arg(long, default_value_t = 8091)]
     pub agent_port: u16,
     /// Agent listener bind address (empty = all interfaces).
@@ -88,102 +105,163 @@ pub struct ServerArgs {
     #[arg(long, default_value = "")]
     pub cluster_key: String,
     /// CA that agent client certificates must chain to; set = certificates required.
+    ///
+    /// Without it or token authentication (--agent-namespace, --agent-service-account,
+    /// --authentication-audience) the server does not start, unless
+    /// --unsafe-allow-unauthenticated-agents is set. Exclusive with token authentication.
     #[arg(long, default_value = "")]
     pub cluster_ca_cert: String,
-    /// HTTP/2 keepalive interval on agent connections (0: grpc-go's default, 2h).
+    /// HTTP/2 keepalive interval on agent connections.
+    ///
+    /// 0 is grpc-go's server default, 2h; anything below 1s is 1s. However long it is, a
+    /// silent agent connection is closed after --dead-link-timeout.
     #[arg(long, default_value = "1h", value_parser = duration)]
     pub keepalive_time: Duration,
-    /// Close an agent connection whose peer has been silent this long, whatever
-    /// --keepalive-time is (TCP keepalive and TCP_USER_TIMEOUT; a Tether extension).
-    /// 0 leaves the kernel's defaults.
+    /// Close an agent connection whose peer has been silent this long.
+    ///
+    /// Whatever --keepalive-time is, the kernel watches the TCP connection: idle, it is
+    /// probed after half of this and given up after three unanswered probes a sixth of it
+    /// apart; data left unacknowledged this long ends it too (TCP_USER_TIMEOUT). Probes
+    /// are invisible to HTTP/2, so no ping policy objects. 0 leaves the kernel's defaults;
+    /// otherwise at least 2s. Tether only.
     #[arg(long, default_value = "30s", value_parser = duration)]
     pub dead_link_timeout: Duration,
 
-    /// This server's id (sent to agents).
+    /// This server's ID, sent to agents as `serverid` (empty: a random UUID).
     #[arg(long, env = "PROXY_SERVER_ID", default_value = "")]
     pub server_id: String,
-    /// Number of proxy servers (sent to agents; 0 tells them the count is unknown, so
-    /// they keep connecting to find every server).
+    /// Number of proxy servers, sent to agents as `servercount`.
+    ///
+    /// 0 tells them the count is unknown, so they keep connecting to find every server.
+    /// With --enable-lease-controller the number of live Leases is sent instead.
     #[arg(long, default_value_t = 1)]
     pub server_count: u32,
 
     /// Ordered backend selection: default, destHost, defaultRoute, destCIDR.
+    ///
+    /// destHost: an agent verified to reach the dial's host; destCIDR: an agent whose
+    /// `cidr=` identifier holds the address, or with --watch-node-pod-cidrs the agent on
+    /// the node whose pod CIDR holds it; defaultRoute: an agent with
+    /// `default-route=true`; default: any agent. Only verified identifiers count: no
+    /// credential proves `default-route=true`, so defaultRoute needs
+    /// --unsafe-trust-agent-identifiers. A dial to a watched Node's name or address, or
+    /// into a pod network, never falls back to default or defaultRoute (see
+    /// docs/threat-model.md).
     #[arg(long, default_value = "default")]
     pub proxy_strategies: String,
-    /// Fail a dial the agent has not answered within this (0 = a 30 s backstop, the
-    /// time HTTP-CONNECT clients wait; upstream waits for ever).
+    /// Fail a dial the agent has not answered within this (0 = a 30 s backstop).
+    ///
+    /// It bounds the whole dial: the wait to queue the DIAL_REQ on the agent's stream and
+    /// the agent's answer. The caller gets a timeout error (504 over HTTP-CONNECT). An
+    /// agent stream that took nothing for the whole timeout is stuck and is disconnected,
+    /// as upstream does. Upstream's 0 waits for ever; 30 s is how long HTTP-CONNECT
+    /// clients wait.
     #[arg(long, default_value = "0", value_parser = duration)]
     pub backend_dial_timeout: Duration,
     /// Packets queued towards each agent stream.
     #[arg(long, default_value_t = 10)]
     pub xfr_channel_size: usize,
-    /// Offer per-connection credit flow control to agents that ask for it (a Tether
-    /// extension; upstream agents never ask). `false` behaves like an upstream server.
+    /// Per-connection credit flow control with agents that offer it (Tether agents).
+    ///
+    /// Upstream agents never offer it. `false` behaves like an upstream server. Tether
+    /// only.
     #[arg(long, default_value = "true", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
     pub flow_control: bool,
-    /// Without flow control (upstream agent): a connection whose client has not read
-    /// its queued data (4 MiB) for this long is closed instead of holding up the
-    /// agent's stream.
+    /// Without flow control (an upstream agent): how long a client may leave data unread.
+    ///
+    /// A connection whose client has left its queued data (4 MiB) unread for this long is
+    /// closed instead of holding up the agent's stream. Tether only.
     #[arg(long, default_value = "30s", value_parser = duration)]
     pub stalled_reader_timeout: Duration,
 
-    /// Health port (/healthz, /readyz, /metrics).
+    /// Health port: /healthz, /readyz and /metrics.
+    ///
+    /// /readyz answers 200 while at least one agent stream is connected, else 500.
     #[arg(long, default_value_t = 8092)]
     pub health_port: u16,
     /// Health bind address (empty = all interfaces).
     #[arg(long, default_value = "")]
     pub health_bind_address: String,
-    /// Admin port (/metrics).
+    /// Admin port: /metrics, /agents, and the pprof profiles with --enable-profiling.
+    ///
+    /// /agents lists the connected agents as JSON (what `tether ccm` reads).
     #[arg(long, default_value_t = 8095)]
     pub admin_port: u16,
     /// Admin bind address.
+    ///
+    /// Off loopback, /agents answers only a bearer token bound to the audience
+    /// `tether-admin` that a TokenReview accepts and a SubjectAccessReview allows `get` on
+    /// /agents, asked of the cluster (--kubeconfig or in-cluster configuration).
     #[arg(long, default_value = "127.0.0.1")]
     pub admin_bind_address: String,
-    /// Watch the cluster's Nodes so that destCIDR sends a dial to a pod IP to the agent
-    /// on that pod's node (by its spec.podCIDRs); needs destCIDR in --proxy-strategies,
-    /// --kubeconfig or in-cluster configuration, and list/watch on nodes. Tether only.
+    /// Watch Nodes' spec.podCIDRs so that destCIDR sends a dial to a pod IP to its node.
+    ///
+    /// The dial goes to the agent verified (by token or certificate) as the node whose
+    /// pod CIDR holds the address. Needs destCIDR in --proxy-strategies, --kubeconfig or
+    /// in-cluster configuration, and list/watch on nodes (deploy/rbac.yaml), which token
+    /// authentication needs anyway. Tether only.
     #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
     pub watch_node_pod_cidrs: bool,
     /// How long established tunnels may finish after SIGTERM (0 = close at once).
     #[arg(long, default_value = "0", value_parser = duration)]
     pub graceful_shutdown_timeout: Duration,
-    /// Threads running the server's tasks (0 = one per CPU the process may use).
+    /// Threads running the server's tasks (0 = one per CPU the process may use). Tether
+    /// only.
     #[arg(long, default_value_t = 0)]
     pub worker_threads: usize,
 
-    /// Refuse agents with any identifier the server cannot verify (by their client
-    /// certificate, see `tether certs agent`, or their pod-bound token's node). Without
-    /// it such identifiers are ignored for routing, counted and logged.
+    /// Refuse agents with any identifier the server cannot verify.
+    ///
+    /// Verified means by the agent's client certificate (see `tether certs agent`), or by
+    /// its pod-bound token's node and that Node's addresses and pod CIDRs. Without this
+    /// flag such identifiers are ignored for routing, counted and logged. Needs
+    /// --cluster-ca-cert or token authentication. Tether only.
     #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
     pub require_agent_identity_match: bool,
-    /// UNSAFE: route dials by identifiers agents claim but the server could not verify
-    /// (upstream's behaviour, for fleets with agents that cannot be verified): a
-    /// compromised node can then take other nodes' traffic. Tether only.
+    /// UNSAFE: route dials by identifiers agents claim but the server could not verify.
+    ///
+    /// Upstream's behaviour, for fleets with agents that cannot be verified: a
+    /// compromised node can then take other nodes' traffic. Logs UNSAFE at start; see
+    /// docs/threat-model.md. Tether only.
     #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
     pub unsafe_trust_agent_identifiers: bool,
-    /// UNSAFE: accept agents that neither present a client certificate
-    /// (--cluster-ca-cert) nor a token (--agent-namespace...): anyone who reaches the
-    /// agent port can then serve dials. Tether only.
+    /// UNSAFE: accept agents that present neither a client certificate nor a token.
+    ///
+    /// Without --cluster-ca-cert or token authentication (--agent-namespace,
+    /// --agent-service-account, --authentication-audience) the server refuses to start
+    /// unless this is set: anyone who reaches the agent port can then serve dials. Logs
+    /// UNSAFE at start; see docs/threat-model.md. Tether only.
     #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
     pub unsafe_allow_unauthenticated_agents: bool,
-    /// Most agent streams per verified identity (a token's node, a per-node
-    /// certificate), else per agent ID; more are refused (0 = no cap). Tether only.
+    /// Most agent streams per verified identity, else per agent ID; more are refused.
+    ///
+    /// A verified identity is a token's node or a per-node certificate. A dial picks an
+    /// agent first, then one of its streams. 0 = no cap. Tether only.
     #[arg(long, default_value_t = tether_server::DEFAULT_MAX_AGENT_STREAMS)]
     pub max_agent_streams: usize,
-    /// Most open connections per TCP listener (agent, frontend), handshaking or
-    /// served; at the cap new clients wait in the kernel's backlog (0 = three quarters
-    /// of the open-file limit). Tether only.
+    /// Most open connections per TCP listener (agent, frontend), handshaking or served.
+    ///
+    /// At the cap new clients wait in the kernel's backlog. 0 = three quarters of the
+    /// open-file limit (at least 64), which start-up first raises to its hard limit.
+    /// Tether only.
     #[arg(long, default_value_t = 0)]
     pub max_connections: usize,
-    /// Most TLS handshakes in progress per TCP listener. Tether only.
+    /// Most TLS handshakes in progress per TCP listener.
+    ///
+    /// At the cap new connections wait in the kernel's backlog. 0 = no cap. Tether only.
     #[arg(long, default_value_t = tether_core::admission::DEFAULT_MAX_HANDSHAKES)]
     pub max_concurrent_handshakes: usize,
-    /// Most TLS handshakes in progress from one source address per TCP listener; more
-    /// are closed at once (0 = no cap; raise it when many nodes share one NAT address).
-    /// Tether only.
+    /// Most TLS handshakes in progress from one source address per TCP listener.
+    ///
+    /// Beyond it a new connection is closed at once; raise it when many nodes share one
+    /// NAT address. 0 = no cap. Tether only.
     #[arg(long, default_value_t = tether_core::admission::DEFAULT_MAX_HANDSHAKES_PER_SOURCE)]
     pub max_handshakes_per_source: usize,
     /// How often certificate files are checked for changes (SIGHUP reloads at once).
+    ///
+    /// New handshakes use the new material; established tunnels keep going. A reload
+    /// that fails (a half-written file, a key that does not match) keeps the old
+    /// certificates and logs why. Tether only.
     #[arg(long, default_value = "1m", value_parser = duration)]
     pub cert_reload_interval: Duration,
 
@@ -194,61 +272,104 @@ pub struct ServerArgs {
     pub positional: Vec<String>,
 
     /// Namespace of the agents' service account (token authentication).
+    ///
+    /// --agent-namespace, --agent-service-account and --authentication-audience go
+    /// together: agents then authenticate with a bound service-account token, checked by
+    /// TokenReview. Exclusive with --cluster-ca-cert.
     #[arg(long, default_value = "")]
     pub agent_namespace: String,
     /// Agents' service account (token authentication).
+    ///
+    /// Set with --agent-namespace and --authentication-audience.
     #[arg(long, default_value = "")]
     pub agent_service_account: String,
     /// Audience agent tokens must carry (token authentication).
+    ///
+    /// Set with --agent-namespace and --agent-service-account.
     #[arg(long, default_value = "")]
     pub authentication_audience: String,
     /// Kubeconfig for TokenReviews, Leases and Nodes (empty = in-cluster configuration).
+    ///
+    /// The server's identity for token authentication (and the Node watch it needs),
+    /// --enable-lease-controller, --watch-node-pod-cidrs, and authorizing /agents on a
+    /// non-loopback --admin-bind-address; unused otherwise.
     #[arg(long, default_value = "")]
     pub kubeconfig: String,
-    /// Kubernetes client requests per second (0 = 50, not client-go's 5: at 5 a
-    /// thousand token-authenticated agents need over three minutes to be readmitted
-    /// after a restart).
+    /// TokenReviews per second (0 = 50).
+    ///
+    /// Upstream's 0 means client-go's 5; Tether keeps 50 so that a reconnect storm of
+    /// thousands of token-authenticated agents is not held to 5 TokenReviews a second (at
+    /// 5, a thousand agents need over three minutes to be readmitted after a restart).
+    /// Positive reviews are cached for 30 s. Only token authentication's reviews are
+    /// limited, not the Lease and Node calls.
     #[arg(long, default_value_t = 0.0)]
     pub kubeconfig_qps: f64,
-    /// Kubernetes client burst (0 = 100, not client-go's 10).
+    /// TokenReview burst (0 = 100).
+    ///
+    /// Upstream's 0 means client-go's 10; see --kubeconfig-qps.
     #[arg(long, default_value_t = 0)]
     pub kubeconfig_burst: u32,
-    /// Accepted for compatibility; Tether always talks JSON to the apiserver.
+    /// Accepted: Tether always talks JSON to the apiserver.
     #[arg(long, default_value = "application/vnd.kubernetes.protobuf")]
     pub kube_api_content_type: String,
 
-    /// Publish a Lease per server (konnectivity-proxy-server-<id>) and tell agents the
-    /// number of live servers; needs --kubeconfig or in-cluster configuration.
+    /// Publish a Lease per server and tell agents the number of live servers.
+    ///
+    /// The Lease is `konnectivity-proxy-server-<id>` (valid 30 s, renewed every 15 s).
+    /// Expired ones are garbage-collected (only if unchanged since listed), and this
+    /// server's is deleted on shutdown. `servercount` then follows the live Leases instead
+    /// of --server-count. Needs --kubeconfig or in-cluster configuration.
     #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
     pub enable_lease_controller: bool,
-    /// Namespace of the Leases.
+    /// Namespace of the Leases (--enable-lease-controller).
     #[arg(long, default_value = "kube-system")]
     pub lease_namespace: String,
-    /// Labels of the Leases (key=value[,key=value]).
+    /// Labels of the Leases (key=value[,key=value]; --enable-lease-controller).
     #[arg(long, default_value = "k8s-app=konnectivity-server")]
     pub lease_label: String,
-    /// TLS 1.2 cipher suites the TLS listeners offer, by Go's IANA names
-    /// (comma-separated, and repeats add to the list; empty = rustls' defaults). TLS 1.3
-    /// suites are always on; a list of TLS 1.3 names only serves TLS 1.3 only. Go's CBC
-    /// and static-RSA names are dropped with a warning (rustls has none).
+    /// TLS 1.2 cipher suites both TLS listeners offer, by Go's IANA names.
+    ///
+    /// Comma-separated, and repeats add to the list; Go's `..._CHACHA20_POLY1305` spelling
+    /// without `_SHA256` is accepted. Empty: rustls' defaults (the ECDHE AES-GCM and
+    /// CHACHA20 suites). TLS 1.3 suites are always on, as in Go; a list of TLS 1.3 names
+    /// only serves TLS 1.3 only. Go's CBC and static-RSA names are dropped with a warning
+    /// (rustls has none), and start-up fails if that leaves no TLS 1.2 suite (unless
+    /// --tls-min-version=VersionTLS13). Names upstream refuses too (RC4, 3DES, CBC-SHA256)
+    /// and unknown names fail start-up.
     #[arg(long, default_value = "", value_delimiter = ',', action = clap::ArgAction::Append)]
     pub cipher_suites: Vec<String>,
     /// Lowest TLS version the TLS listeners accept: VersionTLS12 (empty) or VersionTLS13.
-    /// VersionTLS10 and VersionTLS11 are accepted with a warning and serve TLS 1.2.
+    ///
+    /// VersionTLS10 and VersionTLS11 are accepted with a warning and serve TLS 1.2
+    /// (rustls has no TLS 1.0 or 1.1).
     #[arg(long, default_value = "")]
     pub tls_min_version: String,
     /// Serve pprof CPU and heap profiles under /debug/pprof/ on the admin port.
+    ///
+    /// /debug/pprof/profile?seconds=N (CPU) and /debug/pprof/heap (sampled heap, one
+    /// sample per 512 KiB allocated, as Go), in the pprof protobuf `go tool pprof` reads;
+    /// /debug/pprof/goroutine lists threads and tokio tasks. Costs memory once used: the
+    /// CPU profiler (pprof-rs) keeps its 64 MiB sample table from its first profile on;
+    /// the debug info parsed to name a profile's functions is dropped once each profile
+    /// is written.
     #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
     pub enable_profiling: bool,
-    /// Accepted with --enable-profiling (Go's lock contention profile has no Tether
-    /// counterpart; /debug/pprof/block answers 404).
+    /// Accepted (needs --enable-profiling): Rust has no block or mutex profile like Go's.
+    ///
+    /// /debug/pprof/block answers 404.
     #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
     pub enable_contention_profiling: bool,
-    /// Accepted: each connection's queue towards its client is bounded in bytes by the
-    /// flow-control window (or --stalled-reader-timeout), not in packets.
+    /// Accepted: Tether bounds what waits for a client in bytes, not packets.
+    ///
+    /// Each connection's queue towards its client is bounded by the flow-control window
+    /// (with an upstream agent, by --stalled-reader-timeout). Must be at least 1.
     #[arg(long, default_value_t = 10)]
     pub frontend_write_channel_size: usize,
-    /// Deprecated upstream (always on there); accepted.
+    /// Accepted: deprecated upstream, and always on there.
+    ///
+    /// A connection waiting on a full receive window is counted in the
+    /// full_receive_channels gauge.
+
     #[arg(long, default_value = "true", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
     pub warn_on_channel_limit: bool,
 }
