@@ -18,7 +18,7 @@ use tether_testkit::TempDir;
 const BIN: &str = env!("CARGO_BIN_EXE_tether");
 
 /// The binaries that go into the image: this test run's (a debug build), or
-/// `$TETHER_IMAGE_BINARIES` (say `target/release`, for the README's figures).
+/// `$TETHER_IMAGE_BINARIES` (say `target/release`, for the figures in docs/benchmarks.md).
 fn bin_dir() -> PathBuf {
     match std::env::var_os("TETHER_IMAGE_BINARIES") {
         Some(dir) => std::fs::canonicalize(dir).expect("TETHER_IMAGE_BINARIES"),
@@ -277,7 +277,7 @@ fn the_docs_agent_manifest_runs_with_only_the_image_changed(i: &Installed, scrat
     every_kubectl_path(c, &worker.name, worker.ip(), &again);
 }
 
-/// The README's figures: `kubectl port-forward` throughput (64 MiB, 3 rounds) and the
+/// The figures in docs/benchmarks.md: `kubectl port-forward` throughput (64 MiB, 3 rounds) and the
 /// time from `kubectl exec` to its first output (5 rounds) to pod `web` on worker-0,
 /// through Tether beside a second kube-apiserver of the same cluster that dials the
 /// kubelet directly (a route to the node for the measurement). Prints medians; asserts
@@ -428,7 +428,7 @@ fn lb_address(c: &Cluster) -> String {
 /// Day two on the installed form: the agent DaemonSet rolled from image A to B while a
 /// `kubectl logs -f` and a port-forward run through a node's agent; the server's
 /// static pod upgraded; the CCM Deployment rolled. Prints how long new kubectl calls to
-/// the node failed in each, and asserts the bounds the README states.
+/// the node failed in each, and asserts the bounds docs/operating.md states.
 #[test]
 fn day_two_rolling_update_server_restart_and_ccm_rollout() {
     let i = Installed::start(&InstalledOptions {
