@@ -6,6 +6,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tether_core::error::chain;
 
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -80,7 +81,7 @@ impl LeaseCounter {
             let list = match listed {
                 Ok(list) => list,
                 Err(e) => {
-                    tracing::warn!(error = %e, retry_in = ?backoff, "cannot list server leases");
+                    tracing::warn!(error = %chain(&e), retry_in = ?backoff, "cannot list server leases");
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(MAX_BACKOFF);
                     continue;
@@ -119,7 +120,7 @@ impl LeaseCounter {
         let stream = match stream {
             Ok(s) => s,
             Err(e) => {
-                tracing::warn!(error = %e, "cannot watch server leases; listing again");
+                tracing::warn!(error = %chain(&e), "cannot watch server leases; listing again");
                 return false;
             }
         };
@@ -138,7 +139,7 @@ impl LeaseCounter {
                     return false;
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, "server lease watch failed; listing again");
+                    tracing::warn!(error = %chain(&e), "server lease watch failed; listing again");
                     return false;
                 }
             };

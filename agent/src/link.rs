@@ -35,13 +35,13 @@ pub(crate) const ESTABLISH_TIMEOUT: Duration = Duration::from_secs(20);
 #[derive(Debug, thiserror::Error)]
 pub enum LinkError {
     /// TCP/TLS/HTTP2 connection failed.
-    #[error("cannot connect to proxy server: {0}")]
+    #[error("cannot connect to proxy server")]
     Connect(#[from] tonic::transport::Error),
     /// The server refused or broke the stream.
     #[error("proxy server stream failed: {}", .0.message())]
     Stream(#[from] tonic::Status),
     /// The token file could not be read.
-    #[error("cannot read service account token {path}: {source}")]
+    #[error("cannot read service account token {path}")]
     Token {
         /// The file.
         path: PathBuf,

@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
+use tether_core::error::chain;
 
 use rand::Rng;
 use tokio_util::sync::CancellationToken;
@@ -145,7 +146,7 @@ impl Agent {
         let est = match established {
             Ok(est) => est,
             Err(e) => {
-                tracing::warn!(%host, port, error = %format!("{e:#}"), "proxy server stream down; reconnecting");
+                tracing::warn!(%host, port, error = %chain(&e), "proxy server stream down; reconnecting");
                 return Reached::Failed;
             }
         };
@@ -162,7 +163,7 @@ impl Agent {
         let (this, held, drain) = (self.clone(), held.clone(), drain.clone());
         tokio::spawn(async move {
             if let Err(e) = this.serve(est, &drain, &stop).await {
-                tracing::warn!(%server_id, error = %format!("{e:#}"), "proxy server stream down; reconnecting");
+                tracing::warn!(%server_id, error = %chain(&e), "proxy server stream down; reconnecting");
             }
             held.lock().remove(&server_id);
             held.ended.notify_one();
@@ -181,7 +182,7 @@ impl Agent {
                 hard_stop.clone(),
             )),
             Err(e) => {
-                tracing::error!(error = %e, "cannot count server leases; using the servers' servercount");
+                tracing::error!(error = %chain(&e), "cannot count server leases; using the servers' servercount");
                 None
             }
         }

@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
+use tether_core::error::chain;
 
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::ServiceAccount;
@@ -112,7 +113,7 @@ impl Drop for TokenDir {
             Ok(()) => tracing::debug!(dir = %self.path.display(), "token directory removed"),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => {
-                tracing::warn!(dir = %self.path.display(), error = %e, "cannot remove the token directory; remove it by hand")
+                tracing::warn!(dir = %self.path.display(), error = %chain(&e), "cannot remove the token directory; remove it by hand")
             }
         }
     }
@@ -152,7 +153,7 @@ fn remove_stale(parent: &std::path::Path) {
                 tracing::info!(dir = %path.display(), "removed the token directory of a controller manager that did not stop cleanly")
             }
             Err(e) => {
-                tracing::warn!(dir = %path.display(), error = %e, "cannot remove a stale token directory")
+                tracing::warn!(dir = %path.display(), error = %chain(&e), "cannot remove a stale token directory")
             }
         }
     }
@@ -172,7 +173,7 @@ impl Clients {
 #[derive(Debug, thiserror::Error)]
 pub enum CredentialsError {
     /// The ServiceAccount could not be read or created.
-    #[error("ServiceAccount {NAMESPACE}/{name}: {source} (the CCM needs get and create on serviceaccounts in {NAMESPACE})")]
+    #[error("ServiceAccount {NAMESPACE}/{name} (the CCM needs get and create on serviceaccounts in {NAMESPACE})")]
     ServiceAccount {
         /// Its name.
         name: String,
@@ -181,7 +182,7 @@ pub enum CredentialsError {
         source: kube::Error,
     },
     /// No token could be requested.
-    #[error("token for ServiceAccount {NAMESPACE}/{name}: {source} (the CCM needs create on serviceaccounts/token in {NAMESPACE})")]
+    #[error("token for ServiceAccount {NAMESPACE}/{name} (the CCM needs create on serviceaccounts/token in {NAMESPACE})")]
     Token {
         /// Its name.
         name: String,
@@ -190,7 +191,7 @@ pub enum CredentialsError {
         source: kube::Error,
     },
     /// The token file could not be written.
-    #[error("cannot write token file {path}: {source}")]
+    #[error("cannot write token file {path}")]
     File {
         /// The file.
         path: PathBuf,
@@ -199,7 +200,7 @@ pub enum CredentialsError {
         source: std::io::Error,
     },
     /// The client could not be built.
-    #[error("{0}")]
+    #[error(transparent)]
     Client(#[from] tether_ops::kubeclient::KubeSetupError),
 }
 
@@ -353,7 +354,7 @@ async fn renew(
                 tracing::debug!(?lifetime, "token renewed");
             }
             Err(e) => {
-                tracing::warn!(error = %e, "cannot renew token; retrying in 10s");
+                tracing::warn!(error = %chain(&e), "cannot renew token; retrying in 10s");
                 wait = Duration::from_secs(10);
             }
         }

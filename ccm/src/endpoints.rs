@@ -6,6 +6,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
+use tether_core::error::chain;
 
 use k8s_openapi::api::core::v1::Endpoints;
 use kube::api::{Api, ListParams};
@@ -52,7 +53,7 @@ impl EndpointsCache {
             match slice_version(&client).await {
                 Ok(v) => break v,
                 Err(e) => {
-                    tracing::warn!(error = %e, "cannot discover the EndpointSlice API; retrying");
+                    tracing::warn!(error = %chain(&e), "cannot discover the EndpointSlice API; retrying");
                     tokio::select! {
                         _ = tokio::time::sleep(Duration::from_secs(1)) => {}
                         _ = stop.cancelled() => return None,
@@ -115,7 +116,7 @@ impl EndpointsCache {
             EndpointsCache::Slices(s, _) => s.wait_until_ready().await,
             EndpointsCache::Endpoints(s) => s.wait_until_ready().await,
         }
-        .map_err(|e| e.to_string())
+        .map_err(|e| chain(&e).to_string())
     }
 
     /// What is read: `discovery.k8s.io/<version> EndpointSlices` or `v1 Endpoints`.

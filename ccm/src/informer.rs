@@ -4,6 +4,7 @@
 
 use std::fmt::Debug;
 use std::sync::Arc;
+use tether_core::error::chain;
 
 use futures::StreamExt;
 use kube::runtime::reflector::{self, Store};
@@ -83,7 +84,7 @@ where
                         }
                     }
                     Some(Ok(_)) => {}
-                    Some(Err(e)) => tracing::warn!(error = %e, "watch failed; retrying"),
+                    Some(Err(e)) => tracing::warn!(error = %chain(&e), "watch failed; retrying"),
                     None => return,
                 }
             }

@@ -16,6 +16,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tether_core::error::chain;
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
@@ -88,7 +89,7 @@ pub const HANDOVER_ANNOTATION: &str = "tether.dev/handover-to";
 
 /// What went wrong talking to the API server.
 #[derive(Debug, thiserror::Error)]
-#[error("leader election lease {namespace}/{name}: {source}")]
+#[error("leader election lease {namespace}/{name}")]
 pub struct LeaseError {
     namespace: String,
     name: String,
@@ -429,7 +430,7 @@ impl Elector {
             match self.release_once().await {
                 Err(kube::Error::Api(e)) if e.code == 409 => continue,
                 Err(e) => {
-                    tracing::warn!(error = %e, "cannot release the leader lease");
+                    tracing::warn!(error = %chain(&e), "cannot release the leader lease");
                     return;
                 }
                 Ok(()) => return,
@@ -548,7 +549,7 @@ pub async fn lead(
             match elector.try_acquire_or_renew().await {
                 Ok(true) => break,
                 Ok(false) => {}
-                Err(e) => tracing::warn!(error = %e, "leader election attempt failed"),
+                Err(e) => tracing::warn!(error = %chain(&e), "leader election attempt failed"),
             }
             let jitter = elector.cfg.retry_period.mul_f64(rand::random::<f64>() * 0.2);
             // The next try at the next retry, or just after the holder's lease runs
@@ -636,7 +637,7 @@ pub async fn lead(
                             lost.cancel();
                             return;
                         }
-                        Ok(Err(e)) => tracing::warn!(error = %e, "lease renewal failed"),
+                        Ok(Err(e)) => tracing::warn!(error = %chain(&e), "lease renewal failed"),
                         Err(_) => tracing::warn!("lease renewal timed out"),
                     }
                     if last_renewed.elapsed() >= elector.cfg.renew_deadline {

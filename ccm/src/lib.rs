@@ -19,6 +19,7 @@ pub mod workqueue;
 
 use std::sync::Arc;
 use std::time::Duration;
+use tether_core::error::chain;
 
 use k8s_openapi::api::core::v1::Node;
 use kube::Api;
@@ -335,7 +336,7 @@ pub async fn run(
         stop.clone(),
     );
     tokio::select! {
-        r = nodes.wait_until_ready() => r.map_err(|e| CcmError::CacheSync(e.to_string()))?,
+        r = nodes.wait_until_ready() => r.map_err(|e| CcmError::CacheSync(chain(&e).to_string()))?,
         _ = shutdown.cancelled() => return Ok(()),
     }
     let ctx = Context {
@@ -442,7 +443,7 @@ pub async fn run(
         };
         tokio::select! {
             r = async {
-                services.wait_until_ready().await.map_err(|e| e.to_string())?;
+                services.wait_until_ready().await.map_err(|e| chain(&e).to_string())?;
                 endpoints.wait_until_ready().await
             } => r.map_err(CcmError::CacheSync)?,
             _ = shutdown.cancelled() => return Ok(()),

@@ -8,6 +8,7 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
+use tether_core::error::chain;
 
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
@@ -102,7 +103,7 @@ pub fn spawn(
                 .with_graceful_shutdown(shutdown.cancelled_owned())
                 .await;
             if let Err(e) = served {
-                tracing::error!(error = %e, "secure endpoint failed");
+                tracing::error!(error = %chain(&e), "secure endpoint failed");
             }
         }
         .instrument(tracing::info_span!("secure_serving")),

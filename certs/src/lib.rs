@@ -65,7 +65,7 @@ impl KeyAlgorithm {
 #[non_exhaustive]
 pub enum CertError {
     /// rcgen refused the parameters (a malformed SAN, for instance).
-    #[error("cannot generate certificate {name}: {source}")]
+    #[error("cannot generate certificate {name}")]
     Generate {
         /// The certificate's common name.
         name: String,
@@ -74,7 +74,7 @@ pub enum CertError {
         source: rcgen::Error,
     },
     /// A file could not be read.
-    #[error("cannot read {path}: {source} (check the path and permissions)")]
+    #[error("cannot read {path} (check the path and permissions)")]
     Read {
         /// The file.
         path: PathBuf,
@@ -97,7 +97,7 @@ pub enum CertError {
         path: PathBuf,
     },
     /// A file could not be written.
-    #[error("cannot write {path}: {source} (check the directory exists and is writable)")]
+    #[error("cannot write {path} (check the directory exists and is writable)")]
     Write {
         /// The file.
         path: PathBuf,

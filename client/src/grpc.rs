@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
+use tether_core::error::chain;
 
 use bytes::Bytes;
 use futures::{ready, Future};
@@ -98,7 +99,7 @@ where
     tokio::spawn(
         async move {
             if let Err(e) = conn.await {
-                tracing::debug!(error = %e, "proxy connection ended");
+                tracing::debug!(error = %chain(&e), "proxy connection ended");
             }
         }
         .instrument(tracing::debug_span!("proxy_connection")),
@@ -301,7 +302,7 @@ impl Inbound {
                 let Body::Open(body) = &mut self.body else {
                     unreachable!("opened above")
                 };
-                let trailers = ready!(body.poll_trailers(cx)).map_err(|e| e.to_string());
+                let trailers = ready!(body.poll_trailers(cx)).map_err(|e| chain(&e).to_string());
                 return Poll::Ready(match trailers {
                     Ok(Some(t)) => check_status(&t).err().map(Err),
                     Ok(None) => Some(Err("proxy stream ended without a status".into())),

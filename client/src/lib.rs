@@ -44,7 +44,7 @@ const CLOSE_TIMEOUT: Duration = Duration::from_secs(10);
 #[non_exhaustive]
 pub enum ClientError {
     /// The connection to the proxy server failed.
-    #[error("cannot connect to proxy server: {0}")]
+    #[error("cannot connect to proxy server")]
     Connect(#[from] io::Error),
     /// The Proxy stream failed.
     #[error("proxy stream failed: {0}")]

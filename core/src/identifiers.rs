@@ -2,6 +2,7 @@
 //! keys host, ipv4, ipv6, cidr, default-route) and the address matching the server's
 //! proxy strategies use.
 
+use crate::error::chain;
 use std::net::IpAddr;
 
 /// What an agent says it can reach, parsed from `agentidentifiers`.
@@ -69,7 +70,7 @@ impl AgentIdentifiers {
                 if strict {
                     return Err(e);
                 }
-                tracing::warn!(error = %e, "ignoring malformed agent identifier");
+                tracing::warn!(error = %chain(&e), "ignoring malformed agent identifier");
             }
         }
         Ok(ids)

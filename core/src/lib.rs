@@ -7,6 +7,7 @@
 
 pub mod admission;
 pub mod drain;
+pub mod error;
 pub mod flow;
 pub mod goaway;
 pub mod grpc;

@@ -20,7 +20,7 @@ pub const ALPN_HTTP11: &[u8] = b"http/1.1";
 #[non_exhaustive]
 pub enum TlsError {
     /// The file could not be read.
-    #[error("cannot read {what} {path}: {source} (check the path and permissions)")]
+    #[error("cannot read {what} {path} (check the path and permissions)")]
     Read {
         /// Which flag's file.
         what: &'static str,
@@ -41,7 +41,9 @@ pub enum TlsError {
         kind: &'static str,
     },
     /// rustls refused the material (key does not match certificate, unsupported key...).
-    #[error("{what}: {source} (check that the key belongs to the certificate and both are PEM)")]
+    #[error(
+        "{what} cannot be used (check that the key belongs to the certificate and both are PEM)"
+    )]
     Rustls {
         /// Which pair of files.
         what: String,

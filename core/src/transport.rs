@@ -2,6 +2,7 @@
 //! lets a slow or broken handshake block other clients, Unix-socket listeners that
 //! replace stale sockets, and gRPC channel connectors for mTLS TCP and Unix sockets.
 
+use crate::error::chain;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
@@ -162,7 +163,7 @@ pub fn tls_incoming_with(
                     accepted = listener.accept() => match accepted {
                         Ok(pair) => pair,
                         Err(e) => {
-                            tracing::warn!(error = %e, "accept failed");
+                            tracing::warn!(error = %chain(&e), "accept failed");
                             // EMFILE and friends: back off a little instead of spinning.
                             tokio::time::sleep(Duration::from_millis(50)).await;
                             continue;
@@ -176,7 +177,7 @@ pub fn tls_incoming_with(
                 let _ = tcp.set_nodelay(true);
                 if let Some(limit) = dead_link {
                     if let Err(e) = bound_silence(&tcp, limit) {
-                        tracing::warn!(error = %e, "cannot set TCP keepalive and user timeout");
+                        tracing::warn!(error = %chain(&e), "cannot set TCP keepalive and user timeout");
                     }
                 }
                 let acceptor = TlsAcceptor::from(tls());
@@ -200,7 +201,7 @@ pub fn tls_incoming_with(
                                 let _ = tx.send(TlsConn { stream, info, _slot: slot }).await;
                             }
                             Ok(Err(e)) => {
-                                tracing::warn!(error = %e, "TLS handshake failed; connection dropped")
+                                tracing::warn!(error = %chain(&e), "TLS handshake failed; connection dropped")
                             }
                             Err(_) => tracing::warn!("TLS handshake timed out; connection dropped"),
                         }

@@ -5,6 +5,7 @@
 //! API calls per scrape.
 
 use std::sync::Mutex;
+use tether_core::error::chain;
 
 use axum::http::{HeaderMap, StatusCode};
 use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
@@ -173,7 +174,7 @@ async fn review(
         .map_err(|e| {
             (
                 StatusCode::INTERNAL_SERVER_ERROR,
-                format!("token review failed: {e}"),
+                format!("token review failed: {}", chain(&e)),
             )
         })?
         .status
@@ -213,7 +214,7 @@ async fn review(
         .map_err(|e| {
             (
                 StatusCode::INTERNAL_SERVER_ERROR,
-                format!("access review failed: {e}"),
+                format!("access review failed: {}", chain(&e)),
             )
         })?
         .status

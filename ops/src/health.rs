@@ -2,6 +2,7 @@
 //! `/readyz` (with `?verbose`) and `/metrics` in Prometheus text format.
 
 use std::sync::Arc;
+use tether_core::error::chain;
 
 use axum::extract::{Query, State};
 use axum::http::StatusCode;
@@ -77,7 +78,7 @@ pub fn render(registry: &Registry) -> ([(axum::http::HeaderName, &'static str); 
     let mut buf = Vec::new();
     let encoder = TextEncoder::new();
     if let Err(e) = encoder.encode(&registry.gather(), &mut buf) {
-        tracing::warn!(error = %e, "encoding metrics failed");
+        tracing::warn!(error = %chain(&e), "encoding metrics failed");
     }
     let text = String::from_utf8(buf).unwrap_or_default();
     (
@@ -103,7 +104,7 @@ pub fn spawn(
                 .with_graceful_shutdown(shutdown.cancelled_owned())
                 .await
             {
-                tracing::error!(error = %e, "HTTP endpoint failed");
+                tracing::error!(error = %chain(&e), "HTTP endpoint failed");
             }
         }
         .instrument(tracing::info_span!("http", endpoint = name, addr = ?addr)),

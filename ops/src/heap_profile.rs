@@ -9,6 +9,7 @@ use std::cell::Cell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Mutex;
+use tether_core::error::chain;
 
 /// Mean bytes allocated between two samples.
 pub const RATE: u64 = 512 * 1024;
@@ -272,7 +273,7 @@ pub fn profile() -> Result<Vec<u8>, String> {
         });
     }
     profile.string_table = strings.table;
-    profile.write_to_bytes().map_err(|e| e.to_string())
+    profile.write_to_bytes().map_err(|e| chain(&e).to_string())
 }
 
 fn is_allocator_frame(name: &str) -> bool {

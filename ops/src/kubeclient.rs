@@ -7,7 +7,7 @@ use std::path::Path;
 #[derive(Debug, thiserror::Error)]
 pub enum KubeSetupError {
     /// The kubeconfig could not be read or used.
-    #[error("--kubeconfig {path}: {source} (check the file is a valid kubeconfig)")]
+    #[error("--kubeconfig {path} is not a usable kubeconfig")]
     Kubeconfig {
         /// The file.
         path: String,
@@ -16,10 +16,10 @@ pub enum KubeSetupError {
         source: kube::config::KubeconfigError,
     },
     /// No kubeconfig and not running in a cluster.
-    #[error("no --kubeconfig given and no in-cluster configuration: {0}")]
+    #[error("no --kubeconfig given and no in-cluster configuration")]
     InCluster(#[source] kube::config::InClusterError),
     /// The client could not be built.
-    #[error("cannot build a Kubernetes client: {0}")]
+    #[error("cannot build a Kubernetes client")]
     Client(#[source] kube::Error),
 }
 

@@ -7,6 +7,7 @@
 //! line saying why. Symbols are resolved per request and their cache dropped after it.
 
 use std::time::Duration;
+use tether_core::error::chain;
 
 use axum::extract::Query;
 use axum::http::{header, StatusCode};
@@ -185,7 +186,7 @@ async fn goroutine(
     });
     profile.string_table = strings.table;
     answer(
-        profile.write_to_bytes().map_err(|e| e.to_string()),
+        profile.write_to_bytes().map_err(|e| chain(&e).to_string()),
         "Could not write the goroutine profile",
     )
 }
@@ -251,7 +252,7 @@ pub async fn cpu_profile(duration: Duration) -> Result<Vec<u8>, String> {
         .frequency(FREQUENCY)
         .blocklist(&["libc", "libgcc", "pthread", "vdso"])
         .build()
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| chain(&e).to_string())?;
     tokio::time::sleep(duration).await;
     let report = guard.report().build();
     drop(guard);
@@ -259,9 +260,9 @@ pub async fn cpu_profile(duration: Duration) -> Result<Vec<u8>, String> {
     drop_symbols();
     use pprof::protos::Message;
     profile
-        .map_err(|e| e.to_string())?
+        .map_err(|e| chain(&e).to_string())?
         .write_to_bytes()
-        .map_err(|e| e.to_string())
+        .map_err(|e| chain(&e).to_string())
 }
 
 /// Drops the symbol cache that resolving a profile's addresses filled: the binary's

@@ -6,6 +6,7 @@
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, SystemTime};
+use tether_core::error::chain;
 
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -117,7 +118,7 @@ impl<T: Send + Sync + 'static> Reload for Reloadable<T> {
             Err(e) => {
                 // Remember the stamps so a broken file is reported once, not every poll.
                 *self.stamps.lock().unwrap_or_else(|e| e.into_inner()) = now;
-                tracing::error!(what = %self.label, error = %e, "TLS reload failed; still using the previous certificates");
+                tracing::error!(what = %self.label, error = %chain(&e), "TLS reload failed; still using the previous certificates");
                 false
             }
         }
@@ -131,7 +132,7 @@ pub fn spawn_watcher(items: Vec<Arc<dyn Reload>>, interval: Duration, shutdown: 
             let mut hup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
                 Ok(s) => Some(s),
                 Err(e) => {
-                    tracing::warn!(error = %e, "cannot watch SIGHUP; reloading on file changes only");
+                    tracing::warn!(error = %chain(&e), "cannot watch SIGHUP; reloading on file changes only");
                     None
                 }
             };

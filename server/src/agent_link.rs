@@ -8,6 +8,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
+use tether_core::error::chain;
 
 use bytes::Bytes;
 use futures::future::Either;
@@ -237,7 +238,7 @@ impl AgentLink {
             Ok("") => return Err(Status::invalid_argument("empty agentid")),
             Ok(id) => id.to_string(),
             Err(e) => {
-                tracing::warn!(%peer, error = %e, "agent stream refused");
+                tracing::warn!(%peer, error = %chain(&e), "agent stream refused");
                 return Err(Status::invalid_argument(e.to_string()));
             }
         };
@@ -245,8 +246,8 @@ impl AgentLink {
         if let Some(auth) = &self.authenticator {
             let header = md.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
             bound_node = auth.authenticate(header).await.map_err(|e| {
-                tracing::warn!(%agent_id, %peer, error = %e, "agent authentication failed; stream refused");
-                Status::unauthenticated(e.to_string())
+                tracing::warn!(%agent_id, %peer, error = %chain(&e), "agent authentication failed; stream refused");
+                Status::unauthenticated(chain(&e).to_string())
             })?;
         }
         let identifiers = md
@@ -350,7 +351,7 @@ impl AgentLink {
                 .agent_streams_refused
                 .with_label_values(&["too_many_streams"])
                 .inc();
-            tracing::warn!(%agent_id, %peer, error = %e, "agent stream refused");
+            tracing::warn!(%agent_id, %peer, error = %chain(&e), "agent stream refused");
             return Err(Status::resource_exhausted(e.to_string()));
         }
         tracing::info!(%agent_id, %peer, identifiers = ?agent.identifiers, flow_control = a.peer_window.is_some(), "agent connected");
@@ -425,7 +426,7 @@ async fn serve_agent(
 async fn write_agent(router: &Router, reply: &mut Reply, mut packets: PacketStream) -> bool {
     while let Some(packet) = packets.next().await {
         if let Err(e) = reply.send(&packet).await {
-            tracing::debug!(error = %e, "cannot write to the agent");
+            tracing::debug!(error = %chain(&e), "cannot write to the agent");
             router.metrics.send_error(
                 Segment::ToAgent,
                 h2serve::send_error_code(&e),

@@ -10,6 +10,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
+use tether_core::error::chain;
 
 use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
 use k8s_openapi::api::core::v1::Pod;
@@ -63,7 +64,7 @@ pub enum AuthError {
         expected: String,
     },
     /// The TokenReview call failed.
-    #[error("TokenReview failed: {0}")]
+    #[error("TokenReview failed")]
     Api(#[source] kube::Error),
 }
 
@@ -209,7 +210,7 @@ impl TokenAuthenticator {
             }
             Ok(_) => None,
             Err(e) => {
-                tracing::warn!(pod = %name, error = %e, "cannot read the agent's Pod; its identifiers stay unverified (the server needs get on pods in the agent namespace)");
+                tracing::warn!(pod = %name, error = %chain(&e), "cannot read the agent's Pod; its identifiers stay unverified (the server needs get on pods in the agent namespace)");
                 None
             }
         }

@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
+use tether_core::error::chain;
 
 use bytes::Bytes;
 use futures::stream::FuturesUnordered;
@@ -133,7 +134,7 @@ pub(crate) async fn serve_connection<S, F>(
     );
     let mut conn = match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake).await {
         Ok(Ok(conn)) => conn,
-        Ok(Err(e)) => return tracing::debug!(error = %e, "HTTP/2 handshake failed"),
+        Ok(Err(e)) => return tracing::debug!(error = %chain(&e), "HTTP/2 handshake failed"),
         Err(_) => return tracing::debug!("HTTP/2 handshake timed out"),
     };
     let pings = conn.ping_pong().expect("taken once");
@@ -179,7 +180,9 @@ pub(crate) async fn serve_connection<S, F>(
                     streams.push(stream);
                 }
             }
-            Event::Accepted(Some(Err(e))) => break tracing::debug!(error = %e, "connection ended"),
+            Event::Accepted(Some(Err(e))) => {
+                break tracing::debug!(error = %chain(&e), "connection ended")
+            }
             Event::Accepted(None) => break,
             Event::PingUnanswered => {
                 break tracing::info!("keepalive ping unanswered; closing the connection");

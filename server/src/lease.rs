@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+use tether_core::error::chain;
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
@@ -77,11 +78,11 @@ pub async fn run(
     async {
         loop {
             if let Err(e) = renew(&api, &cfg, &name, &server_id).await {
-                tracing::warn!(error = %e, "cannot renew lease; retrying");
+                tracing::warn!(error = %chain(&e), "cannot renew lease; retrying");
             }
             match count_and_collect(&api, &cfg, &name, &metrics).await {
                 Ok(n) => live.store(n.max(1), Ordering::Relaxed),
-                Err(e) => tracing::warn!(error = %e, "cannot list leases"),
+                Err(e) => tracing::warn!(error = %chain(&e), "cannot list leases"),
             }
             tokio::select! {
                 _ = tokio::time::sleep(cfg.renew_interval) => {}
@@ -91,7 +92,7 @@ pub async fn run(
         match api.delete(&name, &DeleteParams::default()).await {
             Ok(_) => tracing::info!("lease deleted"),
             Err(e) => {
-                tracing::warn!(error = %e, "cannot delete lease on shutdown; it expires on its own")
+                tracing::warn!(error = %chain(&e), "cannot delete lease on shutdown; it expires on its own")
             }
         }
     }
@@ -176,7 +177,7 @@ async fn count_and_collect(
         match deleted {
             Ok(_) => metrics.culled_leases.inc(),
             Err(e) => {
-                tracing::debug!(lease = %name, error = %e, "expired lease not deleted (gone or renewed meanwhile)")
+                tracing::debug!(lease = %name, error = %chain(&e), "expired lease not deleted (gone or renewed meanwhile)")
             }
         }
     }

@@ -20,6 +20,7 @@ use std::path::PathBuf;
 use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 use std::time::Duration;
+use tether_core::error::chain;
 
 use axum::http::StatusCode;
 use tether_core::tls::{self, TlsError, TlsFiles};
@@ -188,7 +189,7 @@ impl AgentsAccess {
 #[non_exhaustive]
 pub enum StartError {
     /// A listener could not be bound.
-    #[error("cannot listen on {what} {addr}: {source}")]
+    #[error("cannot listen on {what} {addr}")]
     Bind {
         /// Which listener.
         what: &'static str,
@@ -443,7 +444,7 @@ impl Server {
                 match tether_ops::kubeclient::client(kubeconfig.as_deref()).await {
                     Ok(c) => Some(tether_ops::authz::Delegation::with(c)),
                     Err(e) => {
-                        tracing::warn!(error = %e, "/agents is refused to everyone: the admin port is not bound to loopback, so /agents needs a bearer token reviewed by the cluster, and there is no Kubernetes client (set --kubeconfig, or bind the admin port to 127.0.0.1)");
+                        tracing::warn!(error = %chain(&e), "/agents is refused to everyone: the admin port is not bound to loopback, so /agents needs a bearer token reviewed by the cluster, and there is no Kubernetes client (set --kubeconfig, or bind the admin port to 127.0.0.1)");
                         None
                     }
                 }
@@ -779,7 +780,7 @@ async fn serve_frontend(
                 a = l.accept() => match a {
                     Ok((s, _)) => s,
                     Err(e) => {
-                        tracing::warn!(error = %e, "accept failed");
+                        tracing::warn!(error = %chain(&e), "accept failed");
                         // EMFILE and friends: back off a little instead of spinning.
                         tokio::time::sleep(Duration::from_millis(50)).await;
                         continue;

@@ -9,6 +9,7 @@ use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
+use tether_core::error::chain;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Node;
@@ -246,7 +247,7 @@ pub fn spawn(
                             );
                         }
                     }
-                    Some(Err(e)) => tracing::warn!(error = %e, "watching nodes failed; retrying (the server needs list and watch on nodes to verify token-authenticated agents' addresses)"),
+                    Some(Err(e)) => tracing::warn!(error = %chain(&e), "watching nodes failed; retrying (the server needs list and watch on nodes to verify token-authenticated agents' addresses)"),
                     None => return,
                 }
             }

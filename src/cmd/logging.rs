@@ -128,6 +128,7 @@ const MODULES: &[(&str, &str)] = &[
     ("tether", "reference"),
     ("tether_core", "admission"),
     ("tether_core", "drain"),
+    ("tether_core", "error"),
     ("tether_core", "flow"),
     ("tether_core", "goaway"),
     ("tether_core", "grpc"),

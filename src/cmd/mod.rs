@@ -12,6 +12,7 @@ pub mod server;
 pub use logging::LogArgs;
 
 use std::time::Duration;
+use tether_core::error::chain;
 
 /// Parses a Go-style duration flag value.
 pub fn duration(s: &str) -> Result<Duration, String> {
@@ -148,24 +149,11 @@ pub fn exit_code(result: anyhow::Result<()>) -> std::process::ExitCode {
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {}", chain(&e));
+            let e: &(dyn std::error::Error + 'static) = e.as_ref();
+            eprintln!("error: {}", chain(e));
             std::process::ExitCode::FAILURE
         }
     }
-}
-
-/// An error and its causes on one line, each cause once: many errors already name
-/// their cause in their own message, and anyhow's `{:#}` would repeat it.
-pub fn chain(e: &anyhow::Error) -> String {
-    let mut line = e.to_string();
-    for cause in e.chain().skip(1) {
-        let cause = cause.to_string();
-        if !line.contains(&cause) {
-            line.push_str(": ");
-            line.push_str(&cause);
-        }
-    }
-    line
 }
 
 /// Builds the runtime and runs `fut` on it: `worker_threads` threads run tasks (0 = one
@@ -196,7 +184,7 @@ fn raise_open_files() {
             "raised the open-file soft limit to the hard limit"
         ),
         Ok(_) => {}
-        Err(e) => tracing::warn!(error = %e, "cannot raise the open-file soft limit"),
+        Err(e) => tracing::warn!(error = %chain(&e), "cannot raise the open-file soft limit"),
     }
 }
 
@@ -317,13 +305,13 @@ mod tests {
             source: io,
         };
         let e = anyhow::Error::new(start).context("server start-up failed");
-        let line = chain(&e);
+        let line = chain(e.as_ref()).to_string();
         assert_eq!(line.matches("address in use").count(), 1, "{line}");
         assert!(
             line.starts_with("server start-up failed: cannot listen on agent port 0.0.0.0:8091: "),
             "{line}"
         );
         let plain = anyhow::anyhow!("inner").context("outer");
-        assert_eq!(chain(&plain), "outer: inner");
+        assert_eq!(chain(plain.as_ref()).to_string(), "outer: inner");
     }
 }

@@ -21,6 +21,7 @@
 use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
+use tether_core::error::chain;
 
 use k8s_openapi::api::certificates::v1::{
     CertificateSigningRequest, CertificateSigningRequestCondition,
@@ -211,7 +212,7 @@ impl CsrApprover {
                         .instrument(tracing::debug_span!("sync_csr", csr = %name))
                         .await;
                     result.unwrap_or_else(|e| {
-                        tracing::warn!(csr = %name, error = %e, "CSR sync failed; retrying");
+                        tracing::warn!(csr = %name, error = %chain(&e), "CSR sync failed; retrying");
                         e.outcome()
                     })
                 }

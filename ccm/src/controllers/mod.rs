@@ -11,6 +11,7 @@ pub mod route;
 pub mod service;
 
 use k8s_openapi::api::core::v1::{Node, Taint};
+use tether_core::error::chain;
 
 /// Set by kubelets started with `--cloud-provider=external` until we initialise them.
 pub const TAINT_UNINITIALIZED: &str = "node.cloudprovider.kubernetes.io/uninitialized";
@@ -90,10 +91,10 @@ impl Ticker {
 #[derive(Debug, thiserror::Error)]
 pub enum SyncError {
     /// A Kubernetes API call failed.
-    #[error("kubernetes API: {0}")]
+    #[error("kubernetes API")]
     Kube(#[from] kube::Error),
     /// The cloud provider failed.
-    #[error("cloud provider: {0}")]
+    #[error("cloud provider")]
     Cloud(#[from] crate::cloud::CloudError),
     /// The provider's answer cannot be applied.
     #[error("{0}")]
@@ -109,7 +110,7 @@ pub fn outcome_of(
     match result {
         Ok(()) => crate::workqueue::Outcome::Done,
         Err(e) => {
-            tracing::warn!(%kind, %key, error = %e, "sync failed; retrying with backoff");
+            tracing::warn!(%kind, %key, error = %chain(&e), "sync failed; retrying with backoff");
             e.outcome()
         }
     }
@@ -295,7 +296,7 @@ impl Context {
                         }
                     }
                     Err(e) => {
-                        tracing::warn!(error = %e, reason, object = %target.name, "cannot update event");
+                        tracing::warn!(error = %chain(&e), reason, object = %target.name, "cannot update event");
                         return;
                     }
                 }
@@ -331,7 +332,7 @@ impl Context {
             ..Default::default()
         };
         if let Err(e) = api.create(&Default::default(), &event).await {
-            tracing::warn!(error = %e, reason, object = %target.name, "cannot publish event");
+            tracing::warn!(error = %chain(&e), reason, object = %target.name, "cannot publish event");
             // Let the next occurrence try to create it again.
             self.recorder.forget(&key);
         }

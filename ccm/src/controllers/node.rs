@@ -9,6 +9,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
+use tether_core::error::chain;
 
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, Patch, PatchParams};
@@ -93,7 +94,7 @@ impl NodeController {
                             continue;
                         }
                         if let Err(e) = this.sync_addresses(&node).await {
-                            tracing::warn!(node = %node.name_any(), error = %e, "address sync failed; next period retries");
+                            tracing::warn!(node = %node.name_any(), error = %chain(&e), "address sync failed; next period retries");
                         }
                     }
                 }

@@ -10,6 +10,7 @@
 
 use std::sync::Arc;
 use std::time::Duration;
+use tether_core::error::chain;
 
 use k8s_openapi::api::core::v1::{Node, Taint};
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
@@ -52,7 +53,7 @@ impl NodeLifecycleController {
                     .instrument(tracing::debug_span!("check_node", node = %name))
                     .await
                 {
-                    tracing::warn!(node = %name, error = %e, "node lifecycle check failed; next period retries");
+                    tracing::warn!(node = %name, error = %chain(&e), "node lifecycle check failed; next period retries");
                 }
             }
         }

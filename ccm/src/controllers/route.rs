@@ -13,6 +13,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
+use tether_core::error::chain;
 
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, Patch, PatchParams};
@@ -36,7 +37,7 @@ pub async fn remove_ours(routes: &dyn Routes, cluster: &str, cluster_cidrs: &[Ci
     let listed = match routes.list(cluster).await {
         Ok(l) => l,
         Err(e) => {
-            tracing::warn!(error = %e, "cannot list routes to remove them");
+            tracing::warn!(error = %chain(&e), "cannot list routes to remove them");
             return;
         }
     };
@@ -47,7 +48,7 @@ pub async fn remove_ours(routes: &dyn Routes, cluster: &str, cluster_cidrs: &[Ci
         match routes.delete(cluster, &r).await {
             Ok(()) => tracing::info!(cidr = %r.cidr, via = %r.via, "route removed: not the leader"),
             Err(e) => {
-                tracing::warn!(cidr = %r.cidr, via = %r.via, error = %e, "cannot remove route")
+                tracing::warn!(cidr = %r.cidr, via = %r.via, error = %chain(&e), "cannot remove route")
             }
         }
     }
@@ -150,7 +151,7 @@ impl RouteController {
                 .instrument(tracing::debug_span!("reconcile_routes"))
                 .await
             {
-                tracing::warn!(error = %e, "route reconciliation failed; next period retries");
+                tracing::warn!(error = %chain(&e), "route reconciliation failed; next period retries");
             }
         }
         remove_ours(
@@ -195,7 +196,9 @@ impl RouteController {
             };
             match self.routes.delete(&self.cluster_name, &stale).await {
                 Ok(()) => tracing::info!(%cidr, %via, "stale route deleted"),
-                Err(e) => tracing::warn!(%cidr, %via, error = %e, "cannot delete stale route"),
+                Err(e) => {
+                    tracing::warn!(%cidr, %via, error = %chain(&e), "cannot delete stale route")
+                }
             }
         }
 
@@ -224,8 +227,10 @@ impl RouteController {
                     Err(e) => {
                         ok = false;
                         let note = format!(
-                            "Could not create route {} via {} for node {name}: {e}",
-                            route.cidr, route.via
+                            "Could not create route {} via {} for node {name}: {}",
+                            route.cidr,
+                            route.via,
+                            chain(&e)
                         );
                         tracing::warn!(node = %name, "{note}");
                         self.ctx
@@ -235,7 +240,7 @@ impl RouteController {
                 }
             }
             if let Err(e) = self.set_condition(node, ok).await {
-                tracing::warn!(node = %name, error = %e, "cannot update NetworkUnavailable");
+                tracing::warn!(node = %name, error = %chain(&e), "cannot update NetworkUnavailable");
             }
         }
         Ok(())

@@ -11,6 +11,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tether_core::error::chain;
 
 use k8s_openapi::api::core::v1::{Node, Service};
 use kube::api::{Api, Patch, PatchParams};
@@ -282,7 +283,7 @@ impl ServiceController {
                             true,
                             "SyncLoadBalancerFailed",
                             "UpdateLoadBalancer",
-                            format!("Error updating load balancer with new hosts: {e}"),
+                            format!("Error updating load balancer with new hosts: {}", chain(&e)),
                         )
                         .await;
                     return Err(e.into());
@@ -352,7 +353,7 @@ impl ServiceController {
                         true,
                         "SyncLoadBalancerFailed",
                         "EnsureLoadBalancer",
-                        format!("Error syncing load balancer: {e}"),
+                        format!("Error syncing load balancer: {}", chain(&e)),
                     )
                     .await;
                 return Err(e.into());
@@ -422,7 +423,7 @@ impl ServiceController {
                     true,
                     "SyncLoadBalancerFailed",
                     "DeleteLoadBalancer",
-                    format!("Error deleting load balancer: {e}"),
+                    format!("Error deleting load balancer: {}", chain(&e)),
                 )
                 .await;
             return Err(e.into());

@@ -11,6 +11,7 @@ use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
+use tether_core::error::chain;
 
 use futures::TryStreamExt;
 use rtnetlink::packet_route::address::{
@@ -148,7 +149,7 @@ impl Announcer {
                     return;
                 }
                 if let Err(e) = ns.run(move || announce(device, ip)).await {
-                    tracing::warn!(%ip, interface = %ns.parent(), error = %e, "announcement failed");
+                    tracing::warn!(%ip, interface = %ns.parent(), error = %chain(&e), "announcement failed");
                 }
             }
         });
@@ -315,9 +316,9 @@ impl Announcer {
         let n = match removed {
             Ok(n) => n,
             Err(e) => {
-                tracing::error!(error = %e, pool, "cannot remove the load-balancer addresses; deleting their device");
+                tracing::error!(error = %chain(&e), pool, "cannot remove the load-balancer addresses; deleting their device");
                 if let Err(e2) = self.ns.delete_device().await {
-                    tracing::error!(error = %e2, "cannot delete the load-balancer device either; exiting so that the kernel removes the addresses");
+                    tracing::error!(error = %chain(&e2), "cannot delete the load-balancer device either; exiting so that the kernel removes the addresses");
                     std::process::abort();
                 }
                 0

@@ -17,6 +17,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
+use tether_core::error::chain;
 
 use async_trait::async_trait;
 use tether_client::Client;
@@ -320,8 +321,9 @@ impl TunnelLoadBalancers {
             Ok(Ok(c)) => c,
             Ok(Err(e)) => {
                 return Err(CloudError::Provider(format!(
-                    "cannot reach the Tether server at {}: {e}",
-                    self.tunnel_uds.display()
+                    "cannot reach the Tether server at {}: {}",
+                    self.tunnel_uds.display(),
+                    chain(&e)
                 )))
             }
             Err(_) => {
@@ -457,7 +459,7 @@ impl TunnelLoadBalancers {
         if let Some(a) = &self.announcer {
             for ip in freed {
                 if let Err(e) = a.release(ip).await {
-                    tracing::warn!(%ip, error = %e, "cannot remove a load-balancer address");
+                    tracing::warn!(%ip, error = %chain(&e), "cannot remove a load-balancer address");
                 }
             }
         }
@@ -645,7 +647,10 @@ impl TunnelLoadBalancers {
         lifetime: std::time::Duration,
     ) -> Result<(), String> {
         match &self.announcer {
-            Some(a) => a.refresh(pool, lifetime).await.map_err(|e| e.to_string()),
+            Some(a) => a
+                .refresh(pool, lifetime)
+                .await
+                .map_err(|e| chain(&e).to_string()),
             None => Ok(()),
         }
     }
@@ -700,7 +705,9 @@ impl TunnelLoadBalancers {
                     interface = a.interface(),
                     "load-balancer addresses let go"
                 ),
-                Err(e) => tracing::warn!(pool, error = %e, "cannot remove load-balancer addresses"),
+                Err(e) => {
+                    tracing::warn!(pool, error = %chain(&e), "cannot remove load-balancer addresses")
+                }
             }
         }
         drop(serving);
@@ -960,7 +967,7 @@ async fn serve(
                 Ok(a) => a,
                 Err(e) => {
                     // Out of file descriptors, most likely: let some close.
-                    tracing::warn!(error = %e, "accept failed");
+                    tracing::warn!(error = %chain(&e), "accept failed");
                     tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                     continue;
                 }
@@ -1067,7 +1074,7 @@ impl PortServer {
                     return;
                 }
                 Err(e) => {
-                    tracing::warn!(backend = %name, %target, error = %e, "dial through the tunnel failed; trying the next backend");
+                    tracing::warn!(backend = %name, %target, error = %chain(&e), "dial through the tunnel failed; trying the next backend");
                 }
             }
         }
@@ -1088,7 +1095,7 @@ impl PortServer {
         if let (Some(version), Ok(local)) = (policy.proxy_protocol, conn.local_addr()) {
             let header = super::proxy_protocol::header(version, peer, local);
             if let Err(e) = upstream.write_all(&header).await {
-                tracing::debug!(error = %e, backend = %name, "cannot send the PROXY header");
+                tracing::debug!(error = %chain(&e), backend = %name, "cannot send the PROXY header");
                 return;
             }
         }
@@ -1098,7 +1105,7 @@ impl PortServer {
         tokio::select! {
             r = &mut splice => {
                 if let Err(e) = r {
-                    tracing::debug!(error = %e, backend = %name, "forwarded connection ended with an error");
+                    tracing::debug!(error = %chain(&e), backend = %name, "forwarded connection ended with an error");
                 }
             },
             _ = idle(last, epoch, policy.idle_timeout) => {

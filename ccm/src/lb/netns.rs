@@ -20,6 +20,7 @@
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Mutex;
+use tether_core::error::chain;
 
 use futures::TryStreamExt;
 use rtnetlink::packet_route::address::AddressAttribute;
@@ -166,7 +167,10 @@ impl LbNamespace {
     /// Whether the parent interface exists and is up (with carrier): a replica whose
     /// interface is missing or down must not hold the addresses.
     pub async fn parent_ready(&self) -> Result<(), String> {
-        let (_, flags) = self.parent_link().await.map_err(|e| e.to_string())?;
+        let (_, flags) = self
+            .parent_link()
+            .await
+            .map_err(|e| chain(&e).to_string())?;
         if !flags.contains(LinkFlags::Up) {
             return Err(format!("interface {} is down", self.parent));
         }
@@ -242,7 +246,7 @@ impl LbNamespace {
                 )]))
                 .build();
             if let Err(e) = inside.link().set(none).execute().await {
-                tracing::debug!(error = %e, "cannot turn off IPv6 address generation on the load-balancer device");
+                tracing::debug!(error = %chain(&e), "cannot turn off IPv6 address generation on the load-balancer device");
             }
         }
         for index in [Some(device.index), self.loopback().await?]
@@ -380,7 +384,7 @@ impl LbNamespace {
         }
         for route in routes {
             if let Err(e) = inside.route().add(route).replace().execute().await {
-                tracing::warn!(error = %e, "cannot copy a route into the load-balancer namespace");
+                tracing::warn!(error = %chain(&e), "cannot copy a route into the load-balancer namespace");
             }
         }
         Ok(())

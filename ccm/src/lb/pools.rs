@@ -13,6 +13,7 @@ use std::net::IpAddr;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tether_core::error::chain;
 
 use k8s_openapi::api::core::v1::{Node, Service};
 use kube::api::Api;
@@ -79,11 +80,14 @@ pub async fn run(
         return;
     };
     let ready = async {
-        nodes.wait_until_ready().await.map_err(|e| e.to_string())?;
+        nodes
+            .wait_until_ready()
+            .await
+            .map_err(|e| chain(&e).to_string())?;
         services
             .wait_until_ready()
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| chain(&e).to_string())?;
         endpoints.wait_until_ready().await
     };
     tokio::select! {
@@ -374,7 +378,7 @@ impl Server {
                 Outcome::Done
             }
             Err(e) => {
-                tracing::warn!(service = %key, error = %e, "cannot serve the load balancer; retrying");
+                tracing::warn!(service = %key, error = %chain(&e), "cannot serve the load balancer; retrying");
                 Outcome::Retry(None)
             }
         }

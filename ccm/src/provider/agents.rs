@@ -9,6 +9,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
+use tether_core::error::chain;
 
 use http_body_util::BodyExt;
 use hyper_util::rt::TokioIo;
@@ -298,10 +299,10 @@ async fn get(uri: &hyper::Uri, token: Option<&str>) -> Result<Listing, String> {
     let port = uri.port_u16().unwrap_or(80);
     let stream = tokio::net::TcpStream::connect((host, port))
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| chain(&e).to_string())?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| chain(&e).to_string())?;
     tokio::spawn(conn);
     let mut req = hyper::Request::get(uri.path_and_query().map(|p| p.as_str()).unwrap_or("/"))
         .header(hyper::header::HOST, format!("{host}:{port}"));
@@ -310,8 +311,11 @@ async fn get(uri: &hyper::Uri, token: Option<&str>) -> Result<Listing, String> {
     }
     let req = req
         .body(http_body_util::Empty::<bytes::Bytes>::new())
-        .map_err(|e| e.to_string())?;
-    let resp = sender.send_request(req).await.map_err(|e| e.to_string())?;
+        .map_err(|e| chain(&e).to_string())?;
+    let resp = sender
+        .send_request(req)
+        .await
+        .map_err(|e| chain(&e).to_string())?;
     let status = resp.status();
     // A listing of 10,000 agents is about 3 MiB; anything far larger is not one.
     let body = http_body_util::Limited::new(resp.into_body(), MAX_LISTING)

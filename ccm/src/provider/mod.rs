@@ -38,6 +38,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
+use tether_core::error::chain;
 
 use async_trait::async_trait;
 use serde::Deserialize;
@@ -74,7 +75,7 @@ pub fn reserved_label(key: &str) -> bool {
 #[derive(Debug, thiserror::Error)]
 pub enum InventoryError {
     /// The file could not be read.
-    #[error("cannot read cloud config {path}: {source}")]
+    #[error("cannot read cloud config {path}")]
     Read {
         /// The file.
         path: PathBuf,
@@ -83,7 +84,7 @@ pub enum InventoryError {
         source: std::io::Error,
     },
     /// The file is not a valid inventory.
-    #[error("cloud config {path} is not a valid tether inventory: {source}")]
+    #[error("cloud config {path} is not a valid tether inventory")]
     Parse {
         /// The file.
         path: PathBuf,
@@ -314,7 +315,7 @@ impl Inventory {
                     loaded.pools = config.load_balancer;
                 }
                 Err(e) => {
-                    tracing::error!(error = %e, "inventory changed but is invalid; keeping the previous one");
+                    tracing::error!(error = %chain(&e), "inventory changed but is invalid; keeping the previous one");
                     loaded.modified = modified;
                 }
             }

@@ -6,6 +6,7 @@
 
 pub mod body;
 
+use crate::error::chain;
 use std::io;
 use std::task::{Context, Poll};
 
@@ -300,7 +301,7 @@ pub fn fuzz_messages(wire: &[u8], chunk: usize) -> Result<Vec<Packet>, String> {
     let mut packets = Vec::new();
     for piece in wire.chunks(chunk.max(1)) {
         m.push(Bytes::copy_from_slice(piece));
-        while let Some(packet) = m.next_packet().map_err(|e| e.to_string())? {
+        while let Some(packet) = m.next_packet().map_err(|e| chain(&e).to_string())? {
             packets.push(packet);
         }
     }

@@ -6,6 +6,7 @@
 
 use std::sync::Arc;
 use std::time::Duration;
+use tether_core::error::chain;
 
 use bytes::Bytes;
 use futures::StreamExt;
@@ -187,7 +188,7 @@ async fn write_client(
             _ = stop.cancelled() => return,
         };
         if let Err(e) = reply.send(&packet).await {
-            tracing::debug!(error = %e, "cannot write to the frontend client");
+            tracing::debug!(error = %chain(&e), "cannot write to the frontend client");
             router.metrics.send_error(
                 Segment::ToClient,
                 h2serve::send_error_code(&e),

@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 use std::time::Duration;
+use tether_core::error::chain;
 
 use bytes::{Bytes, BytesMut};
 use tether_core::pump::{splice, Buffered, Flow, Sink, SpliceEnd};
@@ -68,7 +69,7 @@ where
                 tracing::debug!(%err, connect_id, "closed by agent")
             }
             SpliceEnd::LocalError(e) => {
-                tracing::debug!(error = %e, connect_id, "client connection failed")
+                tracing::debug!(error = %chain(&e), connect_id, "client connection failed")
             }
             _ => {}
         }
@@ -97,7 +98,7 @@ where
             ("400 Bad Request", why)
         }
         Ok(Err(e)) => {
-            tracing::debug!(error = %e, "client went away before sending a request");
+            tracing::debug!(error = %chain(&e), "client went away before sending a request");
             return None;
         }
         Err(_) => (
