@@ -174,6 +174,7 @@ const MODULES: &[(&str, &str)] = &[
     ("tether_ccm", "informer"),
     ("tether_ccm", "lb"),
     ("tether_ccm", "leader"),
+    ("tether_ccm", "manager"),
     ("tether_ccm", "metrics"),
     ("tether_ccm", "netlink"),
     ("tether_ccm", "provider"),
