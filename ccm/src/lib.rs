@@ -16,6 +16,7 @@ pub mod metrics;
 pub mod netlink;
 pub mod provider;
 pub mod serving;
+pub mod translate;
 pub mod workqueue;
 
 use std::sync::Arc;

@@ -259,6 +259,26 @@ impl WorkQueue {
     }
 }
 
+/// A period that does not catch up on missed ticks (a slow pass delays the next).
+pub struct Ticker(tokio::time::Interval);
+
+impl Ticker {
+    /// The first tick is at once.
+    pub fn new(period: std::time::Duration) -> Self {
+        let mut tick = tokio::time::interval(period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        Ticker(tick)
+    }
+
+    /// Waits for the next tick: false once `shutdown` fires instead.
+    pub async fn next(&mut self, shutdown: &tokio_util::sync::CancellationToken) -> bool {
+        tokio::select! {
+            _ = self.0.tick() => true,
+            _ = shutdown.cancelled() => false,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -179,6 +179,7 @@ const MODULES: &[(&str, &str)] = &[
     ("tether_ccm", "netlink"),
     ("tether_ccm", "provider"),
     ("tether_ccm", "serving"),
+    ("tether_ccm", "translate"),
     ("tether_ccm", "workqueue"),
     ("tether_certs", "csr"),
     ("tether_certs", "inspect"),

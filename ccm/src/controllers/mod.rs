@@ -10,7 +10,12 @@ pub mod node_lifecycle;
 pub mod route;
 pub mod service;
 
-use k8s_openapi::api::core::v1::{Node, Taint};
+use k8s_openapi::api::core::v1::Node;
+
+pub use crate::translate::{
+    condition, condition_status, has_taint, node_info, ready_status, taints,
+};
+
 use tether_core::error::chain;
 
 /// Set by kubelets started with `--cloud-provider=external` until we initialise them.
@@ -18,74 +23,7 @@ pub const TAINT_UNINITIALIZED: &str = "node.cloudprovider.kubernetes.io/uninitia
 /// Put on nodes whose machine is shut down.
 pub const TAINT_SHUTDOWN: &str = "node.cloudprovider.kubernetes.io/shutdown";
 
-/// Does `node` carry the taint `key`?
-pub fn has_taint(node: &Node, key: &str) -> bool {
-    taints(node).iter().any(|t| t.key == key)
-}
-
-/// `node`'s taints.
-pub fn taints(node: &Node) -> &[Taint] {
-    node.spec
-        .as_ref()
-        .and_then(|s| s.taints.as_deref())
-        .unwrap_or_default()
-}
-
-/// The provider's view of `node`.
-pub fn node_info(node: &Node) -> crate::cloud::NodeInfo {
-    crate::cloud::NodeInfo {
-        name: kube::ResourceExt::name_any(node),
-        provider_id: node
-            .spec
-            .as_ref()
-            .and_then(|s| s.provider_id.clone())
-            .filter(|p| !p.is_empty()),
-        labels: node.metadata.labels.clone().unwrap_or_default(),
-    }
-}
-
-/// The status of `node`'s Ready condition ("True", "False", "Unknown"), if reported.
-pub fn ready_status(node: &Node) -> Option<&str> {
-    condition_status(node, "Ready")
-}
-
-/// The status of `node`'s condition `kind`, if reported.
-pub fn condition_status<'a>(node: &'a Node, kind: &str) -> Option<&'a str> {
-    condition(node, kind).map(|c| c.status.as_str())
-}
-
-/// `node`'s condition `kind`, if reported.
-pub fn condition<'a>(
-    node: &'a Node,
-    kind: &str,
-) -> Option<&'a k8s_openapi::api::core::v1::NodeCondition> {
-    node.status
-        .as_ref()?
-        .conditions
-        .as_ref()?
-        .iter()
-        .find(|c| c.type_ == kind)
-}
-
-/// A period that does not catch up on missed ticks (a slow pass delays the next).
-pub struct Ticker(tokio::time::Interval);
-
-impl Ticker {
-    /// The first tick is at once.
-    pub fn new(period: std::time::Duration) -> Self {
-        let mut tick = tokio::time::interval(period);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        Ticker(tick)
-    }
-
-    /// Waits for the next tick: false once `shutdown` fires instead.
-    pub async fn next(&mut self, shutdown: &tokio_util::sync::CancellationToken) -> bool {
-        tokio::select! {
-            _ = self.0.tick() => true,
-            _ = shutdown.cancelled() => false,
-        }
-    }
-}
+pub use crate::workqueue::Ticker;
 
 /// Why one sync failed (it is retried with backoff).
 #[derive(Debug, thiserror::Error)]

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tether_core::error::chain;
 
-use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::core::v1::Service;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::ResourceExt;
@@ -21,22 +21,16 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use super::{ready_status, taints, Context, SyncError, Target};
-use crate::cloud::{
-    annotations, Backend, CloudError, LoadBalancerStatus, LoadBalancers, ProxyProtocol,
-    ServiceInfo, ServicePort,
+use super::{Context, SyncError, Target};
+use crate::cloud::{Backend, CloudError, LoadBalancerStatus, LoadBalancers, ServiceInfo};
+use crate::endpoints::EndpointsCache;
+use crate::translate::{
+    backends, backends_for, is_ours, service_info, service_warnings, without_endpoints,
 };
-use crate::endpoints::{EndpointsCache, Ready};
 use crate::workqueue::{Outcome, WorkQueue};
 
 /// Our finalizer on Services with a balancer.
 pub const FINALIZER: &str = "service.kubernetes.io/load-balancer-cleanup";
-/// The reason of the event about ports of a protocol other than TCP.
-pub const UNSUPPORTED_PROTOCOL: &str = "UnsupportedProtocol";
-/// Nodes with this label are never backends.
-pub const EXCLUDE_LABEL: &str = "node.kubernetes.io/exclude-from-external-load-balancers";
-/// Nodes the cluster autoscaler is removing are never backends.
-pub const TO_BE_DELETED_TAINT: &str = "ToBeDeletedByClusterAutoscaler";
 
 /// Settings of the service controller.
 #[derive(Debug, Clone)]
@@ -509,286 +503,6 @@ fn target(svc: &Service) -> Target {
     }
 }
 
-/// Is `svc` a LoadBalancer Service of ours: without a `loadBalancerClass`, or with
-/// `class` (`--load-balancer-class`)?
-pub fn is_ours(svc: &Service, class: Option<&str>) -> bool {
-    let Some(spec) = &svc.spec else { return false };
-    if spec.type_.as_deref() != Some("LoadBalancer") {
-        return false;
-    }
-    match &spec.load_balancer_class {
-        None => true,
-        Some(c) => class == Some(c.as_str()),
-    }
-}
-
-/// Nodes eligible as backends: Ready, not excluded, not being deleted, with an
-/// InternalIP; sorted by name.
-pub fn backends(nodes: &Store<Node>) -> Vec<Backend> {
-    let mut out: Vec<Backend> = nodes.state().iter().filter_map(|n| eligible(n)).collect();
-    out.sort_by(|a, b| a.name.cmp(&b.name));
-    out
-}
-
-/// The backends of `svc`: every eligible node, or with `externalTrafficPolicy: Local`
-/// only those with a ready endpoint of the Service (a node without one would drop the
-/// traffic).
-pub fn backends_for(
-    nodes: &Store<Node>,
-    endpoints: &EndpointsCache,
-    svc: &Service,
-) -> Vec<Backend> {
-    let all = backends(nodes);
-    let local = svc
-        .spec
-        .as_ref()
-        .and_then(|s| s.external_traffic_policy.as_deref())
-        == Some("Local");
-    if !local {
-        return all;
-    }
-    let ready = endpoints.ready(&svc.namespace().unwrap_or_default(), &svc.name_any());
-    all.into_iter()
-        .filter(|b| ready.nodes.contains(&b.name))
-        .collect()
-}
-
-/// `info` with no endpoints: what a refusal is about.
-fn without_endpoints(info: &ServiceInfo) -> ServiceInfo {
-    let mut info = info.clone();
-    for port in &mut info.ports {
-        port.endpoints.clear();
-    }
-    info
-}
-
-/// The provider's view of `svc`, with the ready endpoints of each port.
-pub fn service_info(svc: &Service, endpoints: &EndpointsCache) -> ServiceInfo {
-    info_of(
-        svc,
-        &endpoints.ready(&svc.namespace().unwrap_or_default(), &svc.name_any()),
-    )
-}
-
-fn info_of(svc: &Service, ready: &Ready) -> ServiceInfo {
-    let spec = svc.spec.clone().unwrap_or_default();
-    let ports = spec
-        .ports
-        .iter()
-        .flatten()
-        .map(|p| {
-            let name = p.name.clone().unwrap_or_default();
-            ServicePort {
-                protocol: p.protocol.clone().unwrap_or_else(|| "TCP".into()),
-                port: u16::try_from(p.port).unwrap_or(0),
-                node_port: p.node_port.and_then(|n| u16::try_from(n).ok()).unwrap_or(0),
-                endpoints: ready.ports.get(&name).cloned().unwrap_or_default(),
-                name,
-            }
-        })
-        .collect();
-    let spec_ranges: Vec<String> = spec.load_balancer_source_ranges.clone().unwrap_or_default();
-    let ranges: Vec<String> = if spec_ranges.is_empty() {
-        list_annotation(svc, annotations::SOURCE_RANGES)
-    } else {
-        spec_ranges
-    };
-    let mut source_ranges = Vec::new();
-    let mut invalid_source_ranges = Vec::new();
-    for r in ranges {
-        match r.parse::<tether_core::identifiers::Cidr>() {
-            Ok(c) => source_ranges.push(c),
-            Err(_) => invalid_source_ranges.push(r),
-        }
-    }
-    let (max_connections, idle_timeout, proxy_protocol, _) = limits(svc);
-    let families = match &spec.ip_families {
-        Some(f) if !f.is_empty() => f.clone(),
-        // Before dual-stack (1.20 without the gate): the cluster IP's family.
-        _ => match spec
-            .cluster_ip
-            .as_deref()
-            .map(str::parse::<std::net::IpAddr>)
-        {
-            Some(Ok(std::net::IpAddr::V6(_))) => vec!["IPv6".into()],
-            _ => vec!["IPv4".into()],
-        },
-    };
-    let requested_ips = match list_annotation(svc, annotations::LOAD_BALANCER_IPS) {
-        list if !list.is_empty() => list,
-        _ => spec
-            .load_balancer_ip
-            .clone()
-            .filter(|ip| !ip.is_empty())
-            .into_iter()
-            .collect(),
-    };
-    let current_ips = svc
-        .status
-        .as_ref()
-        .and_then(|s| s.load_balancer.as_ref())
-        .and_then(|l| l.ingress.as_ref())
-        .into_iter()
-        .flatten()
-        .filter_map(|i| i.ip.clone().or_else(|| i.hostname.clone()))
-        .collect();
-    ServiceInfo {
-        namespace: svc.namespace().unwrap_or_default(),
-        name: svc.name_any(),
-        uid: svc.uid().unwrap_or_default(),
-        ports,
-        source_ranges,
-        invalid_source_ranges,
-        max_connections,
-        idle_timeout,
-        families,
-        require_dual_stack: spec.ip_family_policy.as_deref() == Some("RequireDualStack"),
-        requested_ips,
-        current_ips,
-        sharing_key: svc
-            .annotations()
-            .get(annotations::SHARING_KEY)
-            .map(|k| k.trim().to_string())
-            .filter(|k| !k.is_empty()),
-        sharing_namespaces: list_annotation(svc, annotations::SHARING_CROSS_NAMESPACE),
-        proxy_protocol,
-        node_ports: spec.allocate_load_balancer_node_ports != Some(false),
-    }
-}
-
-/// A comma-separated annotation's entries.
-fn list_annotation(svc: &Service, name: &str) -> Vec<String> {
-    svc.annotations()
-        .get(name)
-        .map(|v| {
-            v.split(',')
-                .map(|r| r.trim().to_string())
-                .filter(|r| !r.is_empty())
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
-/// The Service's limits and PROXY protocol version from its annotations, the defaults
-/// where absent or invalid, and what was invalid.
-fn limits(
-    svc: &Service,
-) -> (
-    usize,
-    std::time::Duration,
-    Option<ProxyProtocol>,
-    Vec<String>,
-) {
-    let a = svc.annotations();
-    let mut problems = Vec::new();
-    let max = match a.get(annotations::MAX_CONNECTIONS) {
-        None => crate::cloud::DEFAULT_MAX_CONNECTIONS,
-        Some(v) => match v.trim().parse::<usize>() {
-            Ok(n) if n > 0 => n,
-            _ => {
-                problems.push(format!(
-                    "{}={v:?} is not a positive number",
-                    annotations::MAX_CONNECTIONS
-                ));
-                crate::cloud::DEFAULT_MAX_CONNECTIONS
-            }
-        },
-    };
-    let idle = match a.get(annotations::IDLE_TIMEOUT) {
-        None => crate::cloud::DEFAULT_IDLE_TIMEOUT,
-        Some(v) => match tether_ops::duration::parse(v.trim()) {
-            Ok(d) if !d.is_zero() => d,
-            _ => {
-                problems.push(format!(
-                    "{}={v:?} is not a positive duration like 10m",
-                    annotations::IDLE_TIMEOUT
-                ));
-                crate::cloud::DEFAULT_IDLE_TIMEOUT
-            }
-        },
-    };
-    let proxy = match a
-        .get(annotations::PROXY_PROTOCOL)
-        .map(|v| v.trim().to_ascii_lowercase())
-    {
-        None => None,
-        Some(v) if v == "v1" => Some(ProxyProtocol::V1),
-        Some(v) if v == "v2" => Some(ProxyProtocol::V2),
-        Some(v) => {
-            problems.push(format!(
-                "{}={v:?} is not v1 or v2 (no PROXY header is sent)",
-                annotations::PROXY_PROTOCOL
-            ));
-            None
-        }
-    };
-    (max, idle, proxy, problems)
-}
-
-/// The Warning events `svc`'s balancer owes (reason, message): what in the Service
-/// cannot be served as written.
-fn service_warnings(svc: &Service, info: &ServiceInfo) -> Vec<(&'static str, String)> {
-    let mut out = Vec::new();
-    let (_, _, _, bad_limits) = limits(svc);
-    if !bad_limits.is_empty() {
-        out.push((
-            "InvalidAnnotation",
-            format!("{}; the defaults apply", bad_limits.join("; ")),
-        ));
-    }
-    if !info.invalid_source_ranges.is_empty() {
-        out.push((
-            "InvalidSourceRanges",
-            format!(
-                "source range(s) {} are not CIDRs and admit nobody; fix loadBalancerSourceRanges",
-                info.invalid_source_ranges.join(", ")
-            ),
-        ));
-    }
-    let unsupported: Vec<String> = info
-        .ports
-        .iter()
-        .filter(|p| p.protocol != "TCP")
-        .map(|p| format!("{}/{}", p.port, p.protocol))
-        .collect();
-    // With no TCP port at all the provider refuses the Service (no address, no
-    // ingress) and its refusal is the one event.
-    if !unsupported.is_empty() && unsupported.len() < info.ports.len() {
-        out.push((
-            UNSUPPORTED_PROTOCOL,
-            format!(
-                "port(s) {} not served: the tether load balancer forwards TCP only (Konnectivity dials TCP); the TCP ports are served",
-                unsupported.join(", ")
-            ),
-        ));
-    }
-    out
-}
-
-/// `node` as a backend, if eligible.
-pub fn eligible(node: &Node) -> Option<Backend> {
-    if node.metadata.deletion_timestamp.is_some()
-        || node.labels().contains_key(EXCLUDE_LABEL)
-        || taints(node).iter().any(|t| t.key == TO_BE_DELETED_TAINT)
-        || ready_status(node) != Some("True")
-    {
-        return None;
-    }
-    let address = node
-        .status
-        .as_ref()?
-        .addresses
-        .as_ref()?
-        .iter()
-        .find(|a| a.type_ == "InternalIP")?
-        .address
-        .clone();
-    Some(Backend {
-        name: node.name_any(),
-        address,
-    })
-}
-
 fn without_ip_mode(ingress: &serde_json::Value) -> serde_json::Value {
     let mut v = ingress.clone();
     if let Some(list) = v.as_array_mut() {
@@ -817,41 +531,7 @@ fn ingress_json(status: &LoadBalancerStatus) -> serde_json::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k8s_openapi::api::core::v1::{NodeAddress, NodeCondition, NodeSpec, NodeStatus, Taint};
-
-    #[test]
-    fn what_cannot_be_served_as_written_is_said_and_the_defaults_apply() {
-        let mut svc: Service = serde_json::from_value(json!({
-            "metadata": {"name": "s", "namespace": "d", "annotations": {
-                annotations::MAX_CONNECTIONS: "0", annotations::IDLE_TIMEOUT: "90s"}},
-            "spec": {"type": "LoadBalancer", "loadBalancerSourceRanges": ["10.0.0.0/8", "nope"],
-                     "ports": [{"port": 53, "protocol": "UDP"}, {"port": 80, "nodePort": 30080}]}
-        }))
-        .unwrap();
-        let info = info_of(&svc, &Ready::default());
-        assert_eq!(
-            (info.max_connections, info.idle_timeout),
-            (
-                crate::cloud::DEFAULT_MAX_CONNECTIONS,
-                std::time::Duration::from_secs(90)
-            )
-        );
-        let reasons: Vec<&str> = service_warnings(&svc, &info).iter().map(|w| w.0).collect();
-        assert_eq!(
-            reasons,
-            [
-                "InvalidAnnotation",
-                "InvalidSourceRanges",
-                UNSUPPORTED_PROTOCOL
-            ]
-        );
-        svc.metadata.annotations = None;
-        svc.spec.as_mut().unwrap().load_balancer_source_ranges = None;
-        svc.spec.as_mut().unwrap().ports.as_mut().unwrap().remove(0);
-        let info = info_of(&svc, &Ready::default());
-        assert!(service_warnings(&svc, &info).is_empty());
-        assert_eq!(info.idle_timeout, crate::cloud::DEFAULT_IDLE_TIMEOUT);
-    }
+    use serde_json::json;
 
     #[test]
     fn a_proxy_balancer_says_ip_mode_proxy_and_an_old_apiserver_dropping_it_is_no_change() {
@@ -864,46 +544,5 @@ mod tests {
         assert_eq!(wanted, json!([{ "ip": "192.0.2.1", "ipMode": "Proxy" }]));
         let stored_by_1_20 = json!([{ "ip": "192.0.2.1" }]);
         assert_eq!(without_ip_mode(&stored_by_1_20), without_ip_mode(&wanted));
-    }
-
-    fn node(name: &str, ready: bool) -> Node {
-        let mut n = Node::default();
-        n.metadata.name = Some(name.into());
-        n.status = Some(NodeStatus {
-            addresses: Some(vec![NodeAddress {
-                type_: "InternalIP".into(),
-                address: "10.0.0.1".into(),
-            }]),
-            conditions: Some(vec![NodeCondition {
-                type_: "Ready".into(),
-                status: if ready { "True" } else { "False" }.into(),
-                ..Default::default()
-            }]),
-            ..Default::default()
-        });
-        n
-    }
-
-    #[test]
-    fn backends_exclude_unready_labelled_and_autoscaler_doomed_nodes() {
-        assert!(eligible(&node("a", true)).is_some());
-        assert!(eligible(&node("a", false)).is_none());
-        let mut excluded = node("a", true);
-        excluded.metadata.labels = Some(
-            [(EXCLUDE_LABEL.to_string(), String::new())]
-                .into_iter()
-                .collect(),
-        );
-        assert!(eligible(&excluded).is_none());
-        let mut doomed = node("a", true);
-        doomed.spec = Some(NodeSpec {
-            taints: Some(vec![Taint {
-                key: TO_BE_DELETED_TAINT.into(),
-                effect: "NoSchedule".into(),
-                ..Default::default()
-            }]),
-            ..Default::default()
-        });
-        assert!(eligible(&doomed).is_none());
     }
 }

@@ -534,7 +534,7 @@ impl LoadBalancers for TunnelLoadBalancers {
             // Nothing to serve: no address (it would be a pool address for nothing)
             // and no ingress a client would take for a working balancer.
             return Err(CloudError::Refused {
-                reason: crate::controllers::service::UNSUPPORTED_PROTOCOL.into(),
+                reason: crate::translate::UNSUPPORTED_PROTOCOL.into(),
                 message: format!(
                     "no TCP port, so no load balancer: the tether load balancer forwards TCP only (Konnectivity dials TCP); port(s) {} not served",
                     svc.ports

@@ -23,9 +23,9 @@ use tracing::Instrument;
 
 use super::balancer::TunnelLoadBalancers;
 use crate::cloud::ServiceInfo;
-use crate::controllers::service::{backends, backends_for, is_ours, service_info};
 use crate::endpoints::EndpointsCache;
 use crate::leader::LeaderElection;
+use crate::translate::{backends, backends_for, is_ours, service_info};
 use crate::workqueue::{Outcome, WorkQueue};
 
 /// How the pools are held and served.
@@ -134,7 +134,7 @@ pub async fn run(
         let (server, stop, period) = (server.clone(), stop.clone(), cfg.resync);
         tokio::spawn(
             async move {
-                let mut tick = crate::controllers::Ticker::new(period);
+                let mut tick = crate::workqueue::Ticker::new(period);
                 tick.next(&stop).await;
                 while tick.next(&stop).await {
                     server.queue_all();

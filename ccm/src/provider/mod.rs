@@ -574,17 +574,37 @@ mod tests {
         assert_eq!(routes.table, 254);
         assert!(parse(p, "").unwrap().machines.is_empty());
         let agents = parse(p, "agents: {urls: [\"127.0.0.1:8133\"]}\n").unwrap_err();
-        assert!(agents.to_string().contains("admin port"), "{agents}");
+        assert!(
+            tether_core::error::chain(&agents)
+                .to_string()
+                .contains("admin port"),
+            "{agents}"
+        );
         let dup = parse(p, "nodes:\n- name: a\n- name: a\n").unwrap_err();
-        assert!(dup.to_string().contains("listed twice"), "{dup}");
+        assert!(
+            tether_core::error::chain(&dup)
+                .to_string()
+                .contains("listed twice"),
+            "{dup}"
+        );
         let typo = parse(p, "nodes:\n- name: a\n  zones: z1\n").unwrap_err();
-        assert!(typo.to_string().contains("zones"), "{typo}");
+        assert!(
+            tether_core::error::chain(&typo)
+                .to_string()
+                .contains("zones"),
+            "{typo}"
+        );
         let kind = parse(
             p,
             "nodes:\n- name: a\n  addresses: [{type: Internal, address: 1.2.3.4}]\n",
         )
         .unwrap_err();
-        assert!(kind.to_string().contains("InternalIP"), "{kind}");
+        assert!(
+            tether_core::error::chain(&kind)
+                .to_string()
+                .contains("InternalIP"),
+            "{kind}"
+        );
         for key in [
             "node-role.kubernetes.io/edge",
             "kubernetes.io/hostname",
@@ -592,7 +612,12 @@ mod tests {
             "tether.dev/instance-source",
         ] {
             let e = parse(p, &format!("nodes:\n- name: a\n  labels: {{{key}: x}}\n")).unwrap_err();
-            assert!(e.to_string().contains("reserved domain"), "{key}: {e}");
+            assert!(
+                tether_core::error::chain(&e)
+                    .to_string()
+                    .contains("reserved domain"),
+                "{key}: {e}"
+            );
         }
         assert!(parse(
             p,
