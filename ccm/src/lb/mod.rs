@@ -15,4 +15,5 @@ pub mod announce;
 pub mod balancer;
 pub mod netns;
 pub mod pools;
+mod port;
 pub mod proxy_protocol;
