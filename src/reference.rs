@@ -178,7 +178,7 @@ pub fn metrics_markdown() -> String {
     family_table(
         &mut out,
         "tether ccm",
-        &tether_ccm::metrics::get().catalog.families(),
+        &tether_ccm::metrics::Metrics::new().catalog.families(),
     );
     out
 }

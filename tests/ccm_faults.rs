@@ -30,6 +30,7 @@ fn config(enabled: Enabled) -> CcmConfig {
         load_balancer_lease: None,
         identity: "test".into(),
         load_balancer_server: None,
+        metrics: Default::default(),
     }
 }
 

@@ -893,6 +893,7 @@ async fn load_balancer(to: SocketAddr, uds: PathBuf) -> anyhow::Result<()> {
             bind: Some(std::net::Ipv4Addr::LOCALHOST.into()),
             tunnel_uds: uds,
             max_connections: tunnel_lb::DEFAULT_MAX_CONNECTIONS,
+            metrics: Default::default(),
         },
         None,
     )

@@ -156,6 +156,8 @@ pub struct CcmConfig {
     /// The load balancers' data plane (the `tether` provider's), which every replica
     /// runs beside the controllers, serving the pools whose leases it holds.
     pub load_balancer_server: Option<Arc<lb::balancer::TunnelLoadBalancers>>,
+    /// The controller manager's metrics (served on the secure port).
+    pub metrics: metrics::Metrics,
 }
 
 /// Why the controller manager stopped.

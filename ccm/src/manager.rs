@@ -36,7 +36,7 @@ pub async fn run(
 ) -> Result<(), CcmError> {
     let clients: credentials::Clients = clients.into();
     let routes = routes_to_run(provider.as_ref(), &config);
-    let leader_metric = crate::metrics::get().leader.with_label_values(&[config
+    let leader_metric = config.metrics.leader.with_label_values(&[config
         .leader_election
         .as_ref()
         .map(|le| le.name.as_str())
@@ -250,8 +250,8 @@ impl Controllers {
         shutdown: &CancellationToken,
     ) -> Result<bool, CcmError> {
         let client = clients.root.clone();
-        let node_queue = WorkQueue::new("node");
-        let lb_node_events = WorkQueue::new("lb-nodes");
+        let node_queue = WorkQueue::new("node", &config.metrics);
+        let lb_node_events = WorkQueue::new("lb-nodes", &config.metrics);
         let load_balancers = provider.load_balancers().filter(|_| config.enabled.service);
         let mut node_queues = Vec::new();
         if config.enabled.node {
@@ -275,6 +275,7 @@ impl Controllers {
             identity: config.identity.clone(),
             nodes,
             recorder: Default::default(),
+            metrics: config.metrics.clone(),
         };
         // Each controller acts (and records events) as its own identity.
         let ctx_for = |service_account: &str| Context {
@@ -374,7 +375,7 @@ impl Controllers {
             );
             return Ok(true);
         };
-        let queue = WorkQueue::new("csr-approver");
+        let queue = WorkQueue::new("csr-approver", &config.metrics);
         let csrs = informer::spawn(
             "certificatesigningrequests",
             Api::<CertificateSigningRequest>::all(client.clone()),
@@ -405,7 +406,7 @@ impl Controllers {
         node_events: Arc<WorkQueue>,
         shutdown: &CancellationToken,
     ) -> Result<bool, CcmError> {
-        let queue = WorkQueue::new("service");
+        let queue = WorkQueue::new("service", &config.metrics);
         let services = informer::spawn(
             "services",
             Api::<Service>::all(client.clone()),

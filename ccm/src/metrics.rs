@@ -3,9 +3,7 @@
 //! `workqueue_*{name}`, `leader_election_master_status{name}`, the service controller's
 //! `service_controller_loadbalancer_sync_total`, the route controller's
 //! `route_controller_route_sync_total`, plus node and lifecycle counters, and the process's own
-//! families. One set per process, as client-go's global metrics provider.
-
-use std::sync::OnceLock;
+//! families. One set per controller manager, passed to what counts.
 
 use prometheus::{
     GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts,
@@ -168,9 +166,22 @@ tether_ops::metric_set! {
     }
 }
 
-/// The process's metrics, beside the process's own families (`process_*`,
-/// `promhttp_*`); other metrics join them through `get().catalog`.
-pub fn get() -> &'static Metrics {
-    static METRICS: OnceLock<Metrics> = OnceLock::new();
-    METRICS.get_or_init(|| Metrics::declare(Catalog::with_process()))
+impl Metrics {
+    /// Every metric of the controller manager, beside the process's own families
+    /// (`process_*`, `promhttp_*`, heap), in a registry of their own.
+    pub fn new() -> Self {
+        Self::declare(Catalog::with_process())
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
 }

@@ -44,9 +44,36 @@ pub enum Outcome {
     Retry(Option<Duration>),
 }
 
+/// One queue's series of client-go's `workqueue_*{name}` families.
+struct Series {
+    adds: prometheus::IntCounter,
+    depth: prometheus::IntGauge,
+    retries: prometheus::IntCounter,
+    latency: prometheus::Histogram,
+    work: prometheus::Histogram,
+    unfinished: prometheus::Gauge,
+    longest: prometheus::Gauge,
+}
+
+impl Series {
+    /// Every series of queue `name`, created at zero from the start (as client-go's).
+    fn of(m: &crate::metrics::Metrics, name: &str) -> Series {
+        Series {
+            adds: m.queue_adds.with_label_values(&[name]),
+            depth: m.queue_depth.with_label_values(&[name]),
+            retries: m.queue_retries.with_label_values(&[name]),
+            latency: m.queue_latency.with_label_values(&[name]),
+            work: m.work_duration.with_label_values(&[name]),
+            unfinished: m.unfinished_work.with_label_values(&[name]),
+            longest: m.longest_running.with_label_values(&[name]),
+        }
+    }
+}
+
 /// The queue.
 pub struct WorkQueue {
     name: &'static str,
+    series: Series,
     state: Mutex<State>,
     notify: Notify,
     base: Duration,
@@ -54,24 +81,22 @@ pub struct WorkQueue {
 }
 
 impl WorkQueue {
-    /// A queue named `name` (for logs) with the default backoff.
-    pub fn new(name: &'static str) -> Arc<Self> {
-        Self::with_backoff(name, BACKOFF_BASE, BACKOFF_MAX)
+    /// A queue named `name` (for logs and its series in `metrics`) with the default
+    /// backoff.
+    pub fn new(name: &'static str, metrics: &crate::metrics::Metrics) -> Arc<Self> {
+        Self::with_backoff(name, BACKOFF_BASE, BACKOFF_MAX, metrics)
     }
 
     /// A queue with a custom backoff (tests).
-    pub fn with_backoff(name: &'static str, base: Duration, max: Duration) -> Arc<Self> {
-        // Every queue's series exist from the start, at zero (as client-go's).
-        let m = crate::metrics::get();
-        m.queue_adds.with_label_values(&[name]);
-        m.queue_depth.with_label_values(&[name]);
-        m.queue_retries.with_label_values(&[name]);
-        m.queue_latency.with_label_values(&[name]);
-        m.work_duration.with_label_values(&[name]);
-        m.unfinished_work.with_label_values(&[name]);
-        m.longest_running.with_label_values(&[name]);
+    pub fn with_backoff(
+        name: &'static str,
+        base: Duration,
+        max: Duration,
+        metrics: &crate::metrics::Metrics,
+    ) -> Arc<Self> {
         Arc::new(WorkQueue {
             name,
+            series: Series::of(metrics, name),
             state: Mutex::new(State::default()),
             notify: Notify::new(),
             base,
@@ -98,11 +123,8 @@ impl WorkQueue {
         s.added.insert(key.to_string(), Instant::now());
         let depth = s.queue.len();
         drop(s);
-        let m = crate::metrics::get();
-        m.queue_adds.with_label_values(&[self.name]).inc();
-        m.queue_depth
-            .with_label_values(&[self.name])
-            .set(depth as i64);
+        self.series.adds.inc();
+        self.series.depth.set(depth as i64);
         self.notify.notify_one();
     }
 
@@ -134,15 +156,10 @@ impl WorkQueue {
                     s.queued.remove(&key);
                     s.active.insert(key.clone());
                     let now = Instant::now();
-                    let m = crate::metrics::get();
                     if let Some(at) = s.added.remove(&key) {
-                        m.queue_latency
-                            .with_label_values(&[self.name])
-                            .observe((now - at).as_secs_f64());
+                        self.series.latency.observe((now - at).as_secs_f64());
                     }
-                    m.queue_depth
-                        .with_label_values(&[self.name])
-                        .set(s.queue.len() as i64);
+                    self.series.depth.set(s.queue.len() as i64);
                     s.started.insert(key.clone(), now);
                     self.report_unfinished(&s, now);
                     if !s.queue.is_empty() {
@@ -161,11 +178,8 @@ impl WorkQueue {
         let mut s = self.state();
         s.active.remove(&key);
         let now = Instant::now();
-        let m = crate::metrics::get();
         if let Some(at) = s.started.remove(&key) {
-            m.work_duration
-                .with_label_values(&[self.name])
-                .observe((now - at).as_secs_f64());
+            self.series.work.observe((now - at).as_secs_f64());
         }
         self.report_unfinished(&s, now);
         let again = s.dirty.remove(&key);
@@ -182,7 +196,7 @@ impl WorkQueue {
                 *n += 1;
                 let delay = after.unwrap_or_else(|| self.backoff(*n));
                 drop(s);
-                m.queue_retries.with_label_values(&[self.name]).inc();
+                self.series.retries.inc();
                 // The backoff holds even if the object changed meanwhile: the retry
                 // reads the latest state anyway, and a busy object must not turn a
                 // failing provider into a hot loop.
@@ -197,11 +211,8 @@ impl WorkQueue {
     fn report_unfinished(&self, s: &State, now: Instant) {
         let running = s.started.values().map(|at| (now - *at).as_secs_f64());
         let (total, longest) = running.fold((0.0, 0.0f64), |(t, l), d| (t + d, l.max(d)));
-        let m = crate::metrics::get();
-        m.unfinished_work.with_label_values(&[self.name]).set(total);
-        m.longest_running
-            .with_label_values(&[self.name])
-            .set(longest);
+        self.series.unfinished.set(total);
+        self.series.longest.set(longest);
     }
 
     /// Runs `workers` workers until `shutdown`: each takes a key, awaits `sync` on it and
@@ -285,7 +296,7 @@ mod tests {
 
     #[test]
     fn backoff_doubles_from_5s_to_300s() {
-        let q = WorkQueue::new("t");
+        let q = WorkQueue::new("t", &crate::metrics::Metrics::default());
         let d: Vec<u64> = (1..=8).map(|n| q.backoff(n).as_secs()).collect();
         assert_eq!(d, [5, 10, 20, 40, 80, 160, 300, 300]);
         assert_eq!(q.backoff(100), BACKOFF_MAX);
@@ -293,7 +304,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn keys_are_deduplicated_and_failed_ones_come_back() {
-        let q = WorkQueue::new("t");
+        let q = WorkQueue::new("t", &crate::metrics::Metrics::default());
         q.add("a");
         q.add("a");
         q.add("b");

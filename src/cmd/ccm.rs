@@ -286,6 +286,7 @@ impl CcmArgs {
                     })?,
             ),
         };
+        let metrics = tether_ccm::metrics::Metrics::new();
         let lb = match (bind, self.tunnel_uds.as_str()) {
             (Some(_), "") => bail!("--lb-bind-address needs --tunnel-uds: load balancers reach the nodes through the Tether server's socket"),
             (_, "") => None,
@@ -293,6 +294,7 @@ impl CcmArgs {
                 bind,
                 tunnel_uds: PathBuf::from(uds),
                 max_connections: self.lb_max_connections,
+                metrics: metrics.clone(),
             }),
         };
         let (provider, load_balancer_server): (Arc<dyn Provider>, _) = match self
@@ -344,6 +346,7 @@ impl CcmArgs {
             .unwrap_or_else(|| "tether-ccm".into());
         let identity = format!("{host}_{}", uuid::Uuid::new_v4());
         let config = CcmConfig {
+            metrics,
             load_balancer_server,
             cluster_name: self.cluster_name.clone(),
             enabled,
@@ -394,7 +397,7 @@ pub fn main(args: CcmArgs) -> anyhow::Result<()> {
     tether_ccm::lb::netns::drop_sys_admin()
         .map_err(|e| anyhow::anyhow!("cannot drop CAP_SYS_ADMIN: {e}"))?;
     let kubeconfig = (!args.kubeconfig.is_empty()).then(|| PathBuf::from(&args.kubeconfig));
-    let metrics = tether_ccm::metrics::get();
+    let metrics = config.metrics.clone();
     let registry = metrics.catalog.registry().clone();
     let (rest_metrics, provider_calls) = (metrics.rest.clone(), metrics.provider_calls.clone());
     let secure = args.secure_listener()?;

@@ -81,6 +81,8 @@ pub struct Context {
     pub nodes: kube::runtime::reflector::Store<Node>,
     /// Events already published, for aggregation.
     pub recorder: std::sync::Arc<Recorder>,
+    /// The controller manager's metrics.
+    pub metrics: crate::metrics::Metrics,
 }
 
 /// The events' source component.

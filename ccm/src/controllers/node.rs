@@ -133,7 +133,8 @@ impl NodeController {
         let meta = match self.instances.metadata(&node_info(node)).await {
             Ok(m) => m,
             Err(CloudError::Unverified(why)) => {
-                crate::metrics::get()
+                self.ctx
+                    .metrics
                     .node_inits
                     .with_label_values(&["failed"])
                     .inc();
@@ -143,7 +144,8 @@ impl NodeController {
                 return Err(CloudError::Unverified(why).into());
             }
             Err(CloudError::InstanceNotFound) => {
-                crate::metrics::get()
+                self.ctx
+                    .metrics
                     .node_inits
                     .with_label_values(&["failed"])
                     .inc();
@@ -212,7 +214,8 @@ impl NodeController {
             })),
         )
         .await?;
-        crate::metrics::get()
+        self.ctx
+            .metrics
             .node_inits
             .with_label_values(&["initialized"])
             .inc();

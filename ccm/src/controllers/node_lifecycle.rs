@@ -89,7 +89,7 @@ impl NodeLifecycleController {
             .provider_id
             .as_deref()
             .is_some_and(|p| self.instances.owns(p));
-        let metrics = crate::metrics::get();
+        let metrics = &self.ctx.metrics;
         if !owned {
             metrics
                 .deletions_withheld

@@ -145,7 +145,7 @@ impl RouteController {
     pub async fn run(self, shutdown: CancellationToken) {
         let mut tick = super::Ticker::new(self.period);
         while tick.next(&shutdown).await {
-            crate::metrics::get().route_syncs.inc();
+            self.ctx.metrics.route_syncs.inc();
             if let Err(e) = self
                 .reconcile()
                 .instrument(tracing::debug_span!("reconcile_routes"))

@@ -264,10 +264,11 @@ impl ServiceController {
         // Same Service, new node set: just point the balancer at the new nodes.
         if let Some((applied, old_nodes)) = &before {
             if *applied == info && *old_nodes != nodes && has_ingress(svc) {
-                crate::metrics::get().lb_syncs.inc();
+                self.ctx.metrics.lb_syncs.inc();
                 let started = std::time::Instant::now();
                 let updated = self.lbs.update(&self.cfg.cluster_name, &info, &nodes).await;
-                crate::metrics::get()
+                self.ctx
+                    .metrics
                     .lb_nodesync_latency
                     .observe(started.elapsed().as_secs_f64());
                 if let Err(e) = updated {
@@ -316,7 +317,7 @@ impl ServiceController {
                 )
                 .await;
         }
-        crate::metrics::get().lb_syncs.inc();
+        self.ctx.metrics.lb_syncs.inc();
         let status = match self.lbs.ensure(&self.cfg.cluster_name, &info, &nodes).await {
             Ok(s) => {
                 self.said().remove(key);

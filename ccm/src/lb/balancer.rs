@@ -3,7 +3,7 @@
 //! `loadBalancer:` pools (see [`super::addresses`]; without pools, every Service
 //! shares `--lb-bind-address` and colliding ports are refused), held by the replica
 //! holding each pool's Lease (see [`super::pools`] and [`super::announce`]). For each
-//! address and TCP port the CCM listens ([`super::port`]: admission, the next backend,
+//! address and TCP port the CCM listens (`port`: admission, the next backend,
 //! the PROXY header, the splice), and forwards every connection through the Tether
 //! server's gRPC frontend to a backend node's NodePort, or with
 //! `allocateLoadBalancerNodePorts: false` to a ready endpoint's pod IP and targetPort.
@@ -40,6 +40,8 @@ pub struct TunnelLbConfig {
     /// `--lb-max-connections`: open connections over every Service at once (each
     /// Service also has its own limit, `tether.dev/lb-max-connections`).
     pub max_connections: usize,
+    /// The controller manager's metrics (the balancers' series).
+    pub metrics: crate::metrics::Metrics,
 }
 
 /// Default of [`TunnelLbConfig::max_connections`]. With a client that stops reading, a
@@ -107,6 +109,8 @@ pub struct TunnelLoadBalancers {
     busy: Arc<AtomicUsize>,
     /// Where changed pools are read from (the cloud config), if they may change.
     pool_source: Option<PoolSource>,
+    /// The controller manager's metrics.
+    metrics: crate::metrics::Metrics,
     /// The pools this replica serves now (their leases held).
     serving: tokio::sync::RwLock<std::collections::HashSet<String>>,
 }
@@ -170,6 +174,7 @@ impl TunnelLoadBalancers {
             busy: Arc::new(AtomicUsize::new(0)),
             pool_source: None,
             serving: Default::default(),
+            metrics: cfg.metrics,
         })
     }
 
@@ -204,6 +209,11 @@ impl TunnelLoadBalancers {
         }
         tracing::info!(pools = pools.pools.len(), "load-balancer pools reloaded");
         allocator.set_pools(pools);
+    }
+
+    /// The controller manager's metrics these balancers count in.
+    pub fn metrics(&self) -> &crate::metrics::Metrics {
+        &self.metrics
     }
 
     /// Whether the addresses are held and announced here (`loadBalancer.interface`).
@@ -256,7 +266,7 @@ impl TunnelLoadBalancers {
 
     /// Publishes each pool's addresses in use and in all (pools gone lose their series).
     fn publish_usage(&self) {
-        let m = crate::metrics::get();
+        let m = &self.metrics;
         m.lb_addresses_in_use.reset();
         m.lb_addresses_total.reset();
         for (pool, used, total) in self.allocator().usage() {
@@ -371,8 +381,7 @@ impl TunnelLoadBalancers {
 
 /// Drops a deleted Service's per-Service series, so that a cluster whose Services come
 /// and go does not grow its scrape forever.
-fn forget_series(service: &str) {
-    let m = crate::metrics::get();
+fn forget_series(m: &crate::metrics::Metrics, service: &str) {
     let _ = m.lb_active.remove_label_values(&[service]);
     for result in [
         "accepted",
@@ -727,6 +736,7 @@ impl TunnelLoadBalancers {
             };
         }
         let shared = Shared::new(
+            &self.metrics,
             svc,
             nodes,
             self.open.clone(),
@@ -817,7 +827,7 @@ impl TunnelLoadBalancers {
             l.stop();
         }
         tracing::info!(service = %label(svc), "load balancer no longer served here");
-        forget_series(&label(svc));
+        forget_series(&self.metrics, &label(svc));
         self.let_go(b.addresses.into_iter().map(|(ip, _)| ip).collect())
             .await;
     }

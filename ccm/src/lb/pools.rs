@@ -58,8 +58,8 @@ pub async fn run(
 ) {
     let stop = CancellationToken::new();
     let _stop = stop.clone().drop_guard();
-    let queue = WorkQueue::new("lb-serve");
-    let node_events = WorkQueue::new("lb-serve-nodes");
+    let queue = WorkQueue::new("lb-serve", lbs.metrics());
+    let node_events = WorkQueue::new("lb-serve-nodes", lbs.metrics());
     let nodes = crate::informer::spawn(
         "nodes",
         Api::<Node>::all(client.clone()),
@@ -234,9 +234,7 @@ async fn term(
         return;
     };
     let held = le.balance.clone().unwrap_or_default();
-    let holding = crate::metrics::get()
-        .leader
-        .with_label_values(&[le.name.as_str()]);
+    let holding = lbs.metrics().leader.with_label_values(&[le.name.as_str()]);
     holding.set(0);
     loop {
         // Stand for the lease only with a usable interface.

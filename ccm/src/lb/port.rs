@@ -125,6 +125,7 @@ impl Shared {
     /// and the counts every Service shares (`all` open connections, at most
     /// `max_all`; `busy` Services).
     pub(super) fn new(
+        metrics: &crate::metrics::Metrics,
         svc: &ServiceInfo,
         nodes: &[Backend],
         all: Arc<AtomicUsize>,
@@ -135,14 +136,12 @@ impl Shared {
         Shared {
             nodes: Arc::new(RwLock::new(nodes.to_vec())),
             policy: Arc::new(RwLock::new(Policy::of(svc))),
-            active: crate::metrics::get()
-                .lb_active
-                .with_label_values(&[service.as_str()]),
+            active: metrics.lb_active.with_label_values(&[service.as_str()]),
             all,
             max_all,
             busy,
             mine: Arc::new(AtomicUsize::new(0)),
-            counters: Arc::new(Counters::of(&service)),
+            counters: Arc::new(Counters::of(metrics, &service)),
         }
     }
 
@@ -176,8 +175,7 @@ pub(super) struct Counters {
 }
 
 impl Counters {
-    pub(super) fn of(service: &str) -> Counters {
-        let m = crate::metrics::get();
+    pub(super) fn of(m: &crate::metrics::Metrics, service: &str) -> Counters {
         let c = |result: &str| m.lb_connections.with_label_values(&[service, result]);
         let b = |direction: &str| m.lb_bytes.with_label_values(&[service, direction]);
         Counters {
