@@ -34,9 +34,23 @@ struct Conn {
     _work: drain::Watch,
 }
 
+/// What goes to the server, in two queues. Answers the stream's reader or a dial
+/// gives (DIAL_RSP, DRAIN, CLOSE_RSP for what the agent does not know or aborts) go
+/// into `control`, which never blocks, so the reader never waits on the writer it
+/// feeds; the writer takes them first. A connection's DATA, its WINDOW_UPDATEs and its
+/// last CLOSE_RSP go into `data`, bounded (`--xfr-channel-size`), where its pump waits
+/// its turn: a connection's CLOSE_RSP follows its DATA, and its DIAL_RSP went before
+/// either.
+pub(crate) struct Outbox {
+    /// Answers; unbounded (each answers one request of the server's).
+    pub(crate) control: queue::Sender<Packet>,
+    /// Connection traffic; bounded.
+    pub(crate) data: mpsc::Sender<Packet>,
+}
+
 /// The connections of one agent stream.
 pub(crate) struct Session {
-    out: mpsc::Sender<Packet>,
+    out: Outbox,
     conns: Mutex<HashMap<i64, Conn>>,
     pending: Mutex<HashMap<i64, CancellationToken>>,
     next_id: AtomicI64,
@@ -55,7 +69,7 @@ pub(crate) struct Session {
 
 impl Session {
     pub(crate) fn new(
-        out: mpsc::Sender<Packet>,
+        out: Outbox,
         dial_timeout: Duration,
         peer_window: Option<u32>,
         stall_timeout: Duration,
@@ -85,15 +99,22 @@ impl Session {
         self.pending.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Queues a connection's packet behind its earlier ones (waits its turn).
     pub(crate) async fn send(&self, packet: Packet) -> bool {
         self.metrics.packets.inc(TO_SERVER, packet.r#type);
-        self.out.send(packet).await.is_ok()
+        self.out.data.send(packet).await.is_ok()
+    }
+
+    /// Queues an answer at once; the writer takes answers before connection traffic.
+    pub(crate) fn answer(&self, packet: Packet) -> bool {
+        self.metrics.packets.inc(TO_SERVER, packet.r#type);
+        self.out.control.send(packet).is_ok()
     }
 
     /// Stops taking dials and tells the server so.
-    pub(crate) async fn drain(&self) {
+    pub(crate) fn drain(&self) {
         if !self.draining.swap(true, Ordering::Relaxed) {
-            self.send(Packet::drain()).await;
+            self.answer(Packet::drain());
         }
     }
 
@@ -112,7 +133,7 @@ impl Session {
                     // The pump writes what is queued, then closes and answers.
                     Some(tx) => drop(tx.send(packet)),
                     None => {
-                        self.send(Packet::unknown_connection(c.connect_id)).await;
+                        self.answer(Packet::unknown_connection(c.connect_id));
                     }
                 }
             }
@@ -141,7 +162,7 @@ impl Session {
             .map(|c| (c.tx.clone(), c.flow.clone()));
         let Some((tx, flow)) = conn else {
             tracing::debug!(connect_id, "DATA for unknown connectID");
-            self.send(Packet::unknown_connection(connect_id)).await;
+            self.answer(Packet::unknown_connection(connect_id));
             return;
         };
         match flow.admit(len, self.stall_timeout).await {
@@ -153,7 +174,7 @@ impl Session {
                     connect_id,
                     "server sent more than the flow-control window; closing the connection"
                 );
-                self.abort(connect_id, "flow-control window exceeded").await;
+                self.abort(connect_id, "flow-control window exceeded");
             }
             Err(Refused::Stalled(timeout)) => {
                 tracing::warn!(
@@ -164,7 +185,7 @@ impl Session {
                 );
                 let error =
                     format!("agent: target did not read for {timeout:?}; connection closed");
-                self.abort(connect_id, &error).await;
+                self.abort(connect_id, &error);
             }
         }
     }
@@ -172,12 +193,11 @@ impl Session {
     async fn dial(self: &Arc<Self>, req: DialRequest) {
         let random = req.random;
         if req.protocol != "tcp" && !req.protocol.is_empty() {
-            self.send(Packet::dial_response(
+            self.answer(Packet::dial_response(
                 random,
                 0,
                 format!("protocol {:?} is not supported (only tcp)", req.protocol),
-            ))
-            .await;
+            ));
             return;
         }
         let connect_id = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -213,10 +233,7 @@ impl Session {
         };
         self.conns().insert(connect_id, conn);
         self.metrics.open_endpoint_connections.inc();
-        if !self
-            .send(Packet::dial_response(random, connect_id, ""))
-            .await
-        {
+        if !self.answer(Packet::dial_response(random, connect_id, "")) {
             self.finish(connect_id);
             return;
         }
@@ -276,18 +293,18 @@ impl Session {
             .inc();
         tracing::info!(%address, connect_id, %error, "dial failed");
         let rsp = Packet::dial_response(random, 0, format!("dial tcp {address}: {error}"));
-        self.send(rsp).await;
+        self.answer(rsp);
         None
     }
 
     /// Closes `connect_id` from our side: its pump stops and the server gets CLOSE_RSP
-    /// with `error`.
-    async fn abort(&self, connect_id: i64, error: &str) {
+    /// with `error` (ahead of what the pump had queued: the connection is being cut).
+    fn abort(&self, connect_id: i64, error: &str) {
         let conn = self.conns().get(&connect_id).map(|c| c.cancel.clone());
         if let Some(cancel) = conn {
             cancel.cancel();
             if self.finish(connect_id) {
-                self.send(Packet::close_response(connect_id, error)).await;
+                self.answer(Packet::close_response(connect_id, error));
             }
         }
     }
@@ -308,7 +325,7 @@ impl Session {
 impl Sink for Session {
     fn send(&self, packet: Packet) -> impl std::future::Future<Output = bool> + Send {
         self.metrics.packets.inc(TO_SERVER, packet.r#type);
-        futures::FutureExt::map(self.out.send(packet), |r| r.is_ok())
+        futures::FutureExt::map(self.out.data.send(packet), |r| r.is_ok())
     }
 }
 
@@ -323,21 +340,46 @@ mod tests {
 
     const PATIENCE: Duration = Duration::from_secs(5);
 
-    fn session(window: Option<u32>) -> (Arc<Session>, mpsc::Receiver<Packet>, Arc<drain::Signal>) {
-        let (tx, rx) = mpsc::channel(64);
+    /// What the session queues for the server, answers first, as the writer takes them.
+    struct ToServer {
+        control: queue::Receiver<Packet>,
+        data: mpsc::Receiver<Packet>,
+    }
+
+    impl ToServer {
+        fn try_recv(&mut self) -> Option<Packet> {
+            self.control
+                .try_recv()
+                .or_else(|| self.data.try_recv().ok())
+        }
+    }
+
+    fn session(window: Option<u32>) -> (Arc<Session>, ToServer, Arc<drain::Signal>) {
+        let (control, control_rx) = queue::queue();
+        let (data, data_rx) = mpsc::channel(64);
         let work = Arc::new(drain::Signal::new());
         let timeout = Duration::from_secs(5);
         let stall = Duration::from_secs(30);
-        let s = Session::new(tx, timeout, window, stall, Metrics::new(), work.clone());
+        let out = Outbox { control, data };
+        let s = Session::new(out, timeout, window, stall, Metrics::new(), work.clone());
+        let rx = ToServer {
+            control: control_rx,
+            data: data_rx,
+        };
         (s, rx, work)
     }
 
-    async fn next(rx: &mut mpsc::Receiver<Packet>) -> Payload {
-        let p = tokio::time::timeout(PATIENCE, rx.recv()).await;
-        p.expect("a packet for the server")
-            .unwrap()
-            .payload
-            .unwrap()
+    async fn next(rx: &mut ToServer) -> Payload {
+        use futures::StreamExt;
+        let p = tokio::time::timeout(PATIENCE, async {
+            tokio::select! {
+                biased;
+                Some(p) = rx.control.next() => p,
+                Some(p) = rx.data.recv() => p,
+            }
+        })
+        .await;
+        p.expect("a packet for the server").payload.unwrap()
     }
 
     async fn dial(session: &Arc<Session>, address: String, random: i64) {
@@ -412,10 +454,10 @@ mod tests {
     #[tokio::test]
     async fn drain_is_announced_once() {
         let (session, mut rx, _) = session(None);
-        session.drain().await;
-        session.drain().await;
+        session.drain();
+        session.drain();
         assert!(matches!(next(&mut rx).await, Payload::Drain(_)));
-        assert!(rx.try_recv().is_err());
+        assert!(rx.try_recv().is_none());
     }
 
     #[tokio::test]

@@ -1,29 +1,40 @@
-//! One stream to one proxy server: establish it (TLS, the agent's metadata, the
-//! server's id and count, the flow-control offer) and serve it, handing every packet
-//! to the dialer's session, until it fails, drains or is stopped.
+//! One stream to one proxy server, on the client half of gRPC on bare HTTP/2 that the
+//! client and the bench share (`tether_core::grpc::client`): establish it (TCP, TLS,
+//! the HTTP/2 handshake, the agent's metadata, the server's id and count, the
+//! flow-control offer) and serve it until it fails, drains or is stopped. One task
+//! serves a stream: it drives the connection, its keepalive pings, the reader (every
+//! packet to the dialer's session) and the writer (the session's answers first, then
+//! connection traffic as HTTP/2 flow control allows), as the server's `h2serve` does
+//! for an agent connection.
 
+use std::future::Future;
+use std::io;
 use std::path::PathBuf;
+use std::pin::pin;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
-use tether_core::goaway::GoAwaySeen;
-use tether_core::grpc::body::{BodyPackets, PacketBody};
-use tether_core::transport::{grpc_channel_tls, ChannelSettings};
-use tether_proto::{header, link};
+use bytes::Bytes;
+use futures::StreamExt;
+use h2::client::{Connection, SendRequest};
+use h2::{Ping, PingPong, Reason};
+use tether_core::grpc::client::{self, FirstFlight, Inbound, StreamError, Windows};
+use tether_core::grpc::{frame_parts, Outbound};
+use tether_core::queue;
+use tether_core::transport::{self, ClientTls};
+use tether_proto::{header, link, Packet};
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
-use tonic::body::Body;
-use tonic::codegen::Service;
 use tonic::metadata::{MetadataMap, MetadataValue};
 use tracing::Instrument;
 
+use crate::dialer::{Outbox, Session};
+use crate::Agent;
+
 /// The method the agent calls.
 const CONNECT_PATH: &str = "/AgentService/Connect";
-
-use crate::dialer::Session;
-use crate::Agent;
 
 /// How long a drained agent waits for the server to end a stream it half-closed.
 pub(crate) const CLOSE_GRACE: Duration = Duration::from_secs(2);
@@ -31,15 +42,33 @@ pub(crate) const CLOSE_GRACE: Duration = Duration::from_secs(2);
 /// How long opening one stream (TCP, TLS, the server's response headers) may take.
 pub(crate) const ESTABLISH_TIMEOUT: Duration = Duration::from_secs(20);
 
+/// The longest a keepalive ping may go unanswered (shorter with a shorter interval).
+const PING_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// The agent link's HTTP/2 connection.
+type Conn = Connection<FirstFlight<ClientTls>, Bytes>;
+
 /// Why one stream to the server ended.
 #[derive(Debug, thiserror::Error)]
 pub enum LinkError {
-    /// TCP/TLS/HTTP2 connection failed.
+    /// TCP, TLS or the HTTP/2 handshake failed.
     #[error("cannot connect to proxy server")]
-    Connect(#[from] tonic::transport::Error),
+    Connect(#[source] io::Error),
     /// The server refused or broke the stream.
-    #[error("proxy server stream failed: {}", .0.message())]
-    Stream(#[from] tonic::Status),
+    #[error("proxy server stream failed")]
+    Stream(#[source] StreamError),
+    /// The connection under the stream failed (the server went away, a GOAWAY).
+    #[error("proxy server connection failed")]
+    Connection(#[source] h2::Error),
+    /// The server closed the connection.
+    #[error("proxy server closed the connection")]
+    Closed,
+    /// Writing to the stream failed.
+    #[error("cannot write to the proxy server")]
+    Write(#[source] io::Error),
+    /// A keepalive ping went unanswered.
+    #[error("proxy server did not answer a keepalive ping within {0:?}")]
+    Keepalive(Duration),
     /// The token file could not be read.
     #[error("cannot read service account token {path}")]
     Token {
@@ -47,7 +76,7 @@ pub enum LinkError {
         path: PathBuf,
         /// The I/O error.
         #[source]
-        source: std::io::Error,
+        source: io::Error,
     },
     /// The server's response headers were not as the protocol requires.
     #[error("proxy server response: {0}")]
@@ -57,36 +86,55 @@ pub enum LinkError {
     Timeout(Duration),
 }
 
+impl LinkError {
+    /// The code grpc-go's client gives this failure, for `stream_errors_total`: a
+    /// status the server sent keeps its code; a lost server (a broken connection, a
+    /// keepalive timeout) is `Unavailable`.
+    fn code(&self) -> tonic::Code {
+        match self {
+            LinkError::Stream(e) => e.code(),
+            LinkError::Connection(_)
+            | LinkError::Closed
+            | LinkError::Write(_)
+            | LinkError::Keepalive(_)
+            | LinkError::Connect(_) => tonic::Code::Unavailable,
+            _ => tonic::Code::Internal,
+        }
+    }
+
+    /// The HTTP/2 error code the server closed the connection or stream with.
+    fn reason(&self) -> Option<Reason> {
+        match self {
+            LinkError::Connection(e) | LinkError::Stream(StreamError::Transport(e)) => e.reason(),
+            _ => None,
+        }
+    }
+}
+
 impl Agent {
     /// Opens a stream to the server at `host:port` and reads its id and count.
     pub(crate) async fn establish(&self, host: &str, port: u16) -> Result<Established, LinkError> {
-        let cfg = &self.config;
-        let keepalive = self.keepalive();
-        let settings = ChannelSettings {
-            keepalive: Some(keepalive),
-            keepalive_timeout: keepalive.min(Duration::from_secs(20)),
-            dead_link: cfg.dead_link,
-            ..Default::default()
+        let authority = transport::authority(host, port);
+        let name = tether_core::tls::server_name(host)
+            .map_err(|e| LinkError::Connect(io::Error::new(io::ErrorKind::InvalidInput, e)))?;
+        let io =
+            transport::connect_tls_with(&authority, name, self.tls.get(), self.config.dead_link)
+                .await
+                .map_err(LinkError::Connect)?;
+        let (mut send, mut conn) = client::handshake(io, Windows::default())
+            .await
+            .map_err(LinkError::Connect)?;
+        let pings = conn.ping_pong().expect("a new connection's pings");
+        let request = client::request(&authority, CONNECT_PATH, self.metadata()?);
+        let (out, response) =
+            client::open(&mut send, request, None).map_err(LinkError::Connection)?;
+        // The connection moves only while driven: drive it until the headers come.
+        let response = tokio::select! {
+            r = response => r.map_err(|e| LinkError::Stream(StreamError::Transport(e)))?,
+            r = &mut conn => return Err(conn_ended(r)),
         };
-        let goaway = settings.goaway.clone();
-        let mut channel = grpc_channel_tls(host, port, self.tls.get(), &settings).await?;
-        let (out_tx, out_rx) = mpsc::channel(cfg.channel_size);
-        // Straight on the channel's HTTP/2 bodies, not through tonic's codec (whose
-        // buffers kept the size of the largest packet the stream ever carried).
-        let body = Body::new(PacketBody::request(ReceiverStream::new(out_rx)));
-        let request = self.request(body)?;
-        std::future::poll_fn(|cx| channel.poll_ready(cx)).await?;
-        let (parts, body) = channel.call(request).await?.into_parts();
-        if parts.status != http::StatusCode::OK {
-            return Err(LinkError::Protocol(format!("HTTP status {}", parts.status)));
-        }
-        // A refusal comes as headers only, carrying the status.
-        if let Some(status) =
-            tonic::Status::from_header_map(&parts.headers).filter(|s| s.code() != tonic::Code::Ok)
-        {
-            return Err(status.into());
-        }
-        let md = MetadataMap::from_headers(parts.headers);
+        client::check_response(&response).map_err(LinkError::Stream)?;
+        let md = MetadataMap::from_headers(response.headers().clone());
         let md = &md;
         let protocol = |e: link::MetaError| LinkError::Protocol(e.to_string());
         let server_id = link::single(md, header::SERVER_ID)
@@ -98,20 +146,27 @@ impl Agent {
             .map_err(|_| LinkError::Protocol("servercount is not a number".into()))?;
         self.header_count.store(server_count, Ordering::Relaxed);
         // Credit flow control only when we offered it and the server answered.
-        let peer_window = cfg.flow_control.then(|| link::peer_window(md)).flatten();
+        let peer_window = self
+            .config
+            .flow_control
+            .then(|| link::peer_window(md))
+            .flatten();
         Ok(Established {
             server_id,
             server_count,
-            keepalive,
-            goaway,
+            keepalive: self.keepalive(),
             peer_window,
-            out_tx,
-            inbound: BodyPackets::new(body),
+            conn,
+            _send: send,
+            pings,
+            out,
+            inbound: Inbound::open(response.into_body()),
         })
     }
 
-    /// The Connect request: the agent's id, identifiers, token and flow-control offer.
-    fn request(&self, body: Body) -> Result<http::Request<Body>, LinkError> {
+    /// The Connect request's metadata: the agent's id, identifiers, token and
+    /// flow-control offer.
+    fn metadata(&self) -> Result<http::HeaderMap, LinkError> {
         let cfg = &self.config;
         let ascii = |what: &str, v: &str| {
             MetadataValue::try_from(v)
@@ -139,21 +194,12 @@ impl Agent {
         if cfg.flow_control {
             link::offer_window(&mut md);
         }
-        let mut request = http::Request::new(body);
-        *request.method_mut() = http::Method::POST;
-        *request.uri_mut() = http::Uri::from_static(CONNECT_PATH);
-        *request.headers_mut() = md.into_headers();
-        let headers = request.headers_mut();
-        headers.insert(
-            http::header::CONTENT_TYPE,
-            http::HeaderValue::from_static("application/grpc"),
-        );
-        headers.insert(http::header::TE, http::HeaderValue::from_static("trailers"));
-        Ok(request)
+        Ok(md.into_headers())
     }
 
-    /// Serves one established stream until it fails (Err), the agent is drained and
-    /// idle, or `stop` (Ok).
+    /// Serves one established stream until it fails (Err), or `stop` (Ok). Once
+    /// `drain` is cancelled the stream sends DRAIN and keeps serving; at `stop` a
+    /// drained stream half-closes, so the server ends its side.
     pub(crate) async fn serve(
         &self,
         est: Established,
@@ -165,13 +211,17 @@ impl Agent {
             server_id,
             server_count,
             keepalive,
-            goaway,
             peer_window,
-            out_tx,
-            mut inbound,
+            mut conn,
+            _send,
+            pings,
+            out,
+            inbound,
         } = est;
+        let (control, control_rx) = queue::queue();
+        let (data, data_rx) = mpsc::channel(cfg.channel_size);
         let session = Session::new(
-            out_tx,
+            Outbox { control, data },
             cfg.dial_timeout,
             peer_window,
             cfg.stall_timeout,
@@ -182,39 +232,52 @@ impl Agent {
         let _count = Decrement::count(&self.streams, &self.metrics.open_server_connections);
         tracing::info!(%server_id, server_count, flow_control = peer_window.is_some(), "connected to proxy server");
 
-        let span = tracing::info_span!("server_stream", %server_id);
-        let drained = async {
+        let finish = CancellationToken::new();
+        let mut reader = pin!(read(inbound, session.clone()));
+        let mut writer = pin!(write(out, control_rx, data_rx, finish.clone()));
+        let mut pinger = pin!(keep_alive(pings, keepalive));
+        let ended = async {
             let mut draining = false;
             loop {
-                let packet = tokio::select! {
-                    p = inbound.message() => p,
+                tokio::select! {
+                    r = &mut conn => return Err(conn_ended(r)),
+                    e = &mut reader => return Err(e),
+                    r = &mut writer => return Err(r.err().unwrap_or_else(|| {
+                        LinkError::Protocol("the stream's writer ended".into())
+                    })),
+                    e = &mut pinger => return Err(e),
                     _ = drain.cancelled(), if !draining => {
                         draining = true;
                         tracing::info!("draining: DRAIN sent; dials the server still sends are served");
-                        session.drain().await;
-                        continue;
+                        session.drain();
                     }
                     // Draining, the stream stays and serves (as upstream's agent
                     // until its second signal); the hard stop ends it, with a
                     // half-close when DRAIN went first.
                     _ = stop.cancelled() => return Ok(draining),
-                };
-                match packet {
-                    Ok(Some(p)) => session.handle(p).await,
-                    Ok(None) => return Err(LinkError::Protocol("server closed the stream".into())),
-                    Err(status) => return Err(self.stream_failed(status, keepalive, &goaway)),
                 }
             }
         }
-        .instrument(span)
-        .await?;
+        .instrument(tracing::info_span!("server_stream", %server_id))
+        .await;
+        let drained = match ended {
+            Ok(drained) => drained,
+            Err(e) => return Err(self.stream_failed(e, keepalive, &mut conn).await),
+        };
         if drained {
-            // Half-close instead of dropping the stream: with the session gone its
-            // sender is too, so the request body sends what is queued (DRAIN among it)
-            // and then END_STREAM, where a reset could discard it. The server then ends
-            // its side; a server that does not is left after CLOSE_GRACE.
-            drop(session);
-            let rest = async { while let Ok(Some(_)) = inbound.message().await {} };
+            // Half-close instead of dropping the stream: the writer sends what is
+            // queued (DRAIN among it) and then END_STREAM, where a reset could discard
+            // it. The server then ends its side; a server that does not is left after
+            // CLOSE_GRACE.
+            session.closed.cancel();
+            finish.cancel();
+            let rest = async {
+                let _ = (&mut writer).await;
+                tokio::select! {
+                    _ = &mut reader => {}
+                    _ = &mut conn => {}
+                }
+            };
             let _ = tokio::time::timeout(CLOSE_GRACE, rest).await;
         }
         Ok(())
@@ -230,13 +293,15 @@ impl Agent {
     /// pinging too often gets half as many pings from then on, as grpc-go clients (the
     /// upstream agent) do, so a short `--keepalive-time` against an upstream server (which
     /// allows one ping per 30 s) settles after a few reconnects instead of flapping.
-    fn stream_failed(
-        &self,
-        status: tonic::Status,
-        keepalive: Duration,
-        goaway: &GoAwaySeen,
-    ) -> LinkError {
-        if goaway.told_to_calm_down() {
+    async fn stream_failed(&self, e: LinkError, keepalive: Duration, conn: &mut Conn) -> LinkError {
+        // A stream may fail before its connection reports the GOAWAY that ended it.
+        let mut reason = e.reason();
+        if reason != Some(Reason::ENHANCE_YOUR_CALM) && !matches!(e, LinkError::Connection(_)) {
+            if let Ok(Err(c)) = tokio::time::timeout(Duration::from_millis(100), conn).await {
+                reason = c.reason().or(reason);
+            }
+        }
+        if reason == Some(Reason::ENHANCE_YOUR_CALM) {
             let was: u64 = keepalive.as_millis().try_into().unwrap_or(u64::MAX);
             let now = was.saturating_mul(2);
             // Streams to several servers may fail together: double once per interval.
@@ -252,29 +317,98 @@ impl Agent {
                 );
             }
         }
-        let code = tether_ops::metrics::grpc_code_name(received_error_code(&status));
-        self.metrics
-            .stream_errors
-            .with_label_values(&["to_agent", code, tether_ops::metrics::NO_PACKET])
-            .inc();
-        self.metrics
-            .server_connection_failures
-            .with_label_values(&["from_server"])
-            .inc();
-        status.into()
+        if !matches!(e, LinkError::Protocol(_)) {
+            let code = tether_ops::metrics::grpc_code_name(e.code());
+            self.metrics
+                .stream_errors
+                .with_label_values(&["to_agent", code, tether_ops::metrics::NO_PACKET])
+                .inc();
+            self.metrics
+                .server_connection_failures
+                .with_label_values(&["from_server"])
+                .inc();
+        }
+        e
     }
 }
 
-/// The code grpc-go's client gives a failed read, for `stream_errors_total`: a status
-/// the server sent keeps its code; a broken transport (the server gone, a reset
-/// connection, a keepalive timeout), which tonic reports as `Unknown` or `Internal`, is
-/// `Unavailable`, as grpc-go reports losing the server.
-fn received_error_code(status: &tonic::Status) -> tonic::Code {
-    use std::error::Error;
-    let transport = status.source().is_some();
-    match status.code() {
-        tonic::Code::Unknown | tonic::Code::Internal if transport => tonic::Code::Unavailable,
-        code => code,
+/// Why the connection's driver returned.
+fn conn_ended(r: Result<(), h2::Error>) -> LinkError {
+    match r {
+        Err(e) => LinkError::Connection(e),
+        Ok(()) => LinkError::Closed,
+    }
+}
+
+/// Hands every packet from the server to `session`, until the stream fails or ends.
+async fn read(mut inbound: Inbound, session: Arc<Session>) -> LinkError {
+    loop {
+        match inbound.message().await {
+            Ok(Some(p)) => session.handle(p).await,
+            Ok(None) => return LinkError::Protocol("server closed the stream".into()),
+            Err(e) => return LinkError::Stream(e),
+        }
+    }
+}
+
+/// Writes what the session queues: answers at once, connection traffic one packet at a
+/// time as HTTP/2 flow control allows (a large DATA payload as a slice, not copied).
+/// Once `finish` is cancelled and nothing more is queued, or every sender is gone, it
+/// ends the stream's body.
+async fn write(
+    mut out: Outbound,
+    mut control: queue::Receiver<Packet>,
+    mut data: mpsc::Receiver<Packet>,
+    finish: CancellationToken,
+) -> Result<(), LinkError> {
+    let mut finishing = pin!(finish.cancelled_owned());
+    let mut pending: Option<Packet> = None;
+    let mut answers_open = true;
+    std::future::poll_fn(|cx: &mut Context<'_>| loop {
+        while answers_open {
+            match control.poll_next_unpin(cx) {
+                Poll::Ready(Some(p)) => out.send_now(&p),
+                Poll::Ready(None) => answers_open = false,
+                Poll::Pending => break,
+            }
+        }
+        if pending.is_none() {
+            match data.poll_recv(cx) {
+                Poll::Ready(Some(p)) => pending = Some(p),
+                Poll::Ready(None) => {
+                    out.finish();
+                    return Poll::Ready(Ok(()));
+                }
+                Poll::Pending => {
+                    if finishing.as_mut().poll(cx).is_ready() {
+                        out.finish();
+                        return Poll::Ready(Ok(()));
+                    }
+                    return Poll::Pending;
+                }
+            }
+        }
+        let packet = pending.as_ref().expect("taken above");
+        match out.poll_send_parts(cx, || frame_parts(packet)) {
+            Poll::Ready(Ok(())) => pending = None,
+            Poll::Ready(Err(e)) => return Poll::Ready(Err(LinkError::Write(e))),
+            Poll::Pending => return Poll::Pending,
+        }
+    })
+    .await
+}
+
+/// Pings the server every `every`; fails when a ping goes unanswered for
+/// `PING_TIMEOUT` (or `every`, if shorter).
+async fn keep_alive(mut pings: PingPong, every: Duration) -> LinkError {
+    let timeout = every.min(PING_TIMEOUT);
+    loop {
+        tokio::time::sleep(every).await;
+        match tokio::time::timeout(timeout, pings.ping(Ping::opaque())).await {
+            Ok(Ok(_pong)) => {}
+            Ok(Err(e)) => return LinkError::Connection(e),
+            Err(_) => return LinkError::Keepalive(timeout),
+        }
     }
 }
 
@@ -284,12 +418,15 @@ pub(crate) struct Established {
     server_count: i64,
     /// The HTTP/2 keepalive interval the stream's connection pings at.
     keepalive: Duration,
-    /// The last GOAWAY the server sent on the stream's connection.
-    goaway: GoAwaySeen,
     /// The server's per-connection window when it agreed to credit flow control.
     peer_window: Option<u32>,
-    out_tx: mpsc::Sender<tether_proto::Packet>,
-    inbound: BodyPackets<Body>,
+    /// The connection, to be driven while the stream lives.
+    conn: Conn,
+    /// Keeps the connection open for the stream's life.
+    _send: SendRequest<Bytes>,
+    pings: PingPong,
+    out: Outbound,
+    inbound: Inbound,
 }
 
 /// One open stream, counted in the agent's readiness and its gauge while it lives.

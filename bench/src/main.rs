@@ -234,6 +234,13 @@ fn with_descendants(pids: &[u32]) -> Vec<u32> {
 }
 
 impl Env {
+    /// Whether `route`'s bytes go through the benched agent.
+    fn carries_agent(&self, route: Route) -> bool {
+        self.carriers
+            .iter()
+            .any(|(r, p)| *r == route && p.contains(&self.grpc_agent_pid))
+    }
+
     /// CPU time (seconds) the processes carrying `route` have used so far, their
     /// children included (sshd forks one per session).
     fn carrier_cpu(&self, route: Route) -> f64 {
@@ -1166,6 +1173,7 @@ async fn bench(args: Args) -> anyhow::Result<()> {
         "dials/s (64 clients)",
         "fairness (8 busy + 1 stalled)",
         "stalled conn buffered MiB",
+        "agent CPU s/GiB",
     ];
     let mut samples: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); metrics.len()]; routes.len()];
     for round in 0..args.rounds {
@@ -1174,6 +1182,7 @@ async fn bench(args: Args) -> anyhow::Result<()> {
             let s = &mut samples[ri];
             let on = |m: &str| args.only.is_empty() || args.only.iter().any(|o| o == m);
             let cpu_before = env.carrier_cpu(route);
+            let agent_before = cpu_seconds(env.grpc_agent_pid);
             let mut moved = 0;
             if on("download") {
                 s[0].push(download(&env, route, n).await? / 1048576.0);
@@ -1190,6 +1199,10 @@ async fn bench(args: Args) -> anyhow::Result<()> {
             if moved > 0 && route != Route::Direct {
                 let used = env.carrier_cpu(route) - cpu_before;
                 s[3].push(used / (moved as f64 / f64::from(1 << 30)));
+                if env.carries_agent(route) {
+                    let used = cpu_seconds(env.grpc_agent_pid) - agent_before;
+                    s[13].push(used / (moved as f64 / f64::from(1 << 30)));
+                }
             }
             if on("rtt") {
                 let (p50, p99) = rtt(&env, route, 2000).await?;

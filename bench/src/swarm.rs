@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use rand::Rng;
 use serde_json::{json, Value};
-use tether_core::grpc::{Messages, Outbound};
+use tether_core::grpc::Messages;
 use tether_proto::packet::Payload;
 use tether_proto::{header, Packet};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -121,38 +121,30 @@ async fn hold_stream(
     tls: Arc<rustls::ClientConfig>,
     c: &Counters,
 ) -> Result<(), bool> {
-    use tether_core::transport::{H2_CONN_WINDOW, H2_MAX_FRAME, H2_STREAM_WINDOW};
+    use tether_core::grpc::client;
     let name = tether_core::tls::server_name("127.0.0.1").map_err(|_| false)?;
     let io = tether_core::transport::connect_tls(&server.to_string(), name, tls)
         .await
         .map_err(|_| false)?;
-    let (mut send, mut conn) = h2::client::Builder::new()
-        .initial_window_size(H2_STREAM_WINDOW)
-        .initial_connection_window_size(H2_CONN_WINDOW)
-        .max_frame_size(H2_MAX_FRAME)
-        .handshake::<_, bytes::Bytes>(io)
+    let (mut send, mut conn) = client::handshake(io, client::Windows::default())
         .await
         .map_err(|_| false)?;
-    let request = http::Request::post(format!("http://{server}/AgentService/Connect"))
-        .header(http::header::CONTENT_TYPE, "application/grpc")
-        .header(http::header::TE, "trailers")
-        .header(header::AGENT_ID, format!("swarm-{id}"))
-        .header(header::AGENT_IDENTIFIERS, format!("host=swarm-{id}"))
-        .body(())
-        .expect("static request parts");
-    let (response, stream) = send.send_request(request, false).map_err(|_| false)?;
+    let mut headers = http::HeaderMap::new();
+    let value = |v: String| http::HeaderValue::try_from(v).expect("ASCII id");
+    headers.insert(header::AGENT_ID, value(format!("swarm-{id}")));
+    headers.insert(header::AGENT_IDENTIFIERS, value(format!("host=swarm-{id}")));
+    let request = client::request(&server.to_string(), "/AgentService/Connect", headers);
+    let (mut out, response) = client::open(&mut send, request, None).map_err(|_| false)?;
     let response = tokio::select! {
         r = response => r.map_err(|_| true)?,
         _ = &mut conn => return Err(false),
     };
-    let refused = tether_core::grpc::check_status(response.headers()).is_err();
-    if response.status() != http::StatusCode::OK || refused {
+    if client::check_response(&response).is_err() {
         return Err(true);
     }
     c.connects.fetch_add(1, Ordering::Relaxed);
     c.up.fetch_add(1, Ordering::Relaxed);
     let mut body = response.into_body();
-    let mut out = Outbound::new(stream);
     let mut messages = Messages::default();
     let mut next_id = 1i64;
     let mut bursted = false;

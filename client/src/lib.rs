@@ -47,8 +47,8 @@ pub enum ClientError {
     #[error("cannot connect to proxy server")]
     Connect(#[from] io::Error),
     /// The Proxy stream failed.
-    #[error("proxy stream failed: {0}")]
-    Stream(String),
+    #[error("proxy stream failed")]
+    Stream(#[source] grpc::StreamError),
     /// The server or agent answered the dial with an error.
     #[error("dial {address} failed: {error}")]
     Dial {
@@ -332,7 +332,10 @@ impl TunnelConn {
                 Poll::Ready(Some(Ok(p))) => p,
                 Poll::Ready(Some(Err(why))) => {
                     self.inbound = None;
-                    self.failure = Some(format!("proxy stream failed: {why}"));
+                    self.failure = Some(format!(
+                        "proxy stream failed: {}",
+                        tether_core::error::chain(&why)
+                    ));
                     return;
                 }
                 Poll::Ready(None) => {

@@ -236,7 +236,7 @@ async fn a_grpc_error_status_fails_the_dial_with_its_message() {
     let client = Client::uds(&proxy.path).await.unwrap();
     let err = client.dial("node-1:10250").await.err().expect("refused");
     assert!(
-        matches!(&err, ClientError::Stream(m) if m == "status 14: no agent: node-1"),
+        matches!(&err, ClientError::Stream(m) if m.to_string() == "status 14: no agent: node-1"),
         "{err}"
     );
 }

@@ -9,7 +9,6 @@ pub mod admission;
 pub mod drain;
 pub mod error;
 pub mod flow;
-pub mod goaway;
 pub mod grpc;
 pub mod identifiers;
 pub mod pump;

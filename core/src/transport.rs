@@ -4,24 +4,21 @@
 
 use crate::error::chain;
 use std::io;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use hyper_util::rt::TokioIo;
 use rustls_pki_types::CertificateDer;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
+use tokio::net::{TcpListener, TcpStream, UnixListener};
 use tokio::sync::mpsc;
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 use tokio_util::sync::CancellationToken;
-use tonic::transport::{Channel, Endpoint};
 use tracing::Instrument;
 
 use crate::admission::{Admission, AdmissionLimits, ConnectionSlot};
-use crate::goaway::{GoAwaySeen, GoAwayWatch};
 use crate::read_ahead::ReadAhead;
 
 /// A client's TLS connection over TCP, read through [`ReadAhead`].
@@ -309,34 +306,6 @@ pub fn bind_uds_with(
     Ok(listener)
 }
 
-/// HTTP/2 settings for gRPC channels.
-#[derive(Debug, Clone)]
-pub struct ChannelSettings {
-    /// HTTP/2 PING interval (keepalive); `None` = off.
-    pub keepalive: Option<Duration>,
-    /// How long to wait for a PING ack before the connection is considered dead.
-    pub keepalive_timeout: Duration,
-    /// TCP connect + TLS handshake deadline.
-    pub connect_timeout: Duration,
-    /// Close the connection once the peer has been silent this long, whatever the
-    /// keepalive says ([`bound_silence`]); `None` = the kernel's defaults.
-    pub dead_link: Option<Duration>,
-    /// Where a TLS channel records the last GOAWAY its server sent.
-    pub goaway: GoAwaySeen,
-}
-
-impl Default for ChannelSettings {
-    fn default() -> Self {
-        ChannelSettings {
-            keepalive: None,
-            keepalive_timeout: Duration::from_secs(20),
-            connect_timeout: Duration::from_secs(10),
-            dead_link: None,
-            goaway: GoAwaySeen::new(),
-        }
-    }
-}
-
 /// HTTP/2 receive window per stream on every Tether endpoint (agent link, gRPC
 /// frontend, client). Measured with tether-bench: 16 MiB stream / 64 MiB connection
 /// windows and adaptive (BDP) windows were no faster on loopback than these.
@@ -355,26 +324,6 @@ pub fn h2_server() -> tonic::transport::Server {
         .initial_stream_window_size(Some(H2_STREAM_WINDOW))
         .initial_connection_window_size(Some(H2_CONN_WINDOW))
         .max_frame_size(Some(H2_MAX_FRAME))
-}
-
-fn endpoint(
-    authority: &str,
-    settings: &ChannelSettings,
-) -> Result<Endpoint, tonic::transport::Error> {
-    // Our connectors do TLS themselves, so the URI scheme is only cosmetic here.
-    let mut ep = Endpoint::from_shared(format!("http://{authority}"))?
-        .connect_timeout(settings.connect_timeout)
-        .tcp_nodelay(true)
-        .initial_stream_window_size(Some(H2_STREAM_WINDOW))
-        .initial_connection_window_size(Some(H2_CONN_WINDOW))
-        .max_frame_size(Some(H2_MAX_FRAME));
-    if let Some(k) = settings.keepalive {
-        ep = ep
-            .http2_keep_alive_interval(k)
-            .keep_alive_timeout(settings.keepalive_timeout)
-            .keep_alive_while_idle(true);
-    }
-    Ok(ep)
 }
 
 /// `host:port` as a URI authority (an IPv6 literal in brackets).
@@ -432,47 +381,6 @@ pub fn bound_silence(tcp: &TcpStream, limit: Duration) -> io::Result<()> {
     sock.set_tcp_user_timeout(Some(limit))
 }
 
-/// Connects a gRPC channel over TCP + TLS to `host:port`, verifying the server as `host`.
-pub async fn grpc_channel_tls(
-    host: &str,
-    port: u16,
-    tls: Arc<rustls::ClientConfig>,
-    settings: &ChannelSettings,
-) -> Result<Channel, tonic::transport::Error> {
-    let authority = authority(host, port);
-    let name = crate::tls::server_name(host).unwrap_or_else(|_| {
-        rustls_pki_types::ServerName::try_from("invalid.invalid").expect("static name")
-    });
-    let target = authority.clone();
-    let dead_link = settings.dead_link;
-    let goaway = settings.goaway.clone();
-    let connector = tower::service_fn(move |_uri| {
-        let (tls, name, target) = (tls.clone(), name.clone(), target.clone());
-        let goaway = goaway.clone();
-        async move {
-            let stream = connect_tls_with(&target, name, tls, dead_link).await?;
-            Ok::<_, io::Error>(TokioIo::new(GoAwayWatch::new(stream, goaway)))
-        }
-    });
-    endpoint(&authority, settings)?
-        .connect_with_connector(connector)
-        .await
-}
-
-/// Connects a gRPC channel over the Unix socket at `path`.
-pub async fn grpc_channel_uds(
-    path: PathBuf,
-    settings: &ChannelSettings,
-) -> Result<Channel, tonic::transport::Error> {
-    let connector = tower::service_fn(move |_uri| {
-        let path = path.clone();
-        async move { Ok::<_, io::Error>(TokioIo::new(UnixStream::connect(path).await?)) }
-    });
-    endpoint("localhost", settings)?
-        .connect_with_connector(connector)
-        .await
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -511,7 +419,7 @@ mod tests {
         assert_eq!(backlog(&["-Hlx", "src", path.to_str().unwrap()]), expected);
         // Both still work as listeners.
         let (_c, _) = tokio::join!(TcpStream::connect(("127.0.0.1", port)), tcp.accept());
-        let (_c, _) = tokio::join!(UnixStream::connect(&path), uds.accept());
+        let (_c, _) = tokio::join!(tokio::net::UnixStream::connect(&path), uds.accept());
         let _ = std::fs::remove_dir_all(dir);
     }
 }

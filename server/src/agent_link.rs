@@ -28,10 +28,10 @@ use tonic::metadata::{MetadataMap, MetadataValue};
 use tonic::{Code, Status};
 use tracing::Instrument;
 
-use crate::h2serve::{self, status_from_h2, Reply, Settings};
 use crate::identity::{self, Unverified};
 use crate::metrics::Segment;
 use crate::router::{AgentStream, Router, Verified};
+use tether_core::grpc::server::{self as h2serve, status_from_h2, Reply, Settings};
 
 /// Serves agents' Connect streams.
 pub struct AgentLink {

@@ -8,7 +8,6 @@
 pub mod agent_link;
 pub mod auth;
 pub mod frontend;
-mod h2serve;
 pub mod identity;
 pub mod lease;
 pub mod metrics;
@@ -721,7 +720,7 @@ fn admission(
 
 /// The agent listener: mutual TLS, then one task per connection serving
 /// `AgentService` with HTTP/2 keepalive; after the hard stop it waits for those tasks
-/// (each ends within `h2serve::CLOSE_GRACE`).
+/// (each ends within `tether_core::grpc::server::CLOSE_GRACE`).
 fn spawn_agent_listener(
     link: agent_link::AgentLink,
     listener: TcpListener,

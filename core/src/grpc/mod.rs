@@ -1,10 +1,11 @@
 //! gRPC messages on bare HTTP/2 streams (the h2 crate, no tonic or hyper between), as
 //! both the Rust client and the server's Proxy frontend speak them: the message framing,
 //! cutting messages out of DATA frames, sends that wait for HTTP/2 flow control, and
-//! `grpc-message`'s percent-encoding; `body` has the same on hyper's and tonic's HTTP/2
-//! bodies.
+//! `grpc-message`'s percent-encoding; `client` has the client half of a call (the
+//! server half is `tether_server::h2serve`).
 
-pub mod body;
+pub mod client;
+pub mod server;
 
 use crate::error::chain;
 use std::io;
@@ -332,22 +333,30 @@ pub fn percent_encode(s: &str) -> String {
     out
 }
 
-/// `Err` with the server's message if `headers` carry a gRPC status other than OK.
-pub fn check_status(headers: &http::HeaderMap) -> Result<(), String> {
-    let Some(code) = headers.get("grpc-status") else {
-        return Ok(());
-    };
+/// The gRPC status `headers` (or trailers) carry, if it is not OK: its code (an
+/// unreadable code is `Unknown`, as grpc-go reads it) and its message.
+pub fn status_of(headers: &http::HeaderMap) -> Option<(i32, String)> {
+    let code = headers.get("grpc-status")?;
     if code.as_bytes() == b"0" {
-        return Ok(());
+        return None;
     }
     let message = headers
         .get("grpc-message")
         .map(|m| percent_decode(m.as_bytes()))
         .unwrap_or_default();
-    Err(format!(
-        "status {}: {message}",
-        String::from_utf8_lossy(code.as_bytes())
-    ))
+    let code = std::str::from_utf8(code.as_bytes())
+        .ok()
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(2);
+    Some((code, message))
+}
+
+/// `Err` with the server's message if `headers` carry a gRPC status other than OK.
+pub fn check_status(headers: &http::HeaderMap) -> Result<(), String> {
+    match status_of(headers) {
+        Some((code, message)) => Err(format!("status {code}: {message}")),
+        None => Ok(()),
+    }
 }
 
 /// The reverse of [`percent_encode`], lenient as grpc-go is with a stray `%`.

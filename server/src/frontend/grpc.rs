@@ -19,9 +19,9 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Code, Status};
 use tracing::Instrument;
 
-use crate::h2serve::{self, status_from_h2, Reply, Settings};
 use crate::metrics::Segment;
 use crate::router::{outbox, FrontendStream, Router};
+use tether_core::grpc::server::{self as h2serve, status_from_h2, Reply, Settings};
 
 /// One stream per dial: a client may hold thousands on one connection.
 const MAX_STREAMS: u32 = 1 << 16;

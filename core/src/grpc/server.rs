@@ -5,21 +5,21 @@
 //! going through the scheduler: see [`SelfWake`]); and
 //! [`Reply`], the server's half of a stream (headers, messages, status trailers).
 
+use crate::error::chain;
 use std::future::Future;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
-use tether_core::error::chain;
 
+use super::{h2_io, percent_encode, Outbound};
+use crate::transport::{H2_CONN_WINDOW, H2_MAX_FRAME, H2_STREAM_WINDOW};
 use bytes::Bytes;
 use futures::stream::FuturesUnordered;
 use futures::task::AtomicWaker;
 use futures::StreamExt;
 use h2::server::SendResponse;
 use h2::RecvStream;
-use tether_core::grpc::{h2_io, percent_encode, Outbound};
-use tether_core::transport::{H2_CONN_WINDOW, H2_MAX_FRAME, H2_STREAM_WINDOW};
 use tether_proto::Packet;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_util::sync::CancellationToken;
@@ -30,11 +30,11 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a keepalive ping may go unanswered (hyper's default, which tonic used).
 const PING_TIMEOUT: Duration = Duration::from_secs(20);
 /// At the hard stop: how long the last frames and the GOAWAY get to leave.
-pub(crate) const CLOSE_GRACE: Duration = Duration::from_secs(1);
+pub const CLOSE_GRACE: Duration = Duration::from_secs(1);
 
 /// How one listener's connections are served.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Settings {
+pub struct Settings {
     /// Streams a client may have open at once.
     pub max_streams: u32,
     /// The largest header block a client may send.
@@ -46,7 +46,7 @@ pub(crate) struct Settings {
 /// Checks a call's head as a gRPC server does before reading its body: `POST` to
 /// `path`, a gRPC content type, and no message compression (neither the frontend nor
 /// the agent link offers any). Both listeners' calls go through here.
-pub(crate) fn check_call(
+pub fn check_call(
     method: &http::Method,
     uri: &http::Uri,
     headers: &http::HeaderMap,
@@ -80,7 +80,7 @@ pub(crate) fn check_call(
 }
 
 /// What an h2 error on a stream means as a gRPC status, as tonic maps it.
-pub(crate) fn status_from_h2(e: &h2::Error) -> Status {
+pub fn status_from_h2(e: &h2::Error) -> Status {
     // grpc-go's server cancels a stream's context when its peer resets the stream or
     // the connection goes, so a read fails `Canceled` whatever the reset's reason: the
     // code upstream's `stream_errors_total` carries. Only a peer that is too chatty
@@ -94,7 +94,7 @@ pub(crate) fn status_from_h2(e: &h2::Error) -> Status {
 
 /// The code grpc-go's server gives a failed write: `Unavailable` ("transport is
 /// closing") once the connection is gone, `Canceled` when only the stream was reset.
-pub(crate) fn send_error_code(e: &std::io::Error) -> Code {
+pub fn send_error_code(e: &std::io::Error) -> Code {
     let reset = e
         .get_ref()
         .and_then(|inner| inner.downcast_ref::<h2::Error>())
@@ -111,7 +111,7 @@ pub(crate) fn send_error_code(e: &std::io::Error) -> Code {
 /// when it answered the request itself). At the hard stop the connection says GOAWAY
 /// and gets [`CLOSE_GRACE`] for its last frames; the streams' futures then run to
 /// their end with the connection gone (their reads and writes fail).
-pub(crate) async fn serve_connection<S, F>(
+pub async fn serve_connection<S, F>(
     io: S,
     settings: Settings,
     hard_stop: CancellationToken,
@@ -327,7 +327,7 @@ async fn keep_alive(mut pings: h2::PingPong, every: Duration) {
 /// The server's half of a stream: the response headers go with the first message (as
 /// grpc-go's do) unless sent before, the status in trailers, or alone if nothing was
 /// sent.
-pub(crate) struct Reply {
+pub struct Reply {
     respond: Option<SendResponse<Bytes>>,
     headers: http::HeaderMap,
     out: Outbound,
@@ -335,7 +335,7 @@ pub(crate) struct Reply {
 
 impl Reply {
     /// The reply to a request, with `content-type: application/grpc`.
-    pub(crate) fn new(respond: SendResponse<Bytes>) -> Self {
+    pub fn new(respond: SendResponse<Bytes>) -> Self {
         let mut headers = http::HeaderMap::new();
         headers.insert(
             http::header::CONTENT_TYPE,
@@ -349,13 +349,13 @@ impl Reply {
     }
 
     /// The response headers, until they are sent.
-    pub(crate) fn headers_mut(&mut self) -> &mut http::HeaderMap {
+    pub fn headers_mut(&mut self) -> &mut http::HeaderMap {
         &mut self.headers
     }
 
     /// Sends the response headers now (a client waiting for them before its first
     /// message, as agents do).
-    pub(crate) fn send_headers(&mut self) -> std::io::Result<()> {
+    pub fn send_headers(&mut self) -> std::io::Result<()> {
         if let Some(mut respond) = self.respond.take() {
             let mut response = http::Response::new(());
             *response.headers_mut() = std::mem::take(&mut self.headers);
@@ -365,14 +365,14 @@ impl Reply {
     }
 
     /// Sends `packet` once HTTP/2 flow control has room.
-    pub(crate) async fn send(&mut self, packet: &Packet) -> std::io::Result<()> {
+    pub async fn send(&mut self, packet: &Packet) -> std::io::Result<()> {
         self.send_headers()?;
         self.out.send(packet).await
     }
 
     /// Ends the stream with `status`: in trailers, or trailers-only when nothing was
     /// sent.
-    pub(crate) fn finish(&mut self, status: Status) {
+    pub fn finish(&mut self, status: Status) {
         let mut trailers = http::HeaderMap::new();
         trailers.insert("grpc-status", (status.code() as i32).into());
         if !status.message().is_empty() {
