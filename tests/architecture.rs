@@ -194,3 +194,158 @@ fn references_resolve_crate_and_super_paths() {
     );
     assert_eq!(references("super::X", &m(&["a"]), true), [m(&["X"])]);
 }
+
+/// Functions on the data path (server, agent, core, client) and in the CCM's
+/// controllers and load balancers longer than this read as more than one job.
+const MAX_FUNCTION_LINES: usize = 60;
+
+/// Functions still over [`MAX_FUNCTION_LINES`], each a job to split (file, name). The
+/// list only shrinks: a function here that got short fails the test until it is
+/// taken off.
+const LONG_FUNCTIONS: &[(&str, &str)] = &[
+    ("agent/src/link.rs", "serve"),
+    ("agent/src/servers.rs", "run"),
+    ("ccm/src/controllers/mod.rs", "event"),
+    ("ccm/src/controllers/node.rs", "initialize"),
+    ("ccm/src/controllers/node_lifecycle.rs", "check"),
+    ("ccm/src/controllers/route.rs", "reconcile"),
+    ("ccm/src/controllers/service.rs", "cleanup"),
+    ("ccm/src/controllers/service.rs", "ensure"),
+    ("ccm/src/controllers/service.rs", "run"),
+    ("ccm/src/lb/addresses.rs", "assign"),
+    ("ccm/src/lb/addresses.rs", "new"),
+    ("ccm/src/lb/addresses.rs", "parse"),
+    ("ccm/src/lb/addresses.rs", "shareable"),
+    ("ccm/src/lb/announce.rs", "hold"),
+    ("ccm/src/lb/balancer.rs", "serve"),
+    ("ccm/src/lb/netns.rs", "copy_routes"),
+    ("ccm/src/lb/pools.rs", "run"),
+    ("ccm/src/lb/pools.rs", "term"),
+    ("ccm/src/manager.rs", "run"),
+    ("ccm/src/manager.rs", "start"),
+    ("ccm/src/translate.rs", "info_of"),
+    ("core/src/grpc/server.rs", "serve_connection"),
+    ("core/src/tls.rs", "parse"),
+    ("core/src/transport.rs", "tls_incoming_with"),
+    ("server/src/auth.rs", "authenticate"),
+    ("server/src/lib.rs", "bind"),
+    ("server/src/router/select.rs", "select"),
+];
+
+/// Each function of `text` (outside its test module) with its length in lines, from
+/// its `fn` line to its closing brace.
+fn function_lengths(text: &str) -> Vec<(String, usize)> {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < lines.len() {
+        let line = lines[i];
+        if line.trim_start() == "#[cfg(test)]"
+            && lines
+                .get(i + 1)
+                .is_some_and(|l| l.trim_start().starts_with("mod tests"))
+        {
+            break;
+        }
+        let trimmed = line.trim_start();
+        let indent = line.len() - trimmed.len();
+        let words: Vec<&str> = trimmed.split_whitespace().collect();
+        let at = words.iter().position(|w| *w == "fn");
+        let is_fn = at.is_some_and(|at| {
+            words[..at]
+                .iter()
+                .all(|w| w.starts_with("pub") || matches!(*w, "async" | "const" | "unsafe"))
+        });
+        if !is_fn {
+            i += 1;
+            continue;
+        }
+        let name: String = words[at.unwrap() + 1]
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect();
+        // The body opens on the signature's last line; a declaration ends in `;`.
+        let mut open = i;
+        while open < lines.len() && !lines[open].trim_end().ends_with('{') {
+            if lines[open].trim_end().ends_with(';') {
+                break;
+            }
+            open += 1;
+        }
+        if open >= lines.len() || !lines[open].trim_end().ends_with('{') {
+            i = open + 1;
+            continue;
+        }
+        let close = (open + 1..lines.len())
+            .find(|&k| {
+                let l = lines[k];
+                l.len() > indent && l[..indent].trim().is_empty() && l[indent..].starts_with('}')
+            })
+            .unwrap_or(lines.len() - 1);
+        out.push((name, close - i + 1));
+        i = close + 1;
+    }
+    out
+}
+
+#[test]
+fn data_path_and_controller_functions_are_short() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let dirs = [
+        "server/src",
+        "agent/src",
+        "core/src",
+        "client/src",
+        "ccm/src/controllers",
+        "ccm/src/lb",
+    ];
+    let mut files: Vec<PathBuf> = dirs
+        .iter()
+        .flat_map(|d| modules(&root.join(d)).into_values())
+        .collect();
+    files.push(root.join("ccm/src/manager.rs"));
+    files.push(root.join("ccm/src/translate.rs"));
+    let mut long = Vec::new();
+    let mut shortened = Vec::new();
+    for file in files {
+        let shown = file.strip_prefix(&root).unwrap().display().to_string();
+        if shown.ends_with("tests.rs") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&file).unwrap();
+        let lengths = function_lengths(&text);
+        for (name, n) in &lengths {
+            let listed = LONG_FUNCTIONS.contains(&(shown.as_str(), name.as_str()));
+            if *n > MAX_FUNCTION_LINES && !listed {
+                long.push(format!("{shown}: {name} is {n} lines"));
+            }
+        }
+        for (f, name) in LONG_FUNCTIONS.iter().filter(|(f, _)| *f == shown) {
+            let still = lengths
+                .iter()
+                .any(|(n, len)| n == name && *len > MAX_FUNCTION_LINES);
+            if !still {
+                shortened.push(format!("{f}: {name}"));
+            }
+        }
+    }
+    assert!(
+        long.is_empty(),
+        "split these by job (at most {MAX_FUNCTION_LINES} lines):\n{}",
+        long.join("\n")
+    );
+    assert!(
+        shortened.is_empty(),
+        "no longer long: take them off LONG_FUNCTIONS:\n{}",
+        shortened.join("\n")
+    );
+}
+
+#[test]
+fn function_lengths_run_from_fn_to_closing_brace() {
+    let text = "fn a() {\n    x;\n}\n\npub(crate) async fn b(\n    y: u8,\n) -> u8 {\n    y\n}\n    fn c();\n#[cfg(test)]\nmod tests {\n    fn d() {}\n}\n";
+    assert_eq!(
+        function_lengths(text),
+        [("a".to_string(), 3), ("b".to_string(), 5)]
+    );
+}
