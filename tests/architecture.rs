@@ -228,7 +228,6 @@ const LONG_FUNCTIONS: &[(&str, &str)] = &[
     ("core/src/tls.rs", "parse"),
     ("core/src/transport.rs", "tls_incoming_with"),
     ("server/src/auth.rs", "authenticate"),
-    ("server/src/lib.rs", "bind"),
     ("server/src/router/select.rs", "select"),
 ];
 

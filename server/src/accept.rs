@@ -1,0 +1,147 @@
+//! The accept loops: the agent listener (TLS, admission caps) and the frontends
+//! (a Unix socket or mutual-TLS TCP; gRPC or HTTP-CONNECT).
+
+use std::sync::Arc;
+use std::time::Duration;
+use tether_core::error::chain;
+use tether_core::transport::{self, ServerConfigSource};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::start::FrontendListener;
+use crate::{agent_link, frontend, Mode, Router};
+
+/// A TCP listener's admission under `limits`, counting refusals in
+/// `tether_server_connections_refused_total{listener}`.
+pub(crate) fn admission(
+    router: &Arc<Router>,
+    listener: &'static str,
+    limits: tether_core::admission::AdmissionLimits,
+) -> Arc<tether_core::admission::Admission> {
+    let refused = router.metrics.connections_refused.clone();
+    Arc::new(tether_core::admission::Admission::new(
+        limits,
+        Arc::new(move |why| {
+            refused.with_label_values(&[listener, why.label()]).inc();
+        }),
+    ))
+}
+
+/// The agent listener: mutual TLS, then one task per connection serving
+/// `AgentService` with HTTP/2 keepalive; after the hard stop it waits for those tasks
+/// (each ends within `tether_core::grpc::server::CLOSE_GRACE`).
+pub(crate) fn spawn_agent_listener(
+    link: agent_link::AgentLink,
+    listener: TcpListener,
+    tls: ServerConfigSource,
+    keepalive: Duration,
+    dead_link: Option<Duration>,
+    admission: Arc<tether_core::admission::Admission>,
+    hard_stop: &CancellationToken,
+) -> tokio::task::JoinHandle<()> {
+    let mut incoming = transport::tls_incoming_with(
+        listener,
+        tls,
+        "agent",
+        dead_link,
+        admission,
+        hard_stop.clone(),
+    );
+    let link = Arc::new(link);
+    tokio::spawn(
+        async move {
+            let connections = tokio_util::task::TaskTracker::new();
+            while let Some(conn) = incoming.recv().await {
+                let info = conn.info().clone();
+                let span = tracing::debug_span!("agent_connection", peer = %info.remote_addr);
+                let serve = link.clone().serve_connection(conn, info, keepalive);
+                connections.spawn(serve.instrument(span));
+            }
+            connections.close();
+            connections.wait().await;
+        }
+        .instrument(tracing::info_span!("agent_listener")),
+    )
+}
+
+/// Accepts frontend connections until `stop`, each served in a task of its own until
+/// its client goes or `hard_stop`: established streams and tunnels outlive `stop`.
+pub(crate) async fn serve_frontend(
+    mode: Mode,
+    listener: FrontendListener,
+    router: Arc<Router>,
+    keepalive: Duration,
+    admission: Arc<tether_core::admission::Admission>,
+    stop: CancellationToken,
+    hard_stop: CancellationToken,
+) {
+    let serve = Accepted {
+        mode,
+        router,
+        keepalive,
+        hard_stop,
+    };
+    match listener {
+        FrontendListener::Uds(l, _) => loop {
+            let sock = tokio::select! {
+                _ = stop.cancelled() => return,
+                a = l.accept() => match a {
+                    Ok((s, _)) => s,
+                    Err(e) => {
+                        tracing::warn!(error = %chain(&e), "accept failed");
+                        // EMFILE and friends: back off a little instead of spinning.
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+            };
+            match mode {
+                Mode::Grpc => serve.spawn(frontend::uds_authority::AuthorityFix::new(sock), "uds"),
+                Mode::HttpConnect => serve.spawn(sock, "uds"),
+            }
+        },
+        FrontendListener::Tls(l, cfg, clients) => {
+            let mut incoming =
+                transport::tls_incoming_with(l, cfg, "frontend", None, admission, stop);
+            while let Some(conn) = incoming.recv().await {
+                let peer = conn.info().remote_addr.to_string();
+                let leaf = conn.info().peer_certs.as_ref().and_then(|c| c.first());
+                if let Err(why) = clients.admit(leaf) {
+                    tracing::warn!(%peer, reason = %why, "frontend client refused");
+                    continue;
+                }
+                serve.spawn(conn, &peer);
+            }
+        }
+    }
+}
+
+/// How an accepted frontend connection is served.
+pub(crate) struct Accepted {
+    pub(crate) mode: Mode,
+    pub(crate) router: Arc<Router>,
+    pub(crate) keepalive: Duration,
+    pub(crate) hard_stop: CancellationToken,
+}
+
+impl Accepted {
+    pub(crate) fn spawn<S>(&self, sock: S, peer: &str)
+    where
+        S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let (router, stop) = (self.router.clone(), self.hard_stop.clone());
+        match self.mode {
+            Mode::Grpc => {
+                let span = tracing::debug_span!("frontend_connection", kind = "grpc", %peer);
+                let conn = frontend::grpc::serve_connection(sock, router, self.keepalive, stop);
+                tokio::spawn(conn.instrument(span));
+            }
+            Mode::HttpConnect => {
+                let span = tracing::info_span!("frontend", kind = "http-connect", %peer, address = tracing::field::Empty);
+                let conn = frontend::http_connect::serve_connection(router, sock, stop);
+                tokio::spawn(conn.instrument(span));
+            }
+        }
+    }
+}

@@ -1,0 +1,177 @@
+//! A bound server's life: the background jobs, the listeners, then graceful
+//! shutdown (drain) and the hard stop.
+
+use std::path::PathBuf;
+use std::sync::atomic::AtomicU32;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::accept::{admission, serve_frontend, spawn_agent_listener};
+use crate::config::AgentsAccess;
+use crate::side::{spawn_admin, spawn_health, AgentsReaders};
+use crate::start::{BoundAddrs, BoundServer, FrontendListener};
+use crate::{agent_link, lease, nodes, Router};
+
+impl BoundServer {
+    /// The bound addresses.
+    pub fn addrs(&self) -> &BoundAddrs {
+        &self.addrs
+    }
+
+    /// The server core (for in-process embedding and tests).
+    pub fn router(&self) -> &Arc<Router> {
+        &self.router
+    }
+
+    /// Serves until `drain` is cancelled, then stops taking frontend connections,
+    /// lets established tunnels finish for up to the graceful shutdown timeout, and
+    /// returns after the hard stop.
+    pub async fn run(mut self, drain: CancellationToken) {
+        // Agents and in-flight tunnels outlive the frontend listeners during a graceful
+        // drain; `hard_stop` ends them.
+        let hard_stop = CancellationToken::new();
+        let server_count = Arc::new(AtomicU32::new(self.config.server_count));
+        let lease_task = self.spawn_background(&server_count, &drain, &hard_stop);
+        if let Some(l) = self.health.take() {
+            spawn_health(&self.router, l, &hard_stop);
+        }
+        if let Some(l) = self.admin.take() {
+            let access = match (&self.config.agents_access, self.agents_delegation.take()) {
+                (AgentsAccess::Anyone, _) => AgentsReaders::Anyone,
+                (AgentsAccess::Authorized { .. }, delegation) => AgentsReaders::Authorized {
+                    delegation,
+                    decisions: Arc::default(),
+                },
+            };
+            spawn_admin(&self.router, l, self.config.profiling, access, &hard_stop);
+        }
+        let (config, router) = (self.config.clone(), self.router.clone());
+        let (agent_task, frontends) = self.spawn_listeners(server_count, &drain, &hard_stop);
+
+        drain.cancelled().await;
+        tracing::info!("shutting down: no new frontend connections");
+        // TCP frontends stop accepting at once; a Unix socket's path is removed so no
+        // new client can reach it.
+        for path in &frontends.sockets {
+            let _ = std::fs::remove_file(path);
+        }
+        if let Some(task) = lease_task {
+            // Stop advertising this server before waiting for its tunnels to finish.
+            let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
+        }
+        // Pending dials and established connections each hold a drain watch.
+        let grace = config.graceful_shutdown_timeout;
+        let drained = tokio::time::timeout(grace, router.work().drain());
+        if !grace.is_zero() && drained.await.is_err() {
+            tracing::info!(
+                open = router.work().open(),
+                "graceful shutdown timeout reached; closing remaining tunnels"
+            );
+        }
+        hard_stop.cancel();
+        let stopped = tokio::time::timeout(Duration::from_secs(2), async {
+            for task in frontends.tasks {
+                let _ = task.await;
+            }
+            let _ = agent_task.await;
+        });
+        if stopped.await.is_err() {
+            tracing::warn!("listeners still open 2s after the hard stop; exiting anyway");
+        }
+        tracing::info!("server stopped");
+    }
+
+    /// Starts what runs beside the listeners: the memory trimmer, certificate reload,
+    /// the Node watch and the Lease (returned: it stops at `drain`).
+    pub(crate) fn spawn_background(
+        &self,
+        server_count: &Arc<AtomicU32>,
+        drain: &CancellationToken,
+        hard_stop: &CancellationToken,
+    ) -> Option<tokio::task::JoinHandle<()>> {
+        let router = self.router.clone();
+        let open = move || router.work().open() as i64;
+        tether_ops::memory::spawn_trimmer(
+            open,
+            tether_ops::memory::Looks::Steady,
+            hard_stop.clone(),
+        );
+        tether_ops::reload::spawn_watcher(
+            self.reloadables.clone(),
+            self.config.cert_reload_interval,
+            hard_stop.clone(),
+        );
+        if let Some(client) = &self.nodes_client {
+            let inventory = self.router.registry().nodes().clone();
+            nodes::spawn(client.clone(), inventory, hard_stop.clone());
+        }
+        let (Some(client), Some(cfg)) = (&self.lease_client, &self.config.lease) else {
+            return None;
+        };
+        Some(tokio::spawn(lease::run(
+            client.clone(),
+            cfg.clone(),
+            self.config.server_id.clone(),
+            server_count.clone(),
+            self.router.metrics.clone(),
+            drain.clone(),
+        )))
+    }
+
+    /// Starts the agent listener and the frontends (which stop accepting at `drain`).
+    pub(crate) fn spawn_listeners(
+        self,
+        server_count: Arc<AtomicU32>,
+        drain: &CancellationToken,
+        hard_stop: &CancellationToken,
+    ) -> (tokio::task::JoinHandle<()>, Frontends) {
+        let config = self.config;
+        let link = agent_link::AgentLink {
+            router: self.router.clone(),
+            server_id: config.server_id.clone(),
+            server_count,
+            channel_size: config.channel_size,
+            shutdown: hard_stop.clone(),
+            authenticator: self.authenticator,
+            require_identity_match: config.require_agent_identity_match,
+            unverified_warnings: tether_ops::ratelimit::TokenBucket::new(
+                agent_link::UNVERIFIED_WARNINGS.0,
+                agent_link::UNVERIFIED_WARNINGS.1,
+            ),
+        };
+        let keepalive = config.agent_keepalive;
+        let agent_task = spawn_agent_listener(
+            link,
+            self.agent_listener,
+            self.agent_tls,
+            keepalive,
+            config.agent_dead_link,
+            admission(&self.router, "agent", config.admission),
+            hard_stop,
+        );
+        let mut frontends = Frontends::default();
+        for (mode, listener) in self.frontends {
+            if let FrontendListener::Uds(_, path) = &listener {
+                frontends.sockets.push(path.clone());
+            }
+            let (router, stop, hard) = (self.router.clone(), drain.clone(), hard_stop.clone());
+            let keepalive = config.frontend_keepalive;
+            let span = tracing::info_span!("frontend_listener", %mode);
+            let admission = admission(&self.router, "frontend", config.admission);
+            frontends.tasks.push(tokio::spawn(
+                serve_frontend(mode, listener, router, keepalive, admission, stop, hard)
+                    .instrument(span),
+            ));
+        }
+        (agent_task, frontends)
+    }
+}
+
+/// The running frontends: their tasks and the Unix socket files they serve on.
+#[derive(Default)]
+pub(crate) struct Frontends {
+    pub(crate) tasks: Vec<tokio::task::JoinHandle<()>>,
+    pub(crate) sockets: Vec<PathBuf>,
+}

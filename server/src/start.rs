@@ -1,0 +1,322 @@
+//! Start-up: every listener bound and every certificate loaded before anything is
+//! served, so a bad address or file fails with one error naming it.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use tether_core::error::chain;
+use tether_core::tls::{self, TlsError, TlsFiles};
+use tether_core::transport::{self, ServerConfigSource};
+use tokio::net::{TcpListener, UnixListener};
+
+use crate::config::{AgentsAccess, FrontendClients, FrontendConfig, Listen, ServerConfig};
+use crate::{auth, metrics, Mode, Router};
+
+/// Why the server could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StartError {
+    /// A listener could not be bound.
+    #[error("cannot listen on {what} {addr}")]
+    Bind {
+        /// Which listener.
+        what: &'static str,
+        /// Its address or path.
+        addr: String,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// TLS material is unusable.
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    /// The Kubernetes client (agent authentication, leases, Nodes) could not be set up.
+    #[error(transparent)]
+    Kube(#[from] tether_ops::kubeclient::KubeSetupError),
+    /// The TCP frontend would let agents' certificates open tunnels.
+    #[error("--server-ca-cert and --cluster-ca-cert share the CA {subject:?}, so every agent certificate could open frontend tunnels: give the frontend a CA of its own (tether certs init does), or require the apiserver's client certificate name with --frontend-client-names")]
+    SharedCa {
+        /// The shared CA's subject.
+        subject: String,
+    },
+    /// A CA file could not be read for the comparison above.
+    #[error("cannot read CA file {path}: {reason}")]
+    CaFile {
+        /// The file.
+        path: String,
+        /// What went wrong.
+        reason: String,
+    },
+}
+
+/// Refuses a TCP frontend whose CA also signs agents, unless client names are required
+/// or the operator opted out.
+pub(crate) fn check_frontend_trust(config: &ServerConfig) -> Result<(), StartError> {
+    let tcp_without_names = config
+        .frontends
+        .iter()
+        .any(|fe| matches!(&fe.listen, Listen::Tcp { clients, .. } if clients.names.is_empty()));
+    let Some(agent_ca) = &config.agent_tls.ca else {
+        if tcp_without_names {
+            tracing::warn!("the TCP frontend accepts any client certificate --server-ca-cert signed: if that CA also signs kubelet or other client certificates, set --frontend-client-names to the apiserver's");
+        }
+        return Ok(());
+    };
+    let read = |p: &std::path::Path| -> Result<Vec<tether_certs::inspect::CertInfo>, StartError> {
+        let pem = std::fs::read_to_string(p).map_err(|e| StartError::CaFile {
+            path: p.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        tether_certs::inspect::parse_pem(&pem).map_err(|reason| StartError::CaFile {
+            path: p.display().to_string(),
+            reason,
+        })
+    };
+    for fe in &config.frontends {
+        let Listen::Tcp { tls, clients, .. } = &fe.listen else {
+            continue;
+        };
+        let Some(frontend_ca) = &tls.ca else { continue };
+        if !clients.names.is_empty() {
+            continue;
+        }
+        let agents = read(agent_ca)?;
+        // The same certificate, the same key under another certificate, or the agents'
+        // CA issued by the frontend's.
+        let shared = read(frontend_ca)?.into_iter().find(|c| {
+            agents
+                .iter()
+                .any(|a| a.der == c.der || a.public_key_der == c.public_key_der || a.signed_by(c))
+        });
+        if let Some(ca) = shared {
+            if clients.allow_shared_ca {
+                tracing::warn!(ca = %ca.subject, "UNSAFE: the frontend trusts the agents' CA (--unsafe-shared-frontend-ca): a stolen agent certificate can open tunnels to any address");
+            } else {
+                return Err(StartError::SharedCa {
+                    subject: ca.subject,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// What was bound, for logs and tests.
+#[derive(Debug, Clone)]
+pub struct BoundAddrs {
+    /// Agent listener.
+    pub agent: SocketAddr,
+    /// Frontends, in configuration order: a TCP address or a socket path.
+    pub frontends: Vec<String>,
+    /// Health endpoint.
+    pub health: Option<SocketAddr>,
+    /// Admin endpoint.
+    pub admin: Option<SocketAddr>,
+}
+
+pub(crate) enum FrontendListener {
+    Uds(UnixListener, PathBuf),
+    Tls(TcpListener, ServerConfigSource, FrontendClients),
+}
+
+/// The server, bound and ready to run.
+pub struct BoundServer {
+    pub(crate) agents_delegation: Option<tether_ops::authz::Delegation>,
+    pub(crate) lease_client: Option<kube::Client>,
+    pub(crate) nodes_client: Option<kube::Client>,
+    pub(crate) reloadables: Vec<Arc<dyn tether_ops::reload::Reload>>,
+    pub(crate) authenticator: Option<Arc<auth::TokenAuthenticator>>,
+    pub(crate) config: ServerConfig,
+    pub(crate) router: Arc<Router>,
+    pub(crate) agent_listener: TcpListener,
+    pub(crate) agent_tls: ServerConfigSource,
+    pub(crate) frontends: Vec<(Mode, FrontendListener)>,
+    pub(crate) health: Option<TcpListener>,
+    pub(crate) admin: Option<TcpListener>,
+    pub(crate) addrs: BoundAddrs,
+}
+
+/// Entry point.
+pub struct Server;
+
+pub(crate) fn bind_tcp(what: &'static str, addr: SocketAddr) -> Result<TcpListener, StartError> {
+    transport::bind_tcp(addr).map_err(|source| StartError::Bind {
+        what,
+        addr: addr.to_string(),
+        source,
+    })
+}
+
+/// The reloadable TLS configurations of the listeners, watched together.
+pub(crate) struct TlsSources {
+    pub(crate) expiry: tether_ops::metrics::CertExpiry,
+    pub(crate) reloadables: Vec<Arc<dyn tether_ops::reload::Reload>>,
+}
+
+impl TlsSources {
+    /// Loads `files` now (failing start-up when they are unusable) and again whenever
+    /// they change.
+    pub(crate) fn source(
+        &mut self,
+        label: &str,
+        files: &TlsFiles,
+        alpn: &'static [&'static [u8]],
+    ) -> Result<ServerConfigSource, StartError> {
+        let mut paths = vec![files.cert.clone(), files.key.clone()];
+        paths.extend(files.ca.clone());
+        let build_files = files.clone();
+        let r = tether_ops::reload::Reloadable::watching_certs(
+            label,
+            paths,
+            move || tls::server_config(&build_files, alpn),
+            self.expiry.clone(),
+        )?;
+        self.reloadables.push(r.clone());
+        Ok(Arc::new(move || r.get()))
+    }
+}
+
+/// Binds one frontend; its listener and the address it is reached at.
+pub(crate) async fn bind_frontend(
+    fe: &FrontendConfig,
+    tls_sources: &mut TlsSources,
+) -> Result<(FrontendListener, String), StartError> {
+    match &fe.listen {
+        Listen::Uds {
+            path,
+            delete_existing,
+            access,
+        } => {
+            let l = transport::bind_uds_with(path, *delete_existing, access).map_err(|source| {
+                StartError::Bind {
+                    what: "frontend socket",
+                    addr: path.display().to_string(),
+                    source,
+                }
+            })?;
+            Ok((
+                FrontendListener::Uds(l, path.clone()),
+                path.display().to_string(),
+            ))
+        }
+        Listen::Tcp {
+            addr,
+            tls: files,
+            clients,
+        } => {
+            let alpn: &'static [&'static [u8]] = match fe.mode {
+                Mode::Grpc => &[tls::ALPN_H2],
+                Mode::HttpConnect => &[tls::ALPN_HTTP11],
+            };
+            let cfg = tls_sources.source("frontend", files, alpn)?;
+            let l = bind_tcp("frontend port", *addr)?;
+            let at = l.local_addr().map(|a| a.to_string()).unwrap_or_default();
+            Ok((FrontendListener::Tls(l, cfg, clients.clone()), at))
+        }
+    }
+}
+
+pub(crate) fn bind_optional(
+    what: &'static str,
+    addr: Option<SocketAddr>,
+) -> Result<Option<TcpListener>, StartError> {
+    match addr {
+        Some(a) => Ok(Some(bind_tcp(what, a)?)),
+        None => Ok(None),
+    }
+}
+
+impl Server {
+    /// Loads TLS material and binds every listener.
+    pub async fn bind(config: ServerConfig) -> Result<BoundServer, StartError> {
+        check_frontend_trust(&config)?;
+        let metrics = metrics::Metrics::new();
+        let mut tls_sources = TlsSources {
+            expiry: metrics.cert_expiry.clone(),
+            reloadables: Vec::new(),
+        };
+        let agent_tls = tls_sources.source("agent listener", &config.agent_tls, &[tls::ALPN_H2])?;
+        let agent_listener = bind_tcp("agent port", config.agent_addr)?;
+        let mut frontends = Vec::new();
+        let mut frontend_addrs = Vec::new();
+        for fe in &config.frontends {
+            let (listener, at) = bind_frontend(fe, &mut tls_sources).await?;
+            frontends.push((fe.mode, listener));
+            frontend_addrs.push(at);
+        }
+        let health = bind_optional("health port", config.health_addr)?;
+        let admin = bind_optional("admin port", config.admin_addr)?;
+        let addrs = BoundAddrs {
+            agent: agent_listener.local_addr().expect("bound"),
+            frontends: frontend_addrs,
+            health: health.as_ref().and_then(|l| l.local_addr().ok()),
+            admin: admin.as_ref().and_then(|l| l.local_addr().ok()),
+        };
+        let clients = KubeClients::of(&config, &metrics).await?;
+        let router = Router::new(config.router.clone(), metrics);
+        if config.nodes.as_ref().is_some_and(|w| w.route_pod_ips) {
+            router.registry().nodes().route_pod_ips();
+        }
+        Ok(BoundServer {
+            agents_delegation: clients.agents_delegation,
+            lease_client: clients.lease,
+            nodes_client: clients.nodes,
+            reloadables: tls_sources.reloadables,
+            authenticator: clients.authenticator,
+            config,
+            router,
+            agent_listener,
+            agent_tls,
+            frontends,
+            health,
+            admin,
+            addrs,
+        })
+    }
+}
+
+/// What the server asks the cluster, each built from its own kubeconfig (or the
+/// in-cluster one) when its feature is on.
+struct KubeClients {
+    authenticator: Option<Arc<auth::TokenAuthenticator>>,
+    lease: Option<kube::Client>,
+    nodes: Option<kube::Client>,
+    agents_delegation: Option<tether_ops::authz::Delegation>,
+}
+
+impl KubeClients {
+    async fn of(config: &ServerConfig, metrics: &metrics::Metrics) -> Result<Self, StartError> {
+        let authenticator = match &config.agent_auth {
+            Some(a) => Some(Arc::new(
+                auth::TokenAuthenticator::new(a, metrics.token_reviews.clone()).await?,
+            )),
+            None => None,
+        };
+        let lease = match &config.lease {
+            Some(l) => Some(tether_ops::kubeclient::client(l.kubeconfig.as_deref()).await?),
+            None => None,
+        };
+        let nodes = match &config.nodes {
+            Some(w) => Some(tether_ops::kubeclient::client(w.kubeconfig.as_deref()).await?),
+            None => None,
+        };
+        let agents_delegation = match &config.agents_access {
+            AgentsAccess::Anyone => None,
+            AgentsAccess::Authorized { kubeconfig } => {
+                match tether_ops::kubeclient::client(kubeconfig.as_deref()).await {
+                    Ok(c) => Some(tether_ops::authz::Delegation::with(c)),
+                    Err(e) => {
+                        tracing::warn!(error = %chain(&e), "/agents is refused to everyone: the admin port is not bound to loopback, so /agents needs a bearer token reviewed by the cluster, and there is no Kubernetes client (set --kubeconfig, or bind the admin port to 127.0.0.1)");
+                        None
+                    }
+                }
+            }
+        };
+        Ok(KubeClients {
+            authenticator,
+            lease,
+            nodes,
+            agents_delegation,
+        })
+    }
+}
