@@ -216,19 +216,14 @@ const LONG_FUNCTIONS: &[(&str, &str)] = &[
     ("ccm/src/lb/addresses.rs", "new"),
     ("ccm/src/lb/addresses.rs", "parse"),
     ("ccm/src/lb/addresses.rs", "shareable"),
-    ("ccm/src/lb/announce.rs", "hold"),
     ("ccm/src/lb/balancer.rs", "serve"),
     ("ccm/src/lb/netns.rs", "copy_routes"),
     ("ccm/src/lb/pools.rs", "run"),
     ("ccm/src/lb/pools.rs", "term"),
-    ("ccm/src/manager.rs", "run"),
-    ("ccm/src/manager.rs", "start"),
-    ("ccm/src/translate.rs", "info_of"),
     ("core/src/grpc/server.rs", "serve_connection"),
     ("core/src/tls.rs", "parse"),
     ("core/src/transport.rs", "tls_incoming_with"),
     ("server/src/auth.rs", "authenticate"),
-    ("server/src/router/select.rs", "select"),
 ];
 
 /// Each function of `text` (outside its test module) with its length in lines, from

@@ -34,16 +34,20 @@ struct Conn {
     _work: drain::Watch,
 }
 
-/// What goes to the server, in two queues. Answers the stream's reader or a dial
-/// gives (DIAL_RSP, DRAIN, CLOSE_RSP for what the agent does not know or aborts) go
-/// into `control`, which never blocks, so the reader never waits on the writer it
-/// feeds; the writer takes them first. A connection's DATA, its WINDOW_UPDATEs and its
-/// last CLOSE_RSP go into `data`, bounded (`--xfr-channel-size`), where its pump waits
-/// its turn: a connection's CLOSE_RSP follows its DATA, and its DIAL_RSP went before
-/// either.
+/// What goes to the server, in two queues, both bounded. Answers the stream's reader
+/// or a dial gives (DIAL_RSP, DRAIN, CLOSE_RSP for what the agent does not know or
+/// aborts) go into `control`, which the writer takes first: a dial's answer never waits
+/// behind connection traffic, and it waits on nothing but the server's reading (not on
+/// the reader it feeds). A server that stops reading fills it, and then the reader
+/// waits too, as upstream's agent blocks in its send: what a server makes the agent
+/// hold stays bounded. A connection's DATA, its WINDOW_UPDATEs and its last CLOSE_RSP
+/// go into `data` (`--xfr-channel-size`), where its pump waits its turn: a connection's
+/// CLOSE_RSP follows its DATA, and its DIAL_RSP (queued first) goes before either. A
+/// CLOSE_RSP for a connection the agent aborts goes with the answers, ahead of DATA
+/// the pump had queued: the connection is being cut, and the server drops the rest.
 pub(crate) struct Outbox {
-    /// Answers; unbounded (each answers one request of the server's).
-    pub(crate) control: queue::Sender<Packet>,
+    /// Answers ([`ANSWERS`] at most).
+    pub(crate) control: mpsc::Sender<Packet>,
     /// Connection traffic; bounded.
     pub(crate) data: mpsc::Sender<Packet>,
 }
@@ -105,16 +109,26 @@ impl Session {
         self.out.data.send(packet).await.is_ok()
     }
 
-    /// Queues an answer at once; the writer takes answers before connection traffic.
-    pub(crate) fn answer(&self, packet: Packet) -> bool {
+    /// Queues an answer; the writer takes answers before connection traffic.
+    pub(crate) async fn answer(&self, packet: Packet) -> bool {
         self.metrics.packets.inc(TO_SERVER, packet.r#type);
-        self.out.control.send(packet).is_ok()
+        self.out.control.send(packet).await.is_ok()
     }
 
-    /// Stops taking dials and tells the server so.
+    /// Stops taking dials and tells the server so. It never waits (the stream's task
+    /// calls it, and that task also drives the writer that makes room): with the
+    /// answers full, DRAIN is queued from a task of its own.
     pub(crate) fn drain(&self) {
-        if !self.draining.swap(true, Ordering::Relaxed) {
-            self.answer(Packet::drain());
+        if self.draining.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        self.metrics
+            .packets
+            .inc(TO_SERVER, tether_proto::PacketType::Drain as i32);
+        if let Err(mpsc::error::TrySendError::Full(p)) = self.out.control.try_send(Packet::drain())
+        {
+            let control = self.out.control.clone();
+            tokio::spawn(async move { control.send(p).await });
         }
     }
 
@@ -133,7 +147,7 @@ impl Session {
                     // The pump writes what is queued, then closes and answers.
                     Some(tx) => drop(tx.send(packet)),
                     None => {
-                        self.answer(Packet::unknown_connection(c.connect_id));
+                        self.answer(Packet::unknown_connection(c.connect_id)).await;
                     }
                 }
             }
@@ -162,7 +176,7 @@ impl Session {
             .map(|c| (c.tx.clone(), c.flow.clone()));
         let Some((tx, flow)) = conn else {
             tracing::debug!(connect_id, "DATA for unknown connectID");
-            self.answer(Packet::unknown_connection(connect_id));
+            self.answer(Packet::unknown_connection(connect_id)).await;
             return;
         };
         match flow.admit(len, self.stall_timeout).await {
@@ -174,7 +188,7 @@ impl Session {
                     connect_id,
                     "server sent more than the flow-control window; closing the connection"
                 );
-                self.abort(connect_id, "flow-control window exceeded");
+                self.abort(connect_id, "flow-control window exceeded").await;
             }
             Err(Refused::Stalled(timeout)) => {
                 tracing::warn!(
@@ -185,7 +199,7 @@ impl Session {
                 );
                 let error =
                     format!("agent: target did not read for {timeout:?}; connection closed");
-                self.abort(connect_id, &error);
+                self.abort(connect_id, &error).await;
             }
         }
     }
@@ -193,11 +207,13 @@ impl Session {
     async fn dial(self: &Arc<Self>, req: DialRequest) {
         let random = req.random;
         if req.protocol != "tcp" && !req.protocol.is_empty() {
+            let protocol = cut(&req.protocol);
             self.answer(Packet::dial_response(
                 random,
                 0,
-                format!("protocol {:?} is not supported (only tcp)", req.protocol),
-            ));
+                format!("protocol {protocol:?} is not supported (only tcp)"),
+            ))
+            .await;
             return;
         }
         let connect_id = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -233,7 +249,10 @@ impl Session {
         };
         self.conns().insert(connect_id, conn);
         self.metrics.open_endpoint_connections.inc();
-        if !self.answer(Packet::dial_response(random, connect_id, "")) {
+        if !self
+            .answer(Packet::dial_response(random, connect_id, ""))
+            .await
+        {
             self.finish(connect_id);
             return;
         }
@@ -292,19 +311,20 @@ impl Session {
             .with_label_values(&[reason])
             .inc();
         tracing::info!(%address, connect_id, %error, "dial failed");
+        let address = cut(address);
         let rsp = Packet::dial_response(random, 0, format!("dial tcp {address}: {error}"));
-        self.answer(rsp);
+        self.answer(rsp).await;
         None
     }
 
     /// Closes `connect_id` from our side: its pump stops and the server gets CLOSE_RSP
     /// with `error` (ahead of what the pump had queued: the connection is being cut).
-    fn abort(&self, connect_id: i64, error: &str) {
+    async fn abort(&self, connect_id: i64, error: &str) {
         let conn = self.conns().get(&connect_id).map(|c| c.cancel.clone());
         if let Some(cancel) = conn {
             cancel.cancel();
             if self.finish(connect_id) {
-                self.answer(Packet::close_response(connect_id, error));
+                self.answer(Packet::close_response(connect_id, error)).await;
             }
         }
     }
@@ -318,6 +338,19 @@ impl Session {
         self.metrics.open_endpoint_connections.dec();
         true
     }
+}
+
+/// How many answers may wait for the server to read (see [`Outbox`]).
+pub(crate) const ANSWERS: usize = 256;
+
+/// What of a server-given string an answer echoes: at most 256 bytes, so a server
+/// cannot make the agent hold large copies of what it sent.
+fn cut(s: &str) -> &str {
+    let mut end = s.len().min(256);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
 }
 
 /// The connections' pumps send through the session: DATA and WINDOW_UPDATE are
@@ -342,7 +375,7 @@ mod tests {
 
     /// What the session queues for the server, answers first, as the writer takes them.
     struct ToServer {
-        control: queue::Receiver<Packet>,
+        control: mpsc::Receiver<Packet>,
         data: mpsc::Receiver<Packet>,
     }
 
@@ -350,12 +383,13 @@ mod tests {
         fn try_recv(&mut self) -> Option<Packet> {
             self.control
                 .try_recv()
-                .or_else(|| self.data.try_recv().ok())
+                .or_else(|_| self.data.try_recv())
+                .ok()
         }
     }
 
     fn session(window: Option<u32>) -> (Arc<Session>, ToServer, Arc<drain::Signal>) {
-        let (control, control_rx) = queue::queue();
+        let (control, control_rx) = mpsc::channel(ANSWERS);
         let (data, data_rx) = mpsc::channel(64);
         let work = Arc::new(drain::Signal::new());
         let timeout = Duration::from_secs(5);
@@ -370,11 +404,10 @@ mod tests {
     }
 
     async fn next(rx: &mut ToServer) -> Payload {
-        use futures::StreamExt;
         let p = tokio::time::timeout(PATIENCE, async {
             tokio::select! {
                 biased;
-                Some(p) = rx.control.next() => p,
+                Some(p) = rx.control.recv() => p,
                 Some(p) = rx.data.recv() => p,
             }
         })

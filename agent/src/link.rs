@@ -17,12 +17,10 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures::StreamExt;
 use h2::client::{Connection, SendRequest};
 use h2::{Ping, PingPong, Reason};
 use tether_core::grpc::client::{self, FirstFlight, Inbound, StreamError, Windows};
 use tether_core::grpc::{frame_parts, Outbound};
-use tether_core::queue;
 use tether_core::transport::{self, ClientTls};
 use tether_proto::{header, link, Packet};
 use tokio::sync::mpsc;
@@ -41,6 +39,9 @@ pub(crate) const CLOSE_GRACE: Duration = Duration::from_secs(2);
 
 /// How long opening one stream (TCP, TLS, the server's response headers) may take.
 pub(crate) const ESTABLISH_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// How long TCP connect and the TLS handshake may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The longest a keepalive ping may go unanswered (shorter with a shorter interval).
 const PING_TIMEOUT: Duration = Duration::from_secs(20);
@@ -105,7 +106,11 @@ impl LinkError {
     /// The HTTP/2 error code the server closed the connection or stream with.
     fn reason(&self) -> Option<Reason> {
         match self {
-            LinkError::Connection(e) | LinkError::Stream(StreamError::Transport(e)) => e.reason(),
+            LinkError::Connection(e) | LinkError::Stream(StreamError::Transport(e))
+                if e.is_remote() =>
+            {
+                e.reason()
+            }
             _ => None,
         }
     }
@@ -117,10 +122,12 @@ impl Agent {
         let authority = transport::authority(host, port);
         let name = tether_core::tls::server_name(host)
             .map_err(|e| LinkError::Connect(io::Error::new(io::ErrorKind::InvalidInput, e)))?;
-        let io =
-            transport::connect_tls_with(&authority, name, self.tls.get(), self.config.dead_link)
-                .await
-                .map_err(LinkError::Connect)?;
+        let connect =
+            transport::connect_tls_with(&authority, name, self.tls.get(), self.config.dead_link);
+        let io = tokio::time::timeout(CONNECT_TIMEOUT, connect)
+            .await
+            .map_err(|_| LinkError::Timeout(CONNECT_TIMEOUT))?
+            .map_err(LinkError::Connect)?;
         let (mut send, mut conn) = client::handshake(io, Windows::default())
             .await
             .map_err(LinkError::Connect)?;
@@ -218,7 +225,7 @@ impl Agent {
             out,
             inbound,
         } = est;
-        let (control, control_rx) = queue::queue();
+        let (control, control_rx) = mpsc::channel(crate::dialer::ANSWERS);
         let (data, data_rx) = mpsc::channel(cfg.channel_size);
         let session = Session::new(
             Outbox { control, data },
@@ -233,9 +240,10 @@ impl Agent {
         tracing::info!(%server_id, server_count, flow_control = peer_window.is_some(), "connected to proxy server");
 
         let finish = CancellationToken::new();
-        let mut reader = pin!(read(inbound, session.clone()));
+        let heard = Heard::default();
+        let mut reader = pin!(read(inbound, session.clone(), heard.clone()));
         let mut writer = pin!(write(out, control_rx, data_rx, finish.clone()));
-        let mut pinger = pin!(keep_alive(pings, keepalive));
+        let mut pinger = pin!(keep_alive(pings, keepalive, heard));
         let ended = async {
             let mut draining = false;
             loop {
@@ -253,8 +261,14 @@ impl Agent {
                     }
                     // Draining, the stream stays and serves (as upstream's agent
                     // until its second signal); the hard stop ends it, with a
-                    // half-close when DRAIN went first.
-                    _ = stop.cancelled() => return Ok(draining),
+                    // half-close when DRAIN went first (a drain that came with the
+                    // stop sends its DRAIN too).
+                    _ = stop.cancelled() => {
+                        if drain.is_cancelled() && !draining {
+                            session.drain();
+                        }
+                        return Ok(drain.is_cancelled());
+                    }
                 }
             }
         }
@@ -272,10 +286,13 @@ impl Agent {
             session.closed.cancel();
             finish.cancel();
             let rest = async {
-                let _ = (&mut writer).await;
-                tokio::select! {
-                    _ = &mut reader => {}
-                    _ = &mut conn => {}
+                let mut written = false;
+                loop {
+                    tokio::select! {
+                        _ = &mut conn => return,
+                        _ = &mut writer, if !written => written = true,
+                        _ = &mut reader, if written => return,
+                    }
                 }
             };
             let _ = tokio::time::timeout(CLOSE_GRACE, rest).await;
@@ -298,7 +315,9 @@ impl Agent {
         let mut reason = e.reason();
         if reason != Some(Reason::ENHANCE_YOUR_CALM) && !matches!(e, LinkError::Connection(_)) {
             if let Ok(Err(c)) = tokio::time::timeout(Duration::from_millis(100), conn).await {
-                reason = c.reason().or(reason);
+                if c.is_remote() {
+                    reason = c.reason().or(reason);
+                }
             }
         }
         if reason == Some(Reason::ENHANCE_YOUR_CALM) {
@@ -340,41 +359,71 @@ fn conn_ended(r: Result<(), h2::Error>) -> LinkError {
     }
 }
 
+/// When the stream last heard from the server (a packet read), for the keepalive.
+#[derive(Clone)]
+struct Heard(Arc<std::sync::Mutex<std::time::Instant>>);
+
+impl Default for Heard {
+    fn default() -> Self {
+        Heard(Arc::new(std::sync::Mutex::new(std::time::Instant::now())))
+    }
+}
+
+impl Heard {
+    fn now(&self) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = std::time::Instant::now();
+    }
+
+    fn last(&self) -> std::time::Instant {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
 /// Hands every packet from the server to `session`, until the stream fails or ends.
-async fn read(mut inbound: Inbound, session: Arc<Session>) -> LinkError {
+async fn read(mut inbound: Inbound, session: Arc<Session>, heard: Heard) -> LinkError {
     loop {
         match inbound.message().await {
-            Ok(Some(p)) => session.handle(p).await,
+            Ok(Some(p)) => {
+                heard.now();
+                session.handle(p).await
+            }
             Ok(None) => return LinkError::Protocol("server closed the stream".into()),
             Err(e) => return LinkError::Stream(e),
         }
     }
 }
 
-/// Writes what the session queues: answers at once, connection traffic one packet at a
-/// time as HTTP/2 flow control allows (a large DATA payload as a slice, not copied).
-/// Once `finish` is cancelled and nothing more is queued, or every sender is gone, it
-/// ends the stream's body.
+/// Writes what the session queues, one packet at a time as HTTP/2 flow control allows
+/// (a large DATA payload as a slice, not copied): an answer before any connection
+/// traffic, and after taking a connection packet the answers are looked at again, so a
+/// DIAL_RSP queued before its connection's first DATA goes first. Once `finish` is
+/// cancelled and nothing more is queued, or every sender is gone, it ends the stream's
+/// body.
 async fn write(
     mut out: Outbound,
-    mut control: queue::Receiver<Packet>,
+    mut control: mpsc::Receiver<Packet>,
     mut data: mpsc::Receiver<Packet>,
     finish: CancellationToken,
 ) -> Result<(), LinkError> {
     let mut finishing = pin!(finish.cancelled_owned());
-    let mut pending: Option<Packet> = None;
+    let mut answer: Option<Packet> = None;
+    let mut traffic: Option<Packet> = None;
     let mut answers_open = true;
     std::future::poll_fn(|cx: &mut Context<'_>| loop {
-        while answers_open {
-            match control.poll_next_unpin(cx) {
-                Poll::Ready(Some(p)) => out.send_now(&p),
+        if answer.is_none() && answers_open {
+            match control.poll_recv(cx) {
+                Poll::Ready(Some(p)) => answer = Some(p),
                 Poll::Ready(None) => answers_open = false,
-                Poll::Pending => break,
+                Poll::Pending => {}
             }
         }
-        if pending.is_none() {
+        if answer.is_none() && traffic.is_none() {
             match data.poll_recv(cx) {
-                Poll::Ready(Some(p)) => pending = Some(p),
+                // Answers again first: one may have been queued just before it.
+                Poll::Ready(Some(p)) => {
+                    traffic = Some(p);
+                    continue;
+                }
                 Poll::Ready(None) => {
                     out.finish();
                     return Poll::Ready(Ok(()));
@@ -388,9 +437,14 @@ async fn write(
                 }
             }
         }
-        let packet = pending.as_ref().expect("taken above");
+        let next = if answer.is_some() {
+            &mut answer
+        } else {
+            &mut traffic
+        };
+        let packet = next.as_ref().expect("one is queued");
         match out.poll_send_parts(cx, || frame_parts(packet)) {
-            Poll::Ready(Ok(())) => pending = None,
+            Poll::Ready(Ok(())) => *next = None,
             Poll::Ready(Err(e)) => return Poll::Ready(Err(LinkError::Write(e))),
             Poll::Pending => return Poll::Pending,
         }
@@ -398,16 +452,43 @@ async fn write(
     .await
 }
 
-/// Pings the server every `every`; fails when a ping goes unanswered for
-/// `PING_TIMEOUT` (or `every`, if shorter).
-async fn keep_alive(mut pings: PingPong, every: Duration) -> LinkError {
+/// Pings the server once the stream has heard nothing from it for `every`; fails when
+/// a ping goes unanswered for `PING_TIMEOUT` (or `every`, if shorter) with nothing
+/// heard meanwhile either. Traffic keeps a busy stream's pings away, as hyper's
+/// keepalive does, so a slow link carrying a download is not taken for a dead one.
+async fn keep_alive(mut pings: PingPong, every: Duration, heard: Heard) -> LinkError {
     let timeout = every.min(PING_TIMEOUT);
     loop {
-        tokio::time::sleep(every).await;
-        match tokio::time::timeout(timeout, pings.ping(Ping::opaque())).await {
-            Ok(Ok(_pong)) => {}
-            Ok(Err(e)) => return LinkError::Connection(e),
-            Err(_) => return LinkError::Keepalive(timeout),
+        let quiet = heard.last().elapsed();
+        if quiet < every {
+            tokio::time::sleep(every - quiet).await;
+            continue;
+        }
+        if let Err(e) = pings.send_ping(Ping::opaque()) {
+            return LinkError::Connection(e);
+        }
+        let sent = std::time::Instant::now();
+        let mut deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            tokio::select! {
+                pong = std::future::poll_fn(|cx| pings.poll_pong(cx)) => match pong {
+                    // A pong is hearing from the server: the next ping is an interval
+                    // away (grpc-go's policy counts pings closer than its minimum).
+                    Ok(_) => {
+                        heard.now();
+                        break;
+                    }
+                    Err(e) => return LinkError::Connection(e),
+                },
+                _ = tokio::time::sleep_until(deadline) => {
+                    let last = heard.last();
+                    if last <= sent {
+                        return LinkError::Keepalive(timeout);
+                    }
+                    // Something came meanwhile: the link lives; wait on.
+                    deadline = tokio::time::Instant::from_std(last) + timeout;
+                }
+            }
         }
     }
 }

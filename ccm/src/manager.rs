@@ -53,28 +53,21 @@ pub async fn run(
     };
     leader_metric.set(1);
     let lease = lost.clone();
-    health.add("leader-election", move || {
-        if lease.is_cancelled() {
-            Err("leader lease lost".into())
-        } else {
-            Ok(())
-        }
+    health.add("leader-election", move || match lease.is_cancelled() {
+        true => Err("leader lease lost".into()),
+        false => Ok(()),
     });
     let mut running = Controllers::new(health);
-    let started = running
-        .start(&clients, &provider, &config, routes, &shutdown)
-        .await;
-    let result = match started {
-        Err(e) => Err(e),
-        Ok(false) => Ok(()),
-        Ok(true) => {
-            tracing::info!(cluster = %config.cluster_name, enabled = ?config.enabled, "controllers started");
-            tokio::select! {
-                _ = shutdown.cancelled() => Ok(()),
-                _ = lost.cancelled() => Err(CcmError::LeadershipLost),
-            }
-        }
-    };
+    let result = lead(
+        &mut running,
+        &clients,
+        &provider,
+        &config,
+        routes,
+        &shutdown,
+        &lost,
+    )
+    .await;
     // Controllers clean up what only the leader may hold (the route controller its
     // host's routes) before we go.
     running.stop().await;
@@ -88,6 +81,30 @@ pub async fn run(
     // lost the controllers' lease.
     data_plane.stop().await;
     result
+}
+
+/// Starts the controllers and runs them until shutdown (`Ok`) or until the lease is
+/// lost.
+async fn lead(
+    running: &mut Controllers,
+    clients: &credentials::Clients,
+    provider: &Arc<dyn Provider>,
+    config: &CcmConfig,
+    routes: Option<Arc<dyn Routes>>,
+    shutdown: &CancellationToken,
+    lost: &CancellationToken,
+) -> Result<(), CcmError> {
+    if !running
+        .start(clients, provider, config, routes, shutdown)
+        .await?
+    {
+        return Ok(());
+    }
+    tracing::info!(cluster = %config.cluster_name, enabled = ?config.enabled, "controllers started");
+    tokio::select! {
+        _ = shutdown.cancelled() => Ok(()),
+        _ = lost.cancelled() => Err(CcmError::LeadershipLost),
+    }
 }
 
 /// The route controller's provider, when it is on, the provider has routes, and
@@ -260,16 +277,9 @@ impl Controllers {
         if load_balancers.is_some() {
             node_queues.push(lb_node_events.clone());
         }
-        let nodes = informer::spawn(
-            "nodes",
-            Api::<Node>::all(client.clone()),
-            node_queues,
-            self.stop.clone(),
-        );
-        tokio::select! {
-            r = nodes.wait_until_ready() => r.map_err(|e| CcmError::CacheSync(chain(&e).to_string()))?,
-            _ = shutdown.cancelled() => return Ok(false),
-        }
+        let Some(nodes) = self.watch_nodes(&client, node_queues, shutdown).await? else {
+            return Ok(false);
+        };
         let ctx = Context {
             client: client.clone(),
             identity: config.identity.clone(),
@@ -284,14 +294,7 @@ impl Controllers {
         };
         self.start_node_controllers(provider, config, node_queue, &ctx_for);
         if let Some(routes) = routes {
-            let c = controllers::route::RouteController::new(
-                ctx_for(credentials::ROUTE),
-                routes,
-                config.cluster_name.clone(),
-                config.cluster_cidrs.clone(),
-                config.route_reconciliation_period,
-            );
-            self.spawn("route", Box::pin(c.run(self.stop.clone())));
+            self.start_route(ctx_for(credentials::ROUTE), routes, config);
         }
         // The watches run as the controller manager, as the node watch does; each
         // controller acts as its own identity.
@@ -310,6 +313,39 @@ impl Controllers {
             }
             None => Ok(true),
         }
+    }
+
+    /// The shared node cache, feeding `queues`, once synced. `None`: shutdown came
+    /// first.
+    async fn watch_nodes(
+        &self,
+        client: &kube::Client,
+        queues: Vec<Arc<WorkQueue>>,
+        shutdown: &CancellationToken,
+    ) -> Result<Option<kube::runtime::reflector::Store<Node>>, CcmError> {
+        let nodes = informer::spawn(
+            "nodes",
+            Api::<Node>::all(client.clone()),
+            queues,
+            self.stop.clone(),
+        );
+        tokio::select! {
+            r = nodes.wait_until_ready() => r.map_err(|e| CcmError::CacheSync(chain(&e).to_string()))?,
+            _ = shutdown.cancelled() => return Ok(None),
+        }
+        Ok(Some(nodes))
+    }
+
+    /// The route controller over `routes`.
+    fn start_route(&mut self, ctx: Context, routes: Arc<dyn Routes>, config: &CcmConfig) {
+        let c = controllers::route::RouteController::new(
+            ctx,
+            routes,
+            config.cluster_name.clone(),
+            config.cluster_cidrs.clone(),
+            config.route_reconciliation_period,
+        );
+        self.spawn("route", Box::pin(c.run(self.stop.clone())));
     }
 
     /// The cloud-node and cloud-node-lifecycle controllers, which need instances.

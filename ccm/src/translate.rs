@@ -4,7 +4,7 @@
 //! it cannot be served as written. The service controller and the load balancers'
 //! serving side read Services through here.
 
-use k8s_openapi::api::core::v1::{Node, Service, Taint};
+use k8s_openapi::api::core::v1::{Node, Service, ServiceSpec, Taint};
 use kube::runtime::reflector::Store;
 use kube::ResourceExt;
 
@@ -132,8 +132,35 @@ pub fn service_info(svc: &Service, endpoints: &EndpointsCache) -> ServiceInfo {
 
 pub(crate) fn info_of(svc: &Service, ready: &Ready) -> ServiceInfo {
     let spec = svc.spec.clone().unwrap_or_default();
-    let ports = spec
-        .ports
+    let (source_ranges, invalid_source_ranges) = source_ranges_of(svc, &spec);
+    let (max_connections, idle_timeout, proxy_protocol, _) = limits(svc);
+    ServiceInfo {
+        namespace: svc.namespace().unwrap_or_default(),
+        name: svc.name_any(),
+        uid: svc.uid().unwrap_or_default(),
+        ports: ports_of(&spec, ready),
+        source_ranges,
+        invalid_source_ranges,
+        max_connections,
+        idle_timeout,
+        families: families_of(&spec),
+        require_dual_stack: spec.ip_family_policy.as_deref() == Some("RequireDualStack"),
+        requested_ips: requested_ips_of(svc, &spec),
+        current_ips: current_ips_of(svc),
+        sharing_key: svc
+            .annotations()
+            .get(annotations::SHARING_KEY)
+            .map(|k| k.trim().to_string())
+            .filter(|k| !k.is_empty()),
+        sharing_namespaces: list_annotation(svc, annotations::SHARING_CROSS_NAMESPACE),
+        proxy_protocol,
+        node_ports: spec.allocate_load_balancer_node_ports != Some(false),
+    }
+}
+
+/// The Service's ports, each with its ready endpoints.
+fn ports_of(spec: &ServiceSpec, ready: &Ready) -> Vec<ServicePort> {
+    spec.ports
         .iter()
         .flatten()
         .map(|p| {
@@ -146,25 +173,35 @@ pub(crate) fn info_of(svc: &Service, ready: &Ready) -> ServiceInfo {
                 name,
             }
         })
-        .collect();
+        .collect()
+}
+
+/// `loadBalancerSourceRanges`, else the annotation: the CIDRs, and what is not one.
+fn source_ranges_of(
+    svc: &Service,
+    spec: &ServiceSpec,
+) -> (Vec<tether_core::identifiers::Cidr>, Vec<String>) {
     let spec_ranges: Vec<String> = spec.load_balancer_source_ranges.clone().unwrap_or_default();
     let ranges: Vec<String> = if spec_ranges.is_empty() {
         list_annotation(svc, annotations::SOURCE_RANGES)
     } else {
         spec_ranges
     };
-    let mut source_ranges = Vec::new();
-    let mut invalid_source_ranges = Vec::new();
+    let mut valid = Vec::new();
+    let mut invalid = Vec::new();
     for r in ranges {
         match r.parse::<tether_core::identifiers::Cidr>() {
-            Ok(c) => source_ranges.push(c),
-            Err(_) => invalid_source_ranges.push(r),
+            Ok(c) => valid.push(c),
+            Err(_) => invalid.push(r),
         }
     }
-    let (max_connections, idle_timeout, proxy_protocol, _) = limits(svc);
-    let families = match &spec.ip_families {
+    (valid, invalid)
+}
+
+/// `ipFamilies`, or before dual-stack (1.20 without the gate) the cluster IP's family.
+fn families_of(spec: &ServiceSpec) -> Vec<String> {
+    match &spec.ip_families {
         Some(f) if !f.is_empty() => f.clone(),
-        // Before dual-stack (1.20 without the gate): the cluster IP's family.
         _ => match spec
             .cluster_ip
             .as_deref()
@@ -173,8 +210,12 @@ pub(crate) fn info_of(svc: &Service, ready: &Ready) -> ServiceInfo {
             Some(Ok(std::net::IpAddr::V6(_))) => vec!["IPv6".into()],
             _ => vec!["IPv4".into()],
         },
-    };
-    let requested_ips = match list_annotation(svc, annotations::LOAD_BALANCER_IPS) {
+    }
+}
+
+/// The addresses asked for: the annotation's list, else `loadBalancerIP`.
+fn requested_ips_of(svc: &Service, spec: &ServiceSpec) -> Vec<String> {
+    match list_annotation(svc, annotations::LOAD_BALANCER_IPS) {
         list if !list.is_empty() => list,
         _ => spec
             .load_balancer_ip
@@ -182,38 +223,19 @@ pub(crate) fn info_of(svc: &Service, ready: &Ready) -> ServiceInfo {
             .filter(|ip| !ip.is_empty())
             .into_iter()
             .collect(),
-    };
-    let current_ips = svc
-        .status
+    }
+}
+
+/// The addresses (or host names) the Service's status shows.
+fn current_ips_of(svc: &Service) -> Vec<String> {
+    svc.status
         .as_ref()
         .and_then(|s| s.load_balancer.as_ref())
         .and_then(|l| l.ingress.as_ref())
         .into_iter()
         .flatten()
         .filter_map(|i| i.ip.clone().or_else(|| i.hostname.clone()))
-        .collect();
-    ServiceInfo {
-        namespace: svc.namespace().unwrap_or_default(),
-        name: svc.name_any(),
-        uid: svc.uid().unwrap_or_default(),
-        ports,
-        source_ranges,
-        invalid_source_ranges,
-        max_connections,
-        idle_timeout,
-        families,
-        require_dual_stack: spec.ip_family_policy.as_deref() == Some("RequireDualStack"),
-        requested_ips,
-        current_ips,
-        sharing_key: svc
-            .annotations()
-            .get(annotations::SHARING_KEY)
-            .map(|k| k.trim().to_string())
-            .filter(|k| !k.is_empty()),
-        sharing_namespaces: list_annotation(svc, annotations::SHARING_CROSS_NAMESPACE),
-        proxy_protocol,
-        node_ports: spec.allocate_load_balancer_node_ports != Some(false),
-    }
+        .collect()
 }
 
 /// A comma-separated annotation's entries.

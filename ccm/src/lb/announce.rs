@@ -94,22 +94,7 @@ impl Announcer {
     /// the pool is held.
     pub async fn hold(&self, ip: IpAddr, pool: &str) -> Result<(), CloudError> {
         let held = self.held.lock().await;
-        let Some(refreshed) = held.get(pool) else {
-            return Err(CloudError::Provider(format!(
-                "not holding {ip}: this replica does not hold pool {pool:?}"
-            )));
-        };
-        // As for a late refresh: after a freeze the pool's addresses may have expired
-        // and a standby may hold them; this one must not come back.
-        let secs = self.lifetime.load(std::sync::atomic::Ordering::Relaxed);
-        let lifetime = Duration::from_secs(secs.into());
-        if secs > 0
-            && refreshed.is_some_and(|at| at.elapsed() >= lifetime.saturating_sub(REFRESH_MARGIN))
-        {
-            return Err(CloudError::Provider(format!(
-                "not holding {ip}: pool {pool:?}'s addresses were not refreshed within their lifetime"
-            )));
-        }
+        self.may_hold(&held, ip, pool)?;
         let device = self.ns.device().await?;
         let handle = self.ns.netlink().await?;
         match self.add(&handle, device, ip, false).await {
@@ -140,6 +125,40 @@ impl Announcer {
         })?;
         self.announced().insert(ip, pool.to_string());
         drop(held);
+        self.announce_again(device, ip);
+        Ok(())
+    }
+
+    /// Whether `ip` of `pool` may be held now: the pool is held and, as for a late
+    /// refresh, its addresses were refreshed within their lifetime (after a freeze
+    /// they may have expired and a standby may hold them; this one must not come
+    /// back).
+    fn may_hold(
+        &self,
+        held: &HashMap<String, Option<std::time::Instant>>,
+        ip: IpAddr,
+        pool: &str,
+    ) -> Result<(), CloudError> {
+        let Some(refreshed) = held.get(pool) else {
+            return Err(CloudError::Provider(format!(
+                "not holding {ip}: this replica does not hold pool {pool:?}"
+            )));
+        };
+        let secs = self.lifetime.load(std::sync::atomic::Ordering::Relaxed);
+        let lifetime = Duration::from_secs(secs.into());
+        if secs > 0
+            && refreshed.is_some_and(|at| at.elapsed() >= lifetime.saturating_sub(REFRESH_MARGIN))
+        {
+            return Err(CloudError::Provider(format!(
+                "not holding {ip}: pool {pool:?}'s addresses were not refreshed within their lifetime"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The rest of `ip`'s announcements, in the background, for neighbours that missed
+    /// the first.
+    fn announce_again(&self, device: Device, ip: IpAddr) {
         let (ns, held) = (self.ns.clone(), self.announced.clone());
         tokio::spawn(async move {
             for _ in 1..ANNOUNCEMENTS {
@@ -153,7 +172,6 @@ impl Announcer {
                 }
             }
         });
-        Ok(())
     }
 
     /// Adds (or with `replace`, refreshes) `ip` with the current lifetime.

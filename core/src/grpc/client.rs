@@ -46,10 +46,15 @@ pub async fn handshake<S>(
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
+    // As hyper's client sets them: no server push (pushed streams nobody reads
+    // would hold the connection window), 16 KiB of headers, 1 MiB buffered to send.
     h2::client::Builder::new()
         .initial_window_size(windows.stream)
         .initial_connection_window_size(windows.connection)
         .max_frame_size(H2_MAX_FRAME)
+        .enable_push(false)
+        .max_header_list_size(16 << 10)
+        .max_send_buffer_size(1 << 20)
         .handshake(FirstFlight::new(io))
         .await
         .map_err(h2_io)

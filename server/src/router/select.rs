@@ -417,48 +417,61 @@ impl Registry {
                 continue;
             }
             if strategy == Strategy::Default {
-                // Any agent: a few random probes find one that is not draining without
-                // looking at thousands.
-                for _ in 0..4 {
-                    let group = g.list.choose(&mut rng)?;
-                    let mut pick = Pick::default();
-                    for b in group.streams.iter().filter(|b| !b.is_draining()) {
-                        pick.offer(b, &mut rng);
-                    }
-                    if let Some(b) = pick.chosen {
-                        return Some(Arc::clone(b));
-                    }
+                if let Some(b) = any_active(&g.list, &mut rng) {
+                    return Some(b);
                 }
             }
-            // One pass, no allocation: a uniform pick among the groups with an eligible
-            // stream that is not draining (then among all with an eligible stream), and
-            // within the chosen group a uniform pick among those streams.
-            let (mut active, mut any) = (Pick::default(), Pick::default());
-            for group in &g.list {
-                let (mut g_active, mut g_any) = (Pick::default(), Pick::default());
-                for b in group
-                    .streams
-                    .iter()
-                    .filter(|b| b.eligible(strategy, host, pod_node.as_deref(), self))
-                {
-                    g_any.offer(b, &mut rng);
-                    if !b.is_draining() {
-                        g_active.offer(b, &mut rng);
-                    }
-                }
-                if let Some(b) = g_active.chosen {
-                    active.offer(b, &mut rng);
-                }
-                if let Some(b) = g_any.chosen {
-                    any.offer(b, &mut rng);
-                }
-            }
-            if let Some(b) = active.chosen.or(any.chosen) {
-                return Some(Arc::clone(b));
+            let eligible =
+                |b: &&Arc<AgentStream>| b.eligible(strategy, host, pod_node.as_deref(), self);
+            if let Some(b) = pick_group(&g.list, eligible, &mut rng) {
+                return Some(b);
             }
         }
         None
     }
+}
+
+/// For `default`, any agent: a few random probes find a group with a stream that is
+/// not draining without looking at thousands.
+fn any_active(groups: &[Group], rng: &mut impl rand::Rng) -> Option<Arc<AgentStream>> {
+    for _ in 0..4 {
+        let group = groups.choose(rng)?;
+        let mut pick = Pick::default();
+        for b in group.streams.iter().filter(|b| !b.is_draining()) {
+            pick.offer(b, rng);
+        }
+        if let Some(b) = pick.chosen {
+            return Some(Arc::clone(b));
+        }
+    }
+    None
+}
+
+/// One pass, no allocation: a uniform pick among the groups with an `eligible` stream
+/// that is not draining (then among all with an eligible stream), and within the
+/// chosen group a uniform pick among those streams.
+fn pick_group(
+    groups: &[Group],
+    eligible: impl Fn(&&Arc<AgentStream>) -> bool,
+    rng: &mut impl rand::Rng,
+) -> Option<Arc<AgentStream>> {
+    let (mut active, mut any) = (Pick::default(), Pick::default());
+    for group in groups {
+        let (mut g_active, mut g_any) = (Pick::default(), Pick::default());
+        for b in group.streams.iter().filter(&eligible) {
+            g_any.offer(b, rng);
+            if !b.is_draining() {
+                g_active.offer(b, rng);
+            }
+        }
+        if let Some(b) = g_active.chosen {
+            active.offer(b, rng);
+        }
+        if let Some(b) = g_any.chosen {
+            any.offer(b, rng);
+        }
+    }
+    active.chosen.or(any.chosen).map(Arc::clone)
 }
 
 /// The dial host as identifiers are compared: without brackets or a trailing dot, an
