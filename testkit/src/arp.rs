@@ -1,6 +1,6 @@
 //! Asking a simulated LAN who answers ARP for an address: an ARP probe (sender address
 //! 0.0.0.0, so no neighbour cache learns anything from it) sent from inside a node's
-//! namespace, and the MACs of every reply collected.
+//! namespace, and the MACs of every reply to it collected.
 
 use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
@@ -116,11 +116,14 @@ fn probe(ns: &str, iface: &str, target: Ipv4Addr, wait: Duration) -> std::io::Re
                 break;
             }
             let f = &buf[..n as usize];
-            // A reply whose sender is `target`.
+            // A reply to this probe (addressed to our MAC) whose sender is `target`:
+            // not a gratuitous announcement, which a host sends unasked and which may
+            // overlap another host's answer while an address moves between them.
             if f.len() >= 42
                 && f[12..14] == [0x08, 0x06]
                 && f[20..22] == [0, 2]
                 && f[28..32] == target.octets()
+                && f[32..38] == mac
             {
                 let m = f[22..28]
                     .iter()
