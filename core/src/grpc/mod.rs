@@ -351,14 +351,6 @@ pub fn status_of(headers: &http::HeaderMap) -> Option<(i32, String)> {
     Some((code, message))
 }
 
-/// `Err` with the server's message if `headers` carry a gRPC status other than OK.
-pub fn check_status(headers: &http::HeaderMap) -> Result<(), String> {
-    match status_of(headers) {
-        Some((code, message)) => Err(format!("status {code}: {message}")),
-        None => Ok(()),
-    }
-}
-
 /// The reverse of [`percent_encode`], lenient as grpc-go is with a stray `%`.
 pub fn percent_decode(s: &[u8]) -> String {
     let mut out = Vec::with_capacity(s.len());
