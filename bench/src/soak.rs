@@ -14,14 +14,18 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
+use anyhow::{bail, Context};
 use rand::Rng;
 use serde_json::{json, Value};
 use tether_testkit::netns::Node;
 use tether_testkit::{metric, AgentProc, Pki, ServerProc, TempDir};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::{stat_fields, status_mib, Conn, Tether};
+use crate::args::Args;
+use crate::procinfo::{stat_fields, status_mib};
+use crate::procs::Tether;
+use crate::report;
+use crate::route::{http_connect, Conn};
 
 /// The longest any one step of a caller (a dial, one echo exchange, the close) may
 /// take before it has its bytes or an error: the dead-link timeout that ends streams
@@ -178,6 +182,29 @@ fn figures(pid: u32) -> Figures {
         status_mib(pid, "RssAnon"),
         status_mib(pid, "VmRSS"),
     )
+}
+
+/// `--soak`: the run `args` describe, `secs` long; prints its figures and writes them
+/// to `--json`, and fails when a check did.
+pub async fn run(args: &Args, t: &Tether, secs: u64) -> anyhow::Result<()> {
+    let run = Soak {
+        duration: Duration::from_secs(secs),
+        agents: args.soak_agents.max(1),
+        tunnels: args.soak_tunnels,
+        partitions: args.soak_partitions,
+        heap_profiles: args.soak_heap_profiles.clone(),
+    };
+    // Interrupted (Ctrl-C, SIGTERM), the run stops here; the runtime then drops
+    // every task and with them the cluster: processes killed, namespaces removed.
+    let v = tokio::select! {
+        v = soak(t, run) => v?,
+        () = tether_ops::shutdown::signal() => bail!("soak: stopped by SIGINT or SIGTERM; no figures"),
+    };
+    report::print_and_write_json(&args.json, &v)?;
+    if v["passed"] != true {
+        bail!("soak: a check failed: {}", v["checks"]);
+    }
+    Ok(())
 }
 
 /// Runs the soak and returns its figures; `Err` when the run could not be set up, and
@@ -531,7 +558,7 @@ async fn caller(cluster: &Cluster, target: SocketAddr, tally: &Tally) {
             // The tunnel keeps the HTTP/2 connection; the client handle may go.
             Ok::<Conn, anyhow::Error>(Box::pin(conn))
         } else {
-            crate::http_connect(&cluster.sockets[1], target).await
+            http_connect(&cluster.sockets[1], target).await
         }
     };
     let mut conn = match tokio::time::timeout(CALLER_BOUND, dial).await {

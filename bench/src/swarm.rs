@@ -23,7 +23,11 @@ use tether_proto::packet::Payload;
 use tether_proto::{header, Packet};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::{agent_args, cpu_seconds, free_port, p50_p99, spawn_tether, status_mib, Proc, Tether};
+use crate::args::Args;
+use crate::procinfo::{cpu_seconds, status_mib};
+use crate::procs::{agent_args, free_port, spawn_tether, Proc, Tether};
+use crate::report;
+use crate::stats::p50_p99;
 
 /// What one swarm process reports each second.
 #[derive(Default)]
@@ -434,6 +438,21 @@ async fn idle_cpu(pid: u32, window: Duration) -> f64 {
         .map(|(tid, &end)| end.saturating_sub(start.get(tid).copied().unwrap_or(0)))
         .sum();
     ns as f64 / 1e9 / window.as_secs_f64()
+}
+
+/// `--agents` and `--tunnels`: the runs `args` ask for; prints their figures and
+/// writes them to `--json`.
+pub async fn run(args: &Args, t: &Tether) -> anyhow::Result<()> {
+    let mut out = serde_json::Map::new();
+    if let Some(n) = args.agents {
+        let v = many_agents(t, n, args.agent_procs).await?;
+        out.insert("many_agents".into(), v);
+    }
+    if let Some(m) = args.tunnels {
+        let v = many_tunnels(t, m, args.tunnel_agents).await?;
+        out.insert("many_tunnels".into(), v);
+    }
+    report::print_and_write_json(&args.json, &Value::Object(out))
 }
 
 /// The `--agents` run: one agent, then N, then a reconnect storm.
