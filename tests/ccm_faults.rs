@@ -6,10 +6,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
 use tether_ccm::cloud::fake::{FakeCloud, LbCall};
 use tether_ccm::cloud::CloudError;
 use tether_ccm::{CcmConfig, Enabled};
+use tether_testkit::ccm::get_json;
 use tether_testkit::kube::{wait_blocking, Cluster, Egress};
 use tokio_util::sync::CancellationToken;
 
@@ -68,16 +68,9 @@ fn set_ready(cluster: &Cluster, name: &str, ready: bool, ip: Option<&str>) {
     }
 }
 
-fn get(cluster: &Cluster, args: &[&str]) -> Option<Value> {
-    let out = cluster.kubectl(args);
-    out.status
-        .success()
-        .then(|| serde_json::from_slice(&out.stdout).unwrap())
-}
-
 fn wait_initialized(cluster: &Cluster, name: &str, timeout: Duration) {
     wait_blocking(&format!("{name} initialized"), timeout, || {
-        let n = get(cluster, &["get", "node", name, "-o", "json"])?;
+        let n = get_json(cluster, &["get", "node", name, "-o", "json"])?;
         (n["spec"]["providerID"] == format!("fake://{name}").as_str()).then_some(())
     });
 }
@@ -147,7 +140,7 @@ async fn load_balancers_follow_node_set_and_type_changes() {
     }
     let stop = start(&cluster, &fake, only(&["service"])).await;
     let svc = |s: &str| {
-        get(
+        get_json(
             &cluster,
             &["get", "service", s, "-n", "default", "-o", "json"],
         )

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 use tether_testkit::kube::{free_port, wait_blocking, Cluster, Egress};
-use tether_testkit::netns::Node;
+use tether_testkit::netns::{curl, Node};
 use tether_testkit::process::{uds_frontend_args, Proc, START_TIMEOUT};
 use tether_testkit::{AgentProc, Pki, ServerProc, TempDir};
 
@@ -121,22 +121,6 @@ fn node_1_agent(node: &Node, pki: &Pki, server: &ServerProc) -> AgentProc {
         ]
         .concat(),
     )
-}
-
-/// curl `url` (inside `netns` when given); the body on success.
-fn curl(netns: Option<&str>, url: &str) -> Option<String> {
-    let mut cmd = match netns {
-        Some(ns) => {
-            let mut c = Command::new("ip");
-            c.args(["netns", "exec", ns, "curl"]);
-            c
-        }
-        None => Command::new("curl"),
-    };
-    let out = cmd.args(["-sf", "--max-time", "5", url]).output().ok()?;
-    out.status
-        .success()
-        .then(|| String::from_utf8_lossy(&out.stdout).to_string())
 }
 
 /// The capabilities a securityContext adds, lowercase.

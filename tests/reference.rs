@@ -11,29 +11,11 @@ fn root() -> PathBuf {
 
 /// Compares `path` with `rendered`; with `TETHER_BLESS=1` writes it instead.
 fn check_generated(path: &str, rendered: &str) {
-    let path = root().join(path);
-    if std::env::var_os("TETHER_BLESS").is_some() {
-        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-        std::fs::write(&path, rendered).unwrap();
-        return;
-    }
-    let on_disk = std::fs::read_to_string(&path).unwrap_or_default();
-    if on_disk != rendered {
-        let first = on_disk
-            .lines()
-            .zip(rendered.lines())
-            .position(|(a, b)| a != b)
-            .unwrap_or(on_disk.lines().count().min(rendered.lines().count()));
-        panic!(
-            "{} is not what the code renders (first difference at line {}: {:?} in the \
-             file, {:?} rendered); run `TETHER_BLESS=1 cargo test --test reference` and \
-             commit the result",
-            path.display(),
-            first + 1,
-            on_disk.lines().nth(first).unwrap_or("<end>"),
-            rendered.lines().nth(first).unwrap_or("<end>"),
-        );
-    }
+    tether_testkit::generated::check(
+        &root().join(path),
+        rendered,
+        "TETHER_BLESS=1 cargo test --test reference",
+    );
 }
 
 #[test]

@@ -4,6 +4,8 @@
 
 pub mod arp;
 pub mod backend;
+pub mod ccm;
+pub mod generated;
 pub mod installed;
 pub mod kube;
 pub mod kubectl;

@@ -342,3 +342,27 @@ impl Drop for Node {
         let _ = Command::new("ip").args(["netns", "del", &self.ns]).output();
     }
 }
+
+/// curl `url`, optionally inside a network namespace; the body on success.
+pub fn curl(netns: Option<&str>, url: &str) -> Option<String> {
+    curl_within(netns, url, "5")
+}
+
+/// Like [`curl`], giving up after `max_time` seconds.
+pub fn curl_within(netns: Option<&str>, url: &str, max_time: &str) -> Option<String> {
+    let mut cmd = match netns {
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns, "curl"]);
+            c
+        }
+        None => Command::new("curl"),
+    };
+    let out = cmd
+        .args(["-sf", "--max-time", max_time, url])
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+}
