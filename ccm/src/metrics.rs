@@ -132,6 +132,14 @@ tether_ops::metric_set! {
             ),
             &["service"],
         )),
+        /// `tether_ccm_lb_backends{service}`.
+        pub lb_backends: IntGaugeVec = catalog.made(IntGaugeVec::new(
+            Opts::new(
+                "tether_ccm_lb_backends",
+                "Backends a load balancer chooses from now, by Service: the nodes serving its NodePort, or its ready endpoints. 0 means every connection is refused.",
+            ),
+            &["service"],
+        )),
         /// `tether_ccm_lb_bytes_total{service,direction}`.
         pub lb_bytes: IntCounterVec = counter_vec(&catalog,
             "tether_ccm_lb_bytes_total",

@@ -195,9 +195,15 @@ impl Context {
         action: &str,
         note: String,
     ) {
-        use k8s_openapi::api::core::v1::{Event, EventSource, ObjectReference};
-        use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
-        let now = k8s_openapi::jiff::Timestamp::now();
+        use k8s_openapi::api::core::v1::Event;
+        let said = Occurrence {
+            now: k8s_openapi::jiff::Timestamp::now(),
+            target,
+            warning,
+            reason,
+            action,
+            note,
+        };
         let namespace = target.namespace.clone().unwrap_or_else(|| "default".into());
         let api: kube::Api<Event> = kube::Api::namespaced(self.client.clone(), &namespace);
         let key = EventKey {
@@ -208,15 +214,36 @@ impl Context {
             reason: reason.into(),
             warning,
         };
+        let Some(name) = self.event_name(&api, &key, &said).await else {
+            return;
+        };
+        let event = self.new_event(said, name, namespace);
+        if let Err(e) = api.create(&Default::default(), &event).await {
+            tracing::warn!(error = %chain(&e), reason, object = %target.name, "cannot publish event");
+            // Let the next occurrence try to create it again.
+            self.recorder.forget(&key);
+        }
+    }
+
+    /// The name of the Event to create for `said`; `None` when an earlier one about
+    /// `key` was raised instead (or is written later, or could not be raised).
+    async fn event_name(
+        &self,
+        api: &kube::Api<k8s_openapi::api::core::v1::Event>,
+        key: &EventKey,
+        said: &Occurrence<'_>,
+    ) -> Option<String> {
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+        let (target, now) = (said.target, said.now);
         let fresh = || format!("{}.{:x}", target.name, now.as_nanosecond());
-        let name = match self.recorder.occurrence(&key, fresh()) {
-            Write::Skip => return,
-            Write::Create(name) => name,
+        match self.recorder.occurrence(key, fresh()) {
+            Write::Skip => None,
+            Write::Create(name) => Some(name),
             Write::Patch(name, count) => {
                 let patch = serde_json::json!({
                     "count": count,
                     "lastTimestamp": Time(now),
-                    "message": note,
+                    "message": said.note,
                 });
                 match api
                     .patch(
@@ -226,26 +253,39 @@ impl Context {
                     )
                     .await
                 {
-                    Ok(_) => return,
+                    Ok(_) => None,
                     Err(kube::Error::Api(e)) if e.code == 404 => {
                         // Expired (the apiserver's --event-ttl): start a new one.
-                        self.recorder.forget(&key);
-                        match self.recorder.occurrence(&key, fresh()) {
-                            Write::Create(name) => name,
-                            _ => return,
+                        self.recorder.forget(key);
+                        match self.recorder.occurrence(key, fresh()) {
+                            Write::Create(name) => Some(name),
+                            _ => None,
                         }
                     }
                     Err(e) => {
+                        let reason = said.reason;
                         tracing::warn!(error = %chain(&e), reason, object = %target.name, "cannot update event");
-                        return;
+                        None
                     }
                 }
             }
-        };
-        let event = Event {
+        }
+    }
+
+    /// A new Event `name` in `namespace` saying `said`, counted once.
+    fn new_event(
+        &self,
+        said: Occurrence<'_>,
+        name: String,
+        namespace: String,
+    ) -> k8s_openapi::api::core::v1::Event {
+        use k8s_openapi::api::core::v1::{Event, EventSource, ObjectReference};
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+        let target = said.target;
+        Event {
             metadata: ObjectMeta {
                 name: Some(name),
-                namespace: Some(namespace.clone()),
+                namespace: Some(namespace),
                 ..Default::default()
             },
             involved_object: ObjectReference {
@@ -256,27 +296,32 @@ impl Context {
                 uid: target.uid.clone(),
                 ..Default::default()
             },
-            reason: Some(reason.into()),
-            message: Some(note),
-            type_: Some(if warning { "Warning" } else { "Normal" }.into()),
-            action: Some(action.into()),
+            reason: Some(said.reason.into()),
+            message: Some(said.note),
+            type_: Some(if said.warning { "Warning" } else { "Normal" }.into()),
+            action: Some(said.action.into()),
             source: Some(EventSource {
                 component: Some(COMPONENT.into()),
                 host: None,
             }),
             reporting_component: Some(COMPONENT.into()),
             reporting_instance: Some(self.identity.clone()),
-            first_timestamp: Some(Time(now)),
-            last_timestamp: Some(Time(now)),
+            first_timestamp: Some(Time(said.now)),
+            last_timestamp: Some(Time(said.now)),
             count: Some(1),
             ..Default::default()
-        };
-        if let Err(e) = api.create(&Default::default(), &event).await {
-            tracing::warn!(error = %chain(&e), reason, object = %target.name, "cannot publish event");
-            // Let the next occurrence try to create it again.
-            self.recorder.forget(&key);
         }
     }
+}
+
+/// One occurrence of an event: what it says about which object, and when.
+struct Occurrence<'a> {
+    now: k8s_openapi::jiff::Timestamp,
+    target: &'a Target,
+    warning: bool,
+    reason: &'a str,
+    action: &'a str,
+    note: String,
 }
 
 /// The object an event is about.

@@ -128,42 +128,11 @@ impl NodeController {
         self.initialize(&node).await
     }
 
+    /// Initialises `node`: its addresses first, then its labels and provider ID with
+    /// the uninitialized taint removed.
     async fn initialize(&self, node: &Node) -> Result<(), SyncError> {
         let name = node.name_any();
-        let meta = match self.instances.metadata(&node_info(node)).await {
-            Ok(m) => m,
-            Err(CloudError::Unverified(why)) => {
-                self.ctx
-                    .metrics
-                    .node_inits
-                    .with_label_values(&["failed"])
-                    .inc();
-                self.ctx
-                    .node_event(node, true, UNVERIFIED_REASON, "InitializeNode", why.clone())
-                    .await;
-                return Err(CloudError::Unverified(why).into());
-            }
-            Err(CloudError::InstanceNotFound) => {
-                self.ctx
-                    .metrics
-                    .node_inits
-                    .with_label_values(&["failed"])
-                    .inc();
-                self.ctx
-                    .node_event(
-                        node,
-                        true,
-                        "InstanceNotFound",
-                        "InitializeNode",
-                        format!(
-                            "the cloud provider does not know node {name}; it stays uninitialized"
-                        ),
-                    )
-                    .await;
-                return Err(CloudError::InstanceNotFound.into());
-            }
-            Err(e) => return Err(e.into()),
-        };
+        let meta = self.initial_metadata(node).await?;
         let addresses = ordered_addresses(node, &meta.addresses).map_err(SyncError::Invalid)?;
         let api: Api<Node> = Api::all(self.ctx.client.clone());
         // Addresses first: once the taint is gone the node is schedulable and must be
@@ -187,33 +156,7 @@ impl NodeController {
             }
             &patched
         };
-        let remaining: Vec<_> = taints(node)
-            .iter()
-            .filter(|t| t.key != TAINT_UNINITIALIZED)
-            .collect();
-        let mut spec = json!({ "taints": remaining });
-        let has_id = node
-            .spec
-            .as_ref()
-            .and_then(|s| s.provider_id.as_deref())
-            .is_some_and(|p| !p.is_empty());
-        if !has_id && !meta.provider_id.is_empty() {
-            spec["providerID"] = json!(meta.provider_id);
-        }
-        // The resourceVersion makes this a compare-and-swap: a taint added by someone
-        // else meanwhile is not overwritten (we get a conflict and retry).
-        api.patch(
-            &name,
-            &PatchParams::default(),
-            &Patch::Merge(json!({
-                "metadata": {
-                    "labels": labels(&meta),
-                    "resourceVersion": node.resource_version(),
-                },
-                "spec": spec,
-            })),
-        )
-        .await?;
+        untaint(&api, node, &meta).await?;
         self.ctx
             .metrics
             .node_inits
@@ -230,6 +173,46 @@ impl NodeController {
             )
             .await;
         Ok(())
+    }
+
+    /// The provider's metadata of `node` to initialise it with; a node the provider
+    /// cannot vouch for or does not know is counted as failed and gets a Warning event.
+    async fn initial_metadata(&self, node: &Node) -> Result<InstanceMetadata, SyncError> {
+        let name = node.name_any();
+        match self.instances.metadata(&node_info(node)).await {
+            Ok(m) => Ok(m),
+            Err(CloudError::Unverified(why)) => {
+                self.ctx
+                    .metrics
+                    .node_inits
+                    .with_label_values(&["failed"])
+                    .inc();
+                self.ctx
+                    .node_event(node, true, UNVERIFIED_REASON, "InitializeNode", why.clone())
+                    .await;
+                Err(CloudError::Unverified(why).into())
+            }
+            Err(CloudError::InstanceNotFound) => {
+                self.ctx
+                    .metrics
+                    .node_inits
+                    .with_label_values(&["failed"])
+                    .inc();
+                self.ctx
+                    .node_event(
+                        node,
+                        true,
+                        "InstanceNotFound",
+                        "InitializeNode",
+                        format!(
+                            "the cloud provider does not know node {name}; it stays uninitialized"
+                        ),
+                    )
+                    .await;
+                Err(CloudError::InstanceNotFound.into())
+            }
+            Err(e) => Err(e.into()),
+        }
     }
 
     async fn sync_addresses(&self, node: &Node) -> Result<(), SyncError> {
@@ -275,6 +258,40 @@ impl NodeController {
         tracing::info!(node = %node.name_any(), addresses = ?wanted, "node addresses updated");
         Ok(())
     }
+}
+
+/// Removes the uninitialized taint from `node` and sets its labels from `meta` (and
+/// its provider ID, unless it has one), in one patch conditional on its
+/// resourceVersion.
+async fn untaint(api: &Api<Node>, node: &Node, meta: &InstanceMetadata) -> Result<(), SyncError> {
+    let remaining: Vec<_> = taints(node)
+        .iter()
+        .filter(|t| t.key != TAINT_UNINITIALIZED)
+        .collect();
+    let mut spec = json!({ "taints": remaining });
+    let has_id = node
+        .spec
+        .as_ref()
+        .and_then(|s| s.provider_id.as_deref())
+        .is_some_and(|p| !p.is_empty());
+    if !has_id && !meta.provider_id.is_empty() {
+        spec["providerID"] = json!(meta.provider_id);
+    }
+    // The resourceVersion makes this a compare-and-swap: a taint added by someone
+    // else meanwhile is not overwritten (we get a conflict and retry).
+    api.patch(
+        &node.name_any(),
+        &PatchParams::default(),
+        &Patch::Merge(json!({
+            "metadata": {
+                "labels": labels(meta),
+                "resourceVersion": node.resource_version(),
+            },
+            "spec": spec,
+        })),
+    )
+    .await?;
+    Ok(())
 }
 
 fn current_addresses(node: &Node) -> Vec<Address> {

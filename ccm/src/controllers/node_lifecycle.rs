@@ -20,7 +20,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::{has_taint, node_info, ready_status, taints, Context, SyncError, TAINT_SHUTDOWN};
-use crate::cloud::{CloudError, Instances};
+use crate::cloud::{CloudError, Instances, NodeInfo};
 
 /// The reason of the event about a node kept although the provider does not know it.
 pub const DELETION_WITHHELD: &str = "DeletionWithheld";
@@ -85,6 +85,13 @@ impl NodeLifecycleController {
             }
             return Ok(());
         }
+        self.remove_gone(node, &info).await
+    }
+
+    /// A node whose machine the provider no longer knows: deleted if this CCM
+    /// initialised it, else kept with a Warning event.
+    async fn remove_gone(&self, node: &Node, info: &NodeInfo) -> Result<(), SyncError> {
+        let name = node.name_any();
         let owned = info
             .provider_id
             .as_deref()

@@ -180,13 +180,30 @@ impl RouteController {
             .flat_map(|w| &w.routes)
             .map(|r| (r.cidr.clone(), r.via.clone()))
             .collect();
+        self.delete_stale(&existing, &needed).await;
+        for node in nodes.iter() {
+            let name = node.name_any();
+            let Some(w) = wanted.get(&name) else { continue };
+            let ok = self.create_missing(node, w, &existing).await;
+            if let Err(e) = self.set_condition(node, ok).await {
+                tracing::warn!(node = %name, error = %chain(&e), "cannot update NetworkUnavailable");
+            }
+        }
+        Ok(())
+    }
 
+    /// Deletes the `existing` routes no longer `needed` (errors are logged).
+    async fn delete_stale(
+        &self,
+        existing: &BTreeSet<(String, String)>,
+        needed: &BTreeSet<(String, String)>,
+    ) {
         // Stale routes. One whose CIDR is still needed with another next hop (the
         // node's address changed, or the CIDR moved to another node) is left for the
         // create below, which replaces it in place: the CIDR is never unrouted.
         let needed_cidrs: BTreeSet<&String> = needed.iter().map(|(c, _)| c).collect();
         for (cidr, via) in existing
-            .difference(&needed)
+            .difference(needed)
             .filter(|(c, _)| !needed_cidrs.contains(c))
         {
             let stale = Route {
@@ -201,49 +218,52 @@ impl RouteController {
                 }
             }
         }
+    }
 
-        for node in nodes.iter() {
-            let name = node.name_any();
-            let Some(w) = wanted.get(&name) else { continue };
-            let mut ok = w.unroutable.is_empty();
-            if !w.unroutable.is_empty() {
-                let note = format!(
-                    "Could not create routes for pod CIDR(s) {} of node {name}: the node has no InternalIP of that family",
-                    w.unroutable.join(", ")
-                );
-                tracing::warn!(node = %name, "{note}");
-                self.ctx
-                    .node_event(node, true, "FailedToCreateRoute", "CreateRoute", note)
-                    .await;
+    /// Creates the routes `node` needs that are not among `existing`, with a Warning
+    /// event for each that cannot be made; whether all of them are there now.
+    async fn create_missing(
+        &self,
+        node: &Node,
+        w: &Wanted,
+        existing: &BTreeSet<(String, String)>,
+    ) -> bool {
+        let name = node.name_any();
+        let mut ok = w.unroutable.is_empty();
+        if !w.unroutable.is_empty() {
+            let note = format!(
+                "Could not create routes for pod CIDR(s) {} of node {name}: the node has no InternalIP of that family",
+                w.unroutable.join(", ")
+            );
+            tracing::warn!(node = %name, "{note}");
+            self.ctx
+                .node_event(node, true, "FailedToCreateRoute", "CreateRoute", note)
+                .await;
+        }
+        for route in &w.routes {
+            if existing.contains(&(route.cidr.clone(), route.via.clone())) {
+                continue;
             }
-            for route in &w.routes {
-                if existing.contains(&(route.cidr.clone(), route.via.clone())) {
-                    continue;
+            match self.routes.create(&self.cluster_name, route).await {
+                Ok(()) => {
+                    tracing::info!(node = %name, cidr = %route.cidr, via = %route.via, "route created")
                 }
-                match self.routes.create(&self.cluster_name, route).await {
-                    Ok(()) => {
-                        tracing::info!(node = %name, cidr = %route.cidr, via = %route.via, "route created")
-                    }
-                    Err(e) => {
-                        ok = false;
-                        let note = format!(
-                            "Could not create route {} via {} for node {name}: {}",
-                            route.cidr,
-                            route.via,
-                            chain(&e)
-                        );
-                        tracing::warn!(node = %name, "{note}");
-                        self.ctx
-                            .node_event(node, true, "FailedToCreateRoute", "CreateRoute", note)
-                            .await;
-                    }
+                Err(e) => {
+                    ok = false;
+                    let note = format!(
+                        "Could not create route {} via {} for node {name}: {}",
+                        route.cidr,
+                        route.via,
+                        chain(&e)
+                    );
+                    tracing::warn!(node = %name, "{note}");
+                    self.ctx
+                        .node_event(node, true, "FailedToCreateRoute", "CreateRoute", note)
+                        .await;
                 }
-            }
-            if let Err(e) = self.set_condition(node, ok).await {
-                tracing::warn!(node = %name, error = %chain(&e), "cannot update NetworkUnavailable");
             }
         }
-        Ok(())
+        ok
     }
 
     /// NetworkUnavailable False/RouteCreated, or True/NoRouteCreated when the condition

@@ -108,57 +108,9 @@ impl ServiceController {
     /// holds.
     pub async fn run(self, shutdown: CancellationToken) {
         let this = Arc::new(self);
-        // What the Services' status shows they hold stays theirs, whatever order they
-        // sync in.
-        let held: Vec<ServiceInfo> = this
-            .services
-            .state()
-            .iter()
-            .filter(|s| this.ours(s) && has_ingress(s))
-            .map(|s| service_info(s, &this.endpoints))
-            .collect();
-        this.lbs.restore(&this.cfg.cluster_name, &held).await;
-        // Node set changes: update every balancer.
-        {
-            let this = this.clone();
-            tokio::spawn(
-                async move {
-                    let mut last = this.backends();
-                    while let Some(key) = this.node_events.next().await {
-                        this.node_events.done(key, Outcome::Done);
-                        let now = this.backends();
-                        if now != last {
-                            tracing::info!(
-                                nodes = now.len(),
-                                "load balancer node set changed; updating balancers"
-                            );
-                            last = now;
-                            this.queue_all_balancers();
-                        }
-                    }
-                }
-                .instrument(tracing::info_span!("lb_node_set")),
-            );
-        }
-        // Drift repair.
-        {
-            let this = this.clone();
-            let stop = shutdown.clone();
-            tokio::spawn(
-                async move {
-                    let mut tick = super::Ticker::new(this.cfg.resync);
-                    tick.next(&stop).await;
-                    while tick.next(&stop).await {
-                        // Refused Services too: what they wanted may be free now
-                        // (pools grew, a Service changed); the same refusal is not
-                        // said again.
-                        this.retry_refused();
-                        this.queue_all_balancers();
-                    }
-                }
-                .instrument(tracing::info_span!("lb_resync")),
-            );
-        }
+        this.restore_held().await;
+        this.spawn_node_set_watch();
+        this.spawn_resync(shutdown.clone());
         {
             let (n, stop) = (this.node_events.clone(), shutdown.clone());
             tokio::spawn(async move {
@@ -182,6 +134,62 @@ impl ServiceController {
             })
             .await;
         last.lbs.release_all(&last.cfg.cluster_name).await;
+    }
+
+    /// Tells the provider what the Services' status shows they hold, so that it stays
+    /// theirs whatever order they sync in.
+    async fn restore_held(&self) {
+        let held: Vec<ServiceInfo> = self
+            .services
+            .state()
+            .iter()
+            .filter(|s| self.ours(s) && has_ingress(s))
+            .map(|s| service_info(s, &self.endpoints))
+            .collect();
+        self.lbs.restore(&self.cfg.cluster_name, &held).await;
+    }
+
+    /// Spawns the task that queues every balancer when the node set changes.
+    fn spawn_node_set_watch(self: &Arc<Self>) {
+        let this = self.clone();
+        tokio::spawn(
+            async move {
+                let mut last = this.backends();
+                while let Some(key) = this.node_events.next().await {
+                    this.node_events.done(key, Outcome::Done);
+                    let now = this.backends();
+                    if now != last {
+                        tracing::info!(
+                            nodes = now.len(),
+                            "load balancer node set changed; updating balancers"
+                        );
+                        last = now;
+                        this.queue_all_balancers();
+                    }
+                }
+            }
+            .instrument(tracing::info_span!("lb_node_set")),
+        );
+    }
+
+    /// Spawns the drift repair: every resync period, every balancer (refused ones
+    /// included) is queued again, until `stop`.
+    fn spawn_resync(self: &Arc<Self>, stop: CancellationToken) {
+        let this = self.clone();
+        tokio::spawn(
+            async move {
+                let mut tick = super::Ticker::new(this.cfg.resync);
+                tick.next(&stop).await;
+                while tick.next(&stop).await {
+                    // Refused Services too: what they wanted may be free now
+                    // (pools grew, a Service changed); the same refusal is not
+                    // said again.
+                    this.retry_refused();
+                    this.queue_all_balancers();
+                }
+            }
+            .instrument(tracing::info_span!("lb_resync")),
+        );
     }
 
     /// Nodes eligible as backends.
@@ -240,6 +248,8 @@ impl ServiceController {
         }
     }
 
+    /// Gives `svc` its finalizer, its balancer and its ingress, with events; a Service
+    /// refused as written is not asked for again until it changes.
     async fn ensure(&self, key: &str, svc: &Service) -> Result<(), SyncError> {
         let api: Api<Service> = Api::namespaced(
             self.ctx.client.clone(),
@@ -264,114 +274,16 @@ impl ServiceController {
         // Same Service, new node set: just point the balancer at the new nodes.
         if let Some((applied, old_nodes)) = &before {
             if *applied == info && *old_nodes != nodes && has_ingress(svc) {
-                self.ctx.metrics.lb_syncs.inc();
-                let started = std::time::Instant::now();
-                let updated = self.lbs.update(&self.cfg.cluster_name, &info, &nodes).await;
-                self.ctx
-                    .metrics
-                    .lb_nodesync_latency
-                    .observe(started.elapsed().as_secs_f64());
-                if let Err(e) = updated {
-                    self.ctx
-                        .event(
-                            &target,
-                            true,
-                            "SyncLoadBalancerFailed",
-                            "UpdateLoadBalancer",
-                            format!("Error updating load balancer with new hosts: {}", chain(&e)),
-                        )
-                        .await;
-                    return Err(e.into());
-                }
-                self.applied()
-                    .insert(key.to_string(), (info, nodes.clone()));
-                self.ctx
-                    .event(
-                        &target,
-                        false,
-                        "UpdatedLoadBalancer",
-                        "UpdateLoadBalancer",
-                        format!(
-                            "Updated load balancer with new hosts ({} nodes)",
-                            nodes.len()
-                        ),
-                    )
-                    .await;
-                return Ok(());
+                return self.update_nodes(key, &target, info, nodes).await;
             }
-        }
-        for (reason, note) in service_warnings(svc, &info) {
-            self.ctx
-                .event(&target, true, reason, "EnsureLoadBalancer", note)
-                .await;
         }
         let first = before.is_none();
-        if first {
-            self.ctx
-                .event(
-                    &target,
-                    false,
-                    "EnsuringLoadBalancer",
-                    "EnsureLoadBalancer",
-                    "Ensuring load balancer".into(),
-                )
-                .await;
-        }
-        self.ctx.metrics.lb_syncs.inc();
-        let status = match self.lbs.ensure(&self.cfg.cluster_name, &info, &nodes).await {
-            Ok(s) => {
-                self.said().remove(key);
-                // A changed Service may have moved off an address (or port) that a
-                // refused one was waiting for.
-                if before.as_ref().is_some_and(|(applied, _)| *applied != info) {
-                    self.retry_refused();
-                }
-                s
-            }
-            Err(CloudError::Refused { reason, message }) => {
-                let said = (reason.to_string(), message.clone());
-                if self.said().get(key) != Some(&said) {
-                    tracing::info!(service = %key, %reason, %message, "load balancer refused as written");
-                    self.ctx
-                        .event(&target, true, &reason, "EnsureLoadBalancer", message)
-                        .await;
-                    self.said().insert(key.to_string(), said);
-                }
-                self.refused()
-                    .insert(key.to_string(), without_endpoints(&info));
-                return Ok(());
-            }
-            Err(e) => {
-                self.ctx
-                    .event(
-                        &target,
-                        true,
-                        "SyncLoadBalancerFailed",
-                        "EnsureLoadBalancer",
-                        format!("Error syncing load balancer: {}", chain(&e)),
-                    )
-                    .await;
-                return Err(e.into());
-            }
+        self.say_ensuring(&target, svc, &info, first).await;
+        let ensured = self.ensure_balancer(key, &target, &info, &nodes, before.as_ref());
+        let Some(status) = ensured.await? else {
+            return Ok(());
         };
-        let wanted = ingress_json(&status);
-        let current = svc
-            .status
-            .as_ref()
-            .and_then(|s| s.load_balancer.as_ref())
-            .and_then(|l| l.ingress.as_ref())
-            .map(|i| serde_json::to_value(i).unwrap_or_default())
-            .unwrap_or(json!([]));
-        // An apiserver older than 1.29 drops ipMode: compare without it, or every sync
-        // would patch again.
-        if without_ip_mode(&current) != without_ip_mode(&wanted) {
-            api.patch_status(
-                &svc.name_any(),
-                &PatchParams::default(),
-                &Patch::Merge(json!({ "status": { "loadBalancer": { "ingress": wanted } } })),
-            )
-            .await?;
-        }
+        set_ingress(&api, svc, &status).await?;
         self.applied()
             .insert(key.to_string(), (info, nodes.clone()));
         if first {
@@ -389,6 +301,122 @@ impl ServiceController {
         Ok(())
     }
 
+    /// Events before ensuring: what in `svc` cannot be served as written, and, for a
+    /// `first` ensure, that its balancer is being ensured.
+    async fn say_ensuring(&self, target: &Target, svc: &Service, info: &ServiceInfo, first: bool) {
+        for (reason, note) in service_warnings(svc, info) {
+            self.ctx
+                .event(target, true, reason, "EnsureLoadBalancer", note)
+                .await;
+        }
+        if first {
+            self.ctx
+                .event(
+                    target,
+                    false,
+                    "EnsuringLoadBalancer",
+                    "EnsureLoadBalancer",
+                    "Ensuring load balancer".into(),
+                )
+                .await;
+        }
+    }
+
+    /// Points the balancer of an unchanged Service at a new node set, with an event.
+    async fn update_nodes(
+        &self,
+        key: &str,
+        target: &Target,
+        info: ServiceInfo,
+        nodes: Vec<Backend>,
+    ) -> Result<(), SyncError> {
+        self.ctx.metrics.lb_syncs.inc();
+        let started = std::time::Instant::now();
+        let updated = self.lbs.update(&self.cfg.cluster_name, &info, &nodes).await;
+        self.ctx
+            .metrics
+            .lb_nodesync_latency
+            .observe(started.elapsed().as_secs_f64());
+        if let Err(e) = updated {
+            self.ctx
+                .event(
+                    target,
+                    true,
+                    "SyncLoadBalancerFailed",
+                    "UpdateLoadBalancer",
+                    format!("Error updating load balancer with new hosts: {}", chain(&e)),
+                )
+                .await;
+            return Err(e.into());
+        }
+        self.applied()
+            .insert(key.to_string(), (info, nodes.clone()));
+        self.ctx
+            .event(
+                target,
+                false,
+                "UpdatedLoadBalancer",
+                "UpdateLoadBalancer",
+                format!(
+                    "Updated load balancer with new hosts ({} nodes)",
+                    nodes.len()
+                ),
+            )
+            .await;
+        Ok(())
+    }
+
+    /// Asks the provider for the balancer of `info` over `nodes`: its status, or `None`
+    /// when it is refused as written (said once in an event, and remembered).
+    async fn ensure_balancer(
+        &self,
+        key: &str,
+        target: &Target,
+        info: &ServiceInfo,
+        nodes: &[Backend],
+        before: Option<&(ServiceInfo, Vec<Backend>)>,
+    ) -> Result<Option<LoadBalancerStatus>, SyncError> {
+        self.ctx.metrics.lb_syncs.inc();
+        match self.lbs.ensure(&self.cfg.cluster_name, info, nodes).await {
+            Ok(s) => {
+                self.said().remove(key);
+                // A changed Service may have moved off an address (or port) that a
+                // refused one was waiting for.
+                if before.is_some_and(|(applied, _)| applied != info) {
+                    self.retry_refused();
+                }
+                Ok(Some(s))
+            }
+            Err(CloudError::Refused { reason, message }) => {
+                let said = (reason.to_string(), message.clone());
+                if self.said().get(key) != Some(&said) {
+                    tracing::info!(service = %key, %reason, %message, "load balancer refused as written");
+                    self.ctx
+                        .event(target, true, &reason, "EnsureLoadBalancer", message)
+                        .await;
+                    self.said().insert(key.to_string(), said);
+                }
+                self.refused()
+                    .insert(key.to_string(), without_endpoints(info));
+                Ok(None)
+            }
+            Err(e) => {
+                self.ctx
+                    .event(
+                        target,
+                        true,
+                        "SyncLoadBalancerFailed",
+                        "EnsureLoadBalancer",
+                        format!("Error syncing load balancer: {}", chain(&e)),
+                    )
+                    .await;
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Deletes `svc`'s balancer, clears its ingress and takes our finalizer off, with
+    /// events.
     async fn cleanup(&self, key: &str, svc: &Service) -> Result<(), SyncError> {
         let api: Api<Service> = Api::namespaced(
             self.ctx.client.clone(),
@@ -404,48 +432,8 @@ impl ServiceController {
                 "Deleting load balancer".into(),
             )
             .await;
-        let info = self
-            .applied()
-            .get(key)
-            .map(|(info, _)| info.clone())
-            .unwrap_or_else(|| service_info(svc, &self.endpoints));
-        self.refused().remove(key);
-        self.said().remove(key);
-        if let Err(e) = self.lbs.delete(&self.cfg.cluster_name, &info).await {
-            self.ctx
-                .event(
-                    &target,
-                    true,
-                    "SyncLoadBalancerFailed",
-                    "DeleteLoadBalancer",
-                    format!("Error deleting load balancer: {}", chain(&e)),
-                )
-                .await;
-            return Err(e.into());
-        }
-        self.applied().remove(key);
-        self.retry_refused();
-        if has_ingress(svc) && svc.metadata.deletion_timestamp.is_none() {
-            api.patch_status(
-                &svc.name_any(),
-                &PatchParams::default(),
-                &Patch::Merge(json!({ "status": { "loadBalancer": { "ingress": null } } })),
-            )
-            .await?;
-        }
-        if has_finalizer(svc) {
-            let finalizers: Vec<String> = svc
-                .finalizers()
-                .iter()
-                .filter(|f| *f != FINALIZER)
-                .cloned()
-                .collect();
-            match set_finalizers(&api, svc, &finalizers).await {
-                // Already gone: nothing to finalize.
-                Err(kube::Error::Api(e)) if e.code == 404 => {}
-                other => other?,
-            }
-        }
+        self.delete_balancer(key, svc, &target).await?;
+        release_service(&api, svc).await?;
         tracing::info!(service = %key, "load balancer deleted");
         self.ctx
             .event(
@@ -458,6 +446,65 @@ impl ServiceController {
             .await;
         Ok(())
     }
+
+    /// Has the provider delete the balancer of Service `key` (an event says why it
+    /// could not) and forgets it; what was refused may fit now.
+    async fn delete_balancer(
+        &self,
+        key: &str,
+        svc: &Service,
+        target: &Target,
+    ) -> Result<(), SyncError> {
+        let info = self
+            .applied()
+            .get(key)
+            .map(|(info, _)| info.clone())
+            .unwrap_or_else(|| service_info(svc, &self.endpoints));
+        self.refused().remove(key);
+        self.said().remove(key);
+        if let Err(e) = self.lbs.delete(&self.cfg.cluster_name, &info).await {
+            self.ctx
+                .event(
+                    target,
+                    true,
+                    "SyncLoadBalancerFailed",
+                    "DeleteLoadBalancer",
+                    format!("Error deleting load balancer: {}", chain(&e)),
+                )
+                .await;
+            return Err(e.into());
+        }
+        self.applied().remove(key);
+        self.retry_refused();
+        Ok(())
+    }
+}
+
+/// After its balancer is gone: clears `svc`'s ingress (unless it is being deleted) and
+/// takes our finalizer off (a Service already gone needs none taken off).
+async fn release_service(api: &Api<Service>, svc: &Service) -> Result<(), kube::Error> {
+    if has_ingress(svc) && svc.metadata.deletion_timestamp.is_none() {
+        api.patch_status(
+            &svc.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "status": { "loadBalancer": { "ingress": null } } })),
+        )
+        .await?;
+    }
+    if has_finalizer(svc) {
+        let finalizers: Vec<String> = svc
+            .finalizers()
+            .iter()
+            .filter(|f| *f != FINALIZER)
+            .cloned()
+            .collect();
+        match set_finalizers(api, svc, &finalizers).await {
+            // Already gone: nothing to finalize.
+            Err(kube::Error::Api(e)) if e.code == 404 => {}
+            other => other?,
+        }
+    }
+    Ok(())
 }
 
 /// Sets `svc`'s finalizers, failing with a conflict if it changed since we read it.
@@ -480,6 +527,33 @@ async fn set_finalizers(
     )
     .await
     .map(drop)
+}
+
+/// Writes `status` as `svc`'s ingress, unless its status shows it already.
+async fn set_ingress(
+    api: &Api<Service>,
+    svc: &Service,
+    status: &LoadBalancerStatus,
+) -> Result<(), kube::Error> {
+    let wanted = ingress_json(status);
+    let current = svc
+        .status
+        .as_ref()
+        .and_then(|s| s.load_balancer.as_ref())
+        .and_then(|l| l.ingress.as_ref())
+        .map(|i| serde_json::to_value(i).unwrap_or_default())
+        .unwrap_or(json!([]));
+    // An apiserver older than 1.29 drops ipMode: compare without it, or every sync
+    // would patch again.
+    if without_ip_mode(&current) != without_ip_mode(&wanted) {
+        api.patch_status(
+            &svc.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "status": { "loadBalancer": { "ingress": wanted } } })),
+        )
+        .await?;
+    }
+    Ok(())
 }
 
 fn has_ingress(svc: &Service) -> bool {

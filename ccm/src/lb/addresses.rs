@@ -173,61 +173,10 @@ impl Range {
     fn parse(s: &str) -> Result<Range, String> {
         let s = s.trim();
         if let Some((a, b)) = s.split_once('-') {
-            let (a, b): (IpAddr, IpAddr) = (
-                a.trim()
-                    .parse()
-                    .map_err(|_| format!("{s:?}: {a:?} is not an IP address"))?,
-                b.trim()
-                    .parse()
-                    .map_err(|_| format!("{s:?}: {b:?} is not an IP address"))?,
-            );
-            if Family::of(a) != Family::of(b) {
-                return Err(format!("{s:?}: the range's ends are of different families"));
-            }
-            if number(a) > number(b) {
-                return Err(format!("{s:?}: the range ends before it starts"));
-            }
-            return Ok(Range {
-                family: Family::of(a),
-                first: number(a),
-                last: number(b),
-            });
+            return Range::span(s, a, b);
         }
         if s.contains('/') {
-            let cidr: tether_core::identifiers::Cidr = s
-                .parse()
-                .map_err(|e| format!("{s:?} is not a range, CIDR or address: {e}"))?;
-            let net = cidr.network();
-            let family = Family::of(net);
-            let bits = match family {
-                Family::V4 => 32,
-                Family::V6 => 128,
-            };
-            let host_bits = bits - u32::from(cidr.prefix());
-            let first = number(net);
-            let last = if host_bits == 128 {
-                u128::MAX
-            } else {
-                first | ((1u128 << host_bits) - 1)
-            };
-            if cidr.normalized() != cidr {
-                return Err(format!(
-                    "{s:?} has host bits set; did you mean {net}/{}?",
-                    cidr.prefix()
-                ));
-            }
-            return Ok(match (family, host_bits >= 2) {
-                (Family::V4, true) => Range {
-                    family,
-                    first: first + 1,
-                    last: last - 1,
-                },
-                _ => Range {
-                    family,
-                    first,
-                    last,
-                },
-            });
+            return Range::cidr(s);
         }
         let ip: IpAddr = s
             .parse()
@@ -236,6 +185,68 @@ impl Range {
             family: Family::of(ip),
             first: number(ip),
             last: number(ip),
+        })
+    }
+
+    /// The range `s`, written `a-b`.
+    fn span(s: &str, a: &str, b: &str) -> Result<Range, String> {
+        let (a, b): (IpAddr, IpAddr) = (
+            a.trim()
+                .parse()
+                .map_err(|_| format!("{s:?}: {a:?} is not an IP address"))?,
+            b.trim()
+                .parse()
+                .map_err(|_| format!("{s:?}: {b:?} is not an IP address"))?,
+        );
+        if Family::of(a) != Family::of(b) {
+            return Err(format!("{s:?}: the range's ends are of different families"));
+        }
+        if number(a) > number(b) {
+            return Err(format!("{s:?}: the range ends before it starts"));
+        }
+        Ok(Range {
+            family: Family::of(a),
+            first: number(a),
+            last: number(b),
+        })
+    }
+
+    /// The CIDR `s` (without host bits), less the network and broadcast addresses of
+    /// an IPv4 one of /30 or wider.
+    fn cidr(s: &str) -> Result<Range, String> {
+        let cidr: tether_core::identifiers::Cidr = s
+            .parse()
+            .map_err(|e| format!("{s:?} is not a range, CIDR or address: {e}"))?;
+        let net = cidr.network();
+        let family = Family::of(net);
+        let bits = match family {
+            Family::V4 => 32,
+            Family::V6 => 128,
+        };
+        let host_bits = bits - u32::from(cidr.prefix());
+        let first = number(net);
+        let last = if host_bits == 128 {
+            u128::MAX
+        } else {
+            first | ((1u128 << host_bits) - 1)
+        };
+        if cidr.normalized() != cidr {
+            return Err(format!(
+                "{s:?} has host bits set; did you mean {net}/{}?",
+                cidr.prefix()
+            ));
+        }
+        Ok(match (family, host_bits >= 2) {
+            (Family::V4, true) => Range {
+                family,
+                first: first + 1,
+                last: last - 1,
+            },
+            _ => Range {
+                family,
+                first,
+                last,
+            },
         })
     }
 }
@@ -260,6 +271,81 @@ impl Pool {
     fn serves(&self, namespace: &str) -> bool {
         self.namespaces.is_empty() || self.namespaces.iter().any(|n| n == namespace)
     }
+
+    /// Checks pool `p` (its name, unique among the `earlier` pools; its entries, valid,
+    /// usable (`announced`: on an interface) and in no other pool) and parses it.
+    fn parse(p: &PoolConfig, earlier: &[Pool], announced: bool) -> Result<Pool, String> {
+        if p.name.is_empty() {
+            return Err("loadBalancer.pools: a pool has no name".into());
+        }
+        if !is_lease_suffix(&p.name) {
+            return Err(format!(
+                "loadBalancer pool name {:?} must be a DNS label of at most {MAX_POOL_NAME} characters (lower-case letters, digits and '-'): it names the pool's Lease",
+                p.name
+            ));
+        }
+        if earlier.iter().any(|q| q.name == p.name) {
+            return Err(format!("loadBalancer.pools: {:?} is named twice", p.name));
+        }
+        if p.addresses.is_empty() {
+            return Err(format!("loadBalancer pool {:?} has no addresses", p.name));
+        }
+        let mut ranges = Vec::new();
+        for a in &p.addresses {
+            let r = Range::parse(a).map_err(|e| format!("loadBalancer pool {:?}: {e}", p.name))?;
+            if let Some(why) = r.unusable(announced) {
+                return Err(format!("loadBalancer pool {:?}: {a:?} {why}", p.name));
+            }
+            let clash = earlier
+                .iter()
+                .map(|q| (q.name.as_str(), &q.ranges))
+                .chain(std::iter::once((p.name.as_str(), &ranges)))
+                .find(|(_, rs)| rs.iter().any(|o| o.overlaps(&r)));
+            if let Some((other, _)) = clash {
+                return Err(format!(
+                    "loadBalancer pool {:?}: {a:?} overlaps addresses of pool {other:?}",
+                    p.name
+                ));
+            }
+            ranges.push(r);
+        }
+        Ok(Pool {
+            name: p.name.clone(),
+            ranges,
+            namespaces: p.namespaces.clone(),
+        })
+    }
+}
+
+/// Refuses a `loadBalancer.interface` the kernel could not have.
+fn check_interface(i: &str) -> Result<(), String> {
+    if i.is_empty() || i.len() > 15 || i.contains('/') || i.contains(char::is_whitespace) {
+        return Err(format!(
+            "loadBalancer.interface {i:?} is not an interface name"
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses a `loadBalancer.ingressHostnameSuffix` that is not a DNS name.
+fn check_hostname_suffix(suffix: &str) -> Result<(), String> {
+    let ok = !suffix.is_empty()
+        && suffix.len() <= 200
+        && suffix.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+                && label
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        });
+    if !ok {
+        return Err(format!(
+            "loadBalancer.ingressHostnameSuffix {suffix:?} is not a DNS name (lower-case labels, no leading dot)"
+        ));
+    }
+    Ok(())
 }
 
 /// The validated `loadBalancer:` section.
@@ -283,72 +369,15 @@ impl Pools {
             return Err("loadBalancer.pools is empty: give at least one pool".into());
         }
         if let Some(i) = &config.interface {
-            if i.is_empty() || i.len() > 15 || i.contains('/') || i.contains(char::is_whitespace) {
-                return Err(format!(
-                    "loadBalancer.interface {i:?} is not an interface name"
-                ));
-            }
+            check_interface(i)?;
         }
         if let Some(suffix) = &config.ingress_hostname_suffix {
-            let ok = !suffix.is_empty()
-                && suffix.len() <= 200
-                && suffix.split('.').all(|label| {
-                    !label.is_empty()
-                        && label.len() <= 63
-                        && !label.starts_with('-')
-                        && !label.ends_with('-')
-                        && label
-                            .chars()
-                            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
-                });
-            if !ok {
-                return Err(format!(
-                    "loadBalancer.ingressHostnameSuffix {suffix:?} is not a DNS name (lower-case labels, no leading dot)"
-                ));
-            }
+            check_hostname_suffix(suffix)?;
         }
         let mut pools: Vec<Pool> = Vec::new();
         for p in &config.pools {
-            if p.name.is_empty() {
-                return Err("loadBalancer.pools: a pool has no name".into());
-            }
-            if !is_lease_suffix(&p.name) {
-                return Err(format!(
-                    "loadBalancer pool name {:?} must be a DNS label of at most {MAX_POOL_NAME} characters (lower-case letters, digits and '-'): it names the pool's Lease",
-                    p.name
-                ));
-            }
-            if pools.iter().any(|q| q.name == p.name) {
-                return Err(format!("loadBalancer.pools: {:?} is named twice", p.name));
-            }
-            if p.addresses.is_empty() {
-                return Err(format!("loadBalancer pool {:?} has no addresses", p.name));
-            }
-            let mut ranges = Vec::new();
-            for a in &p.addresses {
-                let r =
-                    Range::parse(a).map_err(|e| format!("loadBalancer pool {:?}: {e}", p.name))?;
-                if let Some(why) = r.unusable(config.interface.is_some()) {
-                    return Err(format!("loadBalancer pool {:?}: {a:?} {why}", p.name));
-                }
-                let clash = pools
-                    .iter()
-                    .map(|q| (q.name.as_str(), &q.ranges))
-                    .chain(std::iter::once((p.name.as_str(), &ranges)))
-                    .find(|(_, rs)| rs.iter().any(|o| o.overlaps(&r)));
-                if let Some((other, _)) = clash {
-                    return Err(format!(
-                        "loadBalancer pool {:?}: {a:?} overlaps addresses of pool {other:?}",
-                        p.name
-                    ));
-                }
-                ranges.push(r);
-            }
-            pools.push(Pool {
-                name: p.name.clone(),
-                ranges,
-                namespaces: p.namespaces.clone(),
-            });
+            let pool = Pool::parse(p, &pools, config.interface.is_some())?;
+            pools.push(pool);
         }
         Ok(Pools {
             interface: config.interface.clone(),
@@ -455,6 +484,72 @@ fn allows(own: &str, open_to: &[String], other: &str) -> bool {
     own == other || open_to.iter().any(|n| n == "*" || n == other)
 }
 
+/// The Services among `holders`, for messages.
+fn names(holders: &[&Holder]) -> String {
+    holders
+        .iter()
+        .map(|h| h.service.as_str())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// May `req` share `ip` with the `others` holding it: the same sharing key, and
+/// namespaces that allow each other?
+fn may_share(req: &Request, ip: IpAddr, others: &[&Holder]) -> Result<(), Refusal> {
+    let same_key =
+        req.sharing_key.is_some() && others.iter().all(|h| h.sharing_key == req.sharing_key);
+    let foreign: Vec<&str> = others
+        .iter()
+        .filter(|h| {
+            !(allows(&h.namespace, &h.sharing_namespaces, &req.namespace)
+                && allows(&req.namespace, &req.sharing_namespaces, &h.namespace))
+        })
+        .map(|h| h.service.as_str())
+        .collect();
+    if same_key && !foreign.is_empty() {
+        return Err(Refusal {
+            reason: reasons::IN_USE,
+            message: format!(
+                "address {ip} is held by {} in another namespace; Services of two namespaces share an address only when both name the other's namespace (or *) in {}",
+                foreign.join(", "),
+                crate::cloud::annotations::SHARING_CROSS_NAMESPACE
+            ),
+        });
+    }
+    if !same_key {
+        return Err(Refusal {
+            reason: reasons::IN_USE,
+            message: format!(
+                "address {ip} is held by {} (share it only by giving both Services the same {} annotation)",
+                names(others),
+                crate::cloud::annotations::SHARING_KEY
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Are `req`'s ports free on `ip`, shared with `others`?
+fn ports_free(req: &Request, ip: IpAddr, others: &[&Holder]) -> Result<(), Refusal> {
+    let taken: Vec<String> = req
+        .ports
+        .iter()
+        .filter(|p| others.iter().any(|h| h.ports.contains(p)))
+        .map(|(proto, port)| format!("{port}/{proto}"))
+        .collect();
+    if !taken.is_empty() {
+        return Err(Refusal {
+            reason: reasons::PORT_COLLISION,
+            message: format!(
+                "address {ip} is shared with {}, which already serve(s) port(s) {}",
+                names(others),
+                taken.join(", ")
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// Who holds which address.
 #[derive(Debug)]
 pub struct Allocator {
@@ -525,60 +620,8 @@ impl Allocator {
         if others.is_empty() {
             return Ok(());
         }
-        let names = || {
-            others
-                .iter()
-                .map(|h| h.service.as_str())
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
-        let same_key =
-            req.sharing_key.is_some() && others.iter().all(|h| h.sharing_key == req.sharing_key);
-        let foreign: Vec<&str> = others
-            .iter()
-            .filter(|h| {
-                !(allows(&h.namespace, &h.sharing_namespaces, &req.namespace)
-                    && allows(&req.namespace, &req.sharing_namespaces, &h.namespace))
-            })
-            .map(|h| h.service.as_str())
-            .collect();
-        if same_key && !foreign.is_empty() {
-            return Err(Refusal {
-                reason: reasons::IN_USE,
-                message: format!(
-                    "address {ip} is held by {} in another namespace; Services of two namespaces share an address only when both name the other's namespace (or *) in {}",
-                    foreign.join(", "),
-                    crate::cloud::annotations::SHARING_CROSS_NAMESPACE
-                ),
-            });
-        }
-        if !same_key {
-            return Err(Refusal {
-                reason: reasons::IN_USE,
-                message: format!(
-                    "address {ip} is held by {} (share it only by giving both Services the same {} annotation)",
-                    names(),
-                    crate::cloud::annotations::SHARING_KEY
-                ),
-            });
-        }
-        let taken: Vec<String> = req
-            .ports
-            .iter()
-            .filter(|p| others.iter().any(|h| h.ports.contains(p)))
-            .map(|(proto, port)| format!("{port}/{proto}"))
-            .collect();
-        if !taken.is_empty() {
-            return Err(Refusal {
-                reason: reasons::PORT_COLLISION,
-                message: format!(
-                    "address {ip} is shared with {}, which already serve(s) port(s) {}",
-                    names(),
-                    taken.join(", ")
-                ),
-            });
-        }
-        Ok(())
+        may_share(req, ip, &others)?;
+        ports_free(req, ip, &others)
     }
 
     /// An address of `family` for `req`: a sharing partner's, else the lowest free one.
@@ -618,11 +661,21 @@ impl Allocator {
     /// records them, releasing what it held before and no longer gets. Nothing changes
     /// when it is refused.
     pub fn assign(&mut self, req: &Request) -> Result<Vec<IpAddr>, Refusal> {
-        let mut chosen: Vec<IpAddr> = Vec::new();
         let mut families = req.families.clone();
         if families.is_empty() {
             families.push(Family::V4);
         }
+        let mut chosen = self.requested(req, &families)?;
+        self.fill(req, &families, &mut chosen)?;
+        chosen.sort_by_key(|ip| families.iter().position(|f| *f == Family::of(*ip)));
+        self.record(req, &chosen);
+        Ok(chosen)
+    }
+
+    /// The addresses `req` asks for, if it may have them: of its `families`, one per
+    /// family, each in a pool open to it and shareable with who holds it.
+    fn requested(&self, req: &Request, families: &[Family]) -> Result<Vec<IpAddr>, Refusal> {
+        let mut chosen: Vec<IpAddr> = Vec::new();
         for ip in &req.requested {
             let family = Family::of(*ip);
             if !families.contains(&family) {
@@ -660,6 +713,18 @@ impl Allocator {
             self.shareable(req, *ip)?;
             chosen.push(*ip);
         }
+        Ok(chosen)
+    }
+
+    /// Adds to `chosen` an address of each of `families` it has none of: the one `req`
+    /// holds or its status shows, else a free one; refused when none is left for the
+    /// first family (or any, when all are required).
+    fn fill(
+        &self,
+        req: &Request,
+        families: &[Family],
+        chosen: &mut Vec<IpAddr>,
+    ) -> Result<(), Refusal> {
         for (i, family) in families.iter().enumerate() {
             if chosen.iter().any(|c| Family::of(*c) == *family) {
                 continue;
@@ -692,9 +757,7 @@ impl Allocator {
                 None => {}
             }
         }
-        chosen.sort_by_key(|ip| families.iter().position(|f| *f == Family::of(*ip)));
-        self.record(req, &chosen);
-        Ok(chosen)
+        Ok(())
     }
 
     /// Takes `req.current` where valid and free, before anything is assigned (the

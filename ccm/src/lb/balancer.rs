@@ -383,6 +383,7 @@ impl TunnelLoadBalancers {
 /// and go does not grow its scrape forever.
 fn forget_series(m: &crate::metrics::Metrics, service: &str) {
     let _ = m.lb_active.remove_label_values(&[service]);
+    let _ = m.lb_backends.remove_label_values(&[service]);
     for result in [
         "accepted",
         "refused_source_range",
@@ -637,15 +638,7 @@ impl TunnelLoadBalancers {
             self.unserve(svc).await;
             return Ok(());
         }
-        let tcp: Vec<&ServicePort> = svc.ports.iter().filter(|p| p.protocol == "TCP").collect();
-        if svc.node_ports {
-            if let Some(p) = tcp.iter().find(|p| p.node_port == 0) {
-                return Err(CloudError::Provider(format!(
-                    "port {} has no nodePort yet",
-                    p.port
-                )));
-            }
-        }
+        let tcp = tcp_ports(svc)?;
         // The tunnel connection before the pools are fenced: a Tether server slow to
         // answer must not hold up a pool's release.
         let client = self.client(&svc.uid).await?;
@@ -656,7 +649,30 @@ impl TunnelLoadBalancers {
             self.unserve(svc).await;
             return Ok(());
         }
-        let mut claim = self.claim(svc, nodes, &mine);
+        let before = self.take_up(svc, nodes, &client, &tcp, &mine).await?;
+        drop(serving);
+        // Addresses this Service moved off, if no other Service served here has them.
+        let gone: Vec<IpAddr> = before
+            .into_iter()
+            .map(|(ip, _)| ip)
+            .filter(|ip| !mine.iter().any(|(m, _)| m == ip))
+            .collect();
+        self.let_go(gone).await;
+        Ok(())
+    }
+
+    /// Serves `svc` on `mine` (addresses with their pools): claims them, holds them and
+    /// binds the listeners its `tcp` ports ask for. Returns the addresses it was served
+    /// on before; on failure, what was serving before serves on.
+    async fn take_up(
+        &self,
+        svc: &ServiceInfo,
+        nodes: &[Backend],
+        client: &Client,
+        tcp: &[&ServicePort],
+        mine: &[(IpAddr, String)],
+    ) -> Result<Vec<(IpAddr, String)>, CloudError> {
+        let mut claim = self.claim(svc, nodes, mine);
         let wanted: Vec<(SocketAddr, PortTarget)> = mine
             .iter()
             .flat_map(|(ip, _)| {
@@ -666,11 +682,11 @@ impl TunnelLoadBalancers {
             .collect();
         let served = async {
             if let Some(a) = &self.announcer {
-                for (ip, pool) in &mine {
+                for (ip, pool) in mine {
                     a.hold(*ip, pool).await?;
                 }
             }
-            self.bind(svc, &client, &claim.shared, &mut claim.keep, &wanted)
+            self.bind(svc, client, &claim.shared, &mut claim.keep, &wanted)
                 .await
         }
         .await;
@@ -685,21 +701,12 @@ impl TunnelLoadBalancers {
         self.lock().insert(
             svc.uid.clone(),
             Balancer {
-                addresses: mine.clone(),
+                addresses: mine.to_vec(),
                 listeners: claim.keep,
                 shared: claim.shared,
             },
         );
-        drop(serving);
-        // Addresses this Service moved off, if no other Service served here has them.
-        let gone: Vec<IpAddr> = claim
-            .before
-            .into_iter()
-            .map(|(ip, _)| ip)
-            .filter(|ip| !mine.iter().any(|(m, _)| m == ip))
-            .collect();
-        self.let_go(gone).await;
-        Ok(())
+        Ok(claim.before)
     }
 
     /// Those of `addresses` whose pools are in `serving`, with their pools.
@@ -831,6 +838,21 @@ impl TunnelLoadBalancers {
         self.let_go(b.addresses.into_iter().map(|(ip, _)| ip).collect())
             .await;
     }
+}
+
+/// The TCP ports of `svc` (the only ones served); an error while a NodePort Service
+/// lacks a nodePort for one.
+fn tcp_ports(svc: &ServiceInfo) -> Result<Vec<&ServicePort>, CloudError> {
+    let tcp: Vec<&ServicePort> = svc.ports.iter().filter(|p| p.protocol == "TCP").collect();
+    if svc.node_ports {
+        if let Some(p) = tcp.iter().find(|p| p.node_port == 0) {
+            return Err(CloudError::Provider(format!(
+                "port {} has no nodePort yet",
+                p.port
+            )));
+        }
+    }
+    Ok(tcp)
 }
 
 /// Refuses pools holding an address of this host: announced from the load-balancer

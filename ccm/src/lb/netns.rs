@@ -25,7 +25,7 @@ use tether_core::error::chain;
 use futures::TryStreamExt;
 use rtnetlink::packet_route::address::AddressAttribute;
 use rtnetlink::packet_route::link::{LinkAttribute, LinkFlags, MacVlanMode};
-use rtnetlink::packet_route::route::{RouteAttribute, RouteScope};
+use rtnetlink::packet_route::route::{RouteAttribute, RouteMessage, RouteScope};
 use rtnetlink::{LinkMacVlan, LinkUnspec, RouteMessageBuilder};
 
 use crate::cloud::CloudError;
@@ -327,61 +327,8 @@ impl LbNamespace {
     async fn copy_routes(&self, parent: u32, device: u32) -> Result<(), CloudError> {
         let host = self.host.handle().await?;
         let inside = self.netlink().await?;
-        let mut routes = Vec::new();
-        let mut addrs = host.address().get().set_link_index_filter(parent).execute();
-        while let Ok(Some(msg)) = addrs.try_next().await {
-            let ip = msg.attributes.iter().find_map(|a| match a {
-                AddressAttribute::Address(ip) => Some(*ip),
-                _ => None,
-            });
-            let Some(ip) = ip else { continue };
-            if is_link_local(ip) {
-                continue;
-            }
-            let Ok(cidr) =
-                format!("{ip}/{}", msg.header.prefix_len).parse::<tether_core::identifiers::Cidr>()
-            else {
-                continue;
-            };
-            routes.push(
-                RouteMessageBuilder::<IpAddr>::new()
-                    .destination_prefix(cidr.network(), cidr.prefix())
-                    .map_err(|e| CloudError::Provider(format!("route for {ip}: {e}")))?
-                    .output_interface(device)
-                    .scope(RouteScope::Link)
-                    .build(),
-            );
-        }
-        for query in [
-            RouteMessageBuilder::<std::net::Ipv4Addr>::new().build(),
-            RouteMessageBuilder::<std::net::Ipv6Addr>::new().build(),
-        ] {
-            let mut dump = host.route().get(query).execute();
-            while let Ok(Some(msg)) = dump.try_next().await {
-                let via_parent = msg
-                    .attributes
-                    .iter()
-                    .any(|a| matches!(a, RouteAttribute::Oif(i) if *i == parent));
-                let gateway = msg.attributes.iter().find_map(|a| match a {
-                    RouteAttribute::Gateway(g) => route_ip(g),
-                    _ => None,
-                });
-                if msg.header.destination_prefix_length != 0
-                    || !via_parent
-                    || msg.header.table != 254
-                {
-                    continue;
-                }
-                let Some(gw) = gateway else { continue };
-                let built = RouteMessageBuilder::<IpAddr>::new()
-                    .gateway(gw)
-                    .map_err(|e| CloudError::Provider(format!("default route via {gw}: {e}")))?
-                    .output_interface(device)
-                    .onlink()
-                    .build();
-                routes.push(built);
-            }
-        }
+        let mut routes = on_link_routes(&host, parent, device).await?;
+        routes.extend(default_routes(&host, parent, device).await?);
         for route in routes {
             if let Err(e) = inside.route().add(route).replace().execute().await {
                 tracing::warn!(error = %chain(&e), "cannot copy a route into the load-balancer namespace");
@@ -389,6 +336,79 @@ impl LbNamespace {
         }
         Ok(())
     }
+}
+
+/// Routes on `device` to the prefixes of the host's link `parent` (its link-local
+/// ones left out).
+async fn on_link_routes(
+    host: &rtnetlink::Handle,
+    parent: u32,
+    device: u32,
+) -> Result<Vec<RouteMessage>, CloudError> {
+    let mut routes = Vec::new();
+    let mut addrs = host.address().get().set_link_index_filter(parent).execute();
+    while let Ok(Some(msg)) = addrs.try_next().await {
+        let ip = msg.attributes.iter().find_map(|a| match a {
+            AddressAttribute::Address(ip) => Some(*ip),
+            _ => None,
+        });
+        let Some(ip) = ip else { continue };
+        if is_link_local(ip) {
+            continue;
+        }
+        let Ok(cidr) =
+            format!("{ip}/{}", msg.header.prefix_len).parse::<tether_core::identifiers::Cidr>()
+        else {
+            continue;
+        };
+        routes.push(
+            RouteMessageBuilder::<IpAddr>::new()
+                .destination_prefix(cidr.network(), cidr.prefix())
+                .map_err(|e| CloudError::Provider(format!("route for {ip}: {e}")))?
+                .output_interface(device)
+                .scope(RouteScope::Link)
+                .build(),
+        );
+    }
+    Ok(routes)
+}
+
+/// Default routes on `device` via the gateways of the host's main-table default
+/// routes through its link `parent`, IPv4 and IPv6.
+async fn default_routes(
+    host: &rtnetlink::Handle,
+    parent: u32,
+    device: u32,
+) -> Result<Vec<RouteMessage>, CloudError> {
+    let mut routes = Vec::new();
+    for query in [
+        RouteMessageBuilder::<std::net::Ipv4Addr>::new().build(),
+        RouteMessageBuilder::<std::net::Ipv6Addr>::new().build(),
+    ] {
+        let mut dump = host.route().get(query).execute();
+        while let Ok(Some(msg)) = dump.try_next().await {
+            let via_parent = msg
+                .attributes
+                .iter()
+                .any(|a| matches!(a, RouteAttribute::Oif(i) if *i == parent));
+            let gateway = msg.attributes.iter().find_map(|a| match a {
+                RouteAttribute::Gateway(g) => route_ip(g),
+                _ => None,
+            });
+            if msg.header.destination_prefix_length != 0 || !via_parent || msg.header.table != 254 {
+                continue;
+            }
+            let Some(gw) = gateway else { continue };
+            let built = RouteMessageBuilder::<IpAddr>::new()
+                .gateway(gw)
+                .map_err(|e| CloudError::Provider(format!("default route via {gw}: {e}")))?
+                .output_interface(device)
+                .onlink()
+                .build();
+            routes.push(built);
+        }
+    }
+    Ok(routes)
 }
 
 fn route_ip(a: &rtnetlink::packet_route::route::RouteAddress) -> Option<IpAddr> {

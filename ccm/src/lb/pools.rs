@@ -24,7 +24,7 @@ use tracing::Instrument;
 use super::balancer::TunnelLoadBalancers;
 use crate::cloud::ServiceInfo;
 use crate::endpoints::EndpointsCache;
-use crate::leader::LeaderElection;
+use crate::leader::{LeaderElection, Leadership};
 use crate::translate::{backends, backends_for, is_ours, service_info};
 use crate::workqueue::{Outcome, WorkQueue};
 
@@ -60,43 +60,15 @@ pub async fn run(
     let _stop = stop.clone().drop_guard();
     let queue = WorkQueue::new("lb-serve", lbs.metrics());
     let node_events = WorkQueue::new("lb-serve-nodes", lbs.metrics());
-    let nodes = crate::informer::spawn(
-        "nodes",
-        Api::<Node>::all(client.clone()),
-        vec![node_events.clone()],
-        stop.clone(),
-    );
-    let services = crate::informer::spawn(
-        "services",
-        Api::<Service>::all(client.clone()),
-        vec![queue.clone()],
-        stop.clone(),
-    );
-    let endpoints = tokio::select! {
-        e = EndpointsCache::spawn(client.clone(), queue.clone(), stop.clone()) => e,
-        _ = shutdown.cancelled() => None,
-    };
-    let Some(endpoints) = endpoints else {
+    let watches = Watches::start(&client, &queue, &node_events, &stop, &shutdown).await;
+    let Some(Watches {
+        nodes,
+        services,
+        endpoints,
+    }) = watches
+    else {
         return;
     };
-    let ready = async {
-        nodes
-            .wait_until_ready()
-            .await
-            .map_err(|e| chain(&e).to_string())?;
-        services
-            .wait_until_ready()
-            .await
-            .map_err(|e| chain(&e).to_string())?;
-        endpoints.wait_until_ready().await
-    };
-    tokio::select! {
-        r = ready => if let Err(e) = r {
-            tracing::error!(error = %e, "load-balancer caches did not sync");
-            return;
-        },
-        _ = shutdown.cancelled() => return,
-    }
     let server = Arc::new(Server {
         lbs: lbs.clone(),
         nodes,
@@ -106,43 +78,8 @@ pub async fn run(
         class: cfg.load_balancer_class.clone(),
         served: Mutex::new(HashMap::new()),
     });
-    // The node set changed: every balancer gets it.
-    {
-        let (n, stop) = (node_events.clone(), stop.clone());
-        tokio::spawn(async move {
-            stop.cancelled().await;
-            n.shut_down();
-        });
-        let server = server.clone();
-        tokio::spawn(
-            async move {
-                let mut last = backends(&server.nodes);
-                while let Some(key) = node_events.next().await {
-                    node_events.done(key, Outcome::Done);
-                    let now = backends(&server.nodes);
-                    if now != last {
-                        last = now;
-                        server.queue_all();
-                    }
-                }
-            }
-            .instrument(tracing::info_span!("lb_serve_nodes")),
-        );
-    }
-    // Drift repair.
-    {
-        let (server, stop, period) = (server.clone(), stop.clone(), cfg.resync);
-        tokio::spawn(
-            async move {
-                let mut tick = crate::workqueue::Ticker::new(period);
-                tick.next(&stop).await;
-                while tick.next(&stop).await {
-                    server.queue_all();
-                }
-            }
-            .instrument(tracing::info_span!("lb_serve_resync")),
-        );
-    }
+    spawn_node_set_watch(&server, node_events, &stop);
+    spawn_resync(&server, &stop, cfg.resync);
     let workers = {
         let (server, stop, n) = (server.clone(), stop.clone(), cfg.workers.max(1));
         tokio::spawn(queue.clone().work(n, stop, move |key| {
@@ -155,24 +92,139 @@ pub async fn run(
             }
         }))
     };
-    // One term per pool, following the cloud config.
-    let held = cfg
-        .lease
-        .as_ref()
-        .and_then(|l| l.balance.clone())
-        .unwrap_or_default();
+    hold_pools(&client, &server, cfg.lease.as_ref(), &shutdown).await;
+    stop.cancel();
+    queue.shut_down();
+    let _ = workers.await;
+}
+
+/// This replica's own warm watches of nodes, Services and EndpointSlices.
+struct Watches {
+    nodes: Store<Node>,
+    services: Store<Service>,
+    endpoints: EndpointsCache,
+}
+
+impl Watches {
+    /// Starts the watches (until `stop`), feeding node changes to `node_events` and
+    /// Service and endpoint changes to `queue`, and waits until they are synced; `None`
+    /// on `shutdown` first or when they cannot sync.
+    async fn start(
+        client: &kube::Client,
+        queue: &Arc<WorkQueue>,
+        node_events: &Arc<WorkQueue>,
+        stop: &CancellationToken,
+        shutdown: &CancellationToken,
+    ) -> Option<Watches> {
+        let nodes = crate::informer::spawn(
+            "nodes",
+            Api::<Node>::all(client.clone()),
+            vec![node_events.clone()],
+            stop.clone(),
+        );
+        let services = crate::informer::spawn(
+            "services",
+            Api::<Service>::all(client.clone()),
+            vec![queue.clone()],
+            stop.clone(),
+        );
+        let endpoints = tokio::select! {
+            e = EndpointsCache::spawn(client.clone(), queue.clone(), stop.clone()) => e,
+            _ = shutdown.cancelled() => None,
+        };
+        let endpoints = endpoints?;
+        let ready = async {
+            nodes
+                .wait_until_ready()
+                .await
+                .map_err(|e| chain(&e).to_string())?;
+            services
+                .wait_until_ready()
+                .await
+                .map_err(|e| chain(&e).to_string())?;
+            endpoints.wait_until_ready().await
+        };
+        tokio::select! {
+            r = ready => if let Err(e) = r {
+                tracing::error!(error = %e, "load-balancer caches did not sync");
+                return None;
+            },
+            _ = shutdown.cancelled() => return None,
+        }
+        Some(Watches {
+            nodes,
+            services,
+            endpoints,
+        })
+    }
+}
+
+/// Spawns the task that queues every Service when the node set changes (until `stop`
+/// shuts `node_events` down).
+fn spawn_node_set_watch(
+    server: &Arc<Server>,
+    node_events: Arc<WorkQueue>,
+    stop: &CancellationToken,
+) {
+    let (n, stop) = (node_events.clone(), stop.clone());
+    tokio::spawn(async move {
+        stop.cancelled().await;
+        n.shut_down();
+    });
+    let server = server.clone();
+    tokio::spawn(
+        async move {
+            let mut last = backends(&server.nodes);
+            while let Some(key) = node_events.next().await {
+                node_events.done(key, Outcome::Done);
+                let now = backends(&server.nodes);
+                if now != last {
+                    last = now;
+                    server.queue_all();
+                }
+            }
+        }
+        .instrument(tracing::info_span!("lb_serve_nodes")),
+    );
+}
+
+/// Spawns the drift repair: every Service queued again every `period`, until `stop`.
+fn spawn_resync(server: &Arc<Server>, stop: &CancellationToken, period: Duration) {
+    let (server, stop) = (server.clone(), stop.clone());
+    tokio::spawn(
+        async move {
+            let mut tick = crate::workqueue::Ticker::new(period);
+            tick.next(&stop).await;
+            while tick.next(&stop).await {
+                server.queue_all();
+            }
+        }
+        .instrument(tracing::info_span!("lb_serve_resync")),
+    );
+}
+
+/// Runs one term per pool, following the cloud config (a pool added gets a term, a
+/// pool removed lets go), until `shutdown`; then waits for every pool to let go, each
+/// handing its lease to a standby.
+async fn hold_pools(
+    client: &kube::Client,
+    server: &Arc<Server>,
+    lease: Option<&LeaderElection>,
+    shutdown: &CancellationToken,
+) {
+    let held = lease.and_then(|l| l.balance.clone()).unwrap_or_default();
     let mut terms: HashMap<String, (CancellationToken, tokio::task::JoinHandle<()>)> =
         HashMap::new();
     // Terms of removed pools, letting go.
     let mut ending: Vec<tokio::task::JoinHandle<()>> = Vec::new();
     loop {
-        let names = lbs.pool_names();
+        let names = server.lbs.pool_names();
         for name in &names {
             if terms.contains_key(name) {
                 continue;
             }
             let end = shutdown.child_token();
-            let lease = cfg.lease.clone().map(|mut l| {
+            let lease = lease.cloned().map(|mut l| {
                 l.name = format!("{}-{name}", l.name);
                 l.balance = Some(held.clone());
                 l
@@ -210,9 +262,6 @@ pub async fn run(
     for task in terms.into_values().map(|(_, t)| t).chain(ending) {
         let _ = task.await;
     }
-    stop.cancel();
-    queue.shut_down();
-    let _ = workers.await;
 }
 
 /// One pool's terms: stand by (while the interface is usable), take the pool's lease,
@@ -237,22 +286,8 @@ async fn term(
     let holding = lbs.metrics().leader.with_label_values(&[le.name.as_str()]);
     holding.set(0);
     loop {
-        // Stand for the lease only with a usable interface.
-        let mut said = None;
-        loop {
-            match lbs.ready().await {
-                Ok(()) => break,
-                Err(why) => {
-                    if said.as_ref() != Some(&why) {
-                        tracing::warn!(reason = %why, "not standing for the pool's lease");
-                        said = Some(why);
-                    }
-                }
-            }
-            tokio::select! {
-                _ = tokio::time::sleep(le.retry_period) => {}
-                _ = end.cancelled() => return,
-            }
+        if !stand_by(&lbs, &le, &end).await {
+            return;
         }
         let Some(leadership) = crate::leader::lead(client.clone(), le.clone(), end.clone()).await
         else {
@@ -260,42 +295,7 @@ async fn term(
         };
         held.held.fetch_add(1, Ordering::SeqCst);
         holding.set(1);
-        // The addresses' kernel lifetime: what is left of the lease after the renew
-        // deadline, so that a holder that hangs loses them before a standby can hold
-        // the lease; refreshed every retry period while we hold it.
-        let lifetime = le
-            .lease_duration
-            .saturating_sub(le.renew_deadline)
-            .max(Duration::from_secs(1));
-        lbs.resume_pool(&pool).await;
-        let _ = lbs.refresh_pool(&pool, lifetime).await;
-        server.queue_all();
-        let unusable = async {
-            loop {
-                tokio::time::sleep(le.retry_period).await;
-                if let Err(why) = lbs.ready().await {
-                    return why;
-                }
-                // The addresses may outlive a refresh by `lifetime`: only while that
-                // still ends before the lease could run out elsewhere (the last
-                // renewal's start plus the lease duration).
-                if leadership.since_renewal() + REFRESH_MARGIN >= le.renew_deadline {
-                    return "the pool's lease was not renewed in time".to_string();
-                }
-                if let Err(why) = lbs.refresh_pool(&pool, lifetime).await {
-                    return why;
-                }
-            }
-        };
-        let release = tokio::select! {
-            _ = end.cancelled() => true,
-            _ = leadership.lost.cancelled() => false,
-            _ = leadership.handover.cancelled() => true,
-            why = unusable => {
-                tracing::warn!(reason = %why, "giving up the pool's lease");
-                true
-            }
-        };
+        let release = serve_term(&server, &pool, &le, &leadership, &end).await;
         // The addresses go (serves in flight finish first and none adds one back)
         // before the lease is released.
         lbs.release_pool(&pool).await;
@@ -311,6 +311,75 @@ async fn term(
         }
         if end.is_cancelled() {
             return;
+        }
+    }
+}
+
+/// Waits until the interface is usable, to stand for the pool's lease only then
+/// (saying why not when that changes); false when `end` comes first.
+async fn stand_by(lbs: &TunnelLoadBalancers, le: &LeaderElection, end: &CancellationToken) -> bool {
+    let mut said = None;
+    loop {
+        match lbs.ready().await {
+            Ok(()) => return true,
+            Err(why) => {
+                if said.as_ref() != Some(&why) {
+                    tracing::warn!(reason = %why, "not standing for the pool's lease");
+                    said = Some(why);
+                }
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(le.retry_period) => {}
+            _ = end.cancelled() => return false,
+        }
+    }
+}
+
+/// Serves `pool` under `leadership` until `end`, a lost lease, a handover or an
+/// unusable interface; whether the lease is to be released after.
+async fn serve_term(
+    server: &Server,
+    pool: &str,
+    le: &LeaderElection,
+    leadership: &Leadership,
+    end: &CancellationToken,
+) -> bool {
+    let lbs = &server.lbs;
+    // The addresses' kernel lifetime: what is left of the lease after the renew
+    // deadline, so that a holder that hangs loses them before a standby can hold
+    // the lease; refreshed every retry period while we hold it.
+    let lifetime = le
+        .lease_duration
+        .saturating_sub(le.renew_deadline)
+        .max(Duration::from_secs(1));
+    lbs.resume_pool(pool).await;
+    let _ = lbs.refresh_pool(pool, lifetime).await;
+    server.queue_all();
+    let unusable = async {
+        loop {
+            tokio::time::sleep(le.retry_period).await;
+            if let Err(why) = lbs.ready().await {
+                return why;
+            }
+            // The addresses may outlive a refresh by `lifetime`: only while that
+            // still ends before the lease could run out elsewhere (the last
+            // renewal's start plus the lease duration).
+            if leadership.since_renewal() + REFRESH_MARGIN >= le.renew_deadline {
+                return "the pool's lease was not renewed in time".to_string();
+            }
+            if let Err(why) = lbs.refresh_pool(pool, lifetime).await {
+                return why;
+            }
+        }
+    };
+    tokio::select! {
+        _ = end.cancelled() => true,
+        _ = leadership.lost.cancelled() => false,
+        _ = leadership.handover.cancelled() => true,
+        why = unusable => {
+            tracing::warn!(reason = %why, "giving up the pool's lease");
+            true
         }
     }
 }

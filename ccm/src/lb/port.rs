@@ -109,6 +109,8 @@ pub(super) struct Shared {
     policy: Arc<RwLock<Policy>>,
     /// Connections open now, every port (`tether_ccm_lb_active_connections{service}`).
     active: prometheus::IntGauge,
+    /// Backends to choose from (`tether_ccm_lb_backends{service}`).
+    backends: prometheus::IntGauge,
     /// Connections open now over every Service, and their cap.
     all: Arc<AtomicUsize>,
     max_all: usize,
@@ -133,10 +135,13 @@ impl Shared {
         busy: Arc<AtomicUsize>,
     ) -> Shared {
         let service = label(svc);
+        let backends = metrics.lb_backends.with_label_values(&[service.as_str()]);
+        backends.set(nodes.len() as i64);
         Shared {
             nodes: Arc::new(RwLock::new(nodes.to_vec())),
             policy: Arc::new(RwLock::new(Policy::of(svc))),
             active: metrics.lb_active.with_label_values(&[service.as_str()]),
+            backends,
             all,
             max_all,
             busy,
@@ -153,6 +158,7 @@ impl Shared {
     /// Takes a changed Service's backends and policy, for every listener at once.
     pub(super) fn update(&self, svc: &ServiceInfo, nodes: &[Backend]) {
         *self.nodes.write().unwrap_or_else(|e| e.into_inner()) = nodes.to_vec();
+        self.backends.set(nodes.len() as i64);
         *self.policy.write().unwrap_or_else(|e| e.into_inner()) = Policy::of(svc);
     }
 }
