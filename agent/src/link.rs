@@ -10,7 +10,7 @@
 use std::future::Future;
 use std::io;
 use std::path::PathBuf;
-use std::pin::pin;
+use std::pin::{pin, Pin};
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -100,6 +100,18 @@ impl LinkError {
             | LinkError::Keepalive(_)
             | LinkError::Connect(_) => tonic::Code::Unavailable,
             _ => tonic::Code::Internal,
+        }
+    }
+
+    /// Why opening a stream failed, as `tether_agent_server_connect_failures_total`'s
+    /// `reason`.
+    pub(crate) fn connect_failure(&self) -> &'static str {
+        match self {
+            LinkError::Connect(_) | LinkError::Connection(_) | LinkError::Closed => "connect",
+            LinkError::Stream(_) => "refused",
+            LinkError::Timeout(_) => "timeout",
+            LinkError::Token { .. } => "token",
+            _ => "other",
         }
     }
 
@@ -213,7 +225,6 @@ impl Agent {
         drain: &CancellationToken,
         stop: &CancellationToken,
     ) -> Result<(), LinkError> {
-        let cfg = &self.config;
         let Established {
             server_id,
             server_count,
@@ -225,6 +236,49 @@ impl Agent {
             out,
             inbound,
         } = est;
+        let (session, control_rx, data_rx) = self.new_session(peer_window);
+        let _close_on_exit = session.closed.clone().drop_guard();
+        let _count = Decrement::count(&self.streams, &self.metrics.open_server_connections);
+        tracing::info!(%server_id, server_count, flow_control = peer_window.is_some(), "connected to proxy server");
+
+        let finish = CancellationToken::new();
+        let heard = Heard::default();
+        let reader = pin!(read(inbound, session.clone(), heard.clone()));
+        let writer = pin!(write(out, control_rx, data_rx, finish.clone()));
+        let pinger = pin!(keep_alive(pings, keepalive, heard));
+        let mut driven = Driven {
+            conn: &mut conn,
+            reader,
+            writer,
+            pinger,
+        };
+        let ended = driven
+            .until_stopped(&session, drain, stop)
+            .instrument(tracing::info_span!("server_stream", %server_id))
+            .await;
+        let drained = match ended {
+            Ok(drained) => drained,
+            Err(e) => return Err(self.stream_failed(e, keepalive, driven.conn).await),
+        };
+        if drained {
+            // Half-close instead of dropping the stream: the writer sends what is
+            // queued (DRAIN among it) and then END_STREAM, where a reset could discard
+            // it. The server then ends its side; a server that does not is left after
+            // CLOSE_GRACE.
+            session.closed.cancel();
+            finish.cancel();
+            let _ = tokio::time::timeout(CLOSE_GRACE, driven.half_close()).await;
+        }
+        Ok(())
+    }
+
+    /// A new stream's session (what the reader hands packets to), and the receiving
+    /// ends of its bounded answers and data queues, for the writer.
+    fn new_session(
+        &self,
+        peer_window: Option<u32>,
+    ) -> (Arc<Session>, mpsc::Receiver<Packet>, mpsc::Receiver<Packet>) {
+        let cfg = &self.config;
         let (control, control_rx) = mpsc::channel(crate::dialer::ANSWERS);
         let (data, data_rx) = mpsc::channel(cfg.channel_size);
         let session = Session::new(
@@ -235,69 +289,7 @@ impl Agent {
             self.metrics.clone(),
             self.work.clone(),
         );
-        let _close_on_exit = session.closed.clone().drop_guard();
-        let _count = Decrement::count(&self.streams, &self.metrics.open_server_connections);
-        tracing::info!(%server_id, server_count, flow_control = peer_window.is_some(), "connected to proxy server");
-
-        let finish = CancellationToken::new();
-        let heard = Heard::default();
-        let mut reader = pin!(read(inbound, session.clone(), heard.clone()));
-        let mut writer = pin!(write(out, control_rx, data_rx, finish.clone()));
-        let mut pinger = pin!(keep_alive(pings, keepalive, heard));
-        let ended = async {
-            let mut draining = false;
-            loop {
-                tokio::select! {
-                    r = &mut conn => return Err(conn_ended(r)),
-                    e = &mut reader => return Err(e),
-                    r = &mut writer => return Err(r.err().unwrap_or_else(|| {
-                        LinkError::Protocol("the stream's writer ended".into())
-                    })),
-                    e = &mut pinger => return Err(e),
-                    _ = drain.cancelled(), if !draining => {
-                        draining = true;
-                        tracing::info!("draining: DRAIN sent; dials the server still sends are served");
-                        session.drain();
-                    }
-                    // Draining, the stream stays and serves (as upstream's agent
-                    // until its second signal); the hard stop ends it, with a
-                    // half-close when DRAIN went first (a drain that came with the
-                    // stop sends its DRAIN too).
-                    _ = stop.cancelled() => {
-                        if drain.is_cancelled() && !draining {
-                            session.drain();
-                        }
-                        return Ok(drain.is_cancelled());
-                    }
-                }
-            }
-        }
-        .instrument(tracing::info_span!("server_stream", %server_id))
-        .await;
-        let drained = match ended {
-            Ok(drained) => drained,
-            Err(e) => return Err(self.stream_failed(e, keepalive, &mut conn).await),
-        };
-        if drained {
-            // Half-close instead of dropping the stream: the writer sends what is
-            // queued (DRAIN among it) and then END_STREAM, where a reset could discard
-            // it. The server then ends its side; a server that does not is left after
-            // CLOSE_GRACE.
-            session.closed.cancel();
-            finish.cancel();
-            let rest = async {
-                let mut written = false;
-                loop {
-                    tokio::select! {
-                        _ = &mut conn => return,
-                        _ = &mut writer, if !written => written = true,
-                        _ = &mut reader, if written => return,
-                    }
-                }
-            };
-            let _ = tokio::time::timeout(CLOSE_GRACE, rest).await;
-        }
-        Ok(())
+        (session, control_rx, data_rx)
     }
 
     /// The HTTP/2 keepalive interval for a new stream.
@@ -356,6 +348,72 @@ fn conn_ended(r: Result<(), h2::Error>) -> LinkError {
     match r {
         Err(e) => LinkError::Connection(e),
         Ok(()) => LinkError::Closed,
+    }
+}
+
+/// What a served stream's task drives: the connection, and beside it the reader, the
+/// writer and the pinger (pinned in [`Agent::serve`]).
+struct Driven<'a, R, W, P> {
+    conn: &'a mut Conn,
+    reader: Pin<&'a mut R>,
+    writer: Pin<&'a mut W>,
+    pinger: Pin<&'a mut P>,
+}
+
+impl<R, W, P> Driven<'_, R, W, P>
+where
+    R: Future<Output = LinkError>,
+    W: Future<Output = Result<(), LinkError>>,
+    P: Future<Output = LinkError>,
+{
+    /// Drives all four until one ends, which fails the stream (Err), or until `stop`
+    /// (Ok: whether the stream drained). At `drain` the session sends DRAIN and the
+    /// stream serves on.
+    async fn until_stopped(
+        &mut self,
+        session: &Session,
+        drain: &CancellationToken,
+        stop: &CancellationToken,
+    ) -> Result<bool, LinkError> {
+        let mut draining = false;
+        loop {
+            tokio::select! {
+                r = &mut *self.conn => return Err(conn_ended(r)),
+                e = &mut self.reader => return Err(e),
+                r = &mut self.writer => return Err(r.err().unwrap_or_else(|| {
+                    LinkError::Protocol("the stream's writer ended".into())
+                })),
+                e = &mut self.pinger => return Err(e),
+                _ = drain.cancelled(), if !draining => {
+                    draining = true;
+                    tracing::info!("draining: DRAIN sent; dials the server still sends are served");
+                    session.drain();
+                }
+                // Draining, the stream stays and serves (as upstream's agent
+                // until its second signal); the hard stop ends it, with a
+                // half-close when DRAIN went first (a drain that came with the
+                // stop sends its DRAIN too).
+                _ = stop.cancelled() => {
+                    if drain.is_cancelled() && !draining {
+                        session.drain();
+                    }
+                    return Ok(drain.is_cancelled());
+                }
+            }
+        }
+    }
+
+    /// After a drained stop: drives the writer to the end of the body, then the reader
+    /// until the server ends its side (or the connection ends).
+    async fn half_close(&mut self) {
+        let mut written = false;
+        loop {
+            tokio::select! {
+                _ = &mut *self.conn => return,
+                _ = &mut self.writer, if !written => written = true,
+                _ = &mut self.reader, if written => return,
+            }
+        }
     }
 }
 

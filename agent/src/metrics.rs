@@ -88,6 +88,19 @@ tether_ops::metric_set! {
             ),
             &["direction"],
         )),
+        /// Attempts to open a stream to a server that failed, by reason.
+        pub server_connect_failures: IntCounterVec = catalog.made(IntCounterVec::new(
+            Opts::new(
+                "tether_agent_server_connect_failures_total",
+                "Attempts to open a stream to a proxy server that failed, by reason: connect (TCP, TLS or HTTP/2), refused (the server refused the stream, e.g. Unauthenticated), timeout, token (the service account token could not be read), other.",
+            ),
+            &["reason"],
+        )),
+        /// When a drain started, its deadline; 0 while not draining.
+        pub drain_deadline: IntGauge = catalog.made(IntGauge::with_opts(Opts::new(
+            "tether_agent_drain_deadline_timestamp_seconds",
+            "When the agent is draining (after its first SIGTERM), the Unix time at which --drain-timeout ends it; 0 while not draining. An agent still up well past this time is stuck.",
+        ))),
         /// The lease counter's calls (`lease_lists_total`, `lease_list_latency_seconds`,
         /// `lease_watches_total`).
         pub lease: LeaseMetrics = LeaseMetrics {

@@ -5,12 +5,13 @@
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 use tether_core::error::chain;
 
 use rand::Rng;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::CountSource;
+use crate::config::{AgentConfig, CountSource};
 use crate::lease_count::LeaseCounter;
 use crate::link::{LinkError, CLOSE_GRACE, ESTABLISH_TIMEOUT};
 use crate::Agent;
@@ -37,6 +38,76 @@ impl Held {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, CancellationToken>> {
         self.streams.lock().unwrap_or_else(|e| e.into_inner())
     }
+
+    /// Waits, at most twice `CLOSE_GRACE`, until every stream has ended.
+    async fn wait_closed(&self) {
+        // Each stream half-closes once its DRAIN is out (link.rs); give the
+        // servers a moment to end their side, so none logs a reset.
+        let deadline = tokio::time::Instant::now() + CLOSE_GRACE + CLOSE_GRACE;
+        loop {
+            let ended = self.ended.notified();
+            if self.lock().is_empty() {
+                break;
+            }
+            tokio::select! {
+                _ = ended => {}
+                _ = tokio::time::sleep_until(deadline) => break,
+            }
+        }
+    }
+}
+
+/// Where the round-robin over the configured addresses stands, and the backoff
+/// between dials that reach no new server.
+struct Round {
+    /// The index of the next address to dial (modulo their number).
+    next: usize,
+    /// The wait after the next miss, before jitter.
+    delay: Duration,
+    /// Duplicates reached in a row, each retried at once.
+    duplicates: i64,
+}
+
+impl Round {
+    /// A round from the first address, with the shortest delay.
+    fn new(first_delay: Duration) -> Self {
+        Round {
+            next: 0,
+            delay: first_delay,
+            duplicates: 0,
+        }
+    }
+
+    /// After a dial that `reached` (holding `have` of `target` before it): `None` to
+    /// dial again at once, else the wait before the next dial, with up to 10% jitter.
+    /// A miss makes the next delay half as long again, up to `--sync-interval-cap`.
+    fn after(
+        &mut self,
+        reached: Reached,
+        have: i64,
+        target: i64,
+        cfg: &AgentConfig,
+    ) -> Option<Duration> {
+        match reached {
+            Reached::New => {
+                self.delay = cfg.sync_interval;
+                self.duplicates = 0;
+                return None;
+            }
+            // Behind a round-robin balancer the next connection may reach
+            // another server: retry at once, a server count's worth of times.
+            // Backing off instead can lock step with other agents' dials so
+            // that this agent reaches the same server every time.
+            Reached::Duplicate if have < target && self.duplicates < target => {
+                self.duplicates += 1;
+                return None;
+            }
+            Reached::Duplicate | Reached::Failed => self.duplicates = 0,
+        }
+        let wait = self.delay.mul_f64(1.0 + rand::rng().random_range(0.0..0.1));
+        self.delay = self.delay.mul_f64(1.5).min(cfg.sync_interval_cap);
+        Some(wait)
+    }
 }
 
 impl Agent {
@@ -48,6 +119,22 @@ impl Agent {
     /// a server whose every eligible agent drains (a single agent, or a node pinned by
     /// destHost during a rollout) still reaches the node. `run` returns at `hard_stop`.
     pub async fn run(&self, drain: CancellationToken, hard_stop: CancellationToken) {
+        self.spawn_upkeep(&hard_stop);
+        let held = Held::default();
+        let leases = self.count_leases(&hard_stop).await;
+        self.keep_streams(&held, leases.as_ref(), &drain, &hard_stop)
+            .await;
+        for stop in held.lock().values() {
+            stop.cancel();
+        }
+        if drain.is_cancelled() {
+            held.wait_closed().await;
+        }
+    }
+
+    /// Starts what runs beside the streams until `hard_stop`: the memory trimmer and
+    /// the certificate reload.
+    fn spawn_upkeep(&self, hard_stop: &CancellationToken) {
         let work = self.work.clone();
         tether_ops::memory::spawn_trimmer(
             move || work.open() as i64,
@@ -59,44 +146,39 @@ impl Agent {
             self.config.cert_reload_interval,
             hard_stop.clone(),
         );
-        let held = Held::default();
-        let leases = self.count_leases(&hard_stop).await;
-        let mut delay = self.config.sync_interval;
-        let mut next = 0usize;
-        let mut duplicates = 0i64;
+    }
+
+    /// Dials (round-robin, with backoff) until `held` has a stream to every server,
+    /// and again whenever one ends, until `hard_stop`; no new stream once `drain`.
+    async fn keep_streams(
+        &self,
+        held: &Held,
+        leases: Option<&LeaseCounter>,
+        drain: &CancellationToken,
+        hard_stop: &CancellationToken,
+    ) {
+        let cfg = &self.config;
+        let mut round = Round::new(cfg.sync_interval);
         loop {
             if hard_stop.is_cancelled() {
                 break;
             }
             let have = held.lock().len() as i64;
-            let target = self.target_count(leases.as_ref());
+            let target = self.target_count(leases);
             self.metrics.known_server_count.set(target);
             // A count of 0 (`--server-count=0` upstream) is unknown: keep looking for
             // servers, as upstream's agent does.
             let want_more =
-                !drain.is_cancelled() && (have < target || target == 0 || self.config.sync_forever);
-            let mut wait = self.config.sync_interval;
+                !drain.is_cancelled() && (have < target || target == 0 || cfg.sync_forever);
+            let mut wait = cfg.sync_interval;
             if want_more {
-                let (host, port) = &self.config.servers[next % self.config.servers.len()];
-                next = next.wrapping_add(1);
-                match self.connect(host, *port, &held, &drain, &hard_stop).await {
-                    Reached::New => {
-                        delay = self.config.sync_interval;
-                        duplicates = 0;
-                        continue;
-                    }
-                    // Behind a round-robin balancer the next connection may reach
-                    // another server: retry at once, a server count's worth of times.
-                    // Backing off instead can lock step with other agents' dials so
-                    // that this agent reaches the same server every time.
-                    Reached::Duplicate if have < target && duplicates < target => {
-                        duplicates += 1;
-                        continue;
-                    }
-                    Reached::Duplicate | Reached::Failed => duplicates = 0,
-                }
-                wait = delay.mul_f64(1.0 + rand::rng().random_range(0.0..0.1));
-                delay = delay.mul_f64(1.5).min(self.config.sync_interval_cap);
+                let (host, port) = &cfg.servers[round.next % cfg.servers.len()];
+                round.next = round.next.wrapping_add(1);
+                let reached = self.connect(host, *port, held, drain, hard_stop).await;
+                let Some(backoff) = round.after(reached, have, target, cfg) else {
+                    continue;
+                };
+                wait = backoff;
             }
             // Holding every server, only an event can change that: a stream ending, a
             // drain or a stop. Lease counts change with time (a lease expires) and
@@ -109,24 +191,6 @@ impl Agent {
                 _ = held.ended.notified() => {}
                 _ = drain.cancelled(), if !drain.is_cancelled() => {}
                 _ = hard_stop.cancelled() => break,
-            }
-        }
-        for stop in held.lock().values() {
-            stop.cancel();
-        }
-        if drain.is_cancelled() {
-            // Each stream half-closes once its DRAIN is out (link.rs); give the
-            // servers a moment to end their side, so none logs a reset.
-            let deadline = tokio::time::Instant::now() + CLOSE_GRACE + CLOSE_GRACE;
-            loop {
-                let ended = held.ended.notified();
-                if held.lock().is_empty() {
-                    break;
-                }
-                tokio::select! {
-                    _ = ended => {}
-                    _ = tokio::time::sleep_until(deadline) => break,
-                }
             }
         }
     }
@@ -147,6 +211,10 @@ impl Agent {
             Ok(est) => est,
             Err(e) => {
                 tracing::warn!(%host, port, error = %chain(&e), "proxy server stream down; reconnecting");
+                self.metrics
+                    .server_connect_failures
+                    .with_label_values(&[e.connect_failure()])
+                    .inc();
                 return Reached::Failed;
             }
         };

@@ -215,67 +215,17 @@ impl TlsPolicy {
         min_version: &str,
     ) -> Result<(TlsPolicy, Option<String>), String> {
         let mut dropped: Vec<String> = Vec::new();
-        let mut tls13_only = match min_version {
-            "" | "VersionTLS12" => false,
-            "VersionTLS13" => true,
-            "VersionTLS10" | "VersionTLS11" => {
-                dropped.push(format!(
-                    "--tls-min-version={min_version} (TLS 1.0 and 1.1 are insecure, RFC 8996; the lowest version served is TLS 1.2)"
-                ));
-                false
-            }
-            other => {
-                return Err(format!(
-                    "--tls-min-version {other:?}: use VersionTLS12 or VersionTLS13 (VersionTLS10 and VersionTLS11 are accepted and serve TLS 1.2)"
-                ))
-            }
-        };
-        let mut tls12_suites = Vec::new();
-        let mut not_offered = Vec::new();
-        let mut named_tls13 = false;
-        for name in cipher_suites
-            .split(',')
-            .map(str::trim)
-            .filter(|n| !n.is_empty())
-        {
-            // Go also knows the CHACHA20 suites without their _SHA256 suffix.
-            let full = match name {
-                "TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305" => {
-                    "TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256"
-                }
-                "TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305" => {
-                    "TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256"
-                }
-                n => n,
-            };
-            if let Some(known) = OFFERED_TLS12.iter().find(|s| **s == full) {
-                if !tls12_suites.contains(known) {
-                    tls12_suites.push(*known);
-                }
-            } else if TLS13.contains(&full) {
-                // Always on, as in Go.
-                named_tls13 = true;
-            } else if GO_ACCEPTED_NOT_OFFERED.contains(&full) {
-                if !not_offered.contains(&name) {
-                    not_offered.push(name);
-                }
-            } else if GO_INSECURE.contains(&full) {
-                return Err(format!("--cipher-suites: {name} is insecure (RC4, 3DES or CBC-SHA256) and upstream refuses it too; remove it"));
-            } else {
-                return Err(format!(
-                    "--cipher-suites: {name:?} is not a Go cipher suite name (e.g. TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256)"
-                ));
-            }
-        }
-        if !not_offered.is_empty() {
-            if tls12_suites.is_empty() && !tls13_only {
-                return Err(format!("--cipher-suites: of its TLS 1.2 suites only {} remain, which Tether's TLS library (rustls) does not implement (no CBC or static-RSA suites), so TLS 1.2 clients could not connect; add an ECDHE GCM or CHACHA20 suite (e.g. TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256) or set --tls-min-version=VersionTLS13", not_offered.join(", ")));
+        let mut tls13_only = parse_min_version(min_version, &mut dropped)?;
+        let named = NamedSuites::parse(cipher_suites)?;
+        if !named.not_offered.is_empty() {
+            if named.tls12.is_empty() && !tls13_only {
+                return Err(format!("--cipher-suites: of its TLS 1.2 suites only {} remain, which Tether's TLS library (rustls) does not implement (no CBC or static-RSA suites), so TLS 1.2 clients could not connect; add an ECDHE GCM or CHACHA20 suite (e.g. TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256) or set --tls-min-version=VersionTLS13", named.not_offered.join(", ")));
             }
             dropped.push(format!(
                 "cipher suites {} (rustls implements no CBC or static-RSA suite)",
-                not_offered.join(", ")
+                named.not_offered.join(", ")
             ));
-        } else if tls12_suites.is_empty() && named_tls13 && !tls13_only {
+        } else if named.tls12.is_empty() && named.tls13 && !tls13_only {
             // Go keeps no TLS 1.2 suite for such a list, so only TLS 1.3 clients connect.
             tls13_only = true;
             dropped.push("TLS 1.2 (--cipher-suites names TLS 1.3 suites only, so TLS 1.2 has no suite left, as in Go)".into());
@@ -284,7 +234,7 @@ impl TlsPolicy {
             .then(|| format!("not offered: {}; serving the rest", dropped.join("; ")));
         Ok((
             TlsPolicy {
-                tls12_suites,
+                tls12_suites: named.tls12,
                 tls13_only,
             },
             warning,
@@ -316,6 +266,77 @@ impl TlsPolicy {
             rustls::DEFAULT_VERSIONS
         };
         (Arc::new(provider), versions)
+    }
+}
+
+/// `--tls-min-version`: whether only TLS 1.3 is served. TLS 1.0 and 1.1 serve TLS 1.2,
+/// noted in `dropped`; any other name is refused.
+fn parse_min_version(min_version: &str, dropped: &mut Vec<String>) -> Result<bool, String> {
+    match min_version {
+        "" | "VersionTLS12" => Ok(false),
+        "VersionTLS13" => Ok(true),
+        "VersionTLS10" | "VersionTLS11" => {
+            dropped.push(format!(
+                "--tls-min-version={min_version} (TLS 1.0 and 1.1 are insecure, RFC 8996; the lowest version served is TLS 1.2)"
+            ));
+            Ok(false)
+        }
+        other => Err(format!(
+            "--tls-min-version {other:?}: use VersionTLS12 or VersionTLS13 (VersionTLS10 and VersionTLS11 are accepted and serve TLS 1.2)"
+        )),
+    }
+}
+
+/// The suites `--cipher-suites` names, by what Tether does with them.
+#[derive(Default)]
+struct NamedSuites<'a> {
+    /// TLS 1.2 suites rustls offers, each once, in the order named.
+    tls12: Vec<&'static str>,
+    /// Names Go accepts that rustls does not implement, each once, as written.
+    not_offered: Vec<&'a str>,
+    /// Whether a TLS 1.3 suite (always on) was named.
+    tls13: bool,
+}
+
+impl<'a> NamedSuites<'a> {
+    /// Sorts the comma-separated Go names; unknown and insecure names are refused.
+    fn parse(cipher_suites: &'a str) -> Result<Self, String> {
+        let mut named = NamedSuites::default();
+        for name in cipher_suites
+            .split(',')
+            .map(str::trim)
+            .filter(|n| !n.is_empty())
+        {
+            // Go also knows the CHACHA20 suites without their _SHA256 suffix.
+            let full = match name {
+                "TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305" => {
+                    "TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256"
+                }
+                "TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305" => {
+                    "TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256"
+                }
+                n => n,
+            };
+            if let Some(known) = OFFERED_TLS12.iter().find(|s| **s == full) {
+                if !named.tls12.contains(known) {
+                    named.tls12.push(*known);
+                }
+            } else if TLS13.contains(&full) {
+                // Always on, as in Go.
+                named.tls13 = true;
+            } else if GO_ACCEPTED_NOT_OFFERED.contains(&full) {
+                if !named.not_offered.contains(&name) {
+                    named.not_offered.push(name);
+                }
+            } else if GO_INSECURE.contains(&full) {
+                return Err(format!("--cipher-suites: {name} is insecure (RC4, 3DES or CBC-SHA256) and upstream refuses it too; remove it"));
+            } else {
+                return Err(format!(
+                    "--cipher-suites: {name:?} is not a Go cipher suite name (e.g. TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256)"
+                ));
+            }
+        }
+        Ok(named)
     }
 }
 

@@ -3,6 +3,7 @@
 //! replace stale sockets, and gRPC channel connectors for mTLS TCP and Unix sockets.
 
 use crate::error::chain;
+use std::future::Future;
 use std::io;
 use std::path::Path;
 use std::pin::Pin;
@@ -18,7 +19,7 @@ use tokio_rustls::{TlsAcceptor, TlsConnector};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::admission::{Admission, AdmissionLimits, ConnectionSlot};
+use crate::admission::{Admission, AdmissionLimits, ConnectionSlot, HandshakeSlot};
 use crate::read_ahead::ReadAhead;
 
 /// A client's TLS connection over TCP, read through [`ReadAhead`].
@@ -141,75 +142,110 @@ pub fn tls_incoming_with(
 ) -> mpsc::Receiver<TlsConn> {
     let (tx, rx) = mpsc::channel(64);
     let span = tracing::info_span!("tls_accept", listener = name);
-    tokio::spawn(
-        async move {
-            loop {
-                // Room first, then accept: a full listener leaves new clients in the
-                // kernel's backlog, where they hold no descriptor of ours.
-                let (slot, room) = tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    _ = tx.closed() => break,
-                    room = async {
-                        let slot = admission.connection_slot().await;
-                        (slot, admission.handshake_room().await)
-                    } => room,
-                };
-                let (tcp, remote_addr) = tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    _ = tx.closed() => break,
-                    accepted = listener.accept() => match accepted {
-                        Ok(pair) => pair,
-                        Err(e) => {
-                            tracing::warn!(error = %chain(&e), "accept failed");
-                            // EMFILE and friends: back off a little instead of spinning.
-                            tokio::time::sleep(Duration::from_millis(50)).await;
-                            continue;
-                        }
-                    },
-                };
-                let Some(handshaking) = admission.handshake_slot(remote_addr.ip(), room) else {
-                    tracing::debug!(peer = %remote_addr, "too many handshakes from this address; connection closed");
-                    continue;
-                };
-                let _ = tcp.set_nodelay(true);
-                if let Some(limit) = dead_link {
-                    if let Err(e) = bound_silence(&tcp, limit) {
-                        tracing::warn!(error = %chain(&e), "cannot set TCP keepalive and user timeout");
-                    }
-                }
-                let acceptor = TlsAcceptor::from(tls());
-                let tx = tx.clone();
-                tokio::spawn(
-                    async move {
-                        let done = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(ReadAhead::new(tcp))).await;
-                        drop(handshaking);
-                        match done {
-                            Ok(Ok(mut stream)) => {
-                                tune_tls(stream.get_mut().1);
-                                let peer_certs = stream
-                                    .get_ref()
-                                    .1
-                                    .peer_certificates()
-                                    .map(|c| Arc::new(c.iter().map(|c| c.clone().into_owned()).collect()));
-                                let info = TlsConnectInfo {
-                                    remote_addr,
-                                    peer_certs,
-                                };
-                                let _ = tx.send(TlsConn { stream, info, _slot: slot }).await;
-                            }
-                            Ok(Err(e)) => {
-                                tracing::warn!(error = %chain(&e), "TLS handshake failed; connection dropped")
-                            }
-                            Err(_) => tracing::warn!("TLS handshake timed out; connection dropped"),
-                        }
-                    }
-                    .instrument(tracing::info_span!("handshake", peer = %remote_addr)),
-                );
-            }
-        }
-        .instrument(span),
-    );
+    tokio::spawn(accept_loop(listener, tls, dead_link, admission, shutdown, tx).instrument(span));
     rx
+}
+
+/// Accepts connections as `admission` has room for them, each handshaken in a task of
+/// its own, until `shutdown` or until nobody takes the connections from `tx`.
+async fn accept_loop(
+    listener: TcpListener,
+    tls: ServerConfigSource,
+    dead_link: Option<Duration>,
+    admission: Arc<Admission>,
+    shutdown: CancellationToken,
+    tx: mpsc::Sender<TlsConn>,
+) {
+    loop {
+        // Room first, then accept: a full listener leaves new clients in the
+        // kernel's backlog, where they hold no descriptor of ours.
+        let (slot, room) = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = tx.closed() => break,
+            room = async {
+                let slot = admission.connection_slot().await;
+                (slot, admission.handshake_room().await)
+            } => room,
+        };
+        let (tcp, remote_addr) = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = tx.closed() => break,
+            accepted = listener.accept() => match accepted {
+                Ok(pair) => pair,
+                Err(e) => {
+                    tracing::warn!(error = %chain(&e), "accept failed");
+                    // EMFILE and friends: back off a little instead of spinning.
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let Some(handshaking) = admission.handshake_slot(remote_addr.ip(), room) else {
+            tracing::debug!(peer = %remote_addr, "too many handshakes from this address; connection closed");
+            continue;
+        };
+        tune_accepted(&tcp, dead_link);
+        let acceptor = TlsAcceptor::from(tls());
+        let handshake = handshake(acceptor, tcp, remote_addr, handshaking, slot, tx.clone());
+        tokio::spawn(handshake.instrument(tracing::info_span!("handshake", peer = %remote_addr)));
+    }
+}
+
+/// Sets an accepted socket's options: no Nagle delay, and closed by the kernel once its
+/// peer has been silent for `dead_link`.
+fn tune_accepted(tcp: &TcpStream, dead_link: Option<Duration>) {
+    let _ = tcp.set_nodelay(true);
+    if let Some(limit) = dead_link {
+        if let Err(e) = bound_silence(tcp, limit) {
+            tracing::warn!(error = %chain(&e), "cannot set TCP keepalive and user timeout");
+        }
+    }
+}
+
+/// Runs one TLS handshake, within [`HANDSHAKE_TIMEOUT`] and holding `handshaking`, and
+/// hands the connection (holding `slot`) to `tx`; a failed one is logged and the
+/// connection dropped.
+// An async block, not an async fn: an async fn would copy its arguments into the
+// future beside themselves, and there is one of these per connection handshaking.
+#[allow(clippy::manual_async_fn)]
+fn handshake(
+    acceptor: TlsAcceptor,
+    tcp: TcpStream,
+    remote_addr: std::net::SocketAddr,
+    handshaking: HandshakeSlot,
+    slot: ConnectionSlot,
+    tx: mpsc::Sender<TlsConn>,
+) -> impl Future<Output = ()> {
+    async move {
+        let done =
+            tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(ReadAhead::new(tcp))).await;
+        drop(handshaking);
+        match done {
+            Ok(Ok(mut stream)) => {
+                tune_tls(stream.get_mut().1);
+                let peer_certs = stream
+                    .get_ref()
+                    .1
+                    .peer_certificates()
+                    .map(|c| Arc::new(c.iter().map(|c| c.clone().into_owned()).collect()));
+                let info = TlsConnectInfo {
+                    remote_addr,
+                    peer_certs,
+                };
+                let _ = tx
+                    .send(TlsConn {
+                        stream,
+                        info,
+                        _slot: slot,
+                    })
+                    .await;
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(error = %chain(&e), "TLS handshake failed; connection dropped")
+            }
+            Err(_) => tracing::warn!("TLS handshake timed out; connection dropped"),
+        }
+    }
 }
 
 /// Binds a Unix socket at `path`. An existing socket file is removed first when

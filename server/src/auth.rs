@@ -6,13 +6,13 @@
 //! says which node the agent runs on (the review's `node-name`, or the bound Pod's
 //! `spec.nodeName`): the identifiers naming that node count as verified.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 use tether_core::error::chain;
 
-use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
+use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec, TokenReviewStatus};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, PostParams};
 use prometheus::IntCounterVec;
@@ -82,6 +82,16 @@ pub struct TokenAuthenticator {
     counter: IntCounterVec,
 }
 
+/// The token in an `authorization` value of the form `Bearer <token>`.
+fn bearer_token(authorization: Option<&str>) -> Result<&str, AuthError> {
+    let header = authorization.ok_or(AuthError::Missing)?;
+    header
+        .strip_prefix("Bearer ")
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .ok_or(AuthError::Malformed)
+}
+
 impl TokenAuthenticator {
     /// Builds the Kubernetes client from the kubeconfig (or in-cluster config).
     pub async fn new(
@@ -116,23 +126,37 @@ impl TokenAuthenticator {
         &self,
         authorization: Option<&str>,
     ) -> Result<Option<String>, AuthError> {
-        let header = authorization.ok_or(AuthError::Missing)?;
-        let token = header
-            .strip_prefix("Bearer ")
-            .map(str::trim)
-            .filter(|t| !t.is_empty())
-            .ok_or(AuthError::Malformed)?;
+        let token = bearer_token(authorization)?;
         let key: [u8; 32] = ring::digest::digest(&ring::digest::SHA256, token.as_bytes())
             .as_ref()
             .try_into()
             .expect("sha256 is 32 bytes");
-        if let Some((until, node)) = self.cache().get(&key) {
-            if *until > Instant::now() {
-                self.counter.with_label_values(&["cached"]).inc();
-                return Ok(node.clone());
-            }
+        if let Some(node) = self.cached(&key) {
+            return Ok(node);
         }
         self.limiter.acquire().await;
+        let extra = self.review(token).await?;
+        self.counter.with_label_values(&["authenticated"]).inc();
+        let node = self.bound_node(&extra).await;
+        self.remember(key, node.clone());
+        Ok(node)
+    }
+
+    /// A positive review of the token hashed to `key` still trusted: the node it names
+    /// (counted as `cached`).
+    fn cached(&self, key: &[u8; 32]) -> Option<Option<String>> {
+        if let Some((until, node)) = self.cache().get(key) {
+            if *until > Instant::now() {
+                self.counter.with_label_values(&["cached"]).inc();
+                return Some(node.clone());
+            }
+        }
+        None
+    }
+
+    /// Asks kube-apiserver to review `token` and checks the answer (authenticated, for
+    /// our audience, as the expected service account): the user's extra fields.
+    async fn review(&self, token: &str) -> Result<BTreeMap<String, Vec<String>>, AuthError> {
         let review = TokenReview {
             spec: TokenReviewSpec {
                 token: Some(token.to_string()),
@@ -147,9 +171,17 @@ impl TokenAuthenticator {
                 return Err(AuthError::Api(e));
             }
         };
-        let status = result.status.unwrap_or_default();
-        if status.authenticated != Some(true) {
+        let checked = self.check(result.status.unwrap_or_default());
+        if checked.is_err() {
             self.counter.with_label_values(&["rejected"]).inc();
+        }
+        checked
+    }
+
+    /// Whether a review's `status` admits the agent: authenticated, for our audience
+    /// (or an audience-unaware authenticator), as the expected service account.
+    fn check(&self, status: TokenReviewStatus) -> Result<BTreeMap<String, Vec<String>>, AuthError> {
+        if status.authenticated != Some(true) {
             let why = status
                 .error
                 .filter(|e| !e.is_empty())
@@ -158,7 +190,6 @@ impl TokenAuthenticator {
         }
         let audiences = status.audiences.unwrap_or_default();
         if !audiences.is_empty() && !audiences.contains(&self.audience) {
-            self.counter.with_label_values(&["rejected"]).inc();
             return Err(AuthError::Rejected(format!(
                 "token audiences {audiences:?} do not include {:?}",
                 self.audience
@@ -168,14 +199,17 @@ impl TokenAuthenticator {
         let extra = user_info.extra.clone().unwrap_or_default();
         let user = user_info.username.unwrap_or_default();
         if user != self.expected_user {
-            self.counter.with_label_values(&["rejected"]).inc();
             return Err(AuthError::WrongIdentity {
                 got: user,
                 expected: self.expected_user.clone(),
             });
         }
-        self.counter.with_label_values(&["authenticated"]).inc();
-        let node = self.bound_node(&extra).await;
+        Ok(extra)
+    }
+
+    /// Trusts the token hashed to `key`, bound to `node`, for [`POSITIVE_CACHE_TTL`];
+    /// a full cache loses its expired entries first, then everything.
+    fn remember(&self, key: [u8; 32], node: Option<String>) {
         let now = Instant::now();
         let mut cache = self.cache();
         if cache.len() >= CACHE_CAP {
@@ -184,18 +218,14 @@ impl TokenAuthenticator {
                 cache.clear();
             }
         }
-        cache.insert(key, (now + POSITIVE_CACHE_TTL, node.clone()));
-        Ok(node)
+        cache.insert(key, (now + POSITIVE_CACHE_TTL, node));
     }
 
     /// The node a pod-bound token's review names: `authentication.kubernetes.io/
     /// node-name` (Kubernetes 1.30+), else the bound Pod's `spec.nodeName` when its UID
     /// matches. `None` when the token is not pod-bound or the Pod cannot be read (the
     /// agent is still admitted; its identifiers just count as unverified).
-    async fn bound_node(
-        &self,
-        extra: &std::collections::BTreeMap<String, Vec<String>>,
-    ) -> Option<String> {
+    async fn bound_node(&self, extra: &BTreeMap<String, Vec<String>>) -> Option<String> {
         let one = |k: &str| extra.get(k).and_then(|v| v.first()).cloned();
         if let Some(node) = one("authentication.kubernetes.io/node-name") {
             return Some(node);

@@ -7,6 +7,8 @@
 
 use crate::error::chain;
 use std::future::Future;
+use std::ops::ControlFlow;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
@@ -120,10 +122,38 @@ pub async fn serve_connection<S, F>(
     S: AsyncRead + AsyncWrite + Unpin,
     F: Future<Output = ()>,
 {
+    let handshaking = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(io, settings));
+    let (conn, pings) = match handshaking.await {
+        Ok(Ok(mut conn)) => {
+            let pings = conn.ping_pong().expect("taken once");
+            (conn, pings)
+        }
+        Ok(Err(e)) => return tracing::debug!(error = %chain(&e), "HTTP/2 handshake failed"),
+        Err(_) => return tracing::debug!("HTTP/2 handshake timed out"),
+    };
+    let keepalive = std::pin::pin!(keep_alive(pings, settings.keepalive));
+    let stop = std::pin::pin!(hard_stop.cancelled());
+    let mut serving = Serving::new(conn, keepalive, stop);
+    loop {
+        let event = std::future::poll_fn(|cx| serving.poll_event(cx)).await;
+        if serving.handle(event, &mut start).is_break() {
+            break;
+        }
+    }
+    drop(serving.conn);
+    while serving.streams.next().await.is_some() {}
+}
+
+/// The client preface and SETTINGS exchange, with our windows and frame size and the
+/// listener's caps.
+fn handshake<S>(io: S, settings: Settings) -> Pin<Box<h2::server::Handshake<S, Bytes>>>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
     // Boxed: the handshake holds the connection's codec and socket until it hands
-    // them to `conn`, and inline it would keep that much room in this future (which
-    // lives as long as the connection) for good.
-    let handshake = Box::pin(
+    // them to `conn`, and inline it would keep that much room in the connection's
+    // future (which lives as long as the connection) for good.
+    Box::pin(
         h2::server::Builder::new()
             .initial_window_size(H2_STREAM_WINDOW)
             .initial_connection_window_size(H2_CONN_WINDOW)
@@ -131,73 +161,121 @@ pub async fn serve_connection<S, F>(
             .max_concurrent_streams(settings.max_streams)
             .max_header_list_size(settings.max_header_list)
             .handshake::<_, Bytes>(io),
-    );
-    let mut conn = match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake).await {
-        Ok(Ok(conn)) => conn,
-        Ok(Err(e)) => return tracing::debug!(error = %chain(&e), "HTTP/2 handshake failed"),
-        Err(_) => return tracing::debug!("HTTP/2 handshake timed out"),
-    };
-    let pings = conn.ping_pong().expect("taken once");
-    let mut keepalive = std::pin::pin!(keep_alive(pings, settings.keepalive));
-    let mut stop = std::pin::pin!(hard_stop.cancelled());
-    let mut streams = FuturesUnordered::new();
-    // Set at the hard stop (a timer is not kept for every idle connection before).
-    let mut closing: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
-    let mut stopping = false;
-    // Handed to the streams and the connection instead of the task's own waker.
-    let wake = Arc::new(SelfWake::default());
-    let waker = Waker::from(wake.clone());
-    loop {
-        let event = std::future::poll_fn(|cx| {
-            wake.poll(
-                &waker,
-                cx,
-                |cx| {
-                    // Streams first: what they queue leaves with the connection's poll
-                    // just below, in this same pass.
-                    while let Poll::Ready(Some(())) = streams.poll_next_unpin(cx) {}
-                    std::pin::pin!(conn.accept()).poll(cx).map(Event::Accepted)
-                },
-                |cx| {
-                    if !stopping && stop.as_mut().poll(cx).is_ready() {
-                        return Poll::Ready(Event::HardStop);
-                    }
-                    if keepalive.as_mut().poll(cx).is_ready() {
-                        return Poll::Ready(Event::PingUnanswered);
-                    }
-                    match closing.as_mut() {
-                        Some(grace) => grace.as_mut().poll(cx).map(|()| Event::GraceOver),
-                        None => Poll::Pending,
-                    }
-                },
-            )
-        })
-        .await;
+    )
+}
+
+/// One connection being served: HTTP/2, its keepalive pings and the hard stop (pinned
+/// in [`serve_connection`]), and every stream's future.
+struct Serving<'a, S, F, K, H> {
+    conn: h2::server::Connection<S, Bytes>,
+    keepalive: Pin<&'a mut K>,
+    stop: Pin<&'a mut H>,
+    streams: FuturesUnordered<F>,
+    /// Set at the hard stop (a timer is not kept for every idle connection before).
+    closing: Option<Pin<Box<tokio::time::Sleep>>>,
+    stopping: bool,
+    wake: Arc<SelfWake>,
+    /// Made from `wake`.
+    waker: Waker,
+}
+
+impl<'a, S, F, K, H> Serving<'a, S, F, K, H>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+    F: Future<Output = ()>,
+    K: Future<Output = ()>,
+    H: Future<Output = ()>,
+{
+    /// A connection with no stream yet.
+    fn new(
+        conn: h2::server::Connection<S, Bytes>,
+        keepalive: Pin<&'a mut K>,
+        stop: Pin<&'a mut H>,
+    ) -> Self {
+        // Handed to the streams and the connection instead of the task's own waker.
+        let wake = Arc::new(SelfWake::default());
+        Serving {
+            conn,
+            keepalive,
+            stop,
+            streams: FuturesUnordered::new(),
+            closing: None,
+            stopping: false,
+            waker: Waker::from(wake.clone()),
+            wake,
+        }
+    }
+
+    /// One poll of the connection's task: the streams and the connection (in passes,
+    /// see [`SelfWake`]), then the hard stop, the keepalive and the grace.
+    fn poll_event(&mut self, cx: &mut Context<'_>) -> Poll<Event> {
+        let Serving {
+            conn,
+            keepalive,
+            stop,
+            streams,
+            closing,
+            stopping,
+            wake,
+            waker,
+        } = self;
+        wake.poll(
+            waker,
+            cx,
+            |cx| {
+                // Streams first: what they queue leaves with the connection's poll
+                // just below, in this same pass.
+                while let Poll::Ready(Some(())) = streams.poll_next_unpin(cx) {}
+                std::pin::pin!(conn.accept()).poll(cx).map(Event::Accepted)
+            },
+            |cx| {
+                if !*stopping && stop.as_mut().poll(cx).is_ready() {
+                    return Poll::Ready(Event::HardStop);
+                }
+                if keepalive.as_mut().poll(cx).is_ready() {
+                    return Poll::Ready(Event::PingUnanswered);
+                }
+                match closing.as_mut() {
+                    Some(grace) => grace.as_mut().poll(cx).map(|()| Event::GraceOver),
+                    None => Poll::Pending,
+                }
+            },
+        )
+    }
+
+    /// Acts on `event`: a new stream's future joins the others (none once stopping),
+    /// the hard stop says GOAWAY and starts the grace; `Break` ends the connection.
+    fn handle(
+        &mut self,
+        event: Event,
+        start: &mut impl FnMut(http::Request<RecvStream>, SendResponse<Bytes>) -> Option<F>,
+    ) -> ControlFlow<()> {
         match event {
-            Event::Accepted(Some(Ok(_))) if stopping => {}
+            Event::Accepted(Some(Ok(_))) if self.stopping => {}
             Event::Accepted(Some(Ok((request, respond)))) => {
                 if let Some(stream) = start(request, respond) {
-                    streams.push(stream);
+                    self.streams.push(stream);
                 }
             }
             Event::Accepted(Some(Err(e))) => {
-                break tracing::debug!(error = %chain(&e), "connection ended")
+                tracing::debug!(error = %chain(&e), "connection ended");
+                return ControlFlow::Break(());
             }
-            Event::Accepted(None) => break,
+            Event::Accepted(None) => return ControlFlow::Break(()),
             Event::PingUnanswered => {
-                break tracing::info!("keepalive ping unanswered; closing the connection");
+                tracing::info!("keepalive ping unanswered; closing the connection");
+                return ControlFlow::Break(());
             }
             // Every stream ends at the hard stop: say GOAWAY and let the last frames out.
             Event::HardStop => {
-                stopping = true;
-                conn.graceful_shutdown();
-                closing = Some(Box::pin(tokio::time::sleep(CLOSE_GRACE)));
+                self.stopping = true;
+                self.conn.graceful_shutdown();
+                self.closing = Some(Box::pin(tokio::time::sleep(CLOSE_GRACE)));
             }
-            Event::GraceOver => break,
+            Event::GraceOver => return ControlFlow::Break(()),
         }
+        ControlFlow::Continue(())
     }
-    drop(conn);
-    while streams.next().await.is_some() {}
 }
 
 /// How many times one poll of a connection's task runs its streams and connection
