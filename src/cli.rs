@@ -29,17 +29,28 @@ pub enum Command {
     /// Make certificates.
     #[command(subcommand)]
     Certs(cmd::certs::CertsCommand),
+    /// Is the tunnel healthy? Reads a server's admin port and prints its id, mode,
+    /// agents, certificates and lease view. Tether only.
+    ///
+    /// Exit status: 0 healthy; 1 trouble found (no agent connected, all agents
+    /// draining, a certificate expired or within --warn-days, a lease count that
+    /// disagrees with the server count in use), each problem a line on stderr; 2 the
+    /// endpoint could not be read (one line saying what to fix).
+    Status(cmd::status::StatusArgs),
 }
 
 impl Cli {
-    /// Runs the chosen subcommand to its end.
-    pub fn run(self) -> anyhow::Result<()> {
-        match self.command {
+    /// Runs the chosen subcommand to its end; its outcome is the exit code.
+    pub fn run(self) -> std::process::ExitCode {
+        let result = match self.command {
             Command::Server(args) => cmd::server::main(*args),
             Command::Agent(args) => cmd::agent::main(*args),
             Command::Local(args) => cmd::local::main(args),
             Command::Ccm(args) => cmd::ccm::main(*args),
             Command::Certs(c) => cmd::certs::main(c),
-        }
+            // Its own codes: 1 for trouble found, 2 for an endpoint it cannot read.
+            Command::Status(args) => return cmd::status::main(args),
+        };
+        cmd::exit_code(result)
     }
 }

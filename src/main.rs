@@ -1,7 +1,7 @@
 //! The `tether` binary: `server`, `agent`, `local` (server + agent + demo backend in one
-//! process), `ccm` and `certs`. Flags keep upstream's names and defaults; invoked as
-//! `proxy-server` or `proxy-agent` (upstream's program names) it is `tether server` or
-//! `tether agent`.
+//! process), `ccm`, `certs` and `status`. Flags keep upstream's names and defaults;
+//! invoked as `proxy-server` or `proxy-agent` (upstream's program names) it is `tether
+//! server` or `tether agent`.
 
 use tether::cli::Cli;
 use tether::cmd;
@@ -18,5 +18,5 @@ fn main() -> std::process::ExitCode {
         Ok(c) => c,
         Err(code) => return code,
     };
-    cmd::exit_code(cli.run())
+    cli.run()
 }

@@ -31,7 +31,8 @@ pub fn flags_markdown() -> String {
          - [Logging (server and agent)](#logging-server-and-agent)\n\
          - [`tether ccm`](#tether-ccm)\n\
          - [`tether certs`](#tether-certs)\n\
-         - [`tether local`](#tether-local)\n"
+         - [`tether local`](#tether-local)\n\
+         - [`tether status`](#tether-status)\n"
     );
     let sub = |name: &str| {
         cli.find_subcommand(name)
@@ -70,6 +71,7 @@ pub fn flags_markdown() -> String {
         );
     }
     section(&mut out, "tether local", sub("local"), &logging, false);
+    section(&mut out, "tether status", sub("status"), &logging, false);
     out
 }
 

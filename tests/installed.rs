@@ -155,6 +155,37 @@ fn assert_agents_verified_by_token(i: &Installed) {
     }
 }
 
+/// `tether status` as docs/operating.md tells an operator to run it: in the server's
+/// static pod (host network), against the admin port on loopback. Every node's agent
+/// is listed and nothing is wrong.
+fn assert_status_is_healthy(i: &Installed) {
+    let pod = format!("konnectivity-server-{}", i.control_plane.name);
+    let out = i.cluster.kubectl(&[
+        "-n",
+        "kube-system",
+        "exec",
+        &pod,
+        "--",
+        "/tether",
+        "status",
+        "-o",
+        "json",
+    ]);
+    assert!(
+        out.status.success(),
+        "tether status in {pod}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(doc["problems"], serde_json::json!([]), "{doc}");
+    assert_eq!(
+        doc["agents"].as_array().map(Vec::len),
+        Some(i.nodes().count()),
+        "{doc}"
+    );
+}
+
 /// `jsonpath` of the agent pods that `field_selector` picks (say `spec.nodeName=N`).
 fn agent_pods(c: &Cluster, field_selector: &str, jsonpath: &str) -> String {
     c.kubectl_ok(&[
@@ -205,6 +236,7 @@ fn the_installed_form_carries_every_kubectl_path_and_a_load_balancer() {
     });
     let c = &i.cluster;
     assert_agents_verified_by_token(&i);
+    assert_status_is_healthy(&i);
     assert_serving_certificates_issued(&i);
 
     let worker = &i.workers[0];

@@ -182,3 +182,22 @@ fn anchors_follow_githubs_rules() {
         ["docs/a.md#b", "https://e.org"]
     );
 }
+
+/// The man pages: `tether(1)` and one page a subcommand (`tether-server(1)`, ...), as
+/// clap_mangen renders the clap definitions `--help` prints.
+#[test]
+fn the_man_pages_are_what_clap_parses() {
+    use clap::CommandFactory;
+    let cli = tether::cli::Cli::command();
+    let render = |cmd: clap::Command| {
+        let mut page = Vec::new();
+        clap_mangen::Man::new(cmd).render(&mut page).unwrap();
+        String::from_utf8(page).unwrap()
+    };
+    check_generated("docs/man/tether.1", &render(cli.clone()));
+    for sub in cli.get_subcommands().filter(|s| !s.is_hide_set()) {
+        let name: &'static str = format!("tether-{}", sub.get_name()).leak();
+        let page = render(sub.clone().name(name).display_name(name));
+        check_generated(&format!("docs/man/{name}.1"), &page);
+    }
+}

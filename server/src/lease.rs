@@ -62,13 +62,33 @@ pub fn selector(labels: &BTreeMap<String, String>) -> String {
 
 pub use tether_ops::kubeclient::lease_is_live as is_live;
 
+/// The last count of live leases and when it was made (`None` until the first list
+/// succeeds), for `/status`: beside the server count in use, it shows a lease list
+/// that keeps failing or a count that never took.
+#[derive(Debug, Default)]
+pub struct LastCount(std::sync::Mutex<Option<(u32, std::time::SystemTime)>>);
+
+impl LastCount {
+    /// Records a count made now.
+    pub fn record(&self, live: u32) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some((live, std::time::SystemTime::now()));
+    }
+
+    /// The last count and when it was made.
+    pub fn get(&self) -> Option<(u32, std::time::SystemTime)> {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
 /// Runs until `shutdown`, then deletes this server's lease. `live` receives the number
-/// of live leases after every renewal.
+/// of live leases (at least 1) after every renewal, `counted` the count as listed.
 pub async fn run(
     client: kube::Client,
     cfg: LeaseConfig,
     server_id: String,
     live: Arc<AtomicU32>,
+    counted: Arc<LastCount>,
     metrics: Metrics,
     shutdown: CancellationToken,
 ) {
@@ -81,7 +101,10 @@ pub async fn run(
                 tracing::warn!(error = %chain(&e), "cannot renew lease; retrying");
             }
             match count_and_collect(&api, &cfg, &name, &metrics).await {
-                Ok(n) => live.store(n.max(1), Ordering::Relaxed),
+                Ok(n) => {
+                    live.store(n.max(1), Ordering::Relaxed);
+                    counted.record(n);
+                }
                 Err(e) => tracing::warn!(error = %chain(&e), "cannot list leases"),
             }
             tokio::select! {

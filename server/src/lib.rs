@@ -19,6 +19,7 @@ mod config;
 mod serve;
 mod side;
 mod start;
+mod status;
 
 pub use config::{
     AgentsAccess, FrontendClients, FrontendConfig, Listen, ServerConfig, AGENTS_AUDIENCE,

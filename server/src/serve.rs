@@ -12,6 +12,7 @@ use crate::accept::{admission, serve_frontend, spawn_agent_listener};
 use crate::config::AgentsAccess;
 use crate::side::{spawn_admin, spawn_health, AgentsReaders};
 use crate::start::{BoundAddrs, BoundServer, FrontendListener};
+use crate::status::StatusSource;
 use crate::{agent_link, lease, nodes, Router};
 
 impl BoundServer {
@@ -33,7 +34,8 @@ impl BoundServer {
         // drain; `hard_stop` ends them.
         let hard_stop = CancellationToken::new();
         let server_count = Arc::new(AtomicU32::new(self.config.server_count));
-        let lease_task = self.spawn_background(&server_count, &drain, &hard_stop);
+        let counted = Arc::new(lease::LastCount::default());
+        let lease_task = self.spawn_background(&server_count, &counted, &drain, &hard_stop);
         if let Some(l) = self.health.take() {
             spawn_health(&self.router, l, &hard_stop);
         }
@@ -45,7 +47,9 @@ impl BoundServer {
                     decisions: Arc::default(),
                 },
             };
-            spawn_admin(&self.router, l, self.config.profiling, access, &hard_stop);
+            let status = StatusSource::new(&self.config, server_count.clone(), counted);
+            let profiling = self.config.profiling;
+            spawn_admin(&self.router, l, profiling, access, status, &hard_stop);
         }
         let (config, router) = (self.config.clone(), self.router.clone());
         let (agent_task, frontends) = self.spawn_listeners(server_count, &drain, &hard_stop);
@@ -88,6 +92,7 @@ impl BoundServer {
     pub(crate) fn spawn_background(
         &self,
         server_count: &Arc<AtomicU32>,
+        counted: &Arc<lease::LastCount>,
         drain: &CancellationToken,
         hard_stop: &CancellationToken,
     ) -> Option<tokio::task::JoinHandle<()>> {
@@ -115,6 +120,7 @@ impl BoundServer {
             cfg.clone(),
             self.config.server_id.clone(),
             server_count.clone(),
+            counted.clone(),
             self.router.metrics.clone(),
             drain.clone(),
         )))

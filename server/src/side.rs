@@ -1,5 +1,5 @@
 //! The side services: the health port (`/healthz`, `/readyz`, `/metrics`) and the
-//! admin port (`/metrics`, `/agents`, pprof).
+//! admin port (`/metrics`, `/agents`, `/status`, pprof).
 
 use axum::http::StatusCode;
 use std::sync::Arc;
@@ -7,6 +7,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::AGENTS_AUDIENCE;
+use crate::status::StatusSource;
 use crate::Router;
 
 /// `/healthz`, `/readyz` (ready with at least one agent stream) and `/metrics`.
@@ -36,48 +37,78 @@ pub(crate) enum AgentsReaders {
     },
 }
 
-/// `/metrics`, the profiles and `/agents` on the admin port.
+/// Refuses a request for `path` (`/agents` or `/status`) that `readers` do not
+/// admit; `None` lets it through. Both paths need what `/agents` needs: `get` on the
+/// non-resource URL `/agents`, so one grant (and one cached decision) covers both.
+async fn refusal(
+    readers: &AgentsReaders,
+    headers: &axum::http::HeaderMap,
+    path: &str,
+) -> Option<axum::response::Response> {
+    use axum::response::IntoResponse;
+    let AgentsReaders::Authorized {
+        delegation,
+        decisions,
+    } = readers
+    else {
+        return None;
+    };
+    let decision = match delegation {
+        Some(d) => {
+            decisions
+                .authorize(d, headers, "/agents", Some(&[AGENTS_AUDIENCE]))
+                .await
+        }
+        None => Err((
+            StatusCode::FORBIDDEN,
+            format!("{path}: the admin port is not on loopback and the server has no Kubernetes client to review tokens (set --kubeconfig or bind --admin-bind-address=127.0.0.1)"),
+        )),
+    };
+    let (status, why) = decision.err()?;
+    tracing::debug!(reason = %why, %status, %path, "admin request refused");
+    Some((status, format!("{why}\n")).into_response())
+}
+
+/// `/metrics`, the profiles, `/agents` and `/status` on the admin port.
 pub(crate) fn spawn_admin(
     router: &Arc<Router>,
     listener: TcpListener,
     profiling: bool,
     readers: AgentsReaders,
+    status: StatusSource,
     hard_stop: &CancellationToken,
 ) {
     use axum::response::IntoResponse;
-    let r = router.clone();
+    let json = |body: String| {
+        (
+            [(axum::http::header::CONTENT_TYPE, "application/json")],
+            body,
+        )
+            .into_response()
+    };
+    let (r, agents_readers) = (router.clone(), readers.clone());
     let agents = axum::routing::get(move |headers: axum::http::HeaderMap| {
-        let (r, readers) = (r.clone(), readers.clone());
+        let (r, readers) = (r.clone(), agents_readers.clone());
         async move {
-            if let AgentsReaders::Authorized {
-                delegation,
-                decisions,
-            } = &readers
-            {
-                let decision = match delegation {
-                    Some(d) => {
-                        decisions
-                            .authorize(d, &headers, "/agents", Some(&[AGENTS_AUDIENCE]))
-                            .await
-                    }
-                    None => Err((
-                        StatusCode::FORBIDDEN,
-                        "/agents: the admin port is not on loopback and the server has no Kubernetes client to review tokens (set --kubeconfig or bind --admin-bind-address=127.0.0.1)".into(),
-                    )),
-                };
-                if let Err((status, why)) = decision {
-                    tracing::debug!(reason = %why, %status, "/agents request refused");
-                    return (status, format!("{why}\n")).into_response();
-                }
+            match refusal(&readers, &headers, "/agents").await {
+                Some(refused) => refused,
+                None => json(r.registry().agents_json()),
             }
-            (
-                [(axum::http::header::CONTENT_TYPE, "application/json")],
-                r.registry().agents_json(),
-            )
-                .into_response()
+        }
+    });
+    let r = router.clone();
+    let status = axum::routing::get(move |headers: axum::http::HeaderMap| {
+        let (r, readers, status) = (r.clone(), readers.clone(), status.clone());
+        async move {
+            match refusal(&readers, &headers, "/status").await {
+                Some(refused) => refused,
+                None => json(status.render(&r)),
+            }
         }
     });
     let registry = router.metrics.registry().clone();
-    let app = tether_ops::health::admin_router(registry, profiling).route("/agents", agents);
+    let app = tether_ops::health::admin_router(registry, profiling)
+        .route("/agents", agents)
+        .route("/status", status);
     tether_ops::health::spawn("admin", listener, app, hard_stop.clone());
 }

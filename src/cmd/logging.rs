@@ -163,6 +163,7 @@ const MODULES: &[(&str, &str)] = &[
     ("tether_server", "serve"),
     ("tether_server", "side"),
     ("tether_server", "start"),
+    ("tether_server", "status"),
     ("tether_agent", "config"),
     ("tether_agent", "dialer"),
     ("tether_agent", "lease_count"),

@@ -8,6 +8,7 @@ pub mod klog;
 pub mod local;
 pub mod logging;
 pub mod server;
+pub mod status;
 
 pub use logging::LogArgs;
 
