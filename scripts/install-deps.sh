@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the system tools Tether's tests use (curl, openssl, iproute2, util-linux's
-# prlimit, python3 for the stand-in kubelet), idempotently: nothing is downloaded when
+# prlimit, python3 for the stand-in kubelet, prometheus and promtool for the monitoring
+# rules' tests), idempotently: nothing is downloaded when
 # they are already present. Debian/Ubuntu (apt) only.
 set -euo pipefail
 
@@ -11,6 +12,7 @@ command -v ip >/dev/null 2>&1 || need+=(iproute2)
 command -v kill >/dev/null 2>&1 || need+=(procps)
 command -v prlimit >/dev/null 2>&1 || need+=(util-linux)
 command -v python3 >/dev/null 2>&1 || need+=(python3)
+{ command -v promtool && command -v prometheus; } >/dev/null 2>&1 || need+=(prometheus)
 
 if [ ${#need[@]} -gt 0 ]; then
   echo "installing: ${need[*]}"

@@ -49,6 +49,53 @@ fn manifests_pass_server_side_dry_run() {
         "kubectl apply -k deploy/ failed server-side dry run:\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    monitoring_passes_server_side_dry_run(&cluster);
+}
+
+/// `deploy/monitoring/` (the PrometheusRule and the dashboard's ConfigMap), against the
+/// Prometheus Operator's CRD reduced to its names: the objects' shape and kustomize's
+/// output are checked; the rules themselves are promtool's (`tests/monitoring.rs`).
+fn monitoring_passes_server_side_dry_run(cluster: &Cluster) {
+    cluster.apply(
+        "apiVersion: apiextensions.k8s.io/v1
+kind: CustomResourceDefinition
+metadata:
+  name: prometheusrules.monitoring.coreos.com
+spec:
+  group: monitoring.coreos.com
+  names: {kind: PrometheusRule, listKind: PrometheusRuleList, plural: prometheusrules, singular: prometheusrule}
+  scope: Namespaced
+  versions:
+  - name: v1
+    served: true
+    storage: true
+    schema:
+      openAPIV3Schema:
+        type: object
+        x-kubernetes-preserve-unknown-fields: true
+",
+    );
+    let established = cluster.kubectl(&[
+        "wait",
+        "--for=condition=established",
+        "--timeout=60s",
+        "crd/prometheusrules.monitoring.coreos.com",
+    ]);
+    assert!(established.status.success(), "the CRD is not established");
+    let dir = deploy("monitoring");
+    let out = cluster.kubectl(&["apply", "--dry-run=server", "-k", dir.to_str().unwrap()]);
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "kubectl apply -k deploy/monitoring/ failed server-side dry run:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for object in [
+        "prometheusrule.monitoring.coreos.com/tether",
+        "configmap/tether-dashboard",
+    ] {
+        assert!(said.contains(object), "{object} not applied: {said}");
+    }
 }
 
 #[test]

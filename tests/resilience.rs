@@ -286,11 +286,25 @@ async fn draining_agent_is_last_choice_serves_until_its_drain_timeout() {
     }
     let mut held = held.expect("no dial landed on agent a");
 
+    let signalled = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
     a.proc.signal("TERM");
     server.proc.wait_event(
         "agent is draining; it is now last choice for new dials",
         Duration::from_secs(10),
         |_| true,
+    );
+    // It says when its drain ends: the signal plus --drain-timeout.
+    let deadline = metric(
+        &a.metrics().await,
+        "tether_agent_drain_deadline_timestamp_seconds",
+    )
+    .unwrap();
+    assert!(
+        (signalled + 3.0..signalled + 6.0).contains(&deadline),
+        "drain deadline {deadline}, signalled at {signalled}"
     );
     let (a_before, b_before) = (dial_count(&a).await, dial_count(&b).await);
     for _ in 0..20 {

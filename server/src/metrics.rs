@@ -223,6 +223,14 @@ tether_ops::metric_set! {
             opts("stream_errors_total", "Count of gRPC stream errors, by segment, grpc Code, packet type. (example: from_agent, Code.Unavailable, DIAL_RSP)"),
             &["segment", "code", "packet_type"],
         )),
+        tunnel_bytes: IntCounterVec = catalog.made(IntCounterVec::new(
+            Opts::new("tether_server_tunnel_bytes_total", "Payload bytes of DATA packets relayed between frontends and agents, by direction: to_agent (from kube-apiserver towards the targets), from_agent."),
+            &["direction"],
+        )),
+        /// `tether_server_tunnel_bytes_total{direction="to_agent"}`, resolved once.
+        pub bytes_to_agent: IntCounter = tunnel_bytes.with_label_values(&["to_agent"]),
+        /// `tether_server_tunnel_bytes_total{direction="from_agent"}`, resolved once.
+        pub bytes_from_agent: IntCounter = tunnel_bytes.with_label_values(&["from_agent"]),
         /// Expired leases the lease controller deleted (`culled_leases_count`).
         pub culled_leases: IntCounter = catalog.made(IntCounter::with_opts(opts(
             "culled_leases_count",

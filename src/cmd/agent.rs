@@ -402,9 +402,15 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
         agent.serve_admin(admin, shutdown.clone());
         {
             let (drain, shutdown) = (drain.clone(), shutdown.clone());
+            let deadline = agent.metrics().drain_deadline.clone();
             tokio::spawn(async move {
                 tether_ops::shutdown::signal().await;
                 tracing::info!(timeout = ?drain_timeout, "draining; signal again to exit now");
+                let end = std::time::SystemTime::now() + drain_timeout;
+                let end = end
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap_or_default();
+                deadline.set(end.as_secs().try_into().unwrap_or(i64::MAX));
                 drain.cancel();
                 tokio::select! {
                     _ = tether_ops::shutdown::signal() => tracing::info!("second signal: exiting"),

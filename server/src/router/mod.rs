@@ -294,6 +294,7 @@ impl Router {
         if !conn.flow.reserve(len).await {
             return false;
         }
+        self.metrics.bytes_to_agent.inc_by(len as u64);
         match conn.agent() {
             Some(agent) => {
                 // The agent's queue is full: this frontend stream waits, as upstream's
@@ -464,6 +465,7 @@ impl Router {
             .observe(start.elapsed().as_secs_f64());
         match admitted {
             Ok(true) => {
+                self.metrics.bytes_from_agent.inc_by(len as u64);
                 let Some(fe) = conn.frontend() else { return };
                 if !self.to_frontend(&fe, Outgoing::data(packet, conn)) {
                     self.frontend_gone(&fe).await;
