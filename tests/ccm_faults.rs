@@ -34,21 +34,21 @@ fn config(enabled: Enabled) -> CcmConfig {
     }
 }
 
-/// Runs the controllers in the background until the returned token is cancelled.
+/// Runs the controllers in the background until the returned `drain` is cancelled.
 async fn start(cluster: &Cluster, fake: &FakeCloud, enabled: Enabled) -> CancellationToken {
     let client = tether_ops::kubeclient::client(Some(&cluster.files.admin_kubeconfig))
         .await
         .unwrap();
-    let stop = CancellationToken::new();
+    let drain = CancellationToken::new();
     let provider: Arc<dyn tether_ccm::cloud::Provider> = Arc::new(fake.clone());
     tokio::spawn(tether_ccm::run(
         client,
         provider,
         config(enabled),
         Default::default(),
-        stop.clone(),
+        drain.clone(),
     ));
-    stop
+    drain
 }
 
 fn tainted_node(cluster: &Cluster, name: &str) {
@@ -93,7 +93,7 @@ async fn provider_faults_are_retried_and_retry_after_is_honoured() {
     }]);
     tainted_node(&cluster, "node-a");
     let started = Instant::now();
-    let stop = start(&cluster, &fake, only(&["cloud-node"])).await;
+    let drain = start(&cluster, &fake, only(&["cloud-node"])).await;
     wait_initialized(&cluster, "node-a", Duration::from_secs(20));
     let took = started.elapsed();
     assert!(
@@ -121,7 +121,7 @@ async fn provider_faults_are_retried_and_retry_after_is_honoured() {
     for n in ["slow-0", "slow-1", "slow-2"] {
         wait_initialized(&cluster, n, Duration::from_secs(30));
     }
-    stop.cancel();
+    drain.cancel();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -138,7 +138,7 @@ async fn load_balancers_follow_node_set_and_type_changes() {
             "apiVersion: v1\nkind: Service\nmetadata:\n  name: {s}\n  namespace: default\nspec:\n  type: LoadBalancer\n  ports:\n  - port: 80\n"
         ));
     }
-    let stop = start(&cluster, &fake, only(&["service"])).await;
+    let drain = start(&cluster, &fake, only(&["service"])).await;
     let svc = |s: &str| {
         get_json(
             &cluster,
@@ -208,5 +208,5 @@ async fn load_balancers_follow_node_set_and_type_changes() {
         cluster.has_event("default", "s3", "SyncLoadBalancerFailed"),
         "no SyncLoadBalancerFailed event"
     );
-    stop.cancel();
+    drain.cancel();
 }

@@ -28,8 +28,8 @@ struct Conn {
     /// `flow.window()`, not by the channel).
     tx: queue::Sender<Packet>,
     flow: Arc<ConnFlow>,
-    /// Stops the connection's pump.
-    cancel: CancellationToken,
+    /// The connection's hard stop (a child of the session's `closed`): ends its pump.
+    hard_stop: CancellationToken,
     /// Holds the agent's drain open while the connection lives.
     _work: drain::Watch,
 }
@@ -158,9 +158,9 @@ impl Session {
                 }
             }
             Some(Payload::CloseDial(c)) => {
-                if let Some(cancel) = self.pending().remove(&c.random) {
+                if let Some(hard_stop) = self.pending().remove(&c.random) {
                     tracing::info!(random = c.random, "dial cancelled by server");
-                    cancel.cancel();
+                    hard_stop.cancel();
                 }
             }
             _ => tracing::debug!(ty = packet.r#type, "unexpected packet from server; ignored"),
@@ -217,14 +217,14 @@ impl Session {
             return;
         }
         let connect_id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let cancel = self.closed.child_token();
-        self.pending().insert(random, cancel.clone());
+        let hard_stop = self.closed.child_token();
+        self.pending().insert(random, hard_stop.clone());
         let this = self.clone();
         // A debug-level span: info-level spans cost ~0.4 KiB per open connection in the
         // subscriber; events that matter at info carry the address themselves.
         let span = tracing::debug_span!("conn", address = %req.address, connect_id);
         tokio::spawn(
-            this.run_conn(req.address, random, connect_id, cancel)
+            this.run_conn(req.address, random, connect_id, hard_stop)
                 .instrument(span),
         );
     }
@@ -234,9 +234,9 @@ impl Session {
         address: String,
         random: i64,
         connect_id: i64,
-        cancel: CancellationToken,
+        hard_stop: CancellationToken,
     ) {
-        let Some(stream) = self.connect(&address, random, connect_id, &cancel).await else {
+        let Some(stream) = self.connect(&address, random, connect_id, &hard_stop).await else {
             return;
         };
         let (tx, rx) = queue::queue();
@@ -244,7 +244,7 @@ impl Session {
         let conn = Conn {
             tx,
             flow: flow.clone(),
-            cancel: cancel.clone(),
+            hard_stop: hard_stop.clone(),
             _work: self.work.watch(),
         };
         self.conns().insert(connect_id, conn);
@@ -262,7 +262,7 @@ impl Session {
             send: flow.credit(),
             recv: Some(flow.window()),
         };
-        let end = splice(rd, wr, rx, self.as_ref(), connect_id, &cancel, flow).await;
+        let end = splice(rd, wr, rx, self.as_ref(), connect_id, &hard_stop, flow).await;
         let error = match &end {
             SpliceEnd::LocalError(e) => e.to_string(),
             _ => String::new(),
@@ -280,12 +280,12 @@ impl Session {
         address: &str,
         random: i64,
         connect_id: i64,
-        cancel: &CancellationToken,
+        hard_stop: &CancellationToken,
     ) -> Option<TcpStream> {
         let started = Instant::now();
         let dialed = tokio::select! {
             r = tokio::time::timeout(self.dial_timeout, TcpStream::connect(address)) => r,
-            _ = cancel.cancelled() => {
+            _ = hard_stop.cancelled() => {
                 self.pending().remove(&random);
                 return None;
             }
@@ -320,9 +320,9 @@ impl Session {
     /// Closes `connect_id` from our side: its pump stops and the server gets CLOSE_RSP
     /// with `error` (ahead of what the pump had queued: the connection is being cut).
     async fn abort(&self, connect_id: i64, error: &str) {
-        let conn = self.conns().get(&connect_id).map(|c| c.cancel.clone());
-        if let Some(cancel) = conn {
-            cancel.cancel();
+        let conn = self.conns().get(&connect_id).map(|c| c.hard_stop.clone());
+        if let Some(hard_stop) = conn {
+            hard_stop.cancel();
             if self.finish(connect_id) {
                 self.answer(Packet::close_response(connect_id, error)).await;
             }

@@ -39,12 +39,12 @@ pub struct LeaseMetrics {
 }
 
 impl LeaseCounter {
-    /// Starts listing and watching the leases `lc` names; runs until `shutdown`.
+    /// Starts listing and watching the leases `lc` names; runs until `hard_stop`.
     pub fn spawn(
         client: kube::Client,
         lc: &LeaseCount,
         metrics: LeaseMetrics,
-        shutdown: CancellationToken,
+        hard_stop: CancellationToken,
     ) -> Self {
         let counter = LeaseCounter::default();
         let api: Api<Lease> = Api::namespaced(client, &lc.namespace);
@@ -55,7 +55,7 @@ impl LeaseCounter {
             async move {
                 tokio::select! {
                     _ = this.run(api, selector, metrics) => {}
-                    _ = shutdown.cancelled() => {}
+                    _ = hard_stop.cancelled() => {}
                 }
             }
             .instrument(span),

@@ -87,7 +87,7 @@ impl Agent {
     }
 
     /// Serves `/healthz`, `/readyz` (ready iff a stream is up) and `/metrics`.
-    pub fn serve_health(&self, listener: TcpListener, shutdown: CancellationToken) {
+    pub fn serve_health(&self, listener: TcpListener, hard_stop: CancellationToken) {
         let streams = self.streams.clone();
         let ready: tether_ops::health::ReadyCheck = Arc::new(move || {
             let n = streams.load(Ordering::Relaxed);
@@ -105,12 +105,12 @@ impl Agent {
                 ready,
                 StatusCode::SERVICE_UNAVAILABLE,
             ),
-            shutdown,
+            hard_stop,
         );
     }
 
     /// Serves `/metrics` on the admin port.
-    pub fn serve_admin(&self, listener: TcpListener, shutdown: CancellationToken) {
+    pub fn serve_admin(&self, listener: TcpListener, hard_stop: CancellationToken) {
         tether_ops::health::spawn(
             "admin",
             listener,
@@ -118,7 +118,7 @@ impl Agent {
                 self.metrics.registry().clone(),
                 self.config.profiling,
             ),
-            shutdown,
+            hard_stop,
         );
     }
 }

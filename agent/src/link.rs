@@ -1,7 +1,7 @@
 //! One stream to one proxy server, on the client half of gRPC on bare HTTP/2 that the
 //! client and the bench share (`tether_core::grpc::client`): establish it (TCP, TLS,
 //! the HTTP/2 handshake, the agent's metadata, the server's id and count, the
-//! flow-control offer) and serve it until it fails, drains or is stopped. One task
+//! flow-control offer) and serve it until it fails, drains or is hard-stopped. One task
 //! serves a stream: it drives the connection, its keepalive pings, the reader (every
 //! packet to the dialer's session) and the writer (the session's answers first, then
 //! connection traffic as HTTP/2 flow control allows), as the server's `h2serve` does
@@ -216,14 +216,14 @@ impl Agent {
         Ok(md.into_headers())
     }
 
-    /// Serves one established stream until it fails (Err), or `stop` (Ok). Once
-    /// `drain` is cancelled the stream sends DRAIN and keeps serving; at `stop` a
+    /// Serves one established stream until it fails (Err), or `hard_stop` (Ok). Once
+    /// `drain` is cancelled the stream sends DRAIN and keeps serving; at `hard_stop` a
     /// drained stream half-closes, so the server ends its side.
     pub(crate) async fn serve(
         &self,
         est: Established,
         drain: &CancellationToken,
-        stop: &CancellationToken,
+        hard_stop: &CancellationToken,
     ) -> Result<(), LinkError> {
         let Established {
             server_id,
@@ -253,7 +253,7 @@ impl Agent {
             pinger,
         };
         let ended = driven
-            .until_stopped(&session, drain, stop)
+            .until_hard_stop(&session, drain, hard_stop)
             .instrument(tracing::info_span!("server_stream", %server_id))
             .await;
         let drained = match ended {
@@ -366,14 +366,14 @@ where
     W: Future<Output = Result<(), LinkError>>,
     P: Future<Output = LinkError>,
 {
-    /// Drives all four until one ends, which fails the stream (Err), or until `stop`
+    /// Drives all four until one ends, which fails the stream (Err), or until `hard_stop`
     /// (Ok: whether the stream drained). At `drain` the session sends DRAIN and the
     /// stream serves on.
-    async fn until_stopped(
+    async fn until_hard_stop(
         &mut self,
         session: &Session,
         drain: &CancellationToken,
-        stop: &CancellationToken,
+        hard_stop: &CancellationToken,
     ) -> Result<bool, LinkError> {
         let mut draining = false;
         loop {
@@ -392,8 +392,8 @@ where
                 // Draining, the stream stays and serves (as upstream's agent
                 // until its second signal); the hard stop ends it, with a
                 // half-close when DRAIN went first (a drain that came with the
-                // stop sends its DRAIN too).
-                _ = stop.cancelled() => {
+                // hard stop sends its DRAIN too).
+                _ = hard_stop.cancelled() => {
                     if drain.is_cancelled() && !draining {
                         session.drain();
                     }
@@ -403,8 +403,8 @@ where
         }
     }
 
-    /// After a drained stop: drives the writer to the end of the body, then the reader
-    /// until the server ends its side (or the connection ends).
+    /// After a drained hard stop: drives the writer to the end of the body, then the
+    /// reader until the server ends its side (or the connection ends).
     async fn half_close(&mut self) {
         let mut written = false;
         loop {

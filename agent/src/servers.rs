@@ -16,7 +16,7 @@ use crate::lease_count::LeaseCounter;
 use crate::link::{LinkError, CLOSE_GRACE, ESTABLISH_TIMEOUT};
 use crate::Agent;
 
-/// The streams held, by server id; each can be stopped.
+/// The streams held, by server id, each with its hard stop.
 #[derive(Clone, Default)]
 struct Held {
     streams: Arc<Mutex<HashMap<String, CancellationToken>>>,
@@ -124,8 +124,8 @@ impl Agent {
         let leases = self.count_leases(&hard_stop).await;
         self.keep_streams(&held, leases.as_ref(), &drain, &hard_stop)
             .await;
-        for stop in held.lock().values() {
-            stop.cancel();
+        for hard_stop in held.lock().values() {
+            hard_stop.cancel();
         }
         if drain.is_cancelled() {
             held.wait_closed().await;
@@ -181,7 +181,7 @@ impl Agent {
                 wait = backoff;
             }
             // Holding every server, only an event can change that: a stream ending, a
-            // drain or a stop. Lease counts change with time (a lease expires) and
+            // drain or the hard stop. Lease counts change with time (a lease expires) and
             // `--sync-forever` looks for new servers, so those still look every interval.
             // An idle agent then has no timer of its own here (each wake-up costs it
             // CPU on every node).
@@ -219,18 +219,18 @@ impl Agent {
             }
         };
         let server_id = est.server_id.clone();
-        let stop = hard_stop.child_token();
+        let hard_stop = hard_stop.child_token();
         {
             let mut streams = held.lock();
             if streams.contains_key(&server_id) {
                 tracing::info!(%server_id, %host, have = streams.len(), "reached a server this agent is already connected to; closing the duplicate stream and retrying");
                 return Reached::Duplicate;
             }
-            streams.insert(server_id.clone(), stop.clone());
+            streams.insert(server_id.clone(), hard_stop.clone());
         }
         let (this, held, drain) = (self.clone(), held.clone(), drain.clone());
         tokio::spawn(async move {
-            if let Err(e) = this.serve(est, &drain, &stop).await {
+            if let Err(e) = this.serve(est, &drain, &hard_stop).await {
                 tracing::warn!(%server_id, error = %chain(&e), "proxy server stream down; reconnecting");
             }
             held.lock().remove(&server_id);

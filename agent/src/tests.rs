@@ -91,7 +91,7 @@ struct Pair {
     agent: Agent,
     seen: Arc<Seen>,
     held: Arc<Held>,
-    stop: CancellationToken,
+    hard_stop: CancellationToken,
     dir: std::path::PathBuf,
 }
 
@@ -111,7 +111,7 @@ impl Pair {
         let server_tls = tether_core::tls::server_config(&files, &[b"h2"]).unwrap();
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
-        let stop = CancellationToken::new();
+        let hard_stop = CancellationToken::new();
         let seen = Arc::new(Seen::default());
         let held = Arc::new(Held::default());
         let fake = FakeServer {
@@ -124,14 +124,14 @@ impl Pair {
             listener,
             Arc::new(move || server_tls.clone()),
             "fake-agent-listener",
-            stop.clone(),
+            hard_stop.clone(),
         );
         tokio::spawn(
             tether_core::transport::h2_server()
                 .add_service(AgentServiceServer::new(fake))
                 .serve_with_incoming_shutdown(
                     ReceiverStream::new(incoming).map(Ok::<_, std::io::Error>),
-                    stop.clone().cancelled_owned(),
+                    hard_stop.clone().cancelled_owned(),
                 ),
         );
         let agent = Agent::new(AgentConfig {
@@ -163,7 +163,7 @@ impl Pair {
             agent,
             seen,
             held,
-            stop,
+            hard_stop,
             dir,
         }
     }
@@ -190,7 +190,7 @@ impl Pair {
 
 impl Drop for Pair {
     fn drop(&mut self) {
-        self.stop.cancel();
+        self.hard_stop.cancel();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

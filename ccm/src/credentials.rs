@@ -205,14 +205,14 @@ pub enum CredentialsError {
 }
 
 /// One client per controller ServiceAccount: each account is created if missing, a
-/// token requested, and renewed in the background until `shutdown`. `base` is the
+/// token requested, and renewed in the background until `hard_stop`. `base` is the
 /// controller manager's configuration (its server and CA are kept, its credentials
 /// replaced); `build` makes the client (rate limits, metrics).
 pub async fn service_account_clients(
     root: kube::Client,
     base: kube::Config,
     build: impl Fn(kube::Config) -> Result<kube::Client, tether_ops::kubeclient::KubeSetupError>,
-    shutdown: CancellationToken,
+    hard_stop: CancellationToken,
 ) -> Result<Clients, CredentialsError> {
     let tokens = Arc::new(TokenDir::create(&std::env::temp_dir())?);
     let dir = tokens.path().to_path_buf();
@@ -229,7 +229,7 @@ pub async fn service_account_clients(
         };
         per_controller.insert(name, build(config)?);
         tokio::spawn(
-            renew(accounts.clone(), name, path, lifetime, shutdown.clone())
+            renew(accounts.clone(), name, path, lifetime, hard_stop.clone())
                 .instrument(tracing::info_span!("token_renewal", service_account = name)),
         );
     }
@@ -336,13 +336,13 @@ async fn renew(
     name: &'static str,
     path: PathBuf,
     mut lifetime: Duration,
-    shutdown: CancellationToken,
+    hard_stop: CancellationToken,
 ) {
     let mut wait = lifetime.mul_f64(0.8);
     loop {
         tokio::select! {
             _ = tokio::time::sleep(wait) => {}
-            _ = shutdown.cancelled() => {
+            _ = hard_stop.cancelled() => {
                 let _ = std::fs::remove_file(&path);
                 return;
             }

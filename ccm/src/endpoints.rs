@@ -42,12 +42,12 @@ pub enum EndpointsCache {
 
 impl EndpointsCache {
     /// Starts the watch: EndpointSlices of the newest version the apiserver serves and
-    /// the CCM may list, else Endpoints. Discovery failures are retried until `stop`
+    /// the CCM may list, else Endpoints. Discovery failures are retried until `hard_stop`
     /// (`None` then).
     pub async fn spawn(
         client: kube::Client,
         queue: Arc<WorkQueue>,
-        stop: CancellationToken,
+        hard_stop: CancellationToken,
     ) -> Option<EndpointsCache> {
         let version = loop {
             match slice_version(&client).await {
@@ -56,7 +56,7 @@ impl EndpointsCache {
                     tracing::warn!(error = %chain(&e), "cannot discover the EndpointSlice API; retrying");
                     tokio::select! {
                         _ = tokio::time::sleep(Duration::from_secs(1)) => {}
-                        _ = stop.cancelled() => return None,
+                        _ = hard_stop.cancelled() => return None,
                     }
                 }
             }
@@ -65,7 +65,7 @@ impl EndpointsCache {
             tracing::info!(
                 "endpoints from core/v1 Endpoints: this apiserver serves no EndpointSlice API"
             );
-            return Some(Self::endpoints(client, queue, stop));
+            return Some(Self::endpoints(client, queue, hard_stop));
         };
         let ar = ApiResource::from_gvk_with_plural(
             &GroupVersionKind::gvk("discovery.k8s.io", version, "EndpointSlice"),
@@ -78,7 +78,7 @@ impl EndpointsCache {
                 tracing::warn!(
                     "endpoints from core/v1 Endpoints, which stop at 1,000 addresses: this CCM may not list discovery.k8s.io endpointslices (give its ClusterRole the rule in deploy/tether-ccm.yaml)"
                 );
-                return Some(Self::endpoints(client, queue, stop));
+                return Some(Self::endpoints(client, queue, hard_stop));
             }
             // Anything else the watch retries.
             Err(_) => {}
@@ -96,17 +96,21 @@ impl EndpointsCache {
                 ))
             },
             vec![queue],
-            stop,
+            hard_stop,
         );
         Some(EndpointsCache::Slices(store, version))
     }
 
-    fn endpoints(client: kube::Client, queue: Arc<WorkQueue>, stop: CancellationToken) -> Self {
+    fn endpoints(
+        client: kube::Client,
+        queue: Arc<WorkQueue>,
+        hard_stop: CancellationToken,
+    ) -> Self {
         EndpointsCache::Endpoints(crate::informer::spawn(
             "endpoints",
             Api::<Endpoints>::all(client),
             vec![queue],
-            stop,
+            hard_stop,
         ))
     }
 

@@ -30,7 +30,7 @@ pub fn spawn<K>(
     what: &'static str,
     api: Api<K>,
     queues: Vec<Arc<WorkQueue>>,
-    shutdown: CancellationToken,
+    hard_stop: CancellationToken,
 ) -> Store<K>
 where
     K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
@@ -42,7 +42,7 @@ where
         Default::default(),
         |o: &K| Some(key(o)),
         queues,
-        shutdown,
+        hard_stop,
     )
 }
 
@@ -54,7 +54,7 @@ pub fn spawn_with<K>(
     dyntype: K::DynamicType,
     key_of: impl Fn(&K) -> Option<String> + Send + 'static,
     queues: Vec<Arc<WorkQueue>>,
-    shutdown: CancellationToken,
+    hard_stop: CancellationToken,
 ) -> Store<K>
 where
     K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
@@ -72,7 +72,7 @@ where
             loop {
                 let event = tokio::select! {
                     e = stream.next() => e,
-                    _ = shutdown.cancelled() => return,
+                    _ = hard_stop.cancelled() => return,
                 };
                 match event {
                     Some(Ok(watcher::Event::Apply(obj) | watcher::Event::InitApply(obj)))

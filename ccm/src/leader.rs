@@ -2,8 +2,8 @@
 //! the holder renews every retry period; another replica takes over once it has seen the
 //! same record unchanged for a whole lease duration (measured on its own clock, so
 //! clock skew between replicas does not matter); a leader that cannot renew within the
-//! renew deadline steps down. On graceful shutdown the lease is released so that a
-//! standby takes over at once.
+//! renew deadline steps down. At the drain the lease is released so that a standby
+//! takes over at once.
 //!
 //! Leases of a kind a replica may hold several of (the load-balancer pools') can be
 //! balanced ([`LeaderElection::balance`]): a replica waits one more retry period per
@@ -525,12 +525,12 @@ fn parse_request(r: &str) -> Option<(&str, usize)> {
     Some((who, n.parse().ok()?))
 }
 
-/// Waits until this replica leads (`None` if `shutdown` comes first). The lease is then
+/// Waits until this replica leads (`None` if `drain` comes first). The lease is then
 /// renewed in the background until it is lost or [`Leadership::release`]d.
 pub async fn lead(
     client: kube::Client,
     cfg: LeaderElection,
-    shutdown: CancellationToken,
+    drain: CancellationToken,
 ) -> Option<Leadership> {
     let span = tracing::info_span!("leader_election", lease = %format!("{}/{}", cfg.namespace, cfg.name), identity = %cfg.identity);
     let mut elector = Elector {
@@ -571,7 +571,7 @@ pub async fn lead(
             }
             tokio::select! {
                 _ = tokio::time::sleep(wait) => {}
-                _ = shutdown.cancelled() => return None,
+                _ = drain.cancelled() => return None,
             }
         }
         tracing::info!("became leader");

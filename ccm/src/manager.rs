@@ -1,6 +1,6 @@
 //! The controller manager's life: start the load balancers' data plane (every
-//! replica), elect, spawn the controllers once leader, wait for shutdown or a lost
-//! lease, then stop in order (controllers, the leader lease, the pools).
+//! replica), elect, spawn the controllers once leader, wait for the drain (SIGTERM) or
+//! a lost lease, then stop in order (controllers, the leader lease, the pools).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -22,17 +22,17 @@ use crate::controllers::{csr_approver::CsrApprover, Context};
 use crate::workqueue::WorkQueue;
 use crate::{credentials, endpoints, informer, lb, leader, serving, CcmConfig, CcmError};
 
-/// How long controllers get to stop (and clean up) at shutdown or step-down.
+/// How long controllers get to stop (and clean up) at the drain or step-down.
 const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Runs the controllers (once leader, if electing) until `shutdown`. `health` gets a
+/// Runs the controllers (once leader, if electing) until `drain`. `health` gets a
 /// `leader-election` check and one check per running controller.
 pub async fn run(
     clients: impl Into<credentials::Clients>,
     provider: Arc<dyn Provider>,
     config: CcmConfig,
     health: serving::Health,
-    shutdown: CancellationToken,
+    drain: CancellationToken,
 ) -> Result<(), CcmError> {
     let clients: credentials::Clients = clients.into();
     let routes = routes_to_run(provider.as_ref(), &config);
@@ -42,13 +42,12 @@ pub async fn run(
         .map(|le| le.name.as_str())
         .unwrap_or("cloud-controller-manager")]);
     leader_metric.set(0);
-    let data_plane = DataPlane::start(&clients, &config, &health, &shutdown);
+    let data_plane = DataPlane::start(&clients, &config, &health, &drain);
     if config.enabled.service && provider.load_balancers().is_none() {
         tracing::warn!(provider = provider.name(), "service controller disabled: the provider has no load balancers (tether: set --tunnel-uds, and loadBalancer pools in the cloud config or --lb-bind-address)");
     }
-    let Some((lost, leadership)) = elect(&clients, &config, routes.as_deref(), &shutdown).await
-    else {
-        data_plane.stop().await;
+    let Some((lost, leadership)) = elect(&clients, &config, routes.as_deref(), &drain).await else {
+        data_plane.drain().await;
         return Ok(());
     };
     leader_metric.set(1);
@@ -64,7 +63,7 @@ pub async fn run(
         &provider,
         &config,
         routes,
-        &shutdown,
+        &drain,
         &lost,
     )
     .await;
@@ -77,13 +76,13 @@ pub async fn run(
     if let (Ok(()), Some(l)) = (&result, leadership) {
         l.release().await;
     }
-    // The pools are let go of (each lease handed to a standby) whether we stop or
+    // The pools are let go of (each lease handed to a standby) whether we drain or
     // lost the controllers' lease.
-    data_plane.stop().await;
+    data_plane.drain().await;
     result
 }
 
-/// Starts the controllers and runs them until shutdown (`Ok`) or until the lease is
+/// Starts the controllers and runs them until `drain` (`Ok`) or until the lease is
 /// lost.
 async fn lead(
     running: &mut Controllers,
@@ -91,18 +90,18 @@ async fn lead(
     provider: &Arc<dyn Provider>,
     config: &CcmConfig,
     routes: Option<Arc<dyn Routes>>,
-    shutdown: &CancellationToken,
+    drain: &CancellationToken,
     lost: &CancellationToken,
 ) -> Result<(), CcmError> {
     if !running
-        .start(clients, provider, config, routes, shutdown)
+        .start(clients, provider, config, routes, drain)
         .await?
     {
         return Ok(());
     }
     tracing::info!(cluster = %config.cluster_name, enabled = ?config.enabled, "controllers started");
     tokio::select! {
-        _ = shutdown.cancelled() => Ok(()),
+        _ = drain.cancelled() => Ok(()),
         _ = lost.cancelled() => Err(CcmError::LeadershipLost),
     }
 }
@@ -131,14 +130,14 @@ fn routes_to_run(provider: &dyn Provider, config: &CcmConfig) -> Option<Arc<dyn 
     Some(routes)
 }
 
-/// Waits for the leader lease (at once without election). `None`: shut down first.
+/// Waits for the leader lease (at once without election). `None`: `drain` came first.
 /// Routes a former leader on this host left behind (it crashed, or lost its lease) go
 /// before we stand by: only the leader's host routes.
 async fn elect(
     clients: &credentials::Clients,
     config: &CcmConfig,
     routes: Option<&dyn Routes>,
-    shutdown: &CancellationToken,
+    drain: &CancellationToken,
 ) -> Option<(CancellationToken, Option<leader::Leadership>)> {
     let Some(le) = &config.leader_election else {
         return Some((CancellationToken::new(), None));
@@ -148,14 +147,14 @@ async fn elect(
             .instrument(tracing::info_span!("route_cleanup"))
             .await;
     }
-    let l = leader::lead(clients.root.clone(), le.clone(), shutdown.clone()).await?;
+    let l = leader::lead(clients.root.clone(), le.clone(), drain.clone()).await?;
     Some((l.lost.clone(), Some(l)))
 }
 
 /// The load balancers' data plane, which runs on every replica beside the controllers:
 /// each serves the pools whose leases it holds.
 struct DataPlane {
-    stop: CancellationToken,
+    drain: CancellationToken,
     task: Option<tokio::task::JoinHandle<()>>,
 }
 
@@ -164,19 +163,19 @@ impl DataPlane {
         clients: &credentials::Clients,
         config: &CcmConfig,
         health: &serving::Health,
-        shutdown: &CancellationToken,
+        drain: &CancellationToken,
     ) -> Self {
-        let stop = shutdown.child_token();
+        let drain = drain.child_token();
         let (Some(lbs), true) = (config.load_balancer_server.clone(), config.enabled.service)
         else {
-            return DataPlane { stop, task: None };
+            return DataPlane { drain, task: None };
         };
-        // Its health check fails once it has ended before shutdown (say, its caches
+        // Its health check fails once it has ended before the drain (say, its caches
         // never synced): this replica then serves no pool.
         let exit = ExitFlag::default();
-        let (serving, stopping) = (exit.0.clone(), stop.clone());
+        let (serving, draining) = (exit.0.clone(), drain.clone());
         health.add("load-balancers", move || {
-            if serving.load(Ordering::Relaxed) || stopping.is_cancelled() {
+            if serving.load(Ordering::Relaxed) || draining.is_cancelled() {
                 Ok(())
             } else {
                 Err("the load balancers' data plane stopped".into())
@@ -191,7 +190,7 @@ impl DataPlane {
                 resync: config.lb_resync_period,
                 workers: config.concurrent_service_syncs,
             },
-            stop.clone(),
+            drain.clone(),
         );
         let task = tokio::spawn(
             async move {
@@ -201,14 +200,14 @@ impl DataPlane {
             .instrument(tracing::info_span!("load_balancers")),
         );
         DataPlane {
-            stop,
+            drain,
             task: Some(task),
         }
     }
 
     /// Lets go of the pools and waits until they are let go.
-    async fn stop(mut self) {
-        self.stop.cancel();
+    async fn drain(mut self) {
+        self.drain.cancel();
         if let Some(task) = self.task.take() {
             let _ = task.await;
         }
@@ -218,7 +217,7 @@ impl DataPlane {
 impl Drop for DataPlane {
     /// An early return lets go of the pools too (in the background).
     fn drop(&mut self) {
-        self.stop.cancel();
+        self.drain.cancel();
     }
 }
 
@@ -228,7 +227,7 @@ type Task = Pin<Box<dyn Future<Output = ()> + Send>>;
 struct Controllers {
     health: serving::Health,
     tasks: JoinSet<()>,
-    stop: CancellationToken,
+    hard_stop: CancellationToken,
 }
 
 impl Controllers {
@@ -236,7 +235,7 @@ impl Controllers {
         Controllers {
             health,
             tasks: JoinSet::new(),
-            stop: CancellationToken::new(),
+            hard_stop: CancellationToken::new(),
         }
     }
 
@@ -256,7 +255,7 @@ impl Controllers {
         });
     }
 
-    /// Starts every enabled controller the provider supports. `Ok(false)`: shutdown
+    /// Starts every enabled controller the provider supports. `Ok(false)`: `drain`
     /// came while a cache synced.
     async fn start(
         &mut self,
@@ -264,7 +263,7 @@ impl Controllers {
         provider: &Arc<dyn Provider>,
         config: &CcmConfig,
         routes: Option<Arc<dyn Routes>>,
-        shutdown: &CancellationToken,
+        drain: &CancellationToken,
     ) -> Result<bool, CcmError> {
         let client = clients.root.clone();
         let node_queue = WorkQueue::new("node", &config.metrics);
@@ -277,7 +276,7 @@ impl Controllers {
         if load_balancers.is_some() {
             node_queues.push(lb_node_events.clone());
         }
-        let Some(nodes) = self.watch_nodes(&client, node_queues, shutdown).await? else {
+        let Some(nodes) = self.watch_nodes(&client, node_queues, drain).await? else {
             return Ok(false);
         };
         let ctx = Context {
@@ -300,7 +299,7 @@ impl Controllers {
         // controller acts as its own identity.
         let ctx = ctx_for(credentials::CSR_APPROVER);
         if !self
-            .start_csr_approver(&client, provider, config, ctx, shutdown)
+            .start_csr_approver(&client, provider, config, ctx, drain)
             .await?
         {
             return Ok(false);
@@ -308,30 +307,30 @@ impl Controllers {
         match load_balancers {
             Some(lbs) => {
                 let ctx = ctx_for(credentials::SERVICE);
-                self.start_service(&client, ctx, lbs, config, lb_node_events, shutdown)
+                self.start_service(&client, ctx, lbs, config, lb_node_events, drain)
                     .await
             }
             None => Ok(true),
         }
     }
 
-    /// The shared node cache, feeding `queues`, once synced. `None`: shutdown came
+    /// The shared node cache, feeding `queues`, once synced. `None`: `drain` came
     /// first.
     async fn watch_nodes(
         &self,
         client: &kube::Client,
         queues: Vec<Arc<WorkQueue>>,
-        shutdown: &CancellationToken,
+        drain: &CancellationToken,
     ) -> Result<Option<kube::runtime::reflector::Store<Node>>, CcmError> {
         let nodes = informer::spawn(
             "nodes",
             Api::<Node>::all(client.clone()),
             queues,
-            self.stop.clone(),
+            self.hard_stop.clone(),
         );
         tokio::select! {
             r = nodes.wait_until_ready() => r.map_err(|e| CcmError::CacheSync(chain(&e).to_string()))?,
-            _ = shutdown.cancelled() => return Ok(None),
+            _ = drain.cancelled() => return Ok(None),
         }
         Ok(Some(nodes))
     }
@@ -345,7 +344,7 @@ impl Controllers {
             config.cluster_cidrs.clone(),
             config.route_reconciliation_period,
         );
-        self.spawn("route", Box::pin(c.run(self.stop.clone())));
+        self.spawn("route", Box::pin(c.run(self.hard_stop.clone())));
     }
 
     /// The cloud-node and cloud-node-lifecycle controllers, which need instances.
@@ -372,7 +371,7 @@ impl Controllers {
                     config.node_status_update_frequency,
                     config.concurrent_node_syncs,
                 );
-                self.spawn("cloud-node", Box::pin(c.run(self.stop.clone())));
+                self.spawn("cloud-node", Box::pin(c.run(self.hard_stop.clone())));
             }
             (None, true) => missing("cloud-node controller"),
             _ => {}
@@ -384,7 +383,10 @@ impl Controllers {
                     i.clone(),
                     config.node_monitor_period,
                 );
-                self.spawn("cloud-node-lifecycle", Box::pin(c.run(self.stop.clone())));
+                self.spawn(
+                    "cloud-node-lifecycle",
+                    Box::pin(c.run(self.hard_stop.clone())),
+                );
             }
             (None, true) => missing("cloud-node-lifecycle controller"),
             _ => {}
@@ -392,14 +394,14 @@ impl Controllers {
     }
 
     /// The kubelet-serving CSR approver, once its CSR cache synced. `Ok(false)`:
-    /// shutdown came first.
+    /// `drain` came first.
     async fn start_csr_approver(
         &mut self,
         client: &kube::Client,
         provider: &Arc<dyn Provider>,
         config: &CcmConfig,
         ctx: Context,
-        shutdown: &CancellationToken,
+        drain: &CancellationToken,
     ) -> Result<bool, CcmError> {
         if !config.enabled.csr_approver {
             return Ok(true);
@@ -416,23 +418,23 @@ impl Controllers {
             "certificatesigningrequests",
             Api::<CertificateSigningRequest>::all(client.clone()),
             vec![queue.clone()],
-            self.stop.clone(),
+            self.hard_stop.clone(),
         );
         tokio::select! {
             r = csrs.wait_until_ready() => r.map_err(|e| CcmError::CacheSync(chain(&e).to_string()))?,
-            _ = shutdown.cancelled() => return Ok(false),
+            _ = drain.cancelled() => return Ok(false),
         }
         let c = CsrApprover::new(ctx, instances, csrs, queue);
         self.spawn(
             controllers::csr_approver::NAME,
-            Box::pin(c.run(self.stop.clone())),
+            Box::pin(c.run(self.hard_stop.clone())),
         );
         Ok(true)
     }
 
     /// The service controller, once its Service and endpoint caches synced: it
     /// assigns the addresses and publishes them in the Services' status; the pools'
-    /// holders serve them. `Ok(false)`: shutdown came first.
+    /// holders serve them. `Ok(false)`: `drain` came first.
     async fn start_service(
         &mut self,
         client: &kube::Client,
@@ -440,18 +442,18 @@ impl Controllers {
         lbs: Arc<dyn crate::cloud::LoadBalancers>,
         config: &CcmConfig,
         node_events: Arc<WorkQueue>,
-        shutdown: &CancellationToken,
+        drain: &CancellationToken,
     ) -> Result<bool, CcmError> {
         let queue = WorkQueue::new("service", &config.metrics);
         let services = informer::spawn(
             "services",
             Api::<Service>::all(client.clone()),
             vec![queue.clone()],
-            self.stop.clone(),
+            self.hard_stop.clone(),
         );
         let endpoints = tokio::select! {
-            e = endpoints::EndpointsCache::spawn(client.clone(), queue.clone(), self.stop.clone()) => e,
-            _ = shutdown.cancelled() => None,
+            e = endpoints::EndpointsCache::spawn(client.clone(), queue.clone(), self.hard_stop.clone()) => e,
+            _ = drain.cancelled() => None,
         };
         let Some(endpoints) = endpoints else {
             return Ok(false);
@@ -461,7 +463,7 @@ impl Controllers {
                 services.wait_until_ready().await.map_err(|e| chain(&e).to_string())?;
                 endpoints.wait_until_ready().await
             } => r.map_err(CcmError::CacheSync)?,
-            _ = shutdown.cancelled() => return Ok(false),
+            _ = drain.cancelled() => return Ok(false),
         }
         let c = controllers::service::ServiceController::new(
             ctx,
@@ -477,14 +479,14 @@ impl Controllers {
                 workers: config.concurrent_service_syncs,
             },
         );
-        self.spawn("service", Box::pin(c.run(self.stop.clone())));
+        self.spawn("service", Box::pin(c.run(self.hard_stop.clone())));
         Ok(true)
     }
 
     /// Stops every controller and waits (at most [`STOP_TIMEOUT`]) for them to clean
     /// up.
     async fn stop(mut self) {
-        self.stop.cancel();
+        self.hard_stop.cancel();
         let drained = tokio::time::timeout(STOP_TIMEOUT, async {
             while self.tasks.join_next().await.is_some() {}
         })
@@ -497,7 +499,7 @@ impl Controllers {
 
 impl Drop for Controllers {
     fn drop(&mut self) {
-        self.stop.cancel();
+        self.hard_stop.cancel();
     }
 }
 

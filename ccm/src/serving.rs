@@ -75,14 +75,14 @@ struct Ctx {
     decisions: Arc<DecisionCache>,
 }
 
-/// Serves until `shutdown` on `listener` with `tls`.
+/// Serves until `hard_stop` on `listener` with `tls`.
 pub fn spawn(
     listener: TcpListener,
     tls: ServerConfigSource,
     delegation: Delegation,
     health: Health,
     registry: prometheus::Registry,
-    shutdown: CancellationToken,
+    hard_stop: CancellationToken,
 ) {
     let ctx = Ctx {
         delegation,
@@ -96,11 +96,11 @@ pub fn spawn(
         .route("/readyz", get(healthz))
         .route("/metrics", get(metrics))
         .with_state(ctx);
-    let incoming = Incoming(tls_incoming(listener, tls, "ccm-secure", shutdown.clone()));
+    let incoming = Incoming(tls_incoming(listener, tls, "ccm-secure", hard_stop.clone()));
     tokio::spawn(
         async move {
             let served = axum::serve(incoming, router)
-                .with_graceful_shutdown(shutdown.cancelled_owned())
+                .with_graceful_shutdown(hard_stop.cancelled_owned())
                 .await;
             if let Err(e) = served {
                 tracing::error!(error = %chain(&e), "secure endpoint failed");
@@ -122,7 +122,7 @@ impl axum::serve::Listener for Incoming {
                 let addr = conn.info().remote_addr;
                 (conn, addr)
             }
-            // Shutting down: graceful shutdown ends the server.
+            // The hard stop: axum's graceful shutdown ends the server.
             None => std::future::pending().await,
         }
     }

@@ -18,6 +18,8 @@ use tracing::Instrument;
 pub const BACKOFF_BASE: Duration = Duration::from_secs(5);
 /// Longest retry delay.
 pub const BACKOFF_MAX: Duration = Duration::from_secs(300);
+/// How often the running times are reported while nothing else happens (client-go's).
+const UNFINISHED_PERIOD: Duration = Duration::from_millis(500);
 
 #[derive(Default)]
 struct State {
@@ -215,16 +217,29 @@ impl WorkQueue {
         self.series.longest.set(longest);
     }
 
-    /// Runs `workers` workers until `shutdown`: each takes a key, awaits `sync` on it and
+    /// Runs `workers` workers until `hard_stop`: each takes a key, awaits `sync` on it and
     /// reports the outcome; the queue never hands one key to two workers at once.
-    pub async fn work<F, Fut>(self: Arc<Self>, workers: usize, shutdown: CancellationToken, sync: F)
-    where
+    pub async fn work<F, Fut>(
+        self: Arc<Self>,
+        workers: usize,
+        hard_stop: CancellationToken,
+        sync: F,
+    ) where
         F: Fn(String) -> Fut + Clone + Send + Sync + 'static,
         Fut: Future<Output = Outcome> + Send + 'static,
     {
         let queue = self.clone();
         tokio::spawn(async move {
-            shutdown.cancelled().await;
+            // As client-go's, the running times are refreshed every 500 ms, not only
+            // when a worker takes or finishes a key: a hung sync shows as a growing
+            // longest_running_processor_seconds.
+            let mut tick = tokio::time::interval(UNFINISHED_PERIOD);
+            loop {
+                tokio::select! {
+                    _ = hard_stop.cancelled() => break,
+                    _ = tick.tick() => queue.report_unfinished(&queue.state(), Instant::now()),
+                }
+            }
             queue.shut_down();
         });
         let mut set = tokio::task::JoinSet::new();
@@ -281,11 +296,11 @@ impl Ticker {
         Ticker(tick)
     }
 
-    /// Waits for the next tick: false once `shutdown` fires instead.
-    pub async fn next(&mut self, shutdown: &tokio_util::sync::CancellationToken) -> bool {
+    /// Waits for the next tick: false once `hard_stop` fires instead.
+    pub async fn next(&mut self, hard_stop: &tokio_util::sync::CancellationToken) -> bool {
         tokio::select! {
             _ = self.0.tick() => true,
-            _ = shutdown.cancelled() => false,
+            _ = hard_stop.cancelled() => false,
         }
     }
 }

@@ -1,5 +1,5 @@
 //! Graceful drain as a primitive: the process keeps a [`Signal`], every piece of work
-//! that a graceful stop must wait for (a tunnel, a pending dial) holds a [`Watch`], and
+//! that a drain must wait for (a tunnel, a pending dial) holds a [`Watch`], and
 //! [`Signal::drain`] tells the watches and resolves when the last one is dropped. The
 //! number of live watches is also what the process reports as its open work, so no
 //! metric ever steers control flow.

@@ -56,7 +56,7 @@ pub enum SpliceEnd {
     RemoteGone,
     /// The outbound packet channel is closed: nobody will carry our DATA any more.
     SinkGone,
-    /// The caller cancelled.
+    /// The caller's hard stop came.
     Cancelled,
 }
 
@@ -128,14 +128,14 @@ impl Sink for mpsc::Sender<Packet> {
 }
 
 /// Pumps bytes both ways between a socket (`rd`, `wr`) and the tunnel until one side
-/// ends.
+/// ends or `hard_stop`.
 pub async fn splice<R, W, In, O>(
     rd: R,
     wr: W,
     inbound: In,
     out: &O,
     connect_id: i64,
-    cancel: &CancellationToken,
+    hard_stop: &CancellationToken,
     flow: Flow<'_>,
 ) -> SpliceEnd
 where
@@ -147,7 +147,7 @@ where
     tokio::select! {
         end = socket_to_tunnel(rd, out, connect_id, flow.send) => end,
         end = tunnel_to_socket(wr, inbound, out, connect_id, flow.recv) => end,
-        _ = cancel.cancelled() => SpliceEnd::Cancelled,
+        _ = hard_stop.cancelled() => SpliceEnd::Cancelled,
     }
 }
 
@@ -250,7 +250,7 @@ mod tests {
         let (local, mut remote) = tokio::io::duplex(1 << 16);
         let (in_tx, in_rx) = mpsc::channel(8);
         let (out_tx, mut out_rx) = mpsc::channel(8);
-        let cancel = CancellationToken::new();
+        let hard_stop = CancellationToken::new();
         let task = tokio::spawn(async move {
             let (r, w) = tokio::io::split(local);
             splice(
@@ -259,7 +259,7 @@ mod tests {
                 ReceiverStream::new(in_rx),
                 &out_tx,
                 7,
-                &cancel,
+                &hard_stop,
                 Flow::default(),
             )
             .await
@@ -285,7 +285,7 @@ mod tests {
         let (local, _) = listener.accept().await.unwrap();
         let (_in_tx, in_rx) = mpsc::channel::<Packet>(8);
         let (out_tx, mut out_rx) = mpsc::channel(8);
-        let cancel = CancellationToken::new();
+        let hard_stop = CancellationToken::new();
         let task = tokio::spawn(async move {
             let (r, w) = local.into_split();
             splice(
@@ -294,7 +294,7 @@ mod tests {
                 ReceiverStream::new(in_rx),
                 &out_tx,
                 9,
-                &cancel,
+                &hard_stop,
                 Flow::default(),
             )
             .await

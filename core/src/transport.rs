@@ -117,16 +117,16 @@ impl tonic::transport::server::Connected for TlsConn {
 }
 
 /// Accepts TCP connections on `listener` and completes TLS handshakes concurrently,
-/// yielding the finished connections until `shutdown`. Failed handshakes (garbage,
+/// yielding the finished connections until `hard_stop`. Failed handshakes (garbage,
 /// wrong CA, timeouts) are logged and dropped; they never stall other clients.
 pub fn tls_incoming(
     listener: TcpListener,
     tls: ServerConfigSource,
     name: &'static str,
-    shutdown: CancellationToken,
+    hard_stop: CancellationToken,
 ) -> mpsc::Receiver<TlsConn> {
     let admission = Arc::new(Admission::new(AdmissionLimits::NONE, Arc::new(|_| {})));
-    tls_incoming_with(listener, tls, name, None, admission, shutdown)
+    tls_incoming_with(listener, tls, name, None, admission, hard_stop)
 }
 
 /// [`tls_incoming`] under `admission`'s caps on connections and handshakes, with every
@@ -138,29 +138,29 @@ pub fn tls_incoming_with(
     name: &'static str,
     dead_link: Option<Duration>,
     admission: Arc<Admission>,
-    shutdown: CancellationToken,
+    hard_stop: CancellationToken,
 ) -> mpsc::Receiver<TlsConn> {
     let (tx, rx) = mpsc::channel(64);
     let span = tracing::info_span!("tls_accept", listener = name);
-    tokio::spawn(accept_loop(listener, tls, dead_link, admission, shutdown, tx).instrument(span));
+    tokio::spawn(accept_loop(listener, tls, dead_link, admission, hard_stop, tx).instrument(span));
     rx
 }
 
 /// Accepts connections as `admission` has room for them, each handshaken in a task of
-/// its own, until `shutdown` or until nobody takes the connections from `tx`.
+/// its own, until `hard_stop` or until nobody takes the connections from `tx`.
 async fn accept_loop(
     listener: TcpListener,
     tls: ServerConfigSource,
     dead_link: Option<Duration>,
     admission: Arc<Admission>,
-    shutdown: CancellationToken,
+    hard_stop: CancellationToken,
     tx: mpsc::Sender<TlsConn>,
 ) {
     loop {
         // Room first, then accept: a full listener leaves new clients in the
         // kernel's backlog, where they hold no descriptor of ours.
         let (slot, room) = tokio::select! {
-            _ = shutdown.cancelled() => break,
+            _ = hard_stop.cancelled() => break,
             _ = tx.closed() => break,
             room = async {
                 let slot = admission.connection_slot().await;
@@ -168,7 +168,7 @@ async fn accept_loop(
             } => room,
         };
         let (tcp, remote_addr) = tokio::select! {
-            _ = shutdown.cancelled() => break,
+            _ = hard_stop.cancelled() => break,
             _ = tx.closed() => break,
             accepted = listener.accept() => match accepted {
                 Ok(pair) => pair,

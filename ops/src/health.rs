@@ -90,18 +90,18 @@ pub fn render(registry: &Registry) -> ([(axum::http::HeaderName, &'static str); 
     )
 }
 
-/// Serves `router` on `listener` until `shutdown`.
+/// Serves `router` on `listener` until `hard_stop`.
 pub fn spawn(
     name: &'static str,
     listener: TcpListener,
     router: Router,
-    shutdown: CancellationToken,
+    hard_stop: CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
     let addr = listener.local_addr().ok();
     tokio::spawn(
         async move {
             if let Err(e) = axum::serve(listener, router)
-                .with_graceful_shutdown(shutdown.cancelled_owned())
+                .with_graceful_shutdown(hard_stop.cancelled_owned())
                 .await
             {
                 tracing::error!(error = %chain(&e), "HTTP endpoint failed");

@@ -199,7 +199,7 @@ pub fn trim() {
 /// CPU for a whole interval) and has, since the last trim, freed at least 256 KiB (the
 /// heap's free bytes are that much above their lowest since) or grown its anonymous
 /// resident memory by 256 KiB. Either only with at least 256 KiB of heap free. Runs until
-/// `shutdown`.
+/// `hard_stop`.
 ///
 /// The free figure counts pages already handed back, so it cannot say what is resident;
 /// its growth says what was freed since, resident until the next trim. Pages handed
@@ -213,9 +213,9 @@ pub fn trim() {
 pub fn spawn_trimmer(
     open: impl Fn() -> i64 + Send + 'static,
     looks: Looks,
-    shutdown: CancellationToken,
+    hard_stop: CancellationToken,
 ) {
-    spawn_trimmer_every(INTERVAL, IDLE_INTERVAL, looks, open, shutdown)
+    spawn_trimmer_every(INTERVAL, IDLE_INTERVAL, looks, open, hard_stop)
 }
 
 /// The wait before the next look: twice the last, up to `idle_interval`, while the
@@ -240,7 +240,7 @@ enum Waited {
     Period,
     /// Work started during a wait longer than `interval`: look again `interval` from now.
     WorkStarted,
-    Shutdown,
+    HardStop,
 }
 
 /// Waits `period`; a wait longer than `interval` also ends when `started` (if any) is
@@ -249,7 +249,7 @@ async fn wait(
     period: Duration,
     interval: Duration,
     started: Option<&Notify>,
-    shutdown: &CancellationToken,
+    hard_stop: &CancellationToken,
 ) -> Waited {
     let work = async {
         match started {
@@ -260,7 +260,7 @@ async fn wait(
     tokio::select! {
         _ = tokio::time::sleep(period) => Waited::Period,
         _ = work => Waited::WorkStarted,
-        _ = shutdown.cancelled() => Waited::Shutdown,
+        _ = hard_stop.cancelled() => Waited::HardStop,
     }
 }
 
@@ -269,7 +269,7 @@ fn spawn_trimmer_every(
     idle_interval: Duration,
     looks: Looks,
     open: impl Fn() -> i64 + Send + 'static,
-    shutdown: CancellationToken,
+    hard_stop: CancellationToken,
 ) {
     let (idle_interval, started) = match looks {
         Looks::Steady => (interval, None),
@@ -289,13 +289,13 @@ fn spawn_trimmer_every(
             // by a look `interval` later, so the time since is not one period.
             let mut last_look = tokio::time::Instant::now();
             loop {
-                match wait(period, interval, started.as_deref(), &shutdown).await {
+                match wait(period, interval, started.as_deref(), &hard_stop).await {
                     Waited::Period => {}
                     Waited::WorkStarted => {
                         period = interval;
                         continue;
                     }
-                    Waited::Shutdown => return,
+                    Waited::HardStop => return,
                 }
                 let now = open();
                 let cpu = cpu_time();
@@ -413,28 +413,28 @@ mod tests {
     async fn work_starting_cuts_a_long_wait_short() {
         let signal = tether_core::drain::Signal::new();
         let started = signal.started();
-        let stop = CancellationToken::new();
-        let long = wait(IDLE_INTERVAL, INTERVAL, Some(&started), &stop);
+        let hard_stop = CancellationToken::new();
+        let long = wait(IDLE_INTERVAL, INTERVAL, Some(&started), &hard_stop);
         let mut long = std::pin::pin!(long);
         assert!(futures::poll!(long.as_mut()).is_pending());
         let _work = signal.watch();
         assert_eq!(long.await, Waited::WorkStarted);
         // A 2 s wait is not cut short, and runs out.
-        let short = wait(INTERVAL, INTERVAL, Some(&started), &stop);
+        let short = wait(INTERVAL, INTERVAL, Some(&started), &hard_stop);
         let mut short = std::pin::pin!(short);
         assert!(futures::poll!(short.as_mut()).is_pending());
         let _more = signal.watch();
         assert_eq!(short.await, Waited::Period);
         // Steady looks have no signal: a long wait only runs out.
-        let steady = wait(IDLE_INTERVAL, INTERVAL, None, &stop);
+        let steady = wait(IDLE_INTERVAL, INTERVAL, None, &hard_stop);
         let mut steady = std::pin::pin!(steady);
         assert!(futures::poll!(steady.as_mut()).is_pending());
         let _again = signal.watch();
         assert_eq!(steady.await, Waited::Period);
-        stop.cancel();
+        hard_stop.cancel();
         assert_eq!(
-            wait(IDLE_INTERVAL, INTERVAL, Some(&started), &stop).await,
-            Waited::Shutdown
+            wait(IDLE_INTERVAL, INTERVAL, Some(&started), &hard_stop).await,
+            Waited::HardStop
         );
     }
 
@@ -451,13 +451,13 @@ mod tests {
         assert!(faults < 512, "{faults} page faults re-using freed buffers");
 
         // The trimmer starts with the process, before the work.
-        let stop = CancellationToken::new();
+        let hard_stop = CancellationToken::new();
         spawn_trimmer_every(
             Duration::from_millis(20),
             Duration::from_millis(320),
             Looks::BackOff(Arc::new(Notify::new())),
             || 0,
-            stop.clone(),
+            hard_stop.clone(),
         );
         tokio::task::yield_now().await;
 
@@ -503,6 +503,6 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         std::hint::black_box(&keep);
-        stop.cancel();
+        hard_stop.cancel();
     }
 }

@@ -125,8 +125,12 @@ impl<T: Send + Sync + 'static> Reload for Reloadable<T> {
     }
 }
 
-/// Polls every `interval` and reloads everything on SIGHUP, until `shutdown`.
-pub fn spawn_watcher(items: Vec<Arc<dyn Reload>>, interval: Duration, shutdown: CancellationToken) {
+/// Polls every `interval` and reloads everything on SIGHUP, until `hard_stop`.
+pub fn spawn_watcher(
+    items: Vec<Arc<dyn Reload>>,
+    interval: Duration,
+    hard_stop: CancellationToken,
+) {
     tokio::spawn(
         async move {
             let mut hup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
@@ -140,7 +144,7 @@ pub fn spawn_watcher(items: Vec<Arc<dyn Reload>>, interval: Duration, shutdown: 
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 let forced = tokio::select! {
-                    _ = shutdown.cancelled() => return,
+                    _ = hard_stop.cancelled() => return,
                     _ = tick.tick() => false,
                     Some(()) = async { match hup.as_mut() { Some(h) => h.recv().await, None => std::future::pending().await } } => true,
                 };

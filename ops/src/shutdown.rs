@@ -1,5 +1,6 @@
-//! Shutdown helpers: a cancellation token is handed to every server and task; the
-//! binary cancels it on SIGINT/SIGTERM.
+//! Signal helpers for a process's end: SIGINT/SIGTERM cancels the process's `drain`
+//! token (graceful); its `hard_stop` (everything ends now) follows once the drain is
+//! over or timed out (the agent's also at a second signal). See `tether_core::drain`.
 
 pub use tokio_util::sync::CancellationToken;
 

@@ -65,15 +65,15 @@ pub(crate) fn spawn_agent_listener(
     )
 }
 
-/// Accepts frontend connections until `stop`, each served in a task of its own until
-/// its client goes or `hard_stop`: established streams and tunnels outlive `stop`.
+/// Accepts frontend connections until `drain`, each served in a task of its own until
+/// its client goes or `hard_stop`: established streams and tunnels outlive `drain`.
 pub(crate) async fn serve_frontend(
     mode: Mode,
     listener: FrontendListener,
     router: Arc<Router>,
     keepalive: Duration,
     admission: Arc<tether_core::admission::Admission>,
-    stop: CancellationToken,
+    drain: CancellationToken,
     hard_stop: CancellationToken,
 ) {
     let serve = Accepted {
@@ -85,7 +85,7 @@ pub(crate) async fn serve_frontend(
     match listener {
         FrontendListener::Uds(l, _) => loop {
             let sock = tokio::select! {
-                _ = stop.cancelled() => return,
+                _ = drain.cancelled() => return,
                 a = l.accept() => match a {
                     Ok((s, _)) => s,
                     Err(e) => {
@@ -103,7 +103,7 @@ pub(crate) async fn serve_frontend(
         },
         FrontendListener::Tls(l, cfg, clients) => {
             let mut incoming =
-                transport::tls_incoming_with(l, cfg, "frontend", None, admission, stop);
+                transport::tls_incoming_with(l, cfg, "frontend", None, admission, drain);
             while let Some(conn) = incoming.recv().await {
                 let peer = conn.info().remote_addr.to_string();
                 let leaf = conn.info().peer_certs.as_ref().and_then(|c| c.first());
@@ -130,16 +130,17 @@ impl Accepted {
     where
         S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
-        let (router, stop) = (self.router.clone(), self.hard_stop.clone());
+        let (router, hard_stop) = (self.router.clone(), self.hard_stop.clone());
         match self.mode {
             Mode::Grpc => {
                 let span = tracing::debug_span!("frontend_connection", kind = "grpc", %peer);
-                let conn = frontend::grpc::serve_connection(sock, router, self.keepalive, stop);
+                let conn =
+                    frontend::grpc::serve_connection(sock, router, self.keepalive, hard_stop);
                 tokio::spawn(conn.instrument(span));
             }
             Mode::HttpConnect => {
                 let span = tracing::info_span!("frontend", kind = "http-connect", %peer, address = tracing::field::Empty);
-                let conn = frontend::http_connect::serve_connection(router, sock, stop);
+                let conn = frontend::http_connect::serve_connection(router, sock, hard_stop);
                 tokio::spawn(conn.instrument(span));
             }
         }

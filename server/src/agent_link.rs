@@ -39,7 +39,7 @@ pub struct AgentLink {
     pub(crate) server_id: String,
     pub(crate) server_count: Arc<std::sync::atomic::AtomicU32>,
     pub(crate) channel_size: usize,
-    pub(crate) shutdown: CancellationToken,
+    pub(crate) hard_stop: CancellationToken,
     pub(crate) authenticator: Option<Arc<crate::auth::TokenAuthenticator>>,
     /// Refuse agents with any claim the server could not verify.
     pub(crate) require_identity_match: bool,
@@ -95,7 +95,7 @@ impl AgentLink {
             keepalive,
         };
         let info = Arc::new(info);
-        let hard_stop = self.shutdown.clone();
+        let hard_stop = self.hard_stop.clone();
         let admitted = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let serve = h2serve::serve_connection(io, settings, hard_stop, |request, respond| {
             // Boxed: `FuturesUnordered` keeps a stub the size of its future type, and
@@ -196,9 +196,9 @@ impl AgentLink {
         // Removing the agent retires it, which ends the packets for it; the stream's
         // reference to it goes with the inbound half.
         let router = &self.router;
-        let shutdown = self.shutdown.clone();
+        let hard_stop = self.hard_stop.clone();
         let inbound = std::pin::pin!(async move {
-            let failed = serve_agent(router, &agent, body, shutdown).await;
+            let failed = serve_agent(router, &agent, body, hard_stop).await;
             router.remove_agent(&agent);
             failed
         });
@@ -355,10 +355,10 @@ impl AgentLink {
             return Err(Status::resource_exhausted(e.to_string()));
         }
         tracing::info!(%agent_id, %peer, identifiers = ?agent.identifiers, flow_control = a.peer_window.is_some(), "agent connected");
-        let (server_stop, retired) = (self.shutdown.clone(), agent.closed.clone());
+        let (hard_stop, retired) = (self.hard_stop.clone(), agent.closed.clone());
         let ended = async move {
             tokio::select! {
-                _ = server_stop.cancelled() => {}
+                _ = hard_stop.cancelled() => {}
                 _ = retired.cancelled() => {}
             }
         };
@@ -371,13 +371,13 @@ impl AgentLink {
 }
 
 /// Feeds what the agent sends into the router until its stream ends, fails, is
-/// retired, or the server stops; the status to end the stream with when the agent
+/// retired, or `hard_stop`; the status to end the stream with when the agent
 /// broke it.
 async fn serve_agent(
     router: &Arc<Router>,
     agent: &Arc<AgentStream>,
     mut body: RecvStream,
-    shutdown: CancellationToken,
+    hard_stop: CancellationToken,
 ) -> Option<Status> {
     let mut messages = Messages::default();
     let status = loop {
@@ -392,7 +392,7 @@ async fn serve_agent(
         }
         let next = tokio::select! {
             next = body.data() => next,
-            _ = shutdown.cancelled() => return None,
+            _ = hard_stop.cancelled() => return None,
             _ = agent.closed.cancelled() => return None,
         };
         match next {
@@ -457,7 +457,7 @@ mod tests {
         AgentServiceClient<tonic::transport::Channel>,
         (CancellationToken, std::net::SocketAddr),
     ) {
-        let stop = CancellationToken::new();
+        let hard_stop = CancellationToken::new();
         let router = Router::new(
             crate::router::RouterConfig {
                 strategies: crate::router::parse_strategies("default").unwrap(),
@@ -474,7 +474,7 @@ mod tests {
             server_id: "s1".into(),
             server_count: Arc::new(std::sync::atomic::AtomicU32::new(3)),
             channel_size: 10,
-            shutdown: stop.clone(),
+            hard_stop: hard_stop.clone(),
             authenticator: None,
             require_identity_match: false,
             unverified_warnings: tether_ops::ratelimit::TokenBucket::new(
@@ -499,7 +499,7 @@ mod tests {
             .connect()
             .await
             .unwrap();
-        (router, AgentServiceClient::new(channel), (stop, addr))
+        (router, AgentServiceClient::new(channel), (hard_stop, addr))
     }
 
     fn request(
@@ -600,11 +600,11 @@ mod tests {
 
     #[tokio::test]
     async fn at_the_hard_stop_the_stream_ends_with_status_ok_and_the_agent_is_gone() {
-        let (router, mut client, (stop, _)) = serve_stoppable().await;
+        let (router, mut client, (hard_stop, _)) = serve_stoppable().await;
         let (_tx, req) = request(&[(header::AGENT_ID, "node-1")]);
         let mut packets = client.connect(req).await.unwrap().into_inner();
         wait_agents(&router, 1).await;
-        stop.cancel();
+        hard_stop.cancel();
         let end = tokio::time::timeout(Duration::from_secs(5), packets.message()).await;
         assert!(matches!(end, Ok(Ok(None))), "{end:?}");
         wait_agents(&router, 0).await;

@@ -112,7 +112,7 @@ pub struct ServerConfig {
     pub router: RouterConfig,
     /// Packets queued towards each agent stream (`--xfr-channel-size`).
     pub channel_size: usize,
-    /// How long established connections may finish after shutdown begins.
+    /// How long established connections may finish once the drain begins.
     pub graceful_shutdown_timeout: Duration,
     /// Agent authentication by service-account token (TokenReview).
     pub agent_auth: Option<auth::TokenAuthConfig>,

@@ -1,7 +1,7 @@
 //! The lease controller (`--enable-lease-controller`): every server publishes a
 //! coordination.k8s.io Lease `konnectivity-proxy-server-<id>` (30 s, renewed every
 //! 15 s), counts the live ones so the `servercount` it tells agents follows reality,
-//! garbage-collects expired leases, and deletes its own on shutdown.
+//! garbage-collects expired leases, and deletes its own at the drain.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -81,7 +81,7 @@ impl LastCount {
     }
 }
 
-/// Runs until `shutdown`, then deletes this server's lease. `live` receives the number
+/// Runs until `drain`, then deletes this server's lease. `live` receives the number
 /// of live leases (at least 1) after every renewal, `counted` the count as listed.
 pub async fn run(
     client: kube::Client,
@@ -90,7 +90,7 @@ pub async fn run(
     live: Arc<AtomicU32>,
     counted: Arc<LastCount>,
     metrics: Metrics,
-    shutdown: CancellationToken,
+    drain: CancellationToken,
 ) {
     let api: Api<Lease> = Api::namespaced(client, &cfg.namespace);
     let name = format!("konnectivity-proxy-server-{server_id}");
@@ -109,13 +109,13 @@ pub async fn run(
             }
             tokio::select! {
                 _ = tokio::time::sleep(cfg.renew_interval) => {}
-                _ = shutdown.cancelled() => break,
+                _ = drain.cancelled() => break,
             }
         }
         match api.delete(&name, &DeleteParams::default()).await {
             Ok(_) => tracing::info!("lease deleted"),
             Err(e) => {
-                tracing::warn!(error = %chain(&e), "cannot delete lease on shutdown; it expires on its own")
+                tracing::warn!(error = %chain(&e), "cannot delete lease at the drain; it expires on its own")
             }
         }
     }

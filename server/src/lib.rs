@@ -3,7 +3,8 @@
 //! bookkeeping) -> agent links (one task per agent connection), plus health and admin HTTP.
 //!
 //! [`Server::bind`] binds every listener (so bad addresses and certificates fail at
-//! start-up); [`BoundServer::run`] serves until the shutdown token is cancelled.
+//! start-up); [`BoundServer::run`] serves until its `drain` token is cancelled, then
+//! drains and hard-stops.
 
 pub mod agent_link;
 pub mod auth;

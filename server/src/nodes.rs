@@ -211,12 +211,12 @@ impl NodeInventory {
     }
 }
 
-/// Keeps `inventory` in step with the cluster's Nodes until `shutdown`; watch errors
+/// Keeps `inventory` in step with the cluster's Nodes until `hard_stop`; watch errors
 /// are retried with backoff (meanwhile the last table stays in use).
 pub fn spawn(
     client: kube::Client,
     inventory: Arc<NodeInventory>,
-    shutdown: CancellationToken,
+    hard_stop: CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
     inventory.watched.store(true, Ordering::Relaxed);
     let (store, writer) = reflector::store::<Node>();
@@ -231,7 +231,7 @@ pub fn spawn(
             loop {
                 let event = tokio::select! {
                     e = stream.next() => e,
-                    _ = shutdown.cancelled() => return,
+                    _ = hard_stop.cancelled() => return,
                 };
                 match event {
                     Some(Ok(watcher::Event::InitApply(_) | watcher::Event::Init)) => {}

@@ -1,5 +1,5 @@
-//! A bound server's life: the background jobs, the listeners, then graceful
-//! shutdown (drain) and the hard stop.
+//! A bound server's life: the background jobs, the listeners, then the drain and the
+//! hard stop.
 
 use std::path::PathBuf;
 use std::sync::atomic::AtomicU32;
@@ -27,7 +27,7 @@ impl BoundServer {
     }
 
     /// Serves until `drain` is cancelled, then stops taking frontend connections,
-    /// lets established tunnels finish for up to the graceful shutdown timeout, and
+    /// lets established tunnels finish for up to `--graceful-shutdown-timeout`, and
     /// returns after the hard stop.
     pub async fn run(mut self, drain: CancellationToken) {
         // Agents and in-flight tunnels outlive the frontend listeners during a graceful
@@ -139,7 +139,7 @@ impl BoundServer {
             server_id: config.server_id.clone(),
             server_count,
             channel_size: config.channel_size,
-            shutdown: hard_stop.clone(),
+            hard_stop: hard_stop.clone(),
             authenticator: self.authenticator,
             require_identity_match: config.require_agent_identity_match,
             unverified_warnings: tether_ops::ratelimit::TokenBucket::new(
@@ -162,13 +162,16 @@ impl BoundServer {
             if let FrontendListener::Uds(_, path) = &listener {
                 frontends.sockets.push(path.clone());
             }
-            let (router, stop, hard) = (self.router.clone(), drain.clone(), hard_stop.clone());
+            let (router, drain, hard_stop) =
+                (self.router.clone(), drain.clone(), hard_stop.clone());
             let keepalive = config.frontend_keepalive;
             let span = tracing::info_span!("frontend_listener", %mode);
             let admission = admission(&self.router, "frontend", config.admission);
             frontends.tasks.push(tokio::spawn(
-                serve_frontend(mode, listener, router, keepalive, admission, stop, hard)
-                    .instrument(span),
+                serve_frontend(
+                    mode, listener, router, keepalive, admission, drain, hard_stop,
+                )
+                .instrument(span),
             ));
         }
         (agent_task, frontends)

@@ -397,11 +397,11 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
             "agent starting"
         );
         let drain = CancellationToken::new();
-        let shutdown = CancellationToken::new();
-        agent.serve_health(health, shutdown.clone());
-        agent.serve_admin(admin, shutdown.clone());
+        let hard_stop = CancellationToken::new();
+        agent.serve_health(health, hard_stop.clone());
+        agent.serve_admin(admin, hard_stop.clone());
         {
-            let (drain, shutdown) = (drain.clone(), shutdown.clone());
+            let (drain, hard_stop) = (drain.clone(), hard_stop.clone());
             let deadline = agent.metrics().drain_deadline.clone();
             tokio::spawn(async move {
                 tether_ops::shutdown::signal().await;
@@ -416,11 +416,11 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
                     _ = tether_ops::shutdown::signal() => tracing::info!("second signal: exiting"),
                     _ = tokio::time::sleep(drain_timeout) => tracing::info!("drain timeout: exiting"),
                 }
-                shutdown.cancel();
+                hard_stop.cancel();
             });
         }
-        agent.run(drain, shutdown.clone()).await;
-        shutdown.cancel();
+        agent.run(drain, hard_stop.clone()).await;
+        hard_stop.cancel();
         tracing::info!("agent stopped");
         Ok(())
     })

@@ -439,13 +439,15 @@ pub fn main(args: CcmArgs) -> anyhow::Result<()> {
                 .await
                 .context("--authorization-kubeconfig")?,
         };
-        let shutdown = tokio_util::sync::CancellationToken::new();
+        // SIGTERM starts the drain (controllers clean up, leases are handed over); the
+        // token renewal and the HTTPS endpoint take it as their hard stop.
+        let drain = tokio_util::sync::CancellationToken::new();
         let clients = if args.use_service_account_credentials {
             tether_ccm::credentials::service_account_clients(
                 client.clone(),
                 root_config,
                 build,
-                shutdown.clone(),
+                drain.clone(),
             )
             .await
             .context("--use-service-account-credentials")?
@@ -468,16 +470,18 @@ pub fn main(args: CcmArgs) -> anyhow::Result<()> {
                 delegation,
                 health.clone(),
                 registry,
-                shutdown.clone(),
+                drain.clone(),
             );
         }
         tracing::info!(provider = provider.name(), identity = %config.identity, "cloud-controller-manager starting");
-        let stop = shutdown.clone();
-        tokio::spawn(async move {
-            tether_ops::shutdown::signal().await;
-            stop.cancel();
+        tokio::spawn({
+            let drain = drain.clone();
+            async move {
+                tether_ops::shutdown::signal().await;
+                drain.cancel();
+            }
         });
-        tether_ccm::run(clients, provider, config, health, shutdown).await?;
+        tether_ccm::run(clients, provider, config, health, drain).await?;
         Ok(())
     })
 }

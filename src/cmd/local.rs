@@ -57,11 +57,11 @@ pub fn main(args: LocalArgs) -> anyhow::Result<()> {
 
 async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()> {
     let loopback = |port| SocketAddr::from((Ipv4Addr::LOCALHOST, port));
-    let shutdown = CancellationToken::new();
+    let hard_stop = CancellationToken::new();
     let demo = tokio::net::TcpListener::bind(loopback(0)).await?;
     let demo_addr = demo.local_addr()?;
     tokio::spawn(
-        demo_backend(demo, shutdown.clone()).instrument(tracing::info_span!("demo_backend")),
+        demo_backend(demo, hard_stop.clone()).instrument(tracing::info_span!("demo_backend")),
     );
 
     let config = ServerConfig {
@@ -128,7 +128,8 @@ async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()
         .context("server start-up failed")?;
     let addrs = bound.addrs().clone();
     let router = bound.router().clone();
-    let server_task = tokio::spawn(bound.run(shutdown.clone()));
+    // The server's drain starts at the hard stop, which ends the agent and its tunnels.
+    let server_task = tokio::spawn(bound.run(hard_stop.clone()));
 
     let agent = Agent::new(AgentConfig {
         servers: vec![("127.0.0.1".into(), addrs.agent.port())],
@@ -157,8 +158,8 @@ async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()
     })?;
     let agent_drain = CancellationToken::new();
     let agent_task = {
-        let (agent, drain, stop) = (agent.clone(), agent_drain.clone(), shutdown.clone());
-        tokio::spawn(async move { agent.run(drain, stop).await })
+        let (agent, drain, hard_stop) = (agent.clone(), agent_drain.clone(), hard_stop.clone());
+        tokio::spawn(async move { agent.run(drain, hard_stop).await })
     };
 
     // Ready when the agent's stream is registered.
@@ -195,17 +196,17 @@ Press Ctrl-C to stop.",
 
     tether_ops::shutdown::signal().await;
     agent_drain.cancel();
-    shutdown.cancel();
+    hard_stop.cancel();
     let _ = agent_task.await;
     let _ = server_task.await;
     Ok(())
 }
 
 /// Answers every HTTP request with a short text naming the connection's peer.
-async fn demo_backend(listener: tokio::net::TcpListener, shutdown: CancellationToken) {
+async fn demo_backend(listener: tokio::net::TcpListener, hard_stop: CancellationToken) {
     loop {
         let (mut sock, peer) = tokio::select! {
-            _ = shutdown.cancelled() => return,
+            _ = hard_stop.cancelled() => return,
             a = listener.accept() => match a { Ok(p) => p, Err(_) => continue },
         };
         tokio::spawn(async move {

@@ -698,13 +698,15 @@ pub fn main(args: ServerArgs) -> anyhow::Result<()> {
             admin = %addrs.admin.map(|a| a.to_string()).unwrap_or_default(),
             "server listening"
         );
-        let shutdown = tokio_util::sync::CancellationToken::new();
-        let stop = shutdown.clone();
-        tokio::spawn(async move {
-            tether_ops::shutdown::signal().await;
-            stop.cancel();
+        let drain = tokio_util::sync::CancellationToken::new();
+        tokio::spawn({
+            let drain = drain.clone();
+            async move {
+                tether_ops::shutdown::signal().await;
+                drain.cancel();
+            }
         });
-        bound.run(shutdown).await;
+        bound.run(drain).await;
         Ok(())
     })
 }

@@ -244,8 +244,8 @@ pub trait LoadBalancers: Send + Sync {
     /// Before any sync: what these Services' status shows they hold (their ingress
     /// addresses) is theirs, never handed to another.
     async fn restore(&self, _cluster: &str, _services: &[ServiceInfo]) {}
-    /// The controller stops (shutdown, lost leadership): forget what is kept in
-    /// memory (the next leader reads it back through [`Self::restore`]).
+    /// The controller stops (its hard stop: the drain, lost leadership): forget what is
+    /// kept in memory (the next leader reads it back through [`Self::restore`]).
     async fn release_all(&self, _cluster: &str) {}
 }
 

@@ -199,12 +199,12 @@ impl CsrApprover {
         }
     }
 
-    /// Runs until `shutdown`.
-    pub async fn run(self, shutdown: CancellationToken) {
+    /// Runs until `hard_stop`.
+    pub async fn run(self, hard_stop: CancellationToken) {
         let this = Arc::new(self);
         let queue = this.queue.clone();
         queue
-            .work(1, shutdown, move |name| {
+            .work(1, hard_stop, move |name| {
                 let this = this.clone();
                 async move {
                     let result = this

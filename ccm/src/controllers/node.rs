@@ -74,19 +74,19 @@ impl NodeController {
         }
     }
 
-    /// Runs until `shutdown`.
-    pub async fn run(self, shutdown: CancellationToken) {
+    /// Runs until `hard_stop`.
+    pub async fn run(self, hard_stop: CancellationToken) {
         let this = Arc::new(self);
         // Periodic address sync of initialised nodes. (Node updates do not trigger it:
         // kubelets update their nodes constantly, and each sync is a provider call.)
         let periodic = {
             let this = this.clone();
-            let shutdown = shutdown.clone();
+            let hard_stop = hard_stop.clone();
             async move {
                 let mut tick = super::Ticker::new(this.status_period);
                 // The first tick is at once; initialisation covers new nodes.
-                tick.next(&shutdown).await;
-                while tick.next(&shutdown).await {
+                tick.next(&hard_stop).await;
+                while tick.next(&hard_stop).await {
                     for node in this.ctx.nodes.state() {
                         if has_taint(&node, TAINT_UNINITIALIZED)
                             || node.metadata.deletion_timestamp.is_some()
@@ -104,7 +104,7 @@ impl NodeController {
         let queue = this.queue.clone();
         let workers = this.workers;
         queue
-            .work(workers, shutdown, move |name| {
+            .work(workers, hard_stop, move |name| {
                 let this = this.clone();
                 async move {
                     let result = this

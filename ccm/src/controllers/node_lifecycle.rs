@@ -42,10 +42,10 @@ impl NodeLifecycleController {
         }
     }
 
-    /// Runs until `shutdown`.
-    pub async fn run(self, shutdown: CancellationToken) {
+    /// Runs until `hard_stop`.
+    pub async fn run(self, hard_stop: CancellationToken) {
         let mut tick = super::Ticker::new(self.period);
-        while tick.next(&shutdown).await {
+        while tick.next(&hard_stop).await {
             for node in self.ctx.nodes.state() {
                 let name = node.name_any();
                 if let Err(e) = self

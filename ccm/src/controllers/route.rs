@@ -6,8 +6,8 @@
 //! only on a node whose condition this controller set before: a condition someone
 //! else owns (or none) is never turned into "network unavailable" by us, since that
 //! keeps every pod off the node. Patched on `nodes/status` only when it changes. When
-//! the controller stops (shutdown, or the replica loses its lease) it removes its
-//! routes: they are the leader's alone.
+//! the controller stops (its hard stop, at the drain or when the replica loses its
+//! lease) it removes its routes: they are the leader's alone.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
@@ -141,10 +141,10 @@ impl RouteController {
         }
     }
 
-    /// Runs until `shutdown`: once at once, then every period; then removes its routes.
-    pub async fn run(self, shutdown: CancellationToken) {
+    /// Runs until `hard_stop`: once at once, then every period; then removes its routes.
+    pub async fn run(self, hard_stop: CancellationToken) {
         let mut tick = super::Ticker::new(self.period);
-        while tick.next(&shutdown).await {
+        while tick.next(&hard_stop).await {
             self.ctx.metrics.route_syncs.inc();
             if let Err(e) = self
                 .reconcile()

@@ -104,17 +104,17 @@ impl ServiceController {
         }
     }
 
-    /// Runs until `shutdown`, then lets the provider release what only the leader
+    /// Runs until `hard_stop`, then lets the provider release what only the leader
     /// holds.
-    pub async fn run(self, shutdown: CancellationToken) {
+    pub async fn run(self, hard_stop: CancellationToken) {
         let this = Arc::new(self);
         this.restore_held().await;
         this.spawn_node_set_watch();
-        this.spawn_resync(shutdown.clone());
+        this.spawn_resync(hard_stop.clone());
         {
-            let (n, stop) = (this.node_events.clone(), shutdown.clone());
+            let (n, hard_stop) = (this.node_events.clone(), hard_stop.clone());
             tokio::spawn(async move {
-                stop.cancelled().await;
+                hard_stop.cancelled().await;
                 n.shut_down();
             });
         }
@@ -122,7 +122,7 @@ impl ServiceController {
         let (queue, workers) = (this.queue.clone(), this.cfg.workers);
         let last = this.clone();
         queue
-            .work(workers, shutdown, move |key| {
+            .work(workers, hard_stop, move |key| {
                 let this = this.clone();
                 async move {
                     let result = this
@@ -173,14 +173,14 @@ impl ServiceController {
     }
 
     /// Spawns the drift repair: every resync period, every balancer (refused ones
-    /// included) is queued again, until `stop`.
-    fn spawn_resync(self: &Arc<Self>, stop: CancellationToken) {
+    /// included) is queued again, until `hard_stop`.
+    fn spawn_resync(self: &Arc<Self>, hard_stop: CancellationToken) {
         let this = self.clone();
         tokio::spawn(
             async move {
                 let mut tick = super::Ticker::new(this.cfg.resync);
-                tick.next(&stop).await;
-                while tick.next(&stop).await {
+                tick.next(&hard_stop).await;
+                while tick.next(&hard_stop).await {
                     // Refused Services too: what they wanted may be free now
                     // (pools grew, a Service changed); the same refusal is not
                     // said again.

@@ -48,19 +48,19 @@ const POOL_CHECK: Duration = Duration::from_secs(1);
 /// A refresh must leave this much before the renew deadline.
 const REFRESH_MARGIN: Duration = Duration::from_millis(250);
 
-/// Serves the pools this replica holds until `shutdown`; then lets go of each (its
+/// Serves the pools this replica holds until `drain`; then lets go of each (its
 /// addresses first, then its lease, handed to a standby) before returning.
 pub async fn run(
     client: kube::Client,
     lbs: Arc<TunnelLoadBalancers>,
     cfg: ServingConfig,
-    shutdown: CancellationToken,
+    drain: CancellationToken,
 ) {
-    let stop = CancellationToken::new();
-    let _stop = stop.clone().drop_guard();
+    let hard_stop = CancellationToken::new();
+    let _hard_stop = hard_stop.clone().drop_guard();
     let queue = WorkQueue::new("lb-serve", lbs.metrics());
     let node_events = WorkQueue::new("lb-serve-nodes", lbs.metrics());
-    let watches = Watches::start(&client, &queue, &node_events, &stop, &shutdown).await;
+    let watches = Watches::start(&client, &queue, &node_events, &hard_stop, &drain).await;
     let Some(Watches {
         nodes,
         services,
@@ -78,11 +78,11 @@ pub async fn run(
         class: cfg.load_balancer_class.clone(),
         served: Mutex::new(HashMap::new()),
     });
-    spawn_node_set_watch(&server, node_events, &stop);
-    spawn_resync(&server, &stop, cfg.resync);
+    spawn_node_set_watch(&server, node_events, &hard_stop);
+    spawn_resync(&server, &hard_stop, cfg.resync);
     let workers = {
-        let (server, stop, n) = (server.clone(), stop.clone(), cfg.workers.max(1));
-        tokio::spawn(queue.clone().work(n, stop, move |key| {
+        let (server, hard_stop, n) = (server.clone(), hard_stop.clone(), cfg.workers.max(1));
+        tokio::spawn(queue.clone().work(n, hard_stop, move |key| {
             let server = server.clone();
             async move {
                 server
@@ -92,8 +92,8 @@ pub async fn run(
             }
         }))
     };
-    hold_pools(&client, &server, cfg.lease.as_ref(), &shutdown).await;
-    stop.cancel();
+    hold_pools(&client, &server, cfg.lease.as_ref(), &drain).await;
+    hard_stop.cancel();
     queue.shut_down();
     let _ = workers.await;
 }
@@ -106,31 +106,31 @@ struct Watches {
 }
 
 impl Watches {
-    /// Starts the watches (until `stop`), feeding node changes to `node_events` and
+    /// Starts the watches (until `hard_stop`), feeding node changes to `node_events` and
     /// Service and endpoint changes to `queue`, and waits until they are synced; `None`
-    /// on `shutdown` first or when they cannot sync.
+    /// on `drain` first or when they cannot sync.
     async fn start(
         client: &kube::Client,
         queue: &Arc<WorkQueue>,
         node_events: &Arc<WorkQueue>,
-        stop: &CancellationToken,
-        shutdown: &CancellationToken,
+        hard_stop: &CancellationToken,
+        drain: &CancellationToken,
     ) -> Option<Watches> {
         let nodes = crate::informer::spawn(
             "nodes",
             Api::<Node>::all(client.clone()),
             vec![node_events.clone()],
-            stop.clone(),
+            hard_stop.clone(),
         );
         let services = crate::informer::spawn(
             "services",
             Api::<Service>::all(client.clone()),
             vec![queue.clone()],
-            stop.clone(),
+            hard_stop.clone(),
         );
         let endpoints = tokio::select! {
-            e = EndpointsCache::spawn(client.clone(), queue.clone(), stop.clone()) => e,
-            _ = shutdown.cancelled() => None,
+            e = EndpointsCache::spawn(client.clone(), queue.clone(), hard_stop.clone()) => e,
+            _ = drain.cancelled() => None,
         };
         let endpoints = endpoints?;
         let ready = async {
@@ -149,7 +149,7 @@ impl Watches {
                 tracing::error!(error = %e, "load-balancer caches did not sync");
                 return None;
             },
-            _ = shutdown.cancelled() => return None,
+            _ = drain.cancelled() => return None,
         }
         Some(Watches {
             nodes,
@@ -159,16 +159,16 @@ impl Watches {
     }
 }
 
-/// Spawns the task that queues every Service when the node set changes (until `stop`
+/// Spawns the task that queues every Service when the node set changes (until `hard_stop`
 /// shuts `node_events` down).
 fn spawn_node_set_watch(
     server: &Arc<Server>,
     node_events: Arc<WorkQueue>,
-    stop: &CancellationToken,
+    hard_stop: &CancellationToken,
 ) {
-    let (n, stop) = (node_events.clone(), stop.clone());
+    let (n, hard_stop) = (node_events.clone(), hard_stop.clone());
     tokio::spawn(async move {
-        stop.cancelled().await;
+        hard_stop.cancelled().await;
         n.shut_down();
     });
     let server = server.clone();
@@ -188,14 +188,14 @@ fn spawn_node_set_watch(
     );
 }
 
-/// Spawns the drift repair: every Service queued again every `period`, until `stop`.
-fn spawn_resync(server: &Arc<Server>, stop: &CancellationToken, period: Duration) {
-    let (server, stop) = (server.clone(), stop.clone());
+/// Spawns the drift repair: every Service queued again every `period`, until `hard_stop`.
+fn spawn_resync(server: &Arc<Server>, hard_stop: &CancellationToken, period: Duration) {
+    let (server, hard_stop) = (server.clone(), hard_stop.clone());
     tokio::spawn(
         async move {
             let mut tick = crate::workqueue::Ticker::new(period);
-            tick.next(&stop).await;
-            while tick.next(&stop).await {
+            tick.next(&hard_stop).await;
+            while tick.next(&hard_stop).await {
                 server.queue_all();
             }
         }
@@ -204,13 +204,13 @@ fn spawn_resync(server: &Arc<Server>, stop: &CancellationToken, period: Duration
 }
 
 /// Runs one term per pool, following the cloud config (a pool added gets a term, a
-/// pool removed lets go), until `shutdown`; then waits for every pool to let go, each
+/// pool removed lets go), until `drain`; then waits for every pool to let go, each
 /// handing its lease to a standby.
 async fn hold_pools(
     client: &kube::Client,
     server: &Arc<Server>,
     lease: Option<&LeaderElection>,
-    shutdown: &CancellationToken,
+    drain: &CancellationToken,
 ) {
     let held = lease.and_then(|l| l.balance.clone()).unwrap_or_default();
     let mut terms: HashMap<String, (CancellationToken, tokio::task::JoinHandle<()>)> =
@@ -223,7 +223,7 @@ async fn hold_pools(
             if terms.contains_key(name) {
                 continue;
             }
-            let end = shutdown.child_token();
+            let pool_drain = drain.child_token();
             let lease = lease.cloned().map(|mut l| {
                 l.name = format!("{}-{name}", l.name);
                 l.balance = Some(held.clone());
@@ -235,11 +235,11 @@ async fn hold_pools(
                     server.clone(),
                     lease,
                     name.clone(),
-                    end.clone(),
+                    pool_drain.clone(),
                 )
                 .instrument(tracing::info_span!("lb_pool", pool = %name)),
             );
-            terms.insert(name.clone(), (end, task));
+            terms.insert(name.clone(), (pool_drain, task));
         }
         let gone: Vec<String> = terms
             .keys()
@@ -247,15 +247,15 @@ async fn hold_pools(
             .cloned()
             .collect();
         for name in gone {
-            if let Some((end, task)) = terms.remove(&name) {
+            if let Some((pool_drain, task)) = terms.remove(&name) {
                 tracing::info!(pool = %name, "pool removed from the cloud config; letting it go");
-                end.cancel();
+                pool_drain.cancel();
                 ending.push(task);
             }
         }
         tokio::select! {
             _ = tokio::time::sleep(POOL_CHECK) => {}
-            _ = shutdown.cancelled() => break,
+            _ = drain.cancelled() => break,
         }
     }
     // Every pool lets go at once, each handing its lease to a standby.
@@ -265,20 +265,20 @@ async fn hold_pools(
 }
 
 /// One pool's terms: stand by (while the interface is usable), take the pool's lease,
-/// serve its addresses until shutdown, a lost lease, an unusable interface or a
+/// serve its addresses until `drain`, a lost lease, an unusable interface or a
 /// handover; let go of the addresses, and only then release the lease.
 async fn term(
     client: kube::Client,
     server: Arc<Server>,
     lease: Option<LeaderElection>,
     pool: String,
-    end: CancellationToken,
+    drain: CancellationToken,
 ) {
     let lbs = server.lbs.clone();
     let Some(le) = lease else {
         lbs.resume_pool(&pool).await;
         server.queue_all();
-        end.cancelled().await;
+        drain.cancelled().await;
         lbs.release_pool(&pool).await;
         return;
     };
@@ -286,16 +286,16 @@ async fn term(
     let holding = lbs.metrics().leader.with_label_values(&[le.name.as_str()]);
     holding.set(0);
     loop {
-        if !stand_by(&lbs, &le, &end).await {
+        if !stand_by(&lbs, &le, &drain).await {
             return;
         }
-        let Some(leadership) = crate::leader::lead(client.clone(), le.clone(), end.clone()).await
+        let Some(leadership) = crate::leader::lead(client.clone(), le.clone(), drain.clone()).await
         else {
             return;
         };
         held.held.fetch_add(1, Ordering::SeqCst);
         holding.set(1);
-        let release = serve_term(&server, &pool, &le, &leadership, &end).await;
+        let release = serve_term(&server, &pool, &le, &leadership, &drain).await;
         // The addresses go (serves in flight finish first and none adds one back)
         // before the lease is released.
         lbs.release_pool(&pool).await;
@@ -309,15 +309,19 @@ async fn term(
         if release {
             leadership.release().await;
         }
-        if end.is_cancelled() {
+        if drain.is_cancelled() {
             return;
         }
     }
 }
 
 /// Waits until the interface is usable, to stand for the pool's lease only then
-/// (saying why not when that changes); false when `end` comes first.
-async fn stand_by(lbs: &TunnelLoadBalancers, le: &LeaderElection, end: &CancellationToken) -> bool {
+/// (saying why not when that changes); false when `drain` comes first.
+async fn stand_by(
+    lbs: &TunnelLoadBalancers,
+    le: &LeaderElection,
+    drain: &CancellationToken,
+) -> bool {
     let mut said = None;
     loop {
         match lbs.ready().await {
@@ -331,19 +335,19 @@ async fn stand_by(lbs: &TunnelLoadBalancers, le: &LeaderElection, end: &Cancella
         }
         tokio::select! {
             _ = tokio::time::sleep(le.retry_period) => {}
-            _ = end.cancelled() => return false,
+            _ = drain.cancelled() => return false,
         }
     }
 }
 
-/// Serves `pool` under `leadership` until `end`, a lost lease, a handover or an
+/// Serves `pool` under `leadership` until `drain`, a lost lease, a handover or an
 /// unusable interface; whether the lease is to be released after.
 async fn serve_term(
     server: &Server,
     pool: &str,
     le: &LeaderElection,
     leadership: &Leadership,
-    end: &CancellationToken,
+    drain: &CancellationToken,
 ) -> bool {
     let lbs = &server.lbs;
     // The addresses' kernel lifetime: what is left of the lease after the renew
@@ -374,7 +378,7 @@ async fn serve_term(
         }
     };
     tokio::select! {
-        _ = end.cancelled() => true,
+        _ = drain.cancelled() => true,
         _ = leadership.lost.cancelled() => false,
         _ = leadership.handover.cancelled() => true,
         why = unusable => {

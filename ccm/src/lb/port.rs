@@ -35,10 +35,10 @@ impl PortTarget {
     }
 }
 
-/// One listener: where it forwards (changed in place) and its stop token.
+/// One listener: where it forwards (changed in place) and its hard stop.
 pub(super) struct Listener {
     target: Arc<RwLock<PortTarget>>,
-    stop: CancellationToken,
+    hard_stop: CancellationToken,
 }
 
 impl Listener {
@@ -51,12 +51,12 @@ impl Listener {
         target: PortTarget,
         span: tracing::Span,
     ) -> Listener {
-        let stop = CancellationToken::new();
+        let hard_stop = CancellationToken::new();
         let target = Arc::new(RwLock::new(target));
         tokio::spawn(
-            serve(listener, client, shared, target.clone(), stop.clone()).instrument(span),
+            serve(listener, client, shared, target.clone(), hard_stop.clone()).instrument(span),
         );
-        Listener { target, stop }
+        Listener { target, hard_stop }
     }
 
     /// Sends the listener's next connections to `target`.
@@ -66,7 +66,7 @@ impl Listener {
 
     /// Stops the listener and its connections.
     pub(super) fn stop(&self) {
-        self.stop.cancel();
+        self.hard_stop.cancel();
     }
 }
 
@@ -204,10 +204,10 @@ struct PortServer {
     target: Arc<RwLock<PortTarget>>,
     /// Where the next connection starts in the backend list (round-robin).
     next: Arc<AtomicUsize>,
-    stop: CancellationToken,
+    hard_stop: CancellationToken,
 }
 
-/// Accepts until `stop`; a client outside the Service's source ranges, or over its
+/// Accepts until `hard_stop`; a client outside the Service's source ranges, or over its
 /// connection limit, is closed at once; each other connection goes to the next backend
 /// that answers.
 async fn serve(
@@ -215,14 +215,14 @@ async fn serve(
     client: Client,
     shared: Shared,
     target: Arc<RwLock<PortTarget>>,
-    stop: CancellationToken,
+    hard_stop: CancellationToken,
 ) {
     let port = PortServer {
         client,
         shared,
         target,
         next: Arc::new(AtomicUsize::new(0)),
-        stop,
+        hard_stop,
     };
     loop {
         let (conn, peer) = tokio::select! {
@@ -235,7 +235,7 @@ async fn serve(
                     continue;
                 }
             },
-            _ = port.stop.cancelled() => return,
+            _ = port.hard_stop.cancelled() => return,
         };
         let policy = port
             .shared
@@ -374,7 +374,7 @@ impl PortServer {
             _ = idle(last, epoch, policy.idle_timeout) => {
                 tracing::debug!(timeout = ?policy.idle_timeout, "idle connection closed");
             }
-            _ = self.stop.cancelled() => {}
+            _ = self.hard_stop.cancelled() => {}
         }
         // Counted however the connection ended (idle timeout, listener stopped).
         self.counters().to_backend.inc_by(splice.up);

@@ -132,8 +132,8 @@ pub async fn serve_connection<S, F>(
         Err(_) => return tracing::debug!("HTTP/2 handshake timed out"),
     };
     let keepalive = std::pin::pin!(keep_alive(pings, settings.keepalive));
-    let stop = std::pin::pin!(hard_stop.cancelled());
-    let mut serving = Serving::new(conn, keepalive, stop);
+    let hard_stop = std::pin::pin!(hard_stop.cancelled());
+    let mut serving = Serving::new(conn, keepalive, hard_stop);
     loop {
         let event = std::future::poll_fn(|cx| serving.poll_event(cx)).await;
         if serving.handle(event, &mut start).is_break() {
@@ -169,7 +169,7 @@ where
 struct Serving<'a, S, F, K, H> {
     conn: h2::server::Connection<S, Bytes>,
     keepalive: Pin<&'a mut K>,
-    stop: Pin<&'a mut H>,
+    hard_stop: Pin<&'a mut H>,
     streams: FuturesUnordered<F>,
     /// Set at the hard stop (a timer is not kept for every idle connection before).
     closing: Option<Pin<Box<tokio::time::Sleep>>>,
@@ -190,14 +190,14 @@ where
     fn new(
         conn: h2::server::Connection<S, Bytes>,
         keepalive: Pin<&'a mut K>,
-        stop: Pin<&'a mut H>,
+        hard_stop: Pin<&'a mut H>,
     ) -> Self {
         // Handed to the streams and the connection instead of the task's own waker.
         let wake = Arc::new(SelfWake::default());
         Serving {
             conn,
             keepalive,
-            stop,
+            hard_stop,
             streams: FuturesUnordered::new(),
             closing: None,
             stopping: false,
@@ -212,7 +212,7 @@ where
         let Serving {
             conn,
             keepalive,
-            stop,
+            hard_stop,
             streams,
             closing,
             stopping,
@@ -229,7 +229,7 @@ where
                 std::pin::pin!(conn.accept()).poll(cx).map(Event::Accepted)
             },
             |cx| {
-                if !*stopping && stop.as_mut().poll(cx).is_ready() {
+                if !*stopping && hard_stop.as_mut().poll(cx).is_ready() {
                     return Poll::Ready(Event::HardStop);
                 }
                 if keepalive.as_mut().poll(cx).is_ready() {

@@ -45,9 +45,8 @@ pub async fn serve_connection<S>(
         max_header_list: MAX_HEADER_LIST,
         keepalive,
     };
-    let stop = hard_stop.clone();
-    h2serve::serve_connection(io, settings, hard_stop, |request, respond| {
-        start_stream(&router, request, respond, &stop)
+    h2serve::serve_connection(io, settings, hard_stop.clone(), |request, respond| {
+        start_stream(&router, request, respond, &hard_stop)
     })
     .await;
 }
@@ -75,7 +74,7 @@ fn start_stream(
     // Debug level: an info-level span per stream costs ~0.4 KiB in the subscriber.
     let span = tracing::debug_span!("frontend", kind = "grpc", id = fe.id());
     let router = router.clone();
-    let stop = hard_stop.clone();
+    let hard_stop = hard_stop.clone();
     let body = request.into_body();
     Some(
         async move {
@@ -87,7 +86,7 @@ fn start_stream(
             let inbound = async {
                 let status = tokio::select! {
                     s = read_client(&router, &fe, body) => s,
-                    _ = stop.cancelled() => {
+                    _ = hard_stop.cancelled() => {
                         tracing::debug!("server stopping: stream ended");
                         Ok(())
                     }
@@ -97,7 +96,7 @@ fn start_stream(
                 drop(fe);
                 status
             };
-            let outbound = write_client(&router, &mut reply, rx, &stop);
+            let outbound = write_client(&router, &mut reply, rx, &hard_stop);
             let (status, ()) = futures::future::join(inbound, outbound).await;
             reply.finish(status.err().unwrap_or(Status::new(Code::Ok, "")));
             gauge.dec();
@@ -171,12 +170,12 @@ async fn on_packet(router: &Arc<Router>, fe: &Arc<FrontendStream>, packet: Packe
 }
 
 /// Writes the stream's outbox to the client until it ends (the stream is gone from
-/// the router and everything queued is out), the client stops the stream, or `stop`.
+/// the router and everything queued is out), the client stops the stream, or `hard_stop`.
 async fn write_client(
     router: &Router,
     reply: &mut Reply,
     rx: tether_core::queue::Receiver<crate::router::Outgoing>,
-    stop: &CancellationToken,
+    hard_stop: &CancellationToken,
 ) {
     let mut packets = outbox(rx);
     loop {
@@ -185,7 +184,7 @@ async fn write_client(
                 Some(p) => p,
                 None => return,
             },
-            _ = stop.cancelled() => return,
+            _ = hard_stop.cancelled() => return,
         };
         if let Err(e) = reply.send(&packet).await {
             tracing::debug!(error = %chain(&e), "cannot write to the frontend client");

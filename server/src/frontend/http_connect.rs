@@ -25,7 +25,7 @@ const DIAL_BACKSTOP: Duration = Duration::from_secs(30);
 
 /// Serves one HTTP-CONNECT client connection to the end: read the request head, dial
 /// through the router, then pump bytes both ways.
-pub async fn serve_connection<S>(router: Arc<Router>, mut sock: S, shutdown: CancellationToken)
+pub async fn serve_connection<S>(router: Arc<Router>, mut sock: S, hard_stop: CancellationToken)
 where
     S: AsyncRead + AsyncWrite + Unpin + Send,
 {
@@ -40,7 +40,7 @@ where
     let (tx, rx) = tether_core::queue::queue();
     let fe = FrontendStream::http_connect(tx);
     let mut rx = outbox(rx);
-    let connect_id = match dial(&router, &fe, &mut rx, &address, &shutdown).await {
+    let connect_id = match dial(&router, &fe, &mut rx, &address, &hard_stop).await {
         Ok(id) => id,
         Err((status, body)) => {
             // Cancels a dial still pending, closes a connection the agent opened late.
@@ -64,7 +64,7 @@ where
         // frontend takes (credit, counters) through the sink.
         let (rd, wr) = tokio::io::split(&mut sock);
         let flow = Flow::default();
-        match splice(Buffered(rd), wr, rx, &sink, connect_id, &shutdown, flow).await {
+        match splice(Buffered(rd), wr, rx, &sink, connect_id, &hard_stop, flow).await {
             SpliceEnd::RemoteClosed(Some(err)) => {
                 tracing::debug!(%err, connect_id, "closed by agent")
             }
@@ -117,7 +117,7 @@ async fn dial<In>(
     fe: &Arc<FrontendStream>,
     rx: &mut In,
     address: &str,
-    shutdown: &CancellationToken,
+    hard_stop: &CancellationToken,
 ) -> Result<i64, (&'static str, String)>
 where
     In: futures::Stream<Item = Packet> + Unpin,
@@ -136,7 +136,7 @@ where
     }
     let first = tokio::select! {
         p = tokio::time::timeout(DIAL_BACKSTOP, rx.next()) => p,
-        _ = shutdown.cancelled() => Ok(None),
+        _ = hard_stop.cancelled() => Ok(None),
     };
     match first.map(|p| p.and_then(|p| p.payload)) {
         Ok(Some(Payload::DialResponse(rsp))) if rsp.error.is_empty() => {

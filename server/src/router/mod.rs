@@ -98,7 +98,7 @@ impl Router {
         &self.registry
     }
 
-    /// Pending dials and established connections: what a graceful stop waits for.
+    /// Pending dials and established connections: what a drain waits for.
     pub fn work(&self) -> &drain::Signal {
         &self.work
     }

@@ -223,7 +223,7 @@ impl Conn {
     }
 
     /// The connection is gone: wake whoever waits on its credit or window, and let a
-    /// graceful drain stop waiting for it.
+    /// drain stop waiting for it.
     pub(crate) fn close(&self) {
         self.flow.close();
         lock(&self.work).take();
