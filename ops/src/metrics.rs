@@ -520,6 +520,9 @@ impl prometheus::core::Collector for PacketCounters {
 /// Warn this long before a loaded certificate expires.
 pub const EXPIRY_WARNING: i64 = 30 * 86_400;
 
+/// Each source's (file, index) series, as last published.
+type Published = std::collections::HashMap<String, Vec<(String, String)>>;
+
 /// Publishes every loaded certificate's not-after as
 /// `tether_certificate_expiry_timestamp_seconds{source,file,index}` (which listener or
 /// client loaded it, the file's name without its directory, the certificate's place in
@@ -529,6 +532,9 @@ pub const EXPIRY_WARNING: i64 = 30 * 86_400;
 #[derive(Clone)]
 pub struct CertExpiry {
     gauge: prometheus::IntGaugeVec,
+    /// The (file, index) series each source published last, so that a reload drops
+    /// those of certificates no longer loaded (a renewed bundle that got shorter).
+    published: std::sync::Arc<std::sync::Mutex<Published>>,
 }
 
 impl CertExpiry {
@@ -541,15 +547,32 @@ impl CertExpiry {
             ),
             &["source", "file", "index"],
         ));
-        CertExpiry { gauge }
+        CertExpiry {
+            gauge,
+            published: Default::default(),
+        }
+    }
+
+    /// Drops `source`'s series from its previous load that `now` does not have.
+    fn forget_stale(&self, source: &str, now: Vec<(String, String)>) {
+        let mut published = self.published.lock().unwrap_or_else(|e| e.into_inner());
+        let before = published.insert(source.to_string(), now.clone());
+        for (file, index) in before.unwrap_or_default() {
+            if !now.contains(&(file.clone(), index.clone())) {
+                let _ = self.gauge.remove_label_values(&[source, &file, &index]);
+            }
+        }
     }
 
     /// Reads the certificates in `paths` (files without certificates, such as keys,
     /// are skipped) and publishes their expiry under `source`.
     pub fn observe_files(&self, source: &str, paths: &[std::path::PathBuf]) {
         let now = tether_certs::inspect::now();
+        let mut loaded = Vec::new();
+        let mut complete = true;
         for path in paths {
             let Ok(pem) = std::fs::read_to_string(path) else {
+                complete = false;
                 continue;
             };
             let Ok(certs) = tether_certs::inspect::parse_pem(&pem) else {
@@ -564,6 +587,7 @@ impl CertExpiry {
                 self.gauge
                     .with_label_values(&[source, &name, &index.to_string()])
                     .set(cert.not_after);
+                loaded.push((name.clone(), index.to_string()));
                 let left = cert.not_after - now;
                 if left < 0 {
                     tracing::error!(path = %file, subject = %cert.subject, "certificate has EXPIRED; issue a new one (tether certs)");
@@ -572,12 +596,40 @@ impl CertExpiry {
                 }
             }
         }
+        // A file that could not be read (mid-rotation, say) keeps its old series.
+        if complete {
+            self.forget_stale(source, loaded);
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_shorter_bundle_drops_the_series_of_what_it_no_longer_holds() {
+        let dir = std::env::temp_dir().join(format!("tether-expiry-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let bundle = dir.join("ca.crt");
+        let a = tether_certs::Ca::new("a").unwrap().pair().cert_pem.clone();
+        let b = tether_certs::Ca::new("b").unwrap().pair().cert_pem.clone();
+        let expiry = CertExpiry::new(&Catalog::default());
+        let series = |e: &CertExpiry| {
+            let families = prometheus::core::Collector::collect(&e.gauge);
+            families[0].get_metric().len()
+        };
+        std::fs::write(&bundle, format!("{a}{b}")).unwrap();
+        expiry.observe_files("client-ca", std::slice::from_ref(&bundle));
+        assert_eq!(series(&expiry), 2);
+        std::fs::write(&bundle, &a).unwrap();
+        expiry.observe_files("client-ca", std::slice::from_ref(&bundle));
+        assert_eq!(series(&expiry), 1, "index 1 is gone from the bundle");
+        // An unreadable file keeps what was published.
+        expiry.observe_files("client-ca", &[dir.join("missing.crt")]);
+        assert_eq!(series(&expiry), 1);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn floats_print_as_go_prints_them() {
