@@ -399,16 +399,19 @@ impl Prometheus {
             .then(|| String::from_utf8_lossy(&out.stdout).to_string())
     }
 
+    /// The list at `data.<key>` of the API answer to `path` (empty when it fails).
+    fn api_list(&self, path: &str, key: &str) -> Vec<serde_json::Value> {
+        let doc: serde_json::Value = self
+            .get(path)
+            .and_then(|body| serde_json::from_str(&body).ok())
+            .unwrap_or_default();
+        doc["data"][key].as_array().cloned().unwrap_or_default()
+    }
+
     /// The alerts in `state` (pending or firing) now, as their label sets.
     fn alerts(&self, state: &str) -> Vec<serde_json::Value> {
-        let Some(body) = self.get("/api/v1/alerts") else {
-            return Vec::new();
-        };
-        let doc: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
-        doc["data"]["alerts"]
-            .as_array()
+        self.api_list("/api/v1/alerts", "alerts")
             .into_iter()
-            .flatten()
             .filter(|a| a["state"] == state)
             .map(|a| a["labels"].clone())
             .collect()
@@ -423,14 +426,7 @@ impl Prometheus {
 
     /// The instant query `expr`'s result.
     fn query(&self, expr: &str) -> Vec<serde_json::Value> {
-        let Some(body) = self.get(&format!("/api/v1/query?query={}", encode(expr))) else {
-            return Vec::new();
-        };
-        let doc: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
-        doc["data"]["result"]
-            .as_array()
-            .cloned()
-            .unwrap_or_default()
+        self.api_list(&format!("/api/v1/query?query={}", encode(expr)), "result")
     }
 
     /// Polls `probe` until it answers, for up to 90 s.

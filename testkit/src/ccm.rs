@@ -257,6 +257,11 @@ pub struct Tunnel {
 }
 
 impl Tunnel {
+    /// [`Tunnel::start`] for node `name`, its agent claiming the node's address.
+    pub fn to_node(bin: &Path, node: &Node, name: &str) -> Tunnel {
+        Tunnel::start(bin, node, name, &format!("ipv4={}", node.node_ip))
+    }
+
     /// Starts `bin server` on the host and `bin agent` in `node` as `agent_id` (with the
     /// node's own certificate, bound to its address) claiming `identifiers`.
     pub fn start(bin: &Path, node: &Node, agent_id: &str, identifiers: &str) -> Tunnel {

@@ -86,12 +86,7 @@ impl Failover {
     fn with_pools(pools: usize) -> Failover {
         use tether_testkit::netns::Lan;
         let node = Node::create();
-        let tunnel = Tunnel::start(
-            Path::new(BIN),
-            &node,
-            "node-1",
-            &format!("ipv4={}", node.node_ip),
-        );
+        let tunnel = Tunnel::to_node(Path::new(BIN), &node, "node-1");
         let page = node.serve_page(30080, "hello over the lan\n");
         let cluster = Cluster::start(&Egress::Direct);
         cluster.add_node("node-1", &node.node_ip);

@@ -48,12 +48,7 @@ struct BulkServices {
 impl BulkServices {
     fn new(node_ports: [u16; 2]) -> BulkServices {
         let node = Node::create();
-        let tunnel = Tunnel::start(
-            Path::new(BIN),
-            &node,
-            "node-1",
-            &format!("ipv4={}", node.node_ip),
-        );
+        let tunnel = Tunnel::to_node(Path::new(BIN), &node, "node-1");
         let zero = node_ports
             .iter()
             .map(|p| {
@@ -226,12 +221,7 @@ fn the_global_connection_cap_holds_over_every_service() {
 #[test]
 fn an_ingress_hostname_suffix_publishes_names_kube_proxy_ignores() {
     let node = Node::create();
-    let tunnel = Tunnel::start(
-        Path::new(BIN),
-        &node,
-        "node-1",
-        &format!("ipv4={}", node.node_ip),
-    );
+    let tunnel = Tunnel::to_node(Path::new(BIN), &node, "node-1");
     let _page = node.serve_page(30084, "hello by name\n");
     let cluster = Cluster::start(&Egress::Direct);
     cluster.add_node("node-1", &node.node_ip);

@@ -23,12 +23,7 @@ use crate::BIN;
 fn a_load_balancer_service_is_reachable_through_the_tunnel() {
     // A node on its own network: its address is reachable only through its agent.
     let node = Node::create();
-    let tunnel = Tunnel::start(
-        Path::new(BIN),
-        &node,
-        "node-1",
-        &format!("ipv4={}", node.node_ip),
-    );
+    let tunnel = Tunnel::to_node(Path::new(BIN), &node, "node-1");
     let socket = &tunnel.socket;
     // The "NodePort": an HTTP server on the node's private address.
     let _page = node.serve_page(30080, "hello from node-1\n");
@@ -324,12 +319,7 @@ fn endpoint_slice(service: &str, port_name: &str, port: u16, endpoints: &[(&str,
 fn services_get_their_own_addresses_from_the_pools() {
     use serde_json::json;
     let node = Node::create();
-    let tunnel = Tunnel::start(
-        Path::new(BIN),
-        &node,
-        "node-1",
-        &format!("ipv4={}", node.node_ip),
-    );
+    let tunnel = Tunnel::to_node(Path::new(BIN), &node, "node-1");
     let _page_a = node.serve_page(30080, "page a\n");
     let _page_b = node.serve_page(30081, "page b\n");
     let _pod = node.serve_page_at(&node.pod_ip, 8080, "from the pod\n");

@@ -175,6 +175,15 @@ impl NodeController {
         Ok(())
     }
 
+    /// Counts one failed initialisation (`node_controller_node_initializations_total`).
+    fn count_failed(&self) {
+        self.ctx
+            .metrics
+            .node_inits
+            .with_label_values(&["failed"])
+            .inc();
+    }
+
     /// The provider's metadata of `node` to initialise it with; a node the provider
     /// cannot vouch for or does not know is counted as failed and gets a Warning event.
     async fn initial_metadata(&self, node: &Node) -> Result<InstanceMetadata, SyncError> {
@@ -182,22 +191,14 @@ impl NodeController {
         match self.instances.metadata(&node_info(node)).await {
             Ok(m) => Ok(m),
             Err(CloudError::Unverified(why)) => {
-                self.ctx
-                    .metrics
-                    .node_inits
-                    .with_label_values(&["failed"])
-                    .inc();
+                self.count_failed();
                 self.ctx
                     .node_event(node, true, UNVERIFIED_REASON, "InitializeNode", why.clone())
                     .await;
                 Err(CloudError::Unverified(why).into())
             }
             Err(CloudError::InstanceNotFound) => {
-                self.ctx
-                    .metrics
-                    .node_inits
-                    .with_label_values(&["failed"])
-                    .inc();
+                self.count_failed();
                 self.ctx
                     .node_event(
                         node,
