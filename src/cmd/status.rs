@@ -15,7 +15,11 @@ use serde_json::{json, Value};
 /// Certificates this close to their not-after are critical, whatever `--warn-days` is.
 const CRITICAL_SECS: i64 = 2 * 86_400;
 /// The largest answer read.
-const MAX_BODY: usize = 32 << 20;
+const MAX_BODY: usize = 4 << 20;
+/// The most of a token file read.
+const MAX_TOKEN: u64 = 64 << 10;
+/// The most of one value printed in a table or a message.
+const MAX_SHOWN: usize = 256;
 /// Upstream's gauges of connected agents.
 const READY_BACKENDS: &str = "konnectivity_network_proxy_server_ready_backends";
 const READY_CONNECTIONS: &str = "konnectivity_network_proxy_server_ready_backend_connections";
@@ -92,7 +96,7 @@ pub fn main(args: StatusArgs) -> ExitCode {
     let report = match runtime.block_on(read(&args)) {
         Ok(r) => r,
         Err(line) => {
-            eprintln!("error: {line}");
+            eprintln!("error: {}", printable(&line));
             return ExitCode::from(2);
         }
     };
@@ -106,7 +110,7 @@ pub fn main(args: StatusArgs) -> ExitCode {
         Output::Json => println!("{:#}", document(report, &found)),
     }
     for p in &found {
-        eprintln!("problem: {p}");
+        eprintln!("problem: {}", printable(p));
     }
     if found.is_empty() {
         ExitCode::SUCCESS
@@ -127,6 +131,11 @@ fn base_url(url: &str) -> Result<hyper::Uri, String> {
     let uri: hyper::Uri = trimmed
         .parse()
         .map_err(|e| format!("--admin-url {url:?} is not a URL ({e}); use http://HOST:PORT"))?;
+    if uri.authority().is_some_and(|a| a.as_str().contains('@')) {
+        return Err(format!(
+            "--admin-url {url:?} carries credentials: pass the token with --token-file instead"
+        ));
+    }
     match (uri.scheme_str(), uri.host()) {
         (Some("http" | "https"), Some(_)) => Ok(uri),
         _ => Err(format!(
@@ -135,16 +144,21 @@ fn base_url(url: &str) -> Result<hyper::Uri, String> {
     }
 }
 
+/// The token in `path` (at most [`MAX_TOKEN`] bytes), trimmed.
+fn read_token(path: &std::path::Path) -> Result<String, String> {
+    use std::io::Read;
+    let mut token = String::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(MAX_TOKEN).read_to_string(&mut token))
+        .map_err(|e| format!("--token-file {}: {e}", path.display()))?;
+    Ok(token.trim().to_string())
+}
+
 /// `/status`, or `/metrics` where the server has no `/status`.
 async fn read(args: &StatusArgs) -> Result<Report, String> {
     let base = base_url(&args.admin_url)?;
     let token = match (&args.token_file, &args.token) {
-        (Some(f), _) => Some(
-            std::fs::read_to_string(f)
-                .map_err(|e| format!("--token-file {}: {e}", f.display()))?
-                .trim()
-                .to_string(),
-        ),
+        (Some(f), _) => Some(read_token(f)?),
         (None, t) => t.clone(),
     };
     let client = Client::new(base, token, args.cacert.as_deref(), args.timeout)?;
@@ -217,6 +231,16 @@ struct Client {
     timeout: Duration,
 }
 
+/// True for `localhost` and loopback addresses.
+fn is_loopback(host: &str) -> bool {
+    host == "localhost"
+        || host
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
 impl Client {
     fn new(
         base: hyper::Uri,
@@ -232,8 +256,14 @@ impl Client {
             (Some("https"), None) => {
                 return Err("an https:// --admin-url needs --cacert (the CA that signed its certificate); the admin port itself is plain http://".into())
             }
+            (_, Some(_)) => {
+                return Err("--cacert is for an https:// --admin-url; this one is plain http://, so it would not be used".into())
+            }
             _ => None,
         };
+        if token.is_some() && tls.is_none() && !is_loopback(base.host().unwrap_or_default()) {
+            eprintln!("warning: the token goes to {base} in clear text (plain http off loopback); a token bound to the audience tether-admin is worthless elsewhere, but anyone on the path can read it");
+        }
         Ok(Client {
             base,
             token,
@@ -552,8 +582,13 @@ fn lease_line(lease: &Value) -> String {
     }
 }
 
-/// Rows padded into aligned columns.
+/// Rows padded into aligned columns, every cell made [`printable`].
 fn columns(rows: &[Vec<String>]) -> String {
+    let rows: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| r.iter().map(|c| printable(c)).collect())
+        .collect();
+    let rows = &rows;
     let mut widths: Vec<usize> = Vec::new();
     for row in rows {
         for (i, cell) in row.iter().enumerate() {
@@ -582,6 +617,21 @@ fn cert_name(c: &Value) -> String {
         Some(i) if i > 0 => format!("{}#{i}", str_of(&c["file"])),
         _ => str_of(&c["file"]),
     }
+}
+
+/// `s` safe for a terminal: what the server sent (agent IDs, host names, file names)
+/// may be forged on a plain-HTTP path, so control characters (escape sequences
+/// included) become `?`, and a value is cut at [`MAX_SHOWN`] characters.
+fn printable(s: &str) -> String {
+    let mut out: String = s
+        .chars()
+        .take(MAX_SHOWN)
+        .map(|c| if c.is_control() { '?' } else { c })
+        .collect();
+    if s.chars().nth(MAX_SHOWN).is_some() {
+        out.push_str("...");
+    }
+    out
 }
 
 fn str_of(v: &Value) -> String {
@@ -620,6 +670,35 @@ fn human(secs: i64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn what_a_server_sends_reaches_the_terminal_without_escapes() {
+        assert_eq!(printable("node-1"), "node-1");
+        assert_eq!(
+            printable("a\u{1b}]0;owned\u{7}b\u{9b}c\n"),
+            "a?]0;owned?b?c?"
+        );
+        let long = "x".repeat(MAX_SHOWN + 10);
+        assert_eq!(printable(&long).len(), MAX_SHOWN + 3);
+        let rows = vec![vec!["\u{1b}[2J".to_string()]];
+        assert_eq!(columns(&rows), "?[2J\n");
+    }
+
+    #[test]
+    fn admin_urls_with_credentials_or_cacert_on_http_are_refused() {
+        assert!(base_url("http://user:secret@10.0.0.1:8133")
+            .unwrap_err()
+            .contains("--token-file"));
+        assert!(base_url("http://127.0.0.1:8133/status").is_ok());
+        let ca = std::path::Path::new("/nonexistent/ca.crt");
+        let http = base_url("http://10.0.0.1:8133").unwrap();
+        assert!(Client::new(http, None, Some(ca), Duration::from_secs(1))
+            .err()
+            .unwrap()
+            .contains("plain http"));
+        assert!(is_loopback("127.0.0.1") && is_loopback("localhost") && is_loopback("[::1]"));
+        assert!(!is_loopback("10.0.0.1"));
+    }
 
     #[test]
     fn certificate_states() {
