@@ -905,6 +905,11 @@ impl Cluster {
         self.kubeconfig_for("system:serviceaccount:kube-system:cloud-controller-manager")
     }
 
+    /// The apiserver's log so far (for a failure message).
+    pub fn apiserver_log(&self) -> String {
+        self.apiserver.log_text()
+    }
+
     /// Does the apiserver log contain `needle`?
     pub fn apiserver_logged(&self, needle: &str) -> bool {
         self.apiserver.logged(needle)
