@@ -164,16 +164,11 @@ fn every_dashboard_query_parses() {
 /// The metric names a PromQL expression reads: identifiers that are not functions,
 /// keywords, label names (in braces and grouping lists) or durations.
 fn metric_names(expr: &str) -> BTreeSet<String> {
+    // Besides the words LISTS holds.
     const KEYWORDS: &[&str] = &[
         "and",
         "or",
         "unless",
-        "by",
-        "without",
-        "on",
-        "ignoring",
-        "group_left",
-        "group_right",
         "offset",
         "bool",
         // Aggregations, which may come before their `by` list rather than a `(`.
@@ -232,7 +227,8 @@ fn metric_names(expr: &str) -> BTreeSet<String> {
             }
             let word: String = chars[start..i].iter().collect();
             let next = chars[i..].iter().find(|c| !c.is_whitespace());
-            if next != Some(&'(') && !KEYWORDS.contains(&word.as_str()) {
+            let keyword = KEYWORDS.contains(&word.as_str()) || LISTS.contains(&word.as_str());
+            if next != Some(&'(') && !keyword {
                 names.insert(word.clone());
             }
             last_word = word;

@@ -63,8 +63,6 @@ impl StatusSource {
     /// The `/status` document.
     pub(crate) fn render(&self, router: &Router) -> String {
         let now = SystemTime::now();
-        let agents: Value = serde_json::from_str(&router.registry().agents_json())
-            .unwrap_or_else(|_| json!({ "agents": [] }));
         let mode: Vec<String> = self
             .frontends
             .iter()
@@ -80,7 +78,7 @@ impl StatusSource {
             "version": env!("CARGO_PKG_VERSION"),
             "startTime": rfc3339(unix(self.started)),
             "uptimeSeconds": now.duration_since(self.started).unwrap_or_default().as_secs(),
-            "agents": agents["agents"],
+            "agents": router.registry().agents(),
             "certificates": certificates(router.metrics.registry(), unix(now)),
             "lease": self.lease_view(now),
         })

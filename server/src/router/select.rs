@@ -353,6 +353,11 @@ impl Registry {
     /// (`verifiedHosts`, `verifiedIps`, `verifiedBy`, `verifiedNode`; from its first
     /// stream), whether it drains, and its stream count.
     pub fn agents_json(&self) -> String {
+        serde_json::json!({ "agents": self.agents() }).to_string()
+    }
+
+    /// The connected agents, one entry an agent ID, as `/agents` lists them.
+    pub fn agents(&self) -> Vec<serde_json::Value> {
         let mut by_id: std::collections::BTreeMap<String, serde_json::Value> = Default::default();
         for b in self.snapshot() {
             let entry = by_id.entry(b.agent_id.clone()).or_insert_with(|| {
@@ -381,7 +386,7 @@ impl Registry {
                 entry["draining"] = false.into();
             }
         }
-        serde_json::json!({ "agents": by_id.into_values().collect::<Vec<_>>() }).to_string()
+        by_id.into_values().collect()
     }
 
     /// True when no agent is connected.
