@@ -6,144 +6,22 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use tether_client::Client;
-use tether_proto::agent_service_client::AgentServiceClient;
 use tether_proto::{packet::Payload, Packet};
 use tether_testkit::backend;
 use tether_testkit::kube::{Cluster, Egress};
 use tether_testkit::process::{socket_path, uds_frontend_args};
+use tether_testkit::rogue::{
+    manifest_agent_identifiers, manifest_server_args, node_cert, ping, wait_verified_ips, Rogue,
+    ROGUE,
+};
 use tether_testkit::{metric, wait_until, AgentProc, Pki, ServerProc, TempDir};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::sync::mpsc;
 
 const BIN: &str = env!("CARGO_BIN_EXE_tether");
-
-/// What the attacker's agent writes into every tunnel it is given.
-const ROGUE: &[u8; 4] = b"evil";
-
-/// A per-node agent certificate, as `tether certs agent` writes it: (cert, key).
-fn node_cert(pki: &Pki, out: &Path, node: &str, ip: &str) -> (PathBuf, PathBuf) {
-    let f = &pki.files;
-    let status = Command::new(BIN)
-        .args(["certs", "agent", "--node", node, "--node-ip", ip, "--out"])
-        .arg(out)
-        .arg("--ca-cert")
-        .arg(&f.ca_cert)
-        .arg("--ca-key")
-        .arg(&f.ca_key)
-        .output()
-        .unwrap();
-    assert!(status.status.success(), "{status:?}");
-    (
-        out.join(format!("agent-{node}.crt")),
-        out.join(format!("agent-{node}.key")),
-    )
-}
-
-/// The attacker: one mutual-TLS HTTP/2 connection to the agent port, on which it opens
-/// as many Connect streams as it likes with whatever metadata it likes. Every stream
-/// answers each dial with a tunnel of its own bytes ([`ROGUE`]), unless `silent`.
-struct Rogue {
-    channel: tonic::transport::Channel,
-    /// Dials that reached the attacker.
-    dials: Arc<AtomicUsize>,
-    silent: bool,
-}
-
-/// One of the attacker's streams: what it sends goes to the server.
-struct RogueStream {
-    out: mpsc::Sender<Packet>,
-}
-
-impl Rogue {
-    /// Connects with `identity` (a client certificate and key), or none (tokens).
-    async fn connect(
-        pki: &Pki,
-        server: std::net::SocketAddr,
-        identity: Option<(&Path, &Path)>,
-    ) -> Rogue {
-        let channel = tether_testkit::agent_channel(server, &pki.files.ca_cert, identity).await;
-        Rogue {
-            channel,
-            dials: Arc::default(),
-            silent: false,
-        }
-    }
-
-    /// Opens a Connect stream as `agent_id` with `identifiers` (and `token`).
-    async fn open(
-        &self,
-        agent_id: &str,
-        identifiers: &str,
-        token: Option<&str>,
-    ) -> Result<RogueStream, tonic::Status> {
-        let (out, rx) = mpsc::channel(64);
-        let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
-        let md = request.metadata_mut();
-        md.insert("agentid", agent_id.parse().unwrap());
-        md.insert("agentidentifiers", identifiers.parse().unwrap());
-        if let Some(t) = token {
-            md.insert("authorization", format!("Bearer {t}").parse().unwrap());
-        }
-        let mut inbound = AgentServiceClient::new(self.channel.clone())
-            .connect(request)
-            .await?
-            .into_inner();
-        let (dials, silent, reply) = (self.dials.clone(), self.silent, out.clone());
-        tokio::spawn(async move {
-            let mut next_id = 1_000_000;
-            while let Ok(Some(packet)) = inbound.message().await {
-                if let Some(Payload::DialRequest(req)) = packet.payload {
-                    dials.fetch_add(1, Ordering::SeqCst);
-                    if silent {
-                        continue;
-                    }
-                    next_id += 1;
-                    let _ = reply
-                        .send(Packet::dial_response(req.random, next_id, ""))
-                        .await;
-                    let _ = reply.send(Packet::data(next_id, ROGUE.to_vec())).await;
-                }
-            }
-        });
-        Ok(RogueStream { out })
-    }
-
-    /// Opens up to `n` streams; (opened, refusals with their codes).
-    async fn open_many(
-        &self,
-        n: usize,
-        agent_id: &str,
-        identifiers: &str,
-        token: Option<&str>,
-    ) -> (Vec<RogueStream>, Vec<tonic::Code>) {
-        let (mut opened, mut refused) = (Vec::new(), Vec::new());
-        for _ in 0..n {
-            match self.open(agent_id, identifiers, token).await {
-                Ok(s) => opened.push(s),
-                Err(status) => refused.push(status.code()),
-            }
-        }
-        (opened, refused)
-    }
-}
-
-/// Dials `address` through the gRPC frontend, writes "ping" and reads four bytes back:
-/// "ping" from the real echo backend, [`ROGUE`] from the attacker.
-async fn ping(client: &Client, address: &str) -> Vec<u8> {
-    let mut conn = client.dial(address).await.expect("dial");
-    conn.write_all(b"ping").await.unwrap();
-    let mut back = [0u8; 4];
-    tokio::time::timeout(Duration::from_secs(20), conn.read_exact(&mut back))
-        .await
-        .expect("an answer within 20 s")
-        .expect("four bytes");
-    back.to_vec()
-}
 
 /// A server as `tether certs` and the shipped defaults make it: agents by per-node
 /// certificates, the gRPC frontend on a socket, the deploy manifest's strategies.
@@ -182,8 +60,8 @@ fn real_agent(
 async fn a_node_certificate_cannot_take_another_nodes_traffic() {
     let pki = Pki::new();
     let certs = TempDir::new("tether-node-certs");
-    let cert_a = node_cert(&pki, certs.path(), "node-a", "127.0.0.3");
-    let cert_b = node_cert(&pki, certs.path(), "node-b", "127.0.0.2");
+    let cert_a = node_cert(Path::new(BIN), &pki, certs.path(), "node-a", "127.0.0.3");
+    let cert_b = node_cert(Path::new(BIN), &pki, certs.path(), "node-b", "127.0.0.2");
     let kubelet_b = backend::echo_on("127.0.0.2").await;
     let elsewhere = backend::echo().await;
     let server = certificate_server(&pki, &[]);
@@ -265,8 +143,8 @@ async fn a_node_certificate_cannot_take_another_nodes_traffic() {
 async fn forged_packets_reach_no_other_agents_tunnels() {
     let pki = Pki::new();
     let certs = TempDir::new("tether-node-certs");
-    let cert_a = node_cert(&pki, certs.path(), "node-a", "127.0.0.3");
-    let cert_b = node_cert(&pki, certs.path(), "node-b", "127.0.0.2");
+    let cert_a = node_cert(Path::new(BIN), &pki, certs.path(), "node-a", "127.0.0.3");
+    let cert_b = node_cert(Path::new(BIN), &pki, certs.path(), "node-b", "127.0.0.2");
     let kubelet_b = backend::echo_on("127.0.0.2").await;
     let server = certificate_server(&pki, &["--require-agent-identity-match"]);
     let _node_b = real_agent(&pki, &server, "node-b", "127.0.0.2", &cert_b);
@@ -314,7 +192,7 @@ async fn forged_packets_reach_no_other_agents_tunnels() {
 async fn a_dial_no_agent_answers_fails_on_the_grpc_frontend() {
     let pki = Pki::new();
     let certs = TempDir::new("tether-node-certs");
-    let cert_a = node_cert(&pki, certs.path(), "node-a", "127.0.0.3");
+    let cert_a = node_cert(Path::new(BIN), &pki, certs.path(), "node-a", "127.0.0.3");
     let server = certificate_server(&pki, &[]);
     let mut rogue = Rogue::connect(&pki, server.agent, Some((&cert_a.0, &cert_a.1))).await;
     rogue.silent = true;
@@ -493,51 +371,6 @@ sys.stdin.read()
     }
 }
 
-/// The deploy manifests' server flags (token authentication, destHost, destCIDR and
-/// default, Node watching) with this test's socket, certificate and kubeconfig.
-fn manifest_server_args(pki: &Pki, kubeconfig: &Path) -> Vec<String> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/konnectivity-server.yaml");
-    let pod: serde_yaml::Value =
-        serde_yaml::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let args = pod["spec"]["containers"][0]["args"].as_sequence().unwrap();
-    let f = &pki.files;
-    args.iter()
-        .map(|a| {
-            let a = a.as_str().unwrap();
-            let flag = a.split('=').next().unwrap();
-            match flag {
-                "--uds-name" => format!("--uds-name={}", socket_path(pki.dir()).display()),
-                "--cluster-cert" => format!("--cluster-cert={}", f.server_cert.display()),
-                "--cluster-key" => format!("--cluster-key={}", f.server_key.display()),
-                "--kubeconfig" => format!("--kubeconfig={}", kubeconfig.display()),
-                "--agent-port" | "--admin-port" | "--health-port" => format!("{flag}=0"),
-                "--uds-socket-group" => format!("--uds-socket-group={}", own_gid()),
-                _ => a.to_string(),
-            }
-        })
-        // The test reads JSON logs, and sets the format itself.
-        .filter(|a| !a.starts_with("--log-format"))
-        .collect()
-}
-
-/// This process's group (the socket's group must exist here).
-fn own_gid() -> u32 {
-    let out = Command::new("id").arg("-g").output().unwrap();
-    String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
-}
-
-/// The DaemonSet's agent identifiers for a node named `node` at `ip`.
-fn manifest_agent_identifiers(node: &str, ip: &str) -> String {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/konnectivity-agent.yaml");
-    let text = std::fs::read_to_string(path).unwrap();
-    let flag = text
-        .lines()
-        .map(str::trim)
-        .find_map(|l| l.strip_prefix("- --agent-identifiers="))
-        .expect("the DaemonSet sets --agent-identifiers");
-    flag.replace("$(NODE_NAME)", node).replace("$(HOST_IP)", ip)
-}
-
 /// Threats 1, 2 and 4 with the shipped token authentication: an agent whose pod-bound
 /// token proves node edge-2 claims edge-1's name and address. The server verifies
 /// edge-1's real agent by its token and edge-1's Node object, routes every dial for
@@ -683,26 +516,4 @@ async fn idle_connections_are_closed() {
         ),
         Some(1.0)
     );
-}
-
-/// Waits until the server's `/agents` lists agent `id`, verified by its token, with
-/// exactly `ips` as verified addresses.
-async fn wait_verified_ips(server: &ServerProc, id: &str, ips: serde_json::Value) {
-    let what = format!("{id} verified with addresses {ips}");
-    wait_until(&what, Duration::from_secs(60), || {
-        let ips = ips.clone();
-        async move {
-            let (_, body) = tether_testkit::http_get(server.admin, "/agents")
-                .await
-                .ok()?;
-            let v: serde_json::Value = serde_json::from_str(&body).ok()?;
-            let a = v["agents"]
-                .as_array()?
-                .iter()
-                .find(|a| a["id"] == id && a["verifiedBy"] == "serviceaccount-token")?
-                .clone();
-            (a["verifiedIps"] == ips).then_some(())
-        }
-    })
-    .await;
 }

@@ -340,7 +340,8 @@ pub fn write_pair(dir: &Path, name: &str, pair: &Pair) -> Result<(PathBuf, PathB
 
 /// A complete throwaway PKI for one machine: a CA, a serving certificate for
 /// localhost/127.0.0.1/::1 used by both server listeners, a client certificate for
-/// frontends (what kube-apiserver presents) and one for agents.
+/// frontends (what kube-apiserver presents) and a per-node agent certificate (as
+/// `tether certs agent` writes them: no agent can pass for another node).
 #[derive(Debug, Clone)]
 pub struct DevPki {
     /// The directory holding every file.
@@ -364,10 +365,37 @@ pub struct DevPki {
     pub frontend_cert: PathBuf,
     /// Its key.
     pub frontend_key: PathBuf,
-    /// Agent client certificate.
+    /// Agent client certificate of node [`DEV_AGENT_NODE`].
     pub agent_cert: PathBuf,
     /// Its key.
     pub agent_key: PathBuf,
+}
+
+/// The node of [`DevPki`]'s agent certificate (and `tether local`'s agent ID).
+pub const DEV_AGENT_NODE: &str = "local-agent";
+
+/// Subject O of per-node agent certificates: the server reads the CN as the node.
+pub const AGENT_ORGANIZATION: &str = "system:konnectivity-agents";
+
+/// The leaf of a per-node agent certificate, as `tether certs agent` issues it: CN and a
+/// DNS SAN the node, O [`AGENT_ORGANIZATION`], `ips` as IP SANs, client auth only.
+pub fn node_agent_spec(
+    node: &str,
+    ips: &[String],
+    algorithm: KeyAlgorithm,
+    validity_days: u32,
+) -> LeafSpec {
+    let mut sans = vec![node.to_string()];
+    sans.extend(ips.iter().cloned());
+    LeafSpec {
+        algorithm,
+        validity_days,
+        common_name: node.to_string(),
+        organization: Some(AGENT_ORGANIZATION.to_string()),
+        sans,
+        client: true,
+        ..Default::default()
+    }
 }
 
 impl DevPki {
@@ -402,11 +430,12 @@ impl DevPki {
             ..Default::default()
         })?;
         let (frontend_cert, frontend_key) = write_pair(dir, "frontend-client", &frontend)?;
-        let agent = ca.issue(&LeafSpec {
-            common_name: "system:konnectivity-agent".into(),
-            client: true,
-            ..Default::default()
-        })?;
+        let agent = ca.issue(&node_agent_spec(
+            DEV_AGENT_NODE,
+            &[],
+            KeyAlgorithm::default(),
+            0,
+        ))?;
         let (agent_cert, agent_key) = write_pair(dir, "agent", &agent)?;
         Ok(DevPki {
             dir: dir.to_path_buf(),

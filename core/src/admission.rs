@@ -1,25 +1,34 @@
-//! What a TLS listener lets in before anyone has authenticated: a cap on its open
-//! connections (handshaking or served), on concurrent handshakes, and on concurrent
-//! handshakes from one source address. Unauthenticated clients cannot take the
-//! descriptors established agents and the frontend need: at the connection cap the
-//! listener stops accepting (new clients wait in the kernel's backlog, holding no
-//! descriptor of ours), and a source over its handshake share is closed at once.
+//! What a listener lets in before anyone has proved who they are: a cap on its open
+//! connections (handshaking or served), and a bounded set of **unproven** connections
+//! (handshaking, or past TLS but not yet authenticated) with a share per source address
+//! and per source prefix (/24 for IPv4, /64 for IPv6). A source or prefix over its
+//! share is closed at once; when the unproven set is full, or the listener at its
+//! connection cap, the oldest unproven connection of the prefix holding the most is
+//! evicted to make room. Only proven connections can hold a listener full (then new
+//! clients wait in the kernel's backlog, holding no descriptor of ours). So a flood
+//! from many sources never queues a real client behind it: the listener keeps
+//! accepting, and a client that proves itself promptly is never the one evicted while
+//! a flood's idle connections are older.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 /// The caps; 0 means no cap.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AdmissionLimits {
     /// Open connections, handshaking or served.
     pub max_connections: usize,
-    /// TLS handshakes in progress.
+    /// Unproven connections (TLS handshakes in progress, or connections not yet
+    /// authenticated); at the cap the oldest of the busiest prefix is evicted.
     pub max_handshakes: usize,
-    /// TLS handshakes in progress from one source address.
+    /// Unproven connections from one source address.
     pub max_handshakes_per_source: usize,
+    /// Unproven connections from one source prefix (/24, /64).
+    pub max_handshakes_per_prefix: usize,
 }
 
 impl AdmissionLimits {
@@ -28,31 +37,51 @@ impl AdmissionLimits {
         max_connections: 0,
         max_handshakes: 0,
         max_handshakes_per_source: 0,
+        max_handshakes_per_prefix: 0,
     };
 
     /// The defaults for an open-file limit of `nofile`: connections up to three
     /// quarters of it (the rest stays for tunnels, the frontend, files and the
-    /// apiserver client), 1,024 handshakes, 128 handshakes per source address (a NAT
-    /// gateway in front of many nodes included).
+    /// apiserver client), 1,024 unproven connections, 128 per source address (a NAT
+    /// gateway in front of many nodes included) and 512 per prefix.
     pub fn for_open_files(nofile: u64) -> Self {
         AdmissionLimits {
             max_connections: (nofile.saturating_mul(3) / 4).max(64) as usize,
             max_handshakes: DEFAULT_MAX_HANDSHAKES,
             max_handshakes_per_source: DEFAULT_MAX_HANDSHAKES_PER_SOURCE,
+            max_handshakes_per_prefix: DEFAULT_MAX_HANDSHAKES_PER_PREFIX,
         }
     }
+
+    /// The caps of a small HTTP listener (health, admin): probes and scrapes hold a
+    /// few connections each, so a flood gets few descriptors and a new probe evicts it.
+    pub const SIDE: AdmissionLimits = AdmissionLimits {
+        max_connections: 256,
+        max_handshakes: 128,
+        max_handshakes_per_source: 16,
+        max_handshakes_per_prefix: 64,
+    };
 }
 
-/// Handshakes in progress at once, per listener, by default.
+/// Unproven connections at once, per listener, by default.
 pub const DEFAULT_MAX_HANDSHAKES: usize = 1024;
-/// Handshakes in progress from one address at once, per listener, by default.
+/// Unproven connections from one address at once, per listener, by default.
 pub const DEFAULT_MAX_HANDSHAKES_PER_SOURCE: usize = 128;
+/// Unproven connections from one /24 (IPv4) or /64 (IPv6) at once, per listener, by
+/// default.
+pub const DEFAULT_MAX_HANDSHAKES_PER_PREFIX: usize = 512;
 
 /// Why a connection was closed unserved (the counter label).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Refusal {
-    /// Its source already had its handshake share.
+    /// Its source address already had its share.
     PerSource,
+    /// Its source prefix already had its share.
+    PerPrefix,
+    /// It was unproven and the oldest of the busiest prefix when the set was full.
+    Evicted,
+    /// Its TLS handshake failed, timed out, or never started.
+    Handshake,
 }
 
 impl Refusal {
@@ -60,6 +89,9 @@ impl Refusal {
     pub fn label(self) -> &'static str {
         match self {
             Refusal::PerSource => "per_source",
+            Refusal::PerPrefix => "per_prefix",
+            Refusal::Evicted => "evicted",
+            Refusal::Handshake => "handshake",
         }
     }
 }
@@ -67,37 +99,129 @@ impl Refusal {
 /// Called for every refused connection (a metric counter, for instance).
 pub type OnRefusal = Arc<dyn Fn(Refusal) + Send + Sync>;
 
-/// Handshakes in progress by source address.
-type Sources = Arc<Mutex<HashMap<IpAddr, usize>>>;
+/// A source's prefix: /24 of an IPv4 address, /64 of an IPv6 one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Prefix {
+    V4([u8; 3]),
+    V6([u8; 8]),
+}
+
+impl Prefix {
+    fn of(ip: IpAddr) -> Self {
+        match ip {
+            IpAddr::V4(v4) => {
+                let o = v4.octets();
+                Prefix::V4([o[0], o[1], o[2]])
+            }
+            IpAddr::V6(v6) => {
+                let mut p = [0u8; 8];
+                p.copy_from_slice(&v6.octets()[..8]);
+                Prefix::V6(p)
+            }
+        }
+    }
+}
+
+/// One unproven connection in the set.
+struct Entry {
+    id: u64,
+    source: IpAddr,
+    evict: CancellationToken,
+}
+
+/// The unproven set: every entry by prefix, oldest first.
+#[derive(Default)]
+struct Unproven {
+    total: usize,
+    next_id: u64,
+    sources: HashMap<IpAddr, usize>,
+    prefixes: HashMap<Prefix, VecDeque<Entry>>,
+}
+
+impl Unproven {
+    /// Takes the entry `id` of `prefix` out, if it is still in; true if it was.
+    fn remove(&mut self, prefix: Prefix, id: u64) -> bool {
+        let Some(queue) = self.prefixes.get_mut(&prefix) else {
+            return false;
+        };
+        let Some(at) = queue.iter().position(|e| e.id == id) else {
+            return false;
+        };
+        let entry = queue.remove(at).expect("found");
+        if queue.is_empty() {
+            self.prefixes.remove(&prefix);
+        }
+        self.forget(entry.source);
+        true
+    }
+
+    fn forget(&mut self, source: IpAddr) {
+        self.total -= 1;
+        if let Some(n) = self.sources.get_mut(&source) {
+            *n -= 1;
+            if *n == 0 {
+                self.sources.remove(&source);
+            }
+        }
+    }
+
+    /// Evicts the oldest entry of the prefix holding the most.
+    fn evict_one(&mut self) -> bool {
+        let Some(prefix) = self
+            .prefixes
+            .iter()
+            .max_by_key(|(_, q)| q.len())
+            .map(|(p, _)| *p)
+        else {
+            return false;
+        };
+        let queue = self.prefixes.get_mut(&prefix).expect("found");
+        let entry = queue.pop_front().expect("queues are never empty");
+        if queue.is_empty() {
+            self.prefixes.remove(&prefix);
+        }
+        self.forget(entry.source);
+        entry.evict.cancel();
+        true
+    }
+}
 
 /// One listener's admission state.
 pub struct Admission {
     connections: Option<Arc<Semaphore>>,
-    handshakes: Option<Arc<Semaphore>>,
-    per_source: usize,
-    sources: Sources,
+    limits: AdmissionLimits,
+    unproven: Arc<Mutex<Unproven>>,
     on_refusal: OnRefusal,
 }
 
 /// A connection's place under the connection cap; released when dropped.
 pub struct ConnectionSlot(#[allow(dead_code)] Option<OwnedSemaphorePermit>);
 
-/// A handshake's place under both handshake caps; released when dropped.
-pub struct HandshakeSlot {
-    _overall: Option<OwnedSemaphorePermit>,
-    source: Option<(IpAddr, Sources)>,
+/// A connection's place in the unproven set, until it is dropped (the connection proved
+/// itself, or closed). [`Pending::evicted`] resolves when the set needs the room.
+pub struct Pending {
+    at: Option<(Prefix, u64, Arc<Mutex<Unproven>>)>,
+    evict: CancellationToken,
 }
 
-impl Drop for HandshakeSlot {
+impl Pending {
+    /// Resolves when this connection was evicted: close it.
+    pub fn evicted(&self) -> WaitForCancellationFutureOwned {
+        self.evict.clone().cancelled_owned()
+    }
+
+    /// Was it evicted?
+    pub fn is_evicted(&self) -> bool {
+        self.evict.is_cancelled()
+    }
+}
+
+impl Drop for Pending {
     fn drop(&mut self) {
-        if let Some((ip, sources)) = self.source.take() {
-            let mut map = sources.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(n) = map.get_mut(&ip) {
-                *n -= 1;
-                if *n == 0 {
-                    map.remove(&ip);
-                }
-            }
+        if let Some((prefix, id, set)) = self.at.take() {
+            set.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(prefix, id);
         }
     }
 }
@@ -111,58 +235,100 @@ impl Admission {
     pub fn new(limits: AdmissionLimits, on_refusal: OnRefusal) -> Self {
         Admission {
             connections: semaphore(limits.max_connections),
-            handshakes: semaphore(limits.max_handshakes),
-            per_source: limits.max_handshakes_per_source,
-            sources: Arc::default(),
+            limits,
+            unproven: Arc::default(),
             on_refusal,
         }
     }
 
     /// Waits for room for one more connection (call before `accept`, so that a full
-    /// listener leaves new clients in the kernel's backlog).
+    /// listener leaves new clients in the kernel's backlog). At the cap, the oldest
+    /// unproven connection of the busiest prefix is evicted to make the room: only
+    /// connections whose peers proved who they are can hold the listener full.
     pub async fn connection_slot(&self) -> ConnectionSlot {
-        match &self.connections {
-            Some(s) => ConnectionSlot(s.clone().acquire_owned().await.ok()),
-            None => ConnectionSlot(None),
+        let Some(s) = &self.connections else {
+            return ConnectionSlot(None);
+        };
+        if let Ok(permit) = s.clone().try_acquire_owned() {
+            return ConnectionSlot(Some(permit));
         }
+        let evicted = self
+            .unproven
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .evict_one();
+        if evicted {
+            (self.on_refusal)(Refusal::Evicted);
+        }
+        ConnectionSlot(s.clone().acquire_owned().await.ok())
     }
 
-    /// Waits for room for one more handshake overall (call before `accept` too).
-    pub async fn handshake_room(&self) -> Option<OwnedSemaphorePermit> {
-        match &self.handshakes {
-            Some(s) => s.clone().acquire_owned().await.ok(),
-            None => None,
-        }
-    }
-
-    /// Takes a handshake place for a connection from `source`, holding `overall`; `None`
-    /// (and counted) when the source already holds its share: close the connection.
-    pub fn handshake_slot(
-        &self,
-        source: IpAddr,
-        overall: Option<OwnedSemaphorePermit>,
-    ) -> Option<HandshakeSlot> {
-        if self.per_source == 0 {
-            return Some(HandshakeSlot {
-                _overall: overall,
-                source: None,
-            });
+    /// Puts a new connection from `source` in the unproven set: `Err` (counted) when
+    /// its address or prefix already holds its share (close it); when the set is full,
+    /// the oldest connection of the busiest prefix is evicted to make room.
+    pub fn admit(&self, source: IpAddr) -> Result<Pending, Refusal> {
+        let evict = CancellationToken::new();
+        let l = &self.limits;
+        if l.max_handshakes == 0
+            && l.max_handshakes_per_source == 0
+            && l.max_handshakes_per_prefix == 0
+        {
+            return Ok(Pending { at: None, evict });
         }
         let source = canonical(source);
+        let prefix = Prefix::of(source);
+        let mut set = self.unproven.lock().unwrap_or_else(|e| e.into_inner());
+        let refusal = if l.max_handshakes_per_source > 0
+            && set.sources.get(&source).copied().unwrap_or(0) >= l.max_handshakes_per_source
         {
-            let mut map = self.sources.lock().unwrap_or_else(|e| e.into_inner());
-            let n = map.entry(source).or_default();
-            if *n >= self.per_source {
-                drop(map);
-                (self.on_refusal)(Refusal::PerSource);
-                return None;
-            }
-            *n += 1;
+            Some(Refusal::PerSource)
+        } else if l.max_handshakes_per_prefix > 0
+            && set.prefixes.get(&prefix).map_or(0, VecDeque::len) >= l.max_handshakes_per_prefix
+        {
+            Some(Refusal::PerPrefix)
+        } else {
+            None
+        };
+        if let Some(why) = refusal {
+            drop(set);
+            (self.on_refusal)(why);
+            return Err(why);
         }
-        Some(HandshakeSlot {
-            _overall: overall,
-            source: Some((source, self.sources.clone())),
+        let mut evicted = false;
+        if l.max_handshakes > 0 && set.total >= l.max_handshakes {
+            evicted = set.evict_one();
+        }
+        let id = set.next_id;
+        set.next_id += 1;
+        set.total += 1;
+        *set.sources.entry(source).or_default() += 1;
+        set.prefixes.entry(prefix).or_default().push_back(Entry {
+            id,
+            source,
+            evict: evict.clone(),
+        });
+        drop(set);
+        if evicted {
+            (self.on_refusal)(Refusal::Evicted);
+        }
+        Ok(Pending {
+            at: Some((prefix, id, self.unproven.clone())),
+            evict,
         })
+    }
+
+    /// Counts a connection closed for `why` by the listener's own code (a failed
+    /// handshake, say).
+    pub fn count(&self, why: Refusal) {
+        (self.on_refusal)(why);
+    }
+
+    /// How many connections are unproven now.
+    pub fn unproven(&self) -> usize {
+        self.unproven
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .total
     }
 }
 
@@ -177,35 +343,73 @@ fn canonical(ip: IpAddr) -> IpAddr {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    fn counting(limits: AdmissionLimits) -> (Admission, Arc<Mutex<Vec<Refusal>>>) {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let s = seen.clone();
+        let adm = Admission::new(limits, Arc::new(move |r| s.lock().unwrap().push(r)));
+        (adm, seen)
+    }
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
 
     #[tokio::test]
-    async fn a_source_gets_its_share_of_handshakes_and_no_more() {
-        let refused = Arc::new(AtomicUsize::new(0));
-        let r = refused.clone();
-        let adm = Admission::new(
-            AdmissionLimits {
-                max_connections: 0,
-                max_handshakes: 0,
-                max_handshakes_per_source: 2,
-            },
-            Arc::new(move |_| {
-                r.fetch_add(1, Ordering::Relaxed);
-            }),
-        );
-        let a: IpAddr = "127.0.0.2".parse().unwrap();
-        let b: IpAddr = "127.0.0.1".parse().unwrap();
-        let s1 = adm.handshake_slot(a, None).unwrap();
-        let _s2 = adm.handshake_slot(a, None).unwrap();
-        assert!(adm.handshake_slot(a, None).is_none());
+    async fn a_source_and_a_prefix_get_their_share_and_no_more() {
+        let (adm, seen) = counting(AdmissionLimits {
+            max_connections: 0,
+            max_handshakes: 0,
+            max_handshakes_per_source: 2,
+            max_handshakes_per_prefix: 3,
+        });
+        let s1 = adm.admit(ip("127.0.0.2")).unwrap();
+        let _s2 = adm.admit(ip("127.0.0.2")).unwrap();
+        assert_eq!(adm.admit(ip("127.0.0.2")).err(), Some(Refusal::PerSource));
         // The mapped form is the same source.
-        assert!(adm
-            .handshake_slot("::ffff:127.0.0.2".parse().unwrap(), None)
-            .is_none());
-        assert!(adm.handshake_slot(b, None).is_some(), "another source");
-        assert_eq!(refused.load(Ordering::Relaxed), 2);
+        assert_eq!(
+            adm.admit(ip("::ffff:127.0.0.2")).err(),
+            Some(Refusal::PerSource)
+        );
+        let _s3 = adm.admit(ip("127.0.0.3")).unwrap();
+        assert_eq!(adm.admit(ip("127.0.0.4")).err(), Some(Refusal::PerPrefix));
+        assert!(adm.admit(ip("127.0.1.4")).is_ok(), "another prefix");
+        // One /64 is one prefix.
+        let _v6 = adm.admit(ip("2001:db8::1")).unwrap();
+        let _v6b = adm.admit(ip("2001:db8::2")).unwrap();
+        let _v6c = adm.admit(ip("2001:db8::3")).unwrap();
+        assert_eq!(adm.admit(ip("2001:db8::4")).err(), Some(Refusal::PerPrefix));
+        assert!(adm.admit(ip("2001:db8:0:1::4")).is_ok());
+        assert_eq!(seen.lock().unwrap().len(), 4);
         drop(s1);
-        assert!(adm.handshake_slot(a, None).is_some(), "room again");
+        assert!(adm.admit(ip("127.0.0.2")).is_ok(), "room again");
+    }
+
+    #[tokio::test]
+    async fn a_full_set_evicts_the_oldest_of_the_busiest_prefix() {
+        let (adm, seen) = counting(AdmissionLimits {
+            max_connections: 0,
+            max_handshakes: 4,
+            max_handshakes_per_source: 0,
+            max_handshakes_per_prefix: 0,
+        });
+        // A flood from one prefix, and one client from another.
+        let flood: Vec<Pending> = (0..3)
+            .map(|i| adm.admit(ip(&format!("10.0.0.{i}"))).unwrap())
+            .collect();
+        let client = adm.admit(ip("192.0.2.7")).unwrap();
+        // The set is full: the next arrival evicts the flood's oldest, not the client.
+        let next = adm.admit(ip("10.0.0.9")).unwrap();
+        assert!(flood[0].is_evicted() && !flood[1].is_evicted());
+        assert!(!client.is_evicted());
+        flood[0].evicted().await;
+        assert_eq!(adm.unproven(), 4);
+        // Dropping an evicted connection frees nothing twice.
+        drop(flood);
+        assert_eq!(adm.unproven(), 2);
+        drop((client, next));
+        assert_eq!(adm.unproven(), 0);
+        assert_eq!(*seen.lock().unwrap(), vec![Refusal::Evicted]);
     }
 
     #[tokio::test]
@@ -213,8 +417,7 @@ mod tests {
         let adm = Admission::new(
             AdmissionLimits {
                 max_connections: 1,
-                max_handshakes: 1,
-                max_handshakes_per_source: 0,
+                ..AdmissionLimits::NONE
             },
             Arc::new(|_| {}),
         );
@@ -226,8 +429,29 @@ mod tests {
         );
         drop(first);
         let _second = adm.connection_slot().await;
-        let h = adm.handshake_room().await;
-        assert!(h.is_some());
+    }
+
+    #[tokio::test]
+    async fn at_the_connection_cap_an_unproven_connection_makes_room() {
+        let (adm, seen) = counting(AdmissionLimits {
+            max_connections: 2,
+            max_handshakes: 100,
+            ..AdmissionLimits::NONE
+        });
+        let proven = adm.connection_slot().await;
+        let slot = adm.connection_slot().await;
+        let unproven = adm.admit(ip("10.0.0.1")).unwrap();
+        // The holder of `slot` drops it when evicted, as a connection task does.
+        let holder = tokio::spawn(async move {
+            unproven.evicted().await;
+            drop(slot);
+        });
+        let third = tokio::time::timeout(std::time::Duration::from_secs(5), adm.connection_slot())
+            .await
+            .expect("room made by evicting the unproven connection");
+        holder.await.unwrap();
+        assert_eq!(*seen.lock().unwrap(), vec![Refusal::Evicted]);
+        drop((proven, third));
     }
 
     #[test]

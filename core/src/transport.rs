@@ -19,7 +19,8 @@ use tokio_rustls::{TlsAcceptor, TlsConnector};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::admission::{Admission, AdmissionLimits, ConnectionSlot, HandshakeSlot};
+use crate::admission::{Admission, AdmissionLimits, ConnectionSlot, Pending};
+use crate::ratelimit::TokenBucket;
 use crate::read_ahead::ReadAhead;
 
 /// A client's TLS connection over TCP, read through [`ReadAhead`].
@@ -43,6 +44,15 @@ fn tune_tls<D>(conn: &mut rustls::ConnectionCommon<D>) {
 /// How long a client may take to finish its TLS handshake.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long a client may take to send the first byte of its ClientHello: a real client
+/// sends it with the connection's first segment (a lost one is resent within about 3 s);
+/// a socket left idle is a slow flood's.
+pub const FIRST_BYTE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Failed handshakes logged as warnings per second, and their burst; the others are
+/// counted in the next warning (a flood of garbage must not become a flood of lines).
+const HANDSHAKE_WARNINGS: (f64, u32) = (1.0, 10);
+
 /// Hands out the current server TLS config for each new handshake (so certificates can
 /// be replaced without restarting listeners).
 pub type ServerConfigSource = Arc<dyn Fn() -> Arc<rustls::ServerConfig> + Send + Sync>;
@@ -62,12 +72,22 @@ pub struct TlsConn {
     info: TlsConnectInfo,
     /// Its place under the listener's connection cap, given back when it closes.
     _slot: ConnectionSlot,
+    /// Its place among the listener's unproven connections, until its peer proves who
+    /// it is ([`TlsConn::take_pending`]).
+    pending: Option<Pending>,
 }
 
 impl TlsConn {
     /// The peer's address and certificates.
     pub fn info(&self) -> &TlsConnectInfo {
         &self.info
+    }
+
+    /// Its place among the unproven connections: drop it once the peer has proved who it
+    /// is (a client certificate the caller accepts, an authenticated request), and close
+    /// the connection if it is evicted first.
+    pub fn take_pending(&mut self) -> Option<Pending> {
+        self.pending.take()
     }
 }
 
@@ -147,7 +167,9 @@ pub fn tls_incoming_with(
 }
 
 /// Accepts connections as `admission` has room for them, each handshaken in a task of
-/// its own, until `hard_stop` or until nobody takes the connections from `tx`.
+/// its own, until `hard_stop` or until nobody takes the connections from `tx`. Only the
+/// connection cap makes it wait: a full set of unproven connections makes room by
+/// evicting, so the kernel's backlog never holds a real client behind a flood.
 async fn accept_loop(
     listener: TcpListener,
     tls: ServerConfigSource,
@@ -156,16 +178,14 @@ async fn accept_loop(
     hard_stop: CancellationToken,
     tx: mpsc::Sender<TlsConn>,
 ) {
+    let warnings = Arc::new(Warnings::default());
     loop {
         // Room first, then accept: a full listener leaves new clients in the
         // kernel's backlog, where they hold no descriptor of ours.
-        let (slot, room) = tokio::select! {
+        let slot = tokio::select! {
             _ = hard_stop.cancelled() => break,
             _ = tx.closed() => break,
-            room = async {
-                let slot = admission.connection_slot().await;
-                (slot, admission.handshake_room().await)
-            } => room,
+            slot = admission.connection_slot() => slot,
         };
         let (tcp, remote_addr) = tokio::select! {
             _ = hard_stop.cancelled() => break,
@@ -173,21 +193,57 @@ async fn accept_loop(
             accepted = listener.accept() => match accepted {
                 Ok(pair) => pair,
                 Err(e) => {
-                    tracing::warn!(error = %chain(&e), "accept failed");
+                    warnings.log(format_args!("accept failed: {}", chain(&e)));
                     // EMFILE and friends: back off a little instead of spinning.
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }
             },
         };
-        let Some(handshaking) = admission.handshake_slot(remote_addr.ip(), room) else {
-            tracing::debug!(peer = %remote_addr, "too many handshakes from this address; connection closed");
+        let Ok(pending) = admission.admit(remote_addr.ip()) else {
+            tracing::debug!(peer = %remote_addr, "too many unproven connections from this address or prefix; connection closed");
             continue;
         };
         tune_accepted(&tcp, dead_link);
         let acceptor = TlsAcceptor::from(tls());
-        let handshake = handshake(acceptor, tcp, remote_addr, handshaking, slot, tx.clone());
+        let handshake = handshake(
+            acceptor,
+            tcp,
+            remote_addr,
+            (slot, pending),
+            tx.clone(),
+            (warnings.clone(), admission.clone()),
+        );
         tokio::spawn(handshake.instrument(tracing::info_span!("handshake", peer = %remote_addr)));
+    }
+}
+
+/// Warnings a listener logs about its clients, at most [`HANDSHAKE_WARNINGS`]; each
+/// says how many were left out before it.
+struct Warnings {
+    bucket: TokenBucket,
+    left_out: std::sync::atomic::AtomicU64,
+}
+
+impl Default for Warnings {
+    fn default() -> Self {
+        Warnings {
+            bucket: TokenBucket::new(HANDSHAKE_WARNINGS.0, HANDSHAKE_WARNINGS.1),
+            left_out: Default::default(),
+        }
+    }
+}
+
+impl Warnings {
+    fn log(&self, what: std::fmt::Arguments<'_>) {
+        use std::sync::atomic::Ordering;
+        if self.bucket.try_acquire() {
+            let suppressed = self.left_out.swap(0, Ordering::Relaxed);
+            tracing::warn!(suppressed, "{what}");
+        } else {
+            self.left_out.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!("{what}");
+        }
     }
 }
 
@@ -202,9 +258,17 @@ fn tune_accepted(tcp: &TcpStream, dead_link: Option<Duration>) {
     }
 }
 
-/// Runs one TLS handshake, within [`HANDSHAKE_TIMEOUT`] and holding `handshaking`, and
-/// hands the connection (holding `slot`) to `tx`; a failed one is logged and the
-/// connection dropped.
+/// Why a handshake did not finish.
+enum Unfinished {
+    Silent,
+    Failed(io::Error),
+    TimedOut,
+}
+
+/// Runs one TLS handshake: its first byte within [`FIRST_BYTE_TIMEOUT`], all of it
+/// within [`HANDSHAKE_TIMEOUT`], unless evicted first; then hands the connection
+/// (holding its slot and its unproven place) to `tx`. A failed one is logged (rate
+/// limited) and dropped.
 // An async block, not an async fn: an async fn would copy its arguments into the
 // future beside themselves, and there is one of these per connection handshaking.
 #[allow(clippy::manual_async_fn)]
@@ -212,16 +276,33 @@ fn handshake(
     acceptor: TlsAcceptor,
     tcp: TcpStream,
     remote_addr: std::net::SocketAddr,
-    handshaking: HandshakeSlot,
-    slot: ConnectionSlot,
+    (slot, pending): (ConnectionSlot, Pending),
     tx: mpsc::Sender<TlsConn>,
+    (warnings, admission): (Arc<Warnings>, Arc<Admission>),
 ) -> impl Future<Output = ()> {
     async move {
-        let done =
-            tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(ReadAhead::new(tcp))).await;
-        drop(handshaking);
+        let deadline = tokio::time::Instant::now() + HANDSHAKE_TIMEOUT;
+        let work = async {
+            match tokio::time::timeout(FIRST_BYTE_TIMEOUT, tcp.readable()).await {
+                Err(_) => return Err(Unfinished::Silent),
+                Ok(Err(e)) => return Err(Unfinished::Failed(e)),
+                Ok(Ok(())) => {}
+            }
+            match tokio::time::timeout_at(deadline, acceptor.accept(ReadAhead::new(tcp))).await {
+                Ok(Ok(stream)) => Ok(stream),
+                Ok(Err(e)) => Err(Unfinished::Failed(e)),
+                Err(_) => Err(Unfinished::TimedOut),
+            }
+        };
+        let done = tokio::select! {
+            done = work => done,
+            _ = pending.evicted() => {
+                tracing::debug!("unproven connection evicted to make room; closed");
+                return;
+            }
+        };
         match done {
-            Ok(Ok(mut stream)) => {
+            Ok(mut stream) => {
                 tune_tls(stream.get_mut().1);
                 let peer_certs = stream
                     .get_ref()
@@ -237,14 +318,31 @@ fn handshake(
                         stream,
                         info,
                         _slot: slot,
+                        pending: Some(pending),
                     })
                     .await;
             }
-            Ok(Err(e)) => {
-                tracing::warn!(error = %chain(&e), "TLS handshake failed; connection dropped")
+            Err(e) => {
+                admission.count(crate::admission::Refusal::Handshake);
+                log_unfinished(&warnings, remote_addr, e);
             }
-            Err(_) => tracing::warn!("TLS handshake timed out; connection dropped"),
         }
+    }
+}
+
+/// Logs (rate limited) why a handshake did not finish.
+fn log_unfinished(warnings: &Warnings, remote_addr: std::net::SocketAddr, e: Unfinished) {
+    match e {
+        Unfinished::Failed(e) => warnings.log(format_args!(
+            "TLS handshake with {remote_addr} failed; connection dropped: {}",
+            chain(&e)
+        )),
+        Unfinished::Silent => warnings.log(format_args!(
+            "{remote_addr} sent nothing within {FIRST_BYTE_TIMEOUT:?}; connection dropped"
+        )),
+        Unfinished::TimedOut => warnings.log(format_args!(
+            "TLS handshake with {remote_addr} timed out; connection dropped"
+        )),
     }
 }
 

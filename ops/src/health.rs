@@ -90,23 +90,96 @@ pub fn render(registry: &Registry) -> ([(axum::http::HeaderName, &'static str); 
     )
 }
 
-/// Serves `router` on `listener` until `hard_stop`.
+/// How long a client of a health or admin port may take to send a request head, and
+/// may leave a kept-alive connection idle before its next one.
+pub const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Serves `router` on `listener` until `hard_stop`, under [`AdmissionLimits::SIDE`]:
+/// at most 256 connections (more wait in the kernel's backlog), 16 per source address
+/// and 64 per /24 (or /64) beyond which a new one is closed at once, and at 128 open a
+/// new client evicts the oldest connection of the busiest prefix, so a kubelet probe
+/// gets in during a flood. A request head must come within [`HEADER_READ_TIMEOUT`] of
+/// the connection or of the previous answer.
+///
+/// [`AdmissionLimits::SIDE`]: tether_core::admission::AdmissionLimits::SIDE
 pub fn spawn(
     name: &'static str,
     listener: TcpListener,
     router: Router,
     hard_stop: CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
+    spawn_counted(name, listener, router, Arc::new(|_| {}), hard_stop)
+}
+
+/// [`spawn`], with `on_refusal` hearing each connection closed unserved.
+pub fn spawn_counted(
+    name: &'static str,
+    listener: TcpListener,
+    router: Router,
+    on_refusal: tether_core::admission::OnRefusal,
+    hard_stop: CancellationToken,
+) -> tokio::task::JoinHandle<()> {
     let addr = listener.local_addr().ok();
+    let admission = Arc::new(tether_core::admission::Admission::new(
+        tether_core::admission::AdmissionLimits::SIDE,
+        on_refusal,
+    ));
     tokio::spawn(
-        async move {
-            if let Err(e) = axum::serve(listener, router)
-                .with_graceful_shutdown(hard_stop.cancelled_owned())
-                .await
-            {
-                tracing::error!(error = %chain(&e), "HTTP endpoint failed");
-            }
-        }
-        .instrument(tracing::info_span!("http", endpoint = name, addr = ?addr)),
+        serve(listener, router, admission, hard_stop)
+            .instrument(tracing::info_span!("http", endpoint = name, addr = ?addr)),
     )
+}
+
+/// The accept loop of [`spawn`]; each connection is served in a task of its own.
+async fn serve(
+    listener: TcpListener,
+    router: Router,
+    admission: Arc<tether_core::admission::Admission>,
+    hard_stop: CancellationToken,
+) {
+    let failures = tether_core::ratelimit::TokenBucket::new(1.0, 5);
+    let connections = tokio_util::task::TaskTracker::new();
+    loop {
+        let slot = tokio::select! {
+            _ = hard_stop.cancelled() => break,
+            slot = admission.connection_slot() => slot,
+        };
+        let (tcp, peer) = tokio::select! {
+            _ = hard_stop.cancelled() => break,
+            accepted = listener.accept() => match accepted {
+                Ok(pair) => pair,
+                Err(e) => {
+                    if failures.try_acquire() {
+                        tracing::warn!(error = %chain(&e), "accept failed");
+                    }
+                    // EMFILE and friends: back off a little instead of spinning.
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let Ok(pending) = admission.admit(peer.ip()) else {
+            continue;
+        };
+        let service = hyper_util::service::TowerToHyperService::new(router.clone());
+        let hard_stop = hard_stop.clone();
+        connections.spawn(async move {
+            let _slot = slot;
+            let mut http = hyper::server::conn::http1::Builder::new();
+            http.timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(HEADER_READ_TIMEOUT);
+            let conn = http.serve_connection(hyper_util::rt::TokioIo::new(tcp), service);
+            let mut conn = std::pin::pin!(conn);
+            tokio::select! {
+                _ = conn.as_mut() => {}
+                _ = pending.evicted() => {}
+                _ = hard_stop.cancelled() => {
+                    conn.as_mut().graceful_shutdown();
+                    let _ = tokio::time::timeout(std::time::Duration::from_secs(1), conn).await;
+                }
+            }
+        });
+    }
+    connections.close();
+    connections.wait().await;
 }

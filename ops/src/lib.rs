@@ -11,6 +11,6 @@ pub mod limits;
 pub mod memory;
 pub mod metrics;
 pub mod profiling;
-pub mod ratelimit;
+pub use tether_core::ratelimit;
 pub mod reload;
 pub mod shutdown;

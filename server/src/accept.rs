@@ -19,13 +19,21 @@ pub(crate) fn admission(
     listener: &'static str,
     limits: tether_core::admission::AdmissionLimits,
 ) -> Arc<tether_core::admission::Admission> {
-    let refused = router.metrics.connections_refused.clone();
     Arc::new(tether_core::admission::Admission::new(
         limits,
-        Arc::new(move |why| {
-            refused.with_label_values(&[listener, why.label()]).inc();
-        }),
+        refusals(router, listener),
     ))
+}
+
+/// Counts `listener`'s refusals in `tether_server_connections_refused_total`.
+pub(crate) fn refusals(
+    router: &Arc<Router>,
+    listener: &'static str,
+) -> tether_core::admission::OnRefusal {
+    let refused = router.metrics.connections_refused.clone();
+    Arc::new(move |why| {
+        refused.with_label_values(&[listener, why.label()]).inc();
+    })
 }
 
 /// The agent listener: mutual TLS, then one task per connection serving
@@ -52,10 +60,13 @@ pub(crate) fn spawn_agent_listener(
     tokio::spawn(
         async move {
             let connections = tokio_util::task::TaskTracker::new();
-            while let Some(conn) = incoming.recv().await {
+            while let Some(mut conn) = incoming.recv().await {
                 let info = conn.info().clone();
+                let pending = conn.take_pending();
                 let span = tracing::debug_span!("agent_connection", peer = %info.remote_addr);
-                let serve = link.clone().serve_connection(conn, info, keepalive);
+                let serve = link
+                    .clone()
+                    .serve_connection(conn, info, pending, keepalive);
                 connections.spawn(serve.instrument(span));
             }
             connections.close();
@@ -104,13 +115,15 @@ pub(crate) async fn serve_frontend(
         FrontendListener::Tls(l, cfg, clients) => {
             let mut incoming =
                 transport::tls_incoming_with(l, cfg, "frontend", None, admission, drain);
-            while let Some(conn) = incoming.recv().await {
+            while let Some(mut conn) = incoming.recv().await {
                 let peer = conn.info().remote_addr.to_string();
                 let leaf = conn.info().peer_certs.as_ref().and_then(|c| c.first());
                 if let Err(why) = clients.admit(leaf) {
                     tracing::warn!(%peer, reason = %why, "frontend client refused");
                     continue;
                 }
+                // Its certificate chains to the frontend's CA and is one it admits.
+                drop(conn.take_pending());
                 serve.spawn(conn, &peer);
             }
         }

@@ -46,6 +46,8 @@ pub struct AgentLink {
     /// Warnings about unverified claims: a fleet that claims what it cannot prove
     /// (a shared certificate) would otherwise log one per agent at every reconnect.
     pub(crate) unverified_warnings: tether_ops::ratelimit::TokenBucket,
+    /// Connections per verified identity.
+    pub(crate) identities: IdentityConnections,
 }
 
 /// Warnings about unverified claims per second, and their burst; the rest are logged
@@ -62,6 +64,9 @@ struct Admitted {
     /// The agent's per-connection window when both sides do credit flow control.
     peer_window: Option<u32>,
     peer: String,
+    /// The token and what it proved, to review it again while the stream lives (boxed:
+    /// the stream's future holds this for hours).
+    token: Option<Box<(String, crate::auth::Bound)>>,
 }
 
 /// The method agents call.
@@ -71,20 +76,144 @@ const CONNECT_PATH: &str = "/AgentService/Connect";
 const MAX_STREAMS: u32 = 100;
 /// The agent's metadata, a bearer token included (hyper's default, which tonic used).
 const MAX_HEADER_LIST: u32 = 16 << 10;
-/// A connection on which no agent was admitted within this is closed: TLS alone (any
-/// client can finish it where agents authenticate by token) must not hold a place
-/// under the listener's connection cap.
+/// A connection on which no agent stream was admitted within this, or none has been open
+/// for this long, is closed: TLS alone (any client can finish it where agents
+/// authenticate by token), or a stream admitted once and cancelled, must not hold a
+/// place under the listener's connection cap.
 const ADMIT_WITHIN: Duration = Duration::from_secs(10);
+
+/// One agent connection's streams: how many are admitted and open, whether one ever
+/// was, and which verified identities the connection counts against.
+#[derive(Default)]
+pub(crate) struct ConnStreams {
+    state: std::sync::Mutex<StreamsState>,
+    changed: tokio::sync::Notify,
+}
+
+#[derive(Default)]
+struct StreamsState {
+    live: usize,
+    ever: bool,
+    identities: Vec<String>,
+}
+
+/// An admitted stream's place in its connection's count; given back when dropped.
+struct LiveStream(Arc<ConnStreams>);
+
+impl Drop for LiveStream {
+    fn drop(&mut self) {
+        self.0.state().live -= 1;
+        self.0.changed.notify_waiters();
+    }
+}
+
+impl ConnStreams {
+    fn state(&self) -> std::sync::MutexGuard<'_, StreamsState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn open(self: &Arc<Self>) -> LiveStream {
+        {
+            let mut s = self.state();
+            s.live += 1;
+            s.ever = true;
+        }
+        self.changed.notify_waiters();
+        LiveStream(self.clone())
+    }
+
+    /// Waits until `done` holds of the state.
+    async fn until(&self, done: impl Fn(&StreamsState) -> bool) {
+        loop {
+            let changed = self.changed.notified();
+            let mut changed = std::pin::pin!(changed);
+            changed.as_mut().enable();
+            if done(&self.state()) {
+                return;
+            }
+            changed.await;
+        }
+    }
+
+    /// Resolves once the connection has had no admitted stream for [`ADMIT_WITHIN`]
+    /// (counted from its start too).
+    async fn idle(&self) {
+        loop {
+            self.until(|s| s.live == 0).await;
+            let changed = self.changed.notified();
+            let mut changed = std::pin::pin!(changed);
+            changed.as_mut().enable();
+            if self.state().live > 0 {
+                continue;
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(ADMIT_WITHIN) => return,
+                _ = changed => {}
+            }
+        }
+    }
+}
+
+/// How many connections each verified identity holds (each connection counted once,
+/// from its first stream admitted as that identity until it closes): a node's
+/// credential cannot hold the listener's connection slots, however many it opens.
+pub(crate) struct IdentityConnections {
+    max: usize,
+    counts: std::sync::Mutex<std::collections::HashMap<String, usize>>,
+}
+
+impl IdentityConnections {
+    /// At most `max` connections per identity (0 = no cap).
+    pub(crate) fn new(max: usize) -> Self {
+        IdentityConnections {
+            max,
+            counts: Default::default(),
+        }
+    }
+
+    /// Counts `conn` against `identity` unless it already is; `Err(held)` at the cap.
+    fn take(&self, identity: &str, conn: &ConnStreams) -> Result<(), usize> {
+        let mut state = conn.state();
+        if state.identities.iter().any(|i| i == identity) {
+            return Ok(());
+        }
+        let mut counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        let n = counts.entry(identity.to_string()).or_default();
+        if self.max > 0 && *n >= self.max {
+            return Err(*n);
+        }
+        *n += 1;
+        state.identities.push(identity.to_string());
+        Ok(())
+    }
+
+    /// Gives back what a closed connection held.
+    fn release(&self, conn: &ConnStreams) {
+        let held = std::mem::take(&mut conn.state().identities);
+        let mut counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        for identity in held {
+            if let Some(n) = counts.get_mut(&identity) {
+                *n -= 1;
+                if *n == 0 {
+                    counts.remove(&identity);
+                }
+            }
+        }
+    }
+}
 
 impl AgentLink {
     /// Serves one agent connection (mutual TLS done, `info` says who) until the agent
-    /// goes, a keepalive ping goes unanswered, or the hard stop. Its streams run in
+    /// goes, a keepalive ping goes unanswered, the hard stop, or the connection has no
+    /// admitted stream for [`ADMIT_WITHIN`]. Until its first stream is admitted it is
+    /// unproven (`pending`): evicted when the listener needs room. Its streams run in
     /// this task: a packet read off the connection reaches the router, and one for the
     /// agent reaches the connection, without waking another task.
     pub async fn serve_connection<S>(
         self: Arc<Self>,
         io: S,
         info: TlsConnectInfo,
+        pending: Option<tether_core::admission::Pending>,
         keepalive: Duration,
     ) where
         S: AsyncRead + AsyncWrite + Unpin,
@@ -96,43 +225,54 @@ impl AgentLink {
         };
         let info = Arc::new(info);
         let hard_stop = self.hard_stop.clone();
-        let admitted = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let streams = Arc::new(ConnStreams::default());
         let serve = h2serve::serve_connection(io, settings, hard_stop, |request, respond| {
             // Boxed: `FuturesUnordered` keeps a stub the size of its future type, and
             // an agent connection holds one stream for hours.
             let stream: Pin<Box<dyn Future<Output = ()> + Send>> =
                 Box::pin(
                     self.clone()
-                        .stream(request, respond, info.clone(), admitted.clone()),
+                        .stream(request, respond, info.clone(), streams.clone()),
                 );
             Some(stream)
         });
-        let mut serve = std::pin::pin!(serve);
-        // Boxed: the timer lives for ADMIT_WITHIN only, and inline it would keep its
-        // room in this future, which lives as long as the connection.
-        tokio::select! {
-            _ = &mut serve => return,
-            _ = Box::pin(tokio::time::sleep(ADMIT_WITHIN)) => {}
+        let serve = std::pin::pin!(serve);
+        // Boxed: the watch lives as long as the connection, but is small only on the
+        // heap (its timer is inline while it runs).
+        let watch = Box::pin(watch_admission(&streams, pending));
+        let why = tokio::select! {
+            _ = serve => None,
+            why = watch => Some(why),
+        };
+        self.identities.release(&streams);
+        if let Some(why) = why {
+            self.router
+                .metrics
+                .connections_refused
+                .with_label_values(&["agent", why.label()])
+                .inc();
+            match why {
+                Closed::Unadmitted => {
+                    tracing::info!(peer = %info.remote_addr, "no agent stream admitted on this connection within 10s; closed")
+                }
+                Closed::Idle => {
+                    tracing::info!(peer = %info.remote_addr, "no agent stream open on this connection for 10s; closed")
+                }
+                Closed::Evicted => {
+                    tracing::debug!(peer = %info.remote_addr, "unauthenticated connection evicted to make room; closed")
+                }
+            }
         }
-        if admitted.load(std::sync::atomic::Ordering::Relaxed) {
-            return serve.await;
-        }
-        self.router
-            .metrics
-            .connections_refused
-            .with_label_values(&["agent", "unadmitted"])
-            .inc();
-        tracing::info!(peer = %info.remote_addr, "no agent admitted on this connection within 10s; closed");
     }
-
     /// One Connect call: admit the agent, answer with the headers, then carry its
-    /// stream until either side ends it; the status goes in trailers.
+    /// stream until either side ends it, or its token no longer passes; the status goes
+    /// in trailers.
     async fn stream(
         self: Arc<Self>,
         request: http::Request<RecvStream>,
         respond: SendResponse<Bytes>,
         info: Arc<TlsConnectInfo>,
-        admitted: Arc<std::sync::atomic::AtomicBool>,
+        streams: Arc<ConnStreams>,
     ) {
         let mut reply = Reply::new(respond);
         let (parts, body) = request.into_parts();
@@ -140,17 +280,45 @@ impl AgentLink {
         // agent's stream, so its resident size is that of the largest state it is
         // ever in (a TokenReview's request among them) unless those are on the heap
         // only while they run. The request's headers go with it.
-        let admission = match Box::pin(self.admit_request(parts, &info)).await {
+        let mut admission = match Box::pin(self.admit_request(parts, &info)).await {
             Ok(a) => a,
             Err(status) => return reply.finish(status),
         };
+        if let Err(status) = self.count_connection(&admission, &streams) {
+            return reply.finish(status);
+        }
         let peer_window = admission.peer_window;
+        let token = admission.token.take();
         let span = tracing::info_span!("agent_stream", agent_id = %admission.agent_id, peer = %admission.peer);
         let (agent, packets) = match self.open(admission) {
             Ok(opened) => opened,
             Err(status) => return reply.finish(status),
         };
-        admitted.store(true, std::sync::atomic::Ordering::Relaxed);
+        let _live = streams.open();
+        self.answer(&mut reply, peer_window);
+        let gauge = self
+            .router
+            .metrics
+            .grpc_connections
+            .with_label_values(&["Connect"]);
+        gauge.inc();
+        async {
+            if reply.send_headers().is_ok() {
+                self.carry_until_revoked(agent, body, &mut reply, packets, token)
+                    .await;
+            } else {
+                self.router.remove_agent(&agent);
+            }
+            gauge.dec();
+            tracing::info!("agent disconnected");
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// The response headers: `serverid`, `servercount`, and the flow-control answer
+    /// when the agent offered a window.
+    fn answer(&self, reply: &mut Reply, peer_window: Option<u32>) {
         let mut meta = MetadataMap::new();
         if let Ok(v) = MetadataValue::try_from(self.server_id.as_str()) {
             meta.insert(header::SERVER_ID, v);
@@ -161,25 +329,57 @@ impl AgentLink {
         let count = self.server_count.load(std::sync::atomic::Ordering::Relaxed);
         meta.insert(header::SERVER_COUNT, MetadataValue::from(count));
         reply.headers_mut().extend(meta.into_headers());
-        let gauge = self
-            .router
-            .metrics
-            .grpc_connections
-            .with_label_values(&["Connect"]);
-        gauge.inc();
-        async {
-            if reply.send_headers().is_ok() {
-                if let Some(status) = self.carry(agent, body, &mut reply, packets).await {
-                    reply.finish(status);
-                }
-            } else {
+    }
+
+    /// [`AgentLink::carry`], ended early (status UNAUTHENTICATED, a log line, a metric)
+    /// when the agent's token no longer passes a review.
+    async fn carry_until_revoked(
+        &self,
+        agent: Arc<AgentStream>,
+        body: RecvStream,
+        reply: &mut Reply,
+        packets: PacketStream,
+        token: Option<Box<(String, crate::auth::Bound)>>,
+    ) {
+        let revoked: Pin<Box<dyn Future<Output = crate::auth::AuthError> + Send>> =
+            match (token, &self.authenticator) {
+                (Some(t), Some(auth)) => Box::pin(revoked(auth.clone(), t)),
+                _ => Box::pin(futures::future::pending()),
+            };
+        let ended = tokio::select! {
+            status = self.carry(agent.clone(), body, reply, packets) => Ok(status),
+            why = revoked => Err(why),
+        };
+        match ended {
+            Ok(Some(status)) => reply.finish(status),
+            Ok(None) => {}
+            Err(why) => {
                 self.router.remove_agent(&agent);
+                self.router.metrics.agent_streams_revoked.inc();
+                tracing::warn!(error = %chain(&why), "the agent's token no longer passes a review; stream ended");
+                reply.finish(Status::unauthenticated("token no longer accepted"));
             }
-            gauge.dec();
-            tracing::info!("agent disconnected");
         }
-        .instrument(span)
-        .await
+    }
+
+    /// Counts the stream's connection against its verified identity; refuses the
+    /// stream when that identity already holds the most connections allowed.
+    fn count_connection(&self, a: &Admitted, streams: &ConnStreams) -> Result<(), Status> {
+        let Some(node) = &a.verified.principal else {
+            return Ok(());
+        };
+        let key = format!("node/{node}");
+        self.identities.take(&key, streams).map_err(|held| {
+            self.router
+                .metrics
+                .agent_streams_refused
+                .with_label_values(&["too_many_connections"])
+                .inc();
+            tracing::warn!(agent_id = %a.agent_id, peer = %a.peer, identity = %key, held, "agent stream refused: its verified identity holds the most connections --max-agent-streams allows");
+            Status::resource_exhausted(format!(
+                "{held} connections already open for verified identity {key:?} (the most --max-agent-streams allows)"
+            ))
+        })
     }
 
     /// Carries an admitted stream both ways until both are done; the status to end it
@@ -242,14 +442,8 @@ impl AgentLink {
                 return Err(Status::invalid_argument(e.to_string()));
             }
         };
-        let mut bound_node = None;
-        if let Some(auth) = &self.authenticator {
-            let header = md.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
-            bound_node = auth.authenticate(header).await.map_err(|e| {
-                tracing::warn!(%agent_id, %peer, error = %chain(&e), "agent authentication failed; stream refused");
-                Status::unauthenticated(chain(&e).to_string())
-            })?;
-        }
+        let (bound, token) = self.authenticate(md, &agent_id, &peer).await?;
+        let bound_node = bound.node;
         let identifiers = md
             .get(header::AGENT_IDENTIFIERS)
             .and_then(|v| v.to_str().ok())
@@ -264,6 +458,9 @@ impl AgentLink {
                 Status::unauthenticated(format!("client certificate: {e}"))
             })?;
             let nodes = self.router.registry().nodes();
+            if let Some((node, names, ips)) = identity::pinned_by_certificate(&info) {
+                nodes.certify(&node, &names, &ips);
+            }
             identity::from_certificate(&info, &agent_id, &identifiers, nodes)
         } else {
             identity::unauthenticated(&identifiers)
@@ -283,7 +480,37 @@ impl AgentLink {
             verified,
             peer_window,
             peer,
+            token,
         })
+    }
+
+    /// With token authentication, checks the agent's token: what it is bound to, and the
+    /// token with that, to review again while the stream lives.
+    async fn authenticate(
+        &self,
+        md: &MetadataMap,
+        agent_id: &str,
+        peer: &str,
+    ) -> Result<
+        (
+            crate::auth::Bound,
+            Option<Box<(String, crate::auth::Bound)>>,
+        ),
+        Status,
+    > {
+        let Some(auth) = &self.authenticator else {
+            return Ok(Default::default());
+        };
+        let header = md.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+        let bound = auth.authenticate(header).await.map_err(|e| {
+            tracing::warn!(%agent_id, %peer, error = %chain(&e), "agent authentication failed; stream refused");
+            Status::unauthenticated(e.public_message())
+        })?;
+        let bearer = header
+            .and_then(|h| h.strip_prefix("Bearer "))
+            .map(str::trim);
+        let token = bearer.map(|t| Box::new((t.to_string(), bound.clone())));
+        Ok((bound, token))
     }
 
     /// Counts and logs the claims the server could not verify; refuses the stream with
@@ -367,6 +594,67 @@ impl AgentLink {
             agent,
             Box::pin(futures::StreamExt::take_until(out, Box::pin(ended))),
         ))
+    }
+}
+
+/// Resolves when a live stream's token no longer passes: reviewed again each time its
+/// cached review expires (with jitter, so that streams admitted together spread out).
+async fn revoked(
+    auth: Arc<crate::auth::TokenAuthenticator>,
+    token: Box<(String, crate::auth::Bound)>,
+) -> crate::auth::AuthError {
+    use rand::Rng;
+    loop {
+        let ttl = crate::auth::POSITIVE_CACHE_TTL;
+        let jitter = ttl.mul_f64(rand::rng().random_range(0.0..0.2));
+        tokio::time::sleep(ttl + jitter).await;
+        if let Err(e) = auth.still_valid(&token.0, &token.1).await {
+            return e;
+        }
+    }
+}
+
+/// Why a connection was closed by the server's watch on it.
+#[derive(Debug, Clone, Copy)]
+enum Closed {
+    /// No stream admitted within [`ADMIT_WITHIN`] of its start.
+    Unadmitted,
+    /// No stream open for [`ADMIT_WITHIN`] since its last one ended.
+    Idle,
+    /// Evicted while unproven, to make room.
+    Evicted,
+}
+
+impl Closed {
+    /// The `connections_refused_total{reason}` label.
+    fn label(self) -> &'static str {
+        match self {
+            Closed::Unadmitted => "unadmitted",
+            Closed::Idle => "idle",
+            Closed::Evicted => "evicted",
+        }
+    }
+}
+
+/// Watches a connection: while `pending` (unproven) it may be evicted, and once a stream
+/// is admitted its place among the unproven goes; it is closed when it has had no
+/// admitted stream for [`ADMIT_WITHIN`].
+async fn watch_admission(
+    streams: &ConnStreams,
+    pending: Option<tether_core::admission::Pending>,
+) -> Closed {
+    if let Some(pending) = pending {
+        tokio::select! {
+            _ = streams.until(|s| s.ever) => drop(pending),
+            _ = pending.evicted() => return Closed::Evicted,
+            _ = streams.idle() => return Closed::Unadmitted,
+        }
+    }
+    streams.idle().await;
+    if streams.state().ever {
+        Closed::Idle
+    } else {
+        Closed::Unadmitted
     }
 }
 
@@ -481,6 +769,7 @@ mod tests {
                 UNVERIFIED_WARNINGS.0,
                 UNVERIFIED_WARNINGS.1,
             ),
+            identities: IdentityConnections::new(2),
         };
         let link = Arc::new(link);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -491,7 +780,10 @@ mod tests {
                     remote_addr,
                     peer_certs: None,
                 };
-                tokio::spawn(link.clone().serve_connection(tcp, info, Duration::ZERO));
+                tokio::spawn(
+                    link.clone()
+                        .serve_connection(tcp, info, None, Duration::ZERO),
+                );
             }
         });
         let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))

@@ -4,7 +4,9 @@
 //! Positive reviews are cached briefly and reviews are rate limited, so a thousand
 //! agents reconnecting at once cannot flood the apiserver. A token bound to a Pod also
 //! says which node the agent runs on (the review's `node-name`, or the bound Pod's
-//! `spec.nodeName`): the identifiers naming that node count as verified.
+//! `spec.nodeName`): the identifiers naming that node count as verified. A live stream's
+//! token is reviewed again whenever its cached review expires ([`TokenAuthenticator::
+//! still_valid`]), so a revoked token (its Pod deleted) ends the streams it opened.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -18,7 +20,8 @@ use kube::api::{Api, PostParams};
 use prometheus::IntCounterVec;
 use tether_ops::ratelimit::TokenBucket;
 
-/// How long a positive review is trusted without asking again.
+/// How long a positive review is trusted without asking again; also how often a live
+/// stream's token is reviewed again.
 pub const POSITIVE_CACHE_TTL: Duration = Duration::from_secs(30);
 /// Most tokens remembered at once.
 const CACHE_CAP: usize = 16_384;
@@ -68,8 +71,30 @@ pub enum AuthError {
     Api(#[source] kube::Error),
 }
 
-/// Positive reviews by token hash: until when, and the node the token is bound to.
-type ReviewCache = HashMap<[u8; 32], (Instant, Option<String>)>;
+impl AuthError {
+    /// What the agent is told: the server's own words for what it can fix, and nothing
+    /// of the apiserver's answer (which an unauthenticated client must not read).
+    pub fn public_message(&self) -> &'static str {
+        match self {
+            AuthError::Missing => "no bearer token (set --service-account-token-path on the agent)",
+            AuthError::Malformed => "authorization metadata is not \"Bearer <token>\"",
+            AuthError::Rejected(_) | AuthError::WrongIdentity { .. } => "token not accepted",
+            AuthError::Api(_) => "the token could not be reviewed now; retry",
+        }
+    }
+}
+
+/// What a token proved: the node (and Pod) it is bound to, if it is bound to one.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Bound {
+    /// The node the token's Pod runs on.
+    pub node: Option<String>,
+    /// The Pod the token is bound to: (name, uid).
+    pub pod: Option<(String, String)>,
+}
+
+/// Positive reviews by token hash: until when, and what the token is bound to.
+type ReviewCache = HashMap<[u8; 32], (Instant, Bound)>;
 
 /// Checks agent tokens by TokenReview.
 pub struct TokenAuthenticator {
@@ -79,6 +104,9 @@ pub struct TokenAuthenticator {
     audience: String,
     cache: Mutex<ReviewCache>,
     limiter: TokenBucket,
+    /// Reviews of live streams' tokens: half the rate, so that they never hold up
+    /// agents waiting to be admitted.
+    relimiter: TokenBucket,
     counter: IntCounterVec,
 }
 
@@ -112,6 +140,7 @@ impl TokenAuthenticator {
             audience: config.audience.clone(),
             cache: Mutex::new(HashMap::new()),
             limiter: TokenBucket::new(config.qps, config.burst),
+            relimiter: TokenBucket::new(config.qps / 2.0, (config.burst / 2).max(1)),
             counter,
         })
     }
@@ -120,35 +149,84 @@ impl TokenAuthenticator {
         self.cache.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Checks the `authorization` metadata value of an agent stream; answers the node
-    /// the token is bound to, if it is.
-    pub async fn authenticate(
-        &self,
-        authorization: Option<&str>,
-    ) -> Result<Option<String>, AuthError> {
+    /// Checks the `authorization` metadata value of an agent stream; answers what the
+    /// token is bound to.
+    pub async fn authenticate(&self, authorization: Option<&str>) -> Result<Bound, AuthError> {
         let token = bearer_token(authorization)?;
-        let key: [u8; 32] = ring::digest::digest(&ring::digest::SHA256, token.as_bytes())
-            .as_ref()
-            .try_into()
-            .expect("sha256 is 32 bytes");
-        if let Some(node) = self.cached(&key) {
-            return Ok(node);
+        let key = hash(token);
+        if let Some(bound) = self.cached(&key) {
+            return Ok(bound);
         }
         self.limiter.acquire().await;
-        let extra = self.review(token).await?;
-        self.counter.with_label_values(&["authenticated"]).inc();
-        let node = self.bound_node(&extra).await;
-        self.remember(key, node.clone());
-        Ok(node)
+        self.review_and_remember(token, key).await
     }
 
-    /// A positive review of the token hashed to `key` still trusted: the node it names
-    /// (counted as `cached`).
-    fn cached(&self, key: &[u8; 32]) -> Option<Option<String>> {
-        if let Some((until, node)) = self.cache().get(key) {
+    async fn review_and_remember(&self, token: &str, key: [u8; 32]) -> Result<Bound, AuthError> {
+        let extra = self.review(token).await?;
+        self.counter.with_label_values(&["authenticated"]).inc();
+        let bound = self.bound(&extra).await;
+        self.remember(key, bound.clone());
+        Ok(bound)
+    }
+
+    /// Does the token of a live stream, admitted as `bound`, still pass? Reviewed again
+    /// (at the re-review rate) unless a review of it is cached. A token that only
+    /// expired (the kubelet gave its Pod a new one, which the agent sends on its next
+    /// connection) still passes while the Pod it is bound to runs, with the same UID, on
+    /// the same node. When the apiserver cannot answer, the stream is kept (`Ok`): an
+    /// outage of the apiserver must not cut every tunnel.
+    pub async fn still_valid(&self, token: &str, bound: &Bound) -> Result<(), AuthError> {
+        let key = hash(token);
+        if self.cached(&key).is_some() {
+            return Ok(());
+        }
+        self.relimiter.acquire().await;
+        if self.cached(&key).is_some() {
+            return Ok(());
+        }
+        match self.review_and_remember(token, key).await {
+            Ok(now) if now.node == bound.node => Ok(()),
+            Ok(now) => Err(AuthError::Rejected(format!(
+                "the token now names node {:?}, not {:?}",
+                now.node, bound.node
+            ))),
+            Err(AuthError::Api(e)) => {
+                tracing::warn!(error = %chain(&e), "cannot review a live agent stream's token again; the stream is kept");
+                Ok(())
+            }
+            Err(e) if expired(token) => match self.pod_still_runs(bound).await {
+                Some(true) => Ok(()),
+                Some(false) | None => Err(e),
+            },
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Is the Pod `bound` names still there, with the same UID, on the same node?
+    /// `None` when the token names no Pod or the Pod cannot be read.
+    async fn pod_still_runs(&self, bound: &Bound) -> Option<bool> {
+        let (name, uid) = bound.pod.as_ref()?;
+        match self.pods.get_opt(name).await {
+            Ok(Some(pod)) => Some(
+                pod.metadata.uid.as_deref() == Some(uid.as_str())
+                    && pod.metadata.deletion_timestamp.is_none()
+                    && pod.spec.and_then(|s| s.node_name) == bound.node,
+            ),
+            Ok(None) => Some(false),
+            Err(e) => {
+                tracing::warn!(pod = %name, error = %chain(&e), "cannot read the agent's Pod to check its expired token's binding");
+                None
+            }
+        }
+    }
+
+    /// A positive review of the token hashed to `key` still trusted: what it is bound
+    /// to (counted as `cached`).
+    fn cached(&self, key: &[u8; 32]) -> Option<Bound> {
+        if let Some((until, bound)) = self.cache().get(key) {
             if *until > Instant::now() {
                 self.counter.with_label_values(&["cached"]).inc();
-                return Some(node.clone());
+                return Some(bound.clone());
             }
         }
         None
@@ -207,9 +285,9 @@ impl TokenAuthenticator {
         Ok(extra)
     }
 
-    /// Trusts the token hashed to `key`, bound to `node`, for [`POSITIVE_CACHE_TTL`];
+    /// Trusts the token hashed to `key`, bound to `bound`, for [`POSITIVE_CACHE_TTL`];
     /// a full cache loses its expired entries first, then everything.
-    fn remember(&self, key: [u8; 32], node: Option<String>) {
+    fn remember(&self, key: [u8; 32], bound: Bound) {
         let now = Instant::now();
         let mut cache = self.cache();
         if cache.len() >= CACHE_CAP {
@@ -218,31 +296,90 @@ impl TokenAuthenticator {
                 cache.clear();
             }
         }
-        cache.insert(key, (now + POSITIVE_CACHE_TTL, node));
+        cache.insert(key, (now + POSITIVE_CACHE_TTL, bound));
     }
 
-    /// The node a pod-bound token's review names: `authentication.kubernetes.io/
-    /// node-name` (Kubernetes 1.30+), else the bound Pod's `spec.nodeName` when its UID
-    /// matches. `None` when the token is not pod-bound or the Pod cannot be read (the
-    /// agent is still admitted; its identifiers just count as unverified).
-    async fn bound_node(&self, extra: &BTreeMap<String, Vec<String>>) -> Option<String> {
+    /// What a pod-bound token's review names: the Pod (`authentication.kubernetes.io/
+    /// pod-name` and `pod-uid`) and its node (`node-name`, Kubernetes 1.30+, else the
+    /// bound Pod's `spec.nodeName` when its UID matches). No node when the token is not
+    /// pod-bound or the Pod cannot be read (the agent is still admitted; its
+    /// identifiers just count as unverified).
+    async fn bound(&self, extra: &BTreeMap<String, Vec<String>>) -> Bound {
         let one = |k: &str| extra.get(k).and_then(|v| v.first()).cloned();
+        let pod = one("authentication.kubernetes.io/pod-name")
+            .zip(one("authentication.kubernetes.io/pod-uid"));
         if let Some(node) = one("authentication.kubernetes.io/node-name") {
-            return Some(node);
+            return Bound {
+                node: Some(node),
+                pod,
+            };
         }
-        let (name, uid) = (
-            one("authentication.kubernetes.io/pod-name")?,
-            one("authentication.kubernetes.io/pod-uid")?,
-        );
-        match self.pods.get_opt(&name).await {
-            Ok(Some(pod)) if pod.metadata.uid.as_deref() == Some(uid.as_str()) => {
-                pod.spec.and_then(|s| s.node_name).filter(|n| !n.is_empty())
+        let Some((name, uid)) = pod.clone() else {
+            return Bound::default();
+        };
+        let node = match self.pods.get_opt(&name).await {
+            Ok(Some(p)) if p.metadata.uid.as_deref() == Some(uid.as_str()) => {
+                p.spec.and_then(|s| s.node_name).filter(|n| !n.is_empty())
             }
             Ok(_) => None,
             Err(e) => {
                 tracing::warn!(pod = %name, error = %chain(&e), "cannot read the agent's Pod; its identifiers stay unverified (the server needs get on pods in the agent namespace)");
                 None
             }
-        }
+        };
+        Bound { node, pod }
+    }
+}
+
+/// SHA-256 of a token: what the cache is keyed by (no token is kept).
+fn hash(token: &str) -> [u8; 32] {
+    ring::digest::digest(&ring::digest::SHA256, token.as_bytes())
+        .as_ref()
+        .try_into()
+        .expect("sha256 is 32 bytes")
+}
+
+/// Has the JWT `token` expired, by its own `exp` claim? Read without checking the
+/// signature: it only chooses how a token that already failed a review is judged.
+fn expired(token: &str) -> bool {
+    use base64::Engine;
+    let Some(payload) = token.split('.').nth(1) else {
+        return false;
+    };
+    let Ok(json) = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(payload) else {
+        return false;
+    };
+    let exp = serde_json::from_slice::<serde_json::Value>(&json)
+        .ok()
+        .and_then(|v| v["exp"].as_u64());
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    exp.is_some_and(|exp| exp <= now)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_jwt_is_expired_by_its_exp_claim() {
+        use base64::Engine;
+        let jwt = |claims: &str| {
+            let b = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+            format!("{}.{}.sig", b.encode("{}"), b.encode(claims))
+        };
+        assert!(expired(&jwt(r#"{"exp": 1000}"#)));
+        assert!(!expired(&jwt(r#"{"exp": 99999999999}"#)));
+        assert!(!expired(&jwt("{}")));
+        assert!(!expired("not a jwt"));
+    }
+
+    #[test]
+    fn refusals_carry_none_of_the_apiservers_words() {
+        let e = AuthError::Rejected(
+            "[invalid bearer token, service account token has been invalidated]".into(),
+        );
+        assert_eq!(e.public_message(), "token not accepted");
     }
 }

@@ -14,7 +14,7 @@ use crate::nodes::NodeInventory;
 use crate::router::Verified;
 
 /// Subject O of the certificates `tether certs agent` writes: one node each.
-pub const AGENT_GROUP: &str = "system:konnectivity-agents";
+pub const AGENT_GROUP: &str = tether_certs::AGENT_ORGANIZATION;
 /// Subject O of kubelet client certificates (CN `system:node:<name>`): one node each.
 const NODES_GROUP: &str = "system:nodes";
 
@@ -108,6 +108,22 @@ pub fn certificate_node(cert: &CertInfo) -> Option<String> {
             .map(str::to_ascii_lowercase);
     }
     None
+}
+
+/// What a per-node certificate pins to its node whether or not the agent claims it: the
+/// node, its names (the node's, the CN and DNS SANs that are host names) and its IP
+/// SANs. `None` for a certificate that names no node.
+pub fn pinned_by_certificate(cert: &CertInfo) -> Option<(String, Vec<String>, Vec<IpAddr>)> {
+    let node = certificate_node(cert)?;
+    let mut names = vec![node.clone()];
+    for n in cert.common_name.iter().chain(cert.dns_sans.iter()) {
+        if let Ok(tether_core::host::DialHost::Name(n)) = tether_core::host::DialHost::parse(n) {
+            if !names.contains(&n) {
+                names.push(n);
+            }
+        }
+    }
+    Some((node, names, cert.ip_sans.clone()))
 }
 
 /// What a client certificate proves: the claimed names that are its CN, a DNS SAN or

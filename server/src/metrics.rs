@@ -195,24 +195,38 @@ tether_ops::metric_set! {
             .expect("valid metric"),
             &[&["agent_id"], &["host"], &["ip"], &["cidr"], &["default_route"]],
         )),
-        /// Agent streams refused by reason (`too_many_streams`).
+        /// Agent streams refused by reason (`too_many_streams`, `unverified`,
+        /// `too_many_connections`).
         pub agent_streams_refused: IntCounterVec = catalog.add(with_series(
             IntCounterVec::new(
-                Opts::new("tether_server_agent_streams_refused_total", "Agent streams refused after authentication, by reason: too_many_streams (--max-agent-streams per agent ID or verified identity), unverified (--require-agent-identity-match)."),
+                Opts::new("tether_server_agent_streams_refused_total", "Agent streams refused after authentication, by reason: too_many_streams (--max-agent-streams per agent ID or verified identity), too_many_connections (a verified identity already holds --max-agent-streams connections), unverified (--require-agent-identity-match)."),
                 &["reason"],
             )
             .expect("valid metric"),
-            &[&["too_many_streams"], &["unverified"]],
+            &[&["too_many_streams"], &["too_many_connections"], &["unverified"]],
         )),
-        /// Connections a listener closed unserved, by listener and reason (`per_source`,
-        /// `unadmitted`).
+        /// Live agent streams ended because their token no longer passes a review.
+        pub agent_streams_revoked: IntCounter = catalog.made(IntCounter::with_opts(Opts::new(
+            "tether_server_agent_streams_revoked_total",
+            "Live agent streams ended because their token, reviewed again when its cached review expired, no longer passes (its Pod deleted, its service account removed).",
+        ))),
+        /// Connections a listener closed unserved, by listener and reason.
         pub connections_refused: IntCounterVec = catalog.add(with_series(
             IntCounterVec::new(
-                Opts::new("tether_server_connections_refused_total", "TCP connections a listener closed without serving them, by listener (agent, frontend) and reason: per_source (over --max-handshakes-per-source), unadmitted (an agent connection on which no agent was admitted within 10 s). At --max-connections and --max-concurrent-handshakes new clients wait in the kernel's backlog instead."),
+                Opts::new("tether_server_connections_refused_total", "TCP connections a listener closed without serving them, by listener (agent, frontend, health, admin) and reason: per_source and per_prefix (over --max-handshakes-per-source or --max-handshakes-per-prefix unproven connections), evicted (unproven and the oldest of the busiest prefix when --max-concurrent-handshakes were open), handshake (the TLS handshake failed, timed out, or its first byte did not come within 5 s), unadmitted (an agent connection on which no agent stream was admitted within 10 s), idle (an agent connection with no open agent stream for 10 s). At --max-connections new clients wait in the kernel's backlog instead."),
                 &["listener", "reason"],
             )
             .expect("valid metric"),
-            &[&["agent", "per_source"], &["agent", "unadmitted"], &["frontend", "per_source"]],
+            &[
+                &["agent", "per_source"],
+                &["agent", "per_prefix"],
+                &["agent", "evicted"],
+                &["agent", "handshake"],
+                &["agent", "unadmitted"],
+                &["agent", "idle"],
+                &["frontend", "per_source"],
+                &["frontend", "handshake"],
+            ],
         )),
         packets: PacketCounters = catalog.add(PacketCounters::new(
             &format!("{NAMESPACE}_{SUBSYSTEM}_stream_packets_total"),

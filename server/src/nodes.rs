@@ -1,9 +1,11 @@
-//! What the cluster's Node objects vouch for: each node's addresses (`status.addresses`)
-//! and pod networks (`spec.podCIDRs`), watched from the API. Agents authenticated by a
-//! pod-bound token prove only their node's name; the Node object says which addresses
-//! and networks that node really has, so only those of an agent's identifiers are
-//! routed by. With `--watch-node-pod-cidrs`, `destCIDR` also sends a dial to a pod IP to
-//! the agent on that pod's node even when pod networks are not routed between nodes.
+//! Which node owns a dial host. The cluster's Node objects, watched from the API, vouch
+//! for each node's names (its own, and its `Hostname`/`InternalDNS`/`ExternalDNS`
+//! entries), addresses (`status.addresses`) and pod networks (`spec.podCIDRs`); per-node
+//! agent certificates vouch for the names and IP addresses they carry, remembered after
+//! the agent disconnects. Agents authenticated by a pod-bound token prove only their
+//! node's name; the Node object says which addresses and networks that node really has.
+//! A host that one node owns is that node's agent's to dial, whatever the strategies
+//! say; a host two nodes claim is neither's.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -15,6 +17,7 @@ use futures::StreamExt;
 use k8s_openapi::api::core::v1::Node;
 use kube::runtime::{reflector, watcher, WatchStreamExt};
 use kube::{Api, ResourceExt};
+use tether_core::host::DialHost;
 use tether_core::identifiers::Cidr;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -43,7 +46,37 @@ struct Table {
     /// Every address any Node lists, with how many Nodes list it: a kubelet writes its
     /// own Node's addresses, so an address two Nodes list vouches for neither.
     addresses: HashMap<IpAddr, usize>,
+    /// Every address any Node lists, with the Nodes listing it.
+    address_owners: HashMap<IpAddr, Vec<String>>,
+    /// Every name of a node (lower case): its own and the host names its Node lists,
+    /// with the Nodes it names.
+    names: HashMap<String, Vec<String>>,
 }
+
+/// Who owns a dial host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Owner {
+    /// No node: any agent the strategies pick may take it.
+    Nobody,
+    /// This node (its name as the Node or certificate spells it, lower case): only its
+    /// agent may take it.
+    Node(String),
+    /// Several nodes claim it (one of them may be lying): nobody may take it.
+    Contested(Vec<String>),
+}
+
+/// What per-node agent certificates vouched for, remembered after their agents go.
+#[derive(Debug, Default)]
+struct Certified {
+    /// Node -> the names and addresses its latest certificate carried.
+    by_node: HashMap<String, (Vec<String>, Vec<IpAddr>)>,
+    names: HashMap<String, String>,
+    addresses: HashMap<IpAddr, String>,
+}
+
+/// Most nodes whose certificates are remembered (a bound on what certificates can make
+/// the server keep).
+const CERTIFIED_NODES: usize = 100_000;
 
 impl Table {
     /// Is `net` inside a pod network of a node other than `node`, or overlapping one?
@@ -59,6 +92,7 @@ impl Table {
 #[derive(Default)]
 pub struct NodeInventory {
     table: RwLock<Table>,
+    certified: RwLock<Certified>,
     /// Set for good when the watch starts.
     watched: AtomicBool,
     /// Pod IPs are routed to their node's agent (`--watch-node-pod-cidrs`).
@@ -107,17 +141,105 @@ impl NodeInventory {
             && !table.contested(node, net)
     }
 
-    /// Is `host` a Node's name, one of its addresses, or inside a pod network? Such a
+    /// Is `host` a node's name, one of its addresses, or inside a pod network? Such a
     /// dial belongs to one node's agent: it never falls back to any agent.
-    pub fn knows(&self, host: &str) -> bool {
-        let table = self.table.read().unwrap_or_else(|e| e.into_inner());
-        match host.parse::<IpAddr>() {
-            Ok(ip) => {
-                table.addresses.contains_key(&ip)
-                    || table.networks.iter().any(|(net, _)| net.contains(ip))
+    pub fn knows(&self, host: &DialHost) -> bool {
+        self.owner(host) != Owner::Nobody
+    }
+
+    /// Who owns `host`: the nodes whose Node objects name it, list it as an address or
+    /// hold it in a pod network, and the nodes whose certificates carried it. One node
+    /// owns it; two or more contest it.
+    pub fn owner(&self, host: &DialHost) -> Owner {
+        let mut owners: Vec<String> = Vec::new();
+        let mut add = |n: &str| {
+            if !owners.iter().any(|o| o.eq_ignore_ascii_case(n)) {
+                owners.push(n.to_ascii_lowercase());
             }
-            Err(_) => table.by_name.keys().any(|n| n.eq_ignore_ascii_case(host)),
+        };
+        {
+            let table = self.table.read().unwrap_or_else(|e| e.into_inner());
+            let certified = self.certified.read().unwrap_or_else(|e| e.into_inner());
+            match host {
+                DialHost::Ip(ip) => {
+                    table
+                        .address_owners
+                        .get(ip)
+                        .into_iter()
+                        .flatten()
+                        .for_each(|n| add(n));
+                    table
+                        .networks
+                        .iter()
+                        .filter(|(net, _)| net.contains(*ip))
+                        .for_each(|(_, n)| add(n));
+                    certified.addresses.get(ip).into_iter().for_each(|n| add(n));
+                }
+                DialHost::Name(name) => {
+                    table
+                        .names
+                        .get(name)
+                        .into_iter()
+                        .flatten()
+                        .for_each(|n| add(n));
+                    certified.names.get(name).into_iter().for_each(|n| add(n));
+                }
+            }
         }
+        match owners.len() {
+            0 => Owner::Nobody,
+            1 => Owner::Node(owners.remove(0)),
+            _ => Owner::Contested(owners),
+        }
+    }
+
+    /// Remembers what a per-node certificate of `node` vouched for: its names and IP
+    /// addresses. The latest certificate of a node replaces what its earlier ones said,
+    /// and a name or address another node's certificate carried moves to this one (the
+    /// CA issued it last), with a warning.
+    pub fn certify(&self, node: &str, names: &[String], ips: &[IpAddr]) {
+        let node = node.to_ascii_lowercase();
+        let names: Vec<String> = names.iter().map(|n| n.to_ascii_lowercase()).collect();
+        let mut c = self.certified.write().unwrap_or_else(|e| e.into_inner());
+        if c.by_node
+            .get(&node)
+            .is_some_and(|(n, i)| *n == names && i == ips)
+        {
+            return;
+        }
+        if !c.by_node.contains_key(&node) && c.by_node.len() >= CERTIFIED_NODES {
+            tracing::warn!(%node, "too many nodes' certificates to remember; this node's names and addresses are not pinned to it");
+            return;
+        }
+        if let Some((old_names, old_ips)) = c.by_node.remove(&node) {
+            for n in old_names {
+                c.names.remove(&n);
+            }
+            for ip in old_ips {
+                c.addresses.remove(&ip);
+            }
+        }
+        for n in &names {
+            if let Some(before) = c.names.insert(n.clone(), node.clone()) {
+                if before != node {
+                    tracing::warn!(name = %n, from = %before, to = %node, "a node certificate carries a name another node's certificate carried; the name is now this node's");
+                    if let Some(e) = c.by_node.get_mut(&before) {
+                        e.0.retain(|x| x != n);
+                    }
+                }
+            }
+        }
+        for ip in ips {
+            if let Some(before) = c.addresses.insert(*ip, node.clone()) {
+                if before != node {
+                    tracing::warn!(address = %ip, from = %before, to = %node, "a node certificate carries an address another node's certificate carried; the address is now this node's");
+                    if let Some(e) = c.by_node.get_mut(&before) {
+                        e.1.retain(|x| x != ip);
+                    }
+                }
+            }
+        }
+        c.by_node.insert(node, (names, ips.to_vec()));
     }
 
     /// Node `node`'s addresses (empty when unknown).
@@ -135,36 +257,20 @@ impl NodeInventory {
         let mut table = Table::default();
         for node in nodes {
             let name = node.name_any();
-            let mut facts = NodeFacts::default();
-            if let Some(spec) = &node.spec {
-                let mut cidrs = spec.pod_cidrs.clone().unwrap_or_default();
-                if cidrs.is_empty() {
-                    cidrs.extend(spec.pod_cidr.clone());
-                }
-                for c in cidrs {
-                    match c.parse::<Cidr>() {
-                        Ok(net) => {
-                            let net = net.normalized();
-                            table.networks.push((net, name.clone()));
-                            facts.pod_cidrs.push(net);
-                        }
-                        Err(e) => {
-                            tracing::warn!(node = %name, cidr = %c, error = %e, "ignoring a pod CIDR")
-                        }
-                    }
-                }
-            }
-            let addresses = node.status.as_ref().and_then(|s| s.addresses.as_ref());
-            for a in addresses.into_iter().flatten() {
-                // Hostname and InternalDNS entries are names, not addresses.
-                if let Ok(ip) = a.address.parse::<IpAddr>() {
-                    if !facts.addresses.contains(&ip) {
-                        facts.addresses.push(ip);
-                    }
-                }
+            let (facts, names) = facts_of(node, &name);
+            for net in &facts.pod_cidrs {
+                table.networks.push((*net, name.clone()));
             }
             for ip in &facts.addresses {
                 *table.addresses.entry(*ip).or_default() += 1;
+                table
+                    .address_owners
+                    .entry(*ip)
+                    .or_default()
+                    .push(name.clone());
+            }
+            for n in names {
+                table.names.entry(n).or_default().push(name.clone());
             }
             table.by_name.insert(name, facts);
         }
@@ -209,6 +315,40 @@ impl NodeInventory {
         let table = self.table.read().unwrap_or_else(|e| e.into_inner());
         table.networks.len()
     }
+}
+
+/// One Node's facts (pod networks, addresses) and the names it answers to: its own,
+/// and its `Hostname`, `InternalDNS` and `ExternalDNS` entries (kube-apiserver dials
+/// the Hostname first by default), lower case.
+fn facts_of(node: &Node, name: &str) -> (NodeFacts, Vec<String>) {
+    let mut facts = NodeFacts::default();
+    if let Some(spec) = &node.spec {
+        let mut cidrs = spec.pod_cidrs.clone().unwrap_or_default();
+        if cidrs.is_empty() {
+            cidrs.extend(spec.pod_cidr.clone());
+        }
+        for c in cidrs {
+            match c.parse::<Cidr>() {
+                Ok(net) => facts.pod_cidrs.push(net.normalized()),
+                Err(e) => {
+                    tracing::warn!(node = %name, cidr = %c, error = %e, "ignoring a pod CIDR")
+                }
+            }
+        }
+    }
+    let mut names = vec![name.to_ascii_lowercase()];
+    let addresses = node.status.as_ref().and_then(|s| s.addresses.as_ref());
+    for a in addresses.into_iter().flatten() {
+        match a.address.parse::<IpAddr>() {
+            Ok(ip) if !facts.addresses.contains(&ip) => facts.addresses.push(ip),
+            Ok(_) => {}
+            Err(_) => match DialHost::parse(&a.address) {
+                Ok(DialHost::Name(n)) if !names.contains(&n) => names.push(n),
+                _ => {}
+            },
+        }
+    }
+    (facts, names)
 }
 
 /// Keeps `inventory` in step with the cluster's Nodes until `hard_stop`; watch errors
@@ -316,8 +456,14 @@ mod tests {
         assert!(!nodes.has_network("a", &net("10.244.2.0/24")));
         // Without --watch-node-pod-cidrs pod IPs are not routed by node.
         assert_eq!(nodes.node_of("10.244.1.7"), None);
-        assert!(nodes.knows("192.0.2.2") && nodes.knows("A") && nodes.knows("10.244.2.9"));
-        assert!(!nodes.knows("192.0.2.9") && !nodes.knows("c"));
+        let h = |s: &str| DialHost::parse(s).unwrap();
+        assert!(
+            nodes.knows(&h("192.0.2.2")) && nodes.knows(&h("A")) && nodes.knows(&h("10.244.2.9"))
+        );
+        assert!(!nodes.knows(&h("192.0.2.9")) && !nodes.knows(&h("c")));
+        // A Hostname entry names its node; a name two Nodes list is neither's.
+        assert_eq!(nodes.owner(&h("a.example.")), Owner::Node("a".into()));
+        assert_eq!(nodes.owner(&h("10.244.2.9")), Owner::Node("b".into()));
     }
 
     #[test]
@@ -343,8 +489,33 @@ mod tests {
         assert_eq!(nodes.node_of("10.244.1.200"), None);
         assert_eq!(nodes.node_of("10.244.2.9").as_deref(), Some("b"));
         assert!(
-            nodes.knows("192.0.2.1"),
+            matches!(
+                nodes.owner(&DialHost::parse("192.0.2.1").unwrap()),
+                Owner::Contested(_)
+            ),
             "still a node's: no fallback to any agent"
         );
+    }
+
+    #[test]
+    fn certificates_pin_names_and_addresses_after_their_agent_goes() {
+        let nodes = NodeInventory::default();
+        let h = |s: &str| DialHost::parse(s).unwrap();
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        nodes.certify(
+            "Node-B",
+            &["node-b".into(), "b.lan".into()],
+            &[ip("127.0.0.2")],
+        );
+        assert_eq!(nodes.owner(&h("127.0.0.2")), Owner::Node("node-b".into()));
+        assert_eq!(nodes.owner(&h("B.LAN.")), Owner::Node("node-b".into()));
+        assert_eq!(nodes.owner(&h("127.0.0.9")), Owner::Nobody);
+        // A newer certificate of the node replaces what the older one said.
+        nodes.certify("node-b", &["node-b".into()], &[ip("127.0.0.3")]);
+        assert_eq!(nodes.owner(&h("127.0.0.2")), Owner::Nobody);
+        assert_eq!(nodes.owner(&h("b.lan")), Owner::Nobody);
+        // A Node object listing the address for another node contests it.
+        nodes.set(&[node("c", &[], &["127.0.0.3"])]);
+        assert!(matches!(nodes.owner(&h("127.0.0.3")), Owner::Contested(_)));
     }
 }

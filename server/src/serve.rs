@@ -146,6 +146,7 @@ impl BoundServer {
                 agent_link::UNVERIFIED_WARNINGS.0,
                 agent_link::UNVERIFIED_WARNINGS.1,
             ),
+            identities: agent_link::IdentityConnections::new(config.router.max_agent_streams),
         };
         let keepalive = config.agent_keepalive;
         let agent_task = spawn_agent_listener(

@@ -23,7 +23,8 @@ pub(crate) fn spawn_health(
     });
     let registry = router.metrics.registry().clone();
     let app = tether_ops::health::health_router(registry, ready, StatusCode::INTERNAL_SERVER_ERROR);
-    tether_ops::health::spawn("health", listener, app, hard_stop.clone());
+    let refused = crate::accept::refusals(router, "health");
+    tether_ops::health::spawn_counted("health", listener, app, refused, hard_stop.clone());
 }
 
 /// How `/agents` requests are checked.
@@ -110,5 +111,6 @@ pub(crate) fn spawn_admin(
     let app = tether_ops::health::admin_router(registry, profiling)
         .route("/agents", agents)
         .route("/status", status);
-    tether_ops::health::spawn("admin", listener, app, hard_stop.clone());
+    let refused = crate::accept::refusals(router, "admin");
+    tether_ops::health::spawn_counted("admin", listener, app, refused, hard_stop.clone());
 }

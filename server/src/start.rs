@@ -34,10 +34,21 @@ pub enum StartError {
     #[error(transparent)]
     Kube(#[from] tether_ops::kubeclient::KubeSetupError),
     /// The TCP frontend would let agents' certificates open tunnels.
-    #[error("--server-ca-cert and --cluster-ca-cert share the CA {subject:?}, so every agent certificate could open frontend tunnels: give the frontend a CA of its own (tether certs init does), or require the apiserver's client certificate name with --frontend-client-names")]
+    #[error("--server-ca-cert and --cluster-ca-cert share the CA {subject:?} (one trusts it, the other trusts it or a CA it issued), so agent certificates could open frontend tunnels: give the frontend a CA of its own (tether certs init does), or require the apiserver's client certificate name with --frontend-client-names")]
     SharedCa {
-        /// The shared CA's subject.
+        /// The CA both trusts reach.
         subject: String,
+    },
+    /// A CA bundle holds an intermediate whose issuers are not at hand, so the guard
+    /// above cannot tell whether the two trusts meet.
+    #[error("{flag} holds the intermediate CA {subject:?}, whose issuer {issuer:?} is in neither CA file: the server cannot tell whether agent certificates chain to the frontend's CA. Add the issuing CAs up to the root to that file, or set --frontend-client-names to the apiserver's client certificate name")]
+    UnprovenCa {
+        /// `--server-ca-cert` or `--cluster-ca-cert`.
+        flag: &'static str,
+        /// The intermediate.
+        subject: String,
+        /// Its issuer, not found.
+        issuer: String,
     },
     /// A CA file could not be read for the comparison above.
     #[error("cannot read CA file {path}: {reason}")]
@@ -48,6 +59,8 @@ pub enum StartError {
         reason: String,
     },
 }
+
+use tether_certs::inspect::CertInfo;
 
 /// Refuses a TCP frontend whose CA also signs agents, unless client names are required
 /// or the operator opted out.
@@ -62,16 +75,6 @@ pub(crate) fn check_frontend_trust(config: &ServerConfig) -> Result<(), StartErr
         }
         return Ok(());
     };
-    let read = |p: &std::path::Path| -> Result<Vec<tether_certs::inspect::CertInfo>, StartError> {
-        let pem = std::fs::read_to_string(p).map_err(|e| StartError::CaFile {
-            path: p.display().to_string(),
-            reason: e.to_string(),
-        })?;
-        tether_certs::inspect::parse_pem(&pem).map_err(|reason| StartError::CaFile {
-            path: p.display().to_string(),
-            reason,
-        })
-    };
     for fe in &config.frontends {
         let Listen::Tcp { tls, clients, .. } = &fe.listen else {
             continue;
@@ -80,25 +83,97 @@ pub(crate) fn check_frontend_trust(config: &ServerConfig) -> Result<(), StartErr
         if !clients.names.is_empty() {
             continue;
         }
-        let agents = read(agent_ca)?;
-        // The same certificate, the same key under another certificate, or the agents'
-        // CA issued by the frontend's.
-        let shared = read(frontend_ca)?.into_iter().find(|c| {
-            agents
-                .iter()
-                .any(|a| a.der == c.der || a.public_key_der == c.public_key_der || a.signed_by(c))
-        });
-        if let Some(ca) = shared {
-            if clients.allow_shared_ca {
-                tracing::warn!(ca = %ca.subject, "UNSAFE: the frontend trusts the agents' CA (--unsafe-shared-frontend-ca): a stolen agent certificate can open tunnels to any address");
-            } else {
-                return Err(StartError::SharedCa {
-                    subject: ca.subject,
-                });
+        let trusts = Trusts {
+            frontend: read_cas(frontend_ca)?,
+            agents: read_cas(agent_ca)?,
+        };
+        match trusts.meet() {
+            Ok(None) => {}
+            Ok(Some(subject)) if clients.allow_shared_ca => {
+                tracing::warn!(ca = %subject, "UNSAFE: the frontend trusts the agents' CA (--unsafe-shared-frontend-ca): a stolen agent certificate can open tunnels to any address");
             }
+            Ok(Some(subject)) => return Err(StartError::SharedCa { subject }),
+            Err(e) if clients.allow_shared_ca => {
+                tracing::warn!(error = %e, "UNSAFE: --unsafe-shared-frontend-ca");
+            }
+            Err(e) => return Err(e),
         }
     }
     Ok(())
+}
+
+fn read_cas(p: &std::path::Path) -> Result<Vec<CertInfo>, StartError> {
+    let pem = std::fs::read_to_string(p).map_err(|e| StartError::CaFile {
+        path: p.display().to_string(),
+        reason: e.to_string(),
+    })?;
+    tether_certs::inspect::parse_pem(&pem).map_err(|reason| StartError::CaFile {
+        path: p.display().to_string(),
+        reason,
+    })
+}
+
+/// The two trusts of a server with a TCP frontend: the CAs frontend clients chain to,
+/// and the CAs agents chain to.
+struct Trusts {
+    frontend: Vec<CertInfo>,
+    agents: Vec<CertInfo>,
+}
+
+impl Trusts {
+    /// Does any certificate chain to both? That happens when one trust's CA is the
+    /// other's or its ancestor, or shares a key with one along the way: a leaf issued
+    /// under the lower CA then chains to both (a client sends the intermediates). Each
+    /// CA's ancestors are found among both files; one whose chain ends at an issuer in
+    /// neither file cannot be judged (`Err`). Siblings under one root do not meet.
+    fn meet(&self) -> Result<Option<String>, StartError> {
+        let all: Vec<&CertInfo> = self.frontend.iter().chain(self.agents.iter()).collect();
+        fn line<'a>(
+            c: &'a CertInfo,
+            all: &[&'a CertInfo],
+            flag: &'static str,
+        ) -> Result<Vec<&'a CertInfo>, StartError> {
+            ancestry(c, all).map_err(|top| StartError::UnprovenCa {
+                flag,
+                subject: top.subject.clone(),
+                issuer: top.issuer.clone(),
+            })
+        }
+        for f in &self.frontend {
+            let f_line = line(f, &all, "--server-ca-cert")?;
+            for a in &self.agents {
+                let a_line = line(a, &all, "--cluster-ca-cert")?;
+                let same = |x: &&CertInfo, y: &CertInfo| {
+                    x.der == y.der || x.public_key_der == y.public_key_der
+                };
+                // f is a or above it, or a is f or above it.
+                if a_line.iter().any(|x| same(x, f)) {
+                    return Ok(Some(f.subject.clone()));
+                }
+                if f_line.iter().any(|x| same(x, a)) {
+                    return Ok(Some(a.subject.clone()));
+                }
+            }
+        }
+        Ok(None)
+    }
+}
+
+/// `c` and its issuers up to a self-signed root, found among `all`; `Err` with the
+/// highest certificate reached when its issuer is not among them.
+fn ancestry<'a>(c: &'a CertInfo, all: &[&'a CertInfo]) -> Result<Vec<&'a CertInfo>, &'a CertInfo> {
+    let mut line = vec![c];
+    let mut top = c;
+    while !top.signed_by(top) {
+        let issuer = all
+            .iter()
+            .find(|i| !line.iter().any(|l| l.der == i.der) && top.signed_by(i))
+            .copied()
+            .ok_or(top)?;
+        line.push(issuer);
+        top = issuer;
+    }
+    Ok(line)
 }
 
 /// What was bound, for logs and tests.

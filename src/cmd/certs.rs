@@ -21,10 +21,16 @@ pub enum CertsCommand {
     /// Show certificates; non-zero exit if any is expired or does not match.
     Inspect(InspectArgs),
     /// Write a throwaway PKI for one machine: for trying Tether, not production.
+    ///
+    /// Every agent certificate is bound to one node, as `tether certs agent` writes
+    /// them: agent.crt to node `local-agent`, and agent-NODE.crt to each --node.
     Dev {
         /// Output directory.
         #[arg(long)]
         out: PathBuf,
+        /// One more node to write an agent certificate for (repeatable).
+        #[arg(long = "node", value_name = "NODE")]
+        nodes: Vec<String>,
     },
 }
 
@@ -127,9 +133,29 @@ pub fn main(cmd: CertsCommand) -> anyhow::Result<()> {
         CertsCommand::Init(a) => init(a),
         CertsCommand::Agent(a) => agent(a),
         CertsCommand::Inspect(a) => run_inspect(a),
-        CertsCommand::Dev { out } => {
+        CertsCommand::Dev { out, nodes } => {
+            if let Some(bad) = nodes
+                .iter()
+                .find(|n| n.is_empty() || n.contains(['/', ' ']))
+            {
+                bail!("--node {bad:?} is not a node name");
+            }
             let pki = tether_certs::DevPki::generate(&out)?;
-            println!("wrote a throwaway PKI to {}", pki.dir.display());
+            let ca = Ca::load(&pki.ca_cert, &pki.ca_key)?;
+            for node in &nodes {
+                let spec = tether_certs::node_agent_spec(node, &[], Default::default(), 0);
+                tether_certs::write_pair(&out, &format!("agent-{node}"), &ca.issue(&spec)?)?;
+            }
+            println!(
+                "wrote a throwaway PKI to {} (agent.crt is node {}'s{})",
+                pki.dir.display(),
+                tether_certs::DEV_AGENT_NODE,
+                if nodes.is_empty() {
+                    ""
+                } else {
+                    "; agent-NODE.crt each --node's"
+                }
+            );
             Ok(())
         }
     }
@@ -272,10 +298,8 @@ fn agent(a: AgentArgs) -> anyhow::Result<()> {
     let mut w = Writer::new(&c.out, c.format, c.force, &c.namespace)?;
     let name = format!("agent-{}", a.node);
     w.check_free(&[format!("{name}.crt"), format!("{name}.key")])?;
-    let mut sans = vec![a.node.clone()];
-    sans.extend(a.node_ips.iter().map(|ip| ip.to_string()));
-    let mut spec = leaf(c, &a.node, sans, false, true);
-    spec.organization = Some("system:konnectivity-agents".into());
+    let ips: Vec<String> = a.node_ips.iter().map(|ip| ip.to_string()).collect();
+    let spec = tether_certs::node_agent_spec(&a.node, &ips, c.key_algorithm, c.validity_days);
     let pair = ca.issue(&spec)?;
     w.pair(&name, &pair, &ca.pair().cert_pem)?;
     for p in w.finish()? {

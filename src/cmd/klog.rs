@@ -92,6 +92,92 @@ impl<'writer> tracing_subscriber::fmt::FormatFields<'writer> for KlogSpanFields 
     }
 }
 
+/// The `text` format's fields: `key=value` as tracing writes them, but a value that is
+/// not one bare token (a space, `=`, a quote, a control character) is quoted as klog
+/// quotes it, and the message has its control characters escaped. An agent ID of
+/// `nodeB peer=10.9.9.9:4242` then stays one value instead of forging a `peer` field,
+/// and no value can end the line.
+pub struct TextFields;
+
+impl<'writer> tracing_subscriber::fmt::FormatFields<'writer> for TextFields {
+    fn format_fields<R: tracing_subscriber::field::RecordFields>(
+        &self,
+        mut writer: Writer<'writer>,
+        fields: R,
+    ) -> fmt::Result {
+        let mut visitor = TextVisitor::default();
+        fields.record(&mut visitor);
+        let mut out = visitor.message;
+        if !visitor.pairs.is_empty() {
+            if !out.is_empty() {
+                out.push(' ');
+            }
+            out.push_str(visitor.pairs.trim_start());
+        }
+        writer.write_str(&out)
+    }
+}
+
+#[derive(Default)]
+struct TextVisitor {
+    message: String,
+    pairs: String,
+}
+
+impl TextVisitor {
+    fn pair(&mut self, field: &Field, text: &str) {
+        let bare = !text.is_empty()
+            && !text
+                .chars()
+                .any(|c| c.is_whitespace() || c.is_control() || matches!(c, '=' | '"' | '\\'));
+        if bare || is_quoted_literal(text) {
+            let _ = write!(self.pairs, " {}={}", key(field), text);
+        } else {
+            let _ = write!(self.pairs, " {}={}", key(field), go_quote(text));
+        }
+    }
+}
+
+impl Visit for TextVisitor {
+    fn record_str(&mut self, field: &Field, value: &str) {
+        if field.name() == "message" {
+            self.message = escape_controls(value);
+        } else {
+            self.pair(field, &format!("{value:?}"));
+        }
+    }
+
+    fn record_error(&mut self, field: &Field, value: &(dyn std::error::Error + 'static)) {
+        self.pair(field, &value.to_string());
+    }
+
+    fn record_debug(&mut self, field: &Field, value: &dyn fmt::Debug) {
+        let text = format!("{value:?}");
+        if field.name() == "message" {
+            self.message = escape_controls(&text);
+        } else {
+            self.pair(field, &text);
+        }
+    }
+}
+
+/// `s` with control characters escaped as Go escapes them, and nothing else changed.
+fn escape_controls(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if c.is_control() => {
+                let _ = write!(out, "\\u{:04x}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out
+}
+
 /// klog's severity letters; tracing's DEBUG and TRACE are klog's `V(n)` lines, which
 /// klog writes as `I`.
 fn severity_letter(level: Level) -> char {

@@ -142,7 +142,7 @@ async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()
             alpn: vec![tether_core::tls::ALPN_H2.to_vec()],
         },
         cert_reload_interval: Duration::from_secs(60),
-        agent_id: "local-agent".into(),
+        agent_id: tether_certs::DEV_AGENT_NODE.into(),
         // Nothing to route by: the demo's dials go by the `default` strategy.
         identifiers: String::new(),
         token_path: None,

@@ -131,9 +131,11 @@ const MODULES: &[(&str, &str)] = &[
     ("tether_core", "error"),
     ("tether_core", "flow"),
     ("tether_core", "grpc"),
+    ("tether_core", "host"),
     ("tether_core", "identifiers"),
     ("tether_core", "pump"),
     ("tether_core", "queue"),
+    ("tether_core", "ratelimit"),
     ("tether_core", "read_ahead"),
     ("tether_core", "tls"),
     ("tether_core", "transport"),
@@ -147,7 +149,6 @@ const MODULES: &[(&str, &str)] = &[
     ("tether_ops", "memory"),
     ("tether_ops", "metrics"),
     ("tether_ops", "profiling"),
-    ("tether_ops", "ratelimit"),
     ("tether_ops", "reload"),
     ("tether_ops", "shutdown"),
     ("tether_server", "accept"),
@@ -389,10 +390,14 @@ impl LogArgs {
                 },
             ));
         }
-        match (self.log_format == "json", self.skip_headers) {
-            (true, _) => Box::new(base.json().flatten_event(true)),
-            (false, true) => Box::new(base.without_time().with_level(false).with_target(false)),
-            (false, false) => Box::new(base),
+        if self.log_format == "json" {
+            return Box::new(base.json().flatten_event(true));
+        }
+        // Peers' values quoted, so that none forges a field or a line.
+        let text = base.fmt_fields(super::klog::TextFields);
+        match self.skip_headers {
+            true => Box::new(text.without_time().with_level(false).with_target(false)),
+            false => Box::new(text),
         }
     }
 }

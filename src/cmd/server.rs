@@ -246,17 +246,26 @@ pub struct ServerArgs {
     /// Tether only.
     #[arg(long, default_value_t = 0)]
     pub max_connections: usize,
-    /// Most TLS handshakes in progress per TCP listener.
+    /// Most unproven connections per TCP listener: handshaking, or not yet authenticated.
     ///
-    /// At the cap new connections wait in the kernel's backlog. 0 = no cap. Tether only.
+    /// At the cap a new connection evicts the oldest unproven one of the source prefix
+    /// that holds the most, so a flood never queues a real agent behind it. 0 = no cap.
+    /// Tether only.
     #[arg(long, default_value_t = tether_core::admission::DEFAULT_MAX_HANDSHAKES)]
     pub max_concurrent_handshakes: usize,
-    /// Most TLS handshakes in progress from one source address per TCP listener.
+    /// Most unproven connections from one source address per TCP listener.
     ///
     /// Beyond it a new connection is closed at once; raise it when many nodes share one
     /// NAT address. 0 = no cap. Tether only.
     #[arg(long, default_value_t = tether_core::admission::DEFAULT_MAX_HANDSHAKES_PER_SOURCE)]
     pub max_handshakes_per_source: usize,
+    /// Most unproven connections from one source prefix (/24 IPv4, /64 IPv6) per TCP
+    /// listener.
+    ///
+    /// Beyond it a new connection is closed at once; raise it when many nodes share one
+    /// prefix and reconnect at once. 0 = no cap. Tether only.
+    #[arg(long, default_value_t = tether_core::admission::DEFAULT_MAX_HANDSHAKES_PER_PREFIX)]
+    pub max_handshakes_per_prefix: usize,
     /// How often certificate files are checked for changes (SIGHUP reloads at once).
     ///
     /// New handshakes use the new material; established tunnels keep going. A reload
@@ -291,8 +300,10 @@ pub struct ServerArgs {
     /// Kubeconfig for TokenReviews, Leases and Nodes (empty = in-cluster configuration).
     ///
     /// The server's identity for token authentication (and the Node watch it needs),
-    /// --enable-lease-controller, --watch-node-pod-cidrs, and authorizing /agents on a
-    /// non-loopback --admin-bind-address; unused otherwise.
+    /// watching Nodes with agent certificates (so that each node's names and addresses
+    /// go to its agent only, from start-up), --enable-lease-controller,
+    /// --watch-node-pod-cidrs, and authorizing /agents on a non-loopback
+    /// --admin-bind-address; unused otherwise.
     #[arg(long, default_value = "")]
     pub kubeconfig: String,
     /// TokenReviews per second (0 = 50).
@@ -445,11 +456,14 @@ impl ServerArgs {
             bail!("--watch-node-pod-cidrs routes pod IPs by destCIDR: add destCIDR to --proxy-strategies (e.g. destHost,destCIDR,default)");
         }
         // Token-authenticated agents prove a node; its Node object proves addresses.
-        let nodes = (self.watch_node_pod_cidrs || agent_auth.is_some()).then(|| {
-            tether_server::nodes::WatchConfig {
-                kubeconfig: opt_path(&self.kubeconfig),
-                route_pod_ips: self.watch_node_pod_cidrs,
-            }
+        // With certificates, the Node objects pin each node's names and addresses to
+        // its agent from start-up on, not only once its agent has connected.
+        let watch_nodes = self.watch_node_pod_cidrs
+            || agent_auth.is_some()
+            || (!self.kubeconfig.is_empty() && !self.cluster_ca_cert.is_empty());
+        let nodes = watch_nodes.then(|| tether_server::nodes::WatchConfig {
+            kubeconfig: opt_path(&self.kubeconfig),
+            route_pod_ips: self.watch_node_pod_cidrs,
         });
         if self.cert_reload_interval.is_zero() {
             bail!("--cert-reload-interval must be positive (e.g. 1m)");
@@ -591,11 +605,23 @@ impl ServerArgs {
         }
         limits.max_handshakes = self.max_concurrent_handshakes;
         limits.max_handshakes_per_source = self.max_handshakes_per_source;
+        limits.max_handshakes_per_prefix = self.max_handshakes_per_prefix;
         limits
     }
 
-    /// Says at start-up which unsafe compatibility modes are on.
+    /// Says at start-up which unsafe compatibility modes are on, and when verified routing
+    /// has less to pin dials by than it could.
     fn warn_unsafe(&self) {
+        let any_agent = ["default", "defaultRoute"]
+            .iter()
+            .any(|s| self.proxy_strategies.split(',').any(|p| p.trim() == *s));
+        if !self.cluster_ca_cert.is_empty()
+            && self.kubeconfig.is_empty()
+            && !self.unsafe_trust_agent_identifiers
+            && any_agent
+        {
+            tracing::warn!("agents authenticate by certificate and the server watches no Nodes (no --kubeconfig): a node's names and addresses are pinned to its agent only once that agent has connected since start-up; until then a dial to them may go to any agent that --proxy-strategies' default or defaultRoute allows. Give --kubeconfig (tether certs init writes konnectivity-server.conf) so that Node objects pin them from the start");
+        }
         if self.unsafe_trust_agent_identifiers {
             tracing::warn!("UNSAFE: --unsafe-trust-agent-identifiers routes dials by identifiers agents claim; a compromised node can take other nodes' traffic by claiming their names and addresses");
         }
@@ -622,10 +648,11 @@ impl ServerArgs {
             if !self.kubeconfig.is_empty()
                 && !self.enable_lease_controller
                 && !self.watch_node_pod_cidrs
+                && self.cluster_ca_cert.is_empty()
                 && admin_loopback
             {
                 // Upstream accepts it too.
-                tracing::warn!("--kubeconfig is unused: the server reads it only for agent token authentication (--agent-namespace, --agent-service-account, --authentication-audience), --enable-lease-controller, --watch-node-pod-cidrs or authorizing /agents on a non-loopback --admin-bind-address");
+                tracing::warn!("--kubeconfig is unused: the server reads it only for agent token authentication (--agent-namespace, --agent-service-account, --authentication-audience), watching Nodes (with --cluster-ca-cert or --watch-node-pod-cidrs), --enable-lease-controller or authorizing /agents on a non-loopback --admin-bind-address");
             }
             return Ok(None);
         }

@@ -12,6 +12,7 @@ pub mod kubectl;
 pub mod netns;
 pub mod node;
 pub mod process;
+pub mod rogue;
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
@@ -52,6 +53,12 @@ impl Drop for TempDir {
 }
 
 /// A throwaway PKI (see [`tether_certs::DevPki`]) that lives as long as this value.
+///
+/// Its `files.agent_cert` is a **fleet** certificate (CN `system:konnectivity-agent`,
+/// no node), as upstream's examples share one among all agents: tests that start many
+/// agents, or test routing by what agents claim, are then independent of identity.
+/// Tests of identity give agents per-node certificates ([`Pki::node_cert_args`]), as
+/// `tether certs agent`, `tether certs dev` and `tether local` make them.
 #[derive(Debug)]
 pub struct Pki {
     /// The files.
@@ -68,9 +75,43 @@ impl Pki {
     /// A new PKI whose server certificate also covers `sans` (e.g. veth addresses).
     pub fn with_sans(sans: &[String]) -> Self {
         let dir = TempDir::new("tether-pki");
-        let files =
+        let mut files =
             tether_certs::DevPki::generate_with_sans(dir.path(), sans).expect("generate PKI");
+        let ca = tether_certs::Ca::load(&files.ca_cert, &files.ca_key).expect("the CA");
+        let fleet = ca
+            .issue(&tether_certs::LeafSpec {
+                common_name: "system:konnectivity-agent".into(),
+                client: true,
+                ..Default::default()
+            })
+            .expect("a fleet certificate");
+        (files.agent_cert, files.agent_key) =
+            tether_certs::write_pair(dir.path(), "fleet-agent", &fleet).expect("written");
         Pki { files, dir }
+    }
+
+    /// The files `tether certs dev --out DIR` wrote, as they are (agent.crt is then
+    /// node local-agent's, not a fleet certificate). The directory is removed with the
+    /// value.
+    pub fn from_dev_dir(dir: &Path) -> Self {
+        let f = |name: &str| dir.join(name);
+        let files = tether_certs::DevPki {
+            dir: dir.to_path_buf(),
+            ca_cert: f("ca.crt"),
+            ca_key: f("ca.key"),
+            server_cert: f("server.crt"),
+            server_key: f("server.key"),
+            frontend_ca_cert: f("frontend-ca.crt"),
+            frontend_ca_key: f("frontend-ca.key"),
+            frontend_cert: f("frontend-client.crt"),
+            frontend_key: f("frontend-client.key"),
+            agent_cert: f("agent.crt"),
+            agent_key: f("agent.key"),
+        };
+        Pki {
+            files,
+            dir: TempDir(dir.to_path_buf()),
+        }
     }
 
     /// The directory (also a good place for sockets).
@@ -93,15 +134,8 @@ impl Pki {
     /// this CA: `--agent-cert` and `--agent-key` flags.
     pub fn node_cert_args(&self, node: &str, ip: &str) -> Vec<String> {
         let ca = tether_certs::Ca::load(&self.files.ca_cert, &self.files.ca_key).expect("the CA");
-        let pair = ca
-            .issue(&tether_certs::LeafSpec {
-                common_name: node.into(),
-                sans: vec![node.into(), ip.into()],
-                client: true,
-                organization: Some("system:konnectivity-agents".into()),
-                ..Default::default()
-            })
-            .expect("a node certificate");
+        let spec = tether_certs::node_agent_spec(node, &[ip.into()], Default::default(), 0);
+        let pair = ca.issue(&spec).expect("a node certificate");
         let (cert, key) =
             tether_certs::write_pair(self.dir(), &format!("agent-{node}"), &pair).expect("written");
         vec![

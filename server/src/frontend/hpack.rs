@@ -63,11 +63,13 @@ impl Decoder {
         }
     }
 
-    /// Decodes one whole header block, handing each field to `field` in order.
+    /// Decodes one whole header block, handing each field to `field` in order; `field`
+    /// answers false to stop decoding there (the rest of the block is left undecoded,
+    /// and the table is then out of step with the peer's: close the connection).
     pub fn decode(
         &mut self,
         mut block: &[u8],
-        mut field: impl FnMut(&[u8], &[u8]),
+        mut field: impl FnMut(&[u8], &[u8]) -> bool,
     ) -> Result<(), HpackError> {
         let mut fields = 0usize;
         while let Some(&first) = block.first() {
@@ -75,7 +77,9 @@ impl Decoder {
                 // Indexed header field.
                 let index = integer(&mut block, 7)?;
                 let (name, value) = self.entry(index)?;
-                field(name, value);
+                if !field(name, value) {
+                    return Ok(());
+                }
             } else if first & 0xe0 == 0x20 {
                 // Dynamic table size update.
                 if fields > 0 {
@@ -103,7 +107,9 @@ impl Decoder {
                     index => Cow::Borrowed(self.entry(index)?.0),
                 };
                 let value = string(&mut block)?;
-                field(&name, &value);
+                if !field(&name, &value) {
+                    return Ok(());
+                }
                 if indexing {
                     let (name, value) = (name.into_owned().into(), value.into_owned().into());
                     self.insert(name, value);
@@ -645,7 +651,10 @@ mod tests {
 
     fn decode_all(d: &mut Decoder, block: &[u8]) -> Result<Fields, HpackError> {
         let mut out = Vec::new();
-        d.decode(block, |n, v| out.push((n.to_vec(), v.to_vec())))?;
+        d.decode(block, |n, v| {
+            out.push((n.to_vec(), v.to_vec()));
+            true
+        })?;
         Ok(out)
     }
 

@@ -27,8 +27,21 @@ const FLAG_PRIORITY: u8 = 0x20;
 const MAX_FRAME: usize = 16_384;
 /// How much one socket read may take.
 const READ: usize = 128 << 10;
-/// Largest header block we are willing to collect.
-const MAX_BLOCK: usize = 1 << 20;
+/// Largest header list the HTTP/2 server behind the shim accepts (SETTINGS_MAX_HEADER_LIST_SIZE,
+/// counted as RFC 7540 section 6.5.2 does: name + value + 32 per field).
+const H2_HEADER_LIST: usize = 16 << 10;
+/// Largest header list, decoded, the shim hands on: h2's own limit with room to spare,
+/// so that h2 (not the shim) answers a list a little over it, as it would without the
+/// shim. A block that decodes to more is a bomb (one table entry referenced by
+/// thousands of one-byte indexes): the connection is closed before it is decoded
+/// further.
+const MAX_DECODED: usize = 4 * H2_HEADER_LIST;
+/// Largest header block, encoded, we are willing to collect.
+const MAX_BLOCK: usize = MAX_DECODED;
+/// The dynamic table size the HTTP/2 server behind the shim advertises (h2 sends no
+/// SETTINGS_HEADER_TABLE_SIZE, so the protocol's default holds): a client's table size
+/// update above it is a protocol error.
+const TABLE_SIZE: usize = 4096;
 
 enum State {
     Preface(usize),
@@ -95,7 +108,7 @@ pub struct AuthorityFix<S> {
 impl<S> AuthorityFix<S> {
     /// Wraps a server-side connection.
     pub fn new(inner: S) -> Self {
-        let decoder = super::hpack::Decoder::new(65_536);
+        let decoder = super::hpack::Decoder::new(TABLE_SIZE);
         AuthorityFix {
             inner,
             state: State::Preface(PREFACE_LEN),
@@ -209,9 +222,14 @@ impl<S> AuthorityFix<S> {
     }
 
     fn emit(&mut self, p: Pending) -> io::Result<()> {
-        let mut block = Vec::with_capacity(p.block.len() * 2 + 64);
+        let mut block = Vec::with_capacity(p.block.len() + 64);
+        let mut listed = 0usize;
         self.decoder
             .decode(&p.block, |name, value| {
+                listed += name.len() + value.len() + 32;
+                if listed > MAX_DECODED {
+                    return false;
+                }
                 let value: &[u8] =
                     if name == b":authority" && http::uri::Authority::try_from(value).is_err() {
                         b"localhost"
@@ -219,8 +237,14 @@ impl<S> AuthorityFix<S> {
                         value
                     };
                 super::hpack::encode_literal(&mut block, name, value);
+                true
             })
             .map_err(|e| protocol(&format!("HPACK: {e}")))?;
+        if listed > MAX_DECODED {
+            return Err(protocol(&format!(
+                "a header block that decodes to more than {MAX_DECODED} bytes"
+            )));
+        }
         let mut first = true;
         let mut rest = &block[..];
         loop {
@@ -426,5 +450,43 @@ mod tests {
         let types: Vec<u8> = seen.iter().map(|(t, _)| *t).collect();
         assert_eq!(types, vec![0x4, TYPE_HEADERS, 0x0, TYPE_HEADERS]);
         assert_eq!(seen[2].1, b"grpc payload");
+    }
+
+    /// Feeds `blocks` (each one HEADERS frame) through the shim after the preface.
+    fn through_shim(blocks: &[Vec<u8>]) -> io::Result<Vec<u8>> {
+        let mut input = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        for (i, b) in blocks.iter().enumerate() {
+            input.extend(frame(TYPE_HEADERS, FLAG_END_HEADERS, 1 + 2 * i as u32, b));
+        }
+        fuzz(&input, 4096)
+    }
+
+    #[test]
+    fn a_header_bomb_is_refused_before_it_is_decoded() {
+        // One 4,000-byte literal put in the dynamic table, then one-byte references to
+        // it: 20 KB on the wire would decode to 80 MB.
+        let mut bomb = vec![0x40, 0x01, b'x', 0x7f];
+        let mut n = 4000 - 127;
+        loop {
+            if n < 128 {
+                bomb.push(n as u8);
+                break;
+            }
+            bomb.push((n % 128) as u8 | 0x80);
+            n /= 128;
+        }
+        bomb.extend(std::iter::repeat_n(b'v', 4000));
+        bomb.extend(std::iter::repeat_n(0xbe, 20_000)); // index 62: that entry
+        let refused = through_shim(&[bomb]).unwrap_err();
+        assert!(
+            refused.to_string().contains("decodes to more than"),
+            "{refused}"
+        );
+        // The table may not grow past what the server advertised.
+        let refused = through_shim(&[vec![0x3f, 0xe1, 0xff, 0x03]]).unwrap_err();
+        assert!(refused.to_string().contains("table size"), "{refused}");
+        // A header list a little over h2's own limit is handed on (h2 answers it).
+        let big = loona_hpack::Encoder::new().encode([(&b"x-big"[..], &[b'a'; 20_000][..])]);
+        assert!(through_shim(&[big]).is_ok());
     }
 }

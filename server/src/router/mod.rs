@@ -133,12 +133,15 @@ impl Router {
         fe: &Arc<FrontendStream>,
         req: DialRequest,
     ) -> Result<(), DialError> {
-        let Some(agent) = self.registry.select(&self.config.strategies, &req.address) else {
-            if fe.counted {
-                self.metrics.dial_failed(DialFailure::NoAgent);
+        let agent = match self.registry.route(&self.config.strategies, &req.address) {
+            Ok(agent) => agent,
+            Err(why) => {
+                if fe.counted {
+                    self.metrics.dial_failed(DialFailure::NoAgent);
+                }
+                tracing::info!(address = %req.address, reason = %why, "no agent available for dial");
+                return Err(DialError::NoAgent);
             }
-            tracing::info!(address = %req.address, "no agent available for dial");
-            return Err(DialError::NoAgent);
         };
         self.send_dial(fe, req, agent, Instant::now(), 0).await;
         Ok(())

@@ -6,10 +6,11 @@ use std::net::IpAddr;
 use std::sync::{Arc, RwLock};
 
 use rand::seq::IndexedRandom;
+use tether_core::host::DialHost;
 use tether_core::identifiers::{dial_host, Cidr};
 
 use super::state::AgentStream;
-use crate::nodes::NodeInventory;
+use crate::nodes::{NodeInventory, Owner};
 
 /// How to pick an agent for a dial; several are tried in order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,7 +81,7 @@ impl AgentStream {
     }
 
     /// Did the server verify that this agent reaches `host` (a name or an address, as
-    /// [`canonical_host`] spells it)? Names and certificate addresses were checked at
+    /// [`DialHost`] spells it)? Names and certificate addresses were checked at
     /// admission; a node's Node object vouches for the addresses it lists now.
     pub fn vouched_host(&self, host: &str, nodes: &NodeInventory) -> bool {
         match host.parse::<IpAddr>() {
@@ -166,7 +167,7 @@ impl AgentStream {
         }
     }
 
-    /// `host` is canonical ([`canonical_host`]); `pod_node`: the node whose pod network
+    /// `host` is canonical ([`DialHost`]); `pod_node`: the node whose pod network
     /// holds it, if known. An identifier routes only where the server verified it,
     /// unless claims are trusted.
     fn eligible(
@@ -394,46 +395,82 @@ impl Registry {
         self.len() == 0
     }
 
-    /// Picks an agent stream for `address`: the first strategy with a candidate wins;
-    /// among its candidates an agent (group) is chosen at random, then one of its
-    /// eligible streams, preferring agents and streams that are not draining.
+    /// Picks an agent stream for `address`, or says why none may take it.
     ///
-    /// Unless claims are trusted, a dial to a Node's name or address, or into a pod
-    /// network, is never sent to just any agent (`default`, `defaultRoute`): when no
-    /// agent verified as that node takes it, it fails, rather than reach an agent that
-    /// may be the attacker.
-    pub fn select(&self, strategies: &[Strategy], address: &str) -> Option<Arc<AgentStream>> {
-        let host = canonical_host(dial_host(address));
-        let host = host.as_ref();
+    /// Unless claims are trusted, a host one node owns (its name, an address or pod
+    /// network its Node object lists, a name or address its certificate carried; see
+    /// [`NodeInventory::owner`]) goes only to the agent verified as that node, whatever
+    /// the strategies: never to just any agent (`default`, `defaultRoute`), which may be
+    /// the attacker. With that agent absent, or with the host contested, the dial fails.
+    /// Any other host: the first strategy with a candidate wins; among its candidates
+    /// an agent (group) is chosen at random, then one of its eligible streams,
+    /// preferring agents and streams that are not draining.
+    pub fn route(
+        &self,
+        strategies: &[Strategy],
+        address: &str,
+    ) -> Result<Arc<AgentStream>, NoRoute> {
+        let host = DialHost::parse(dial_host(address)).map_err(NoRoute::Host)?;
+        let g = self.groups.read().unwrap_or_else(|e| e.into_inner());
+        let mut rng = rand::rng();
+        if !self.trust_claims {
+            match self.nodes.owner(&host) {
+                Owner::Node(node) => {
+                    let on_node = |b: &&Arc<AgentStream>| {
+                        b.verified
+                            .node
+                            .as_deref()
+                            .is_some_and(|n| n.eq_ignore_ascii_case(&node))
+                    };
+                    return pick_group(&g.list, on_node, &mut rng).ok_or(NoRoute::NodeAgent(node));
+                }
+                Owner::Contested(nodes) => return Err(NoRoute::Contested(nodes)),
+                Owner::Nobody => {}
+            }
+        }
+        let host = host.to_string();
         let pod_node = if strategies.contains(&Strategy::DestCidr) {
-            self.nodes.node_of(host)
+            self.nodes.node_of(&host)
         } else {
             None
         };
-        let pinned = !self.trust_claims
-            && strategies
-                .iter()
-                .any(|s| matches!(s, Strategy::Default | Strategy::DefaultRoute))
-            && self.nodes.knows(host);
-        let g = self.groups.read().unwrap_or_else(|e| e.into_inner());
-        let mut rng = rand::rng();
         for &strategy in strategies {
-            if pinned && matches!(strategy, Strategy::Default | Strategy::DefaultRoute) {
-                continue;
-            }
             if strategy == Strategy::Default {
                 if let Some(b) = any_active(&g.list, &mut rng) {
-                    return Some(b);
+                    return Ok(b);
                 }
             }
             let eligible =
-                |b: &&Arc<AgentStream>| b.eligible(strategy, host, pod_node.as_deref(), self);
+                |b: &&Arc<AgentStream>| b.eligible(strategy, &host, pod_node.as_deref(), self);
             if let Some(b) = pick_group(&g.list, eligible, &mut rng) {
-                return Some(b);
+                return Ok(b);
             }
         }
-        None
+        Err(NoRoute::NoAgent)
     }
+
+    /// [`Registry::route`]'s agent, if any.
+    pub fn select(&self, strategies: &[Strategy], address: &str) -> Option<Arc<AgentStream>> {
+        self.route(strategies, address).ok()
+    }
+}
+
+/// Why no agent takes a dial (the caller gets upstream's "No agent available"; the log
+/// says which of these).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NoRoute {
+    /// No agent the strategies allow is connected.
+    #[error("no agent the proxy strategies allow is connected")]
+    NoAgent,
+    /// The host is a node's, and no agent verified as that node is connected.
+    #[error("the host is node {0}'s, and no agent verified as {0} is connected")]
+    NodeAgent(String),
+    /// Several nodes claim the host.
+    #[error("the host is claimed by several nodes ({}), so by none", .0.join(", "))]
+    Contested(Vec<String>),
+    /// The host cannot be routed safely.
+    #[error(transparent)]
+    Host(tether_core::host::HostError),
 }
 
 /// For `default`, any agent: a few random probes find a group with a stream that is
@@ -477,20 +514,6 @@ fn pick_group(
         }
     }
     active.chosen.or(any.chosen).map(Arc::clone)
-}
-
-/// The dial host as identifiers are compared: without brackets or a trailing dot, an
-/// IPv4-mapped IPv6 address as its IPv4 address.
-fn canonical_host(host: &str) -> std::borrow::Cow<'_, str> {
-    let host = host.trim_start_matches('[').trim_end_matches(']');
-    let host = host.strip_suffix('.').unwrap_or(host);
-    match host.parse::<std::net::Ipv6Addr>() {
-        Ok(v6) => match v6.to_ipv4_mapped() {
-            Some(v4) => std::borrow::Cow::Owned(v4.to_string()),
-            None => std::borrow::Cow::Borrowed(host),
-        },
-        Err(_) => std::borrow::Cow::Borrowed(host),
-    }
 }
 
 /// Reservoir sampling of one: after `n` offers each was chosen with probability 1/n.

@@ -1,5 +1,5 @@
-//! A client-side token bucket (QPS with a burst), as client-go's flowcontrol, so a
-//! reconnect storm or a large cluster cannot hammer an API.
+//! A token bucket (QPS with a burst), as client-go's flowcontrol: so that a reconnect
+//! storm or a large cluster cannot hammer an API, and a flood cannot flood the log.
 
 use std::sync::Mutex;
 use std::time::Duration;
