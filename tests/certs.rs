@@ -379,3 +379,96 @@ async fn agent_certificates_bind_identity() {
         "{page}"
     );
 }
+
+/// A CA as kubeadm writes `/etc/kubernetes/pki/ca.{crt,key}`, made by openssl: `rsa`
+/// (PKCS#1, kubeadm's default), `ec256` or `ec384` (SEC1, kubeadm 1.31+ with ECDSA;
+/// openssl puts an `EC PARAMETERS` block first), or `pkcs8` (an RSA key in PKCS#8).
+fn openssl_ca(dir: &Path, kind: &str) {
+    let key = match kind {
+        "rsa" => "openssl genrsa -traditional -out ca.key 2048",
+        "ec256" => "openssl ecparam -name prime256v1 -genkey -out ca.key",
+        "ec384" => "openssl ecparam -name secp384r1 -genkey -noout -out ca.key",
+        _ => "openssl genpkey -algorithm RSA -pkeyopt rsa_keygen_bits:2048 -out ca.key",
+    };
+    let script = format!(
+        "set -e; {key} 2>/dev/null; openssl req -x509 -new -key ca.key -out ca.crt -days 30 -subj /CN=kubernetes -addext basicConstraints=critical,CA:TRUE -addext keyUsage=critical,digitalSignature,keyEncipherment,keyCertSign"
+    );
+    let out = Command::new("bash")
+        .args(["-c", &script])
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+}
+
+/// kubeadm's own CA key, in every form kubeadm and openssl write it, works for `init`,
+/// `agent`, the renewal (`init --force` with the same CA) and `inspect --key`; the
+/// server then serves an agent with the certificates it wrote.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubeadm_format_ca_keys_are_read_everywhere_a_key_is_taken() {
+    for kind in ["rsa", "ec256", "ec384", "pkcs8"] {
+        let dir = TempDir::new(&format!("tether-kubeadm-ca-{kind}"));
+        openssl_ca(dir.path(), kind);
+        let first = std::fs::read_to_string(dir.path().join("ca.key")).unwrap();
+        let label = match kind {
+            "rsa" => "BEGIN RSA PRIVATE KEY",
+            "ec256" | "ec384" => "BEGIN EC PRIVATE KEY",
+            _ => "BEGIN PRIVATE KEY",
+        };
+        assert!(first.contains(label), "{kind}: {first}");
+        let (ca, key, out) = (
+            p(dir.path(), "ca.crt"),
+            p(dir.path(), "ca.key"),
+            p(dir.path(), "pki"),
+        );
+        let init = [
+            "certs",
+            "init",
+            "--out",
+            &out,
+            "--ca-cert",
+            &ca,
+            "--ca-key",
+            &key,
+            "--server-san",
+            "127.0.0.1",
+            "--apiserver-url",
+            "https://127.0.0.1:6443",
+        ];
+        let (ok, _, err) = tether(&init);
+        assert!(ok, "{kind}: init: {err}");
+        let agent = [
+            "certs",
+            "agent",
+            "--node",
+            "node-1",
+            "--node-ip",
+            "127.0.0.1",
+            "--out",
+            &out,
+            "--ca-cert",
+            &ca,
+            "--ca-key",
+            &key,
+        ];
+        let (ok, _, err) = tether(&agent);
+        assert!(ok, "{kind}: agent: {err}");
+        // Renewal, as docs/operating.md says: the same commands with --force.
+        let renew: Vec<&str> = init.iter().copied().chain(["--force"]).collect();
+        let (ok, _, err) = tether(&renew);
+        assert!(ok, "{kind}: renewal: {err}");
+        let (ok, _, err) = tether(&["certs", "inspect", &ca, "--key", &key]);
+        assert!(ok, "{kind}: inspect: {err}");
+        let (ok, _, err) = tether(&[
+            "certs",
+            "inspect",
+            &p(&dir.path().join("pki"), "agent-node-1.crt"),
+            "--ca",
+            &ca,
+        ]);
+        assert!(ok, "{kind}: the agent certificate chains to the CA: {err}");
+        // The written keys are PKCS#8, as before.
+        let written = std::fs::read_to_string(dir.path().join("pki/agent-node-1.key")).unwrap();
+        assert!(written.contains("BEGIN PRIVATE KEY"), "{kind}");
+    }
+}

@@ -608,7 +608,8 @@ fn agent_stderr_until_healthy(extra: &[&str]) -> String {
 }
 
 /// `--kubeconfig` where neither binary reads it starts both, with a warning that says
-/// so (upstream accepts it silently).
+/// so (upstream accepts it silently). A server whose agents use certificates reads it
+/// (to watch Nodes), and fails at start-up when it cannot.
 #[test]
 fn an_unused_kubeconfig_is_accepted_with_a_warning() {
     let agent = agent_stderr_until_healthy(&["--kubeconfig=/nonexistent/kubeconfig"]);
@@ -627,7 +628,10 @@ fn an_unused_kubeconfig_is_accepted_with_a_warning() {
             format!("--health-port={port}"),
             format!("--cluster-cert={}", f.server_cert.display()),
             format!("--cluster-key={}", f.server_key.display()),
-            format!("--cluster-ca-cert={}", f.ca_cert.display()),
+            // With agent certificates (--cluster-ca-cert) the server watches Nodes with
+            // the kubeconfig, so it must be usable; without agent authentication nothing
+            // reads it.
+            "--unsafe-allow-unauthenticated-agents".into(),
             "--kubeconfig=/nonexistent/kubeconfig".into(),
         ],
         port,

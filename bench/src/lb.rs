@@ -39,6 +39,7 @@ pub(crate) async fn load_balancer(to: SocketAddr, uds: PathBuf) -> anyhow::Resul
     let node = Backend {
         name: "backend".into(),
         address: to.ip().to_string(),
+        addresses: vec![to.ip().to_string()],
     };
     // Assigned (as the leader's service controller does), then served (as the pool's
     // holder does).

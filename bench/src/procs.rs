@@ -80,10 +80,11 @@ impl Tether {
             format!("--cluster-cert={}", pki.server_cert.display()),
             format!("--cluster-key={}", pki.server_key.display()),
             format!("--cluster-ca-cert={}", pki.ca_cert.display()),
-            // Every simulated node connects from 127.0.0.1: one source's handshake
-            // share would hold back a swarm's reconnect storm, which real nodes spread
-            // over their own addresses.
+            // Every simulated node connects from 127.0.0.1: one source's (and one
+            // prefix's) share of unproven connections would hold back a swarm's
+            // reconnect storm, which real nodes spread over their own addresses.
             "--max-handshakes-per-source=0".into(),
+            "--max-handshakes-per-prefix=0".into(),
         ];
         args.extend(self.server_extra.iter().cloned());
         args

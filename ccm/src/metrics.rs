@@ -105,6 +105,12 @@ tether_ops::metric_set! {
             "Nodes the cloud-node controller tried to initialise, by result (initialized, failed).",
             &["result"],
         ),
+        /// Nodes left uninitialized, by reason (`no_addresses`).
+        pub node_init_failures: IntCounterVec = counter_vec(&catalog,
+            "tether_ccm_node_initialization_failures_total",
+            "Attempts to initialise a node that left it uninitialized, by reason: no_addresses (its kubelet reports none and the provider knows none: give the kubelet --node-ip, or list the node in the inventory).",
+            &["reason"],
+        ),
         /// `node_lifecycle_controller_node_deletions_total{reason}`.
         pub node_deletions: IntCounterVec = counter_vec(&catalog,
             "node_lifecycle_controller_node_deletions_total",

@@ -90,15 +90,19 @@ pub fn backends(nodes: &Store<Node>) -> Vec<Backend> {
     out
 }
 
-/// The backends of `svc`: every eligible node, or with `externalTrafficPolicy: Local`
-/// only those with a ready endpoint of the Service (a node without one would drop the
-/// traffic).
+/// The backends of `svc`: every eligible node with an InternalIP of the Service's
+/// family (dialled at that address), or with `externalTrafficPolicy: Local` only those
+/// with a ready endpoint of the Service (a node without one would drop the traffic).
 pub fn backends_for(
     nodes: &Store<Node>,
     endpoints: &EndpointsCache,
     svc: &Service,
 ) -> Vec<Backend> {
-    let all = backends(nodes);
+    let family = family_of(svc);
+    let all: Vec<Backend> = backends(nodes)
+        .into_iter()
+        .filter_map(|b| for_family(b, family))
+        .collect();
     let local = svc
         .spec
         .as_ref()
@@ -356,19 +360,57 @@ pub fn eligible(node: &Node) -> Option<Backend> {
     {
         return None;
     }
-    let address = node
+    let addresses: Vec<String> = node
         .status
         .as_ref()?
         .addresses
         .as_ref()?
         .iter()
-        .find(|a| a.type_ == "InternalIP")?
-        .address
-        .clone();
+        .filter(|a| a.type_ == "InternalIP")
+        .map(|a| a.address.clone())
+        .collect();
     Some(Backend {
         name: node.name_any(),
-        address,
+        address: addresses.first()?.clone(),
+        addresses,
     })
+}
+
+/// `svc`'s address family: its first `spec.ipFamilies` entry, else its ClusterIP's;
+/// `Some(true)` for IPv4, `Some(false)` for IPv6, `None` when it says neither.
+fn family_of(svc: &Service) -> Option<bool> {
+    let spec = svc.spec.as_ref()?;
+    match spec
+        .ip_families
+        .as_ref()
+        .and_then(|f| f.first())
+        .map(String::as_str)
+    {
+        Some("IPv4") => Some(true),
+        Some("IPv6") => Some(false),
+        _ => spec
+            .cluster_ip
+            .as_deref()
+            .and_then(|ip| ip.parse::<std::net::IpAddr>().ok())
+            .map(|ip| ip.is_ipv4()),
+    }
+}
+
+/// `backend` for a Service of `family`: dialled at its InternalIP of that family; a
+/// node without one is no backend of it.
+fn for_family(mut backend: Backend, family: Option<bool>) -> Option<Backend> {
+    let Some(v4) = family else {
+        return Some(backend);
+    };
+    backend.address = backend
+        .addresses
+        .iter()
+        .find(|a| {
+            a.parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_ipv4() == v4)
+        })?
+        .clone();
+    Some(backend)
 }
 
 #[cfg(test)]

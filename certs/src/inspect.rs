@@ -178,8 +178,7 @@ pub fn parse_der(der: &[u8]) -> Result<CertInfo, String> {
 
 /// Does the private key in `key_pem` belong to `cert`?
 pub fn key_matches(cert: &CertInfo, key_pem: &str) -> Result<bool, String> {
-    let key = rcgen::KeyPair::from_pem(key_pem)
-        .or_else(|_| rcgen::KeyPair::from_pkcs8_pem_and_sign_algo(key_pem, &rcgen::PKCS_RSA_SHA256))
+    let key = crate::key::key_pair_from_pem(key_pem)
         .map_err(|e| format!("not a usable private key: {e}"))?;
     Ok(rcgen::PublicKeyData::subject_public_key_info(&key) == cert.public_key_der)
 }

@@ -5,6 +5,7 @@
 
 pub mod csr;
 pub mod inspect;
+pub mod key;
 
 use std::io::Write;
 use std::net::IpAddr;
@@ -167,13 +168,11 @@ impl Ca {
             path: key_path.to_path_buf(),
             reason: why,
         };
-        let key = KeyPair::from_pem(&key_pem)
-            .or_else(|_| KeyPair::from_pkcs8_pem_and_sign_algo(&key_pem, &rcgen::PKCS_RSA_SHA256))
-            .map_err(|e| {
-                bad(format!(
-                    "not a usable private key ({e}); give the CA key in PKCS#8 PEM"
-                ))
-            })?;
+        let key = key::key_pair_from_pem(&key_pem).map_err(|e| {
+            bad(format!(
+                "not a usable private key ({e}); give the CA's RSA or ECDSA (P-256, P-384) key in PEM"
+            ))
+        })?;
         let parsed = inspect::parse_pem(&cert_pem).map_err(|reason| CertError::Invalid {
             path: cert_path.to_path_buf(),
             reason,

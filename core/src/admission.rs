@@ -2,20 +2,84 @@
 //! connections (handshaking or served), and a bounded set of **unproven** connections
 //! (handshaking, or past TLS but not yet authenticated) with a share per source address
 //! and per source prefix (/24 for IPv4, /64 for IPv6). A source or prefix over its
-//! share is closed at once; when the unproven set is full, or the listener at its
-//! connection cap, the oldest unproven connection of the prefix holding the most is
-//! evicted to make room. Only proven connections can hold a listener full (then new
-//! clients wait in the kernel's backlog, holding no descriptor of ours). So a flood
-//! from many sources never queues a real client behind it: the listener keeps
-//! accepting, and a client that proves itself promptly is never the one evicted while
-//! a flood's idle connections are older.
+//! share is closed at once. When the unproven set is full, or the listener at its
+//! connection cap, an unproven connection that is only holding its place is evicted to
+//! make room: one that has sent nothing (at once), one whose handshake has run for
+//! [`HANDSHAKE_GRACE`], one past TLS that has asked for nothing for [`CONNECTED_GRACE`];
+//! the oldest such of the prefix holding the most. One whose request the server is
+//! working on (a token under review) is never evicted. With nothing to evict, the
+//! listener waits, and new clients wait in the kernel's backlog holding no descriptor
+//! of ours. So a flood of idle sockets from many sources never queues a real client
+//! behind it, and a reconnect storm of real clients, all busy handshaking, is not
+//! thrashed by evictions.
 
 use std::collections::{HashMap, VecDeque};
 use std::net::IpAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
 
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
+
+/// How long a handshake that has started may hold its place before a newcomer may
+/// evict it (a real one takes a few round trips).
+pub const HANDSHAKE_GRACE: Duration = Duration::from_secs(3);
+/// How long a connection past TLS that has asked for nothing may hold its place before
+/// a newcomer may evict it (a real agent asks at once).
+pub const CONNECTED_GRACE: Duration = Duration::from_secs(1);
+
+/// Where an unproven connection is; see [`Pending::set_stage`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Stage {
+    /// Accepted; the peer has sent nothing. Evictable at once.
+    Silent = 0,
+    /// The peer has started its handshake. Evictable after [`HANDSHAKE_GRACE`].
+    Handshaking = 1,
+    /// Past TLS, waiting for the peer's request. Evictable after [`CONNECTED_GRACE`].
+    Connected = 2,
+    /// The server is working on the peer's request (reviewing its token). Never
+    /// evicted.
+    Serving = 3,
+}
+
+/// A stage and since when, shared between a connection's code and the set.
+#[derive(Debug, Default)]
+struct StageCell {
+    stage: AtomicU8,
+    /// Milliseconds since [`epoch`] when the stage was entered.
+    since: AtomicU64,
+}
+
+/// The process's clock origin for [`StageCell::since`] (tokio's clock, which tests can
+/// pause and advance).
+fn epoch() -> tokio::time::Instant {
+    static EPOCH: OnceLock<tokio::time::Instant> = OnceLock::new();
+    *EPOCH.get_or_init(tokio::time::Instant::now)
+}
+
+fn now_ms() -> u64 {
+    epoch().elapsed().as_millis() as u64
+}
+
+impl StageCell {
+    fn set(&self, stage: Stage) {
+        self.since.store(now_ms(), Ordering::Relaxed);
+        self.stage.store(stage as u8, Ordering::Relaxed);
+    }
+
+    /// May a newcomer evict this connection at `now` (ms)?
+    fn evictable(&self, now: u64) -> bool {
+        let held = now.saturating_sub(self.since.load(Ordering::Relaxed));
+        match self.stage.load(Ordering::Relaxed) {
+            0 => true,
+            1 => held >= HANDSHAKE_GRACE.as_millis() as u64,
+            2 => held >= CONNECTED_GRACE.as_millis() as u64,
+            _ => false,
+        }
+    }
+}
 
 /// The caps; 0 means no cap.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -127,6 +191,7 @@ struct Entry {
     id: u64,
     source: IpAddr,
     evict: CancellationToken,
+    stage: Arc<StageCell>,
 }
 
 /// The unproven set: every entry by prefix, oldest first.
@@ -165,18 +230,23 @@ impl Unproven {
         }
     }
 
-    /// Evicts the oldest entry of the prefix holding the most.
+    /// Evicts, of the connections a newcomer may evict now, the oldest of the prefix
+    /// holding the most; false when there is none.
     fn evict_one(&mut self) -> bool {
-        let Some(prefix) = self
+        let now = now_ms();
+        let victim = self
             .prefixes
             .iter()
-            .max_by_key(|(_, q)| q.len())
-            .map(|(p, _)| *p)
-        else {
+            .filter_map(|(p, q)| {
+                let at = q.iter().position(|e| e.stage.evictable(now))?;
+                Some((q.len(), *p, at))
+            })
+            .max_by_key(|(len, _, _)| *len);
+        let Some((_, prefix, at)) = victim else {
             return false;
         };
         let queue = self.prefixes.get_mut(&prefix).expect("found");
-        let entry = queue.pop_front().expect("queues are never empty");
+        let entry = queue.remove(at).expect("found");
         if queue.is_empty() {
             self.prefixes.remove(&prefix);
         }
@@ -191,6 +261,8 @@ pub struct Admission {
     connections: Option<Arc<Semaphore>>,
     limits: AdmissionLimits,
     unproven: Arc<Mutex<Unproven>>,
+    /// Woken when an unproven connection leaves the set or moves on.
+    changed: Arc<Notify>,
     on_refusal: OnRefusal,
 }
 
@@ -200,8 +272,9 @@ pub struct ConnectionSlot(#[allow(dead_code)] Option<OwnedSemaphorePermit>);
 /// A connection's place in the unproven set, until it is dropped (the connection proved
 /// itself, or closed). [`Pending::evicted`] resolves when the set needs the room.
 pub struct Pending {
-    at: Option<(Prefix, u64, Arc<Mutex<Unproven>>)>,
+    at: Option<Place>,
     evict: CancellationToken,
+    stage: Arc<StageCell>,
 }
 
 impl Pending {
@@ -214,14 +287,44 @@ impl Pending {
     pub fn is_evicted(&self) -> bool {
         self.evict.is_cancelled()
     }
+
+    /// Moves the connection to `stage` (from now), which decides when a newcomer may
+    /// evict it.
+    pub fn set_stage(&self, stage: Stage) {
+        self.stage.set(stage);
+        if let Some((.., changed)) = &self.at {
+            changed.notify_waiters();
+        }
+    }
+
+    /// A handle the connection's later code can move the stage with.
+    pub fn stages(&self) -> Stages {
+        Stages(self.stage.clone())
+    }
+}
+
+/// Where a [`Pending`] is in its set: its prefix, its id, the set, and the set's
+/// change signal.
+type Place = (Prefix, u64, Arc<Mutex<Unproven>>, Arc<Notify>);
+
+/// Moves an unproven connection's stage from code that does not hold its [`Pending`].
+#[derive(Clone, Debug, Default)]
+pub struct Stages(Arc<StageCell>);
+
+impl Stages {
+    /// See [`Pending::set_stage`].
+    pub fn set(&self, stage: Stage) {
+        self.0.set(stage);
+    }
 }
 
 impl Drop for Pending {
     fn drop(&mut self) {
-        if let Some((prefix, id, set)) = self.at.take() {
+        if let Some((prefix, id, set, changed)) = self.at.take() {
             set.lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .remove(prefix, id);
+            changed.notify_waiters();
         }
     }
 }
@@ -237,6 +340,7 @@ impl Admission {
             connections: semaphore(limits.max_connections),
             limits,
             unproven: Arc::default(),
+            changed: Arc::default(),
             on_refusal,
         }
     }
@@ -249,56 +353,92 @@ impl Admission {
         let Some(s) = &self.connections else {
             return ConnectionSlot(None);
         };
-        if let Ok(permit) = s.clone().try_acquire_owned() {
-            return ConnectionSlot(Some(permit));
+        loop {
+            if let Ok(permit) = s.clone().try_acquire_owned() {
+                return ConnectionSlot(Some(permit));
+            }
+            let changed = self.changed.notified();
+            let mut changed = std::pin::pin!(changed);
+            changed.as_mut().enable();
+            let evicted = self
+                .unproven
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .evict_one();
+            if evicted {
+                (self.on_refusal)(Refusal::Evicted);
+            }
+            tokio::select! {
+                permit = s.clone().acquire_owned() => return ConnectionSlot(permit.ok()),
+                _ = tokio::time::timeout(Duration::from_millis(100), changed) => {}
+            }
         }
-        let evicted = self
-            .unproven
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .evict_one();
-        if evicted {
-            (self.on_refusal)(Refusal::Evicted);
-        }
-        ConnectionSlot(s.clone().acquire_owned().await.ok())
     }
 
     /// Puts a new connection from `source` in the unproven set: `Err` (counted) when
-    /// its address or prefix already holds its share (close it); when the set is full,
-    /// the oldest connection of the busiest prefix is evicted to make room.
-    pub fn admit(&self, source: IpAddr) -> Result<Pending, Refusal> {
-        let evict = CancellationToken::new();
+    /// its address or prefix already holds its share (close it). When the set is full,
+    /// a connection a newcomer may evict makes room; with none, this waits until one
+    /// may be or leaves.
+    pub async fn admit(&self, source: IpAddr) -> Result<Pending, Refusal> {
         let l = &self.limits;
         if l.max_handshakes == 0
             && l.max_handshakes_per_source == 0
             && l.max_handshakes_per_prefix == 0
         {
-            return Ok(Pending { at: None, evict });
+            return Ok(Pending {
+                at: None,
+                evict: CancellationToken::new(),
+                stage: Arc::default(),
+            });
         }
         let source = canonical(source);
+        loop {
+            let changed = self.changed.notified();
+            let mut changed = std::pin::pin!(changed);
+            changed.as_mut().enable();
+            match self.try_admit(source) {
+                Ok(Some(pending)) => return Ok(pending),
+                Err(why) => {
+                    (self.on_refusal)(why);
+                    return Err(why);
+                }
+                // Full, and nothing to evict yet: wait for a leave, a stage change, or
+                // for time to make a place evictable.
+                Ok(None) => {
+                    let _ = tokio::time::timeout(Duration::from_millis(100), changed).await;
+                }
+            }
+        }
+    }
+
+    /// One try of [`Admission::admit`]: `Ok(None)` when the set is full with nothing
+    /// to evict.
+    fn try_admit(&self, source: IpAddr) -> Result<Option<Pending>, Refusal> {
+        let l = &self.limits;
         let prefix = Prefix::of(source);
         let mut set = self.unproven.lock().unwrap_or_else(|e| e.into_inner());
-        let refusal = if l.max_handshakes_per_source > 0
+        if l.max_handshakes_per_source > 0
             && set.sources.get(&source).copied().unwrap_or(0) >= l.max_handshakes_per_source
         {
-            Some(Refusal::PerSource)
-        } else if l.max_handshakes_per_prefix > 0
+            return Err(Refusal::PerSource);
+        }
+        if l.max_handshakes_per_prefix > 0
             && set.prefixes.get(&prefix).map_or(0, VecDeque::len) >= l.max_handshakes_per_prefix
         {
-            Some(Refusal::PerPrefix)
-        } else {
-            None
-        };
-        if let Some(why) = refusal {
-            drop(set);
-            (self.on_refusal)(why);
-            return Err(why);
+            return Err(Refusal::PerPrefix);
         }
-        let mut evicted = false;
         if l.max_handshakes > 0 && set.total >= l.max_handshakes {
-            evicted = set.evict_one();
+            if !set.evict_one() {
+                return Ok(None);
+            }
+            (self.on_refusal)(Refusal::Evicted);
         }
-        let id = set.next_id;
+        let (id, evict, stage) = (
+            set.next_id,
+            CancellationToken::new(),
+            Arc::<StageCell>::default(),
+        );
+        stage.set(Stage::Silent);
         set.next_id += 1;
         set.total += 1;
         *set.sources.entry(source).or_default() += 1;
@@ -306,15 +446,13 @@ impl Admission {
             id,
             source,
             evict: evict.clone(),
+            stage: stage.clone(),
         });
-        drop(set);
-        if evicted {
-            (self.on_refusal)(Refusal::Evicted);
-        }
-        Ok(Pending {
-            at: Some((prefix, id, self.unproven.clone())),
+        Ok(Some(Pending {
+            at: Some((prefix, id, self.unproven.clone(), self.changed.clone())),
             evict,
-        })
+            stage,
+        }))
     }
 
     /// Counts a connection closed for `why` by the listener's own code (a failed
@@ -363,26 +501,35 @@ mod tests {
             max_handshakes_per_source: 2,
             max_handshakes_per_prefix: 3,
         });
-        let s1 = adm.admit(ip("127.0.0.2")).unwrap();
-        let _s2 = adm.admit(ip("127.0.0.2")).unwrap();
-        assert_eq!(adm.admit(ip("127.0.0.2")).err(), Some(Refusal::PerSource));
-        // The mapped form is the same source.
+        let s1 = adm.admit(ip("127.0.0.2")).await.unwrap();
+        let _s2 = adm.admit(ip("127.0.0.2")).await.unwrap();
         assert_eq!(
-            adm.admit(ip("::ffff:127.0.0.2")).err(),
+            adm.admit(ip("127.0.0.2")).await.err(),
             Some(Refusal::PerSource)
         );
-        let _s3 = adm.admit(ip("127.0.0.3")).unwrap();
-        assert_eq!(adm.admit(ip("127.0.0.4")).err(), Some(Refusal::PerPrefix));
-        assert!(adm.admit(ip("127.0.1.4")).is_ok(), "another prefix");
+        // The mapped form is the same source.
+        assert_eq!(
+            adm.admit(ip("::ffff:127.0.0.2")).await.err(),
+            Some(Refusal::PerSource)
+        );
+        let _s3 = adm.admit(ip("127.0.0.3")).await.unwrap();
+        assert_eq!(
+            adm.admit(ip("127.0.0.4")).await.err(),
+            Some(Refusal::PerPrefix)
+        );
+        assert!(adm.admit(ip("127.0.1.4")).await.is_ok(), "another prefix");
         // One /64 is one prefix.
-        let _v6 = adm.admit(ip("2001:db8::1")).unwrap();
-        let _v6b = adm.admit(ip("2001:db8::2")).unwrap();
-        let _v6c = adm.admit(ip("2001:db8::3")).unwrap();
-        assert_eq!(adm.admit(ip("2001:db8::4")).err(), Some(Refusal::PerPrefix));
-        assert!(adm.admit(ip("2001:db8:0:1::4")).is_ok());
+        let _v6 = adm.admit(ip("2001:db8::1")).await.unwrap();
+        let _v6b = adm.admit(ip("2001:db8::2")).await.unwrap();
+        let _v6c = adm.admit(ip("2001:db8::3")).await.unwrap();
+        assert_eq!(
+            adm.admit(ip("2001:db8::4")).await.err(),
+            Some(Refusal::PerPrefix)
+        );
+        assert!(adm.admit(ip("2001:db8:0:1::4")).await.is_ok());
         assert_eq!(seen.lock().unwrap().len(), 4);
         drop(s1);
-        assert!(adm.admit(ip("127.0.0.2")).is_ok(), "room again");
+        assert!(adm.admit(ip("127.0.0.2")).await.is_ok(), "room again");
     }
 
     #[tokio::test]
@@ -394,12 +541,13 @@ mod tests {
             max_handshakes_per_prefix: 0,
         });
         // A flood from one prefix, and one client from another.
-        let flood: Vec<Pending> = (0..3)
-            .map(|i| adm.admit(ip(&format!("10.0.0.{i}"))).unwrap())
-            .collect();
-        let client = adm.admit(ip("192.0.2.7")).unwrap();
+        let mut flood = Vec::new();
+        for i in 0..3 {
+            flood.push(adm.admit(ip(&format!("10.0.0.{i}"))).await.unwrap());
+        }
+        let client = adm.admit(ip("192.0.2.7")).await.unwrap();
         // The set is full: the next arrival evicts the flood's oldest, not the client.
-        let next = adm.admit(ip("10.0.0.9")).unwrap();
+        let next = adm.admit(ip("10.0.0.9")).await.unwrap();
         assert!(flood[0].is_evicted() && !flood[1].is_evicted());
         assert!(!client.is_evicted());
         flood[0].evicted().await;
@@ -440,7 +588,7 @@ mod tests {
         });
         let proven = adm.connection_slot().await;
         let slot = adm.connection_slot().await;
-        let unproven = adm.admit(ip("10.0.0.1")).unwrap();
+        let unproven = adm.admit(ip("10.0.0.1")).await.unwrap();
         // The holder of `slot` drops it when evicted, as a connection task does.
         let holder = tokio::spawn(async move {
             unproven.evicted().await;
@@ -452,6 +600,28 @@ mod tests {
         holder.await.unwrap();
         assert_eq!(*seen.lock().unwrap(), vec![Refusal::Evicted]);
         drop((proven, third));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_is_evicted_only_once_it_is_only_holding_its_place() {
+        let (adm, _) = counting(AdmissionLimits {
+            max_handshakes: 2,
+            ..AdmissionLimits::NONE
+        });
+        let serving = adm.admit(ip("10.0.0.1")).await.unwrap();
+        serving.set_stage(Stage::Serving);
+        let handshaking = adm.admit(ip("10.0.0.2")).await.unwrap();
+        handshaking.set_stage(Stage::Handshaking);
+        // Full, and neither may be evicted yet: the newcomer waits.
+        let newcomer = adm.admit(ip("192.0.2.1"));
+        let mut newcomer = std::pin::pin!(newcomer);
+        assert!(futures::poll!(newcomer.as_mut()).is_pending());
+        tokio::time::advance(HANDSHAKE_GRACE - Duration::from_millis(200)).await;
+        assert!(futures::poll!(newcomer.as_mut()).is_pending());
+        // Past the grace the handshake may be evicted; the request under way never.
+        let admitted = tokio::time::timeout(Duration::from_secs(1), newcomer).await;
+        assert!(admitted.is_ok_and(|a| a.is_ok()));
+        assert!(handshaking.is_evicted() && !serving.is_evicted());
     }
 
     #[test]

@@ -19,7 +19,7 @@ use tokio_rustls::{TlsAcceptor, TlsConnector};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::admission::{Admission, AdmissionLimits, ConnectionSlot, Pending};
+use crate::admission::{Admission, AdmissionLimits, ConnectionSlot, Pending, Stage};
 use crate::ratelimit::TokenBucket;
 use crate::read_ahead::ReadAhead;
 
@@ -193,14 +193,21 @@ async fn accept_loop(
             accepted = listener.accept() => match accepted {
                 Ok(pair) => pair,
                 Err(e) => {
-                    warnings.log(format_args!("accept failed: {}", chain(&e)));
+                    match warnings.allow() {
+                        Some(suppressed) => tracing::warn!(error = %chain(&e), suppressed, "accept failed"),
+                        None => tracing::debug!(error = %chain(&e), "accept failed"),
+                    }
                     // EMFILE and friends: back off a little instead of spinning.
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }
             },
         };
-        let Ok(pending) = admission.admit(remote_addr.ip()) else {
+        let pending = tokio::select! {
+            _ = hard_stop.cancelled() => break,
+            admitted = admission.admit(remote_addr.ip()) => admitted,
+        };
+        let Ok(pending) = pending else {
             tracing::debug!(peer = %remote_addr, "too many unproven connections from this address or prefix; connection closed");
             continue;
         };
@@ -235,14 +242,14 @@ impl Default for Warnings {
 }
 
 impl Warnings {
-    fn log(&self, what: std::fmt::Arguments<'_>) {
+    /// May a warning be logged now? `Some(n)`: yes, and `n` were left out before it.
+    fn allow(&self) -> Option<u64> {
         use std::sync::atomic::Ordering;
         if self.bucket.try_acquire() {
-            let suppressed = self.left_out.swap(0, Ordering::Relaxed);
-            tracing::warn!(suppressed, "{what}");
+            Some(self.left_out.swap(0, Ordering::Relaxed))
         } else {
             self.left_out.fetch_add(1, Ordering::Relaxed);
-            tracing::debug!("{what}");
+            None
         }
     }
 }
@@ -286,7 +293,7 @@ fn handshake(
             match tokio::time::timeout(FIRST_BYTE_TIMEOUT, tcp.readable()).await {
                 Err(_) => return Err(Unfinished::Silent),
                 Ok(Err(e)) => return Err(Unfinished::Failed(e)),
-                Ok(Ok(())) => {}
+                Ok(Ok(())) => pending.set_stage(Stage::Handshaking),
             }
             match tokio::time::timeout_at(deadline, acceptor.accept(ReadAhead::new(tcp))).await {
                 Ok(Ok(stream)) => Ok(stream),
@@ -303,6 +310,7 @@ fn handshake(
         };
         match done {
             Ok(mut stream) => {
+                pending.set_stage(Stage::Connected);
                 tune_tls(stream.get_mut().1);
                 let peer_certs = stream
                     .get_ref()
@@ -331,18 +339,17 @@ fn handshake(
 }
 
 /// Logs (rate limited) why a handshake did not finish.
-fn log_unfinished(warnings: &Warnings, remote_addr: std::net::SocketAddr, e: Unfinished) {
-    match e {
-        Unfinished::Failed(e) => warnings.log(format_args!(
-            "TLS handshake with {remote_addr} failed; connection dropped: {}",
-            chain(&e)
-        )),
-        Unfinished::Silent => warnings.log(format_args!(
-            "{remote_addr} sent nothing within {FIRST_BYTE_TIMEOUT:?}; connection dropped"
-        )),
-        Unfinished::TimedOut => warnings.log(format_args!(
-            "TLS handshake with {remote_addr} timed out; connection dropped"
-        )),
+fn log_unfinished(warnings: &Warnings, peer: std::net::SocketAddr, e: Unfinished) {
+    let why = match &e {
+        Unfinished::Failed(e) => chain(e).to_string(),
+        Unfinished::Silent => format!("nothing sent within {FIRST_BYTE_TIMEOUT:?}"),
+        Unfinished::TimedOut => format!("not finished within {HANDSHAKE_TIMEOUT:?}"),
+    };
+    match warnings.allow() {
+        Some(suppressed) => {
+            tracing::warn!(%peer, error = %why, suppressed, "TLS handshake failed; connection dropped")
+        }
+        None => tracing::debug!(%peer, error = %why, "TLS handshake failed; connection dropped"),
     }
 }
 

@@ -158,7 +158,11 @@ async fn serve(
                 }
             },
         };
-        let Ok(pending) = admission.admit(peer.ip()) else {
+        let pending = tokio::select! {
+            _ = hard_stop.cancelled() => break,
+            admitted = admission.admit(peer.ip()) => admitted,
+        };
+        let Ok(pending) = pending else {
             continue;
         };
         let service = hyper_util::service::TowerToHyperService::new(router.clone());

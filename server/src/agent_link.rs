@@ -88,6 +88,9 @@ const ADMIT_WITHIN: Duration = Duration::from_secs(10);
 pub(crate) struct ConnStreams {
     state: std::sync::Mutex<StreamsState>,
     changed: tokio::sync::Notify,
+    /// While the connection is unproven: its stage, `Serving` while a request is
+    /// checked (so that no newcomer evicts an agent whose token is under review).
+    stages: Option<tether_core::admission::Stages>,
 }
 
 #[derive(Default)]
@@ -133,6 +136,19 @@ impl ConnStreams {
             }
             changed.await;
         }
+    }
+
+    /// Moves the (still unproven) connection to `stage`.
+    fn stage(&self, stage: tether_core::admission::Stage) {
+        if let Some(s) = &self.stages {
+            s.set(stage);
+        }
+    }
+
+    /// A stream refused: the connection waits for its client again.
+    fn refused(&self, mut reply: Reply, status: Status) {
+        self.stage(tether_core::admission::Stage::Connected);
+        reply.finish(status);
     }
 
     /// Resolves once the connection has had no admitted stream for [`ADMIT_WITHIN`]
@@ -225,7 +241,10 @@ impl AgentLink {
         };
         let info = Arc::new(info);
         let hard_stop = self.hard_stop.clone();
-        let streams = Arc::new(ConnStreams::default());
+        let streams = Arc::new(ConnStreams {
+            stages: pending.as_ref().map(|p| p.stages()),
+            ..ConnStreams::default()
+        });
         let serve = h2serve::serve_connection(io, settings, hard_stop, |request, respond| {
             // Boxed: `FuturesUnordered` keeps a stub the size of its future type, and
             // an agent connection holds one stream for hours.
@@ -276,23 +295,24 @@ impl AgentLink {
     ) {
         let mut reply = Reply::new(respond);
         let (parts, body) = request.into_parts();
+        streams.stage(tether_core::admission::Stage::Serving);
         // Boxed, as are the router's calls below: this future lives as long as the
         // agent's stream, so its resident size is that of the largest state it is
         // ever in (a TokenReview's request among them) unless those are on the heap
         // only while they run. The request's headers go with it.
-        let mut admission = match Box::pin(self.admit_request(parts, &info)).await {
+        let admitted = Box::pin(self.admit_request(parts, &info))
+            .await
+            .and_then(|a| self.count_connection(&a, &streams).map(|()| a));
+        let mut admission = match admitted {
             Ok(a) => a,
-            Err(status) => return reply.finish(status),
+            Err(status) => return streams.refused(reply, status),
         };
-        if let Err(status) = self.count_connection(&admission, &streams) {
-            return reply.finish(status);
-        }
         let peer_window = admission.peer_window;
         let token = admission.token.take();
         let span = tracing::info_span!("agent_stream", agent_id = %admission.agent_id, peer = %admission.peer);
         let (agent, packets) = match self.open(admission) {
             Ok(opened) => opened,
-            Err(status) => return reply.finish(status),
+            Err(status) => return streams.refused(reply, status),
         };
         let _live = streams.open();
         self.answer(&mut reply, peer_window);

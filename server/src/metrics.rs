@@ -213,7 +213,7 @@ tether_ops::metric_set! {
         /// Connections a listener closed unserved, by listener and reason.
         pub connections_refused: IntCounterVec = catalog.add(with_series(
             IntCounterVec::new(
-                Opts::new("tether_server_connections_refused_total", "TCP connections a listener closed without serving them, by listener (agent, frontend, health, admin) and reason: per_source and per_prefix (over --max-handshakes-per-source or --max-handshakes-per-prefix unproven connections), evicted (unproven and the oldest of the busiest prefix when --max-concurrent-handshakes were open), handshake (the TLS handshake failed, timed out, or its first byte did not come within 5 s), unadmitted (an agent connection on which no agent stream was admitted within 10 s), idle (an agent connection with no open agent stream for 10 s). At --max-connections new clients wait in the kernel's backlog instead."),
+                Opts::new("tether_server_connections_refused_total", "TCP connections a listener closed without serving them, by listener (agent, frontend, health, admin) and reason: per_source and per_prefix (over --max-handshakes-per-source or --max-handshakes-per-prefix unproven connections), evicted (unproven and only holding its place, to make room when --max-concurrent-handshakes or --max-connections were open), handshake (the TLS handshake failed, timed out, or its first byte did not come within 5 s), unadmitted (an agent connection on which no agent stream was admitted within 10 s), idle (an agent connection with no open agent stream for 10 s). At --max-connections new clients wait in the kernel's backlog instead."),
                 &["listener", "reason"],
             )
             .expect("valid metric"),

@@ -242,6 +242,22 @@ impl NodeInventory {
         c.by_node.insert(node, (names, ips.to_vec()));
     }
 
+    /// The addresses node `node` owns (see [`NodeInventory::owner`]): its Node object's
+    /// and its certificate's that no other node claims.
+    pub fn owned_addresses(&self, node: &str) -> Vec<IpAddr> {
+        let mut all = self.addresses(node);
+        {
+            let c = self.certified.read().unwrap_or_else(|e| e.into_inner());
+            if let Some((_, ips)) = c.by_node.get(&node.to_ascii_lowercase()) {
+                all.extend(ips.iter().copied());
+            }
+        }
+        all.sort();
+        all.dedup();
+        all.retain(|ip| self.owner(&DialHost::Ip(*ip)) == Owner::Node(node.to_ascii_lowercase()));
+        all
+    }
+
     /// Node `node`'s addresses (empty when unknown).
     pub fn addresses(&self, node: &str) -> Vec<IpAddr> {
         let table = self.table.read().unwrap_or_else(|e| e.into_inner());

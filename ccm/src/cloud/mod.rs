@@ -200,8 +200,12 @@ pub struct ServicePort {
 pub struct Backend {
     /// Node name.
     pub name: String,
-    /// Its InternalIP.
+    /// The InternalIP the balancer dials: of the Service's family (its first
+    /// `ipFamilies` entry), else the node's first.
     pub address: String,
+    /// All its InternalIPs, in the Node's order (so that a node gaining an address of
+    /// another family counts as a change of the node set).
+    pub addresses: Vec<String>,
 }
 
 /// `status.loadBalancer.ingress` entries.

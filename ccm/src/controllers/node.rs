@@ -30,6 +30,9 @@ pub const PROVIDED_NODE_IP: &str = "alpha.kubernetes.io/provided-node-ip";
 /// The reason of the event about a node claimed only by unverified identifiers.
 pub const UNVERIFIED_REASON: &str = "UnverifiedAgentIdentity";
 
+/// The reason of the event about a node nobody gives an address.
+pub const NO_ADDRESSES_REASON: &str = "NodeAddressesUnknown";
+
 /// Labels set from the provider's answer: (GA, beta) pairs.
 pub const ZONE_LABELS: [&str; 2] = [
     "topology.kubernetes.io/zone",
@@ -134,6 +137,9 @@ impl NodeController {
         let name = node.name_any();
         let meta = self.initial_metadata(node).await?;
         let addresses = ordered_addresses(node, &meta.addresses).map_err(SyncError::Invalid)?;
+        if !has_ip(&addresses) && !has_ip(&current_addresses(node)) {
+            return Err(self.no_addresses(node).await);
+        }
         let api: Api<Node> = Api::all(self.ctx.client.clone());
         // Addresses first: once the taint is gone the node is schedulable and must be
         // reachable.
@@ -173,6 +179,35 @@ impl NodeController {
             )
             .await;
         Ok(())
+    }
+
+    /// A node nobody gives an address (its kubelet reports none, as 1.29+ kubelets with
+    /// `--cloud-provider=external` and no `--node-ip` do; the provider knows none):
+    /// counted, logged and a Warning event naming the fixes; retried in a minute. It
+    /// stays tainted, since a node without an address cannot be reached.
+    async fn no_addresses(&self, node: &Node) -> SyncError {
+        let name = node.name_any();
+        self.count_failed();
+        self.ctx
+            .metrics
+            .node_init_failures
+            .with_label_values(&["no_addresses"])
+            .inc();
+        let why = format!("node {name} has no address: its kubelet reports none (Kubernetes 1.29+ with --cloud-provider=external and no --node-ip) and the cloud provider knows none. Give the kubelet --node-ip (kubeletExtraArgs node-ip), or list the node with its addresses in the CCM inventory; it stays uninitialized until then");
+        tracing::warn!(node = %name, "{why}");
+        self.ctx
+            .node_event(
+                node,
+                true,
+                NO_ADDRESSES_REASON,
+                "InitializeNode",
+                why.clone(),
+            )
+            .await;
+        SyncError::Cloud(CloudError::RetryAfter {
+            after: Duration::from_secs(60),
+            reason: why,
+        })
     }
 
     /// Counts one failed initialisation (`node_controller_node_initializations_total`).
@@ -367,6 +402,13 @@ pub fn ordered_addresses(node: &Node, cloud: &[Address]) -> Result<Vec<Address>,
         }
     }
     Ok(out)
+}
+
+/// Does `addresses` hold an IP address (not only host names)?
+fn has_ip(addresses: &[Address]) -> bool {
+    addresses
+        .iter()
+        .any(|a| a.address.parse::<std::net::IpAddr>().is_ok())
 }
 
 fn address_json(addresses: &[Address]) -> serde_json::Value {

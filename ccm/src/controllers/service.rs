@@ -63,6 +63,45 @@ pub struct ServiceController {
     /// The refusal last said (reason, message) per Service: a retry after another
     /// balancer went away that ends in the same refusal says nothing new.
     said: Mutex<HashMap<String, (String, String)>>,
+    /// Whether the apiserver keeps `ipMode`.
+    ip_mode: IpModeSupport,
+}
+
+/// Whether the apiserver keeps `status.loadBalancer.ingress[].ipMode` (Kubernetes 1.30+,
+/// or 1.29 with its feature gate), learnt from its answer to the first write of it:
+/// until it is known to drop the field, a stored status without `ipMode: Proxy` is a
+/// change to write (a Service addressed before an upgrade to 1.30 gets it then).
+#[derive(Default)]
+pub(crate) struct IpModeSupport(std::sync::atomic::AtomicU8);
+
+impl IpModeSupport {
+    const DROPPED: u8 = 2;
+    const KEPT: u8 = 1;
+
+    fn dropped(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::Relaxed) == Self::DROPPED
+    }
+
+    /// Learns from what the apiserver stored after a write of `wanted`.
+    fn learn(&self, wanted: &serde_json::Value, stored: &serde_json::Value) {
+        use std::sync::atomic::Ordering;
+        if without_ip_mode(wanted) == *wanted {
+            return;
+        }
+        if stored == wanted {
+            self.0.store(Self::KEPT, Ordering::Relaxed);
+        } else if without_ip_mode(stored) == without_ip_mode(wanted)
+            && self.0.swap(Self::DROPPED, Ordering::Relaxed) != Self::DROPPED
+        {
+            tracing::warn!("the apiserver drops status.loadBalancer.ingress[].ipMode (Kubernetes before 1.30): kube-proxy captures the load balancers' addresses on every node it runs on; keep it off the hosts that hold them (docs/ccm.md#before-kubernetes-130)");
+        }
+    }
+
+    /// Must `current` be replaced by `wanted`?
+    fn differs(&self, current: &serde_json::Value, wanted: &serde_json::Value) -> bool {
+        current != wanted
+            && !(self.dropped() && without_ip_mode(current) == without_ip_mode(wanted))
+    }
 }
 
 impl ServiceController {
@@ -89,6 +128,7 @@ impl ServiceController {
             applied: Mutex::new(HashMap::new()),
             refused: Mutex::new(HashMap::new()),
             said: Mutex::new(HashMap::new()),
+            ip_mode: IpModeSupport::default(),
         }
     }
 
@@ -283,7 +323,7 @@ impl ServiceController {
         let Some(status) = ensured.await? else {
             return Ok(());
         };
-        set_ingress(&api, svc, &status).await?;
+        set_ingress(&api, svc, &status, &self.ip_mode).await?;
         self.applied()
             .insert(key.to_string(), (info, nodes.clone()));
         if first {
@@ -534,26 +574,31 @@ async fn set_ingress(
     api: &Api<Service>,
     svc: &Service,
     status: &LoadBalancerStatus,
+    ip_mode: &IpModeSupport,
 ) -> Result<(), kube::Error> {
     let wanted = ingress_json(status);
-    let current = svc
-        .status
+    let current = stored_ingress(svc);
+    if ip_mode.differs(&current, &wanted) {
+        let patched = api
+            .patch_status(
+                &svc.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(json!({ "status": { "loadBalancer": { "ingress": wanted } } })),
+            )
+            .await?;
+        ip_mode.learn(&wanted, &stored_ingress(&patched));
+    }
+    Ok(())
+}
+
+/// `svc`'s ingress as stored, in the form [`ingress_json`] writes.
+fn stored_ingress(svc: &Service) -> serde_json::Value {
+    svc.status
         .as_ref()
         .and_then(|s| s.load_balancer.as_ref())
         .and_then(|l| l.ingress.as_ref())
         .map(|i| serde_json::to_value(i).unwrap_or_default())
-        .unwrap_or(json!([]));
-    // An apiserver older than 1.29 drops ipMode: compare without it, or every sync
-    // would patch again.
-    if without_ip_mode(&current) != without_ip_mode(&wanted) {
-        api.patch_status(
-            &svc.name_any(),
-            &PatchParams::default(),
-            &Patch::Merge(json!({ "status": { "loadBalancer": { "ingress": wanted } } })),
-        )
-        .await?;
-    }
-    Ok(())
+        .unwrap_or(json!([]))
 }
 
 fn has_ingress(svc: &Service) -> bool {
@@ -619,5 +664,24 @@ mod tests {
         assert_eq!(wanted, json!([{ "ip": "192.0.2.1", "ipMode": "Proxy" }]));
         let stored_by_1_20 = json!([{ "ip": "192.0.2.1" }]);
         assert_eq!(without_ip_mode(&stored_by_1_20), without_ip_mode(&wanted));
+    }
+
+    #[test]
+    fn a_status_without_ip_mode_is_written_until_the_apiserver_is_known_to_drop_it() {
+        let wanted = json!([{ "ip": "192.0.2.1", "ipMode": "Proxy" }]);
+        let addressed_before_1_30 = json!([{ "ip": "192.0.2.1" }]);
+        // An upgraded cluster (1.30+) keeps what it is given: the old status is a change.
+        let kept = IpModeSupport::default();
+        assert!(kept.differs(&addressed_before_1_30, &wanted));
+        kept.learn(&wanted, &wanted);
+        assert!(kept.differs(&addressed_before_1_30, &wanted));
+        assert!(!kept.differs(&wanted, &wanted));
+        // An apiserver that drops the field (1.20 here): written once, then no change.
+        let dropping = IpModeSupport::default();
+        assert!(dropping.differs(&addressed_before_1_30, &wanted));
+        dropping.learn(&wanted, &addressed_before_1_30);
+        assert!(!dropping.differs(&addressed_before_1_30, &wanted));
+        // A real change is still a change.
+        assert!(dropping.differs(&json!([{ "ip": "192.0.2.9" }]), &wanted));
     }
 }

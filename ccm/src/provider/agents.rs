@@ -75,6 +75,10 @@ pub struct Agent {
     /// How the server verified them (`certificate`, `serviceaccount-token`), or empty.
     #[serde(default)]
     pub verified_by: String,
+    /// The node the server verified the agent runs on (its token's, its per-node
+    /// certificate's), whatever ID it claims: the DaemonSet's agents may claim nothing.
+    #[serde(default)]
+    pub verified_node: Option<String>,
 }
 
 impl Agent {
@@ -88,13 +92,13 @@ impl Agent {
                 .collect();
             return (names, self.ips.clone());
         }
-        (
-            self.verified_hosts
-                .iter()
-                .map(|n| n.to_ascii_lowercase())
-                .collect(),
-            self.verified_ips.clone(),
-        )
+        let names = self
+            .verified_hosts
+            .iter()
+            .chain(self.verified_node.iter())
+            .map(|n| n.to_ascii_lowercase())
+            .collect();
+        (names, self.verified_ips.clone())
     }
 }
 
@@ -343,6 +347,7 @@ mod tests {
                 verified_hosts: vec!["Edge-1".into()],
                 verified_ips: vec![],
                 verified_by: "serviceaccount-token".into(),
+                verified_node: None,
             }]
         };
         let strict = Index::new(agents(), false);
@@ -351,6 +356,16 @@ mod tests {
         assert_eq!(strict.claimed["edge-2"].id, "Edge-1");
         let lab = Index::new(agents(), true);
         assert_eq!(lab.trusted["edge-2"].ips, ["10.0.0.1"]);
+        // The DaemonSet's agent: a random ID, no claims, its token's node verified.
+        let daemonset = Agent {
+            id: "3f2a9c".into(),
+            verified_ips: vec!["10.0.0.3".into(), "fd00::3".into()],
+            verified_by: "serviceaccount-token".into(),
+            verified_node: Some("Edge-3".into()),
+            ..Agent::default()
+        };
+        let index = Index::new(vec![daemonset], false);
+        assert_eq!(index.trusted["edge-3"].ips, ["10.0.0.3", "fd00::3"]);
     }
 
     #[test]

@@ -350,9 +350,9 @@ impl Registry {
     }
 
     /// The connected agents as JSON for the admin endpoint's `/agents`: one entry per
-    /// agent ID with its identifiers, which of them the server verified
-    /// (`verifiedHosts`, `verifiedIps`, `verifiedBy`, `verifiedNode`; from its first
-    /// stream), whether it drains, and its stream count.
+    /// agent ID with its identifiers, what the server verified (`verifiedHosts`;
+    /// `verifiedIps`, every address that routes to it, claimed or not; `verifiedBy`,
+    /// `verifiedNode`; from its first stream), whether it drains, and its stream count.
     pub fn agents_json(&self) -> String {
         serde_json::json!({ "agents": self.agents() }).to_string()
     }
@@ -362,11 +362,13 @@ impl Registry {
         let mut by_id: std::collections::BTreeMap<String, serde_json::Value> = Default::default();
         for b in self.snapshot() {
             let entry = by_id.entry(b.agent_id.clone()).or_insert_with(|| {
+                // What routes to it: its certificate's addresses, and those its node
+                // owns (its Node object's, its certificate's), claimed or not.
                 let mut ips = b.verified.ips.clone();
                 if let Some(node) = &b.verified.node {
-                    for ip in &b.identifiers.ips {
-                        if !ips.contains(ip) && self.nodes.has_address(node, *ip) {
-                            ips.push(*ip);
+                    for ip in self.nodes.owned_addresses(node) {
+                        if !ips.contains(&ip) {
+                            ips.push(ip);
                         }
                     }
                 }
