@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs the system tools Tether's tests use (curl, openssl, iproute2, util-linux's
-# prlimit, python3 for the stand-in kubelet, prometheus and promtool for the monitoring
-# rules' tests), idempotently: nothing is downloaded when
-# they are already present. Debian/Ubuntu (apt) only.
+# prlimit, python3 for the stand-in kubelet, tinyproxy for the egress-proxy tests,
+# prometheus and promtool for the monitoring rules' tests), idempotently: nothing is
+# downloaded when they are already present. Debian/Ubuntu (apt) only.
 set -euo pipefail
 
 need=()
@@ -12,6 +12,7 @@ command -v ip >/dev/null 2>&1 || need+=(iproute2)
 command -v kill >/dev/null 2>&1 || need+=(procps)
 command -v prlimit >/dev/null 2>&1 || need+=(util-linux)
 command -v python3 >/dev/null 2>&1 || need+=(python3)
+command -v tinyproxy >/dev/null 2>&1 || need+=(tinyproxy)
 { command -v promtool && command -v prometheus; } >/dev/null 2>&1 || need+=(prometheus)
 
 if [ ${#need[@]} -gt 0 ]; then

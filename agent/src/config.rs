@@ -3,6 +3,8 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::proxy::Egress;
+
 /// Everything the agent needs, already validated.
 #[derive(Clone)]
 pub struct AgentConfig {
@@ -45,6 +47,9 @@ pub struct AgentConfig {
     pub stall_timeout: Duration,
     /// Serve pprof profiles on the admin port (`--enable-profiling`).
     pub profiling: bool,
+    /// How servers are reached: directly or through an egress proxy (`--egress-proxy`,
+    /// HTTPS_PROXY, NO_PROXY).
+    pub egress: Egress,
 }
 
 /// Where server Leases are counted.
@@ -84,6 +89,7 @@ impl std::fmt::Debug for AgentConfig {
         f.debug_struct("AgentConfig")
             .field("servers", &self.servers)
             .field("agent_id", &self.agent_id)
+            .field("egress", &self.egress)
             .finish_non_exhaustive()
     }
 }

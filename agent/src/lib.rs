@@ -1,13 +1,14 @@
 //! Tether's agent: `servers` keeps one stream up to every proxy server (backoff,
-//! jitter, server counting), `link` establishes and serves one stream, and the
-//! `dialer` opens the target connection for each DIAL_REQ and pumps its bytes. Never
-//! depends on the server.
+//! jitter, server counting), `link` establishes and serves one stream (through the
+//! egress `proxy` when one is configured), and the `dialer` opens the target
+//! connection for each DIAL_REQ and pumps its bytes. Never depends on the server.
 
 mod config;
 pub mod dialer;
 pub mod lease_count;
 mod link;
 pub mod metrics;
+pub mod proxy;
 mod servers;
 #[cfg(test)]
 mod tests;
@@ -30,6 +31,8 @@ use crate::metrics::Metrics;
 pub struct Agent {
     config: AgentConfig,
     tls: Arc<tether_ops::reload::Reloadable<rustls::ClientConfig>>,
+    /// TLS to an https:// egress proxy.
+    proxy_tls: Option<Arc<tether_ops::reload::Reloadable<rustls::ClientConfig>>>,
     metrics: Metrics,
     /// Every open target connection holds a watch: drain waits for the last.
     work: Arc<drain::Signal>,
@@ -63,8 +66,10 @@ impl Agent {
             },
             expiry,
         )?;
+        let proxy_tls = config.egress.tls(metrics.cert_expiry.clone())?;
         Ok(Agent {
             tls,
+            proxy_tls,
             metrics,
             work: Arc::new(drain::Signal::new()),
             streams: Arc::new(AtomicI64::new(0)),

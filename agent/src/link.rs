@@ -1,11 +1,11 @@
 //! One stream to one proxy server, on the client half of gRPC on bare HTTP/2 that the
-//! client and the bench share (`tether_core::grpc::client`): establish it (TCP, TLS,
-//! the HTTP/2 handshake, the agent's metadata, the server's id and count, the
-//! flow-control offer) and serve it until it fails, drains or is hard-stopped. One task
-//! serves a stream: it drives the connection, its keepalive pings, the reader (every
-//! packet to the dialer's session) and the writer (the session's answers first, then
-//! connection traffic as HTTP/2 flow control allows), as the server's `h2serve` does
-//! for an agent connection.
+//! client and the bench share (`tether_core::grpc::client`): establish it (TCP or a
+//! tunnel through the egress proxy, TLS, the HTTP/2 handshake, the agent's metadata,
+//! the server's id and count, the flow-control offer) and serve it until it fails,
+//! drains or is hard-stopped. One task serves a stream: it drives the connection, its
+//! keepalive pings, the reader (every packet to the dialer's session) and the writer
+//! (the session's answers first, then connection traffic as HTTP/2 flow control
+//! allows), as the server's `h2serve` does for an agent connection.
 
 use std::future::Future;
 use std::io;
@@ -21,7 +21,7 @@ use h2::client::{Connection, SendRequest};
 use h2::{Ping, PingPong, Reason};
 use tether_core::grpc::client::{self, FirstFlight, Inbound, StreamError, Windows};
 use tether_core::grpc::{frame_parts, Outbound};
-use tether_core::transport::{self, ClientTls};
+use tether_core::transport::{self, TlsOver};
 use tether_proto::{header, link, Packet};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -29,6 +29,7 @@ use tonic::metadata::{MetadataMap, MetadataValue};
 use tracing::Instrument;
 
 use crate::dialer::{Outbox, Session};
+use crate::proxy::{Carrier, ProxyError, ProxyUrl};
 use crate::Agent;
 
 /// The method the agent calls.
@@ -40,14 +41,18 @@ pub(crate) const CLOSE_GRACE: Duration = Duration::from_secs(2);
 /// How long opening one stream (TCP, TLS, the server's response headers) may take.
 pub(crate) const ESTABLISH_TIMEOUT: Duration = Duration::from_secs(20);
 
-/// How long TCP connect and the TLS handshake may take.
+/// How long TCP connect and the TLS handshake may take (through an egress proxy: the
+/// TLS handshake, once the tunnel is open within `proxy::PROXY_TIMEOUT`).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The longest a keepalive ping may go unanswered (shorter with a shorter interval).
 const PING_TIMEOUT: Duration = Duration::from_secs(20);
 
+/// TLS to the server, over TCP or a tunnel through the egress proxy.
+type ServerTls = TlsOver<Carrier>;
+
 /// The agent link's HTTP/2 connection.
-type Conn = Connection<FirstFlight<ClientTls>, Bytes>;
+type Conn = Connection<FirstFlight<ServerTls>, Bytes>;
 
 /// Why one stream to the server ended.
 #[derive(Debug, thiserror::Error)]
@@ -55,6 +60,9 @@ pub enum LinkError {
     /// TCP, TLS or the HTTP/2 handshake failed.
     #[error("cannot connect to proxy server")]
     Connect(#[source] io::Error),
+    /// The egress proxy could not be reached or refused the tunnel.
+    #[error("cannot open a tunnel to the proxy server through the egress proxy")]
+    Proxy(#[source] ProxyError),
     /// The server refused or broke the stream.
     #[error("proxy server stream failed")]
     Stream(#[source] StreamError),
@@ -98,7 +106,8 @@ impl LinkError {
             | LinkError::Closed
             | LinkError::Write(_)
             | LinkError::Keepalive(_)
-            | LinkError::Connect(_) => tonic::Code::Unavailable,
+            | LinkError::Connect(_)
+            | LinkError::Proxy(_) => tonic::Code::Unavailable,
             _ => tonic::Code::Internal,
         }
     }
@@ -108,6 +117,7 @@ impl LinkError {
     pub(crate) fn connect_failure(&self) -> &'static str {
         match self {
             LinkError::Connect(_) | LinkError::Connection(_) | LinkError::Closed => "connect",
+            LinkError::Proxy(_) => "proxy",
             LinkError::Stream(_) => "refused",
             LinkError::Timeout(_) => "timeout",
             LinkError::Token { .. } => "token",
@@ -129,17 +139,41 @@ impl LinkError {
 }
 
 impl Agent {
-    /// Opens a stream to the server at `host:port` and reads its id and count.
-    pub(crate) async fn establish(&self, host: &str, port: u16) -> Result<Established, LinkError> {
+    /// TCP to the server at `host:port`, or a tunnel to it through the egress proxy
+    /// when one applies, and TLS to the server over it.
+    async fn open(&self, host: &str, port: u16) -> Result<ServerTls, LinkError> {
         let authority = transport::authority(host, port);
         let name = tether_core::tls::server_name(host)
             .map_err(|e| LinkError::Connect(io::Error::new(io::ErrorKind::InvalidInput, e)))?;
-        let connect =
-            transport::connect_tls_with(&authority, name, self.tls.get(), self.config.dead_link);
-        let io = tokio::time::timeout(CONNECT_TIMEOUT, connect)
+        let dead_link = self.config.dead_link;
+        let Some(proxy) = self.config.egress.route(host, port) else {
+            let connect = async {
+                let tcp = transport::connect_tcp(&authority, dead_link).await?;
+                transport::tls_over(Carrier::Left(tcp), name, self.tls.get()).await
+            };
+            return tokio::time::timeout(CONNECT_TIMEOUT, connect)
+                .await
+                .map_err(|_| LinkError::Timeout(CONNECT_TIMEOUT))?
+                .map_err(LinkError::Connect);
+        };
+        let proxy_tls = self.proxy_tls.as_ref().map(|t| t.get());
+        let tunnel = crate::proxy::tunnel(proxy, &authority, proxy_tls, dead_link)
             .await
-            .map_err(|_| LinkError::Timeout(CONNECT_TIMEOUT))?
-            .map_err(LinkError::Connect)?;
+            .map_err(LinkError::Proxy)?;
+        tokio::time::timeout(
+            CONNECT_TIMEOUT,
+            transport::tls_over(tunnel, name, self.tls.get()),
+        )
+        .await
+        .map_err(|_| LinkError::Timeout(CONNECT_TIMEOUT))?
+        .map_err(LinkError::Connect)
+    }
+
+    /// Opens a stream to the server at `host:port` and reads its id and count.
+    pub(crate) async fn establish(&self, host: &str, port: u16) -> Result<Established, LinkError> {
+        let authority = transport::authority(host, port);
+        let io = self.open(host, port).await?;
+        let via = self.config.egress.route(host, port).cloned();
         let (mut send, mut conn) = client::handshake(io, Windows::default())
             .await
             .map_err(LinkError::Connect)?;
@@ -173,6 +207,7 @@ impl Agent {
         Ok(Established {
             server_id,
             server_count,
+            via,
             keepalive: self.keepalive(),
             peer_window,
             conn,
@@ -228,6 +263,7 @@ impl Agent {
         let Established {
             server_id,
             server_count,
+            via,
             keepalive,
             peer_window,
             mut conn,
@@ -239,7 +275,10 @@ impl Agent {
         let (session, control_rx, data_rx) = self.new_session(peer_window);
         let _close_on_exit = session.closed.clone().drop_guard();
         let _count = Decrement::count(&self.streams, &self.metrics.open_server_connections);
-        tracing::info!(%server_id, server_count, flow_control = peer_window.is_some(), "connected to proxy server");
+        let via = via
+            .as_ref()
+            .map_or_else(|| "direct".to_string(), ProxyUrl::to_string);
+        tracing::info!(%server_id, server_count, flow_control = peer_window.is_some(), %via, "connected to proxy server");
 
         let finish = CancellationToken::new();
         let heard = Heard::default();
@@ -555,6 +594,8 @@ async fn keep_alive(mut pings: PingPong, every: Duration, heard: Heard) -> LinkE
 pub(crate) struct Established {
     pub(crate) server_id: String,
     server_count: i64,
+    /// The egress proxy the stream goes through (`None`: directly).
+    via: Option<ProxyUrl>,
     /// The HTTP/2 keepalive interval the stream's connection pings at.
     keepalive: Duration,
     /// The server's per-connection window when it agreed to credit flow control.

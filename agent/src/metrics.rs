@@ -92,7 +92,7 @@ tether_ops::metric_set! {
         pub server_connect_failures: IntCounterVec = catalog.made(IntCounterVec::new(
             Opts::new(
                 "tether_agent_server_connect_failures_total",
-                "Attempts to open a stream to a proxy server that failed, by reason: connect (TCP, TLS or HTTP/2), refused (the server refused the stream, e.g. Unauthenticated), timeout, token (the service account token could not be read), other.",
+                "Attempts to open a stream to a proxy server that failed, by reason: connect (TCP, TLS or HTTP/2), proxy (the egress proxy could not be reached, or refused CONNECT), refused (the server refused the stream, e.g. Unauthenticated), timeout, token (the service account token could not be read), other.",
             ),
             &["reason"],
         )),

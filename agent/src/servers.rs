@@ -120,6 +120,7 @@ impl Agent {
     /// destHost during a rollout) still reaches the node. `run` returns at `hard_stop`.
     pub async fn run(&self, drain: CancellationToken, hard_stop: CancellationToken) {
         self.spawn_upkeep(&hard_stop);
+        self.config.egress.log_routes(&self.config.servers);
         let held = Held::default();
         let leases = self.count_leases(&hard_stop).await;
         self.keep_streams(&held, leases.as_ref(), &drain, &hard_stop)
@@ -141,8 +142,12 @@ impl Agent {
             tether_ops::memory::Looks::BackOff(self.work.started()),
             hard_stop.clone(),
         );
+        let mut watched = vec![self.tls.clone() as Arc<dyn tether_ops::reload::Reload>];
+        if let Some(proxy_tls) = &self.proxy_tls {
+            watched.push(proxy_tls.clone());
+        }
         tether_ops::reload::spawn_watcher(
-            vec![self.tls.clone() as Arc<dyn tether_ops::reload::Reload>],
+            watched,
             self.config.cert_reload_interval,
             hard_stop.clone(),
         );

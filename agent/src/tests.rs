@@ -157,6 +157,7 @@ impl Pair {
             flow_control: true,
             stall_timeout: Duration::from_secs(5),
             profiling: false,
+            egress: Default::default(),
         })
         .unwrap();
         Pair {

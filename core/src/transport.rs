@@ -24,7 +24,11 @@ use crate::ratelimit::TokenBucket;
 use crate::read_ahead::ReadAhead;
 
 /// A client's TLS connection over TCP, read through [`ReadAhead`].
-pub type ClientTls = tokio_rustls::client::TlsStream<ReadAhead<TcpStream>>;
+pub type ClientTls = TlsOver<TcpStream>;
+
+/// A client's TLS connection over `IO` (TCP, or a tunnel through a proxy), read through
+/// [`ReadAhead`].
+pub type TlsOver<IO> = tokio_rustls::client::TlsStream<ReadAhead<IO>>;
 
 /// How much application data a TLS connection takes from one write before it must send
 /// what it holds: a whole HTTP/2 frame of the largest size both ends use
@@ -494,13 +498,33 @@ pub async fn connect_tls_with(
     tls: Arc<rustls::ClientConfig>,
     dead_link: Option<Duration>,
 ) -> io::Result<ClientTls> {
+    let tcp = connect_tcp(authority, dead_link).await?;
+    tls_over(tcp, name, tls).await
+}
+
+/// Opens TCP to `authority` with no Nagle delay, closed by the kernel once the peer has
+/// been silent for `dead_link` (see [`bound_silence`]).
+pub async fn connect_tcp(authority: &str, dead_link: Option<Duration>) -> io::Result<TcpStream> {
     let tcp = TcpStream::connect(authority).await?;
     tcp.set_nodelay(true)?;
     if let Some(limit) = dead_link {
         bound_silence(&tcp, limit)?;
     }
+    Ok(tcp)
+}
+
+/// Runs a client's TLS handshake over `io` (a TCP connection, or a tunnel through an
+/// egress proxy), read through [`ReadAhead`] and verifying the server as `name`.
+pub async fn tls_over<IO>(
+    io: IO,
+    name: rustls_pki_types::ServerName<'static>,
+    tls: Arc<rustls::ClientConfig>,
+) -> io::Result<TlsOver<IO>>
+where
+    IO: AsyncRead + AsyncWrite + Unpin,
+{
     let mut stream = TlsConnector::from(tls)
-        .connect(name, ReadAhead::new(tcp))
+        .connect(name, ReadAhead::new(io))
         .await?;
     tune_tls(stream.get_mut().1);
     Ok(stream)

@@ -51,6 +51,25 @@ pub struct AgentArgs {
     /// credentials do.
     #[arg(long, value_delimiter = ',')]
     pub alpn_proto: Vec<String>,
+    /// Egress proxy to reach the servers through (empty: from the environment).
+    ///
+    /// Empty reads HTTPS_PROXY, else https_proxy, as grpc-go (upstream's agent) does;
+    /// `direct` or `none` never uses a proxy. The URL is http://[USER:PASSWORD@]HOST:PORT
+    /// (CONNECT over plain TCP) or https://... (CONNECT inside TLS to the proxy, verified
+    /// with --egress-proxy-ca-cert); without a scheme it is http://, without a port 80 or
+    /// 443. User info is sent as `Proxy-Authorization: Basic`. Servers that NO_PROXY (else
+    /// no_proxy) covers, `localhost` and loopback addresses are reached directly, by Go's
+    /// rules: host names (a leading `.` or none matches subdomains), IPs, CIDRs, each with
+    /// an optional `:PORT`, or `*`. Prefer the environment from a Secret for a password:
+    /// a flag shows in the process list. Tether only.
+    #[arg(long, default_value = "")]
+    pub egress_proxy: String,
+    /// CA bundle that signs an https:// egress proxy's certificate (empty: the system bundle).
+    ///
+    /// Reloaded on change, as --ca-cert is. Unused without an https:// proxy. Tether
+    /// only.
+    #[arg(long, default_value = "")]
+    pub egress_proxy_ca_cert: String,
     /// Service-account token file, sent as a bearer token (re-read on every connect).
     #[arg(long, default_value = "")]
     pub service_account_token_path: String,
@@ -329,6 +348,7 @@ impl AgentArgs {
             self.keepalive_time
         };
         let dead_link = super::dead_link(self.dead_link_timeout)?;
+        let egress = self.egress()?;
         Ok(AgentConfig {
             servers,
             sync_forever: self.sync_forever,
@@ -360,7 +380,26 @@ impl AgentArgs {
             flow_control: self.flow_control,
             stall_timeout: self.stalled_reader_timeout,
             profiling: self.enable_profiling,
+            egress,
         })
+    }
+
+    /// The egress proxy from --egress-proxy and the environment (HTTPS_PROXY, NO_PROXY).
+    fn egress(&self) -> anyhow::Result<tether_agent::proxy::Egress> {
+        let ca = (!self.egress_proxy_ca_cert.is_empty())
+            .then(|| PathBuf::from(&self.egress_proxy_ca_cert));
+        let egress = tether_agent::proxy::Egress::from_flag_and_env(&self.egress_proxy, ca, |k| {
+            std::env::var(k).ok()
+        })
+        .context("--egress-proxy or HTTPS_PROXY")?;
+        let https =
+            egress.proxy.as_ref().map(|p| p.scheme()) == Some(tether_agent::proxy::Scheme::Https);
+        if egress.proxy_ca.is_some() && !https {
+            tracing::warn!(
+                "--egress-proxy-ca-cert is unused: it verifies an https:// egress proxy only"
+            );
+        }
+        Ok(egress)
     }
 }
 

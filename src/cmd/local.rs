@@ -155,6 +155,8 @@ async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()
         flow_control: true,
         stall_timeout: tether_core::flow::DEFAULT_STALL_TIMEOUT,
         profiling: false,
+        // On loopback, which no egress proxy serves.
+        egress: Default::default(),
     })?;
     let agent_drain = CancellationToken::new();
     let agent_task = {

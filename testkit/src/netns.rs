@@ -232,10 +232,21 @@ impl Node {
 
     /// Runs `program args` inside the namespace as a [`crate::Proc`] called `name`.
     pub fn spawn(&self, name: &str, program: &str, args: &[String]) -> crate::Proc {
+        self.spawn_with_env(name, program, args, &[])
+    }
+
+    /// [`Node::spawn`] with the environment variables `env` set.
+    pub fn spawn_with_env(
+        &self,
+        name: &str,
+        program: &str,
+        args: &[String],
+        env: &[(&str, &str)],
+    ) -> crate::Proc {
         let mut all = self.exec_prefix();
         all.push(program.into());
         all.extend(args.iter().cloned());
-        crate::Proc::spawn(name, std::path::Path::new("ip"), &all)
+        crate::Proc::spawn_with_env(name, std::path::Path::new("ip"), &all, env)
     }
 
     /// Serves `body` as `/` over HTTP on `node_ip:port` inside the namespace (a

@@ -13,6 +13,17 @@ use serde_json::Value;
 /// How long a process may take to report readiness.
 pub const START_TIMEOUT: Duration = Duration::from_secs(20);
 
+/// Variables no spawned process inherits from the test's environment: the log filter,
+/// and the egress proxy settings an agent would follow (a CI machine behind a proxy
+/// must not send test agents to it).
+const NOT_INHERITED: [&str; 5] = [
+    "RUST_LOG",
+    "HTTPS_PROXY",
+    "https_proxy",
+    "NO_PROXY",
+    "no_proxy",
+];
+
 #[derive(Default)]
 struct Log {
     lines: Vec<String>,
@@ -53,9 +64,19 @@ impl Proc {
 
     /// Spawns `bin` with `args`; stderr lines are collected.
     pub fn spawn(name: &str, bin: &Path, args: &[String]) -> Proc {
-        let mut child = Command::new(bin)
+        Self::spawn_with_env(name, bin, args, &[])
+    }
+
+    /// [`Proc::spawn`] with the variables `env` set (after those in [`NOT_INHERITED`]
+    /// are removed).
+    pub fn spawn_with_env(name: &str, bin: &Path, args: &[String], env: &[(&str, &str)]) -> Proc {
+        let mut command = Command::new(bin);
+        for var in NOT_INHERITED {
+            command.env_remove(var);
+        }
+        let mut child = command
             .args(args)
-            .env_remove("RUST_LOG")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -339,7 +360,7 @@ impl AgentProc {
         args: &[String],
         (soft, hard): (u64, u64),
     ) -> AgentProc {
-        Self::launch(None, &prlimit(soft, hard), bin, pki, server, args)
+        Self::launch(None, &prlimit(soft, hard), bin, pki, server, args, &[])
     }
 
     /// Starts an agent with id `id` that authenticates with `token` (written to
@@ -373,7 +394,20 @@ impl AgentProc {
         server: SocketAddr,
         args: &[String],
     ) -> AgentProc {
-        Self::launch(node, &[], bin, pki, server, args)
+        Self::launch(node, &[], bin, pki, server, args, &[])
+    }
+
+    /// [`AgentProc::start_in`] with the environment variables `env` set (say,
+    /// HTTPS_PROXY and NO_PROXY; the test's own proxy variables are never inherited).
+    pub fn start_with_env(
+        node: Option<&crate::netns::Node>,
+        bin: &Path,
+        pki: &crate::Pki,
+        server: SocketAddr,
+        args: &[String],
+        env: &[(&str, &str)],
+    ) -> AgentProc {
+        Self::launch(node, &[], bin, pki, server, args, env)
     }
 
     /// Starts the agent (inside `node`'s namespace when given) as the arguments of
@@ -385,6 +419,7 @@ impl AgentProc {
         pki: &crate::Pki,
         server: SocketAddr,
         args: &[String],
+        env: &[(&str, &str)],
     ) -> AgentProc {
         let f = &pki.files;
         let mut all: Vec<String> = Vec::new();
@@ -411,8 +446,8 @@ impl AgentProc {
         all.extend(args.iter().cloned());
         let (program, all) = wrapped(wrapper, bin, all);
         let proc = match node {
-            Some(node) => node.spawn(&format!("agent@{}", node.ns), &program, &all),
-            None => Proc::spawn("agent", Path::new(&program), &all),
+            Some(node) => node.spawn_with_env(&format!("agent@{}", node.ns), &program, &all, env),
+            None => Proc::spawn_with_env("agent", Path::new(&program), &all, env),
         };
         let ev = proc.wait_event("agent starting", START_TIMEOUT, |_| true);
         AgentProc {
