@@ -173,6 +173,7 @@ impl Installed {
                 controller_manager: true,
                 workloads: true,
                 extra_sans: vec![cp_net.host_ip.clone()],
+                kubeadm_ca: true,
             },
         );
 
@@ -248,34 +249,6 @@ impl Installed {
             "control-plane",
             "node-role.kubernetes.io/master:NoSchedule",
         ]);
-        // What kube-proxy does for the `kubernetes` Service on that node: pods with
-        // in-cluster configuration (the CCM) reach kube-apiserver at 10.96.0.1:443.
-        let apiserver = format!("{}:{}", control_plane.net.host_ip, cluster.port);
-        control_plane.net.ip(&[
-            "route",
-            "add",
-            "10.96.0.0/16",
-            "via",
-            &control_plane.net.host_ip,
-        ]);
-        for chain in ["OUTPUT", "PREROUTING"] {
-            control_plane.net.iptables(&[
-                "-t",
-                "nat",
-                "-A",
-                chain,
-                "-d",
-                "10.96.0.1/32",
-                "-p",
-                "tcp",
-                "--dport",
-                "443",
-                "-j",
-                "DNAT",
-                "--to-destination",
-                &apiserver,
-            ]);
-        }
         let mut workers = Vec::new();
         for (i, net) in worker_nets.into_iter().enumerate() {
             workers.push(RealNode::start_on(
@@ -341,8 +314,10 @@ impl Installed {
 
     /// Writes the overlay an operator would (README, "Install on a cluster"): `deploy/`
     /// with `image` as the image, the control-plane node's LAN address as
-    /// `PROXY_SERVER_HOST`, one CCM replica for the one control-plane host, and
-    /// [`Installed::inventory`]; applies it with `kubectl apply -k`.
+    /// `PROXY_SERVER_HOST`, one CCM replica for the one control-plane host, which reaches
+    /// kube-apiserver at the address that host has for it (`KUBERNETES_SERVICE_HOST`,
+    /// `_PORT`: no kube-proxy there), no PodDisruptionBudget (1.20 serves no policy/v1)
+    /// and [`Installed::inventory`]; applies it with `kubectl apply --server-side -k`.
     pub fn apply_overlay(&self, image: &str) {
         let overlay = self.overlay_dir();
         std::fs::create_dir_all(&overlay).unwrap();
@@ -383,8 +358,14 @@ patches:
             env:
             - name: PROXY_SERVER_HOST
               value: "{address}"
+      # Kubernetes 1.20: no DaemonSet surge (docs/install.md, "Before Kubernetes 1.25").
+      updateStrategy:
+        rollingUpdate:
+          maxSurge: null
+          maxUnavailable: 10%
 - patch: |-
-    # One control-plane host: one CCM replica (the manifest's two need two hosts).
+    # One control-plane host: one CCM replica (the manifest's two need two hosts), and
+    # kube-apiserver where this host reaches it (no kube-proxy here).
     apiVersion: apps/v1
     kind: Deployment
     metadata:
@@ -392,9 +373,28 @@ patches:
       namespace: kube-system
     spec:
       replicas: 1
+      template:
+        spec:
+          containers:
+          - name: tether-ccm
+            env:
+            - name: KUBERNETES_SERVICE_HOST
+              value: "{apiserver_host}"
+            - name: KUBERNETES_SERVICE_PORT
+              value: "{apiserver_port}"
+- patch: |-
+    # Kubernetes 1.20 serves no policy/v1 (deploy/tether-ccm-pdb.yaml).
+    $patch: delete
+    apiVersion: policy/v1
+    kind: PodDisruptionBudget
+    metadata:
+      name: tether-ccm
+      namespace: kube-system
 - path: inventory.yaml
 "#,
             address = self.server_address,
+            apiserver_host = self.control_plane.net.host_ip,
+            apiserver_port = self.cluster.port,
         );
         std::fs::write(overlay.join("kustomization.yaml"), kustomization).unwrap();
         std::fs::write(
@@ -405,7 +405,7 @@ patches:
         )
         .unwrap();
         self.cluster
-            .kubectl_ok(&["apply", "-k", overlay.to_str().unwrap()]);
+            .kubectl_ok(&["apply", "--server-side", "-k", overlay.to_str().unwrap()]);
     }
 
     /// Waits until the server's static pod runs, every node's agent is ready, a CCM

@@ -266,6 +266,9 @@ pub struct ClusterOptions {
     /// More names and addresses in the apiserver's serving certificate (say, the
     /// address of a control-plane node's link, from which a static pod reaches it).
     pub extra_sans: Vec<String>,
+    /// Make the cluster CA as kubeadm does: an RSA key in PKCS#1 (`RSA PRIVATE KEY`),
+    /// written by openssl, and a certificate named `kubernetes`.
+    pub kubeadm_ca: bool,
 }
 
 /// A running etcd + kube-apiserver (+ kube-controller-manager when asked).
@@ -294,6 +297,33 @@ impl std::fmt::Debug for Cluster {
     }
 }
 
+/// A CA as `kubeadm init` writes `/etc/kubernetes/pki/ca.{crt,key}` (kubeadm's
+/// default RSA key, in PKCS#1), made with openssl in `dir`.
+fn kubeadm_ca(dir: &Path) -> (Ca, PathBuf, PathBuf) {
+    let script = "set -e; openssl genrsa -traditional -out ca.key 2048 2>/dev/null; \
+        openssl req -x509 -new -key ca.key -out ca.crt -days 3650 -subj /CN=kubernetes \
+        -addext basicConstraints=critical,CA:TRUE \
+        -addext keyUsage=critical,digitalSignature,keyEncipherment,keyCertSign; \
+        chmod 600 ca.key";
+    let out = Command::new("bash")
+        .args(["-c", script])
+        .current_dir(dir)
+        .output()
+        .expect("openssl");
+    assert!(out.status.success(), "openssl: {out:?}");
+    let (cert, key) = (dir.join("ca.crt"), dir.join("ca.key"));
+    let pem = std::fs::read_to_string(&key).unwrap();
+    assert!(
+        pem.contains("BEGIN RSA PRIVATE KEY"),
+        "kubeadm's PKCS#1 form"
+    );
+    (
+        Ca::load(&cert, &key).expect("the kubeadm-style CA"),
+        cert,
+        key,
+    )
+}
+
 fn kubeconfig(url: &str, ca: &Path, cert: &Path, key: &Path, user: &str) -> String {
     format!(
         "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: {url}\n    certificate-authority: {}\nusers:\n- name: {user}\n  user:\n    client-certificate: {}\n    client-key: {}\ncontexts:\n- name: test\n  context:\n    cluster: test\n    user: {user}\ncurrent-context: test\n",
@@ -316,8 +346,13 @@ impl Cluster {
         let d = dir.path();
 
         // PKI.
-        let ca = Ca::new("tether-test-cluster-ca").unwrap();
-        let (ca_cert, ca_key) = write_pair(d, "ca", ca.pair()).unwrap();
+        let (ca, ca_cert, ca_key) = if opts.kubeadm_ca {
+            kubeadm_ca(d)
+        } else {
+            let ca = Ca::new("tether-test-cluster-ca").unwrap();
+            let (cert, key) = write_pair(d, "ca", ca.pair()).unwrap();
+            (ca, cert, key)
+        };
         let mut sans: Vec<String> = [
             "127.0.0.1",
             "localhost",
@@ -556,7 +591,9 @@ impl Cluster {
             // nodelifecycle: as in any cluster, it lifts the `not-ready` taint kubelets
             // register with once they are Ready (pods that do not tolerate every taint,
             // such as the Kubernetes docs' agent DaemonSet, wait for that).
-            controllers.push_str(",daemonset,deployment,replicaset,serviceaccount,serviceaccount-token,garbagecollector,nodelifecycle");
+            // root-ca-cert-publisher: the kube-root-ca.crt ConfigMap in every namespace,
+            // where the agent DaemonSet takes the cluster CA from (1.20+).
+            controllers.push_str(",daemonset,deployment,replicaset,serviceaccount,serviceaccount-token,garbagecollector,nodelifecycle,root-ca-cert-publisher");
             extra.push(format!(
                 "--service-account-private-key-file={}",
                 f.sa_key.display()

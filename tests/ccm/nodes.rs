@@ -300,7 +300,13 @@ fn only_verified_agents_vouch_for_nodes_and_an_absent_agent_costs_no_node() {
         server.admin
     );
     write_inventory(&inventory, &agents_only);
-    add_uninitialized_node(&cluster, "edge-1", "");
+    // edge-1's kubelet was given --node-ip, so it reports that address (a 1.29+ kubelet
+    // with --cloud-provider=external reports none without it: the next test).
+    add_uninitialized_node(&cluster, "edge-1", "127.0.0.1");
+    cluster.patch_node_status(
+        "edge-1",
+        r#"{"addresses":[{"type":"InternalIP","address":"127.0.0.1"}]}"#,
+    );
     add_uninitialized_node(&cluster, "edge-2", "");
     let mut ccm = start_ccm(Path::new(BIN), &cluster, &inventory, "ccm");
     let n = wait_node(
@@ -353,6 +359,139 @@ fn only_verified_agents_vouch_for_nodes_and_an_absent_agent_costs_no_node() {
         node_json(&cluster, "edge-2").is_some(),
         "edge-2 was never ours to delete"
     );
+}
+
+/// Kubernetes 1.29+ node bootstrap, emulated on 1.20: a kubelet with
+/// `--cloud-provider=external` and no `--node-ip` registers a Node with no address and
+/// no `provided-node-ip`, and the DaemonSet's agent (a pod-bound token, claiming only
+/// its node) connects without one. With no inventory entry the node stays uninitialized
+/// with a `NodeAddressesUnknown` event, a log line and a metric that name the fix; an
+/// impostor node's agent claiming the address edge-3 will have gains nothing; once the
+/// operator lists edge-3's address in the inventory it is initialised with it, and its
+/// dials go to its own agent.
+#[test]
+fn a_node_no_one_gives_an_address_says_how_to_fix_it_and_no_impostor_gains() {
+    let cluster = Cluster::start(&Egress::Direct);
+    let rbac = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/rbac.yaml");
+    cluster.kubectl_ok(&["apply", "-f", rbac.to_str().unwrap()]);
+    let pki = Pki::new();
+    let server = ServerProc::start(
+        Path::new(BIN),
+        &token_auth_server_args(&pki, &cluster.files.server_kubeconfig),
+    );
+    add_uninitialized_node(&cluster, "edge-3", "");
+    add_uninitialized_node(&cluster, "edge-4", "127.0.0.4");
+    cluster.patch_node_status(
+        "edge-4",
+        r#"{"addresses":[{"type":"InternalIP","address":"127.0.0.4"}]}"#,
+    );
+    let tokens = TempDir::new("tether-tokens");
+    let token_3 = cluster.pod_bound_agent_token("konnectivity-agent-edge-3", "edge-3");
+    let _edge_3 = token_agent(
+        &pki,
+        &server,
+        tokens.path(),
+        "edge-3",
+        "host=edge-3",
+        &token_3,
+    );
+    // edge-4's agent (its own valid token) claims the address edge-3 is about to get.
+    let token_4 = cluster.pod_bound_agent_token("konnectivity-agent-edge-4", "edge-4");
+    let _edge_4 = token_agent(
+        &pki,
+        &server,
+        tokens.path(),
+        "edge-4",
+        "host=edge-4&ipv4=127.0.0.3",
+        &token_4,
+    );
+    wait_blocking("both agents connected", Duration::from_secs(60), || {
+        (agents_listing(&server)["agents"]
+            .as_array()
+            .map(|a| a.len())
+            == Some(2))
+        .then_some(())
+    });
+    let (_dir, inventory) = inventory_dir();
+    let agents = format!("agents:\n  urls: [http://{}/agents]\n", server.admin);
+    write_inventory(&inventory, &format!("{agents}nodes: []\n"));
+    let port = free_port();
+    let ccm = start_ccm_with(
+        Path::new(BIN),
+        &cluster,
+        &inventory,
+        "ccm",
+        &[
+            format!("--secure-port={port}"),
+            "--bind-address=127.0.0.1".into(),
+        ],
+    );
+    wait_for_event(&cluster, "edge-3", "NodeAddressesUnknown");
+    let n = node_json(&cluster, "edge-3").unwrap();
+    assert!(
+        taint_keys(&n).contains(&"node.cloudprovider.kubernetes.io/uninitialized".into()),
+        "a node without an address stays uninitialized: {n}"
+    );
+    wait_blocking(
+        "the log line naming the fix",
+        Duration::from_secs(30),
+        || ccm.logged("Give the kubelet --node-ip").then_some(()),
+    );
+    scrape(
+        &cluster,
+        &format!("https://127.0.0.1:{port}"),
+        &["tether_ccm_node_initialization_failures_total{reason=\"no_addresses\"}"],
+    );
+    // edge-4 itself is initialised with its own address only.
+    let n = wait_node(&cluster, "edge-4", "initialised", |n| {
+        n["spec"]["providerID"] == "tether://edge-4"
+    });
+    assert_eq!(
+        n["status"]["addresses"],
+        serde_json::json!([{"type": "InternalIP", "address": "127.0.0.4"}]),
+        "the claimed 127.0.0.3 is not edge-4's"
+    );
+
+    // The operator's fix: edge-3 in the inventory with its address.
+    write_inventory(
+        &inventory,
+        &format!("{agents}nodes:\n- name: edge-3\n  addresses:\n  - {{type: InternalIP, address: 127.0.0.3}}\n"),
+    );
+    // At the next retry (every 30 s for a node without an address).
+    let n = wait_blocking(
+        "edge-3 initialised from the inventory",
+        Duration::from_secs(90),
+        || {
+            node_json(&cluster, "edge-3").filter(|n| {
+                !taint_keys(n).contains(&"node.cloudprovider.kubernetes.io/uninitialized".into())
+            })
+        },
+    );
+    assert_eq!(n["status"]["addresses"][0]["address"], "127.0.0.3");
+    // Its address is its agent's to dial; edge-4's claim takes none of it.
+    let listing = wait_blocking("edge-3 owns 127.0.0.3", Duration::from_secs(30), || {
+        let v = agents_listing(&server);
+        let owned = |id: &str| {
+            v["agents"]
+                .as_array()?
+                .iter()
+                .find(|a| a["id"] == id)
+                .map(|a| a["verifiedIps"].clone())
+        };
+        (owned("edge-3")? == serde_json::json!(["127.0.0.3"])).then(|| v.clone())
+    });
+    let edge_4 = listing["agents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["id"] == "edge-4")
+        .unwrap();
+    assert_eq!(
+        edge_4["verifiedIps"],
+        serde_json::json!(["127.0.0.4"]),
+        "{listing}"
+    );
+    drop(ccm);
 }
 
 /// A kubelet 1.29+ dual-stack registration (`--node-ip v4,v6` in the provided-node-ip

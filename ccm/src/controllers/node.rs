@@ -183,7 +183,8 @@ impl NodeController {
 
     /// A node nobody gives an address (its kubelet reports none, as 1.29+ kubelets with
     /// `--cloud-provider=external` and no `--node-ip` do; the provider knows none):
-    /// counted, logged and a Warning event naming the fixes; retried in a minute. It
+    /// counted, logged and a Warning event naming the fixes; retried every 30 s (an
+    /// inventory entry added meanwhile then initialises it). It
     /// stays tainted, since a node without an address cannot be reached.
     async fn no_addresses(&self, node: &Node) -> SyncError {
         let name = node.name_any();
@@ -205,7 +206,7 @@ impl NodeController {
             )
             .await;
         SyncError::Cloud(CloudError::RetryAfter {
-            after: Duration::from_secs(60),
+            after: Duration::from_secs(30),
             reason: why,
         })
     }
