@@ -38,7 +38,17 @@ fn env(
     node_opts: &NodeOptions,
     extra_server: &[&str],
 ) -> Env {
-    let nets: Vec<Node> = (0..n).map(|_| Node::create()).collect();
+    env_of(frontend, &vec![node_opts.clone(); n], opts, extra_server)
+}
+
+/// Starts everything for `frontend` with a node for each of `node_opts`.
+fn env_of(
+    frontend: Frontend,
+    node_opts: &[NodeOptions],
+    opts: &ClusterOptions,
+    extra_server: &[&str],
+) -> Env {
+    let nets: Vec<Node> = node_opts.iter().map(|_| Node::create()).collect();
     let sans: Vec<String> = nets.iter().map(|n| n.host_ip.clone()).collect();
     let pki = Pki::with_sans(&sans);
     let mut args = frontend.server_args(&pki);
@@ -51,7 +61,7 @@ fn env(
     };
     let cluster = Cluster::start_with(&frontend.egress(&pki, &server), &opts);
     let mut nodes = Vec::new();
-    for (i, net) in nets.into_iter().enumerate() {
+    for (i, (net, node_opts)) in nets.into_iter().zip(node_opts).enumerate() {
         let mut node = RealNode::start_on(net, &cluster, &format!("node-{i}"), node_opts);
         node.start_agent(Path::new(AGENT_BIN), &pki, server.agent.port(), &[]);
         nodes.push(node);
@@ -98,6 +108,39 @@ fn every_path(frontend: Frontend) {
     let node = &e.nodes[0];
     node.run_pod(&e.cluster, "web", "app: web", &web_pod_containers());
     every_kubectl_path_through(&e, node);
+}
+
+/// An IPv6-only node and a dual-stack node (IPv6 first; kubelet 1.20's `IPv6DualStack`
+/// gate): kube-apiserver dials each kubelet at its IPv6 InternalIP, which the server
+/// routes to that node's agent (its certificate carries the address), and every kubectl
+/// path works through the tunnel.
+#[test]
+fn an_ipv6_only_node_and_a_dual_stack_node_carry_every_kubectl_path() {
+    use tether_testkit::node::NodeFamily;
+    let of = |family| NodeOptions {
+        family,
+        ..Default::default()
+    };
+    let e = env_of(
+        Frontend::GrpcUds,
+        &[of(NodeFamily::V6), of(NodeFamily::DualV6First)],
+        &ClusterOptions::default(),
+        &[],
+    );
+    for node in &e.nodes {
+        let addresses = e.cluster.kubectl_ok(&[
+            "get",
+            "node",
+            &node.name,
+            "-o",
+            r#"jsonpath={.status.addresses[?(@.type=="InternalIP")].address}"#,
+        ]);
+        assert_eq!(addresses.split_whitespace().collect::<Vec<_>>(), node.ips());
+        node.run_pod(&e.cluster, "web", "app: web", &web_pod_containers());
+        every_kubectl_path_through(&e, node);
+        e.cluster
+            .kubectl_ok(&["delete", "pod", "web", "--grace-period=0", "--force"]);
+    }
 }
 
 #[test]

@@ -18,9 +18,9 @@ fn deploy(name: &str) -> PathBuf {
 const NEWER_THAN_1_20: &[&str] = &["tether-ccm-pdb.yaml"];
 
 /// The agent DaemonSet's surge (Kubernetes 1.22+), and what docs/install.md says to use
-/// before: 1.20 drops `maxSurge` and then refuses `maxUnavailable: 0`.
+/// before: 1.20 knows no `maxSurge` and refuses `maxUnavailable: 0` without it.
 const SURGE: &str = "maxSurge: 1\n      maxUnavailable: 0";
-const BEFORE_SURGE: &str = "maxSurge: 0\n      maxUnavailable: 10%";
+const BEFORE_SURGE: &str = "maxUnavailable: 10%";
 
 /// `text` as a 1.20 cluster takes it (docs/install.md, "Before Kubernetes 1.25").
 fn for_1_20(text: &str) -> String {

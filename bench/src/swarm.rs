@@ -61,7 +61,7 @@ pub async fn run_swarm(
 ) -> anyhow::Result<()> {
     let tls = tether_core::tls::client_config(
         &pki.join("ca.crt"),
-        Some((&pki.join("agent.crt"), &pki.join("agent.key"))),
+        Some((&pki.join("fleet-agent.crt"), &pki.join("fleet-agent.key"))),
         &[b"h2"],
     )?;
     let counters = Arc::new(Counters::default());
@@ -455,10 +455,27 @@ pub async fn run(args: &Args, t: &Tether) -> anyhow::Result<()> {
     report::print_and_write_json(&args.json, &Value::Object(out))
 }
 
+/// A throwaway PKI, plus one agent certificate the swarm's agents share (a fleet's, CN
+/// `system:konnectivity-agent`, naming no node): each swarm agent is then an agent of
+/// its own ID, as thousands of nodes with their own credentials are to the server.
+/// (`DevPki`'s own agent certificate is one node's: thousands of agents sharing it
+/// would be one node's eight streams.)
+fn swarm_pki(dir: &std::path::Path) -> anyhow::Result<tether_certs::DevPki> {
+    let pki = tether_certs::DevPki::generate(dir)?;
+    let ca = tether_certs::Ca::load(&pki.ca_cert, &pki.ca_key)?;
+    let fleet = ca.issue(&tether_certs::LeafSpec {
+        common_name: "system:konnectivity-agent".into(),
+        client: true,
+        ..Default::default()
+    })?;
+    tether_certs::write_pair(dir, "fleet-agent", &fleet)?;
+    Ok(pki)
+}
+
 /// The `--agents` run: one agent, then N, then a reconnect storm.
 pub async fn many_agents(t: &Tether, agents: usize, procs: usize) -> anyhow::Result<Value> {
     let dir = std::env::temp_dir().join(format!("tether-swarm-{}", std::process::id()));
-    let pki = tether_certs::DevPki::generate(&dir.join("pki"))?;
+    let pki = swarm_pki(&dir.join("pki"))?;
     let socket = dir.join("grpc.sock");
     let port = free_port();
     let agent_addr: SocketAddr = ([127, 0, 0, 1], port).into();
@@ -604,7 +621,7 @@ pub async fn many_agents(t: &Tether, agents: usize, procs: usize) -> anyhow::Res
 /// The `--tunnels` run: M idle tunnels over `agents` fake agents, then all closed.
 pub async fn many_tunnels(t: &Tether, tunnels: usize, agents: usize) -> anyhow::Result<Value> {
     let dir = std::env::temp_dir().join(format!("tether-tunnels-{}", std::process::id()));
-    let pki = tether_certs::DevPki::generate(&dir.join("pki"))?;
+    let pki = swarm_pki(&dir.join("pki"))?;
     let socket = dir.join("grpc.sock");
     let port = free_port();
     let server = start_server(t, &pki, &socket, port)?;

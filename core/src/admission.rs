@@ -5,9 +5,9 @@
 //! share is closed at once. When the unproven set is full, or the listener at its
 //! connection cap, an unproven connection that is only holding its place is evicted to
 //! make room: one that has sent nothing (at once), one whose handshake has run for
-//! [`HANDSHAKE_GRACE`], one past TLS that has asked for nothing for [`CONNECTED_GRACE`];
-//! the oldest such of the prefix holding the most. One whose request the server is
-//! working on (a token under review) is never evicted. With nothing to evict, the
+//! [`HANDSHAKE_GRACE`], one past TLS that has asked for nothing for [`CONNECTED_GRACE`],
+//! one whose request the server is checking (a token waiting for its review) for
+//! [`SERVING_GRACE`]; the oldest such of the prefix holding the most. With nothing to evict, the
 //! listener waits, and new clients wait in the kernel's backlog holding no descriptor
 //! of ours. So a flood of idle sockets from many sources never queues a real client
 //! behind it, and a reconnect storm of real clients, all busy handshaking, is not
@@ -28,6 +28,10 @@ pub const HANDSHAKE_GRACE: Duration = Duration::from_secs(3);
 /// How long a connection past TLS that has asked for nothing may hold its place before
 /// a newcomer may evict it (a real agent asks at once).
 pub const CONNECTED_GRACE: Duration = Duration::from_secs(1);
+/// How long a connection whose request the server is checking (a token waiting for
+/// its review) may hold its place before a newcomer may evict it: a reconnect storm's
+/// reviews queue behind the review rate, but no request keeps a place for good.
+pub const SERVING_GRACE: Duration = Duration::from_secs(10);
 
 /// Where an unproven connection is; see [`Pending::set_stage`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,8 +43,8 @@ pub enum Stage {
     Handshaking = 1,
     /// Past TLS, waiting for the peer's request. Evictable after [`CONNECTED_GRACE`].
     Connected = 2,
-    /// The server is working on the peer's request (reviewing its token). Never
-    /// evicted.
+    /// The server is working on the peer's request (reviewing its token). Evictable
+    /// after [`SERVING_GRACE`].
     Serving = 3,
 }
 
@@ -64,9 +68,12 @@ fn now_ms() -> u64 {
 }
 
 impl StageCell {
+    /// Moves to `stage` from now; staying in the stage it is in keeps its time (a
+    /// second request does not renew the first one's grace).
     fn set(&self, stage: Stage) {
-        self.since.store(now_ms(), Ordering::Relaxed);
-        self.stage.store(stage as u8, Ordering::Relaxed);
+        if self.stage.swap(stage as u8, Ordering::Relaxed) != stage as u8 {
+            self.since.store(now_ms(), Ordering::Relaxed);
+        }
     }
 
     /// May a newcomer evict this connection at `now` (ms)?
@@ -76,7 +83,7 @@ impl StageCell {
             0 => true,
             1 => held >= HANDSHAKE_GRACE.as_millis() as u64,
             2 => held >= CONNECTED_GRACE.as_millis() as u64,
-            _ => false,
+            _ => held >= SERVING_GRACE.as_millis() as u64,
         }
     }
 }
@@ -438,7 +445,7 @@ impl Admission {
             CancellationToken::new(),
             Arc::<StageCell>::default(),
         );
-        stage.set(Stage::Silent);
+        stage.since.store(now_ms(), Ordering::Relaxed);
         set.next_id += 1;
         set.total += 1;
         *set.sources.entry(source).or_default() += 1;
@@ -618,10 +625,17 @@ mod tests {
         assert!(futures::poll!(newcomer.as_mut()).is_pending());
         tokio::time::advance(HANDSHAKE_GRACE - Duration::from_millis(200)).await;
         assert!(futures::poll!(newcomer.as_mut()).is_pending());
-        // Past the grace the handshake may be evicted; the request under way never.
+        // Past the grace the handshake may be evicted; the request under review not yet.
         let admitted = tokio::time::timeout(Duration::from_secs(1), newcomer).await;
-        assert!(admitted.is_ok_and(|a| a.is_ok()));
+        let admitted = admitted.unwrap().unwrap();
         assert!(handshaking.is_evicted() && !serving.is_evicted());
+        // A request may hold its place for SERVING_GRACE, no longer (the newcomer's own
+        // request, younger, may not be evicted yet).
+        admitted.set_stage(Stage::Serving);
+        tokio::time::advance(SERVING_GRACE - Duration::from_secs(2)).await;
+        let later = tokio::time::timeout(Duration::from_secs(1), adm.admit(ip("192.0.2.2"))).await;
+        assert!(later.is_ok_and(|a| a.is_ok()));
+        assert!(serving.is_evicted() && !admitted.is_evicted());
     }
 
     #[test]

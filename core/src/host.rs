@@ -45,6 +45,11 @@ pub enum HostError {
     /// An empty label (`a..b`).
     #[error("the dial host {0:?} has an empty label")]
     EmptyLabel(String),
+    /// Not `host:port` with an IPv6 host in brackets.
+    #[error(
+        "the dial address {0:?} is not host:port (an IPv6 address goes in brackets: [fd00::1]:443)"
+    )]
+    Address(String),
     /// An IPv4 address spelled other than as a dotted quad of decimals (octal, hex, fewer
     /// parts, leading zeros, a trailing dot): resolvers disagree on what it is.
     #[error("the dial host {host:?} is {ip} spelled unusually; resolvers disagree on such spellings, so dial {ip}")]
@@ -98,6 +103,35 @@ impl DialHost {
             return Err(HostError::Numeric(host.to_string()));
         }
         Ok(DialHost::Name(name.to_ascii_lowercase()))
+    }
+
+    /// Reads a dial address strictly: `host:port`, an IPv6 host in brackets
+    /// (`[fd00::2]:443`), the port a number from 1 to 65535. Anything else is refused:
+    /// `fd00::2:443` is one address to the server and another (`fd00::2`, port 443) to an
+    /// agent that splits at the last colon. kube-apiserver writes addresses this way.
+    pub fn parse_address(address: &str) -> Result<(DialHost, u16), HostError> {
+        let bad = || HostError::Address(address.to_string());
+        let (host, port) = match address.strip_prefix('[') {
+            Some(rest) => {
+                let (host, after) = rest.split_once(']').ok_or_else(bad)?;
+                if host.parse::<Ipv6Addr>().is_err() && host.split_once('%').is_none() {
+                    return Err(bad());
+                }
+                (host, after.strip_prefix(':').ok_or_else(bad)?)
+            }
+            None => {
+                let (host, port) = address.rsplit_once(':').ok_or_else(bad)?;
+                if host.contains(':') {
+                    return Err(bad());
+                }
+                (host, port)
+            }
+        };
+        let port: u16 = match port.parse() {
+            Ok(p) if p > 0 && port.bytes().all(|b| b.is_ascii_digit()) => p,
+            _ => return Err(bad()),
+        };
+        Ok((DialHost::parse(host)?, port))
     }
 
     /// The address, if it is one.
@@ -233,6 +267,29 @@ mod tests {
                 matches!(e, HostError::NonCanonical { .. }),
                 "{spelled}: {e}"
             );
+        }
+    }
+
+    #[test]
+    fn an_address_is_host_colon_port_with_ipv6_in_brackets() {
+        let ok = |a: &str| DialHost::parse_address(a).unwrap();
+        assert_eq!(ok("127.0.0.2:10250"), (ip("127.0.0.2"), 10250));
+        assert_eq!(ok("[::ffff:127.0.0.2]:8080"), (ip("127.0.0.2"), 8080));
+        assert_eq!(ok("[fd00::2]:443"), (ip("fd00::2"), 443));
+        assert_eq!(ok("node-b.:22"), (DialHost::Name("node-b".into()), 22));
+        for bad in [
+            "::ffff:7f00:2:8080",
+            "fd00::2:443",
+            "[fd00::2]443",
+            "[fd00::2]:",
+            "[node-b]:80",
+            "node-b",
+            "node-b:0",
+            "node-b:65536",
+            "node-b:+80",
+            "node-b: 80",
+        ] {
+            assert!(DialHost::parse_address(bad).is_err(), "{bad}");
         }
     }
 

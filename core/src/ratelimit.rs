@@ -56,9 +56,63 @@ impl TokenBucket {
     }
 }
 
+/// Log lines a peer can cause, at most `qps` a second after a burst: each allowed line
+/// says how many were left out before it, so that a flood neither fills the log nor
+/// goes unseen.
+#[derive(Debug)]
+pub struct LogLimit {
+    bucket: TokenBucket,
+    left_out: std::sync::atomic::AtomicU64,
+}
+
+impl LogLimit {
+    /// `qps` lines a second, `burst` at once.
+    pub fn new(qps: f64, burst: u32) -> Self {
+        LogLimit {
+            bucket: TokenBucket::new(qps, burst),
+            left_out: Default::default(),
+        }
+    }
+
+    /// May a line be logged now? `Some(n)`: yes, and `n` were left out before it.
+    pub fn allow(&self) -> Option<u64> {
+        use std::sync::atomic::Ordering;
+        if self.bucket.try_acquire() {
+            Some(self.left_out.swap(0, Ordering::Relaxed))
+        } else {
+            self.left_out.fetch_add(1, Ordering::Relaxed);
+            None
+        }
+    }
+}
+
+/// `text` cut to at most `max` bytes (on a character boundary), for logging what a peer
+/// sent.
+pub fn clipped(text: &str, max: usize) -> &str {
+    if text.len() <= max {
+        return text;
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_log_limit_counts_what_it_leaves_out() {
+        let limit = LogLimit::new(0.001, 2);
+        assert_eq!(limit.allow(), Some(0));
+        assert_eq!(limit.allow(), Some(0));
+        assert_eq!(limit.allow(), None);
+        assert_eq!(limit.allow(), None);
+        assert_eq!(clipped("héllo", 2), "h");
+        assert_eq!(clipped("abc", 10), "abc");
+    }
 
     #[tokio::test(start_paused = true)]
     async fn burst_then_rate() {

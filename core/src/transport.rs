@@ -20,7 +20,6 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::admission::{Admission, AdmissionLimits, ConnectionSlot, Pending, Stage};
-use crate::ratelimit::TokenBucket;
 use crate::read_ahead::ReadAhead;
 
 /// A client's TLS connection over TCP, read through [`ReadAhead`].
@@ -182,7 +181,7 @@ async fn accept_loop(
     hard_stop: CancellationToken,
     tx: mpsc::Sender<TlsConn>,
 ) {
-    let warnings = Arc::new(Warnings::default());
+    let warnings = Arc::new(Warnings::new(HANDSHAKE_WARNINGS.0, HANDSHAKE_WARNINGS.1));
     loop {
         // Room first, then accept: a full listener leaves new clients in the
         // kernel's backlog, where they hold no descriptor of ours.
@@ -229,34 +228,8 @@ async fn accept_loop(
     }
 }
 
-/// Warnings a listener logs about its clients, at most [`HANDSHAKE_WARNINGS`]; each
-/// says how many were left out before it.
-struct Warnings {
-    bucket: TokenBucket,
-    left_out: std::sync::atomic::AtomicU64,
-}
-
-impl Default for Warnings {
-    fn default() -> Self {
-        Warnings {
-            bucket: TokenBucket::new(HANDSHAKE_WARNINGS.0, HANDSHAKE_WARNINGS.1),
-            left_out: Default::default(),
-        }
-    }
-}
-
-impl Warnings {
-    /// May a warning be logged now? `Some(n)`: yes, and `n` were left out before it.
-    fn allow(&self) -> Option<u64> {
-        use std::sync::atomic::Ordering;
-        if self.bucket.try_acquire() {
-            Some(self.left_out.swap(0, Ordering::Relaxed))
-        } else {
-            self.left_out.fetch_add(1, Ordering::Relaxed);
-            None
-        }
-    }
-}
+/// Warnings a listener logs about its clients, at most [`HANDSHAKE_WARNINGS`].
+type Warnings = crate::ratelimit::LogLimit;
 
 /// Sets an accepted socket's options: no Nagle delay, and closed by the kernel once its
 /// peer has been silent for `dead_link`.

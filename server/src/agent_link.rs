@@ -33,6 +33,20 @@ use crate::metrics::Segment;
 use crate::router::{AgentStream, Router, Verified};
 use tether_core::grpc::server::{self as h2serve, status_from_h2, Reply, Settings};
 
+/// Logs a refused stream (what any peer can cause): a warning while the link's
+/// `refusal_log` allows one, which says how many it left out; debug otherwise.
+macro_rules! refused {
+    ($link:expr, $($rest:tt)*) => {
+        match $link.refusal_log.allow() {
+            Some(suppressed) => tracing::warn!(suppressed, $($rest)*),
+            None => tracing::debug!($($rest)*),
+        }
+    };
+}
+
+/// Most bytes of a peer's agent ID a log line shows.
+const SHOWN_ID: usize = 128;
+
 /// Serves agents' Connect streams.
 pub struct AgentLink {
     pub(crate) router: Arc<Router>,
@@ -48,7 +62,12 @@ pub struct AgentLink {
     pub(crate) unverified_warnings: tether_ops::ratelimit::TokenBucket,
     /// Connections per verified identity.
     pub(crate) identities: IdentityConnections,
+    /// Warnings about refused streams: a peer can cause one per request.
+    pub(crate) refusal_log: tether_core::ratelimit::LogLimit,
 }
+
+/// Warnings about refused streams per second, and their burst.
+pub(crate) const REFUSAL_WARNINGS: (f64, u32) = (1.0, 20);
 
 /// Warnings about unverified claims per second, and their burst; the rest are logged
 /// at debug level (every claim is counted).
@@ -145,9 +164,10 @@ impl ConnStreams {
         }
     }
 
-    /// A stream refused: the connection waits for its client again.
+    /// A stream refused: while unproven, the connection may be evicted at once (a
+    /// refusal buys no fresh grace).
     fn refused(&self, mut reply: Reply, status: Status) {
-        self.stage(tether_core::admission::Stage::Connected);
+        self.stage(tether_core::admission::Stage::Silent);
         reply.finish(status);
     }
 
@@ -309,7 +329,7 @@ impl AgentLink {
         };
         let peer_window = admission.peer_window;
         let token = admission.token.take();
-        let span = tracing::info_span!("agent_stream", agent_id = %admission.agent_id, peer = %admission.peer);
+        let span = tracing::info_span!("agent_stream", agent_id = %tether_core::ratelimit::clipped(&admission.agent_id, SHOWN_ID), peer = %admission.peer);
         let (agent, packets) = match self.open(admission) {
             Ok(opened) => opened,
             Err(status) => return streams.refused(reply, status),
@@ -395,7 +415,7 @@ impl AgentLink {
                 .agent_streams_refused
                 .with_label_values(&["too_many_connections"])
                 .inc();
-            tracing::warn!(agent_id = %a.agent_id, peer = %a.peer, identity = %key, held, "agent stream refused: its verified identity holds the most connections --max-agent-streams allows");
+            refused!(self, agent_id = %tether_core::ratelimit::clipped(&a.agent_id, SHOWN_ID), peer = %a.peer, identity = %key, held, "agent stream refused: its verified identity holds the most connections --max-agent-streams allows");
             Status::resource_exhausted(format!(
                 "{held} connections already open for verified identity {key:?} (the most --max-agent-streams allows)"
             ))
@@ -458,7 +478,7 @@ impl AgentLink {
             Ok("") => return Err(Status::invalid_argument("empty agentid")),
             Ok(id) => id.to_string(),
             Err(e) => {
-                tracing::warn!(%peer, error = %chain(&e), "agent stream refused");
+                refused!(self, %peer, error = %chain(&e), "agent stream refused");
                 return Err(Status::invalid_argument(e.to_string()));
             }
         };
@@ -474,12 +494,12 @@ impl AgentLink {
             identity::from_token(bound_node.as_deref(), &agent_id, &identifiers, nodes)
         } else if let Some(cert) = conn_info.peer_certs.as_ref().and_then(|c| c.first()) {
             let info = tether_certs::inspect::parse_der(cert).map_err(|e| {
-                tracing::warn!(%agent_id, %peer, error = %e, "unreadable agent certificate; stream refused");
+                refused!(self, agent_id = %tether_core::ratelimit::clipped(&agent_id, SHOWN_ID), %peer, error = %e, "unreadable agent certificate; stream refused");
                 Status::unauthenticated(format!("client certificate: {e}"))
             })?;
             let nodes = self.router.registry().nodes();
-            if let Some((node, names, ips)) = identity::pinned_by_certificate(&info) {
-                nodes.certify(&node, &names, &ips);
+            if let Some((node, vouched)) = identity::pinned_by_certificate(&info) {
+                nodes.certify(&node, vouched);
             }
             identity::from_certificate(&info, &agent_id, &identifiers, nodes)
         } else {
@@ -523,7 +543,7 @@ impl AgentLink {
         };
         let header = md.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
         let bound = auth.authenticate(header).await.map_err(|e| {
-            tracing::warn!(%agent_id, %peer, error = %chain(&e), "agent authentication failed; stream refused");
+            refused!(self, agent_id = %tether_core::ratelimit::clipped(agent_id, SHOWN_ID), %peer, error = %chain(&e), "agent authentication failed; stream refused");
             Status::unauthenticated(e.public_message())
         })?;
         let bearer = header
@@ -559,7 +579,7 @@ impl AgentLink {
                 .agent_streams_refused
                 .with_label_values(&["unverified"])
                 .inc();
-            tracing::warn!(%agent_id, %peer, unverified = %unverified, verified_by = by, "agent claims identifiers the server could not verify; stream refused (--require-agent-identity-match)");
+            refused!(self, agent_id = %tether_core::ratelimit::clipped(agent_id, SHOWN_ID), %peer, unverified = %unverified, verified_by = by, "agent claims identifiers the server could not verify; stream refused (--require-agent-identity-match)");
             return Err(Status::permission_denied(format!(
                 "identifiers not verified by the {by}: {unverified}"
             )));
@@ -567,7 +587,7 @@ impl AgentLink {
         if self.router.registry().trusts_claims() {
             tracing::debug!(%agent_id, %peer, unverified = %unverified, verified_by = by, "routing by identifiers the server could not verify (--unsafe-trust-agent-identifiers)");
         } else if self.unverified_warnings.try_acquire() {
-            tracing::warn!(%agent_id, %peer, unverified = %unverified, verified_by = by, "agent claims identifiers the server could not verify; they are not routed by");
+            tracing::warn!(agent_id = %tether_core::ratelimit::clipped(agent_id, SHOWN_ID), %peer, unverified = %unverified, verified_by = by, "agent claims identifiers the server could not verify; they are not routed by");
         } else {
             tracing::debug!(%agent_id, %peer, unverified = %unverified, verified_by = by, "agent claims identifiers the server could not verify; they are not routed by");
         }
@@ -598,10 +618,10 @@ impl AgentLink {
                 .agent_streams_refused
                 .with_label_values(&["too_many_streams"])
                 .inc();
-            tracing::warn!(%agent_id, %peer, error = %chain(&e), "agent stream refused");
+            refused!(self, agent_id = %tether_core::ratelimit::clipped(agent_id, SHOWN_ID), %peer, error = %chain(&e), "agent stream refused");
             return Err(Status::resource_exhausted(e.to_string()));
         }
-        tracing::info!(%agent_id, %peer, identifiers = ?agent.identifiers, flow_control = a.peer_window.is_some(), "agent connected");
+        tracing::info!(agent_id = %tether_core::ratelimit::clipped(agent_id, SHOWN_ID), %peer, identifiers = ?agent.identifiers, flow_control = a.peer_window.is_some(), "agent connected");
         let (hard_stop, retired) = (self.hard_stop.clone(), agent.closed.clone());
         let ended = async move {
             tokio::select! {
@@ -790,6 +810,10 @@ mod tests {
                 UNVERIFIED_WARNINGS.1,
             ),
             identities: IdentityConnections::new(2),
+            refusal_log: tether_core::ratelimit::LogLimit::new(
+                REFUSAL_WARNINGS.0,
+                REFUSAL_WARNINGS.1,
+            ),
         };
         let link = Arc::new(link);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

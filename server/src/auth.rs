@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use tether_core::error::chain;
 
 use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec, TokenReviewStatus};
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Pod, ServiceAccount};
 use kube::api::{Api, PostParams};
 use prometheus::IntCounterVec;
 use tether_ops::ratelimit::TokenBucket;
@@ -100,6 +100,7 @@ type ReviewCache = HashMap<[u8; 32], (Instant, Bound)>;
 pub struct TokenAuthenticator {
     reviews: Api<TokenReview>,
     pods: Api<Pod>,
+    accounts: Api<ServiceAccount>,
     expected_user: String,
     audience: String,
     cache: Mutex<ReviewCache>,
@@ -132,7 +133,8 @@ impl TokenAuthenticator {
         }
         Ok(TokenAuthenticator {
             reviews: Api::all(client.clone()),
-            pods: Api::namespaced(client, &config.namespace),
+            pods: Api::namespaced(client.clone(), &config.namespace),
+            accounts: Api::namespaced(client, &config.namespace),
             expected_user: format!(
                 "system:serviceaccount:{}:{}",
                 config.namespace, config.service_account
@@ -164,7 +166,7 @@ impl TokenAuthenticator {
     async fn review_and_remember(&self, token: &str, key: [u8; 32]) -> Result<Bound, AuthError> {
         let extra = self.review(token).await?;
         self.counter.with_label_values(&["authenticated"]).inc();
-        let bound = self.bound(&extra).await;
+        let bound = self.bound(&extra).await?;
         self.remember(key, bound.clone());
         Ok(bound)
     }
@@ -194,30 +196,50 @@ impl TokenAuthenticator {
                 tracing::warn!(error = %chain(&e), "cannot review a live agent stream's token again; the stream is kept");
                 Ok(())
             }
-            Err(e) if expired(token) => match self.pod_still_runs(bound).await {
-                Some(true) => Ok(()),
-                Some(false) | None => Err(e),
-            },
+            Err(AuthError::Rejected(why)) if expired(token) => {
+                match self.binding_holds(token, bound).await {
+                    Ok(true) => Ok(()),
+                    Ok(false) => Err(AuthError::Rejected(why)),
+                    Err(e) => {
+                        tracing::warn!(error = %chain(&e), "cannot check an expired agent token's binding; the stream is kept");
+                        Ok(())
+                    }
+                }
+            }
             Err(e) => Err(e),
         }
     }
 
-    /// Is the Pod `bound` names still there, with the same UID, on the same node?
-    /// `None` when the token names no Pod or the Pod cannot be read.
-    async fn pod_still_runs(&self, bound: &Bound) -> Option<bool> {
-        let (name, uid) = bound.pod.as_ref()?;
-        match self.pods.get_opt(name).await {
-            Ok(Some(pod)) => Some(
-                pod.metadata.uid.as_deref() == Some(uid.as_str())
-                    && pod.metadata.deletion_timestamp.is_none()
-                    && pod.spec.and_then(|s| s.node_name) == bound.node,
-            ),
-            Ok(None) => Some(false),
-            Err(e) => {
-                tracing::warn!(pod = %name, error = %chain(&e), "cannot read the agent's Pod to check its expired token's binding");
-                None
-            }
+    /// An expired token's binding, which the kubelet's newer token for the same Pod
+    /// carries too: the Pod it is bound to still runs, with the same UID, on the same
+    /// node, as the expected service account, and that account is the one that signed
+    /// (same UID). `Err` when the apiserver cannot say.
+    async fn binding_holds(&self, token: &str, bound: &Bound) -> Result<bool, AuthError> {
+        let Some((name, uid)) = bound.pod.as_ref() else {
+            return Ok(false);
+        };
+        let pod = match self.pods.get_opt(name).await.map_err(AuthError::Api)? {
+            Some(p) => p,
+            None => return Ok(false),
+        };
+        let sa_name = self.expected_user.rsplit(':').next().unwrap_or_default();
+        let spec = pod.spec.unwrap_or_default();
+        if pod.metadata.uid.as_deref() != Some(uid.as_str())
+            || pod.metadata.deletion_timestamp.is_some()
+            || spec.node_name != bound.node
+            || spec.service_account_name.as_deref() != Some(sa_name)
+        {
+            return Ok(false);
         }
+        let Some(sa_uid) = claim(token, &["kubernetes.io", "serviceaccount", "uid"]) else {
+            return Ok(false);
+        };
+        let account = self
+            .accounts
+            .get_opt(sa_name)
+            .await
+            .map_err(AuthError::Api)?;
+        Ok(account.is_some_and(|a| a.metadata.uid.as_deref() == Some(sa_uid.as_str())))
     }
 
     /// A positive review of the token hashed to `key` still trusted: what it is bound
@@ -304,30 +326,32 @@ impl TokenAuthenticator {
     /// bound Pod's `spec.nodeName` when its UID matches). No node when the token is not
     /// pod-bound or the Pod cannot be read (the agent is still admitted; its
     /// identifiers just count as unverified).
-    async fn bound(&self, extra: &BTreeMap<String, Vec<String>>) -> Bound {
+    async fn bound(&self, extra: &BTreeMap<String, Vec<String>>) -> Result<Bound, AuthError> {
         let one = |k: &str| extra.get(k).and_then(|v| v.first()).cloned();
         let pod = one("authentication.kubernetes.io/pod-name")
             .zip(one("authentication.kubernetes.io/pod-uid"));
         if let Some(node) = one("authentication.kubernetes.io/node-name") {
-            return Bound {
+            return Ok(Bound {
                 node: Some(node),
                 pod,
-            };
+            });
         }
         let Some((name, uid)) = pod.clone() else {
-            return Bound::default();
+            return Ok(Bound::default());
         };
+        // A failed read is the apiserver's, not the token's: the agent retries, rather
+        // than being admitted (or kept) as no node.
         let node = match self.pods.get_opt(&name).await {
             Ok(Some(p)) if p.metadata.uid.as_deref() == Some(uid.as_str()) => {
                 p.spec.and_then(|s| s.node_name).filter(|n| !n.is_empty())
             }
             Ok(_) => None,
             Err(e) => {
-                tracing::warn!(pod = %name, error = %chain(&e), "cannot read the agent's Pod; its identifiers stay unverified (the server needs get on pods in the agent namespace)");
-                None
+                tracing::warn!(pod = %name, error = %chain(&e), "cannot read the agent's Pod to learn its node (the server needs get on pods in the agent namespace)");
+                return Err(AuthError::Api(e));
             }
         };
-        Bound { node, pod }
+        Ok(Bound { node, pod })
     }
 }
 
@@ -339,19 +363,30 @@ fn hash(token: &str) -> [u8; 32] {
         .expect("sha256 is 32 bytes")
 }
 
-/// Has the JWT `token` expired, by its own `exp` claim? Read without checking the
-/// signature: it only chooses how a token that already failed a review is judged.
-fn expired(token: &str) -> bool {
+/// The JWT `token`'s claims, read without checking the signature: they only choose how
+/// a token that already failed a review is judged, and every fact they lead to is read
+/// from the apiserver.
+fn claims(token: &str) -> Option<serde_json::Value> {
     use base64::Engine;
-    let Some(payload) = token.split('.').nth(1) else {
-        return false;
-    };
-    let Ok(json) = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(payload) else {
-        return false;
-    };
-    let exp = serde_json::from_slice::<serde_json::Value>(&json)
-        .ok()
-        .and_then(|v| v["exp"].as_u64());
+    let payload = token.split('.').nth(1)?;
+    let json = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(payload)
+        .ok()?;
+    serde_json::from_slice(&json).ok()
+}
+
+/// The string claim at `path` of `token`.
+fn claim(token: &str, path: &[&str]) -> Option<String> {
+    let mut v = claims(token)?;
+    for p in path {
+        v = v.get(p)?.clone();
+    }
+    v.as_str().map(str::to_string)
+}
+
+/// Has the JWT `token` expired, by its own `exp` claim?
+fn expired(token: &str) -> bool {
+    let exp = claims(token).and_then(|v| v["exp"].as_u64());
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
@@ -370,6 +405,11 @@ mod tests {
             format!("{}.{}.sig", b.encode("{}"), b.encode(claims))
         };
         assert!(expired(&jwt(r#"{"exp": 1000}"#)));
+        let bound = jwt(r#"{"kubernetes.io": {"serviceaccount": {"name": "a", "uid": "u-1"}}}"#);
+        assert_eq!(
+            claim(&bound, &["kubernetes.io", "serviceaccount", "uid"]).as_deref(),
+            Some("u-1")
+        );
         assert!(!expired(&jwt(r#"{"exp": 99999999999}"#)));
         assert!(!expired(&jwt("{}")));
         assert!(!expired("not a jwt"));

@@ -111,9 +111,9 @@ pub fn certificate_node(cert: &CertInfo) -> Option<String> {
 }
 
 /// What a per-node certificate pins to its node whether or not the agent claims it: the
-/// node, its names (the node's, the CN and DNS SANs that are host names) and its IP
-/// SANs. `None` for a certificate that names no node.
-pub fn pinned_by_certificate(cert: &CertInfo) -> Option<(String, Vec<String>, Vec<IpAddr>)> {
+/// node, its names (the node's, the CN and DNS SANs that are host names), its IP SANs
+/// and its validity. `None` for a certificate that names no node.
+pub fn pinned_by_certificate(cert: &CertInfo) -> Option<(String, crate::nodes::Vouched)> {
     let node = certificate_node(cert)?;
     let mut names = vec![node.clone()];
     for n in cert.common_name.iter().chain(cert.dns_sans.iter()) {
@@ -123,7 +123,13 @@ pub fn pinned_by_certificate(cert: &CertInfo) -> Option<(String, Vec<String>, Ve
             }
         }
     }
-    Some((node, names, cert.ip_sans.clone()))
+    let vouched = crate::nodes::Vouched {
+        names,
+        ips: cert.ip_sans.clone(),
+        not_before: cert.not_before,
+        not_after: cert.not_after,
+    };
+    Some((node, vouched))
 }
 
 /// What a client certificate proves: the claimed names that are its CN, a DNS SAN or

@@ -65,13 +65,73 @@ pub enum Owner {
     Contested(Vec<String>),
 }
 
-/// What per-node agent certificates vouched for, remembered after their agents go.
+/// What per-node agent certificates vouched for, remembered after their agents go (until
+/// the certificate expires).
 #[derive(Debug, Default)]
 struct Certified {
-    /// Node -> the names and addresses its latest certificate carried.
-    by_node: HashMap<String, (Vec<String>, Vec<IpAddr>)>,
-    names: HashMap<String, String>,
-    addresses: HashMap<IpAddr, String>,
+    /// Node -> what its latest certificate carried.
+    by_node: HashMap<String, Vouched>,
+    /// Name -> the nodes whose certificates carry it.
+    names: HashMap<String, Vec<String>>,
+    /// Address -> the nodes whose certificates carry it.
+    addresses: HashMap<IpAddr, Vec<String>>,
+}
+
+/// One node's latest certificate: its names, addresses and validity (Unix seconds).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Vouched {
+    /// Host names (lower case).
+    pub names: Vec<String>,
+    /// IP SANs.
+    pub ips: Vec<IpAddr>,
+    /// notBefore.
+    pub not_before: i64,
+    /// notAfter.
+    pub not_after: i64,
+}
+
+impl Certified {
+    /// Of the nodes in `candidates` whose certificates are valid at `now`, those whose
+    /// certificate was issued last (several when issued in the same second).
+    fn latest<'a>(&'a self, candidates: Option<&'a Vec<String>>, now: i64) -> Vec<&'a str> {
+        let valid = candidates
+            .into_iter()
+            .flatten()
+            .filter_map(|n| Some((n.as_str(), self.by_node.get(n)?)))
+            .filter(|(_, v)| v.not_before <= now && now < v.not_after);
+        let mut best: Vec<&str> = Vec::new();
+        let mut when = i64::MIN;
+        for (n, v) in valid {
+            if v.not_before > when {
+                (best, when) = (vec![n], v.not_before);
+            } else if v.not_before == when {
+                best.push(n);
+            }
+        }
+        best
+    }
+
+    fn forget(&mut self, node: &str) {
+        let Some(old) = self.by_node.remove(node) else {
+            return;
+        };
+        for n in &old.names {
+            if let Some(v) = self.names.get_mut(n) {
+                v.retain(|x| x != node);
+                if v.is_empty() {
+                    self.names.remove(n);
+                }
+            }
+        }
+        for ip in &old.ips {
+            if let Some(v) = self.addresses.get_mut(ip) {
+                v.retain(|x| x != node);
+                if v.is_empty() {
+                    self.addresses.remove(ip);
+                }
+            }
+        }
+    }
 }
 
 /// Most nodes whose certificates are remembered (a bound on what certificates can make
@@ -157,6 +217,7 @@ impl NodeInventory {
                 owners.push(n.to_ascii_lowercase());
             }
         };
+        let now = tether_certs::inspect::now();
         {
             let table = self.table.read().unwrap_or_else(|e| e.into_inner());
             let certified = self.certified.read().unwrap_or_else(|e| e.into_inner());
@@ -173,7 +234,10 @@ impl NodeInventory {
                         .iter()
                         .filter(|(net, _)| net.contains(*ip))
                         .for_each(|(_, n)| add(n));
-                    certified.addresses.get(ip).into_iter().for_each(|n| add(n));
+                    certified
+                        .latest(certified.addresses.get(ip), now)
+                        .into_iter()
+                        .for_each(&mut add);
                 }
                 DialHost::Name(name) => {
                     table
@@ -182,7 +246,10 @@ impl NodeInventory {
                         .into_iter()
                         .flatten()
                         .for_each(|n| add(n));
-                    certified.names.get(name).into_iter().for_each(|n| add(n));
+                    certified
+                        .latest(certified.names.get(name), now)
+                        .into_iter()
+                        .for_each(&mut add);
                 }
             }
         }
@@ -194,52 +261,49 @@ impl NodeInventory {
     }
 
     /// Remembers what a per-node certificate of `node` vouched for: its names and IP
-    /// addresses. The latest certificate of a node replaces what its earlier ones said,
-    /// and a name or address another node's certificate carried moves to this one (the
-    /// CA issued it last), with a warning.
-    pub fn certify(&self, node: &str, names: &[String], ips: &[IpAddr]) {
+    /// addresses, until it expires. The certificate a node presents replaces what its
+    /// earlier ones said. When two nodes' certificates carry the same name or address,
+    /// the one issued last (by notBefore) owns it, whichever connected last: an older
+    /// certificate, replayed or left from before an address was reused, takes nothing
+    /// from a newer one; two issued in the same second contest it.
+    pub fn certify(&self, node: &str, vouched: Vouched) {
         let node = node.to_ascii_lowercase();
-        let names: Vec<String> = names.iter().map(|n| n.to_ascii_lowercase()).collect();
         let mut c = self.certified.write().unwrap_or_else(|e| e.into_inner());
-        if c.by_node
-            .get(&node)
-            .is_some_and(|(n, i)| *n == names && i == ips)
-        {
+        if c.by_node.get(&node) == Some(&vouched) {
             return;
         }
         if !c.by_node.contains_key(&node) && c.by_node.len() >= CERTIFIED_NODES {
-            tracing::warn!(%node, "too many nodes' certificates to remember; this node's names and addresses are not pinned to it");
-            return;
-        }
-        if let Some((old_names, old_ips)) = c.by_node.remove(&node) {
-            for n in old_names {
-                c.names.remove(&n);
+            let now = tether_certs::inspect::now();
+            let expired: Vec<String> = c
+                .by_node
+                .iter()
+                .filter(|(_, v)| v.not_after <= now)
+                .map(|(n, _)| n.clone())
+                .collect();
+            for n in expired {
+                c.forget(&n);
             }
-            for ip in old_ips {
-                c.addresses.remove(&ip);
-            }
-        }
-        for n in &names {
-            if let Some(before) = c.names.insert(n.clone(), node.clone()) {
-                if before != node {
-                    tracing::warn!(name = %n, from = %before, to = %node, "a node certificate carries a name another node's certificate carried; the name is now this node's");
-                    if let Some(e) = c.by_node.get_mut(&before) {
-                        e.0.retain(|x| x != n);
-                    }
-                }
+            if c.by_node.len() >= CERTIFIED_NODES {
+                tracing::warn!(%node, "too many nodes' certificates to remember; this node's names and addresses are not pinned to it");
+                return;
             }
         }
-        for ip in ips {
-            if let Some(before) = c.addresses.insert(*ip, node.clone()) {
-                if before != node {
-                    tracing::warn!(address = %ip, from = %before, to = %node, "a node certificate carries an address another node's certificate carried; the address is now this node's");
-                    if let Some(e) = c.by_node.get_mut(&before) {
-                        e.1.retain(|x| x != ip);
-                    }
-                }
+        c.forget(&node);
+        for n in &vouched.names {
+            let others = c.names.entry(n.clone()).or_default();
+            if !others.is_empty() {
+                tracing::warn!(name = %n, nodes = ?others, %node, "node certificates of several nodes carry one name; the one issued last owns it");
             }
+            others.push(node.clone());
         }
-        c.by_node.insert(node, (names, ips.to_vec()));
+        for ip in &vouched.ips {
+            let others = c.addresses.entry(*ip).or_default();
+            if !others.is_empty() {
+                tracing::warn!(address = %ip, nodes = ?others, %node, "node certificates of several nodes carry one address; the one issued last owns it");
+            }
+            others.push(node.clone());
+        }
+        c.by_node.insert(node, vouched);
     }
 
     /// The addresses node `node` owns (see [`NodeInventory::owner`]): its Node object's
@@ -248,8 +312,8 @@ impl NodeInventory {
         let mut all = self.addresses(node);
         {
             let c = self.certified.read().unwrap_or_else(|e| e.into_inner());
-            if let Some((_, ips)) = c.by_node.get(&node.to_ascii_lowercase()) {
-                all.extend(ips.iter().copied());
+            if let Some(v) = c.by_node.get(&node.to_ascii_lowercase()) {
+                all.extend(v.ips.iter().copied());
             }
         }
         all.sort();
@@ -334,8 +398,8 @@ impl NodeInventory {
 }
 
 /// One Node's facts (pod networks, addresses) and the names it answers to: its own,
-/// and its `Hostname`, `InternalDNS` and `ExternalDNS` entries (kube-apiserver dials
-/// the Hostname first by default), lower case.
+/// and those of its `Hostname`, `InternalDNS` and `ExternalDNS` entries whose first
+/// label is its name (kube-apiserver dials the Hostname first by default), lower case.
 fn facts_of(node: &Node, name: &str) -> (NodeFacts, Vec<String>) {
     let mut facts = NodeFacts::default();
     if let Some(spec) = &node.spec {
@@ -352,14 +416,23 @@ fn facts_of(node: &Node, name: &str) -> (NodeFacts, Vec<String>) {
             }
         }
     }
-    let mut names = vec![name.to_ascii_lowercase()];
+    let own = name.to_ascii_lowercase();
+    let mut names = vec![own.clone()];
     let addresses = node.status.as_ref().and_then(|s| s.addresses.as_ref());
     for a in addresses.into_iter().flatten() {
         match a.address.parse::<IpAddr>() {
             Ok(ip) if !facts.addresses.contains(&ip) => facts.addresses.push(ip),
             Ok(_) => {}
+            // A host name counts only when it is the node's name or starts with it
+            // (`node-a.lan`): a kubelet writes its own Node's status, and could
+            // otherwise claim any name, a webhook Service's say, and take every dial to
+            // it.
             Err(_) => match DialHost::parse(&a.address) {
-                Ok(DialHost::Name(n)) if !names.contains(&n) => names.push(n),
+                Ok(DialHost::Name(n))
+                    if n.split('.').next() == Some(own.as_str()) && !names.contains(&n) =>
+                {
+                    names.push(n)
+                }
                 _ => {}
             },
         }
@@ -457,7 +530,7 @@ mod tests {
             node(
                 "a",
                 &["10.244.1.0/24"],
-                &["192.0.2.1", "a.example", "2001:db8::1"],
+                &["192.0.2.1", "a.example", "2001:db8::1", "webhook.ns.svc"],
             ),
             node("b", &["10.244.2.0/24"], &["192.0.2.2"]),
         ]);
@@ -477,8 +550,10 @@ mod tests {
             nodes.knows(&h("192.0.2.2")) && nodes.knows(&h("A")) && nodes.knows(&h("10.244.2.9"))
         );
         assert!(!nodes.knows(&h("192.0.2.9")) && !nodes.knows(&h("c")));
-        // A Hostname entry names its node; a name two Nodes list is neither's.
+        // A Hostname entry names its node when it starts with the node's name; any
+        // other name a kubelet lists (a webhook Service's, say) is not its to take.
         assert_eq!(nodes.owner(&h("a.example.")), Owner::Node("a".into()));
+        assert_eq!(nodes.owner(&h("webhook.ns.svc")), Owner::Nobody);
         assert_eq!(nodes.owner(&h("10.244.2.9")), Owner::Node("b".into()));
     }
 
@@ -518,18 +593,36 @@ mod tests {
         let nodes = NodeInventory::default();
         let h = |s: &str| DialHost::parse(s).unwrap();
         let ip = |s: &str| s.parse::<IpAddr>().unwrap();
-        nodes.certify(
-            "Node-B",
-            &["node-b".into(), "b.lan".into()],
-            &[ip("127.0.0.2")],
-        );
+        let now = tether_certs::inspect::now();
+        let cert = |names: &[&str], ips: &[&str], issued: i64| Vouched {
+            names: names.iter().map(|n| n.to_string()).collect(),
+            ips: ips.iter().map(|i| ip(i)).collect(),
+            not_before: now - issued,
+            not_after: now + 3600,
+        };
+        nodes.certify("Node-B", cert(&["node-b", "b.lan"], &["127.0.0.2"], 100));
         assert_eq!(nodes.owner(&h("127.0.0.2")), Owner::Node("node-b".into()));
         assert_eq!(nodes.owner(&h("B.LAN.")), Owner::Node("node-b".into()));
         assert_eq!(nodes.owner(&h("127.0.0.9")), Owner::Nobody);
+        // An older certificate of another node carrying the address (replayed, or left
+        // from before the address was reused) takes nothing, though it connected last.
+        nodes.certify("node-a", cert(&["node-a"], &["127.0.0.2"], 5000));
+        assert_eq!(nodes.owner(&h("127.0.0.2")), Owner::Node("node-b".into()));
+        // A newer one does: the CA issued it last.
+        nodes.certify("node-c", cert(&["node-c"], &["127.0.0.2"], 10));
+        assert_eq!(nodes.owner(&h("127.0.0.2")), Owner::Node("node-c".into()));
         // A newer certificate of the node replaces what the older one said.
-        nodes.certify("node-b", &["node-b".into()], &[ip("127.0.0.3")]);
-        assert_eq!(nodes.owner(&h("127.0.0.2")), Owner::Nobody);
+        nodes.certify("node-b", cert(&["node-b"], &["127.0.0.3"], 1));
         assert_eq!(nodes.owner(&h("b.lan")), Owner::Nobody);
+        // An expired certificate vouches for nothing.
+        nodes.certify(
+            "node-d",
+            Vouched {
+                not_after: now - 1,
+                ..cert(&["node-d"], &["127.0.0.4"], 100)
+            },
+        );
+        assert_eq!(nodes.owner(&h("127.0.0.4")), Owner::Nobody);
         // A Node object listing the address for another node contests it.
         nodes.set(&[node("c", &[], &["127.0.0.3"])]);
         assert!(matches!(nodes.owner(&h("127.0.0.3")), Owner::Contested(_)));

@@ -147,6 +147,10 @@ impl BoundServer {
                 agent_link::UNVERIFIED_WARNINGS.1,
             ),
             identities: agent_link::IdentityConnections::new(config.router.max_agent_streams),
+            refusal_log: tether_core::ratelimit::LogLimit::new(
+                agent_link::REFUSAL_WARNINGS.0,
+                agent_link::REFUSAL_WARNINGS.1,
+            ),
         };
         let keepalive = config.agent_keepalive;
         let agent_task = spawn_agent_listener(

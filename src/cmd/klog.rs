@@ -125,12 +125,14 @@ struct TextVisitor {
 }
 
 impl TextVisitor {
+    /// `key=text`, quoted unless `text` is one bare token (no space, `=`, quote,
+    /// backslash or control character).
     fn pair(&mut self, field: &Field, text: &str) {
         let bare = !text.is_empty()
             && !text
                 .chars()
                 .any(|c| c.is_whitespace() || c.is_control() || matches!(c, '=' | '"' | '\\'));
-        if bare || is_quoted_literal(text) {
+        if bare {
             let _ = write!(self.pairs, " {}={}", key(field), text);
         } else {
             let _ = write!(self.pairs, " {}={}", key(field), go_quote(text));
@@ -143,7 +145,7 @@ impl Visit for TextVisitor {
         if field.name() == "message" {
             self.message = escape_controls(value);
         } else {
-            self.pair(field, &format!("{value:?}"));
+            let _ = write!(self.pairs, " {}={}", key(field), go_quote(value));
         }
     }
 
@@ -217,39 +219,18 @@ impl Visit for KlogFields {
             self.message = format!("{value:?}");
         } else {
             let text = format!("{value:?}");
-            // Numbers and booleans stay bare; a string Debug already quoted (and so
-            // escaped) stays as it is; anything else, peers' text included, is quoted
-            // here, so no value can end the line or forge a key.
+            // Numbers and booleans stay bare; anything else, peers' text included, is
+            // quoted here, so no value can end the line or forge a key. (Even text that
+            // looks quoted: a peer's `"node-b"` must not read as node-b's own ID.)
             let bare = !text.is_empty()
                 && (text.parse::<f64>().is_ok() || text == "true" || text == "false");
-            if bare || is_quoted_literal(&text) {
+            if bare {
                 let _ = write!(self.pairs, " {}={}", key(field), text);
             } else {
                 let _ = write!(self.pairs, " {}={}", key(field), go_quote(&text));
             }
         }
     }
-}
-
-/// Is `text` one quoted string literal as Rust's Debug writes it: a quote, characters
-/// with every inner quote escaped and no control character, a closing quote?
-fn is_quoted_literal(text: &str) -> bool {
-    let Some(inner) = text.strip_prefix('"').and_then(|t| t.strip_suffix('"')) else {
-        return false;
-    };
-    let mut escaped = false;
-    for c in inner.chars() {
-        if c.is_control() {
-            return false;
-        }
-        match (escaped, c) {
-            (true, _) => escaped = false,
-            (false, '\\') => escaped = true,
-            (false, '"') => return false,
-            _ => {}
-        }
-    }
-    !escaped
 }
 
 /// tracing spells `r#type` fields with the raw prefix; klog keys have none.
@@ -359,9 +340,12 @@ mod tests {
         });
         assert_eq!(text.lines().count(), 1, "{text}");
         assert!(!text.contains(" forged=\"yes\""), "{text}");
-        assert!(is_quoted_literal(r#""a \"b\" c""#));
-        assert!(!is_quoted_literal(r#""a" b="c""#));
-        assert!(!is_quoted_literal("\"a\nb\""));
+        // Text that looks quoted is quoted again: a peer's `"node-b"` is not node-b.
+        let text = logged(|| {
+            let id = "\"node-b\"";
+            tracing::info!(agent_id = %id, "agent connected");
+        });
+        assert!(text.contains(r#"agent_id="\"node-b\"""#), "{text}");
     }
 
     #[test]

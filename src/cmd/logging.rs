@@ -170,6 +170,7 @@ const MODULES: &[(&str, &str)] = &[
     ("tether_agent", "lease_count"),
     ("tether_agent", "link"),
     ("tether_agent", "metrics"),
+    ("tether_agent", "proxy"),
     ("tether_agent", "servers"),
     ("tether_client", "grpc"),
     ("tether_ccm", "cloud"),
@@ -188,6 +189,7 @@ const MODULES: &[(&str, &str)] = &[
     ("tether_ccm", "workqueue"),
     ("tether_certs", "csr"),
     ("tether_certs", "inspect"),
+    ("tether_certs", "key"),
 ];
 
 /// klog's `--vmodule` glob (Go's `filepath.Match` without character classes): `*`

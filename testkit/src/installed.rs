@@ -174,6 +174,7 @@ impl Installed {
                 workloads: true,
                 extra_sans: vec![cp_net.host_ip.clone()],
                 kubeadm_ca: true,
+                dual_stack: false,
             },
         );
 
@@ -219,6 +220,7 @@ impl Installed {
             masquerade_pods: true,
             images: vec![(image.archive.clone(), image.reference.clone())],
             kube_proxy: true,
+            family: Default::default(),
         };
         let control_plane = RealNode::start_on(
             cp_net,

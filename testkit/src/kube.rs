@@ -269,6 +269,9 @@ pub struct ClusterOptions {
     /// Make the cluster CA as kubeadm does: an RSA key in PKCS#1 (`RSA PRIVATE KEY`),
     /// written by openssl, and a certificate named `kubernetes`.
     pub kubeadm_ca: bool,
+    /// Dual-stack Services (1.20's `IPv6DualStack` gate, and an IPv6 Service range
+    /// `fd00:96::/112` beside 10.96.0.0/16).
+    pub dual_stack: bool,
 }
 
 /// A running etcd + kube-apiserver (+ kube-controller-manager when asked).
@@ -447,10 +450,16 @@ impl Cluster {
             format!("--service-account-issuer={issuer}"),
             format!("--service-account-key-file={}", sa_pub.display()),
             format!("--service-account-signing-key-file={}", sa_key.display()),
-            "--service-cluster-ip-range=10.96.0.0/16".into(),
+            match opts.dual_stack {
+                true => "--service-cluster-ip-range=10.96.0.0/16,fd00:96::/112".into(),
+                false => "--service-cluster-ip-range=10.96.0.0/16".into(),
+            },
             // 1.20 serves allocateLoadBalancerNodePorts only behind this gate (on by
             // default from 1.22).
-            "--feature-gates=ServiceLBNodePortControl=true".into(),
+            match opts.dual_stack {
+                true => "--feature-gates=ServiceLBNodePortControl=true,IPv6DualStack=true".into(),
+                false => "--feature-gates=ServiceLBNodePortControl=true".into(),
+            },
             "--kubelet-preferred-address-types=InternalIP".into(),
             format!("--kubelet-client-certificate={}", kubelet_cert.display()),
             format!("--kubelet-client-key={}", kubelet_key.display()),

@@ -104,7 +104,11 @@ pub fn exec(c: &Cluster, pod: &str, container: &str, script: &str) -> String {
 pub fn every_kubectl_path(c: &Cluster, node: &str, node_ip: &str, scratch: &Path) {
     let pod_ip = c.kubectl_ok(&["get", "pod", "web", "-o", "jsonpath={.status.podIP}"]);
     // Nothing of the node is reachable from the control-plane host but through Tether.
-    for addr in [format!("{node_ip}:10250"), format!("{pod_ip}:8080")] {
+    let node_addr = match node_ip.contains(':') {
+        true => format!("[{node_ip}]:10250"),
+        false => format!("{node_ip}:10250"),
+    };
+    for addr in [node_addr, format!("{pod_ip}:8080")] {
         let direct =
             std::net::TcpStream::connect_timeout(&addr.parse().unwrap(), Duration::from_secs(2));
         assert!(direct.is_err(), "{addr} is reachable without the tunnel");

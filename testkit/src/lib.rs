@@ -134,7 +134,9 @@ impl Pki {
     /// this CA: `--agent-cert` and `--agent-key` flags.
     pub fn node_cert_args(&self, node: &str, ip: &str) -> Vec<String> {
         let ca = tether_certs::Ca::load(&self.files.ca_cert, &self.files.ca_key).expect("the CA");
-        let spec = tether_certs::node_agent_spec(node, &[ip.into()], Default::default(), 0);
+        // Several addresses comma-separated, as a kubelet's --node-ip.
+        let ips: Vec<String> = ip.split(',').map(str::to_string).collect();
+        let spec = tether_certs::node_agent_spec(node, &ips, Default::default(), 0);
         let pair = ca.issue(&spec).expect("a node certificate");
         let (cert, key) =
             tether_certs::write_pair(self.dir(), &format!("agent-{node}"), &pair).expect("written");

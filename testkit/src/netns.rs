@@ -41,6 +41,9 @@ pub struct Node {
     pub node_ip: String,
     /// A pod IP inside the node, also private.
     pub pod_ip: String,
+    /// The node's private IPv6 address (`fd00:232:K::2`), reachable only inside the
+    /// namespace: an IPv6-only or dual-stack node's InternalIP.
+    pub node_ip6: String,
     /// The subnet index of this node: its addresses are 10.231.K.x (link), 10.232.K.x
     /// (private) and 10.234.K.0/24 (pods of a real node).
     pub index: u32,
@@ -63,6 +66,7 @@ impl Node {
         for net in ["10.231.0.0/16", "10.232.0.0/16", "10.234.0.0/16"] {
             ip(&["route", "replace", "blackhole", net]);
         }
+        ip(&["-6", "route", "replace", "blackhole", "fd00:232::/32"]);
         let _ = Command::new("ip").args(["netns", "del", &ns]).output();
         let _ = Command::new("ip").args(["link", "del", &host_if]).output();
         ip(&["netns", "add", &ns]);
@@ -74,6 +78,7 @@ impl Node {
         let link_ip = format!("10.231.{k}.2");
         let node_ip = format!("10.232.{k}.2");
         let pod_ip = format!("10.232.{k}.3");
+        let node_ip6 = format!("fd00:232:{k:x}::2");
         ip(&["addr", "add", &format!("{host_ip}/30"), "dev", &host_if]);
         ip(&["link", "set", &host_if, "up"]);
         ip(&[
@@ -105,12 +110,23 @@ impl Node {
             "dev",
             "lo",
         ]);
+        ip(&[
+            "-n",
+            &ns,
+            "addr",
+            "add",
+            &format!("{node_ip6}/128"),
+            "dev",
+            "lo",
+            "nodad",
+        ]);
         Node {
             ns,
             host_ip,
             link_ip,
             node_ip,
             pod_ip,
+            node_ip6,
             index: k,
             host_if,
             node_if,

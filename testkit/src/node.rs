@@ -51,6 +51,20 @@ pub struct NodeOptions {
     /// (the bootstrap role `system:node-proxier`): Services' node ports and cluster IPs
     /// work on it.
     pub kube_proxy: bool,
+    /// The families of the node's InternalIPs (`--node-ip`).
+    pub family: NodeFamily,
+}
+
+/// Which InternalIPs a node's kubelet reports (`--node-ip`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum NodeFamily {
+    /// Its private IPv4 address only.
+    #[default]
+    V4,
+    /// Its private IPv6 address only (the kubelet also listens on IPv6).
+    V6,
+    /// Both, IPv6 first (kubelet 1.20's `IPv6DualStack` gate).
+    DualV6First,
 }
 
 /// A running real node. See the module documentation.
@@ -63,6 +77,8 @@ pub struct RealNode {
     pub pod_cidr: String,
     /// The Tether agent, once [`RealNode::start_agent`] ran.
     pub agent: Option<AgentProc>,
+    /// Its InternalIPs' families.
+    pub family: NodeFamily,
     kubelet: Option<Proc>,
     kube_proxy: Option<Proc>,
     containerd: Option<Proc>,
@@ -147,6 +163,7 @@ impl RealNode {
         let pod_cidr = format!("10.234.{}.0/24", net.index);
         let mut node = RealNode {
             name: name.to_string(),
+            family: opts.family,
             net,
             pod_cidr,
             agent: None,
@@ -233,7 +250,19 @@ impl RealNode {
 
     /// The InternalIP the kubelet reports (reachable only inside the node).
     pub fn ip(&self) -> &str {
-        &self.net.node_ip
+        match self.family {
+            NodeFamily::V4 => &self.net.node_ip,
+            NodeFamily::V6 | NodeFamily::DualV6First => &self.net.node_ip6,
+        }
+    }
+
+    /// Every InternalIP of the node, in the kubelet's `--node-ip` order.
+    pub fn ips(&self) -> Vec<&str> {
+        match self.family {
+            NodeFamily::V4 => vec![&self.net.node_ip],
+            NodeFamily::V6 => vec![&self.net.node_ip6],
+            NodeFamily::DualV6First => vec![&self.net.node_ip6, &self.net.node_ip],
+        }
     }
 
     /// A command run inside the node's namespaces and cgroup (`sh -c` joins the cgroup,
@@ -519,7 +548,7 @@ serializeImagePulls: false
                 self.containerd_socket().display()
             ),
             format!("--hostname-override={}", self.name),
-            format!("--node-ip={}", self.net.node_ip),
+            format!("--node-ip={}", self.ips().join(",")),
             format!("--root-dir={}", d.join("kubelet").display()),
             format!("--cert-dir={}", d.join("kubelet/pki").display()),
             "--logtostderr=true".into(),
@@ -527,6 +556,13 @@ serializeImagePulls: false
         ];
         if opts.external_cloud_provider {
             args.push("--cloud-provider=external".into());
+        }
+        if self.family != NodeFamily::V4 {
+            // Serve IPv6 too (the default, 0.0.0.0, is IPv4 only).
+            args.push("--address=::".into());
+        }
+        if self.family == NodeFamily::DualV6First {
+            args.push("--feature-gates=IPv6DualStack=true".into());
         }
         let bin = require_kube_binary("kubelet");
         let args = self.in_node(&bin.display().to_string(), &args);
@@ -566,13 +602,24 @@ serializeImagePulls: false
         let server = format!("{}:{agent_port}", self.net.host_ip)
             .parse()
             .unwrap();
-        // The node's own certificate, so that the server verifies its name and address.
-        let mut all = pki.node_cert_args(&self.name, &self.net.node_ip);
+        // The node's own certificate, so that the server verifies its name and
+        // addresses.
+        let mut all = pki.node_cert_args(&self.name, &self.ips().join(","));
+        let claims: Vec<String> = self
+            .ips()
+            .iter()
+            .map(|ip| match ip.contains(':') {
+                true => format!("ipv6={ip}"),
+                false => format!("ipv4={ip}"),
+            })
+            .collect();
         all.extend([
             format!("--agent-id={}", self.name),
             format!(
-                "--agent-identifiers=host={}&ipv4={}&cidr={}",
-                self.name, self.net.node_ip, self.pod_cidr
+                "--agent-identifiers=host={}&{}&cidr={}",
+                self.name,
+                claims.join("&"),
+                self.pod_cidr
             ),
             format!("--health-server-host={}", self.net.link_ip),
         ]);

@@ -74,6 +74,27 @@ async fn a_header_bomb_costs_the_server_nothing_and_it_serves_on() {
     .unwrap();
     assert!(closed, "the bomb's connection is closed, not left hanging");
 
+    // The same table entry, then 5,000 small blocks of 15 references in one write: each
+    // under the per-block limit, 270 MB decoded in all. The shim decodes the next block
+    // only once h2 has read the last.
+    let mut wire = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    wire.extend(frame(0x4, 0, 0, &[]));
+    wire.extend(frame(0x1, 0x4, 1, &bomb(0)));
+    for i in 0..5000u32 {
+        wire.extend(frame(0x1, 0x4, 3 + 2 * i, &[0xbe; 15]));
+    }
+    let socket = socket_path(pki.dir());
+    tokio::task::spawn_blocking(move || {
+        let mut s = std::os::unix::net::UnixStream::connect(socket).unwrap();
+        // Whatever h2 makes of 5,000 streams, the memory is what counts.
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let _ = s.write_all(&wire);
+        let mut sink = Vec::new();
+        let _ = s.read_to_end(&mut sink);
+    })
+    .await
+    .unwrap();
+
     let after = peak_rss(server.proc.pid());
     assert!(
         after < before + (32 << 20),

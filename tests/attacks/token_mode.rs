@@ -35,7 +35,7 @@ fn cluster() -> Cluster {
         cluster.patch_node_status(
             node,
             &format!(
-                r#"{{"addresses":[{{"type":"InternalIP","address":"{ip}"}},{{"type":"Hostname","address":"{node}-host.lan"}}]}}"#
+                r#"{{"addresses":[{{"type":"InternalIP","address":"{ip}"}},{{"type":"Hostname","address":"{node}.lan"}},{{"type":"InternalDNS","address":"webhook.kube-system.svc"}}]}}"#
             ),
         );
     }
@@ -222,8 +222,8 @@ async fn certificate_mode_with_a_kubeconfig_pins_nodes_from_the_start() {
     for host in [
         "127.0.0.2",
         "edge-1",
-        "edge-1-host.lan",
-        "EDGE-1-HOST.LAN.",
+        "edge-1.lan",
+        "EDGE-1.LAN.",
         "10.244.2.7",
     ] {
         let refused = client.dial(&format!("{host}:{port}")).await.err();
@@ -244,6 +244,19 @@ async fn certificate_mode_with_a_kubeconfig_pins_nodes_from_the_start() {
     }
     // Its Hostname is routed to it (its resolver then decides; here it knows no such
     // name, so the dial fails there, not at the attacker).
-    let _ = client.dial(&format!("edge-1-host.lan:{port}")).await;
+    let _ = client.dial(&format!("edge-1.lan:{port}")).await;
     assert_eq!(rogue.dials.load(Ordering::SeqCst), 0);
+    // A name edge-1's kubelet lists that is not its own (a webhook Service's) is not
+    // edge-1's to take: it goes by the strategies, as before any kubelet listed it.
+    let routed = client
+        .dial(&format!("webhook.kube-system.svc:{port}"))
+        .await;
+    assert!(
+        routed
+            .as_ref()
+            .err()
+            .is_none_or(|e| !e.to_string().contains("No agent available")),
+        "a Service name was pinned to the nodes that listed it: {:?}",
+        routed.err()
+    );
 }

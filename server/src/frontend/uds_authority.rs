@@ -38,6 +38,11 @@ const H2_HEADER_LIST: usize = 16 << 10;
 const MAX_DECODED: usize = 4 * H2_HEADER_LIST;
 /// Largest header block, encoded, we are willing to collect.
 const MAX_BLOCK: usize = MAX_DECODED;
+/// Most re-encoded header bytes waiting for h2 to read: past it the shim decodes no
+/// further header block until h2 has taken them. One block may decode to
+/// [`MAX_DECODED`]; without this bound, thousands of small blocks in one write, each
+/// referencing one large table entry, would all be decoded before h2 read any.
+const MAX_OUTPUT: usize = MAX_DECODED;
 /// The dynamic table size the HTTP/2 server behind the shim advertises (h2 sends no
 /// SETTINGS_HEADER_TABLE_SIZE, so the protocol's default holds): a client's table size
 /// update above it is a protocol error.
@@ -161,6 +166,12 @@ impl<S> AuthorityFix<S> {
                     let ty = h[3];
                     let flags = h[4];
                     let stream_id = u32::from_be_bytes([h[5], h[6], h[7], h[8]]) & 0x7fff_ffff;
+                    if (ty == TYPE_HEADERS || ty == TYPE_CONTINUATION)
+                        && self.output.len() > MAX_OUTPUT
+                    {
+                        // h2 reads what is decoded first (poll_read hands it out).
+                        return Ok(());
+                    }
                     if ty != TYPE_HEADERS && ty != TYPE_CONTINUATION {
                         if self.pending.is_some() {
                             return Err(protocol("frame inside a header block"));
@@ -459,6 +470,43 @@ mod tests {
             input.extend(frame(TYPE_HEADERS, FLAG_END_HEADERS, 1 + 2 * i as u32, b));
         }
         fuzz(&input, 4096)
+    }
+
+    #[test]
+    fn many_small_bombs_in_one_write_wait_for_h2_to_read() {
+        // One 4,000-byte literal in the table, then thousands of blocks of 15 one-byte
+        // references: each under the per-block limit, 2,700 times its size decoded.
+        let mut first = vec![0x40, 0x01, b'x', 0x7f, 0xa1, 0x1e];
+        first.extend(std::iter::repeat_n(b'v', 4000));
+        let mut input = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        input.extend(frame(TYPE_HEADERS, FLAG_END_HEADERS, 1, &first));
+        for i in 0..500u32 {
+            input.extend(frame(
+                TYPE_HEADERS,
+                FLAG_END_HEADERS,
+                3 + 2 * i,
+                &[0xbe; 15],
+            ));
+        }
+        let mut fix = AuthorityFix::new(());
+        fix.input.extend_from_slice(&input);
+        fix.process().unwrap();
+        assert!(
+            fix.output.len() <= MAX_OUTPUT + MAX_DECODED + 1024,
+            "{} bytes decoded before h2 read any",
+            fix.output.len()
+        );
+        // As h2 reads, the rest is decoded, a bounded amount at a time.
+        let mut total = 0;
+        loop {
+            total += fix.output.split().len();
+            fix.process().unwrap();
+            if fix.output.is_empty() {
+                break;
+            }
+            assert!(fix.output.len() <= MAX_OUTPUT + MAX_DECODED + 1024);
+        }
+        assert!(total > 500 * 15 * 4000, "everything was decoded in the end");
     }
 
     #[test]

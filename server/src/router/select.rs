@@ -7,7 +7,7 @@ use std::sync::{Arc, RwLock};
 
 use rand::seq::IndexedRandom;
 use tether_core::host::DialHost;
-use tether_core::identifiers::{dial_host, Cidr};
+use tether_core::identifiers::Cidr;
 
 use super::state::AgentStream;
 use crate::nodes::{NodeInventory, Owner};
@@ -412,7 +412,7 @@ impl Registry {
         strategies: &[Strategy],
         address: &str,
     ) -> Result<Arc<AgentStream>, NoRoute> {
-        let host = DialHost::parse(dial_host(address)).map_err(NoRoute::Host)?;
+        let (host, _) = DialHost::parse_address(address).map_err(NoRoute::Host)?;
         let g = self.groups.read().unwrap_or_else(|e| e.into_inner());
         let mut rng = rand::rng();
         if !self.trust_claims {
@@ -430,6 +430,9 @@ impl Registry {
                 Owner::Nobody => {}
             }
         }
+        // Watching Nodes but not yet (or no longer able to) read them: a node's hosts
+        // are unknown, so no dial may go to just any agent.
+        let blind = !self.trust_claims && self.nodes.is_watched() && !self.nodes.is_synced();
         let host = host.to_string();
         let pod_node = if strategies.contains(&Strategy::DestCidr) {
             self.nodes.node_of(&host)
@@ -437,6 +440,9 @@ impl Registry {
             None
         };
         for &strategy in strategies {
+            if blind && matches!(strategy, Strategy::Default | Strategy::DefaultRoute) {
+                continue;
+            }
             if strategy == Strategy::Default {
                 if let Some(b) = any_active(&g.list, &mut rng) {
                     return Ok(b);
@@ -448,7 +454,10 @@ impl Registry {
                 return Ok(b);
             }
         }
-        Err(NoRoute::NoAgent)
+        Err(match blind {
+            true => NoRoute::NodesUnknown,
+            false => NoRoute::NoAgent,
+        })
     }
 
     /// [`Registry::route`]'s agent, if any.
@@ -470,6 +479,10 @@ pub enum NoRoute {
     /// Several nodes claim the host.
     #[error("the host is claimed by several nodes ({}), so by none", .0.join(", "))]
     Contested(Vec<String>),
+    /// The server watches Nodes and has not read them (yet, or it is refused): which
+    /// node owns the host is unknown, so it goes to no agent `default` would pick.
+    #[error("the server has not read the Node objects yet (it needs list and watch on nodes): no dial goes to just any agent until it has")]
+    NodesUnknown,
     /// The host cannot be routed safely.
     #[error(transparent)]
     Host(tether_core::host::HostError),
