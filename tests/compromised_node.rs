@@ -4,7 +4,7 @@
 //! with the flags of the manifests in deploy/. Each test names the threat it closes
 //! (docs/threat-model.md lists them).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -13,13 +13,13 @@ use tether_client::Client;
 use tether_proto::{packet::Payload, Packet};
 use tether_testkit::backend;
 use tether_testkit::kube::{Cluster, Egress};
-use tether_testkit::process::{socket_path, uds_frontend_args};
+use tether_testkit::process::{frontend_cas_command, socket_path, uds_frontend_args};
 use tether_testkit::rogue::{
-    manifest_agent_identifiers, manifest_server_args, node_cert, ping, wait_verified_ips, Rogue,
-    ROGUE,
+    certified_agent, forged_packets_reach_no_tunnel, manifest_agent_identifiers,
+    manifest_server_args, node_cert, ping, wait_verified_ips, Rogue, ROGUE,
 };
-use tether_testkit::{metric, wait_until, AgentProc, Pki, ServerProc, TempDir};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tether_testkit::{metric, AgentProc, Pki, ServerProc, TempDir};
+use tokio::io::AsyncReadExt;
 
 const BIN: &str = env!("CARGO_BIN_EXE_tether");
 
@@ -30,27 +30,6 @@ fn certificate_server(pki: &Pki, extra: &[&str]) -> ServerProc {
     args.push("--proxy-strategies=destHost,destCIDR,default".into());
     args.extend(extra.iter().map(|s| s.to_string()));
     ServerProc::start(Path::new(BIN), &args)
-}
-
-/// node-b's real agent, with node-b's certificate and the DaemonSet's identifiers.
-fn real_agent(
-    pki: &Pki,
-    server: &ServerProc,
-    node: &str,
-    ip: &str,
-    cert: &(PathBuf, PathBuf),
-) -> AgentProc {
-    AgentProc::start(
-        Path::new(BIN),
-        pki,
-        server.agent,
-        &[
-            format!("--agent-id={node}"),
-            format!("--agent-identifiers=host={node}&ipv4={ip}"),
-            format!("--agent-cert={}", cert.0.display()),
-            format!("--agent-key={}", cert.1.display()),
-        ],
-    )
 }
 
 /// Threats 1 and 4 with certificates: node-a's certificate claiming node-b's name and
@@ -65,7 +44,14 @@ async fn a_node_certificate_cannot_take_another_nodes_traffic() {
     let kubelet_b = backend::echo_on("127.0.0.2").await;
     let elsewhere = backend::echo().await;
     let server = certificate_server(&pki, &[]);
-    let _node_b = real_agent(&pki, &server, "node-b", "127.0.0.2", &cert_b);
+    let _node_b = certified_agent(
+        Path::new(BIN),
+        &pki,
+        &server,
+        "node-b",
+        "127.0.0.2",
+        &cert_b,
+    );
     server.wait_agents(1).await;
 
     let rogue = Rogue::connect(&pki, server.agent, Some((&cert_a.0, &cert_a.1))).await;
@@ -147,7 +133,14 @@ async fn forged_packets_reach_no_other_agents_tunnels() {
     let cert_b = node_cert(Path::new(BIN), &pki, certs.path(), "node-b", "127.0.0.2");
     let kubelet_b = backend::echo_on("127.0.0.2").await;
     let server = certificate_server(&pki, &["--require-agent-identity-match"]);
-    let _node_b = real_agent(&pki, &server, "node-b", "127.0.0.2", &cert_b);
+    let _node_b = certified_agent(
+        Path::new(BIN),
+        &pki,
+        &server,
+        "node-b",
+        "127.0.0.2",
+        &cert_b,
+    );
     server.wait_agents(1).await;
 
     let rogue = Rogue::connect(&pki, server.agent, Some((&cert_a.0, &cert_a.1))).await;
@@ -163,27 +156,10 @@ async fn forged_packets_reach_no_other_agents_tunnels() {
     server.wait_agents(2).await;
 
     let client = Client::uds(socket_path(pki.dir())).await.unwrap();
-    let mut tunnel = client.dial(&kubelet_b.addr.to_string()).await.unwrap();
-    let victim = tunnel.connect_id();
-    tunnel.write_all(b"one ").await.unwrap();
-    let mut back = [0u8; 4];
-    tunnel.read_exact(&mut back).await.unwrap();
-    for id in (1..=64).chain([victim, victim + 1]) {
-        for forged in [
-            Packet::data(id, ROGUE.to_vec()),
-            Packet::window_update(id, 1 << 30),
-            Packet::dial_response(id, id, ""),
-            Packet::close_response(id, "forged"),
-        ] {
-            own.out.send(forged).await.unwrap();
-        }
-    }
-    // The forgeries are all read before this dial's answer on the same stream: the
+    // The forgeries are all read before a dial's answer on the same stream: the
     // server handled them, and the victim's tunnel still carries exactly its bytes.
-    assert_eq!(ping(&client, "127.0.0.3:9").await, ROGUE);
-    tunnel.write_all(b"two!").await.unwrap();
-    tunnel.read_exact(&mut back).await.unwrap();
-    assert_eq!(&back, b"two!");
+    let victim = kubelet_b.addr.to_string();
+    forged_packets_reach_no_tunnel(&client, &own, &victim, "127.0.0.3:9", 64).await;
 }
 
 /// Threat 6: a dial the agent never answers fails on the gRPC frontend within the
@@ -238,22 +214,7 @@ async fn a_dial_no_agent_answers_fails_on_the_grpc_frontend() {
 async fn an_agent_certificate_opens_no_frontend_tunnel() {
     let pki = Pki::new();
     let f = &pki.files;
-    let shared = Command::new(BIN)
-        .args([
-            "server",
-            "--mode=http-connect",
-            "--server-port=0",
-            "--agent-port=0",
-        ])
-        .args([
-            "--health-port=0",
-            "--admin-port=0",
-            "--server-bind-address=127.0.0.1",
-        ])
-        .arg(format!("--server-cert={}", f.server_cert.display()))
-        .arg(format!("--server-key={}", f.server_key.display()))
-        .arg(format!("--server-ca-cert={}", f.ca_cert.display()))
-        .arg(format!("--cluster-ca-cert={}", f.ca_cert.display()))
+    let shared = frontend_cas_command(Path::new(BIN), &pki, &f.ca_cert, &f.ca_cert)
         .output()
         .unwrap();
     assert_eq!(shared.status.code(), Some(1));
@@ -351,19 +312,9 @@ sys.stdin.read()
     server.wait_agents(1).await;
     let client = Client::uds(socket_path(pki.dir())).await.unwrap();
     assert_eq!(ping(&client, &target.addr.to_string()).await, b"ping");
-    wait_until(
-        "flood connections refused",
-        Duration::from_secs(30),
-        || async {
-            let page = server.metrics().await;
-            metric(
-                &page,
-                r#"tether_server_connections_refused_total{listener="agent",reason="per_source"}"#,
-            )
-            .filter(|n| *n > 10_000.0)
-        },
-    )
-    .await;
+    server
+        .wait_refused("agent", &["per_source"], 10_000.0, Duration::from_secs(30))
+        .await;
     for mut child in floods {
         drop(child.stdin.take());
         let _ = child.kill();

@@ -37,7 +37,10 @@ pub const SERVING_GRACE: Duration = Duration::from_secs(10);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
 pub enum Stage {
-    /// Accepted; the peer has sent nothing. Evictable at once.
+    /// Accepted; the peer has sent nothing. Evictable at once: a grace here would let a
+    /// flood of idle sockets slow the accept loop until the kernel's queue fills and
+    /// drops real clients' SYNs. (A real client's first segment is usually there when
+    /// its connection is accepted, and the listener looks before it files it here.)
     Silent = 0,
     /// The peer has started its handshake. Evictable after [`HANDSHAKE_GRACE`].
     Handshaking = 1,

@@ -215,6 +215,10 @@ async fn accept_loop(
             continue;
         };
         tune_accepted(&tcp, dead_link);
+        if has_data(&tcp) {
+            // Its hello is already here: it is handshaking, whenever its task runs.
+            pending.set_stage(Stage::Handshaking);
+        }
         let acceptor = TlsAcceptor::from(tls());
         let handshake = handshake(
             acceptor,
@@ -240,6 +244,12 @@ fn tune_accepted(tcp: &TcpStream, dead_link: Option<Duration>) {
             tracing::warn!(error = %chain(&e), "cannot set TCP keepalive and user timeout");
         }
     }
+}
+
+/// Has the peer sent anything yet? (A non-blocking peek at an accepted socket.)
+fn has_data(tcp: &TcpStream) -> bool {
+    let mut byte = [std::mem::MaybeUninit::<u8>::uninit()];
+    matches!(socket2::SockRef::from(tcp).peek(&mut byte), Ok(n) if n > 0)
 }
 
 /// Why a handshake did not finish.

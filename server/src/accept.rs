@@ -64,9 +64,11 @@ pub(crate) fn spawn_agent_listener(
                 let info = conn.info().clone();
                 let pending = conn.take_pending();
                 let span = tracing::debug_span!("agent_connection", peer = %info.remote_addr);
+                // Boxed: the TLS connection (over a KiB) is then once on the heap, not
+                // in each of the futures it passes through.
                 let serve = link
                     .clone()
-                    .serve_connection(conn, info, pending, keepalive);
+                    .serve_connection(Box::new(conn), info, pending, keepalive);
                 connections.spawn(serve.instrument(span));
             }
             connections.close();
@@ -124,7 +126,8 @@ pub(crate) async fn serve_frontend(
                 }
                 // Its certificate chains to the frontend's CA and is one it admits.
                 drop(conn.take_pending());
-                serve.spawn(conn, &peer);
+                // Boxed, as an agent connection is.
+                serve.spawn(Box::new(conn), &peer);
             }
         }
     }

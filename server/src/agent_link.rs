@@ -75,6 +75,18 @@ pub(crate) const UNVERIFIED_WARNINGS: (f64, u32) = (1.0, 20);
 
 type PacketStream = Pin<Box<dyn Stream<Item = Packet> + Send>>;
 
+/// An admitted agent stream, open in the router: what carries it.
+struct OpenStream {
+    agent: Arc<AgentStream>,
+    packets: PacketStream,
+    body: RecvStream,
+    reply: Reply,
+    token: Option<Box<(String, crate::auth::Bound)>>,
+    span: tracing::Span,
+    /// Its place in its connection's count, held until it ends.
+    _live: LiveStream,
+}
+
 /// An agent the link let in: who it is and what the server checked.
 struct Admitted {
     agent_id: String,
@@ -276,9 +288,7 @@ impl AgentLink {
             Some(stream)
         });
         let serve = std::pin::pin!(serve);
-        // Boxed: the watch lives as long as the connection, but is small only on the
-        // heap (its timer is inline while it runs).
-        let watch = Box::pin(watch_admission(&streams, pending));
+        let watch = std::pin::pin!(watch_admission(&streams, pending));
         let why = tokio::select! {
             _ = serve => None,
             why = watch => Some(why),
@@ -306,43 +316,93 @@ impl AgentLink {
     /// One Connect call: admit the agent, answer with the headers, then carry its
     /// stream until either side ends it, or its token no longer passes; the status goes
     /// in trailers.
-    async fn stream(
+    fn stream(
         self: Arc<Self>,
         request: http::Request<RecvStream>,
         respond: SendResponse<Bytes>,
         info: Arc<TlsConnectInfo>,
         streams: Arc<ConnStreams>,
-    ) {
+    ) -> impl Future<Output = ()> + Send {
+        // The admission is boxed, and the request moved into it before the future that
+        // lives as long as the agent's stream is made: that future then holds only what
+        // carries the stream, not the request's headers, a TokenReview's request or the
+        // admission's own state, which are on the heap only while they are needed.
+        // (Combinators, not an async block: one would keep the opened stream twice.)
+        use futures::FutureExt;
+        let opening = Box::pin(self.clone().open_stream(request, respond, info, streams));
+        opening
+            .then(move |open| {
+                futures::future::OptionFuture::from(open.map(|o| self.carry_stream(o)))
+            })
+            .map(drop)
+    }
+
+    /// Admits the agent's stream and opens it in the router: what carries it, or
+    /// `None` when it was refused (the reply sent).
+    async fn open_stream(
+        self: Arc<Self>,
+        request: http::Request<RecvStream>,
+        respond: SendResponse<Bytes>,
+        info: Arc<TlsConnectInfo>,
+        streams: Arc<ConnStreams>,
+    ) -> Option<OpenStream> {
         let mut reply = Reply::new(respond);
         let (parts, body) = request.into_parts();
         streams.stage(tether_core::admission::Stage::Serving);
-        // Boxed, as are the router's calls below: this future lives as long as the
-        // agent's stream, so its resident size is that of the largest state it is
-        // ever in (a TokenReview's request among them) unless those are on the heap
-        // only while they run. The request's headers go with it.
+        // Boxed, as are the router's calls below: a TokenReview's request is large.
         let admitted = Box::pin(self.admit_request(parts, &info))
             .await
             .and_then(|a| self.count_connection(&a, &streams).map(|()| a));
         let mut admission = match admitted {
             Ok(a) => a,
-            Err(status) => return streams.refused(reply, status),
+            Err(status) => {
+                streams.refused(reply, status);
+                return None;
+            }
         };
         let peer_window = admission.peer_window;
         let token = admission.token.take();
         let span = tracing::info_span!("agent_stream", agent_id = %tether_core::ratelimit::clipped(&admission.agent_id, SHOWN_ID), peer = %admission.peer);
         let (agent, packets) = match self.open(admission) {
             Ok(opened) => opened,
-            Err(status) => return streams.refused(reply, status),
+            Err(status) => {
+                streams.refused(reply, status);
+                return None;
+            }
         };
-        let _live = streams.open();
+        let live = streams.open();
         self.answer(&mut reply, peer_window);
+        Some(OpenStream {
+            agent,
+            packets,
+            body,
+            reply,
+            token,
+            span,
+            _live: live,
+        })
+    }
+
+    /// Carries an opened stream until either side ends it, or its token no longer
+    /// passes.
+    fn carry_stream(self: Arc<Self>, open: OpenStream) -> impl Future<Output = ()> + Send {
+        let OpenStream {
+            agent,
+            packets,
+            body,
+            mut reply,
+            token,
+            span,
+            _live,
+        } = open;
         let gauge = self
             .router
             .metrics
             .grpc_connections
             .with_label_values(&["Connect"]);
         gauge.inc();
-        async {
+        async move {
+            let _live = _live;
             if reply.send_headers().is_ok() {
                 self.carry_until_revoked(agent, body, &mut reply, packets, token)
                     .await;
@@ -353,7 +413,6 @@ impl AgentLink {
             tracing::info!("agent disconnected");
         }
         .instrument(span)
-        .await
     }
 
     /// The response headers: `serverid`, `servercount`, and the flow-control answer
@@ -679,22 +738,33 @@ impl Closed {
 /// Watches a connection: while `pending` (unproven) it may be evicted, and once a stream
 /// is admitted its place among the unproven goes; it is closed when it has had no
 /// admitted stream for [`ADMIT_WITHIN`].
-async fn watch_admission(
+fn watch_admission(
     streams: &ConnStreams,
     pending: Option<tether_core::admission::Pending>,
-) -> Closed {
-    if let Some(pending) = pending {
-        tokio::select! {
-            _ = streams.until(|s| s.ever) => drop(pending),
-            _ = pending.evicted() => return Closed::Evicted,
-            _ = streams.idle() => return Closed::Unadmitted,
+) -> impl Future<Output = Closed> + '_ {
+    // Boxed: what watches an unproven connection is on the heap only until it is
+    // proven; what stays for the connection's life is the idle watch.
+    let proving = pending.map(|pending| {
+        Box::pin(async move {
+            tokio::select! {
+                _ = streams.until(|s| s.ever) => None,
+                _ = pending.evicted() => Some(Closed::Evicted),
+                _ = streams.idle() => Some(Closed::Unadmitted),
+            }
+        })
+    });
+    async move {
+        if let Some(proving) = proving {
+            if let Some(why) = proving.await {
+                return why;
+            }
         }
-    }
-    streams.idle().await;
-    if streams.state().ever {
-        Closed::Idle
-    } else {
-        Closed::Unadmitted
+        streams.idle().await;
+        if streams.state().ever {
+            Closed::Idle
+        } else {
+            Closed::Unadmitted
+        }
     }
 }
 

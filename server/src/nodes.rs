@@ -159,6 +159,9 @@ pub struct NodeInventory {
     route_pod_ips: AtomicBool,
     /// Set once the first list has arrived.
     synced: AtomicBool,
+    /// Set when the apiserver refuses the watch (401, 403): Node objects will never
+    /// vouch, and routing goes on as without a watch rather than not at all.
+    refused: AtomicBool,
 }
 
 impl NodeInventory {
@@ -390,6 +393,12 @@ impl NodeInventory {
         self.synced.load(Ordering::Relaxed)
     }
 
+    /// Watching Nodes, but not knowing them yet: none listed so far, and not refused
+    /// for good (then routing goes on without them, as with no watch).
+    pub fn is_blind(&self) -> bool {
+        self.is_watched() && !self.is_synced() && !self.refused.load(Ordering::Relaxed)
+    }
+
     /// How many pod networks are known.
     pub fn networks(&self) -> usize {
         let table = self.table.read().unwrap_or_else(|e| e.into_inner());
@@ -440,6 +449,18 @@ fn facts_of(node: &Node, name: &str) -> (NodeFacts, Vec<String>) {
     (facts, names)
 }
 
+/// Is this the apiserver refusing the watch (401, 403), as opposed to failing it?
+fn refused(e: &watcher::Error) -> bool {
+    let code = match e {
+        watcher::Error::InitialListFailed(kube::Error::Api(s))
+        | watcher::Error::WatchStartFailed(kube::Error::Api(s))
+        | watcher::Error::WatchFailed(kube::Error::Api(s)) => s.code,
+        watcher::Error::WatchError(s) => s.code,
+        _ => 0,
+    };
+    matches!(code, 401 | 403)
+}
+
 /// Keeps `inventory` in step with the cluster's Nodes until `hard_stop`; watch errors
 /// are retried with backoff (meanwhile the last table stays in use).
 pub fn spawn(
@@ -476,7 +497,12 @@ pub fn spawn(
                             );
                         }
                     }
-                    Some(Err(e)) => tracing::warn!(error = %chain(&e), "watching nodes failed; retrying (the server needs list and watch on nodes to verify token-authenticated agents' addresses)"),
+                    Some(Err(e)) if refused(&e) => {
+                        if !inventory.refused.swap(true, Ordering::Relaxed) {
+                            tracing::error!(error = %chain(&e), "the apiserver refuses this server list and watch on nodes: Node objects pin no node's addresses, so a dial to one may go to any agent that --proxy-strategies' default allows, and token-authenticated agents' addresses stay unverified. Grant them (deploy/rbac.yaml, system:konnectivity-server:nodes)");
+                        }
+                    }
+                    Some(Err(e)) => tracing::warn!(error = %chain(&e), "watching nodes failed; retrying (until the first list, no dial goes to just any agent)"),
                     None => return,
                 }
             }

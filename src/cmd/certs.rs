@@ -282,7 +282,7 @@ fn init(a: InitArgs) -> anyhow::Result<()> {
     for p in &written {
         println!("wrote {}", p.display());
     }
-    println!("server: --cluster-ca-cert=ca.crt (agents) and, for a TCP frontend, --server-ca-cert=frontend-ca.crt (only apiserver-client.crt chains to it)");
+    println!("server: --cluster-cert=server-agent.crt --cluster-key=server-agent.key; with agent certificates (tether certs agent) also --cluster-ca-cert=ca.crt (not with token authentication, as deploy/ ships); for a TCP frontend --server-ca-cert=frontend-ca.crt (only apiserver-client.crt chains to it)");
     if generated_ca {
         println!("note: a new CA was generated; kube-apiserver trusts konnectivity-server.conf only if it trusts this CA (use --ca-cert/--ca-key with the cluster CA)");
     }

@@ -325,6 +325,40 @@ impl ServerProc {
         .await
     }
 
+    /// How many connections `listener` closed for any of `reasons`
+    /// (`tether_server_connections_refused_total`).
+    pub async fn refused(&self, listener: &str, reasons: &[&str]) -> f64 {
+        let page = self.metrics().await;
+        reasons
+            .iter()
+            .filter_map(|reason| {
+                crate::metric(
+                    &page,
+                    &format!(
+                        r#"tether_server_connections_refused_total{{listener="{listener}",reason="{reason}"}}"#
+                    ),
+                )
+            })
+            .sum()
+    }
+
+    /// Waits up to `within` until `listener` has closed more than `more_than`
+    /// connections for `reasons`.
+    pub async fn wait_refused(
+        &self,
+        listener: &str,
+        reasons: &[&str],
+        more_than: f64,
+        within: Duration,
+    ) {
+        crate::wait_until(
+            &format!("{listener} connections closed for {reasons:?} > {more_than}"),
+            within,
+            || async { (self.refused(listener, reasons).await > more_than).then_some(()) },
+        )
+        .await
+    }
+
     /// The server's /metrics page.
     pub async fn metrics(&self) -> String {
         crate::http_get(self.health, "/metrics")
@@ -490,6 +524,35 @@ pub fn tcp_frontend_args(pki: &crate::Pki, mode: &str) -> Vec<String> {
         format!("--server-ca-cert={}", f.frontend_ca_cert.display()),
         format!("--cluster-ca-cert={}", f.ca_cert.display()),
     ]
+}
+
+/// `bin server` with an HTTP-CONNECT frontend on TCP whose clients must chain to
+/// `frontend_ca`, agents to `agent_ca`, every port ephemeral: the command line of a
+/// server whose start-up checks of its CAs a test looks at.
+pub fn frontend_cas_command(
+    bin: &Path,
+    pki: &crate::Pki,
+    frontend_ca: &Path,
+    agent_ca: &Path,
+) -> std::process::Command {
+    let f = &pki.files;
+    let mut cmd = std::process::Command::new(bin);
+    cmd.args([
+        "server",
+        "--mode=http-connect",
+        "--server-port=0",
+        "--agent-port=0",
+    ])
+    .args([
+        "--health-port=0",
+        "--admin-port=0",
+        "--server-bind-address=127.0.0.1",
+    ])
+    .arg(format!("--server-cert={}", f.server_cert.display()))
+    .arg(format!("--server-key={}", f.server_key.display()))
+    .arg(format!("--server-ca-cert={}", frontend_ca.display()))
+    .arg(format!("--cluster-ca-cert={}", agent_ca.display()));
+    cmd
 }
 
 /// A socket path inside `dir`.

@@ -132,6 +132,29 @@ impl Rogue {
     }
 }
 
+/// Node `node`'s real agent: its own certificate `cert` (from [`node_cert`]), and the
+/// DaemonSet's identifiers with `ip`.
+pub fn certified_agent(
+    bin: &Path,
+    pki: &Pki,
+    server: &ServerProc,
+    node: &str,
+    ip: &str,
+    cert: &(PathBuf, PathBuf),
+) -> crate::AgentProc {
+    crate::AgentProc::start(
+        bin,
+        pki,
+        server.agent,
+        &[
+            format!("--agent-id={node}"),
+            format!("--agent-identifiers=host={node}&ipv4={ip}"),
+            format!("--agent-cert={}", cert.0.display()),
+            format!("--agent-key={}", cert.1.display()),
+        ],
+    )
+}
+
 /// Dials `address` through the gRPC frontend, writes "ping" and reads four bytes back:
 /// "ping" from the real echo backend, [`ROGUE`] from the attacker.
 pub async fn ping(client: &Client, address: &str) -> Vec<u8> {
@@ -143,6 +166,40 @@ pub async fn ping(client: &Client, address: &str) -> Vec<u8> {
         .expect("an answer within 20 s")
         .expect("four bytes");
     back.to_vec()
+}
+
+/// Opens a tunnel to `victim` (an echo backend another node's agent reaches), then
+/// sends, on the rogue's own stream `own`, every kind of packet for connection IDs 1 to
+/// `ids` and for the tunnel's own and next IDs: data, window updates, dial and close
+/// responses. Asserts that the forgeries were all handled (a dial to `rogue_target`,
+/// which `own` answers, comes back after them on the same stream) and that the
+/// victim's tunnel still carries exactly its own bytes.
+pub async fn forged_packets_reach_no_tunnel(
+    client: &Client,
+    own: &RogueStream,
+    victim: &str,
+    rogue_target: &str,
+    ids: i64,
+) {
+    let mut tunnel = client.dial(victim).await.unwrap();
+    let connect_id = tunnel.connect_id();
+    tunnel.write_all(b"one ").await.unwrap();
+    let mut back = [0u8; 4];
+    tunnel.read_exact(&mut back).await.unwrap();
+    for id in (1..=ids).chain([connect_id, connect_id + 1]) {
+        for forged in [
+            Packet::data(id, ROGUE.to_vec()),
+            Packet::window_update(id, 1 << 30),
+            Packet::dial_response(id, id, ""),
+            Packet::close_response(id, "forged"),
+        ] {
+            own.out.send(forged).await.unwrap();
+        }
+    }
+    assert_eq!(ping(client, rogue_target).await, ROGUE);
+    tunnel.write_all(b"two!").await.unwrap();
+    tunnel.read_exact(&mut back).await.unwrap();
+    assert_eq!(&back, b"two!");
 }
 
 /// The deploy manifests' server flags (token authentication, destHost, destCIDR and

@@ -8,7 +8,7 @@ use std::process::Command;
 use std::sync::atomic::Ordering;
 
 use tether_client::Client;
-use tether_testkit::process::socket_path;
+use tether_testkit::process::{frontend_cas_command, socket_path};
 use tether_testkit::rogue::Rogue;
 use tether_testkit::{backend, AgentProc, Pki, ServerProc, TempDir};
 
@@ -109,23 +109,7 @@ openssl x509 -req -in leaf.csr -CA i2.crt -CAkey i2.key -CAcreateserial -out lea
 /// Starts a server with a TCP frontend trusting `frontend_ca` and agents trusting
 /// `agent_ca`; its stderr and whether it started.
 fn start(pki: &Pki, frontend_ca: &Path, agent_ca: &Path, extra: &[&str]) -> (bool, String) {
-    let f = &pki.files;
-    let mut child = Command::new(bin())
-        .args([
-            "server",
-            "--mode=http-connect",
-            "--server-port=0",
-            "--agent-port=0",
-        ])
-        .args([
-            "--health-port=0",
-            "--admin-port=0",
-            "--server-bind-address=127.0.0.1",
-        ])
-        .arg(format!("--server-cert={}", f.server_cert.display()))
-        .arg(format!("--server-key={}", f.server_key.display()))
-        .arg(format!("--server-ca-cert={}", frontend_ca.display()))
-        .arg(format!("--cluster-ca-cert={}", agent_ca.display()))
+    let mut child = frontend_cas_command(bin(), pki, frontend_ca, agent_ca)
         .args(extra)
         .stderr(std::process::Stdio::piped())
         .spawn()

@@ -178,23 +178,15 @@ async fn a_health_port_flood_leaves_probes_and_agents_served() {
     let held = open_files(server.proc.pid());
     assert!(held < 1024, "the server holds {held} descriptors");
     assert!(!server.proc.logged("Too many open files"));
-    wait_until(
-        "idle health connections closed",
-        Duration::from_secs(60),
-        || async {
-            let page = server.metrics().await;
-            metric(
-                &page,
-                r#"tether_server_connections_refused_total{listener="health",reason="evicted"}"#,
-            )
-            .or(metric(
-                &page,
-                r#"tether_server_connections_refused_total{listener="health",reason="per_source"}"#,
-            ))
-            .filter(|n| *n > 100.0)
-        },
-    )
-    .await;
+    // The idle ones are closed: evicted, or refused once their address holds its share.
+    server
+        .wait_refused(
+            "health",
+            &["evicted", "per_source"],
+            100.0,
+            Duration::from_secs(60),
+        )
+        .await;
     stop(attack);
 }
 

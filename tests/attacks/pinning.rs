@@ -3,36 +3,14 @@
 //! each node's names and addresses from its certificate and keeps them after its agent
 //! goes; every spelling of a node's address is that address or refused.
 
-use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 
 use tether_client::Client;
 use tether_testkit::process::socket_path;
-use tether_testkit::rogue::{node_cert, ping, Rogue, ROGUE};
-use tether_testkit::{backend, AgentProc, Pki, ServerProc, TempDir};
+use tether_testkit::rogue::{certified_agent, node_cert, ping, Rogue, ROGUE};
+use tether_testkit::{backend, Pki, TempDir};
 
 use super::{bin, readme_server};
-
-/// Node `node`'s real agent: its certificate, and the DaemonSet's identifiers.
-fn real_agent(
-    pki: &Pki,
-    server: &ServerProc,
-    node: &str,
-    ip: &str,
-    cert: &(PathBuf, PathBuf),
-) -> AgentProc {
-    AgentProc::start(
-        bin(),
-        pki,
-        server.agent,
-        &[
-            format!("--agent-id={node}"),
-            format!("--agent-identifiers=host={node}&ipv4={ip}"),
-            format!("--agent-cert={}", cert.0.display()),
-            format!("--agent-key={}", cert.1.display()),
-        ],
-    )
-}
 
 /// Dials `address` and says whether it reached the attacker (an error is a refusal).
 async fn reached_attacker(client: &Client, address: &str) -> bool {
@@ -65,7 +43,7 @@ async fn a_nodes_dials_reach_only_its_agent_connected_or_not() {
         server.proc.logged("the server watches no Nodes"),
         "certificate mode without a Node watch says what it cannot pin"
     );
-    let mut node_b = real_agent(&pki, &server, "node-b", "127.0.0.2", &cert_b);
+    let mut node_b = certified_agent(bin(), &pki, &server, "node-b", "127.0.0.2", &cert_b);
     // node-a's own certificate, claiming nothing false.
     let rogue = Rogue::connect(&pki, server.agent, Some((&cert_a.0, &cert_a.1))).await;
     let _a = rogue

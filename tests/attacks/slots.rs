@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tether_testkit::rogue::node_cert;
-use tether_testkit::{metric, wait_until, AgentProc, Pki, TempDir};
+use tether_testkit::{metric, AgentProc, Pki, TempDir};
 
 use super::{bin, readme_server};
 
@@ -103,18 +103,8 @@ async fn admitted_then_cancelled_connections_give_their_slots_back() {
     assert!(waited < Duration::from_secs(10), "node-b waited {waited:?}");
 
     // The cancelled connections are closed within the same 10 s as unadmitted ones.
-    wait_until(
-        "idle connections closed",
-        Duration::from_secs(60),
-        || async {
-            let page = server.metrics().await;
-            metric(
-                &page,
-                r#"tether_server_connections_refused_total{listener="agent",reason="idle"}"#,
-            )
-            .filter(|n| *n >= 8.0)
-        },
-    )
-    .await;
+    server
+        .wait_refused("agent", &["idle"], 7.0, Duration::from_secs(60))
+        .await;
     flood.abort();
 }

@@ -9,15 +9,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tether_client::Client;
-use tether_proto::Packet;
 use tether_testkit::kube::{Cluster, Egress};
 use tether_testkit::process::socket_path;
 use tether_testkit::rogue::{
-    manifest_agent_identifiers, manifest_server_args, node_cert, ping, preface_flood,
-    raise_open_files, wait_verified_ips, Rogue, ROGUE,
+    forged_packets_reach_no_tunnel, manifest_agent_identifiers, manifest_server_args, node_cert,
+    ping, preface_flood, raise_open_files, wait_verified_ips, Rogue,
 };
 use tether_testkit::{backend, metric, wait_until, AgentProc, Pki, ServerProc, TempDir};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::slots::admit_then_cancel;
 use super::{bin, readme_server};
@@ -138,25 +136,8 @@ async fn token_mode_holds_against_slots_floods_forgeries_and_revocation() {
     let own = rogue.open("edge-2", "", Some(&token_2)).await.unwrap();
     server.wait_agents(2).await;
     let client = Client::uds(socket_path(pki.dir())).await.unwrap();
-    let mut tunnel = client.dial(&kubelet_1.addr.to_string()).await.unwrap();
-    let victim = tunnel.connect_id();
-    tunnel.write_all(b"one ").await.unwrap();
-    let mut back = [0u8; 4];
-    tunnel.read_exact(&mut back).await.unwrap();
-    for id in (1..=16).chain([victim, victim + 1]) {
-        for forged in [
-            Packet::data(id, ROGUE.to_vec()),
-            Packet::window_update(id, 1 << 30),
-            Packet::dial_response(id, id, ""),
-            Packet::close_response(id, "forged"),
-        ] {
-            own.out.send(forged).await.unwrap();
-        }
-    }
-    assert_eq!(ping(&client, "127.0.0.3:9").await, ROGUE);
-    tunnel.write_all(b"two!").await.unwrap();
-    tunnel.read_exact(&mut back).await.unwrap();
-    assert_eq!(&back, b"two!");
+    let victim = kubelet_1.addr.to_string();
+    forged_packets_reach_no_tunnel(&client, &own, &victim, "127.0.0.3:9", 16).await;
     assert_eq!(ping(&client, &kubelet_1.addr.to_string()).await, b"ping");
 
     // A token for another audience: refused, with the server's words only.
@@ -259,4 +240,45 @@ async fn certificate_mode_with_a_kubeconfig_pins_nodes_from_the_start() {
         "a Service name was pinned to the nodes that listed it: {:?}",
         routed.err()
     );
+}
+
+/// Item 5 of the review: a server that watches Nodes sends no dial to just any agent
+/// until it has read them; but one the apiserver refuses the watch (the Kubernetes docs'
+/// RBAC grants only TokenReviews) says so loudly and routes as without a watch, rather
+/// than failing every dial of a cluster swapped in from upstream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_server_refused_the_node_watch_says_so_and_routes_as_without_it() {
+    let cluster = cluster();
+    cluster.kubectl_ok(&[
+        "delete",
+        "clusterrolebinding",
+        "system:konnectivity-server:nodes",
+    ]);
+    let pki = Pki::new();
+    let target = backend::echo().await;
+    let server = ServerProc::start(
+        bin(),
+        &manifest_server_args(&pki, &cluster.files.server_kubeconfig),
+    );
+    wait_until("the refusal logged", Duration::from_secs(60), || async {
+        server
+            .proc
+            .logged("the apiserver refuses this server list and watch on nodes")
+            .then_some(())
+    })
+    .await;
+    let tokens = TempDir::new("tether-tokens");
+    let token = cluster.pod_bound_agent_token("konnectivity-agent-edge-1", "edge-1");
+    let _agent = AgentProc::start_with_token(
+        bin(),
+        &pki,
+        server.agent,
+        tokens.path(),
+        "edge-1",
+        &token,
+        &["--agent-identifiers=host=edge-1".into()],
+    );
+    server.wait_agents(1).await;
+    let client = Client::uds(socket_path(pki.dir())).await.unwrap();
+    assert_eq!(ping(&client, &target.addr.to_string()).await, b"ping");
 }

@@ -432,7 +432,7 @@ impl Registry {
         }
         // Watching Nodes but not yet (or no longer able to) read them: a node's hosts
         // are unknown, so no dial may go to just any agent.
-        let blind = !self.trust_claims && self.nodes.is_watched() && !self.nodes.is_synced();
+        let blind = !self.trust_claims && self.nodes.is_blind();
         let host = host.to_string();
         let pod_node = if strategies.contains(&Strategy::DestCidr) {
             self.nodes.node_of(&host)
