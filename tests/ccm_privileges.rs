@@ -241,10 +241,14 @@ fn the_ccm_runs_with_exactly_the_manifests_uid_and_capabilities() {
 
     wait_blocking("ingress IP", Duration::from_secs(30), || {
         let log = ccm.log_text();
-        assert!(
-            !log.contains("\"level\":\"WARN\"") && !log.contains("\"level\":\"ERROR\""),
-            "the CCM complains:\n{log}"
-        );
+        // Every warning but the one a 1.20 apiserver earns (it drops `ipMode`), which
+        // says nothing about privileges.
+        let complaints: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains("\"level\":\"WARN\"") || l.contains("\"level\":\"ERROR\""))
+            .filter(|l| !l.contains("ipMode"))
+            .collect();
+        assert!(complaints.is_empty(), "the CCM complains:\n{log}");
         let out = cluster.kubectl_ok(&["get", "service", "web", "-o", "json"]);
         let v: Value = serde_json::from_str(&out).unwrap();
         (v["status"]["loadBalancer"]["ingress"][0]["ip"] == "127.0.0.1").then_some(())
