@@ -1,7 +1,8 @@
 //! `tether status` against real servers on port 0: healthy (exit 0), no agent (exit 1),
 //! a certificate about to expire (exit 1 unless --warn-days allows it), an upstream
 //! server that only has `/metrics` (the agent count, said to be all that is known), and
-//! an endpoint it cannot read (exit 2, one line).
+//! an endpoint it cannot read (exit 2, one line); a loopback admin or health port
+//! refuses a request whose `Host` a DNS-rebound page would send.
 
 use std::io::{Read, Write};
 use std::path::Path;
@@ -108,6 +109,91 @@ async fn no_agent_is_a_problem() {
         run.stdout.contains("agents: none connected"),
         "{}",
         run.stdout
+    );
+}
+
+/// What curl got for `url` with `Host: host` (the default Host when `None`): the HTTP
+/// status and the body.
+fn curl_host(url: &str, host: Option<&str>) -> (u16, String) {
+    let mut cmd = Command::new("curl");
+    cmd.args(["-sS", "--max-time", "10", "-w", "\n%{http_code}", url]);
+    if let Some(h) = host {
+        cmd.args(["-H", &format!("Host: {h}")]);
+    }
+    let out = cmd.output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, code) = text.rsplit_once('\n').unwrap();
+    (code.parse().unwrap(), body.to_string())
+}
+
+/// A web page an attacker's DNS re-points at 127.0.0.1 (DNS rebinding) sends its own
+/// name as `Host`: the loopback admin and health ports of the server and the agent
+/// refuse it, and serve curl asking for 127.0.0.1, [::1]'s spelling and localhost.
+#[tokio::test]
+async fn a_page_rebound_to_loopback_reads_nothing() {
+    let pki = Pki::new();
+    let server = server(&pki, &[]);
+    let agent = agent(&pki, &server).await;
+    for (what, addr, path) in [
+        ("server admin", server.admin, "/agents"),
+        ("server admin", server.admin, "/status"),
+        ("server admin", server.admin, "/metrics"),
+        ("server health", server.health, "/metrics"),
+        ("agent health", agent.health, "/metrics"),
+    ] {
+        assert!(addr.ip().is_loopback(), "{what} on {addr}");
+        let url = format!("http://{addr}{path}");
+        let port = addr.port();
+        for host in [
+            "rebound.attacker.example",
+            &format!("rebound.attacker.example:{port}"),
+        ] {
+            let (code, body) = curl_host(&url, Some(host));
+            assert_eq!(code, 403, "{what} {path} for Host {host}: {body}");
+            assert!(body.contains("DNS rebinding"), "{body}");
+            assert!(!body.contains("node-a"), "{body}");
+        }
+        for host in [
+            None,
+            Some(format!("localhost:{port}")),
+            Some("[::1]".to_string()),
+        ] {
+            let (code, body) = curl_host(&url, host.as_deref());
+            assert_eq!(code, 200, "{what} {path} for Host {host:?}: {body}");
+        }
+    }
+}
+
+/// The CCM and `tether status` name an admin port on `[::1]` as their URL spells it, so
+/// the DNS-rebinding guard lets them in.
+#[tokio::test]
+async fn the_ccm_and_status_read_an_admin_port_on_ipv6_loopback() {
+    let pki = Pki::new();
+    let server = server(&pki, &["--admin-bind-address=::1".to_string()]);
+    let _agent = agent(&pki, &server).await;
+    assert_eq!(
+        server.admin.ip(),
+        "::1".parse::<std::net::IpAddr>().unwrap()
+    );
+    let base = format!("http://[::1]:{}", server.admin.port());
+
+    let run = status(&base, &[]);
+    assert_eq!(run.code, 0, "{}{}", run.stdout, run.stderr);
+
+    let agents = tether_ccm::provider::agents::ConnectedAgents::new(
+        &tether_ccm::provider::agents::AgentsConfig {
+            urls: vec![format!("{base}/agents")],
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let presence = agents.presence("node-a").await.unwrap();
+    assert!(
+        matches!(
+            presence,
+            tether_ccm::provider::agents::Presence::Connected(_)
+        ),
+        "{presence:?}"
     );
 }
 

@@ -120,6 +120,14 @@ pub fn spawn_counted(
     hard_stop: CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
     let addr = listener.local_addr().ok();
+    // On loopback, only clients of this machine connect, but a browser on it can be
+    // led there by a page whose name an attacker re-points at 127.0.0.1.
+    let router = match addr {
+        Some(a) if a.ip().is_loopback() => {
+            router.layer(axum::middleware::from_fn(refuse_foreign_host))
+        }
+        _ => router,
+    };
     let admission = Arc::new(tether_core::admission::Admission::new(
         tether_core::admission::AdmissionLimits::SIDE,
         on_refusal,
@@ -128,6 +136,63 @@ pub fn spawn_counted(
         serve(listener, router, admission, hard_stop)
             .instrument(tracing::info_span!("http", endpoint = name, addr = ?addr)),
     )
+}
+
+/// Is `host` (a request's `Host`) what a client of a loopback listener writes: an IP
+/// address, `localhost` or a name under `.localhost` (RFC 6761: never resolved
+/// elsewhere), with or without a port? A page that DNS rebinding brought to
+/// 127.0.0.1 sends its own name instead.
+pub fn loopback_host(host: &str) -> bool {
+    let name = if let Some(rest) = host.strip_prefix('[') {
+        // `[v6]` or `[v6]:port`.
+        return match rest.split_once(']') {
+            Some((ip, port)) => {
+                ip.parse::<std::net::Ipv6Addr>().is_ok()
+                    && (port.is_empty() || port.strip_prefix(':').is_some_and(is_port))
+            }
+            None => false,
+        };
+    } else {
+        match host.rsplit_once(':') {
+            Some((name, port)) if is_port(port) => name,
+            Some(_) => return false,
+            None => host,
+        }
+    };
+    if name.parse::<std::net::Ipv4Addr>().is_ok() {
+        return true;
+    }
+    let name = name.strip_suffix('.').unwrap_or(name).to_ascii_lowercase();
+    name == "localhost" || name.ends_with(".localhost")
+}
+
+fn is_port(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 5 && s.bytes().all(|b| b.is_ascii_digit())
+}
+
+/// Refuses a request to a loopback listener whose `Host` names something else
+/// (see [`loopback_host`]); a request without one (HTTP/1.0) is not a browser's.
+async fn refuse_foreign_host(
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let host = request
+        .headers()
+        .get(axum::http::header::HOST)
+        .map(|h| h.to_str().unwrap_or("\u{fffd}"));
+    match host {
+        Some(h) if !loopback_host(h) => {
+            tracing::debug!(host = ?h, path = %request.uri().path(), "request refused: foreign Host on a loopback listener");
+            (
+                StatusCode::FORBIDDEN,
+                format!(
+                    "Host {h:?} is not this loopback listener's: ask for 127.0.0.1, [::1] or localhost (a guard against DNS rebinding)\n"
+                ),
+            )
+                .into_response()
+        }
+        _ => next.run(request).await,
+    }
 }
 
 /// The accept loop of [`spawn`]; each connection is served in a task of its own.
@@ -186,4 +251,41 @@ async fn serve(
     }
     connections.close();
     connections.wait().await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::loopback_host;
+
+    #[test]
+    fn loopback_hosts_are_addresses_and_localhost() {
+        for ok in [
+            "127.0.0.1",
+            "127.0.0.1:8133",
+            "[::1]",
+            "[::1]:8133",
+            "localhost",
+            "LocalHost:8133",
+            "localhost.:8133",
+            "tether.localhost:8133",
+            "10.0.0.1:8133",
+        ] {
+            assert!(loopback_host(ok), "{ok}");
+        }
+        for refused in [
+            "evil.example",
+            "evil.example:8133",
+            "localhost.evil.example",
+            "evillocalhost:8133",
+            "127.0.0.1:port",
+            "127.0.0.1:",
+            "[::1",
+            "[::1]8133",
+            "[evil]:80",
+            "::1",
+            "",
+        ] {
+            assert!(!loopback_host(refused), "{refused}");
+        }
+    }
 }

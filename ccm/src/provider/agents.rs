@@ -309,7 +309,12 @@ async fn get(uri: &hyper::Uri, token: Option<&str>) -> Result<Listing, String> {
         .map_err(|e| chain(&e).to_string())?;
     tokio::spawn(conn);
     let mut req = hyper::Request::get(uri.path_and_query().map(|p| p.as_str()).unwrap_or("/"))
-        .header(hyper::header::HOST, format!("{host}:{port}"));
+        // The URL's own authority (`[::1]:8133` keeps its brackets): a server's
+        // loopback admin port refuses a Host it cannot tell from a rebound name.
+        .header(
+            hyper::header::HOST,
+            uri.authority().map(|a| a.as_str()).unwrap_or(host),
+        );
     if let Some(token) = token {
         req = req.header(hyper::header::AUTHORIZATION, format!("Bearer {token}"));
     }
