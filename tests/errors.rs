@@ -83,6 +83,21 @@ fn start_up_failures_name_their_cause_once() {
     ));
     names_once(&line, &["cannot listen on agent"], "in use");
 
+    // TLS on the admin port: half a pair, then a key that is not the certificate's.
+    let line = start_up_error(&server_args(
+        &pki,
+        &[format!("--admin-cert={}", f.server_cert.display())],
+    ));
+    names_once(&line, &["--admin-cert"], "needs --admin-key");
+    let line = start_up_error(&server_args(
+        &pki,
+        &[
+            format!("--admin-cert={}", f.server_cert.display()),
+            format!("--admin-key={}", f.agent_key.display()),
+        ],
+    ));
+    names_once(&line, &["server.crt", "agent.key"], "KeyMismatch");
+
     // A kubeconfig that is not there (token authentication needs the cluster).
     let line = start_up_error(&[
         "server".into(),

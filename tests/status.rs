@@ -2,7 +2,8 @@
 //! a certificate about to expire (exit 1 unless --warn-days allows it), an upstream
 //! server that only has `/metrics` (the agent count, said to be all that is known), and
 //! an endpoint it cannot read (exit 2, one line); a loopback admin or health port
-//! refuses a request whose `Host` a DNS-rebound page would send.
+//! refuses a request whose `Host` a DNS-rebound page would send; an admin port over
+//! TLS (`--admin-cert`) is read with its CA by `tether status` and the CCM.
 
 use std::io::{Read, Write};
 use std::path::Path;
@@ -195,6 +196,62 @@ async fn the_ccm_and_status_read_an_admin_port_on_ipv6_loopback() {
         ),
         "{presence:?}"
     );
+}
+
+/// `--admin-cert`: the admin port speaks TLS only. `tether status` and the CCM read it
+/// with the CA that signed it; plain HTTP gets no answer, and a reader trusting
+/// another CA is told the TLS handshake failed.
+#[tokio::test]
+async fn the_admin_port_over_tls_is_read_with_its_ca_only() {
+    let pki = Pki::new();
+    let f = &pki.files;
+    let server = server(
+        &pki,
+        &[
+            format!("--admin-cert={}", f.server_cert.display()),
+            format!("--admin-key={}", f.server_key.display()),
+        ],
+    );
+    let _agent = agent(&pki, &server).await;
+    let https = format!("https://{}", server.admin);
+    let ca = f.ca_cert.display().to_string();
+
+    let run = status(&https, &["--cacert", &ca]);
+    assert_eq!(run.code, 0, "{}{}", run.stdout, run.stderr);
+    assert!(run.stdout.contains("node-a"), "{}", run.stdout);
+    // curl, verifying the certificate.
+    let out = Command::new("curl")
+        .args(["-sS", "--max-time", "10", "--cacert", &ca])
+        .arg(format!("{https}/agents"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("node-a"));
+    // Plain HTTP is not served.
+    let (code, _) = curl_host(&format!("http://{}/agents", server.admin), None);
+    assert_ne!(code, 200);
+    // Another CA is not trusted.
+    let foreign = f.frontend_ca_cert.display().to_string();
+    let run = status(&https, &["--cacert", &foreign]);
+    assert_eq!(run.code, 2, "{}{}", run.stdout, run.stderr);
+
+    use tether_ccm::provider::agents::{AgentsConfig, ConnectedAgents, Presence};
+    let reader = |ca: &str| {
+        ConnectedAgents::new(&AgentsConfig {
+            urls: vec![format!("{https}/agents")],
+            ca_file: Some(ca.to_string()),
+            ..Default::default()
+        })
+        .unwrap()
+    };
+    let presence = reader(&ca).presence("node-a").await.unwrap();
+    assert!(matches!(presence, Presence::Connected(_)), "{presence:?}");
+    let refused = reader(&foreign).presence("node-a").await.unwrap_err();
+    assert!(refused.to_string().contains("TLS"), "{refused}");
 }
 
 #[tokio::test]

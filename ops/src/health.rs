@@ -108,15 +108,18 @@ pub fn spawn(
     router: Router,
     hard_stop: CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
-    spawn_counted(name, listener, router, Arc::new(|_| {}), hard_stop)
+    spawn_counted(name, listener, router, Arc::new(|_| {}), None, hard_stop)
 }
 
-/// [`spawn`], with `on_refusal` hearing each connection closed unserved.
+/// [`spawn`], with `on_refusal` hearing each connection closed unserved, and over TLS
+/// when `tls` is given (its current configuration taken for each connection, so a
+/// renewed certificate serves the next client).
 pub fn spawn_counted(
     name: &'static str,
     listener: TcpListener,
     router: Router,
     on_refusal: tether_core::admission::OnRefusal,
+    tls: Option<tether_core::transport::ServerConfigSource>,
     hard_stop: CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
     let addr = listener.local_addr().ok();
@@ -133,7 +136,7 @@ pub fn spawn_counted(
         on_refusal,
     ));
     tokio::spawn(
-        serve(listener, router, admission, hard_stop)
+        serve(listener, router, admission, tls, hard_stop)
             .instrument(tracing::info_span!("http", endpoint = name, addr = ?addr)),
     )
 }
@@ -200,6 +203,7 @@ async fn serve(
     listener: TcpListener,
     router: Router,
     admission: Arc<tether_core::admission::Admission>,
+    tls: Option<tether_core::transport::ServerConfigSource>,
     hard_stop: CancellationToken,
 ) {
     let failures = tether_core::ratelimit::TokenBucket::new(1.0, 5);
@@ -232,25 +236,62 @@ async fn serve(
         };
         let service = hyper_util::service::TowerToHyperService::new(router.clone());
         let hard_stop = hard_stop.clone();
+        let tls = tls.as_ref().map(|source| source());
         connections.spawn(async move {
             let _slot = slot;
-            let mut http = hyper::server::conn::http1::Builder::new();
-            http.timer(hyper_util::rt::TokioTimer::new())
-                .header_read_timeout(HEADER_READ_TIMEOUT);
-            let conn = http.serve_connection(hyper_util::rt::TokioIo::new(tcp), service);
-            let mut conn = std::pin::pin!(conn);
-            tokio::select! {
-                _ = conn.as_mut() => {}
-                _ = pending.evicted() => {}
-                _ = hard_stop.cancelled() => {
-                    conn.as_mut().graceful_shutdown();
-                    let _ = tokio::time::timeout(std::time::Duration::from_secs(1), conn).await;
+            match tls {
+                None => serve_one(tcp, service, &pending, &hard_stop).await,
+                Some(config) => {
+                    let accept = tokio_rustls::TlsAcceptor::from(config).accept(tcp);
+                    let tls = tokio::select! {
+                        _ = hard_stop.cancelled() => return,
+                        _ = pending.evicted() => return,
+                        done = tokio::time::timeout(HEADER_READ_TIMEOUT, accept) => done,
+                    };
+                    match tls {
+                        Ok(Ok(stream)) => serve_one(stream, service, &pending, &hard_stop).await,
+                        Ok(Err(e)) => {
+                            tracing::debug!(%peer, error = %chain(&e), "TLS handshake failed")
+                        }
+                        Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
+                    }
                 }
             }
         });
     }
     connections.close();
     connections.wait().await;
+}
+
+/// Serves HTTP/1.1 on one connection until it ends, its client is evicted, or
+/// `hard_stop` (then its request in flight gets a second).
+async fn serve_one<IO, S>(
+    io: IO,
+    service: S,
+    pending: &tether_core::admission::Pending,
+    hard_stop: &CancellationToken,
+) where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    S: hyper::service::HttpService<hyper::body::Incoming> + Send,
+    S::ResBody: Send + 'static,
+    <S::ResBody as hyper::body::Body>::Data: Send,
+    <S::ResBody as hyper::body::Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    S::Future: Send,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT);
+    let conn = http.serve_connection(hyper_util::rt::TokioIo::new(io), service);
+    let mut conn = std::pin::pin!(conn);
+    tokio::select! {
+        _ = conn.as_mut() => {}
+        _ = pending.evicted() => {}
+        _ = hard_stop.cancelled() => {
+            conn.as_mut().graceful_shutdown();
+            let _ = tokio::time::timeout(std::time::Duration::from_secs(1), conn).await;
+        }
+    }
 }
 
 #[cfg(test)]

@@ -106,8 +106,11 @@ pub struct ServerConfig {
     pub agent_dead_link: Option<Duration>,
     /// Health endpoint (`/healthz`, `/readyz`, `/metrics`).
     pub health_addr: Option<SocketAddr>,
-    /// Admin endpoint (`/metrics`).
+    /// Admin endpoint (`/metrics`, `/agents`, `/status`).
     pub admin_addr: Option<SocketAddr>,
+    /// `--admin-cert`/`--admin-key`: serve the admin endpoint over TLS (no client
+    /// certificate asked; `/agents` off loopback still needs a reviewed token).
+    pub admin_tls: Option<TlsFiles>,
     /// Backend selection and dial timeout.
     pub router: RouterConfig,
     /// Packets queued towards each agent stream (`--xfr-channel-size`).
@@ -133,7 +136,7 @@ pub struct ServerConfig {
 
 /// The audience a token must be bound to for `/agents` off loopback (a projected
 /// ServiceAccount token with this audience): kube-apiserver refuses such a token, so
-/// one read off the admin port's plain HTTP cannot be replayed against the cluster.
+/// one read off an admin port in plain HTTP cannot be replayed against the cluster.
 pub const AGENTS_AUDIENCE: &str = "tether-admin";
 
 /// Who may read `/agents` (agent ids, node names, addresses and verified identities)

@@ -49,7 +49,8 @@ impl BoundServer {
             };
             let status = StatusSource::new(&self.config, server_count.clone(), counted);
             let profiling = self.config.profiling;
-            spawn_admin(&self.router, l, profiling, access, status, &hard_stop);
+            let tls = self.admin_tls.take();
+            spawn_admin(&self.router, l, profiling, access, status, tls, &hard_stop);
         }
         let (config, router) = (self.config.clone(), self.router.clone());
         let (agent_task, frontends) = self.spawn_listeners(server_count, &drain, &hard_stop);

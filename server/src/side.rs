@@ -24,7 +24,7 @@ pub(crate) fn spawn_health(
     let registry = router.metrics.registry().clone();
     let app = tether_ops::health::health_router(registry, ready, StatusCode::INTERNAL_SERVER_ERROR);
     let refused = crate::accept::refusals(router, "health");
-    tether_ops::health::spawn_counted("health", listener, app, refused, hard_stop.clone());
+    tether_ops::health::spawn_counted("health", listener, app, refused, None, hard_stop.clone());
 }
 
 /// How `/agents` requests are checked.
@@ -70,13 +70,15 @@ async fn refusal(
     Some((status, format!("{why}\n")).into_response())
 }
 
-/// `/metrics`, the profiles, `/agents` and `/status` on the admin port.
+/// `/metrics`, the profiles, `/agents` and `/status` on the admin port, over TLS with
+/// `tls` (`--admin-cert`).
 pub(crate) fn spawn_admin(
     router: &Arc<Router>,
     listener: TcpListener,
     profiling: bool,
     readers: AgentsReaders,
     status: StatusSource,
+    tls: Option<tether_core::transport::ServerConfigSource>,
     hard_stop: &CancellationToken,
 ) {
     use axum::response::IntoResponse;
@@ -112,5 +114,5 @@ pub(crate) fn spawn_admin(
         .route("/agents", agents)
         .route("/status", status);
     let refused = crate::accept::refusals(router, "admin");
-    tether_ops::health::spawn_counted("admin", listener, app, refused, hard_stop.clone());
+    tether_ops::health::spawn_counted("admin", listener, app, refused, tls, hard_stop.clone());
 }

@@ -208,6 +208,8 @@ pub struct BoundServer {
     pub(crate) frontends: Vec<(Mode, FrontendListener)>,
     pub(crate) health: Option<TcpListener>,
     pub(crate) admin: Option<TcpListener>,
+    /// `--admin-cert`/`--admin-key`: the admin port speaks TLS.
+    pub(crate) admin_tls: Option<ServerConfigSource>,
     pub(crate) addrs: BoundAddrs,
 }
 
@@ -321,6 +323,10 @@ impl Server {
         }
         let health = bind_optional("health port", config.health_addr)?;
         let admin = bind_optional("admin port", config.admin_addr)?;
+        let admin_tls = match &config.admin_tls {
+            Some(files) => Some(tls_sources.source("admin port", files, &[tls::ALPN_HTTP11])?),
+            None => None,
+        };
         let addrs = BoundAddrs {
             agent: agent_listener.local_addr().expect("bound"),
             frontends: frontend_addrs,
@@ -345,6 +351,7 @@ impl Server {
             frontends,
             health,
             admin,
+            admin_tls,
             addrs,
         })
     }

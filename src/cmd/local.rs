@@ -102,6 +102,7 @@ async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()
         agent_dead_link: Some(Duration::from_secs(30)),
         health_addr: Some(loopback(0)),
         admin_addr: None,
+        admin_tls: None,
         router: RouterConfig {
             strategies: vec![Strategy::Default],
             backend_dial_timeout: Some(Duration::from_secs(10)),

@@ -194,6 +194,18 @@ pub struct ServerArgs {
     /// /agents, asked of the cluster (--kubeconfig or in-cluster configuration).
     #[arg(long, default_value = "127.0.0.1")]
     pub admin_bind_address: String,
+    /// Certificate (PEM chain) for TLS on the admin port, with --admin-key; empty = plain
+    /// HTTP.
+    ///
+    /// For an admin port off loopback: readers (`tether status --cacert`, the
+    /// CCM's agents.caFile) verify the server, and their bearer tokens travel
+    /// encrypted. Reloaded when the files change, as the other certificates are. The
+    /// same --cipher-suites and --tls-min-version apply. Tether only.
+    #[arg(long, default_value = "")]
+    pub admin_cert: String,
+    /// Private key for --admin-cert (PKCS#1, SEC1 or PKCS#8 PEM).
+    #[arg(long, default_value = "")]
+    pub admin_key: String,
     /// Watch Nodes' spec.podCIDRs so that destCIDR sends a dial to a pod IP to its node.
     ///
     /// The dial goes to the agent verified (by token or certificate) as the node whose
@@ -546,6 +558,21 @@ impl ServerArgs {
             self.admin_port,
             "admin-bind-address",
         )?;
+        let admin_tls = match (opt_path(&self.admin_cert), opt_path(&self.admin_key)) {
+            (Some(cert), Some(key)) => Some(TlsFiles {
+                cert,
+                key,
+                ca: None,
+                policy: policy.clone(),
+            }),
+            (None, None) => None,
+            (Some(_), None) => {
+                bail!("--admin-cert needs --admin-key (the certificate's private key)")
+            }
+            (None, Some(_)) => {
+                bail!("--admin-key needs --admin-cert (the certificate for TLS on the admin port)")
+            }
+        };
         Ok(ServerConfig {
             server_id,
             server_count: self.server_count,
@@ -569,6 +596,7 @@ impl ServerArgs {
             agent_dead_link,
             health_addr: Some(health_addr),
             admin_addr: Some(admin_addr),
+            admin_tls,
             router: RouterConfig {
                 strategies,
                 backend_dial_timeout: (!self.backend_dial_timeout.is_zero())

@@ -45,9 +45,8 @@ pub struct StatusArgs {
     /// user of the machine). Tether only.
     #[arg(long, value_name = "TOKEN")]
     pub token: Option<String>,
-    /// The CA that signed the endpoint's certificate, for an https:// admin URL (a TLS
-    /// proxy in front of the admin port; the admin port itself is plain HTTP). Tether
-    /// only.
+    /// The CA that signed the endpoint's certificate, for an https:// admin URL (the
+    /// server's --admin-cert, or a TLS proxy in front of the admin port). Tether only.
     #[arg(long, value_name = "FILE")]
     pub cacert: Option<PathBuf>,
     /// How to print the status: aligned tables, or JSON. Tether only.

@@ -8,6 +8,7 @@
 //! the operator opts in to deletion after a duration.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tether_core::error::chain;
 
@@ -43,12 +44,17 @@ pub struct AgentsConfig {
     /// A bearer token file sent with each request (read again each time), for servers
     /// whose admin port is not bound to loopback: they authorize `/agents` with a
     /// TokenReview for the `tether-admin` audience and a SubjectAccessReview for `get`
-    /// on `/agents`. Use a projected ServiceAccount token with that audience: the admin
-    /// port is plain HTTP, and such a token is worthless against kube-apiserver. Keep the
-    /// admin port on loopback (the default, and what the manifests ship) unless you
-    /// must: its answers are not authenticated either. Absent: no token is sent.
+    /// on `/agents`. Use a projected ServiceAccount token with that audience: such a
+    /// token is worthless against kube-apiserver. Off loopback, give the server
+    /// `--admin-cert` and use `https://` URLs with `ca_file`: in plain HTTP the token
+    /// travels in clear and the answers are not authenticated. Absent: no token is
+    /// sent.
     #[serde(default)]
     pub token_file: Option<String>,
+    /// The CA that signed the servers' admin certificates (`--admin-cert`), for
+    /// `https://` URLs; required with them. The certificate must name the URL's host.
+    #[serde(default)]
+    pub ca_file: Option<String>,
     /// Replaced by `deleteNodesAfterSeconds` (refused with a message saying so).
     #[serde(default)]
     pub grace_period_seconds: Option<u64>,
@@ -165,6 +171,8 @@ impl Index {
 #[derive(Debug)]
 pub struct ConnectedAgents {
     urls: Vec<hyper::Uri>,
+    /// For `https://` URLs: trusts `agents.caFile`.
+    tls: Option<Arc<rustls::ClientConfig>>,
     token_file: Option<std::path::PathBuf>,
     delete_after: Option<Duration>,
     trust_all: bool,
@@ -187,14 +195,38 @@ impl ConnectedAgents {
                 let uri: hyper::Uri = u
                     .parse()
                     .map_err(|e| format!("agents.urls: {u:?} is not a URL: {e}"))?;
-                if uri.scheme_str() != Some("http") || uri.host().is_none() {
-                    return Err(format!(
-                        "agents.urls: {u:?} must be http://HOST:PORT/agents (the server's admin port)"
-                    ));
+                match (uri.scheme_str(), uri.host()) {
+                    (Some("http"), Some(_)) => {}
+                    (Some("https"), Some(_)) if config.ca_file.is_none() => {
+                        return Err(format!(
+                            "agents.urls: {u:?} is https: set agents.caFile to the CA that signed the server's --admin-cert"
+                        ))
+                    }
+                    (Some("https"), Some(host)) => {
+                        tether_core::tls::server_name(host)
+                            .map_err(|e| format!("agents.urls: {u:?}: {e}"))?;
+                    }
+                    _ => {
+                        return Err(format!(
+                            "agents.urls: {u:?} must be http://HOST:PORT/agents or https://HOST:PORT/agents (the server's admin port)"
+                        ))
+                    }
                 }
                 Ok(uri)
             })
             .collect::<Result<_, _>>()?;
+        // Read once at start-up: a CA changes with a restart, as kube's own CA files do.
+        let tls = match &config.ca_file {
+            Some(f) => Some(
+                tether_core::tls::client_config(
+                    std::path::Path::new(f),
+                    None,
+                    &[tether_core::tls::ALPN_HTTP11],
+                )
+                .map_err(|e| format!("agents.caFile {f:?}: {}", chain(&e)))?,
+            ),
+            None => None,
+        };
         let token_file = match &config.token_file {
             Some(f) => {
                 std::fs::metadata(f).map_err(|e| format!("agents.tokenFile {f:?}: {e}"))?;
@@ -204,6 +236,7 @@ impl ConnectedAgents {
         };
         Ok(ConnectedAgents {
             urls,
+            tls,
             token_file,
             delete_after: config.delete_nodes_after_seconds.map(Duration::from_secs),
             trust_all: config.trust_unverified_identifiers,
@@ -274,7 +307,8 @@ impl ConnectedAgents {
                 },
                 None => None,
             };
-            match tokio::time::timeout(REQUEST_TIMEOUT, get(uri, token.as_deref())).await {
+            let answer = get(uri, self.tls.as_ref(), token.as_deref());
+            match tokio::time::timeout(REQUEST_TIMEOUT, answer).await {
                 Ok(Ok(list)) => {
                     answered = true;
                     for a in list.agents {
@@ -298,12 +332,45 @@ impl ConnectedAgents {
     }
 }
 
-async fn get(uri: &hyper::Uri, token: Option<&str>) -> Result<Listing, String> {
+async fn get(
+    uri: &hyper::Uri,
+    tls: Option<&Arc<rustls::ClientConfig>>,
+    token: Option<&str>,
+) -> Result<Listing, String> {
     let host = uri.host().unwrap_or_default().trim_matches(['[', ']']);
-    let port = uri.port_u16().unwrap_or(80);
-    let stream = tokio::net::TcpStream::connect((host, port))
-        .await
-        .map_err(|e| chain(&e).to_string())?;
+    match (uri.scheme_str(), tls) {
+        (Some("https"), Some(tls)) => {
+            let port = uri.port_u16().unwrap_or(443);
+            let name = tether_core::tls::server_name(host)?;
+            let tcp = tokio::net::TcpStream::connect((host, port))
+                .await
+                .map_err(|e| chain(&e).to_string())?;
+            let stream = tokio_rustls::TlsConnector::from(tls.clone())
+                .connect(name, tcp)
+                .await
+                .map_err(|e| format!("TLS: {}", chain(&e)))?;
+            exchange(stream, uri, host, token).await
+        }
+        _ => {
+            let port = uri.port_u16().unwrap_or(80);
+            let tcp = tokio::net::TcpStream::connect((host, port))
+                .await
+                .map_err(|e| chain(&e).to_string())?;
+            exchange(tcp, uri, host, token).await
+        }
+    }
+}
+
+/// GET `uri` on `stream`: the listing.
+async fn exchange<IO>(
+    stream: IO,
+    uri: &hyper::Uri,
+    host: &str,
+    token: Option<&str>,
+) -> Result<Listing, String>
+where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
         .map_err(|e| chain(&e).to_string())?;
@@ -383,7 +450,18 @@ mod tests {
         let https = ConnectedAgents::new(&cfg("https://127.0.0.1:8133/agents"))
             .err()
             .unwrap();
-        assert!(https.contains("admin port"), "{https}");
+        assert!(https.contains("agents.caFile"), "{https}");
+        let ftp = ConnectedAgents::new(&cfg("ftp://127.0.0.1:8133/agents"))
+            .err()
+            .unwrap();
+        assert!(ftp.contains("admin port"), "{ftp}");
+        let missing = ConnectedAgents::new(&AgentsConfig {
+            ca_file: Some("/nonexistent/admin-ca.crt".into()),
+            ..cfg("https://127.0.0.1:8133/agents")
+        })
+        .err()
+        .unwrap();
+        assert!(missing.contains("agents.caFile"), "{missing}");
         assert!(ConnectedAgents::new(&AgentsConfig::default()).is_err());
         let old = ConnectedAgents::new(&AgentsConfig {
             grace_period_seconds: Some(600),
