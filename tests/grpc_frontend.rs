@@ -154,11 +154,14 @@ async fn dial_errors_reach_only_their_caller() {
         Err(e) => panic!("unexpected error {e}"),
         Ok(_) => panic!("dial to a closed port succeeded"),
     }
-    // An address the agent cannot even parse (no port; nothing is looked up).
-    assert!(matches!(
-        client.dial("not-an-address").await,
-        Err(ClientError::Dial { .. })
-    ));
+    // An address that is not host:port: the server refuses it itself (no agent is
+    // asked, nothing is looked up) and says why; counted as upstream counts the agent's
+    // refusal of it.
+    match client.dial("not-an-address").await {
+        Err(ClientError::Dial { error, .. }) => assert!(error.contains("host:port"), "{error}"),
+        Err(e) => panic!("unexpected error {e}"),
+        Ok(_) => panic!("dial to not-an-address succeeded"),
+    }
 
     ok.write_all(b"unaffected").await.unwrap();
     let mut buf = [0u8; 10];

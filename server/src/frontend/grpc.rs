@@ -150,11 +150,8 @@ async fn on_packet(router: &Arc<Router>, fe: &Arc<FrontendStream>, packet: Packe
         Some(Payload::DialRequest(req)) => {
             let random = req.random;
             let span = tracing::info_span!("dial", address = %req.address, random);
-            if Box::pin(router.dial(fe, req).instrument(span))
-                .await
-                .is_err()
-            {
-                router.no_agent(fe, random);
+            if let Err(why) = Box::pin(router.dial(fe, req).instrument(span)).await {
+                router.dial_refused(fe, random, &why);
             }
         }
         Some(Payload::Data(_)) => {

@@ -13,7 +13,7 @@ use tether_proto::{packet::Payload, DialRequest, Packet};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 
-use crate::router::{outbox, FrontendSink, FrontendStream, Router};
+use crate::router::{outbox, DialError, FrontendSink, FrontendStream, Router};
 
 /// Largest request head we accept.
 const MAX_HEAD: usize = 64 * 1024;
@@ -128,11 +128,15 @@ where
         address: address.to_string(),
         random: tether_core::random_id(),
     };
-    if router.dial(fe, req).await.is_err() {
-        return Err((
-            "500 Internal Server Error",
-            "currently no tunnels available".into(),
-        ));
+    match router.dial(fe, req).await {
+        Ok(()) => {}
+        Err(DialError::NoAgent) => {
+            return Err((
+                "500 Internal Server Error",
+                "currently no tunnels available".into(),
+            ))
+        }
+        Err(DialError::BadAddress(e)) => return Err(("400 Bad Request", e.to_string())),
     }
     let first = tokio::select! {
         p = tokio::time::timeout(DIAL_BACKSTOP, rx.next()) => p,

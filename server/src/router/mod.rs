@@ -21,7 +21,7 @@ use tether_core::pump::Sink;
 use tether_proto::{packet::Payload, CloseDial, CloseResponse, DialRequest, DialResponse, Packet};
 use tracing::Instrument;
 
-pub use select::{parse_strategies, Registry, Strategy, TooManyStreams};
+pub use select::{parse_strategies, NoRoute, Registry, Strategy, TooManyStreams};
 pub use state::{outbox, AgentStream, Conn, FrontendStream, Outgoing, Verified};
 
 use crate::metrics::{DialFailure, Metrics, Segment};
@@ -39,6 +39,10 @@ pub enum DialError {
     /// No agent connected or matched the strategies.
     #[error("No agent available")]
     NoAgent,
+    /// The address is not one the server routes (not `host:port`, an unusual
+    /// spelling): no agent is asked to dial it.
+    #[error(transparent)]
+    BadAddress(tether_core::host::HostError),
 }
 
 /// How long a dial may wait for its agent's answer when `--backend-dial-timeout` is not
@@ -135,6 +139,15 @@ impl Router {
     ) -> Result<(), DialError> {
         let agent = match self.registry.route(&self.config.strategies, &req.address) {
             Ok(agent) => agent,
+            Err(NoRoute::Host(e)) => {
+                // Where upstream's agent would have failed the dial: counted as its
+                // error answer would be, and the caller told what is wrong.
+                if fe.counted {
+                    self.metrics.dial_failed(DialFailure::ErrorResponse);
+                }
+                tracing::info!(address = ?req.address, reason = %e, "dial address refused");
+                return Err(DialError::BadAddress(e));
+            }
             Err(why) => {
                 if fe.counted {
                     self.metrics.dial_failed(DialFailure::NoAgent);
@@ -147,10 +160,14 @@ impl Router {
         Ok(())
     }
 
-    /// Answers dial `random` of `fe` with upstream's "No agent available" (after
-    /// [`Router::dial`] failed).
-    pub fn no_agent(&self, fe: &FrontendStream, random: i64) {
-        self.to_frontend(fe, Packet::dial_response(random, 0, NO_AGENT));
+    /// Answers dial `random` of `fe` with why [`Router::dial`] failed: upstream's "No
+    /// agent available", or what is wrong with the address.
+    pub fn dial_refused(&self, fe: &FrontendStream, random: i64, why: &DialError) {
+        let error = match why {
+            DialError::NoAgent => NO_AGENT.to_string(),
+            DialError::BadAddress(e) => e.to_string(),
+        };
+        self.to_frontend(fe, Packet::dial_response(random, 0, &error));
     }
 
     /// Registers a pending dial on `agent` and sends it the DIAL_REQ.
