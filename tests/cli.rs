@@ -203,6 +203,10 @@ fn bad_flags_fail_with_one_clear_line() {
     .unwrap();
     let (ok, err) = run(&["ccm", &cloud_config]);
     assert!(!ok);
+    assert!(error_line(&err).contains("agents.caFile"), "{err}");
+    std::fs::write(&inventory, "agents: {urls: [\"ftp://10.0.0.1/agents\"]}\n").unwrap();
+    let (ok, err) = run(&["ccm", &cloud_config]);
+    assert!(!ok);
     assert!(error_line(&err).contains("admin port"), "{err}");
     std::fs::write(&inventory, "nodes: []\n").unwrap();
 
