@@ -234,13 +234,13 @@ async fn serve(
         let Ok(pending) = pending else {
             continue;
         };
-        let service = hyper_util::service::TowerToHyperService::new(router.clone());
+        let router = router.clone();
         let hard_stop = hard_stop.clone();
         let tls = tls.as_ref().map(|source| source());
         connections.spawn(async move {
             let _slot = slot;
             match tls {
-                None => serve_one(tcp, service, &pending, &hard_stop).await,
+                None => serve_one(tcp, router, &pending, &hard_stop).await,
                 Some(config) => {
                     let accept = tokio_rustls::TlsAcceptor::from(config).accept(tcp);
                     let tls = tokio::select! {
@@ -249,7 +249,7 @@ async fn serve(
                         done = tokio::time::timeout(HEADER_READ_TIMEOUT, accept) => done,
                     };
                     match tls {
-                        Ok(Ok(stream)) => serve_one(stream, service, &pending, &hard_stop).await,
+                        Ok(Ok(stream)) => serve_one(stream, router, &pending, &hard_stop).await,
                         Ok(Err(e)) => {
                             tracing::debug!(%peer, error = %chain(&e), "TLS handshake failed")
                         }
@@ -265,23 +265,18 @@ async fn serve(
 
 /// Serves HTTP/1.1 on one connection until it ends, its client is evicted, or
 /// `hard_stop` (then its request in flight gets a second).
-async fn serve_one<IO, S>(
+async fn serve_one<IO>(
     io: IO,
-    service: S,
+    router: Router,
     pending: &tether_core::admission::Pending,
     hard_stop: &CancellationToken,
 ) where
     IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
-    S: hyper::service::HttpService<hyper::body::Incoming> + Send,
-    S::ResBody: Send + 'static,
-    <S::ResBody as hyper::body::Body>::Data: Send,
-    <S::ResBody as hyper::body::Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-    S::Future: Send,
-    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(hyper_util::rt::TokioTimer::new())
         .header_read_timeout(HEADER_READ_TIMEOUT);
+    let service = hyper_util::service::TowerToHyperService::new(router);
     let conn = http.serve_connection(hyper_util::rt::TokioIo::new(io), service);
     let mut conn = std::pin::pin!(conn);
     tokio::select! {

@@ -337,37 +337,29 @@ async fn get(
     tls: Option<&Arc<rustls::ClientConfig>>,
     token: Option<&str>,
 ) -> Result<Listing, String> {
-    let host = uri.host().unwrap_or_default().trim_matches(['[', ']']);
-    match (uri.scheme_str(), tls) {
-        (Some("https"), Some(tls)) => {
-            let port = uri.port_u16().unwrap_or(443);
+    use tether_core::transport::{connect_tcp, tls_over};
+    let host = uri.host().unwrap_or_default();
+    let tls = tls.filter(|_| uri.scheme_str() == Some("https"));
+    let port = uri
+        .port_u16()
+        .unwrap_or(if tls.is_some() { 443 } else { 80 });
+    let tcp = connect_tcp(&format!("{host}:{port}"), None)
+        .await
+        .map_err(|e| chain(&e).to_string())?;
+    match tls {
+        Some(tls) => {
             let name = tether_core::tls::server_name(host)?;
-            let tcp = tokio::net::TcpStream::connect((host, port))
-                .await
-                .map_err(|e| chain(&e).to_string())?;
-            let stream = tokio_rustls::TlsConnector::from(tls.clone())
-                .connect(name, tcp)
+            let stream = tls_over(tcp, name, tls.clone())
                 .await
                 .map_err(|e| format!("TLS: {}", chain(&e)))?;
-            exchange(stream, uri, host, token).await
+            exchange(stream, uri, token).await
         }
-        _ => {
-            let port = uri.port_u16().unwrap_or(80);
-            let tcp = tokio::net::TcpStream::connect((host, port))
-                .await
-                .map_err(|e| chain(&e).to_string())?;
-            exchange(tcp, uri, host, token).await
-        }
+        None => exchange(tcp, uri, token).await,
     }
 }
 
 /// GET `uri` on `stream`: the listing.
-async fn exchange<IO>(
-    stream: IO,
-    uri: &hyper::Uri,
-    host: &str,
-    token: Option<&str>,
-) -> Result<Listing, String>
+async fn exchange<IO>(stream: IO, uri: &hyper::Uri, token: Option<&str>) -> Result<Listing, String>
 where
     IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
@@ -380,7 +372,7 @@ where
         // loopback admin port refuses a Host it cannot tell from a rebound name.
         .header(
             hyper::header::HOST,
-            uri.authority().map(|a| a.as_str()).unwrap_or(host),
+            uri.authority().map(|a| a.as_str()).unwrap_or_default(),
         );
     if let Some(token) = token {
         req = req.header(hyper::header::AUTHORIZATION, format!("Bearer {token}"));
