@@ -70,8 +70,7 @@ fn agent_with_token(
 async fn tokens_are_checked_by_token_review() {
     let pki = Pki::new();
     let cluster = Cluster::start(&Egress::GrpcUds(socket_path(pki.dir())));
-    let rbac = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/rbac.yaml");
-    cluster.kubectl_ok(&["apply", "-f", rbac.to_str().unwrap()]);
+    cluster.apply_shipped_rbac();
     cluster.kubectl_ok(&["create", "serviceaccount", "intruder", "-n", "kube-system"]);
     let uid = cluster.kubectl_ok(&[
         "get",

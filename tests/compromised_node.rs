@@ -32,19 +32,26 @@ fn certificate_server(pki: &Pki, extra: &[&str]) -> ServerProc {
     ServerProc::start(Path::new(BIN), &args)
 }
 
-/// Threats 1 and 4 with certificates: node-a's certificate claiming node-b's name and
-/// address on fifty streams gets none of node-b's dials, no more than eight streams,
-/// and no more than one agent's share of the dials any agent may take.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_node_certificate_cannot_take_another_nodes_traffic() {
+/// Node-b (127.0.0.2): its kubelet (an echo server) and its agent, connected with its
+/// own certificate to a [`certificate_server`] with `extra`; and node-a's certificate
+/// (127.0.0.3), which the attacker holds.
+struct NodeB {
+    pki: Pki,
+    cert_a: (std::path::PathBuf, std::path::PathBuf),
+    kubelet_b: backend::Backend,
+    server: ServerProc,
+    _agent: AgentProc,
+    _certs: TempDir,
+}
+
+async fn node_b_beside_an_attacker(extra: &[&str]) -> NodeB {
     let pki = Pki::new();
     let certs = TempDir::new("tether-node-certs");
     let cert_a = node_cert(Path::new(BIN), &pki, certs.path(), "node-a", "127.0.0.3");
     let cert_b = node_cert(Path::new(BIN), &pki, certs.path(), "node-b", "127.0.0.2");
     let kubelet_b = backend::echo_on("127.0.0.2").await;
-    let elsewhere = backend::echo().await;
-    let server = certificate_server(&pki, &[]);
-    let _node_b = certified_agent(
+    let server = certificate_server(&pki, extra);
+    let agent = certified_agent(
         Path::new(BIN),
         &pki,
         &server,
@@ -53,6 +60,31 @@ async fn a_node_certificate_cannot_take_another_nodes_traffic() {
         &cert_b,
     );
     server.wait_agents(1).await;
+    NodeB {
+        pki,
+        cert_a,
+        kubelet_b,
+        server,
+        _agent: agent,
+        _certs: certs,
+    }
+}
+
+/// Threats 1 and 4 with certificates: node-a's certificate claiming node-b's name and
+/// address on fifty streams gets none of node-b's dials, no more than eight streams,
+/// and no more than one agent's share of the dials any agent may take.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_certificate_cannot_take_another_nodes_traffic() {
+    let NodeB {
+        pki,
+        cert_a,
+        kubelet_b,
+        server,
+        // Bound, not `..`: they live to the end of the test.
+        _agent,
+        _certs,
+    } = node_b_beside_an_attacker(&[]).await;
+    let elsewhere = backend::echo().await;
 
     let rogue = Rogue::connect(&pki, server.agent, Some((&cert_a.0, &cert_a.1))).await;
     let (streams, refused) = rogue
@@ -127,21 +159,15 @@ async fn a_node_certificate_cannot_take_another_nodes_traffic() {
 /// `--require-agent-identity-match` refuses the impostor outright.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn forged_packets_reach_no_other_agents_tunnels() {
-    let pki = Pki::new();
-    let certs = TempDir::new("tether-node-certs");
-    let cert_a = node_cert(Path::new(BIN), &pki, certs.path(), "node-a", "127.0.0.3");
-    let cert_b = node_cert(Path::new(BIN), &pki, certs.path(), "node-b", "127.0.0.2");
-    let kubelet_b = backend::echo_on("127.0.0.2").await;
-    let server = certificate_server(&pki, &["--require-agent-identity-match"]);
-    let _node_b = certified_agent(
-        Path::new(BIN),
-        &pki,
-        &server,
-        "node-b",
-        "127.0.0.2",
-        &cert_b,
-    );
-    server.wait_agents(1).await;
+    let NodeB {
+        pki,
+        cert_a,
+        kubelet_b,
+        server,
+        // Bound, not `..`: they live to the end of the test.
+        _agent,
+        _certs,
+    } = node_b_beside_an_attacker(&["--require-agent-identity-match"]).await;
 
     let rogue = Rogue::connect(&pki, server.agent, Some((&cert_a.0, &cert_a.1))).await;
     let refused = rogue.open("node-b", "host=node-b", None).await.err();
@@ -329,8 +355,7 @@ sys.stdin.read()
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_node_token_cannot_take_another_nodes_traffic() {
     let cluster = Cluster::start(&Egress::Direct);
-    let rbac = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/rbac.yaml");
-    cluster.kubectl_ok(&["apply", "-f", rbac.to_str().unwrap()]);
+    cluster.apply_shipped_rbac();
     for (node, ip) in [("edge-1", "127.0.0.2"), ("edge-2", "127.0.0.3")] {
         cluster.apply(&format!(
             "apiVersion: v1\nkind: Node\nmetadata:\n  name: {node}\nspec:\n  podCIDR: 10.244.{n}.0/24\n  podCIDRs: [10.244.{n}.0/24]\n",

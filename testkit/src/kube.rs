@@ -761,6 +761,13 @@ impl Cluster {
             .expect("run kubectl")
     }
 
+    /// Applies `deploy/rbac.yaml` as shipped: what the server (TokenReviews, Nodes,
+    /// Leases), the agents and the CCM are granted.
+    pub fn apply_shipped_rbac(&self) {
+        let rbac = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/rbac.yaml");
+        self.kubectl_ok(&["apply", "-f", rbac.to_str().unwrap()]);
+    }
+
     /// Runs kubectl as admin and panics on failure; returns stdout.
     pub fn kubectl_ok(&self, args: &[&str]) -> String {
         let out = self.kubectl(args);

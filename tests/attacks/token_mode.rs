@@ -24,8 +24,7 @@ use super::{bin, readme_server};
 /// a `Hostname` of its own) and edge-2 (127.0.0.3).
 fn cluster() -> Cluster {
     let cluster = Cluster::start(&Egress::Direct);
-    let rbac = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/rbac.yaml");
-    cluster.kubectl_ok(&["apply", "-f", rbac.to_str().unwrap()]);
+    cluster.apply_shipped_rbac();
     for (node, ip, n) in [("edge-1", "127.0.0.2", 2), ("edge-2", "127.0.0.3", 3)] {
         cluster.apply(&format!(
             "apiVersion: v1\nkind: Node\nmetadata:\n  name: {node}\nspec:\n  podCIDR: 10.244.{n}.0/24\n  podCIDRs: [10.244.{n}.0/24]\n"

@@ -812,8 +812,7 @@ fn a_pod_ip_is_dialled_by_the_agent_on_its_node() {
     let pki = Pki::with_sans(&[nodes[0].host_ip.clone(), nodes[1].host_ip.clone()]);
     let socket = socket_path(pki.dir());
     let cluster = Cluster::start(&Egress::Direct);
-    let rbac = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/rbac.yaml");
-    cluster.kubectl_ok(&["apply", "-f", rbac.to_str().unwrap()]);
+    cluster.apply_shipped_rbac();
     let mut args = uds_frontend_args(&pki, "grpc", &socket);
     args.extend([
         "--agent-bind-address=0.0.0.0".into(),

@@ -219,6 +219,19 @@ fn agents_listing(server: &ServerProc) -> Value {
     serde_json::from_slice(&out.stdout).unwrap_or(Value::Null)
 }
 
+/// A cluster with the shipped RBAC, and a Tether server authenticating agents by
+/// pod-bound tokens against it, as the manifests run it.
+fn cluster_with_token_server() -> (Cluster, Pki, ServerProc) {
+    let cluster = Cluster::start(&Egress::Direct);
+    cluster.apply_shipped_rbac();
+    let pki = Pki::new();
+    let server = ServerProc::start(
+        Path::new(BIN),
+        &token_auth_server_args(&pki, &cluster.files.server_kubeconfig),
+    );
+    (cluster, pki, server)
+}
+
 /// With the shipped token authentication: an agent whose token is bound to a Pod on
 /// node edge-1 is vouched for by the server as edge-1, and that node is initialised from
 /// it; another agent's bare claim to be edge-2 changes nothing but one event. When
@@ -226,14 +239,7 @@ fn agents_listing(server: &ServerProc) -> Value {
 /// later, each proven by a node deleted beside it); only the opt-in policy deletes it.
 #[test]
 fn only_verified_agents_vouch_for_nodes_and_an_absent_agent_costs_no_node() {
-    let cluster = Cluster::start(&Egress::Direct);
-    let rbac = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/rbac.yaml");
-    cluster.kubectl_ok(&["apply", "-f", rbac.to_str().unwrap()]);
-    let pki = Pki::new();
-    let server = ServerProc::start(
-        Path::new(BIN),
-        &token_auth_server_args(&pki, &cluster.files.server_kubeconfig),
-    );
+    let (cluster, pki, server) = cluster_with_token_server();
     let tokens = TempDir::new("tether-tokens");
     let bound = cluster.pod_bound_agent_token("konnectivity-agent-edge-1", "edge-1");
     let mut verified = token_agent(
@@ -371,14 +377,7 @@ fn only_verified_agents_vouch_for_nodes_and_an_absent_agent_costs_no_node() {
 /// dials go to its own agent.
 #[test]
 fn a_node_no_one_gives_an_address_says_how_to_fix_it_and_no_impostor_gains() {
-    let cluster = Cluster::start(&Egress::Direct);
-    let rbac = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/rbac.yaml");
-    cluster.kubectl_ok(&["apply", "-f", rbac.to_str().unwrap()]);
-    let pki = Pki::new();
-    let server = ServerProc::start(
-        Path::new(BIN),
-        &token_auth_server_args(&pki, &cluster.files.server_kubeconfig),
-    );
+    let (cluster, pki, server) = cluster_with_token_server();
     add_uninitialized_node(&cluster, "edge-3", "");
     add_uninitialized_node(&cluster, "edge-4", "127.0.0.4");
     cluster.patch_node_status(
