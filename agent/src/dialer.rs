@@ -346,11 +346,7 @@ pub(crate) const ANSWERS: usize = 256;
 /// What of a server-given string an answer echoes: at most 256 bytes, so a server
 /// cannot make the agent hold large copies of what it sent.
 fn cut(s: &str) -> &str {
-    let mut end = s.len().min(256);
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    &s[..end]
+    tether_core::ratelimit::clipped(s, 256)
 }
 
 /// The connections' pumps send through the session: DATA and WINDOW_UPDATE are

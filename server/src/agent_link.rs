@@ -47,6 +47,11 @@ macro_rules! refused {
 /// Most bytes of a peer's agent ID a log line shows.
 const SHOWN_ID: usize = 128;
 
+/// What a log line shows of a peer's agent ID: at most [`SHOWN_ID`] bytes.
+fn shown(agent_id: &str) -> &str {
+    tether_core::ratelimit::clipped(agent_id, SHOWN_ID)
+}
+
 /// Serves agents' Connect streams.
 pub struct AgentLink {
     pub(crate) router: Arc<Router>,
@@ -362,7 +367,7 @@ impl AgentLink {
         };
         let peer_window = admission.peer_window;
         let token = admission.token.take();
-        let span = tracing::info_span!("agent_stream", agent_id = %tether_core::ratelimit::clipped(&admission.agent_id, SHOWN_ID), peer = %admission.peer);
+        let span = tracing::info_span!("agent_stream", agent_id = %shown(&admission.agent_id), peer = %admission.peer);
         let (agent, packets) = match self.open(admission) {
             Ok(opened) => opened,
             Err(status) => {
@@ -474,7 +479,7 @@ impl AgentLink {
                 .agent_streams_refused
                 .with_label_values(&["too_many_connections"])
                 .inc();
-            refused!(self, agent_id = %tether_core::ratelimit::clipped(&a.agent_id, SHOWN_ID), peer = %a.peer, identity = %key, held, "agent stream refused: its verified identity holds the most connections --max-agent-streams allows");
+            refused!(self, agent_id = %shown(&a.agent_id), peer = %a.peer, identity = %key, held, "agent stream refused: its verified identity holds the most connections --max-agent-streams allows");
             Status::resource_exhausted(format!(
                 "{held} connections already open for verified identity {key:?} (the most --max-agent-streams allows)"
             ))
@@ -553,7 +558,7 @@ impl AgentLink {
             identity::from_token(bound_node.as_deref(), &agent_id, &identifiers, nodes)
         } else if let Some(cert) = conn_info.peer_certs.as_ref().and_then(|c| c.first()) {
             let info = tether_certs::inspect::parse_der(cert).map_err(|e| {
-                refused!(self, agent_id = %tether_core::ratelimit::clipped(&agent_id, SHOWN_ID), %peer, error = %e, "unreadable agent certificate; stream refused");
+                refused!(self, agent_id = %shown(&agent_id), %peer, error = %e, "unreadable agent certificate; stream refused");
                 Status::unauthenticated(format!("client certificate: {e}"))
             })?;
             let nodes = self.router.registry().nodes();
@@ -602,7 +607,7 @@ impl AgentLink {
         };
         let header = md.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
         let bound = auth.authenticate(header).await.map_err(|e| {
-            refused!(self, agent_id = %tether_core::ratelimit::clipped(agent_id, SHOWN_ID), %peer, error = %chain(&e), "agent authentication failed; stream refused");
+            refused!(self, agent_id = %shown(agent_id), %peer, error = %chain(&e), "agent authentication failed; stream refused");
             Status::unauthenticated(e.public_message())
         })?;
         let bearer = header
@@ -638,7 +643,7 @@ impl AgentLink {
                 .agent_streams_refused
                 .with_label_values(&["unverified"])
                 .inc();
-            refused!(self, agent_id = %tether_core::ratelimit::clipped(agent_id, SHOWN_ID), %peer, unverified = %unverified, verified_by = by, "agent claims identifiers the server could not verify; stream refused (--require-agent-identity-match)");
+            refused!(self, agent_id = %shown(agent_id), %peer, unverified = %unverified, verified_by = by, "agent claims identifiers the server could not verify; stream refused (--require-agent-identity-match)");
             return Err(Status::permission_denied(format!(
                 "identifiers not verified by the {by}: {unverified}"
             )));
@@ -646,7 +651,7 @@ impl AgentLink {
         if self.router.registry().trusts_claims() {
             tracing::debug!(%agent_id, %peer, unverified = %unverified, verified_by = by, "routing by identifiers the server could not verify (--unsafe-trust-agent-identifiers)");
         } else if self.unverified_warnings.try_acquire() {
-            tracing::warn!(agent_id = %tether_core::ratelimit::clipped(agent_id, SHOWN_ID), %peer, unverified = %unverified, verified_by = by, "agent claims identifiers the server could not verify; they are not routed by");
+            tracing::warn!(agent_id = %shown(agent_id), %peer, unverified = %unverified, verified_by = by, "agent claims identifiers the server could not verify; they are not routed by");
         } else {
             tracing::debug!(%agent_id, %peer, unverified = %unverified, verified_by = by, "agent claims identifiers the server could not verify; they are not routed by");
         }
@@ -677,10 +682,10 @@ impl AgentLink {
                 .agent_streams_refused
                 .with_label_values(&["too_many_streams"])
                 .inc();
-            refused!(self, agent_id = %tether_core::ratelimit::clipped(agent_id, SHOWN_ID), %peer, error = %chain(&e), "agent stream refused");
+            refused!(self, agent_id = %shown(agent_id), %peer, error = %chain(&e), "agent stream refused");
             return Err(Status::resource_exhausted(e.to_string()));
         }
-        tracing::info!(agent_id = %tether_core::ratelimit::clipped(agent_id, SHOWN_ID), %peer, identifiers = ?agent.identifiers, flow_control = a.peer_window.is_some(), "agent connected");
+        tracing::info!(agent_id = %shown(agent_id), %peer, identifiers = ?agent.identifiers, flow_control = a.peer_window.is_some(), "agent connected");
         let (hard_stop, retired) = (self.hard_stop.clone(), agent.closed.clone());
         let ended = async move {
             tokio::select! {

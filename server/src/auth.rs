@@ -101,6 +101,8 @@ pub struct TokenAuthenticator {
     reviews: Api<TokenReview>,
     pods: Api<Pod>,
     accounts: Api<ServiceAccount>,
+    /// The agents' ServiceAccount, by name.
+    service_account: String,
     expected_user: String,
     audience: String,
     cache: Mutex<ReviewCache>,
@@ -135,6 +137,7 @@ impl TokenAuthenticator {
             reviews: Api::all(client.clone()),
             pods: Api::namespaced(client.clone(), &config.namespace),
             accounts: Api::namespaced(client, &config.namespace),
+            service_account: config.service_account.clone(),
             expected_user: format!(
                 "system:serviceaccount:{}:{}",
                 config.namespace, config.service_account
@@ -222,7 +225,7 @@ impl TokenAuthenticator {
             Some(p) => p,
             None => return Ok(false),
         };
-        let sa_name = self.expected_user.rsplit(':').next().unwrap_or_default();
+        let sa_name = self.service_account.as_str();
         let spec = pod.spec.unwrap_or_default();
         if pod.metadata.uid.as_deref() != Some(uid.as_str())
             || pod.metadata.deletion_timestamp.is_some()
@@ -377,10 +380,8 @@ fn claims(token: &str) -> Option<serde_json::Value> {
 
 /// The string claim at `path` of `token`.
 fn claim(token: &str, path: &[&str]) -> Option<String> {
-    let mut v = claims(token)?;
-    for p in path {
-        v = v.get(p)?.clone();
-    }
+    let claims = claims(token)?;
+    let v = path.iter().try_fold(&claims, |v, p| v.get(p))?;
     v.as_str().map(str::to_string)
 }
 

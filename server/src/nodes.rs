@@ -77,6 +77,18 @@ struct Certified {
     addresses: HashMap<IpAddr, Vec<String>>,
 }
 
+/// Takes `node` off the lists of `keys` in `index`, dropping lists left empty.
+fn unlist<K: std::hash::Hash + Eq>(index: &mut HashMap<K, Vec<String>>, keys: &[K], node: &str) {
+    for k in keys {
+        if let Some(v) = index.get_mut(k) {
+            v.retain(|x| x != node);
+            if v.is_empty() {
+                index.remove(k);
+            }
+        }
+    }
+}
+
 /// One node's latest certificate: its names, addresses and validity (Unix seconds).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Vouched {
@@ -115,22 +127,8 @@ impl Certified {
         let Some(old) = self.by_node.remove(node) else {
             return;
         };
-        for n in &old.names {
-            if let Some(v) = self.names.get_mut(n) {
-                v.retain(|x| x != node);
-                if v.is_empty() {
-                    self.names.remove(n);
-                }
-            }
-        }
-        for ip in &old.ips {
-            if let Some(v) = self.addresses.get_mut(ip) {
-                v.retain(|x| x != node);
-                if v.is_empty() {
-                    self.addresses.remove(ip);
-                }
-            }
-        }
+        unlist(&mut self.names, &old.names, node);
+        unlist(&mut self.addresses, &old.ips, node);
     }
 }
 
