@@ -92,6 +92,29 @@ fn bad_flags_fail_with_one_clear_line() {
             &["agent", "--dead-link-timeout=1s"][..],
             "--dead-link-timeout must be 0 (kernel defaults) or at least 2s",
         ),
+        // The dial policy's flags name the entry and show the forms that work.
+        (
+            &["agent", "--dial-allow=10.0.0.0/33"][..],
+            "--dial-allow \"10.0.0.0/33\": prefix /33 is longer than 32 (e.g. 10.20.0.0/16",
+        ),
+        (&["agent", "--dial-allow=node"][..], "`node` needs a port"),
+        (
+            &["agent", "--dial-allow=[fd00::/64]443"][..],
+            "expected :PORT after ']'",
+        ),
+        (
+            &["agent", "--service-cidr=10.96.0.0"][..],
+            "--service-cidr \"10.96.0.0\": expected ADDRESS/PREFIX",
+        ),
+        (
+            &["agent", "--node-ip=node-1"][..],
+            "--node-ip \"node-1\" is not an IP address",
+        ),
+        (
+            &["agent", "--node-name=$(NODE_NAME)"][..],
+            "an unexpanded $(NODE_NAME)?",
+        ),
+        (&["agent", "--dial-policy=none"][..], "--dial-policy"),
     ] {
         let (ok, err) = run(args);
         assert!(!ok);

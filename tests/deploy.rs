@@ -294,7 +294,8 @@ fn kubeadm_examples_have_each_versions_shape() {
 }
 
 /// What the manifests promise clusters of today: the agent needs no kubelet address to
-/// start and no API token, takes the cluster CA from `kube-root-ca.crt`, and surges; node
+/// start and no automounted API token (its dial policy reads its Node with a projected
+/// one), takes the cluster CA from `kube-root-ca.crt`, and surges; node
 /// components are node-critical; the CCM reaches kube-apiserver without kube-proxy, with
 /// readiness, on kubeadm's, k3s' and RKE2's control-plane labels, and a DNS that does not
 /// wait on itself.
@@ -305,7 +306,10 @@ fn the_manifests_fit_clusters_of_today() {
         !agent.contains("status.hostIP"),
         "no kubelet address needed to start"
     );
+    // No automounted token: the two it has are projected, each for its purpose.
     assert!(agent.contains("automountServiceAccountToken: false"));
+    assert!(agent.contains("audience: system:konnectivity-server"));
+    assert!(agent.contains("--node-name=$(NODE_NAME)") && agent.contains("--service-cidr="));
     assert!(agent.contains("name: kube-root-ca.crt"));
     assert!(agent.contains("maxSurge: 1") && agent.contains("maxUnavailable: 0"));
     assert!(agent.contains("priorityClassName: system-node-critical"));

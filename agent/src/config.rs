@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::policy::PolicyConfig;
 use crate::proxy::Egress;
 
 /// Everything the agent needs, already validated.
@@ -50,6 +51,8 @@ pub struct AgentConfig {
     /// How servers are reached: directly or through an egress proxy (`--egress-proxy`,
     /// HTTPS_PROXY, NO_PROXY).
     pub egress: Egress,
+    /// Which targets servers may have this agent dial (`--dial-policy`, `--dial-allow`).
+    pub policy: PolicyConfig,
 }
 
 /// Where server Leases are counted.

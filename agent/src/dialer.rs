@@ -18,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::metrics::Metrics;
+use crate::policy::{DialFailure, DialPolicy};
 
 /// Direction indexes for packet counters.
 pub(crate) const FROM_SERVER: usize = 0;
@@ -69,6 +70,8 @@ pub(crate) struct Session {
     pub(crate) closed: CancellationToken,
     /// Open target connections across all sessions each hold a watch (for drain).
     work: Arc<drain::Signal>,
+    /// What servers may have this agent dial.
+    policy: Arc<DialPolicy>,
 }
 
 impl Session {
@@ -79,6 +82,7 @@ impl Session {
         stall_timeout: Duration,
         metrics: Metrics,
         work: Arc<drain::Signal>,
+        policy: Arc<DialPolicy>,
     ) -> Arc<Self> {
         Arc::new(Session {
             out,
@@ -92,6 +96,7 @@ impl Session {
             metrics,
             closed: CancellationToken::new(),
             work,
+            policy,
         })
     }
 
@@ -284,7 +289,7 @@ impl Session {
     ) -> Option<TcpStream> {
         let started = Instant::now();
         let dialed = tokio::select! {
-            r = tokio::time::timeout(self.dial_timeout, TcpStream::connect(address)) => r,
+            r = tokio::time::timeout(self.dial_timeout, self.policy.connect(address)) => r,
             _ = hard_stop.cancelled() => {
                 self.pending().remove(&random);
                 return None;
@@ -300,9 +305,19 @@ impl Session {
                     .observe(started.elapsed().as_secs_f64());
                 return Some(stream);
             }
+            Ok(Err(DialFailure::Refused(why))) => {
+                self.metrics.dial_refusals.inc();
+                if let Some(left_out) = self.policy.refusal_log.allow() {
+                    tracing::warn!(address = cut(address), random, left_out, "{why}");
+                }
+                self.answer(Packet::dial_response(random, 0, why)).await;
+                return None;
+            }
             // Upstream's two reasons: a Go net.Error that timed out, and everything
             // else (a refused connection included).
-            Ok(Err(e)) if e.kind() == std::io::ErrorKind::TimedOut => ("timeout", e.to_string()),
+            Ok(Err(DialFailure::Io(e))) if e.kind() == std::io::ErrorKind::TimedOut => {
+                ("timeout", e.to_string())
+            }
             Ok(Err(e)) => ("unknown", e.to_string()),
             Err(_) => ("timeout", "i/o timeout".to_string()),
         };
@@ -391,7 +406,19 @@ mod tests {
         let timeout = Duration::from_secs(5);
         let stall = Duration::from_secs(30);
         let out = Outbox { control, data };
-        let s = Session::new(out, timeout, window, stall, Metrics::new(), work.clone());
+        let policy = crate::policy::DialPolicy::new(crate::policy::PolicyConfig {
+            any: true,
+            ..Default::default()
+        });
+        let s = Session::new(
+            out,
+            timeout,
+            window,
+            stall,
+            Metrics::new(),
+            work.clone(),
+            policy,
+        );
         let rx = ToServer {
             control: control_rx,
             data: data_rx,

@@ -8,6 +8,7 @@ pub mod dialer;
 pub mod lease_count;
 mod link;
 pub mod metrics;
+pub mod policy;
 pub mod proxy;
 mod servers;
 #[cfg(test)]
@@ -34,6 +35,8 @@ pub struct Agent {
     /// TLS to an https:// egress proxy.
     proxy_tls: Option<Arc<tether_ops::reload::Reloadable<rustls::ClientConfig>>>,
     metrics: Metrics,
+    /// What servers may have this agent dial.
+    policy: Arc<policy::DialPolicy>,
     /// Every open target connection holds a watch: drain waits for the last.
     work: Arc<drain::Signal>,
     streams: Arc<AtomicI64>,
@@ -71,6 +74,7 @@ impl Agent {
             tls,
             proxy_tls,
             metrics,
+            policy: policy::DialPolicy::new(config.policy.clone()),
             work: Arc::new(drain::Signal::new()),
             streams: Arc::new(AtomicI64::new(0)),
             header_count: Arc::new(AtomicI64::new(1)),
@@ -84,6 +88,11 @@ impl Agent {
     /// The metrics registry.
     pub fn metrics(&self) -> &Metrics {
         &self.metrics
+    }
+
+    /// The dial policy.
+    pub fn policy(&self) -> &Arc<policy::DialPolicy> {
+        &self.policy
     }
 
     /// Open target connections.

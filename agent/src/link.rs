@@ -327,6 +327,7 @@ impl Agent {
             cfg.stall_timeout,
             self.metrics.clone(),
             self.work.clone(),
+            self.policy.clone(),
         );
         (session, control_rx, data_rx)
     }

@@ -1,6 +1,8 @@
 //! Agent metrics under upstream's names (`konnectivity_network_proxy_agent_*`).
 
-use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+};
 use tether_ops::kubeclient::CallMetrics;
 
 use crate::lease_count::LeaseMetrics;
@@ -96,6 +98,11 @@ tether_ops::metric_set! {
             ),
             &["reason"],
         )),
+        /// Dials the dial policy refused.
+        pub dial_refusals: IntCounter = catalog.made(IntCounter::with_opts(Opts::new(
+            "tether_agent_dial_refusals_total",
+            "Dials a server asked for that the agent's dial policy refused (--dial-policy, --dial-allow); each is logged with its address.",
+        ))),
         /// When a drain started, its deadline; 0 while not draining.
         pub drain_deadline: IntGauge = catalog.made(IntGauge::with_opts(Opts::new(
             "tether_agent_drain_deadline_timestamp_seconds",

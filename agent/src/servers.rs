@@ -151,6 +151,27 @@ impl Agent {
             self.config.cert_reload_interval,
             hard_stop.clone(),
         );
+        self.watch_node(hard_stop);
+    }
+
+    /// Under `--dial-policy=node` with `--node-name`, reads the Node for the policy.
+    fn watch_node(&self, hard_stop: &CancellationToken) {
+        let policy = self.policy.clone();
+        let c = policy.config();
+        let Some(name) = c.node_name.clone().filter(|_| !c.any) else {
+            return;
+        };
+        let kubeconfig = c.kubeconfig.clone();
+        let hard_stop = hard_stop.clone();
+        tokio::spawn(async move {
+            match tether_ops::kubeclient::client(kubeconfig.as_deref()).await {
+                Ok(client) => crate::policy::NodeWatch::spawn(client, name, &policy, hard_stop),
+                Err(e) => tracing::warn!(
+                    error = %chain(&e),
+                    "dial policy: no API client to read this node's Node object (--kubeconfig, else in-cluster); dials to its pods are refused"
+                ),
+            }
+        });
     }
 
     /// Dials (round-robin, with backoff) until `held` has a stream to every server,

@@ -158,6 +158,10 @@ impl Pair {
             stall_timeout: Duration::from_secs(5),
             profiling: false,
             egress: Default::default(),
+            policy: crate::policy::PolicyConfig {
+                any: true,
+                ..Default::default()
+            },
         })
         .unwrap();
         Pair {

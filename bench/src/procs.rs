@@ -167,6 +167,9 @@ pub(crate) fn agent_args(pki: &tether_certs::DevPki, port: u16) -> Vec<String> {
         "--health-server-host=127.0.0.1".into(),
         "--health-server-port=0".into(),
         "--admin-server-port=0".into(),
+        // The default dial policy, judging every dial, with the bench's loopback
+        // backends allowed.
+        "--dial-allow=127.0.0.0/8,::1".into(),
     ]
 }
 

@@ -163,6 +163,49 @@ pub struct AgentArgs {
     #[arg(long, default_value_t = 8094)]
     pub admin_server_port: u16,
 
+    /// Which targets servers may have this agent dial: node or any.
+    ///
+    /// node (the default): the kubelet on this node's addresses (--node-ip, and its Node
+    /// object's InternalIP and ExternalIP addresses, at the port the Node gives, else
+    /// 10250), pods in the Node's pod ranges (spec.podCIDRs), the Service ranges of
+    /// --service-cidr, and what --dial-allow adds. A name is resolved by the agent and
+    /// judged by its addresses. Anything else is refused: the apiserver gets the error,
+    /// the agent logs it and counts it in tether_agent_dial_refusals_total. any: dial
+    /// whatever a server asks, as upstream's agent does; then a stolen frontend
+    /// credential or a compromised server can use every agent to reach its node's
+    /// network (logged as UNSAFE at start). Tether only.
+    #[arg(long, default_value = "node", value_parser = ["node", "any"])]
+    pub dial_policy: String,
+    /// More targets the dial policy allows, comma-separated or repeated.
+    ///
+    /// Each is a network or address (10.20.0.0/16, 192.168.1.5, fd00::/64), this node's
+    /// addresses (`node`, with a port: hostNetwork pods' ports), or a host name
+    /// (registry.example.com, or *.example.com for the names under it), with an
+    /// optional :PORT or :LOW-HIGH (IPv6 in brackets when a port follows:
+    /// [fd00::/64]:443). A name rule allows whatever the name resolves to. Tether only.
+    #[arg(long, value_delimiter = ',')]
+    pub dial_allow: Vec<String>,
+    /// The cluster's Service ranges (kube-apiserver's --service-cluster-ip-range), comma-separated.
+    ///
+    /// Webhooks and aggregated APIs are dialled at their Service's ClusterIP (unless
+    /// kube-apiserver runs --enable-aggregator-routing, which dials pod IPs). Empty:
+    /// no ClusterIP is allowed. Tether only.
+    #[arg(long, value_delimiter = ',')]
+    pub service_cidr: Vec<String>,
+    /// This agent's node, whose Node object the dial policy reads (needs get on nodes).
+    ///
+    /// Set it from the downward API (spec.nodeName). The Node is read with --kubeconfig,
+    /// else the in-cluster configuration, at start and every 30s, and again when a dial
+    /// would be refused. Empty: no pod range is known. Tether only.
+    #[arg(long, default_value = "")]
+    pub node_name: String,
+    /// This node's addresses, comma-separated, for the dial policy before (or without)
+    /// its Node object.
+    ///
+    /// Set it from the downward API (status.hostIP). Tether only.
+    #[arg(long, value_delimiter = ',')]
+    pub node_ip: Vec<String>,
+
     /// How often certificate files are checked for changes (SIGHUP reloads at once).
     ///
     /// New connections use the new material; established streams keep going. A reload
@@ -183,9 +226,9 @@ pub struct AgentArgs {
     /// get, list and watch on leases in --lease-namespace.
     #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
     pub count_server_leases: bool,
-    /// Kubeconfig for counting leases (empty = in-cluster configuration).
+    /// Kubeconfig for counting leases and reading the Node (empty = in-cluster configuration).
     ///
-    /// Read only with --count-server-leases.
+    /// Read with --count-server-leases, and with --node-name under --dial-policy=node.
     #[arg(long, default_value = "")]
     pub kubeconfig: String,
     /// Namespace of the servers' Leases.
@@ -311,10 +354,12 @@ impl AgentArgs {
         let alpn = offered_alpn(&self.alpn_proto);
         let tls = tether_agent::AgentTls { ca, identity, alpn };
         let servers = parse_servers(&self.proxy_server_host, self.proxy_server_port)?;
-        if !self.kubeconfig.is_empty() && !self.count_server_leases {
+        let policy = self.policy()?;
+        let reads_node = policy.node_name.is_some() && !policy.any;
+        if !self.kubeconfig.is_empty() && !self.count_server_leases && !reads_node {
             // Upstream accepts it too.
             tracing::warn!(
-                "--kubeconfig is unused: the agent reads it only with --count-server-leases"
+                "--kubeconfig is unused: the agent reads it only with --count-server-leases or --node-name"
             );
         }
         let token_path = (!self.service_account_token_path.is_empty())
@@ -381,6 +426,74 @@ impl AgentArgs {
             stall_timeout: self.stalled_reader_timeout,
             profiling: self.enable_profiling,
             egress,
+            policy,
+        })
+    }
+
+    /// The dial policy from --dial-policy, --dial-allow, --service-cidr, --node-name,
+    /// --node-ip and --kubeconfig.
+    fn policy(&self) -> anyhow::Result<tether_agent::policy::PolicyConfig> {
+        use tether_agent::policy::{Allow, PolicyConfig};
+        let nonempty = |v: &[String]| -> Vec<String> {
+            v.iter()
+                .map(|s| s.trim().to_string())
+                .filter(|s| !s.is_empty())
+                .collect()
+        };
+        let allow = nonempty(&self.dial_allow)
+            .iter()
+            .map(|a| Allow::parse(a))
+            .collect::<Result<Vec<_>, _>>()?;
+        let service_cidrs = nonempty(&self.service_cidr)
+            .iter()
+            .map(|c| {
+                c.parse::<tether_core::identifiers::Cidr>()
+                    .map(|c| c.normalized())
+                    .map_err(|e| {
+                        anyhow::anyhow!("--service-cidr {c:?}: {e}; give kube-apiserver's --service-cluster-ip-range")
+                    })
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let node_ips = nonempty(&self.node_ip)
+            .iter()
+            .map(|ip| {
+                ip.parse::<std::net::IpAddr>()
+                    .map(tether_agent::policy::rules::canonical)
+                    .map_err(|_| {
+                        anyhow::anyhow!(
+                            "--node-ip {ip:?} is not an IP address (set it from status.hostIP)"
+                        )
+                    })
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let node_name = Some(self.node_name.trim().to_string()).filter(|n| !n.is_empty());
+        if let Some(n) = &node_name {
+            if n.contains('$') || n.contains('/') {
+                bail!("--node-name {n:?} is not a node name (an unexpanded $(NODE_NAME)? set NODE_NAME from spec.nodeName)");
+            }
+        }
+        let mut any = self.dial_policy == "any";
+        if !any
+            && node_name.is_none()
+            && node_ips.is_empty()
+            && allow.is_empty()
+            && service_cidrs.is_empty()
+        {
+            // An upstream command line: nothing says which node this is, so the policy
+            // could allow nothing. Dial as upstream's agent does, and say so.
+            tracing::warn!(
+                "UNSAFE: the dial policy knows nothing of this node (no --node-name, --node-ip, --service-cidr or --dial-allow): \
+                 dialling any target, as upstream's agent does; set them (deploy/konnectivity-agent.yaml) to allow only this node's kubelet, its pods and Services"
+            );
+            any = true;
+        }
+        Ok(PolicyConfig {
+            any,
+            node_name,
+            node_ips,
+            service_cidrs,
+            allow,
+            kubeconfig: (!self.kubeconfig.is_empty()).then(|| PathBuf::from(&self.kubeconfig)),
         })
     }
 
@@ -435,6 +548,13 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
             admin = %admin.local_addr()?,
             "agent starting"
         );
+        if args.dial_policy == "any" {
+            tracing::warn!(
+                "UNSAFE: --dial-policy=any: any server, or anyone holding a frontend credential, may have this agent dial any address its node reaches"
+            );
+        } else if !agent.policy().config().any {
+            tracing::info!(allows = %agent.policy().describe(), "dial policy");
+        }
         let drain = CancellationToken::new();
         let hard_stop = CancellationToken::new();
         agent.serve_health(health, hard_stop.clone());

@@ -158,6 +158,15 @@ async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()
         profiling: false,
         // On loopback, which no egress proxy serves.
         egress: Default::default(),
+        // This machine's loopback (the demo backend) and nothing else, as an agent on a
+        // node allows its kubelet and pods: a dial elsewhere shows a policy refusal.
+        policy: tether_agent::policy::PolicyConfig {
+            allow: ["127.0.0.0/8", "::1"]
+                .iter()
+                .map(|a| tether_agent::policy::Allow::parse(a))
+                .collect::<Result<_, _>>()?,
+            ..Default::default()
+        },
     })?;
     let agent_drain = CancellationToken::new();
     let agent_task = {

@@ -360,6 +360,12 @@ patches:
             env:
             - name: PROXY_SERVER_HOST
               value: "{address}"
+            # The dial policy reads the Node: kube-apiserver where the nodes reach it
+            # (the control-plane host runs no kube-proxy to carry its ClusterIP).
+            - name: KUBERNETES_SERVICE_HOST
+              value: "{apiserver_host}"
+            - name: KUBERNETES_SERVICE_PORT
+              value: "{apiserver_port}"
       # Kubernetes 1.20: no DaemonSet surge (docs/install.md, "Before Kubernetes 1.25").
       updateStrategy:
         rollingUpdate:

@@ -623,6 +623,20 @@ serializeImagePulls: false
             ),
             format!("--health-server-host={}", self.net.link_ip),
         ]);
+        // The dial policy as the DaemonSet sets it: the node's name (its Node object,
+        // read with the kubelet's credentials where the kubelet runs) and addresses,
+        // and, for nodes whose Node carries no pod range, that range.
+        if !args.iter().any(|a| a.starts_with("--dial-")) {
+            all.extend([
+                format!("--node-name={}", self.name),
+                format!("--node-ip={}", self.ips().join(",")),
+                format!("--dial-allow={}", self.pod_cidr),
+            ]);
+            let kubeconfig = self.dir().join("kubelet.kubeconfig");
+            if kubeconfig.exists() {
+                all.push(format!("--kubeconfig={}", kubeconfig.display()));
+            }
+        }
         all.extend(args.iter().cloned());
         let agent = AgentProc::start_in(Some(&self.net), bin, pki, server, &all);
         self.cgroup.adopt(agent.proc.pid());

@@ -477,6 +477,11 @@ impl AgentProc {
                 all.push(format!("{flag}={default}"));
             }
         }
+        // The test backends listen on loopback, which the default dial policy refuses
+        // (no node's kubelet, pod or Service): allow it, unless the test sets a policy.
+        if !args.iter().any(|a| a.starts_with("--dial-")) {
+            all.push("--dial-allow=127.0.0.0/8,::1".into());
+        }
         all.extend(args.iter().cloned());
         let (program, all) = wrapped(wrapper, bin, all);
         let proc = match node {
