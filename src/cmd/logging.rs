@@ -170,6 +170,7 @@ const MODULES: &[(&str, &str)] = &[
     ("tether_agent", "lease_count"),
     ("tether_agent", "link"),
     ("tether_agent", "metrics"),
+    ("tether_agent", "policy"),
     ("tether_agent", "proxy"),
     ("tether_agent", "servers"),
     ("tether_client", "grpc"),
