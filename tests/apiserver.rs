@@ -432,3 +432,34 @@ fn port_forward_and_exec_through_the_tunnel_beside_direct() {
     // Only the tunnel path dialled through the agent: 1 port-forward + 5 execs.
     assert_eq!(dials, 6.0, "the direct path went through the agent");
 }
+
+/// A validating admission webhook, an aggregated API and the services proxy, served by
+/// a pod on a node behind the tunnel, with kube-apiserver dialling the Service's
+/// ClusterIP (no `--enable-aggregator-routing`): the node agent's default dial policy
+/// allows it by `--service-cidr`, and kube-proxy on the node carries it to the pod.
+/// (`tests/installed.rs` has the same with aggregator routing, pod IPs routed by
+/// destCIDR.)
+#[test]
+fn a_webhook_and_an_aggregated_api_behind_the_tunnel_by_cluster_ip() {
+    let e = env(
+        Frontend::GrpcUds,
+        1,
+        &ClusterOptions::default(),
+        &NodeOptions {
+            kube_proxy: true,
+            ..Default::default()
+        },
+        &[],
+    );
+    let hook = tether_testkit::webhook::install(&e.cluster, &e.nodes[0].name, "webhook_backend");
+    hook.assert_served(&e.cluster);
+    assert!(agent_dials(&e.nodes[0]) >= 4.0);
+}
+
+/// The webhook's backend when a pod runs this binary (`tether_testkit::webhook`);
+/// nothing otherwise.
+#[test]
+#[ignore = "the backend of a webhook pod, run by a_webhook_and_an_aggregated_api_behind_the_tunnel_by_cluster_ip"]
+fn webhook_backend() {
+    tether_testkit::webhook::serve_if_asked();
+}

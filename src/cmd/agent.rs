@@ -167,7 +167,8 @@ pub struct AgentArgs {
     ///
     /// node (the default): the kubelet on this node's addresses (--node-ip, and its Node
     /// object's InternalIP and ExternalIP addresses, at the port the Node gives, else
-    /// 10250), pods in the Node's pod ranges (spec.podCIDRs), the Service ranges of
+    /// 10250) and their NodePorts (--service-node-port-range), pods in the Node's pod
+    /// ranges (spec.podCIDRs), the Service ranges of
     /// --service-cidr, and what --dial-allow adds. A name is resolved by the agent and
     /// judged by its addresses. Anything else is refused: the apiserver gets the error,
     /// the agent logs it and counts it in tether_agent_dial_refusals_total. any: dial
@@ -192,6 +193,12 @@ pub struct AgentArgs {
     /// no ClusterIP is allowed. Tether only.
     #[arg(long, value_delimiter = ',')]
     pub service_cidr: Vec<String>,
+    /// The NodePort range the dial policy allows on the node's addresses (LOW-HIGH; empty: none).
+    ///
+    /// kube-apiserver's --service-node-port-range: the CCM's load balancers dial a
+    /// Service's NodePorts on its nodes. Tether only.
+    #[arg(long, default_value = "30000-32767")]
+    pub service_node_port_range: String,
     /// This agent's node, whose Node object the dial policy reads (needs get on nodes).
     ///
     /// Set it from the downward API (spec.nodeName). The Node is read with --kubeconfig,
@@ -472,6 +479,17 @@ impl AgentArgs {
                 bail!("--node-name {n:?} is not a node name (an unexpanded $(NODE_NAME)? set NODE_NAME from spec.nodeName)");
             }
         }
+        let node_ports = match self.service_node_port_range.trim() {
+            "" => None,
+            r => Some(
+                r.split_once('-')
+                    .and_then(|(lo, hi)| Some(lo.parse::<u16>().ok()?..=hi.parse::<u16>().ok()?))
+                    .filter(|r| *r.start() > 0 && r.start() <= r.end())
+                    .ok_or_else(|| {
+                        anyhow::anyhow!("--service-node-port-range {r:?} is not LOW-HIGH (e.g. 30000-32767, kube-apiserver's)")
+                    })?,
+            ),
+        };
         let mut any = self.dial_policy == "any";
         if !any
             && node_name.is_none()
@@ -493,6 +511,7 @@ impl AgentArgs {
             node_ips,
             service_cidrs,
             allow,
+            node_ports,
             kubeconfig: (!self.kubeconfig.is_empty()).then(|| PathBuf::from(&self.kubeconfig)),
         })
     }

@@ -175,6 +175,10 @@ impl Installed {
                 extra_sans: vec![cp_net.host_ip.clone()],
                 kubeadm_ca: true,
                 dual_stack: false,
+                // Nodes at edge sites do not reach each other's pods: webhooks and
+                // aggregated APIs are dialled at pod IPs, which the server sends to the
+                // pod's node (docs/operating.md, "What the agent dials").
+                aggregator_routing: true,
             },
         );
 

@@ -223,6 +223,9 @@ impl Frontend {
     }
 }
 
+/// The clusters' Service ranges (the IPv6 one with [`ClusterOptions::dual_stack`]).
+pub const SERVICE_CIDRS: &str = "10.96.0.0/16,fd00:96::/112";
+
 /// Files of the cluster PKI.
 #[derive(Debug, Clone)]
 pub struct ClusterFiles {
@@ -272,6 +275,9 @@ pub struct ClusterOptions {
     /// Dual-stack Services (1.20's `IPv6DualStack` gate, and an IPv6 Service range
     /// `fd00:96::/112` beside 10.96.0.0/16).
     pub dual_stack: bool,
+    /// `--enable-aggregator-routing`: webhooks and aggregated APIs are dialled at their
+    /// Service's endpoints (pod IPs) instead of its ClusterIP.
+    pub aggregator_routing: bool,
 }
 
 /// A running etcd + kube-apiserver (+ kube-controller-manager when asked).
@@ -430,6 +436,9 @@ impl Cluster {
                 ca_cert.display()
             ));
         }
+        if opts.aggregator_routing {
+            extra.push("--enable-aggregator-routing=true".into());
+        }
         if !opts.workloads {
             // Pods of the other tests name no ServiceAccount, and no controller makes
             // the `default` ones.
@@ -451,8 +460,11 @@ impl Cluster {
             format!("--service-account-key-file={}", sa_pub.display()),
             format!("--service-account-signing-key-file={}", sa_key.display()),
             match opts.dual_stack {
-                true => "--service-cluster-ip-range=10.96.0.0/16,fd00:96::/112".into(),
-                false => "--service-cluster-ip-range=10.96.0.0/16".into(),
+                true => format!("--service-cluster-ip-range={SERVICE_CIDRS}"),
+                false => format!(
+                    "--service-cluster-ip-range={}",
+                    SERVICE_CIDRS.split(',').next().unwrap()
+                ),
             },
             // 1.20 serves allocateLoadBalancerNodePorts only behind this gate (on by
             // default from 1.22).

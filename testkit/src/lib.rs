@@ -13,6 +13,7 @@ pub mod netns;
 pub mod node;
 pub mod process;
 pub mod rogue;
+pub mod webhook;
 
 use std::future::Future;
 use std::path::{Path, PathBuf};

@@ -212,6 +212,26 @@ impl RealNode {
             "--logtostderr=true".into(),
             "--v=1".into(),
         ];
+        // A Service's ClusterIP is routed before kube-proxy's DNAT rewrites it: give the
+        // range a route, as a node's default route would (the host blackholes it, so
+        // nothing unproxied leaves the machine).
+        let service_range = crate::kube::SERVICE_CIDRS.split(',').next().unwrap();
+        run(
+            "blackhole the Service range",
+            Command::new("ip").args(["route", "replace", "blackhole", service_range]),
+        );
+        run(
+            "route the Service range",
+            Command::new("ip").args([
+                "-n",
+                &self.net.ns,
+                "route",
+                "replace",
+                service_range,
+                "via",
+                &self.net.host_ip,
+            ]),
+        );
         let bin = require_kube_binary("kube-proxy");
         let args = self.in_node(&bin.display().to_string(), &args);
         let mut proc = Proc::spawn(&format!("kube-proxy@{}", self.name), Path::new("sh"), &args);
@@ -631,6 +651,7 @@ serializeImagePulls: false
                 format!("--node-name={}", self.name),
                 format!("--node-ip={}", self.ips().join(",")),
                 format!("--dial-allow={}", self.pod_cidr),
+                format!("--service-cidr={}", crate::kube::SERVICE_CIDRS),
             ]);
             let kubeconfig = self.dir().join("kubelet.kubeconfig");
             if kubeconfig.exists() {

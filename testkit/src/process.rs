@@ -477,10 +477,17 @@ impl AgentProc {
                 all.push(format!("{flag}={default}"));
             }
         }
-        // The test backends listen on loopback, which the default dial policy refuses
-        // (no node's kubelet, pod or Service): allow it, unless the test sets a policy.
+        // The test backends listen on loopback or on a namespace node's own addresses,
+        // which the default dial policy refuses (no kubelet port, pod or Service):
+        // allow those, unless the test sets a policy. Everything else stays refused.
         if !args.iter().any(|a| a.starts_with("--dial-")) {
             all.push("--dial-allow=127.0.0.0/8,::1".into());
+            if let Some(n) = node {
+                all.push(format!(
+                    "--dial-allow={},{},{}",
+                    n.node_ip, n.pod_ip, n.node_ip6
+                ));
+            }
         }
         all.extend(args.iter().cloned());
         let (program, all) = wrapped(wrapper, bin, all);

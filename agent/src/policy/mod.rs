@@ -40,6 +40,9 @@ pub struct PolicyConfig {
     pub service_cidrs: Vec<Cidr>,
     /// `--dial-allow`.
     pub allow: Vec<Allow>,
+    /// `--service-node-port-range`: the NodePorts, allowed on the node's addresses (the
+    /// CCM's load balancers dial them); `None` allows none.
+    pub node_ports: Option<std::ops::RangeInclusive<u16>>,
     /// Kubeconfig for reading the Node (`None` = in-cluster).
     pub kubeconfig: Option<PathBuf>,
 }
@@ -120,6 +123,13 @@ impl DialPolicy {
             let ips: Vec<String> = c.node_ips.iter().map(IpAddr::to_string).collect();
             parts.push(format!("the kubelet on {}", ips.join(", ")));
         }
+        if let Some(r) = &c.node_ports {
+            parts.push(format!(
+                "NodePorts {}-{} on the node's addresses",
+                r.start(),
+                r.end()
+            ));
+        }
         match c.service_cidrs.is_empty() {
             true => parts.push("no Service range (--service-cidr unset)".into()),
             false => {
@@ -184,7 +194,7 @@ impl DialPolicy {
         let c = &self.config;
         let own = c.node_ips.contains(&ip) || facts.addrs.contains(&ip);
         let kubelet = facts.kubelet_port.unwrap_or(KUBELET_PORT);
-        if own && port == kubelet {
+        if own && (port == kubelet || c.node_ports.as_ref().is_some_and(|r| r.contains(&port))) {
             return true;
         }
         if facts.pod_cidrs.iter().any(|n| n.contains(ip))
@@ -230,6 +240,7 @@ mod tests {
             node_ips: vec!["192.168.1.10".parse().unwrap()],
             service_cidrs: vec!["10.96.0.0/12".parse().unwrap()],
             allow: allow.iter().map(|a| Allow::parse(a).unwrap()).collect(),
+            node_ports: Some(30000..=32767),
             ..Default::default()
         });
         p.set_facts(NodeFacts {
@@ -256,11 +267,13 @@ mod tests {
             "10.244.1.7:8080",
             "10.96.0.10:53",
             "10.100.3.4:443",
+            "192.168.1.10:30080", // a NodePort, for the CCM's load balancers
         ] {
             assert!(allowed(&p, yes), "{yes} should be allowed");
         }
         for no in [
             "192.168.1.10:22",    // the node, not its kubelet
+            "192.168.1.11:30080", // another node's NodePort
             "192.168.1.11:10250", // another node's kubelet
             "10.244.2.7:8080",    // a pod on another node
             "192.168.1.1:80",     // the LAN's router

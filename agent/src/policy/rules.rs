@@ -69,37 +69,12 @@ impl Allow {
                     .ok_or_else(|| err("the port is not PORT or LOW-HIGH within 1-65535"))?,
             ),
         };
-        let target = if target == "node" {
-            if ports.is_none() {
-                return Err(err(
-                    "`node` needs a port: its addresses' kubelet port is allowed already",
-                ));
-            }
-            Target::Node
-        } else if target.contains('/') {
-            Target::Net(target.parse::<Cidr>().map_err(|e| err(&e))?.normalized())
-        } else if let Ok(ip) = target.parse::<IpAddr>() {
-            let ip = canonical(ip);
-            let prefix = if ip.is_ipv4() { 32 } else { 128 };
-            Target::Net(
-                format!("{ip}/{prefix}")
-                    .parse()
-                    .map_err(|e: String| err(&e))?,
-            )
-        } else {
-            let name = target.trim_end_matches('.').to_ascii_lowercase();
-            let bare = name.strip_prefix("*.").unwrap_or(&name);
-            let valid = !bare.is_empty()
-                && bare.split('.').all(|l| {
-                    !l.is_empty()
-                        && l.bytes()
-                            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
-                });
-            if !valid {
-                return Err(err("not a network, an address, `node` or a host name"));
-            }
-            Target::Name(name)
-        };
+        if target == "node" && ports.is_none() {
+            return Err(err(
+                "`node` needs a port: its addresses' kubelet port is allowed already",
+            ));
+        }
+        let target = parse_target(target).map_err(|why| err(&why))?;
         Ok(Allow { target, ports })
     }
 
@@ -132,6 +107,33 @@ pub fn name_matches(pattern: &str, name: &str) -> bool {
             .strip_suffix(suffix)
             .is_some_and(|head| head.len() > 1 && head.ends_with('.')),
         None => pattern == name,
+    }
+}
+
+/// The part before the ports: `node`, a network, an address or a host name.
+fn parse_target(target: &str) -> Result<Target, String> {
+    if target == "node" {
+        return Ok(Target::Node);
+    }
+    if target.contains('/') {
+        return Ok(Target::Net(target.parse::<Cidr>()?.normalized()));
+    }
+    if let Ok(ip) = target.parse::<IpAddr>() {
+        let ip = canonical(ip);
+        let prefix = if ip.is_ipv4() { 32 } else { 128 };
+        return Ok(Target::Net(format!("{ip}/{prefix}").parse()?));
+    }
+    let name = target.trim_end_matches('.').to_ascii_lowercase();
+    let bare = name.strip_prefix("*.").unwrap_or(&name);
+    let valid = !bare.is_empty()
+        && bare.split('.').all(|l| {
+            !l.is_empty()
+                && l.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        });
+    match valid {
+        true => Ok(Target::Name(name)),
+        false => Err("not a network, an address, `node` or a host name".into()),
     }
 }
 
