@@ -269,6 +269,7 @@ fn kubeadm_examples_have_each_versions_shape() {
             "kubelets dialled by address first"
         );
         assert!(!has(&apiserver, "kubelet-certificate-authority").is_empty());
+        assert_eq!(has(&apiserver, "enable-aggregator-routing"), "true");
         let volumes = init[1]["apiServer"]["extraVolumes"].as_sequence().unwrap();
         let paths: Vec<&str> = volumes
             .iter()

@@ -244,6 +244,13 @@ fn the_installed_form_carries_every_kubectl_path_and_a_load_balancer() {
     let scratch = TempDir::new("tether-installed-scratch");
     every_kubectl_path(c, &worker.name, worker.ip(), scratch.path());
 
+    // A webhook, an aggregated API and the services proxy served by a pod on a worker
+    // behind NAT: kube-apiserver (--enable-aggregator-routing) dials the pod's IP, the
+    // server sends it to that node's agent (destCIDR), whose default dial policy
+    // allows it by the pod range its Node object gives.
+    let hook = tether_testkit::webhook::install(c, &i.workers[1].name, "webhook_backend");
+    hook.assert_served(c);
+
     // A LoadBalancer Service, from a host on the LAN.
     let ip = web_load_balancer(&i);
     let page = i.wait_or_explain("the page through the load balancer", || {
@@ -892,4 +899,12 @@ fn certificates_rotate_without_dropping_tunnels() {
     i.wait_or_explain("kubectl to the worker through the new agent", || {
         node_answers(&admin, &worker).then_some(())
     });
+}
+
+/// The webhook's backend when a pod runs this binary (`tether_testkit::webhook`);
+/// nothing otherwise.
+#[test]
+#[ignore = "the backend of a webhook pod, run by the_installed_form_carries_every_kubectl_path_and_a_load_balancer"]
+fn webhook_backend() {
+    tether_testkit::webhook::serve_if_asked();
 }

@@ -150,6 +150,16 @@ impl Installed {
             let net = Node::create();
             lan.attach(&net);
             net.refuse_inbound(Lan::INTERFACE);
+            // kube-apiserver where the control-plane host has it, the address pods
+            // are told (KUBERNETES_SERVICE_HOST): a worker reaches it as it reaches
+            // the apiserver, over its own link.
+            net.ip(&[
+                "route",
+                "replace",
+                &format!("{}/32", cp_net.host_ip),
+                "via",
+                &net.host_ip,
+            ]);
             worker_nets.push(net);
         }
         let client = Node::create();

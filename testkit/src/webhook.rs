@@ -353,7 +353,19 @@ impl Webhook {
                 "yaml"
             ])
         );
-        let ping = cluster.kubectl_ok(&["get", "--raw", &format!("/apis/{GROUP_VERSION}/pings/x")]);
+        // Available, then the aggregator installs the group's handler: until it has,
+        // kube-apiserver itself answers 404.
+        let path = format!("/apis/{GROUP_VERSION}/pings/x");
+        let ping = crate::kube::wait_blocking(
+            "the aggregated API to answer",
+            Duration::from_secs(60),
+            || {
+                let out = cluster.kubectl(&["get", "--raw", &path]);
+                out.status
+                    .success()
+                    .then(|| String::from_utf8_lossy(&out.stdout).to_string())
+            },
+        );
         assert!(
             ping.contains(&format!(r#""servedBy":"{}""#, self.node)),
             "{ping}"

@@ -223,9 +223,15 @@ impl DialPolicy {
                 format!("{n}:{port} (resolved to {})", ips.join(", "))
             }
         };
+        let unread = match &self.config.node_name {
+            Some(n) if *self.facts() == NodeFacts::default() => format!(
+                " (node {n}'s Node object could not be read yet: the agent needs get on nodes)"
+            ),
+            _ => String::new(),
+        };
         format!(
             "{REFUSED_PREFIX}: {what} is not this node's kubelet, a pod on this node or a \
-             Service; allow it with the agent's --dial-allow"
+             Service{unread}; allow it with the agent's --dial-allow"
         )
     }
 }
