@@ -425,6 +425,24 @@ fn first_answer_after(
         .find(|at| *at >= since)
 }
 
+/// A call the validating webhook must admit (a server-side dry run still asks it):
+/// kube-apiserver dials the webhook's pod through the tunnel.
+fn webhook_answers(kubeconfig: &Path) -> bool {
+    Command::new("kubectl")
+        .arg(format!("--kubeconfig={}", kubeconfig.display()))
+        .args([
+            "create",
+            "configmap",
+            "probe",
+            "-n",
+            tether_testkit::webhook::NAMESPACE,
+            "--dry-run=server",
+            "--request-timeout=5s",
+        ])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
 /// A cheap kubectl call that goes to `node`'s kubelet through the tunnel.
 fn node_answers(kubeconfig: &Path, node: &str) -> bool {
     Command::new("kubectl")
@@ -479,6 +497,9 @@ fn day_two_rolling_update_server_restart_and_ccm_rollout() {
     worker.run_pod(c, "web", "app: web", &web_pod_containers());
     let address = web_load_balancer(&i);
     let admin = c.files.admin_kubeconfig.clone();
+    // A webhook whose pod is on the node whose agent is rolled.
+    let hook = tether_testkit::webhook::install(c, &worker.name, "webhook_backend");
+    hook.assert_served(c);
 
     // Image B: the same binaries under another tag, on every node as a pull would
     // leave it.
@@ -517,6 +538,8 @@ fn day_two_rolling_update_server_restart_and_ccm_rollout() {
     let probe_kubeconfig = admin.clone();
     let probe_node = worker.name.clone();
     let prober = Prober::start(move || node_answers(&probe_kubeconfig, &probe_node));
+    let probe_kubeconfig = admin.clone();
+    let hook_prober = Prober::start(move || webhook_answers(&probe_kubeconfig));
     let rolled = Instant::now();
     i.apply_overlay(&image_b);
     // While worker-0's agent drains, the port-forward session it carries still works.
@@ -546,6 +569,10 @@ fn day_two_rolling_update_server_restart_and_ccm_rollout() {
     });
     let seen = prober.finish();
     let (outage, failures) = longest_outage(&seen);
+    i.wait_or_explain("the webhook answering again", || {
+        webhook_answers(&admin).then_some(())
+    });
+    let (hook_outage, hook_failures) = longest_outage(&hook_prober.finish());
     // The gap is Kubernetes' pod replacement (a DaemonSet without surge, as 1.20 has
     // it: the old pod goes, then the new one is made, scheduled and started), which a
     // loaded machine stretches; Tether's part is from the new agent's start to the
@@ -594,6 +621,16 @@ fn day_two_rolling_update_server_restart_and_ccm_rollout() {
     assert!(
         outage < Duration::from_secs(120),
         "new calls to the node failed for {outage:?}"
+    );
+    // The webhook's pod is on the same node: its calls fail for the same gap.
+    println!(
+        "agent rolling update: the webhook on {} failed for at most {:.1} s ({hook_failures} failed probes)",
+        worker.name,
+        hook_outage.as_secs_f64()
+    );
+    assert!(
+        hook_outage < Duration::from_secs(120),
+        "the webhook failed for {hook_outage:?}"
     );
     drop(logs);
 
