@@ -75,6 +75,7 @@ impl BoundServer {
                 "graceful shutdown timeout reached; closing remaining tunnels"
             );
         }
+        router.stopping();
         hard_stop.cancel();
         let stopped = tokio::time::timeout(Duration::from_secs(2), async {
             for task in frontends.tasks {
@@ -84,6 +85,11 @@ impl BoundServer {
         });
         if stopped.await.is_err() {
             tracing::warn!("listeners still open 2s after the hard stop; exiting anyway");
+        }
+        let audit = router.audit().clone();
+        let synced = tokio::task::spawn_blocking(move || audit.sync(Duration::from_secs(2)));
+        if !matches!(synced.await, Ok(true)) {
+            tracing::warn!("the audit log's last records were not written within 2s of the stop");
         }
         tracing::info!("server stopped");
     }
