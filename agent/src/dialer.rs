@@ -3,7 +3,7 @@
 //! socket and the agent stream until either side closes.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -17,6 +17,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::audit::{Audited, Outcome};
 use crate::metrics::Metrics;
 
 /// Direction indexes for packet counters.
@@ -69,6 +70,8 @@ pub(crate) struct Session {
     pub(crate) closed: CancellationToken,
     /// Open target connections across all sessions each hold a watch (for drain).
     work: Arc<drain::Signal>,
+    /// The audit log and this stream's server id.
+    audited: Audited,
 }
 
 impl Session {
@@ -79,6 +82,7 @@ impl Session {
         stall_timeout: Duration,
         metrics: Metrics,
         work: Arc<drain::Signal>,
+        audited: Audited,
     ) -> Arc<Self> {
         Arc::new(Session {
             out,
@@ -92,6 +96,7 @@ impl Session {
             metrics,
             closed: CancellationToken::new(),
             work,
+            audited,
         })
     }
 
@@ -239,6 +244,7 @@ impl Session {
         let Some(stream) = self.connect(&address, random, connect_id, &hard_stop).await else {
             return;
         };
+        let (connected, dialed) = (Instant::now(), stream.peer_addr().ok());
         let (tx, rx) = queue::queue();
         let flow = Arc::new(ConnFlow::new(self.peer_window));
         let conn = Conn {
@@ -262,7 +268,18 @@ impl Session {
             send: flow.credit(),
             recv: Some(flow.window()),
         };
-        let end = splice(rd, wr, rx, self.as_ref(), connect_id, &hard_stop, flow).await;
+        // Bytes each way, for the audit record.
+        let (to_target, from_target) = (AtomicU64::new(0), AtomicU64::new(0));
+        let rx = futures::StreamExt::inspect(rx, |p| crate::audit::count_data(&to_target, p));
+        let sink = crate::audit::Counting {
+            inner: self.as_ref(),
+            bytes: &from_target,
+        };
+        let end = splice(rd, wr, rx, &sink, connect_id, &hard_stop, flow).await;
+        let bytes = (to_target.into_inner(), from_target.into_inner());
+        let lasted = connected.elapsed();
+        self.audited
+            .closed(&address, dialed, random, connect_id, &end, bytes, lasted);
         let error = match &end {
             SpliceEnd::LocalError(e) => e.to_string(),
             _ => String::new(),
@@ -287,17 +304,41 @@ impl Session {
             r = tokio::time::timeout(self.dial_timeout, TcpStream::connect(address)) => r,
             _ = hard_stop.cancelled() => {
                 self.pending().remove(&random);
+                let took = started.elapsed();
+                self.audited.dial(address, random, connect_id, Outcome::Cancelled, None, took, None);
                 return None;
             }
         };
         // DIAL_CLS won the race when the dial is no longer pending: nobody wants it.
-        self.pending().remove(&random)?;
+        if self.pending().remove(&random).is_none() {
+            let took = started.elapsed();
+            self.audited.dial(
+                address,
+                random,
+                connect_id,
+                Outcome::Cancelled,
+                None,
+                took,
+                None,
+            );
+            return None;
+        }
         let (reason, error) = match dialed {
             Ok(Ok(stream)) => {
                 let _ = stream.set_nodelay(true);
                 self.metrics
                     .dial_duration
                     .observe(started.elapsed().as_secs_f64());
+                let (dialed, took) = (stream.peer_addr().ok(), started.elapsed());
+                self.audited.dial(
+                    address,
+                    random,
+                    connect_id,
+                    Outcome::Connected,
+                    dialed,
+                    took,
+                    None,
+                );
                 return Some(stream);
             }
             // Upstream's two reasons: a Go net.Error that timed out, and everything
@@ -311,8 +352,20 @@ impl Session {
             .with_label_values(&[reason])
             .inc();
         tracing::info!(%address, connect_id, %error, "dial failed");
+        let took = started.elapsed();
         let address = cut(address);
-        let rsp = Packet::dial_response(random, 0, format!("dial tcp {address}: {error}"));
+        let error = format!("dial tcp {address}: {error}");
+        let outcome = Outcome::Failed;
+        self.audited.dial(
+            address,
+            random,
+            connect_id,
+            outcome,
+            None,
+            took,
+            Some(error.clone()),
+        );
+        let rsp = Packet::dial_response(random, 0, error);
         self.answer(rsp).await;
         None
     }
@@ -391,7 +444,16 @@ mod tests {
         let timeout = Duration::from_secs(5);
         let stall = Duration::from_secs(30);
         let out = Outbox { control, data };
-        let s = Session::new(out, timeout, window, stall, Metrics::new(), work.clone());
+        let audited = Audited::default();
+        let s = Session::new(
+            out,
+            timeout,
+            window,
+            stall,
+            Metrics::new(),
+            work.clone(),
+            audited,
+        );
         let rx = ToServer {
             control: control_rx,
             data: data_rx,

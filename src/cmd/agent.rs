@@ -170,6 +170,23 @@ pub struct AgentArgs {
     /// certificates and logs why. Tether only.
     #[arg(long, default_value = "1m", value_parser = duration)]
     pub cert_reload_interval: Duration,
+    /// Write an audit record (one JSON line) for every dial and connection to this
+    /// file, or to stdout with -. Empty: no audit (the default).
+    ///
+    /// kube-apiserver's flag name. See docs/audit.md for the format.
+    #[arg(long, default_value = "")]
+    pub audit_log_path: String,
+    /// Megabytes the audit log may reach before it is rotated (path -> path.1).
+    ///
+    /// At least 1 (kube-apiserver's 0 would mean lumberjack's 100).
+    #[arg(long, default_value_t = tether_ops::audit::DEFAULT_MAX_SIZE_MB)]
+    pub audit_log_maxsize: u64,
+    /// Rotated audit files kept (path.1 ... path.N); the oldest is removed.
+    ///
+    /// At least 1: kube-apiserver's 0 (keep every file) is refused, so the audit
+    /// never fills a disk.
+    #[arg(long, default_value_t = tether_ops::audit::DEFAULT_MAX_BACKUPS)]
+    pub audit_log_maxbackup: usize,
 
     #[command(flatten)]
     pub log: LogArgs,
@@ -407,6 +424,11 @@ impl AgentArgs {
 pub fn main(args: AgentArgs) -> anyhow::Result<()> {
     args.log.init()?;
     let config = args.config()?;
+    let audit = tether_ops::audit::AuditConfig::from_flags(
+        &args.audit_log_path,
+        args.audit_log_maxsize,
+        args.audit_log_maxbackup,
+    )?;
     let health = bind_addr(
         &args.health_server_host,
         args.health_server_port,
@@ -422,6 +444,14 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
         // Certificates first: a bad one is reported as such, even when a port is taken.
         let (agent_id, servers) = (config.agent_id.clone(), config.servers.clone());
         let agent = Agent::new(config)?;
+        let agent = match &audit {
+            Some(a) => {
+                let counters = agent.metrics().audit.clone();
+                let log = tether_ops::audit::AuditLog::open(a, counters, "tether-audit")?;
+                agent.with_audit(log)
+            }
+            None => agent,
+        };
         let health = tokio::net::TcpListener::bind(health)
             .await
             .with_context(|| format!("cannot listen on health port {health}"))?;
@@ -460,6 +490,7 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
         }
         agent.run(drain, hard_stop.clone()).await;
         hard_stop.cancel();
+        agent.sync_audit().await;
         tracing::info!("agent stopped");
         Ok(())
     })
