@@ -511,3 +511,30 @@ fn bad_audit_flags_fail_at_start_up() {
         );
     }
 }
+
+/// The server's stop cuts an open tunnel: its record says `drain`, and it is written
+/// before the process exits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_tunnel_cut_by_the_stop_is_recorded_as_drain() {
+    let mut u = uds_server(Pki::new(), &[]);
+    let _agent = u.agent();
+    u.server.wait_agents(1).await;
+    let echo = backend::echo().await;
+    let client = Client::uds(socket_path(u.pki.dir())).await.unwrap();
+    let mut conn = client.dial(&echo.addr.to_string()).await.unwrap();
+    conn.write_all(b"hello").await.unwrap();
+    let mut buf = [0u8; 5];
+    conn.read_exact(&mut buf).await.unwrap();
+
+    u.server.proc.signal("TERM");
+    let status = tokio::task::block_in_place(|| u.server.proc.wait_exit(PATIENCE));
+    assert!(status.is_some(), "the server did not stop");
+    let r = records(&u.server_log)
+        .into_iter()
+        .find(|r| r["event"] == "tunnel")
+        .expect("the tunnel's record is written before the server exits");
+    assert_eq!(r["reason"], "drain", "{r}");
+    assert_eq!(r["bytes_to_agent"], 5);
+    assert_eq!(r["bytes_from_agent"], 5);
+    drop(conn);
+}
