@@ -23,6 +23,12 @@ pub const DEFAULT_MAX_SIZE_MB: u64 = 100;
 pub const DEFAULT_MAX_BACKUPS: usize = 10;
 /// Records that may wait for the writer; past this they are dropped.
 pub const QUEUE: usize = 4096;
+/// How long the writer rests after a write before it takes the next batch. While it
+/// rests, recording costs a queue push and no wake-up (waking a parked writer is a
+/// futex call and a context switch on the recording thread, per record): at most
+/// 50 wake-ups a second, records on disk within 20 ms, and 4,096 records of room
+/// is 200,000 a second.
+const PAUSE: Duration = Duration::from_millis(20);
 
 /// Where records go and when the file rotates.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -341,8 +347,12 @@ impl Writer {
                 }
             }
             self.write(&mut batch, records);
+            let synced = !syncs.is_empty();
             for done in syncs.drain(..) {
                 let _ = done.send(());
+            }
+            if !synced {
+                std::thread::sleep(PAUSE);
             }
         }
     }
