@@ -55,6 +55,9 @@ pub(crate) async fn run(args: &Args, t: &Tether) -> anyhow::Result<()> {
         .collect();
     let mut out = report::print_table(args.rounds, args.size_mib, &routes, &METRICS, &table);
     if args.idle_conns == 0 {
+        drop(env);
+        // The audit route's logs alone reach 100 MiB in a long run.
+        let _ = std::fs::remove_dir_all(&dir);
         return report::write_json(&args.json, &Value::Object(out));
     }
     eprintln!(
