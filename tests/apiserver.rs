@@ -100,6 +100,10 @@ fn audit_records(path: &Path) -> Vec<serde_json::Value> {
 /// kubelet or the pod as the address, the node's agent as verified by its
 /// certificate, bytes each way, times, and the agent's own record of the same dial.
 fn check_audit(e: &Env, frontend: Frontend, node: &RealNode, since: usize) {
+    let text = std::fs::read_to_string(server_audit(&e.pki)).unwrap_or_default();
+    for line in text.lines().skip(since) {
+        eprintln!("audit line: {line}");
+    }
     let tunnels: Vec<serde_json::Value> = audit_records(&server_audit(&e.pki))
         .into_iter()
         .skip(since)
@@ -112,7 +116,6 @@ fn check_audit(e: &Env, frontend: Frontend, node: &RealNode, since: usize) {
     let kubelet = format!("{}:10250", node.ip());
     let agent_log = agent_audit(&e.pki, 0);
     for r in &tunnels {
-        eprintln!("audit: {r}");
         let t = r["time"].as_str().unwrap();
         assert!(t.ends_with('Z') && t.len() == 27, "{r}");
         assert!(
