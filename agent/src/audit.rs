@@ -5,7 +5,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use tether_core::pump::SpliceEnd;
@@ -113,50 +113,62 @@ pub fn ms(d: Duration) -> f64 {
     (d.as_micros() as f64) / 1000.0
 }
 
+/// The dial a record is about.
+pub struct Dial<'a> {
+    /// The address asked for.
+    pub address: &'a str,
+    /// The DIAL_REQ's random.
+    pub random: i64,
+    /// The connectID given to it.
+    pub connect_id: i64,
+    /// When the dial started (`dial` records) or the connection was made (`closed`).
+    pub started: Instant,
+}
+
 impl Audited {
-    /// Records a dial's outcome.
-    #[allow(clippy::too_many_arguments)]
+    fn line(&self, d: &Dial<'_>, event: Event, outcome: Outcome, error: Option<String>) -> Record {
+        Record {
+            time: Time::now(),
+            event,
+            outcome,
+            error,
+            server_id: self.server_id.clone(),
+            address: tether_core::ratelimit::clipped(d.address, 256).to_string(),
+            dialed: None,
+            random: d.random,
+            connect_id: d.connect_id,
+            dial_ms: None,
+            bytes_to_target: 0,
+            bytes_from_target: 0,
+            duration_ms: None,
+        }
+    }
+
+    /// Records a dial's outcome: `dialed` once connected, `error` when it failed.
     pub fn dial(
         &self,
-        address: &str,
-        random: i64,
-        connect_id: i64,
+        d: &Dial<'_>,
         outcome: Outcome,
         dialed: Option<SocketAddr>,
-        took: Duration,
-        error: Option<String>,
+        error: Option<&str>,
     ) {
         if !self.log.enabled() {
             return;
         }
-        self.log.record(Record {
-            time: Time::now(),
-            event: Event::Dial,
-            outcome,
-            error,
-            server_id: self.server_id.clone(),
-            address: tether_core::ratelimit::clipped(address, 256).to_string(),
-            dialed,
-            random,
-            connect_id,
-            dial_ms: Some(ms(took)),
-            bytes_to_target: 0,
-            bytes_from_target: 0,
-            duration_ms: None,
-        });
+        let mut r = self.line(d, Event::Dial, outcome, error.map(str::to_string));
+        r.dialed = dialed;
+        r.dial_ms = Some(ms(d.started.elapsed()));
+        self.log.record(r);
     }
 
-    /// Records the end of a connection.
-    #[allow(clippy::too_many_arguments)]
+    /// Records the end of connection `d`, connected to `dialed`: how, and the bytes
+    /// it carried to and from the target.
     pub fn closed(
         &self,
-        address: &str,
+        d: &Dial<'_>,
         dialed: Option<SocketAddr>,
-        random: i64,
-        connect_id: i64,
         end: &SpliceEnd,
-        bytes: (u64, u64),
-        lasted: Duration,
+        (to_target, from_target): (u64, u64),
     ) {
         if !self.log.enabled() {
             return;
@@ -166,21 +178,12 @@ impl Audited {
             SpliceEnd::RemoteClosed(Some(e)) if !e.is_empty() => Some(e.clone()),
             _ => None,
         };
-        self.log.record(Record {
-            time: Time::now(),
-            event: Event::Closed,
-            outcome: Outcome::of(end),
-            error,
-            server_id: self.server_id.clone(),
-            address: tether_core::ratelimit::clipped(address, 256).to_string(),
-            dialed,
-            random,
-            connect_id,
-            dial_ms: None,
-            bytes_to_target: bytes.0,
-            bytes_from_target: bytes.1,
-            duration_ms: Some(ms(lasted)),
-        });
+        let mut r = self.line(d, Event::Closed, Outcome::of(end), error);
+        r.dialed = dialed;
+        r.bytes_to_target = to_target;
+        r.bytes_from_target = from_target;
+        r.duration_ms = Some(ms(d.started.elapsed()));
+        self.log.record(r);
     }
 }
 

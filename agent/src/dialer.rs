@@ -17,7 +17,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::audit::{Audited, Outcome};
+use crate::audit::{Audited, Dial, Outcome};
 use crate::metrics::Metrics;
 
 /// Direction indexes for packet counters.
@@ -277,9 +277,13 @@ impl Session {
         };
         let end = splice(rd, wr, rx, &sink, connect_id, &hard_stop, flow).await;
         let bytes = (to_target.into_inner(), from_target.into_inner());
-        let lasted = connected.elapsed();
-        self.audited
-            .closed(&address, dialed, random, connect_id, &end, bytes, lasted);
+        let audit = Dial {
+            address: &address,
+            random,
+            connect_id,
+            started: connected,
+        };
+        self.audited.closed(&audit, dialed, &end, bytes);
         let error = match &end {
             SpliceEnd::LocalError(e) => e.to_string(),
             _ => String::new(),
@@ -300,45 +304,30 @@ impl Session {
         hard_stop: &CancellationToken,
     ) -> Option<TcpStream> {
         let started = Instant::now();
+        let audit = Dial {
+            address,
+            random,
+            connect_id,
+            started,
+        };
         let dialed = tokio::select! {
-            r = tokio::time::timeout(self.dial_timeout, TcpStream::connect(address)) => r,
-            _ = hard_stop.cancelled() => {
-                self.pending().remove(&random);
-                let took = started.elapsed();
-                self.audited.dial(address, random, connect_id, Outcome::Cancelled, None, took, None);
-                return None;
-            }
+            r = tokio::time::timeout(self.dial_timeout, TcpStream::connect(address)) => Some(r),
+            _ = hard_stop.cancelled() => None,
         };
         // DIAL_CLS won the race when the dial is no longer pending: nobody wants it.
-        if self.pending().remove(&random).is_none() {
-            let took = started.elapsed();
-            self.audited.dial(
-                address,
-                random,
-                connect_id,
-                Outcome::Cancelled,
-                None,
-                took,
-                None,
-            );
+        let wanted = self.pending().remove(&random).is_some();
+        let Some(dialed) = dialed.filter(|_| wanted) else {
+            self.audited.dial(&audit, Outcome::Cancelled, None, None);
             return None;
-        }
+        };
         let (reason, error) = match dialed {
             Ok(Ok(stream)) => {
                 let _ = stream.set_nodelay(true);
                 self.metrics
                     .dial_duration
                     .observe(started.elapsed().as_secs_f64());
-                let (dialed, took) = (stream.peer_addr().ok(), started.elapsed());
-                self.audited.dial(
-                    address,
-                    random,
-                    connect_id,
-                    Outcome::Connected,
-                    dialed,
-                    took,
-                    None,
-                );
+                let dialed = stream.peer_addr().ok();
+                self.audited.dial(&audit, Outcome::Connected, dialed, None);
                 return Some(stream);
             }
             // Upstream's two reasons: a Go net.Error that timed out, and everything
@@ -352,19 +341,10 @@ impl Session {
             .with_label_values(&[reason])
             .inc();
         tracing::info!(%address, connect_id, %error, "dial failed");
-        let took = started.elapsed();
         let address = cut(address);
         let error = format!("dial tcp {address}: {error}");
-        let outcome = Outcome::Failed;
-        self.audited.dial(
-            address,
-            random,
-            connect_id,
-            outcome,
-            None,
-            took,
-            Some(error.clone()),
-        );
+        self.audited
+            .dial(&audit, Outcome::Failed, None, Some(&error));
         let rsp = Packet::dial_response(random, 0, error);
         self.answer(rsp).await;
         None

@@ -130,11 +130,7 @@ pub(crate) async fn serve_frontend(
                 let audited = serve.tcp_peer(&peer, leaf);
                 if let Err(why) = clients.admit(leaf) {
                     tracing::warn!(%peer, reason = %why, "frontend client refused");
-                    if serve.router.audit().enabled() {
-                        let r =
-                            Record::refused(&audited, "", Reason::FrontendNotAllowed, Some(why));
-                        serve.router.audit().record(r);
-                    }
+                    serve.not_allowed(&audited, why);
                     continue;
                 }
                 // Its certificate chains to the frontend's CA and is one it admits.
@@ -193,6 +189,14 @@ impl Accepted {
             remote: Some(remote.to_string()),
             ..Default::default()
         })
+    }
+
+    /// Records a TCP client `--frontend-client-names` refused.
+    fn not_allowed(&self, peer: &Arc<FrontendPeer>, why: String) {
+        if self.router.audit().enabled() {
+            let r = Record::refused(peer, "", Reason::FrontendNotAllowed, Some(why));
+            self.router.audit().record(r);
+        }
     }
 
     pub(crate) fn spawn<S>(&self, sock: S, peer: &str, audited: Arc<FrontendPeer>)
