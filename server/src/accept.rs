@@ -166,7 +166,8 @@ impl Accepted {
             kind: self.kind(),
             transport: "uds",
             uid: cred.map(|c| c.uid()),
-            pid: cred.and_then(|c| c.pid()),
+            // 0: the peer is in a PID namespace the server cannot see into.
+            pid: cred.and_then(|c| c.pid()).filter(|p| *p > 0),
             ..Default::default()
         })
     }
