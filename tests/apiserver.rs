@@ -7,7 +7,8 @@
 //! through the tunnel: logs, logs -f, exec with stdin, exec -t, attach, port-forward, cp
 //! both ways, and the nodes/pods/services proxies. kubectl newer than 1.29 tries
 //! WebSocket first for exec/attach/port-forward and falls back to SPDY against a 1.20
-//! kubelet; both ways are run.
+//! kubelet; both ways are run. The audit log is on at both ends, and every record the
+//! paths leave is checked field by field (`check_audit`).
 
 use std::path::Path;
 use std::time::Duration;
