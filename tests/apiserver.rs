@@ -7,7 +7,8 @@
 //! through the tunnel: logs, logs -f, exec with stdin, exec -t, attach, port-forward, cp
 //! both ways, and the nodes/pods/services proxies. kubectl newer than 1.29 tries
 //! WebSocket first for exec/attach/port-forward and falls back to SPDY against a 1.20
-//! kubelet; both ways are run.
+//! kubelet; both ways are run. The audit log is on at both ends, and every record the
+//! paths leave is checked field by field (`check_audit`).
 
 use std::path::Path;
 use std::time::Duration;
@@ -52,6 +53,9 @@ fn env_of(
     let sans: Vec<String> = nets.iter().map(|n| n.host_ip.clone()).collect();
     let pki = Pki::with_sans(&sans);
     let mut args = frontend.server_args(&pki);
+    // The audit on, at both ends, in every test here: every record is checked against
+    // the kubectl paths (`check_audit`), and the rest run with it on.
+    args.push(format!("--audit-log-path={}", server_audit(&pki).display()));
     args.extend(extra_server.iter().map(|s| s.to_string()));
     let server = ServerProc::start(Path::new(BIN), &args);
     let opts = ClusterOptions {
@@ -63,7 +67,8 @@ fn env_of(
     let mut nodes = Vec::new();
     for (i, (net, node_opts)) in nets.into_iter().zip(node_opts).enumerate() {
         let mut node = RealNode::start_on(net, &cluster, &format!("node-{i}"), node_opts);
-        node.start_agent(Path::new(AGENT_BIN), &pki, server.agent.port(), &[]);
+        let audit = format!("--audit-log-path={}", agent_audit(&pki, i).display());
+        node.start_agent(Path::new(AGENT_BIN), &pki, server.agent.port(), &[audit]);
         nodes.push(node);
     }
     Env {
@@ -72,6 +77,113 @@ fn env_of(
         _server: server,
         pki,
     }
+}
+
+fn server_audit(pki: &Pki) -> std::path::PathBuf {
+    pki.dir().join("server-audit.log")
+}
+
+fn agent_audit(pki: &Pki, node: usize) -> std::path::PathBuf {
+    pki.dir().join(format!("agent-audit-{node}.log"))
+}
+
+fn audit_records(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect()
+}
+
+/// Every tunnel record the kubectl paths left (logs, exec, attach, port-forward, cp,
+/// the proxies), field by field: the apiserver as the frontend peer (its pid and uid
+/// on a Unix socket, its client certificate's subject over mutual TLS), the node's
+/// kubelet or the pod as the address, the node's agent as verified by its
+/// certificate, bytes each way, times, and the agent's own record of the same dial.
+fn check_audit(e: &Env, frontend: Frontend, node: &RealNode, since: usize) {
+    let text = std::fs::read_to_string(server_audit(&e.pki)).unwrap_or_default();
+    for line in text.lines().skip(since) {
+        eprintln!("audit line: {line}");
+    }
+    let tunnels: Vec<serde_json::Value> = audit_records(&server_audit(&e.pki))
+        .into_iter()
+        .skip(since)
+        .filter(|r| r["event"] == "tunnel")
+        .collect();
+    assert!(tunnels.len() >= 15, "only {} tunnel records", tunnels.len());
+    let pod_ip = e
+        .cluster
+        .kubectl_ok(&["get", "pod", "web", "-o", "jsonpath={.status.podIP}"]);
+    let kubelet = format!("{}:10250", node.ip());
+    let agent_log = agent_audit(&e.pki, 0);
+    for r in &tunnels {
+        let t = r["time"].as_str().unwrap();
+        assert!(t.ends_with('Z') && t.len() == 27, "{r}");
+        assert!(
+            ["client", "agent"].contains(&r["reason"].as_str().unwrap()),
+            "{r}"
+        );
+        let fe = &r["frontend"];
+        match frontend {
+            Frontend::GrpcUds | Frontend::HttpConnectUds => {
+                assert_eq!(fe["transport"], "uds", "{r}");
+                assert_eq!(fe["uid"], 0, "{r}");
+                assert_eq!(fe["pid"], e.cluster.apiserver_pid(), "{r}");
+            }
+            Frontend::HttpConnectTcp => {
+                assert_eq!(fe["transport"], "tcp", "{r}");
+                let subject = fe["subject"].as_str().unwrap();
+                assert!(subject.contains("CN=system:kube-apiserver"), "{r}");
+                assert!(
+                    fe["remote"].as_str().unwrap().starts_with("127.0.0.1:"),
+                    "{r}"
+                );
+            }
+        }
+        let kind = match frontend {
+            Frontend::GrpcUds => "grpc",
+            _ => "http-connect",
+        };
+        assert_eq!(fe["kind"], kind, "{r}");
+        let address = r["address"].as_str().unwrap();
+        assert!(
+            address == kubelet || address.starts_with(&format!("{pod_ip}:")),
+            "{r}"
+        );
+        assert!(r["strategy"].is_string(), "{r}");
+        assert_eq!(r["agent"]["id"], node.name.as_str(), "{r}");
+        assert_eq!(r["agent"]["verified_by"], "certificate", "{r}");
+        assert!(r["dial_ms"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["duration_ms"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["bytes_to_agent"].as_u64().unwrap() > 0, "{r}");
+        assert!(r["bytes_from_agent"].as_u64().unwrap() > 0, "{r}");
+        // The agent's record of the same connection: the same dial, and bytes that
+        // match but for what was in flight when one end closed (the agent writes no
+        // more to a target that closed; the server forwards no more to a client gone).
+        let (random, connect_id) = (r["random"].clone(), r["connect_id"].clone());
+        let closed = wait_blocking("the agent's record", Duration::from_secs(60), || {
+            audit_records(&agent_log).into_iter().find(|a| {
+                a["event"] == "closed" && a["random"] == random && a["connect_id"] == connect_id
+            })
+        });
+        assert_eq!(closed["address"], r["address"], "{closed}");
+        assert_eq!(closed["dialed"], r["address"], "{closed}");
+        let bytes = |v: &serde_json::Value, k: &str| v[k].as_u64().unwrap();
+        assert!(
+            bytes(&closed, "bytes_to_target") <= bytes(r, "bytes_to_agent"),
+            "{closed}"
+        );
+        assert!(bytes(&closed, "bytes_to_target") > 0, "{closed}");
+        assert!(
+            bytes(r, "bytes_from_agent") <= bytes(&closed, "bytes_from_target"),
+            "{closed}"
+        );
+    }
+    // The proxies to the pod went to the pod; port-forward's 64 MiB came back.
+    assert!(tunnels.iter().any(|r| r["address"] != kubelet.as_str()));
+    assert!(tunnels
+        .iter()
+        .any(|r| r["bytes_from_agent"].as_u64().unwrap() > 64 << 20));
 }
 
 fn agent_dials(node: &RealNode) -> f64 {
@@ -107,7 +219,9 @@ fn every_path(frontend: Frontend) {
     );
     let node = &e.nodes[0];
     node.run_pod(&e.cluster, "web", "app: web", &web_pod_containers());
+    let since = audit_records(&server_audit(&e.pki)).len();
     every_kubectl_path_through(&e, node);
+    check_audit(&e, frontend, node, since);
 }
 
 /// An IPv6-only node and a dual-stack node (IPv6 first; kubelet 1.20's `IPv6DualStack`

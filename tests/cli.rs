@@ -115,6 +115,10 @@ fn bad_flags_fail_with_one_clear_line() {
             "an unexpanded $(NODE_NAME)?",
         ),
         (&["agent", "--dial-policy=none"][..], "--dial-policy"),
+        (
+            &["agent", "--dial-policy=node"][..],
+            "--dial-policy=node allows nothing without knowing the node",
+        ),
     ] {
         let (ok, err) = run(args);
         assert!(!ok);

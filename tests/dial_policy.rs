@@ -14,7 +14,9 @@ use std::time::Duration;
 use tether_testkit::kube::{Cluster, Frontend};
 use tether_testkit::netns::Node;
 use tether_testkit::process::tcp_frontend_args;
-use tether_testkit::{backend, metric, request_head, tls_connect, AgentProc, Pki, ServerProc};
+use tether_testkit::{
+    backend, metric, request_head, tls_connect, wait_until, AgentProc, Pki, ServerProc,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const BIN: &str = env!("CARGO_BIN_EXE_tether");
@@ -53,24 +55,37 @@ async fn refusals(agent: &AgentProc) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_frontend_reaches_only_what_the_policy_names_never_the_nodes_lan() {
     let pki = Pki::new();
-    // 127.0.0.9 is the node; 127.0.6.0/24 the Service range; 127.0.7.0/24 a LAN
-    // subnet the operator opened one port of; 127.0.0.1 the rest of the LAN.
-    let node_port = backend::http_on("127.0.0.9", "hostNetwork pod\n").await;
-    let node_other = backend::http_on("127.0.0.9", "node sshd\n").await;
-    let service = backend::http_on("127.0.6.5", "service\n").await;
-    let opened = backend::http_on("127.0.7.5", "opened\n").await;
-    let lan = backend::http_on("127.0.0.1", "the LAN's printer\n").await;
-    let server = ServerProc::start(bin(), &tcp_frontend_args(&pki, "http-connect"));
+    // The host ends of four veth links stand in for the node's address, a Service, a
+    // LAN subnet the operator opened one port of, and the rest of the LAN (loopback is
+    // reserved: only a rule naming it reaches it).
+    let links: Vec<Node> = (0..4).map(|_| Node::create()).collect();
+    let [node_ip, service_ip, opened_ip, lan_ip] = [0, 1, 2, 3].map(|i| links[i].host_ip.clone());
+    let node_port = backend::http_on(&node_ip, "hostNetwork pod\n").await;
+    let node_other = backend::http_on(&node_ip, "node sshd\n").await;
+    let service = backend::http_on(&service_ip, "service\n").await;
+    let opened = backend::http_on(&opened_ip, "opened\n").await;
+    let lan = backend::http_on(&lan_ip, "the LAN's printer\n").await;
+    let loopback = backend::http_on("127.0.0.1", "the node's loopback\n").await;
+    // Both ends audited: a refusal is recorded as `policy` with who asked.
+    let (server_audit, agent_audit) = (
+        pki.dir().join("server-audit.log"),
+        pki.dir().join("agent-audit.log"),
+    );
+    let mut server_args = tcp_frontend_args(&pki, "http-connect");
+    server_args.push(format!("--audit-log-path={}", server_audit.display()));
+    let server = ServerProc::start(bin(), &server_args);
     let agent = AgentProc::start(
         bin(),
         &pki,
         server.agent,
         &[
-            "--node-ip=127.0.0.9".into(),
-            "--service-cidr=127.0.6.0/24".into(),
-            format!("--dial-allow=127.0.7.0/24:{}", opened.addr.port()),
+            format!("--audit-log-path={}", agent_audit.display()),
+            format!("--node-ip={node_ip}"),
+            format!("--service-cidr={service_ip}/32"),
+            format!("--dial-allow={opened_ip}/32:{}", opened.addr.port()),
             format!("--dial-allow=node:{}", node_port.addr.port()),
-            format!("--dial-allow=localhost:{}", lan.addr.port()),
+            // A name rule never reaches a reserved address, whatever the name is.
+            format!("--dial-allow=localhost:{}", loopback.addr.port()),
         ],
     );
     let line = agent
@@ -78,7 +93,7 @@ async fn a_frontend_reaches_only_what_the_policy_names_never_the_nodes_lan() {
         .wait_event("dial policy", Duration::from_secs(10), |_| true);
     let allows = line["allows"].as_str().unwrap_or_default().to_string();
     assert!(
-        allows.contains("127.0.6.0/24") && allows.contains("node:"),
+        allows.contains(&format!("{service_ip}/32")) && allows.contains("node:"),
         "{line}"
     );
     server.wait_agents(1).await;
@@ -87,17 +102,11 @@ async fn a_frontend_reaches_only_what_the_policy_names_never_the_nodes_lan() {
         (node_port.addr.to_string(), "hostNetwork pod"),
         (service.addr.to_string(), "service"),
         (opened.addr.to_string(), "opened"),
-        // A name rule allows what the name resolves to.
-        (
-            format!("localhost:{}", lan.addr.port()),
-            "the LAN's printer",
-        ),
     ] {
         let (status, rest) = through(&pki, &server, &target).await;
         assert!(status.contains("200"), "{target}: {status} {rest}");
         assert!(rest.contains(body), "{target}: {rest}");
     }
-    let lan_seen = lan.accepted.load(std::sync::atomic::Ordering::Relaxed);
 
     let refused = [
         // The LAN, by address: the stolen credential's pivot.
@@ -105,9 +114,10 @@ async fn a_frontend_reaches_only_what_the_policy_names_never_the_nodes_lan() {
         // The node itself, on a port nobody allowed.
         node_other.addr.to_string(),
         // The opened subnet on another port.
-        format!("127.0.7.5:{}", lan.addr.port()),
-        // The LAN through the name rule's name, on another port.
-        format!("localhost:{}", node_other.addr.port()),
+        format!("{opened_ip}:{}", lan.addr.port()),
+        // The node's loopback, by address and through the name rule's name.
+        loopback.addr.to_string(),
+        format!("localhost:{}", loopback.addr.port()),
     ];
     for target in &refused {
         let (status, rest) = through(&pki, &server, target).await;
@@ -116,43 +126,86 @@ async fn a_frontend_reaches_only_what_the_policy_names_never_the_nodes_lan() {
             rest.contains(REFUSED) && rest.contains("--dial-allow"),
             "{target}: {status} {rest}"
         );
+        // The caller learns nothing of what a name resolves to on the node.
+        if target.starts_with("localhost") {
+            assert!(!rest.contains("127.0.0.1"), "{target}: {rest}");
+        }
     }
-    assert_eq!(
-        lan.accepted.load(std::sync::atomic::Ordering::Relaxed),
-        lan_seen,
-        "a refused dial never reaches the target"
-    );
-    assert_eq!(
-        node_other
-            .accepted
-            .load(std::sync::atomic::Ordering::Relaxed),
-        0
-    );
+    for b in [&lan, &node_other, &loopback] {
+        assert_eq!(
+            b.accepted.load(std::sync::atomic::Ordering::Relaxed),
+            0,
+            "a refused dial never reaches the target"
+        );
+    }
     assert_eq!(refusals(&agent).await, refused.len() as f64);
     let logged = agent.proc.log_text();
     assert!(
         logged.matches(REFUSED).count() >= refused.len(),
         "each refusal is logged: {logged}"
     );
-    // A name is judged by its addresses: the refusal says what it resolved to.
-    let (_, rest) = through(
-        &pki,
-        &server,
-        &format!("localhost:{}", node_other.addr.port()),
+    // The agent's log says what the name resolved to.
+    assert!(logged.contains("(resolved to 127.0.0.1"), "{logged}");
+
+    // The audit: the server's record names who asked (the frontend's certificate and
+    // address) and the agent that refused; the agent's its own refusal.
+    let lan_address = lan.addr.to_string();
+    let server_record = wait_until(
+        "the server's policy record",
+        Duration::from_secs(30),
+        || {
+            let found = records(&server_audit)
+                .into_iter()
+                .find(|r| r["address"] == lan_address.as_str());
+            async move { found }
+        },
     )
     .await;
-    assert!(rest.contains("resolved to"), "{rest}");
+    assert_eq!(server_record["event"], "refused", "{server_record}");
+    assert_eq!(server_record["reason"], "policy", "{server_record}");
+    assert_eq!(
+        server_record["frontend"]["transport"], "tcp",
+        "{server_record}"
+    );
+    assert!(
+        server_record["frontend"]["subject"].is_string(),
+        "{server_record}"
+    );
+    assert!(server_record["error"]
+        .as_str()
+        .unwrap_or_default()
+        .starts_with(REFUSED));
+    let agent_record = wait_until("the agent's policy record", Duration::from_secs(30), || {
+        let found = records(&agent_audit)
+            .into_iter()
+            .find(|r| r["address"] == lan_address.as_str());
+        async move { found }
+    })
+    .await;
+    assert_eq!(agent_record["outcome"], "refused", "{agent_record}");
+    assert_eq!(agent_record["random"], server_record["random"]);
+}
+
+/// Every line of an audit log (none while it is not there).
+fn records(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn any_and_an_upstream_command_line_dial_anything_and_say_it_is_unsafe() {
     let pki = Pki::new();
-    let lan = backend::http_on("127.0.0.1", "the LAN\n").await;
+    let lan_link = Node::create();
+    let lan = backend::http_on(&lan_link.host_ip, "the LAN\n").await;
     let server = ServerProc::start(bin(), &tcp_frontend_args(&pki, "http-connect"));
     // `--dial-policy=any`, then nothing about the node at all (upstream's flags).
+    // (`--dial-timeout` keeps the test kit from allowing loopback for the agent.)
     for args in [
         vec!["--dial-policy=any".to_string()],
-        vec!["--dial-policy=node".to_string()],
+        vec!["--dial-timeout=5s".to_string()],
     ] {
         let agent = AgentProc::start(bin(), &pki, server.agent, &args);
         server.wait_agents(1).await;

@@ -3,7 +3,7 @@
 //! socket and the agent stream until either side closes.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -17,6 +17,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::audit::{Audited, Dial, Outcome};
 use crate::metrics::Metrics;
 use crate::policy::{DialFailure, DialPolicy};
 
@@ -53,6 +54,14 @@ pub(crate) struct Outbox {
     pub(crate) data: mpsc::Sender<Packet>,
 }
 
+/// What a session asks before each dial and records after it.
+pub(crate) struct Targets {
+    /// What servers may have this agent dial.
+    pub(crate) policy: Arc<DialPolicy>,
+    /// The audit log and the stream's server id.
+    pub(crate) audited: Audited,
+}
+
 /// The connections of one agent stream.
 pub(crate) struct Session {
     out: Outbox,
@@ -72,6 +81,8 @@ pub(crate) struct Session {
     work: Arc<drain::Signal>,
     /// What servers may have this agent dial.
     policy: Arc<DialPolicy>,
+    /// The audit log and this stream's server id.
+    audited: Audited,
 }
 
 impl Session {
@@ -82,7 +93,7 @@ impl Session {
         stall_timeout: Duration,
         metrics: Metrics,
         work: Arc<drain::Signal>,
-        policy: Arc<DialPolicy>,
+        targets: Targets,
     ) -> Arc<Self> {
         Arc::new(Session {
             out,
@@ -96,7 +107,8 @@ impl Session {
             metrics,
             closed: CancellationToken::new(),
             work,
-            policy,
+            policy: targets.policy,
+            audited: targets.audited,
         })
     }
 
@@ -244,6 +256,7 @@ impl Session {
         let Some(stream) = self.connect(&address, random, connect_id, &hard_stop).await else {
             return;
         };
+        let (connected, dialed) = (Instant::now(), stream.peer_addr().ok());
         let (tx, rx) = queue::queue();
         let flow = Arc::new(ConnFlow::new(self.peer_window));
         let conn = Conn {
@@ -267,7 +280,22 @@ impl Session {
             send: flow.credit(),
             recv: Some(flow.window()),
         };
-        let end = splice(rd, wr, rx, self.as_ref(), connect_id, &hard_stop, flow).await;
+        // Bytes each way, for the audit record.
+        let (to_target, from_target) = (AtomicU64::new(0), AtomicU64::new(0));
+        let rx = futures::StreamExt::inspect(rx, |p| crate::audit::count_data(&to_target, p));
+        let sink = crate::audit::Counting {
+            inner: self.as_ref(),
+            bytes: &from_target,
+        };
+        let end = splice(rd, wr, rx, &sink, connect_id, &hard_stop, flow).await;
+        let bytes = (to_target.into_inner(), from_target.into_inner());
+        let audit = Dial {
+            address: &address,
+            random,
+            connect_id,
+            started: connected,
+        };
+        self.audited.closed(&audit, dialed, &end, bytes);
         let error = match &end {
             SpliceEnd::LocalError(e) => e.to_string(),
             _ => String::new(),
@@ -288,29 +316,34 @@ impl Session {
         hard_stop: &CancellationToken,
     ) -> Option<TcpStream> {
         let started = Instant::now();
+        let audit = Dial {
+            address,
+            random,
+            connect_id,
+            started,
+        };
         let dialed = tokio::select! {
-            r = tokio::time::timeout(self.dial_timeout, self.policy.connect(address)) => r,
-            _ = hard_stop.cancelled() => {
-                self.pending().remove(&random);
-                return None;
-            }
+            r = tokio::time::timeout(self.dial_timeout, self.policy.connect(address)) => Some(r),
+            _ = hard_stop.cancelled() => None,
         };
         // DIAL_CLS won the race when the dial is no longer pending: nobody wants it.
-        self.pending().remove(&random)?;
+        let wanted = self.pending().remove(&random).is_some();
+        let Some(dialed) = dialed.filter(|_| wanted) else {
+            self.audited.dial(&audit, Outcome::Cancelled, None, None);
+            return None;
+        };
         let (reason, error) = match dialed {
             Ok(Ok(stream)) => {
                 let _ = stream.set_nodelay(true);
                 self.metrics
                     .dial_duration
                     .observe(started.elapsed().as_secs_f64());
+                let dialed = stream.peer_addr().ok();
+                self.audited.dial(&audit, Outcome::Connected, dialed, None);
                 return Some(stream);
             }
-            Ok(Err(DialFailure::Refused(why))) => {
-                self.metrics.dial_refusals.inc();
-                if let Some(left_out) = self.policy.refusal_log.allow() {
-                    tracing::warn!(address = cut(address), random, left_out, "{why}");
-                }
-                self.answer(Packet::dial_response(random, 0, why)).await;
+            Ok(Err(DialFailure::Refused(refusal))) => {
+                self.refuse(&audit, refusal).await;
                 return None;
             }
             // Upstream's two reasons: a Go net.Error that timed out, and everything
@@ -327,9 +360,31 @@ impl Session {
             .inc();
         tracing::info!(%address, connect_id, %error, "dial failed");
         let address = cut(address);
-        let rsp = Packet::dial_response(random, 0, format!("dial tcp {address}: {error}"));
+        let error = format!("dial tcp {address}: {error}");
+        self.audited
+            .dial(&audit, Outcome::Failed, None, Some(&error));
+        let rsp = Packet::dial_response(random, 0, error);
         self.answer(rsp).await;
         None
+    }
+
+    /// A dial the policy refused: counted, logged (rate-limited, with what a name
+    /// resolved to), recorded, and answered with the refusal's text.
+    async fn refuse(&self, dial: &Dial<'_>, refusal: crate::policy::Refusal) {
+        self.metrics.dial_refusals.inc();
+        if let Some(left_out) = self.policy.refusal_log.allow() {
+            tracing::warn!(
+                address = cut(dial.address),
+                random = dial.random,
+                left_out,
+                "{}",
+                refusal.detail
+            );
+        }
+        self.audited
+            .dial(dial, Outcome::Refused, None, Some(&refusal.answer));
+        self.answer(Packet::dial_response(dial.random, 0, refusal.answer))
+            .await;
     }
 
     /// Closes `connect_id` from our side: its pump stops and the server gets CLOSE_RSP
@@ -406,10 +461,13 @@ mod tests {
         let timeout = Duration::from_secs(5);
         let stall = Duration::from_secs(30);
         let out = Outbox { control, data };
-        let policy = crate::policy::DialPolicy::new(crate::policy::PolicyConfig {
-            any: true,
-            ..Default::default()
-        });
+        let targets = Targets {
+            policy: crate::policy::DialPolicy::new(crate::policy::PolicyConfig {
+                any: true,
+                ..Default::default()
+            }),
+            audited: Audited::default(),
+        };
         let s = Session::new(
             out,
             timeout,
@@ -417,7 +475,7 @@ mod tests {
             stall,
             Metrics::new(),
             work.clone(),
-            policy,
+            targets,
         );
         let rx = ToServer {
             control: control_rx,

@@ -3,6 +3,7 @@
 //! egress `proxy` when one is configured), and the `dialer` opens the target
 //! connection for each DIAL_REQ and pumps its bytes. Never depends on the server.
 
+pub mod audit;
 mod config;
 pub mod dialer;
 pub mod lease_count;
@@ -44,12 +45,16 @@ pub struct Agent {
     /// The HTTP/2 keepalive interval new streams use, in milliseconds: `--keepalive-time`,
     /// doubled each time a server closes a stream for pinging too often.
     keepalive_ms: Arc<AtomicU64>,
+    /// The audit record of each dial and connection (`--audit-log-path`).
+    audit: audit::Audit,
 }
 
 impl Agent {
     /// A new agent (nothing runs until [`Agent::run`]); fails on unusable TLS files.
     pub fn new(config: AgentConfig) -> Result<Self, tether_core::tls::TlsError> {
         let metrics = Metrics::new();
+        let in_force = if config.policy.any { "any" } else { "node" };
+        metrics.dial_policy.with_label_values(&[in_force]).set(1);
         let expiry = metrics.cert_expiry.clone();
         let t = config.tls.clone();
         let mut paths = vec![t.ca.clone()];
@@ -82,7 +87,25 @@ impl Agent {
                 config.keepalive.as_millis().try_into().unwrap_or(u64::MAX),
             )),
             config,
+            audit: audit::Audit::off(),
         })
+    }
+
+    /// Waits (up to 2 s) for the audit records queued so far to be written.
+    pub async fn sync_audit(&self) {
+        let audit = self.audit.clone();
+        let synced =
+            tokio::task::spawn_blocking(move || audit.sync(std::time::Duration::from_secs(2)));
+        if !matches!(synced.await, Ok(true)) {
+            tracing::warn!("the audit log's last records were not written within 2s of the stop");
+        }
+    }
+
+    /// The same agent, recording each dial and connection in `audit` (open it with
+    /// `metrics().audit` as its counters).
+    pub fn with_audit(mut self, audit: audit::Audit) -> Self {
+        self.audit = audit;
+        self
     }
 
     /// The metrics registry.

@@ -272,7 +272,7 @@ impl Agent {
             out,
             inbound,
         } = est;
-        let (session, control_rx, data_rx) = self.new_session(peer_window);
+        let (session, control_rx, data_rx) = self.new_session(peer_window, &server_id);
         let _close_on_exit = session.closed.clone().drop_guard();
         let _count = Decrement::count(&self.streams, &self.metrics.open_server_connections);
         let via = via
@@ -316,6 +316,7 @@ impl Agent {
     fn new_session(
         &self,
         peer_window: Option<u32>,
+        server_id: &str,
     ) -> (Arc<Session>, mpsc::Receiver<Packet>, mpsc::Receiver<Packet>) {
         let cfg = &self.config;
         let (control, control_rx) = mpsc::channel(crate::dialer::ANSWERS);
@@ -327,7 +328,13 @@ impl Agent {
             cfg.stall_timeout,
             self.metrics.clone(),
             self.work.clone(),
-            self.policy.clone(),
+            crate::dialer::Targets {
+                policy: self.policy.clone(),
+                audited: crate::audit::Audited {
+                    log: self.audit.clone(),
+                    server_id: server_id.into(),
+                },
+            },
         );
         (session, control_rx, data_rx)
     }

@@ -1,7 +1,8 @@
 //! Agent metrics under upstream's names (`konnectivity_network_proxy_agent_*`).
 
 use prometheus::{
-    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry,
 };
 use tether_ops::kubeclient::CallMetrics;
 
@@ -98,6 +99,14 @@ tether_ops::metric_set! {
             ),
             &["reason"],
         )),
+        /// 1 for the dial policy in force (`node` or `any`).
+        pub dial_policy: IntGaugeVec = catalog.made(IntGaugeVec::new(
+            Opts::new(
+                "tether_agent_dial_policy",
+                "1 for the dial policy in force: node (only the node's kubelet, NodePorts, pods, Services and --dial-allow) or any (whatever a server asks: --dial-policy=any, or an upstream command line naming nothing of the node).",
+            ),
+            &["policy"],
+        )),
         /// Dials the dial policy refused.
         pub dial_refusals: IntCounter = catalog.made(IntCounter::with_opts(Opts::new(
             "tether_agent_dial_refusals_total",
@@ -122,6 +131,8 @@ tether_ops::metric_set! {
         },
         /// Loaded certificates' expiry (`tether_certificate_expiry_timestamp_seconds`).
         pub cert_expiry: CertExpiry = CertExpiry::new(&catalog),
+        /// Audit records written and dropped (`tether_audit_records_*`).
+        pub audit: tether_ops::audit::AuditMetrics = tether_ops::audit::AuditMetrics::new(&catalog),
     }
 }
 

@@ -164,12 +164,27 @@ impl Agent {
         let kubeconfig = c.kubeconfig.clone();
         let hard_stop = hard_stop.clone();
         tokio::spawn(async move {
-            match tether_ops::kubeclient::client(kubeconfig.as_deref()).await {
-                Ok(client) => crate::policy::NodeWatch::spawn(client, name, &policy, hard_stop),
-                Err(e) => tracing::warn!(
-                    error = %chain(&e),
-                    "dial policy: no API client to read this node's Node object (--kubeconfig, else in-cluster); dials to its pods are refused"
-                ),
+            // Tried again (a kubeconfig written after the agent started, a token not
+            // yet projected) until it works; warned about once.
+            let mut warned = false;
+            loop {
+                match tether_ops::kubeclient::client(kubeconfig.as_deref()).await {
+                    Ok(client) => {
+                        return crate::policy::NodeWatch::spawn(client, name, &policy, hard_stop)
+                    }
+                    Err(e) if !warned => {
+                        warned = true;
+                        tracing::warn!(
+                            error = %chain(&e),
+                            "dial policy: no API client to read this node's Node object (--kubeconfig, else in-cluster); until there is one, dials to its pods are refused"
+                        );
+                    }
+                    Err(_) => {}
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_secs(10)) => {}
+                    _ = hard_stop.cancelled() => return,
+                }
             }
         });
     }

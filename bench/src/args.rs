@@ -46,6 +46,11 @@ pub(crate) struct Args {
     /// Skip the gRPC route (e.g. to count the server's system calls for one route).
     #[arg(long)]
     pub(crate) no_grpc: bool,
+    /// Add the gRPC route again with the audit log on at both ends (written to a file
+    /// in the run's temporary directory): its CPU per GiB and round trip beside the
+    /// route without it.
+    #[arg(long)]
+    pub(crate) audit: bool,
     /// Skip the HTTP-CONNECT route.
     #[arg(long)]
     pub(crate) no_http_connect: bool,

@@ -149,9 +149,25 @@ pub(crate) fn start_pair(
     mode: &str,
     socket: &Path,
 ) -> anyhow::Result<(Proc, Proc, Value)> {
-    let (server, ev) = spawn_tether(&t.bin, &t.server_args(pki, mode, socket, 0))?;
+    start_pair_with(t, pki, mode, socket, &[], &[])
+}
+
+/// [`start_pair`] with `server_extra` and `agent_extra` flags (e.g. the audit log).
+pub(crate) fn start_pair_with(
+    t: &Tether,
+    pki: &tether_certs::DevPki,
+    mode: &str,
+    socket: &Path,
+    server_extra: &[String],
+    agent_extra: &[String],
+) -> anyhow::Result<(Proc, Proc, Value)> {
+    let mut args = t.server_args(pki, mode, socket, 0);
+    args.extend(server_extra.iter().cloned());
+    let (server, ev) = spawn_tether(&t.bin, &args)?;
     let agent_addr: SocketAddr = ev["agent"].as_str().unwrap_or_default().parse()?;
-    let (agent, _) = spawn_tether(&t.agent_bin, &agent_args(pki, agent_addr.port()))?;
+    let mut args = agent_args(pki, agent_addr.port());
+    args.extend(agent_extra.iter().cloned());
+    let (agent, _) = spawn_tether(&t.agent_bin, &args)?;
     wait_connected(ev["health"].as_str().unwrap_or_default())?;
     Ok((server, agent, ev))
 }

@@ -20,6 +20,8 @@ pub(crate) type Conn = Pin<Box<dyn Io>>;
 pub(crate) enum Route {
     Direct,
     GrpcUds,
+    /// The gRPC route with `--audit-log-path` on server and agent.
+    GrpcUdsAudit,
     HttpConnectUds,
     Ssh,
     Relay,
@@ -34,6 +36,7 @@ impl Route {
         match self {
             Route::Direct => "direct",
             Route::GrpcUds => "tether grpc/uds",
+            Route::GrpcUdsAudit => "tether grpc/uds + audit",
             Route::HttpConnectUds => "tether http-connect/uds",
             Route::Ssh => "ssh -L",
             Route::Relay => "2 plain relays (floor)",
@@ -48,6 +51,8 @@ pub(crate) struct Env {
     pub(crate) backend: SocketAddr,
     pub(crate) connect_socket: PathBuf,
     pub(crate) client: tether_client::Client,
+    /// The client of the audited gRPC pair (`--audit`).
+    pub(crate) audit_client: Option<tether_client::Client>,
     pub(crate) ssh_port: Option<u16>,
     pub(crate) relay_port: Option<u16>,
     pub(crate) lb_port: Option<u16>,
@@ -89,6 +94,13 @@ impl Env {
                 Box::pin(s)
             }
             Route::GrpcUds => Box::pin(self.client.dial(&target.to_string()).await?),
+            Route::GrpcUdsAudit => {
+                let client = self
+                    .audit_client
+                    .as_ref()
+                    .context("audit pair not set up")?;
+                Box::pin(client.dial(&target.to_string()).await?)
+            }
             Route::GrpcRelay => {
                 let port = self.backend_relay_port.context("relay not set up")?;
                 Box::pin(self.client.dial(&format!("127.0.0.1:{port}")).await?)

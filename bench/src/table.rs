@@ -13,7 +13,7 @@ use crate::latency::{dial_rate, new_connections, rtt};
 use crate::lb::start_load_balancer;
 use crate::memory::memory;
 use crate::procinfo::cpu_seconds;
-use crate::procs::{start_pair, Proc, Tether};
+use crate::procs::{start_pair, start_pair_with, Proc, Tether};
 use crate::relay::{start_relay, start_relays};
 use crate::report;
 use crate::route::{Env, Route};
@@ -55,6 +55,9 @@ pub(crate) async fn run(args: &Args, t: &Tether) -> anyhow::Result<()> {
         .collect();
     let mut out = report::print_table(args.rounds, args.size_mib, &routes, &METRICS, &table);
     if args.idle_conns == 0 {
+        drop(env);
+        // The audit route's logs alone reach 100 MiB in a long run.
+        let _ = std::fs::remove_dir_all(&dir);
         return report::write_json(&args.json, &Value::Object(out));
     }
     eprintln!(
@@ -106,6 +109,19 @@ async fn start(args: &Args, t: &Tether, dir: &Path) -> anyhow::Result<Env> {
             (Route::HttpConnectUds, vec![cs.0.id(), ca.0.id()]),
         ],
     };
+    let audit_socket = dir.join("audit.sock");
+    let audit_client = if args.audit {
+        let flag = |f: &str| format!("--audit-log-path={}", dir.join(f).display());
+        let (server, agent) = (
+            vec![flag("server-audit.log")],
+            vec![flag("agent-audit.log")],
+        );
+        let (s_, a_, _) = start_pair_with(t, &pki, "grpc", &audit_socket, &server, &agent)?;
+        s.add(Route::GrpcUdsAudit, vec![s_, a_], &[]);
+        Some(tether_client::Client::uds(&audit_socket).await?)
+    } else {
+        None
+    };
     let ssh_port = if args.no_ssh {
         None
     } else {
@@ -134,6 +150,7 @@ async fn start(args: &Args, t: &Tether, dir: &Path) -> anyhow::Result<Env> {
     Ok(Env {
         backend,
         client: tether_client::Client::uds(&grpc_socket).await?,
+        audit_client,
         connect_socket,
         ssh_port,
         relay_port,
@@ -152,6 +169,9 @@ fn routes(args: &Args, env: &Env) -> Vec<Route> {
     let mut routes = vec![Route::Direct];
     if !args.no_grpc {
         routes.push(Route::GrpcUds);
+    }
+    if env.audit_client.is_some() {
+        routes.push(Route::GrpcUdsAudit);
     }
     if !args.no_http_connect {
         routes.push(Route::HttpConnectUds);

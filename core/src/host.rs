@@ -12,6 +12,10 @@
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
+/// How an agent's refusal of a dial by its dial policy begins (the DIAL_RSP error):
+/// the agent writes it, the server's audit tells such refusals apart by it.
+pub const POLICY_REFUSAL: &str = "dial refused by the agent's dial policy:";
+
 /// A dial host, canonical: what the server routes by.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum DialHost {

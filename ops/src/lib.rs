@@ -1,7 +1,9 @@
 //! What a running Tether process needs around the data path: health, readiness and
 //! metrics HTTP, profiling, certificate reload, allocator policy, the open-file limit,
-//! the Kubernetes client with its rate limit, signals and Go-style durations for flags.
+//! the Kubernetes client with its rate limit, signals, Go-style durations for flags and
+//! the audit log's writer.
 
+pub mod audit;
 pub mod authz;
 pub mod duration;
 pub mod health;

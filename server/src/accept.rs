@@ -9,6 +9,8 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::router::audit::{Reason, Record};
+use crate::router::FrontendPeer;
 use crate::start::FrontendListener;
 use crate::{agent_link, frontend, Mode, Router};
 
@@ -109,9 +111,14 @@ pub(crate) async fn serve_frontend(
                     }
                 },
             };
+            let peer = serve.uds_peer(&sock);
             match mode {
-                Mode::Grpc => serve.spawn(frontend::uds_authority::AuthorityFix::new(sock), "uds"),
-                Mode::HttpConnect => serve.spawn(sock, "uds"),
+                Mode::Grpc => serve.spawn(
+                    frontend::uds_authority::AuthorityFix::new(sock),
+                    "uds",
+                    peer,
+                ),
+                Mode::HttpConnect => serve.spawn(sock, "uds", peer),
             }
         },
         FrontendListener::Tls(l, cfg, clients) => {
@@ -120,14 +127,16 @@ pub(crate) async fn serve_frontend(
             while let Some(mut conn) = incoming.recv().await {
                 let peer = conn.info().remote_addr.to_string();
                 let leaf = conn.info().peer_certs.as_ref().and_then(|c| c.first());
+                let audited = serve.tcp_peer(&peer, leaf);
                 if let Err(why) = clients.admit(leaf) {
                     tracing::warn!(%peer, reason = %why, "frontend client refused");
+                    serve.not_allowed(&audited, why);
                     continue;
                 }
                 // Its certificate chains to the frontend's CA and is one it admits.
                 drop(conn.take_pending());
                 // Boxed, as an agent connection is.
-                serve.spawn(Box::new(conn), &peer);
+                serve.spawn(Box::new(conn), &peer, audited);
             }
         }
     }
@@ -142,7 +151,56 @@ pub(crate) struct Accepted {
 }
 
 impl Accepted {
-    pub(crate) fn spawn<S>(&self, sock: S, peer: &str)
+    /// The frontend kind's name in audit records.
+    fn kind(&self) -> &'static str {
+        match self.mode {
+            Mode::Grpc => "grpc",
+            Mode::HttpConnect => "http-connect",
+        }
+    }
+
+    /// Who is at the other end of a Unix socket, as the kernel says (`SO_PEERCRED`).
+    pub(crate) fn uds_peer(&self, sock: &tokio::net::UnixStream) -> Arc<FrontendPeer> {
+        let cred = sock.peer_cred().ok();
+        Arc::new(FrontendPeer {
+            kind: self.kind(),
+            transport: "uds",
+            uid: cred.map(|c| c.uid()),
+            // 0: the peer is in a PID namespace the server cannot see into.
+            pid: cred.and_then(|c| c.pid()).filter(|p| *p > 0),
+            ..Default::default()
+        })
+    }
+
+    /// Who is at the other end of a mutual-TLS connection: its address and, when the
+    /// audit is on, its certificate's subject.
+    pub(crate) fn tcp_peer(
+        &self,
+        remote: &str,
+        leaf: Option<&rustls_pki_types::CertificateDer<'_>>,
+    ) -> Arc<FrontendPeer> {
+        let subject = leaf
+            .filter(|_| self.router.audit().enabled())
+            .and_then(|c| tether_certs::inspect::parse_der(c).ok())
+            .map(|info| info.subject);
+        Arc::new(FrontendPeer {
+            kind: self.kind(),
+            transport: "tcp",
+            subject,
+            remote: Some(remote.to_string()),
+            ..Default::default()
+        })
+    }
+
+    /// Records a TCP client `--frontend-client-names` refused.
+    fn not_allowed(&self, peer: &Arc<FrontendPeer>, why: String) {
+        if self.router.audit().enabled() {
+            let r = Record::refused(peer, "", Reason::FrontendNotAllowed, Some(why));
+            self.router.audit().record(r);
+        }
+    }
+
+    pub(crate) fn spawn<S>(&self, sock: S, peer: &str, audited: Arc<FrontendPeer>)
     where
         S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
@@ -150,13 +208,19 @@ impl Accepted {
         match self.mode {
             Mode::Grpc => {
                 let span = tracing::debug_span!("frontend_connection", kind = "grpc", %peer);
-                let conn =
-                    frontend::grpc::serve_connection(sock, router, self.keepalive, hard_stop);
+                let conn = frontend::grpc::serve_connection(
+                    sock,
+                    router,
+                    audited,
+                    self.keepalive,
+                    hard_stop,
+                );
                 tokio::spawn(conn.instrument(span));
             }
             Mode::HttpConnect => {
                 let span = tracing::info_span!("frontend", kind = "http-connect", %peer, address = tracing::field::Empty);
-                let conn = frontend::http_connect::serve_connection(router, sock, hard_stop);
+                let conn =
+                    frontend::http_connect::serve_connection(router, sock, audited, hard_stop);
                 tokio::spawn(conn.instrument(span));
             }
         }

@@ -132,6 +132,8 @@ pub struct ServerConfig {
     pub profiling: bool,
     /// Who may read `/agents` on the admin port.
     pub agents_access: AgentsAccess,
+    /// The audit log of tunnels and refusals (`--audit-log-path`); `None`: off.
+    pub audit: Option<tether_ops::audit::AuditConfig>,
 }
 
 /// The audience a token must be bound to for `/agents` off loopback (a projected

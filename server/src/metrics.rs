@@ -256,6 +256,8 @@ tether_ops::metric_set! {
         pub lease_deletes: CallMetrics = lease_calls(&catalog, "delete"),
         /// Loaded certificates' expiry (`tether_certificate_expiry_timestamp_seconds`).
         pub cert_expiry: CertExpiry = CertExpiry::new(&catalog),
+        /// Audit records written and dropped (`tether_audit_records_*`).
+        pub audit: tether_ops::audit::AuditMetrics = tether_ops::audit::AuditMetrics::new(&catalog),
     }
 }
 

@@ -75,6 +75,7 @@ impl BoundServer {
                 "graceful shutdown timeout reached; closing remaining tunnels"
             );
         }
+        router.stopping();
         hard_stop.cancel();
         let stopped = tokio::time::timeout(Duration::from_secs(2), async {
             for task in frontends.tasks {
@@ -85,6 +86,7 @@ impl BoundServer {
         if stopped.await.is_err() {
             tracing::warn!("listeners still open 2s after the hard stop; exiting anyway");
         }
+        sync_audit(&router).await;
         tracing::info!("server stopped");
     }
 
@@ -189,4 +191,14 @@ impl BoundServer {
 pub(crate) struct Frontends {
     pub(crate) tasks: Vec<tokio::task::JoinHandle<()>>,
     pub(crate) sockets: Vec<PathBuf>,
+}
+
+/// Waits up to 2 s for the audit records queued so far (the tunnels the hard stop cut
+/// among them) to be written.
+async fn sync_audit(router: &Router) {
+    let audit = router.audit().clone();
+    let synced = tokio::task::spawn_blocking(move || audit.sync(Duration::from_secs(2)));
+    if !matches!(synced.await, Ok(true)) {
+        tracing::warn!("the audit log's last records were not written within 2s of the stop");
+    }
 }

@@ -58,6 +58,9 @@ pub enum StartError {
         /// What went wrong.
         reason: String,
     },
+    /// The audit log could not be opened.
+    #[error(transparent)]
+    Audit(#[from] tether_ops::audit::AuditError),
 }
 
 use tether_certs::inspect::CertInfo;
@@ -334,7 +337,14 @@ impl Server {
             admin: admin.as_ref().and_then(|l| l.local_addr().ok()),
         };
         let clients = KubeClients::of(&config, &metrics).await?;
-        let router = Router::new(config.router.clone(), metrics);
+        let audit = match &config.audit {
+            Some(a) => {
+                let audited = metrics.audit.clone();
+                crate::router::audit::Audit::open(a, audited, "tether-audit")?
+            }
+            None => crate::router::audit::Audit::off(),
+        };
+        let router = Router::with_audit(config.router.clone(), metrics, audit);
         if config.nodes.as_ref().is_some_and(|w| w.route_pod_ips) {
             router.registry().nodes().route_pod_ips();
         }

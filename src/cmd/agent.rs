@@ -175,8 +175,12 @@ pub struct AgentArgs {
     /// whatever a server asks, as upstream's agent does; then a stolen frontend
     /// credential or a compromised server can use every agent to reach its node's
     /// network (logged as UNSAFE at start). Tether only.
-    #[arg(long, default_value = "node", value_parser = ["node", "any"])]
-    pub dial_policy: String,
+    ///
+    /// Unset, an agent whose flags name nothing of its node (no --node-name, --node-ip,
+    /// --service-cidr or --dial-allow: an upstream command line) dials anything, logged
+    /// as UNSAFE; `--dial-policy=node` given so refuses to start instead.
+    #[arg(long, value_parser = ["node", "any"])]
+    pub dial_policy: Option<String>,
     /// More targets the dial policy allows, comma-separated or repeated.
     ///
     /// Each is a network or address (10.20.0.0/16, 192.168.1.5, fd00::/64), this node's
@@ -220,6 +224,23 @@ pub struct AgentArgs {
     /// certificates and logs why. Tether only.
     #[arg(long, default_value = "1m", value_parser = duration)]
     pub cert_reload_interval: Duration,
+    /// Write an audit record (one JSON line) for every dial and connection to this
+    /// file, or to stdout with -. Empty: no audit (the default).
+    ///
+    /// kube-apiserver's flag name. See docs/audit.md for the format.
+    #[arg(long, default_value = "")]
+    pub audit_log_path: String,
+    /// Megabytes the audit log may reach before it is rotated (path -> path.1).
+    ///
+    /// At least 1 (kube-apiserver's 0 would mean lumberjack's 100).
+    #[arg(long, default_value_t = tether_ops::audit::DEFAULT_MAX_SIZE_MB)]
+    pub audit_log_maxsize: u64,
+    /// Rotated audit files kept (path.1 ... path.N); the oldest is removed.
+    ///
+    /// At least 1: kube-apiserver's 0 (keep every file) is refused, so the audit
+    /// never fills a disk.
+    #[arg(long, default_value_t = tether_ops::audit::DEFAULT_MAX_BACKUPS)]
+    pub audit_log_maxbackup: usize,
 
     #[command(flatten)]
     pub log: LogArgs,
@@ -293,6 +314,31 @@ fn offered_alpn(extra: &[String]) -> Vec<Vec<u8>> {
         alpn.push(tether_core::tls::ALPN_H2.to_vec());
     }
     alpn
+}
+
+/// Warns about Service ranges that look wrong: wider than kube-apiserver allows (/12
+/// for IPv4, /108 for IPv6: more of the network than Services), or not holding the
+/// `kubernetes` Service's ClusterIP (`KUBERNETES_SERVICE_HOST`, unless that is the
+/// apiserver's own address, as in clusters without kube-proxy).
+fn check_service_ranges(ranges: &[tether_core::identifiers::Cidr], host: Option<String>) {
+    for r in ranges {
+        let widest = if r.network().is_ipv4() { 12 } else { 108 };
+        if r.prefix() < widest {
+            tracing::warn!(service_cidr = %r, "--service-cidr is wider than any Service range kube-apiserver takes (/{widest}): the agent dials anything in it; give --service-cluster-ip-range");
+        }
+    }
+    let Some(ip) = host.and_then(|h| h.parse::<std::net::IpAddr>().ok()) else {
+        return;
+    };
+    let family = ranges
+        .iter()
+        .filter(|r| r.network().is_ipv4() == ip.is_ipv4());
+    if family.clone().count() > 0 && !family.clone().any(|r| r.contains(ip)) {
+        tracing::warn!(
+            kubernetes_service_host = %ip,
+            "--service-cidr does not hold KUBERNETES_SERVICE_HOST: unless that is the apiserver's own address (no kube-proxy), --service-cidr is not kube-apiserver's --service-cluster-ip-range"
+        );
+    }
 }
 
 /// Parses `--proxy-server-host`: `HOST`, `HOST:PORT`, `[V6]:PORT`, comma-separated.
@@ -490,13 +536,15 @@ impl AgentArgs {
                     })?,
             ),
         };
-        let mut any = self.dial_policy == "any";
-        if !any
-            && node_name.is_none()
+        let mut any = self.dial_policy.as_deref() == Some("any");
+        let blind = node_name.is_none()
             && node_ips.is_empty()
             && allow.is_empty()
-            && service_cidrs.is_empty()
-        {
+            && service_cidrs.is_empty();
+        if blind && self.dial_policy.as_deref() == Some("node") {
+            bail!("--dial-policy=node allows nothing without knowing the node: set --node-name (with get on nodes) or --node-ip, and --service-cidr (deploy/konnectivity-agent.yaml)");
+        }
+        if !any && blind {
             // An upstream command line: nothing says which node this is, so the policy
             // could allow nothing. Dial as upstream's agent does, and say so.
             tracing::warn!(
@@ -505,6 +553,10 @@ impl AgentArgs {
             );
             any = true;
         }
+        check_service_ranges(
+            &service_cidrs,
+            std::env::var("KUBERNETES_SERVICE_HOST").ok(),
+        );
         Ok(PolicyConfig {
             any,
             node_name,
@@ -539,6 +591,11 @@ impl AgentArgs {
 pub fn main(args: AgentArgs) -> anyhow::Result<()> {
     args.log.init()?;
     let config = args.config()?;
+    let audit = tether_ops::audit::AuditConfig::from_flags(
+        &args.audit_log_path,
+        args.audit_log_maxsize,
+        args.audit_log_maxbackup,
+    )?;
     let health = bind_addr(
         &args.health_server_host,
         args.health_server_port,
@@ -554,6 +611,14 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
         // Certificates first: a bad one is reported as such, even when a port is taken.
         let (agent_id, servers) = (config.agent_id.clone(), config.servers.clone());
         let agent = Agent::new(config)?;
+        let agent = match &audit {
+            Some(a) => {
+                let counters = agent.metrics().audit.clone();
+                let log = tether_ops::audit::AuditLog::open(a, counters, "tether-audit")?;
+                agent.with_audit(log)
+            }
+            None => agent,
+        };
         let health = tokio::net::TcpListener::bind(health)
             .await
             .with_context(|| format!("cannot listen on health port {health}"))?;
@@ -567,7 +632,7 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
             admin = %admin.local_addr()?,
             "agent starting"
         );
-        if args.dial_policy == "any" {
+        if args.dial_policy.as_deref() == Some("any") {
             tracing::warn!(
                 "UNSAFE: --dial-policy=any: any server, or anyone holding a frontend credential, may have this agent dial any address its node reaches"
             );
@@ -599,6 +664,7 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
         }
         agent.run(drain, hard_stop.clone()).await;
         hard_stop.cancel();
+        agent.sync_audit().await;
         tracing::info!("agent stopped");
         Ok(())
     })

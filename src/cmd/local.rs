@@ -121,6 +121,7 @@ async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()
         ),
         profiling: false,
         agents_access: tether_server::AgentsAccess::Anyone,
+        audit: None,
         cert_reload_interval: Duration::from_secs(60),
         lease: None,
     };

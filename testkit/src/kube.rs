@@ -756,6 +756,11 @@ impl Cluster {
         self.controller_manager.as_ref().map(|p| p.log_text())
     }
 
+    /// kube-apiserver's process ID (what a Unix-socket peer credential names).
+    pub fn apiserver_pid(&self) -> u32 {
+        self.apiserver.pid()
+    }
+
     /// The directory holding the cluster's files.
     pub fn dir(&self) -> &Path {
         self.dir.path()

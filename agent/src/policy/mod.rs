@@ -19,11 +19,14 @@ use tokio::net::TcpStream;
 pub use node::NodeWatch;
 pub use rules::{Allow, RuleError, Target};
 
+/// How long a dial about to be refused waits for the Node to be read again.
+const REFRESH_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// The kubelet's port when the Node object does not say (`--port`'s default).
 pub const KUBELET_PORT: u16 = 10250;
 
-/// The start of every refusal's text: the server and the audit recognise it.
-pub const REFUSED_PREFIX: &str = "dial refused by the agent's dial policy";
+/// The start of every refusal's text (with its colon): the server's audit recognises it.
+pub use tether_core::host::POLICY_REFUSAL as REFUSED_PREFIX;
 
 /// `--dial-policy` and what it needs, validated.
 #[derive(Debug, Clone, Default)]
@@ -74,7 +77,7 @@ pub struct DialPolicy {
 pub enum DialFailure {
     /// The policy refused it; the text says what and how to allow it.
     #[error("{0}")]
-    Refused(String),
+    Refused(Refusal),
     /// The resolver or the connect failed.
     #[error("{0}")]
     Io(#[from] std::io::Error),
@@ -144,26 +147,47 @@ impl DialPolicy {
         parts.join("; ")
     }
 
-    /// Opens a TCP connection to `address` (`host:port`) if the policy allows it: the
-    /// addresses a name resolves to that the policy allows are tried in turn.
+    /// Opens a TCP connection to `address` (`host:port`) if the policy allows it, to
+    /// exactly the addresses it judged (never resolving again): those a name resolves
+    /// to that the policy allows, in turn. A name a `--dial-allow` name rule names is
+    /// resolved as written (absolute: no search domain can stand in for it).
     pub async fn connect(&self, address: &str) -> Result<TcpStream, DialFailure> {
         if self.config.any {
             return Ok(TcpStream::connect(address).await?);
         }
-        let (host, port) = DialHost::parse_address(address)
-            .map_err(|e| DialFailure::Refused(format!("{REFUSED_PREFIX}: {e}")))?;
-        let resolved: Vec<SocketAddr> = match &host {
-            DialHost::Ip(ip) => vec![SocketAddr::new(*ip, port)],
-            DialHost::Name(name) => tokio::net::lookup_host((name.as_str(), port))
+        let (host, port) = DialHost::parse_address(address).map_err(|e| {
+            let text = format!("{REFUSED_PREFIX} {e}");
+            DialFailure::Refused(Refusal {
+                answer: clip(&text),
+                detail: clip(&text),
+            })
+        })?;
+        // A name rule covers the name as DNS has it (absolute); a name that does not
+        // resolve so (a search domain, /etc/hosts) is judged by its addresses instead.
+        let absolute = match &host {
+            DialHost::Name(n) if self.name_rule(n, port) => {
+                tokio::net::lookup_host((format!("{n}."), port)).await.ok()
+            }
+            _ => None,
+        };
+        let named = absolute.is_some();
+        let resolved: Vec<SocketAddr> = match (&host, absolute) {
+            (_, Some(found)) => found.collect(),
+            (DialHost::Ip(ip), None) => vec![SocketAddr::new(*ip, port)],
+            (DialHost::Name(name), None) => tokio::net::lookup_host((name.as_str(), port))
                 .await?
                 .collect(),
         };
-        let mut allowed = self.allowed(&host, &resolved);
+        let mut allowed = self.allowed(&resolved, named);
         if allowed.is_empty() {
-            // The Node may have new addresses or pod ranges: read it once more.
+            // The Node may have new addresses or pod ranges: read it once more, within
+            // a bound that leaves the dial time to be refused as such.
             if let Some(node) = self.node.get() {
-                if node.refresh().await {
-                    allowed = self.allowed(&host, &resolved);
+                if matches!(
+                    tokio::time::timeout(REFRESH_WAIT, node.refresh()).await,
+                    Ok(true)
+                ) {
+                    allowed = self.allowed(&resolved, named);
                 }
             }
         }
@@ -180,21 +204,50 @@ impl DialPolicy {
         Err(last.expect("one address was tried").into())
     }
 
-    /// The resolved addresses the policy allows for a dial to `host`.
-    pub fn allowed(&self, host: &DialHost, resolved: &[SocketAddr]) -> Vec<SocketAddr> {
+    /// Does a `--dial-allow` name rule allow `name` at `port`?
+    fn name_rule(&self, name: &str, port: u16) -> bool {
+        self.config.allow.iter().any(|rule| {
+            rule.covers_port(port)
+                && matches!(&rule.target, Target::Name(p) if rules::name_matches(p, name))
+        })
+    }
+
+    /// The resolved addresses the policy allows; `named`: a name rule allowed the name,
+    /// so every address it resolves to but the special ones.
+    pub fn allowed(&self, resolved: &[SocketAddr], named: bool) -> Vec<SocketAddr> {
         let facts = self.facts();
         resolved
             .iter()
-            .filter(|a| self.allows(&facts, host, rules::canonical(a.ip()), a.port()))
+            .filter(|a| {
+                let ip = rules::canonical(a.ip());
+                match rules::special(ip) {
+                    // Loopback, unspecified, link-local, multicast: only a rule that
+                    // names that range itself (`127.0.0.0/8`) reaches them.
+                    Some(range) => self.net_rule(ip, a.port(), |n| range.covers(n)),
+                    None => named || self.allows(&facts, ip, a.port()),
+                }
+            })
             .copied()
             .collect()
     }
 
-    fn allows(&self, facts: &NodeFacts, host: &DialHost, ip: IpAddr, port: u16) -> bool {
+    /// Does a `--dial-allow` network rule that passes `fits` allow `ip:port`?
+    fn net_rule(&self, ip: IpAddr, port: u16, fits: impl Fn(&Cidr) -> bool) -> bool {
+        self.config.allow.iter().any(|rule| {
+            rule.covers_port(port)
+                && match &rule.target {
+                    Target::Net(n) => n.contains(ip) && fits(n),
+                    _ => false,
+                }
+        })
+    }
+
+    fn allows(&self, facts: &NodeFacts, ip: IpAddr, port: u16) -> bool {
         let c = &self.config;
         let own = c.node_ips.contains(&ip) || facts.addrs.contains(&ip);
         let kubelet = facts.kubelet_port.unwrap_or(KUBELET_PORT);
-        if own && (port == kubelet || c.node_ports.as_ref().is_some_and(|r| r.contains(&port))) {
+        let node_port = c.node_ports.as_ref().is_some_and(|r| r.contains(&port));
+        if own && (port == kubelet || node_port) {
             return true;
         }
         if facts.pod_cidrs.iter().any(|n| n.contains(ip))
@@ -202,37 +255,66 @@ impl DialPolicy {
         {
             return true;
         }
-        c.allow.iter().any(|rule| {
-            rule.covers_port(port)
-                && match &rule.target {
-                    Target::Net(n) => n.contains(ip),
-                    Target::Node => own,
-                    Target::Name(pattern) => {
-                        matches!(host, DialHost::Name(n) if rules::name_matches(pattern, n))
-                    }
-                }
-        })
+        let node_rule = c
+            .allow
+            .iter()
+            .any(|rule| own && rule.target == Target::Node && rule.covers_port(port));
+        node_rule || self.net_rule(ip, port, |_| true)
     }
 
-    /// The refusal's text: what was asked, what it resolved to, how to allow it.
-    fn refusal(&self, host: &DialHost, port: u16, resolved: &[SocketAddr]) -> String {
-        let what = match host {
-            DialHost::Ip(ip) => SocketAddr::new(*ip, port).to_string(),
-            DialHost::Name(n) => {
-                let ips: Vec<String> = resolved.iter().map(|a| a.ip().to_string()).collect();
-                format!("{n}:{port} (resolved to {})", ips.join(", "))
-            }
-        };
+    /// The refusal: what was asked and how to allow it (to the server), and what a
+    /// name resolved to (for the agent's log only: the server learns no address of the
+    /// node's network from a refusal).
+    fn refusal(&self, host: &DialHost, port: u16, resolved: &[SocketAddr]) -> Refusal {
         let unread = match &self.config.node_name {
             Some(n) if *self.facts() == NodeFacts::default() => format!(
                 " (node {n}'s Node object could not be read yet: the agent needs get on nodes)"
             ),
             _ => String::new(),
         };
-        format!(
-            "{REFUSED_PREFIX}: {what} is not this node's kubelet, a pod on this node or a \
-             Service{unread}; allow it with the agent's --dial-allow"
-        )
+        let (what, detail) = match host {
+            DialHost::Ip(ip) => {
+                let a = SocketAddr::new(*ip, port).to_string();
+                (a.clone(), a)
+            }
+            DialHost::Name(n) => {
+                let ips: Vec<String> = resolved.iter().map(|a| a.ip().to_string()).collect();
+                (
+                    format!("{n}:{port} (as it resolves on the node)"),
+                    format!("{n}:{port} (resolved to {})", ips.join(", ")),
+                )
+            }
+        };
+        let text = |what: &str| {
+            clip(&format!(
+                "{REFUSED_PREFIX} {what} is not this node's kubelet, a pod on this node or a \
+                 Service{unread}; allow it with the agent's --dial-allow"
+            ))
+        };
+        Refusal {
+            answer: text(&what),
+            detail: text(&detail),
+        }
+    }
+}
+
+/// A refusal's text, at most 1 KiB (a server chose what it echoes).
+fn clip(text: &str) -> String {
+    tether_core::ratelimit::clipped(text, 1024).to_string()
+}
+
+/// What a refused dial tells the server, and what the agent logs.
+#[derive(Debug)]
+pub struct Refusal {
+    /// The DIAL_RSP error.
+    pub answer: String,
+    /// The log line (with what a name resolved to).
+    pub detail: String,
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.answer)
     }
 }
 
@@ -257,10 +339,12 @@ mod tests {
         p
     }
 
+    /// As `connect` judges it, a name resolving to 203.0.113.9.
     fn allowed(p: &DialPolicy, address: &str) -> bool {
         let (host, port) = DialHost::parse_address(address).unwrap();
+        let named = matches!(&host, DialHost::Name(n) if p.name_rule(n, port));
         let ip = host.ip().unwrap_or("203.0.113.9".parse().unwrap());
-        !p.allowed(&host, &[SocketAddr::new(ip, port)]).is_empty()
+        !p.allowed(&[SocketAddr::new(ip, port)], named).is_empty()
     }
 
     #[test]
@@ -305,11 +389,36 @@ mod tests {
     #[test]
     fn a_name_is_judged_by_what_it_resolves_to() {
         let p = policy(&[]);
-        let host = DialHost::Name("web.default.svc".into());
         let service: SocketAddr = "10.96.5.5:443".parse().unwrap();
         let lan: SocketAddr = "192.168.1.1:443".parse().unwrap();
-        assert_eq!(p.allowed(&host, &[lan, service]), vec![service]);
-        assert!(p.allowed(&host, &[lan]).is_empty());
+        assert_eq!(p.allowed(&[lan, service], false), vec![service]);
+        assert!(p.allowed(&[lan], false).is_empty());
+    }
+
+    #[test]
+    fn special_addresses_need_a_rule_that_names_their_range() {
+        // A name rule, or a rule as wide as the whole space, never reaches loopback,
+        // unspecified, link-local (the metadata server) or multicast addresses.
+        let p = policy(&["0.0.0.0/0:80", "[::/0]:80", "*.lan:80"]);
+        for no in [
+            "127.0.0.1:80",
+            "0.0.0.0:80",
+            "169.254.169.254:80",
+            "[::1]:80",
+            "[::]:80",
+            "[fe80::1]:80",
+            "224.0.0.1:80",
+            "[::ffff:127.0.0.1]:80",
+        ] {
+            assert!(!allowed(&p, no), "{no} should be refused");
+        }
+        assert!(allowed(&p, "192.168.7.7:80"));
+        let special: SocketAddr = "169.254.169.254:80".parse().unwrap();
+        assert!(p.allowed(&[special], true).is_empty(), "a name rule");
+        // A rule inside the special range reaches it.
+        let p = policy(&["127.0.0.0/8", "169.254.169.254:80"]);
+        assert!(allowed(&p, "127.0.0.1:80") && allowed(&p, "169.254.169.254:80"));
+        assert!(!allowed(&p, "169.254.169.253:80"));
     }
 
     #[tokio::test]

@@ -142,7 +142,7 @@ impl NodeWatch {
 /// The policy's facts from a Node object.
 pub fn facts_of(node: &Node) -> NodeFacts {
     let status = node.status.as_ref();
-    let addrs = status
+    let addrs: Vec<IpAddr> = status
         .and_then(|s| s.addresses.as_ref())
         .into_iter()
         .flatten()
@@ -168,12 +168,36 @@ pub fn facts_of(node: &Node) -> NodeFacts {
         .into_iter()
         .filter_map(|r| r.parse::<Cidr>().ok())
         .map(|c| c.normalized())
+        .filter(|c| match unlikely_pod_range(c, &addrs) {
+            None => true,
+            Some(why) => {
+                tracing::warn!(pod_cidr = %c, "dial policy: the Node's pod range is ignored: {why}");
+                false
+            }
+        })
         .collect();
     NodeFacts {
         addrs,
         kubelet_port,
         pod_cidrs,
     }
+}
+
+/// Why a Node's pod range cannot be one node's pods (whoever may write the Node could
+/// otherwise open the node's whole network): wider than a /16 (IPv4) or /48 (IPv6),
+/// holding the node's own addresses, or in a reserved range.
+fn unlikely_pod_range(c: &Cidr, node: &[IpAddr]) -> Option<&'static str> {
+    let widest = if c.network().is_ipv4() { 16 } else { 48 };
+    if c.prefix() < widest {
+        return Some("wider than one node's pods can be (/16 for IPv4, /48 for IPv6)");
+    }
+    if node.iter().any(|ip| c.contains(*ip)) {
+        return Some("it holds the node's own addresses");
+    }
+    if super::rules::special(c.network()).is_some() {
+        return Some("it is in a reserved range (loopback, link-local, multicast)");
+    }
+    None
 }
 
 #[cfg(test)]
@@ -210,5 +234,21 @@ mod tests {
         let f = facts_of(&bare);
         assert!(f.addrs.is_empty() && f.kubelet_port.is_none());
         assert_eq!(f.pod_cidrs[0].to_string(), "10.244.2.0/24");
+        // Ranges no node's pods have are ignored, whoever wrote them.
+        for bad in [
+            "0.0.0.0/0",
+            "10.0.0.0/8",
+            "192.168.1.0/24",
+            "127.0.0.0/24",
+            "::/0",
+        ] {
+            let node: Node = serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "n3"},
+                "spec": {"podCIDRs": [bad]},
+                "status": {"addresses": [{"type": "InternalIP", "address": "192.168.1.10"}]}
+            }))
+            .unwrap();
+            assert!(facts_of(&node).pod_cidrs.is_empty(), "{bad}");
+        }
     }
 }

@@ -115,7 +115,15 @@ fn parse_target(target: &str) -> Result<Target, String> {
     if target == "node" {
         return Ok(Target::Node);
     }
-    if target.contains('/') {
+    if let Some((addr, len)) = target.split_once('/') {
+        // `::ffff:10.0.0.0/104` is 10.0.0.0/8: a dial's mapped address is judged as IPv4.
+        if let (Ok(IpAddr::V6(v6)), Ok(len)) = (addr.parse::<IpAddr>(), len.parse::<u8>()) {
+            if let (Some(v4), true) = (v6.to_ipv4_mapped(), (96..=128).contains(&len)) {
+                return Ok(Target::Net(
+                    format!("{v4}/{}", len - 96).parse::<Cidr>()?.normalized(),
+                ));
+            }
+        }
         return Ok(Target::Net(target.parse::<Cidr>()?.normalized()));
     }
     if let Ok(ip) = target.parse::<IpAddr>() {
@@ -150,6 +158,27 @@ fn parse_ports(p: &str) -> Option<RangeInclusive<u16>> {
     (lo <= hi).then_some(lo..=hi)
 }
 
+/// The reserved range `ip` is in, if any: loopback, unspecified ("this host"),
+/// link-local (cloud metadata servers), multicast and broadcast. Only a rule that names
+/// such a range, or a part of it, reaches it.
+pub fn special(ip: IpAddr) -> Option<Cidr> {
+    const RANGES: [&str; 9] = [
+        "0.0.0.0/8",
+        "127.0.0.0/8",
+        "169.254.0.0/16",
+        "224.0.0.0/4",
+        "255.255.255.255/32",
+        "::/128",
+        "::1/128",
+        "fe80::/10",
+        "ff00::/8",
+    ];
+    RANGES
+        .iter()
+        .map(|r| r.parse::<Cidr>().expect("a valid range"))
+        .find(|r| r.contains(canonical(ip)))
+}
+
 /// An IPv4-mapped IPv6 address as IPv4; anything else as it is.
 pub fn canonical(ip: IpAddr) -> IpAddr {
     match ip {
@@ -178,6 +207,7 @@ mod tests {
             ("[fd00::/64]:443", net("fd00::/64"), Some(443..=443)),
             ("[fd00::5]:22", net("fd00::5/128"), Some(22..=22)),
             ("[::ffff:10.1.2.3]:80", net("10.1.2.3/32"), Some(80..=80)),
+            ("::ffff:10.0.0.0/104", net("10.0.0.0/8"), None),
             ("node:9100", Target::Node, Some(9100..=9100)),
             ("node:9100-9200", Target::Node, Some(9100..=9200)),
             (

@@ -20,7 +20,7 @@ use tonic::{Code, Status};
 use tracing::Instrument;
 
 use crate::metrics::Segment;
-use crate::router::{outbox, FrontendStream, Router};
+use crate::router::{outbox, FrontendPeer, FrontendStream, Router};
 use tether_core::grpc::server::{self as h2serve, status_from_h2, Reply, Settings};
 
 /// One stream per dial: a client may hold thousands on one connection.
@@ -35,6 +35,7 @@ const MAX_HEADER_LIST: u32 = 16 << 10;
 pub async fn serve_connection<S>(
     io: S,
     router: Arc<Router>,
+    peer: Arc<FrontendPeer>,
     keepalive: Duration,
     hard_stop: CancellationToken,
 ) where
@@ -46,7 +47,7 @@ pub async fn serve_connection<S>(
         keepalive,
     };
     h2serve::serve_connection(io, settings, hard_stop.clone(), |request, respond| {
-        start_stream(&router, request, respond, &hard_stop)
+        start_stream(&router, &peer, request, respond, &hard_stop)
     })
     .await;
 }
@@ -54,6 +55,7 @@ pub async fn serve_connection<S>(
 /// A Proxy stream's work, or `None` when the request was refused (and answered).
 fn start_stream(
     router: &Arc<Router>,
+    peer: &Arc<FrontendPeer>,
     request: http::Request<RecvStream>,
     respond: SendResponse<Bytes>,
     hard_stop: &CancellationToken,
@@ -70,7 +72,7 @@ fn start_stream(
         return None;
     }
     let (tx, rx) = tether_core::queue::queue();
-    let fe = FrontendStream::new(tx);
+    let fe = FrontendStream::grpc(tx, peer.clone());
     // Debug level: an info-level span per stream costs ~0.4 KiB in the subscriber.
     let span = tracing::debug_span!("frontend", kind = "grpc", id = fe.id());
     let router = router.clone();

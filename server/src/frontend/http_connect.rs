@@ -13,7 +13,7 @@ use tether_proto::{packet::Payload, DialRequest, Packet};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 
-use crate::router::{outbox, DialError, FrontendSink, FrontendStream, Router};
+use crate::router::{outbox, DialError, FrontendPeer, FrontendSink, FrontendStream, Router};
 
 /// Largest request head we accept.
 const MAX_HEAD: usize = 64 * 1024;
@@ -25,8 +25,12 @@ const DIAL_BACKSTOP: Duration = Duration::from_secs(30);
 
 /// Serves one HTTP-CONNECT client connection to the end: read the request head, dial
 /// through the router, then pump bytes both ways.
-pub async fn serve_connection<S>(router: Arc<Router>, mut sock: S, hard_stop: CancellationToken)
-where
+pub async fn serve_connection<S>(
+    router: Arc<Router>,
+    mut sock: S,
+    peer: Arc<FrontendPeer>,
+    hard_stop: CancellationToken,
+) where
     S: AsyncRead + AsyncWrite + Unpin + Send,
 {
     let gauge = router.metrics.http_connections.clone();
@@ -38,7 +42,7 @@ where
     };
     tracing::Span::current().record("address", address.as_str());
     let (tx, rx) = tether_core::queue::queue();
-    let fe = FrontendStream::http_connect(tx);
+    let fe = FrontendStream::http_connect(tx, peer);
     let mut rx = outbox(rx);
     let connect_id = match dial(&router, &fe, &mut rx, &address, &hard_stop).await {
         Ok(id) => id,

@@ -3,14 +3,17 @@
 //! frontend_gone); agent links call in with what agents send (on_agent_packet); answers
 //! travel back to each frontend through the queue it handed down.
 //!
-//! `state` holds the tables, `select` picks an agent, this module is the operations.
+//! `state` holds the tables, `select` picks an agent, `audit` is the record of each
+//! tunnel and refusal, this module is the operations.
 
+pub mod audit;
 mod select;
 mod state;
 #[cfg(test)]
 mod tests;
 
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -22,10 +25,11 @@ use tether_proto::{packet::Payload, CloseDial, CloseResponse, DialRequest, DialR
 use tracing::Instrument;
 
 pub use select::{parse_strategies, NoRoute, Registry, Strategy, TooManyStreams};
-pub use state::{outbox, AgentStream, Conn, FrontendStream, Outgoing, Verified};
+pub use state::{outbox, AgentStream, Conn, FrontendPeer, FrontendStream, Outgoing, Verified};
 
 use crate::metrics::{DialFailure, Metrics, Segment};
-use state::PendingDial;
+use audit::{Audit, Reason, Record};
+use state::{Dialed, PendingDial};
 
 /// How often a dial whose agent vanished unanswered is sent to another agent.
 const MAX_REDISPATCH: u8 = 2;
@@ -75,11 +79,20 @@ pub struct Router {
     config: RouterConfig,
     /// Every pending dial and established connection holds a watch.
     work: drain::Signal,
+    /// The audit record of each tunnel and refusal (`--audit-log-path`).
+    audit: Audit,
+    /// The hard stop came: what ends now ends for `drain`.
+    stopping: AtomicBool,
 }
 
 impl Router {
     /// A core with no agents yet.
     pub fn new(config: RouterConfig, metrics: Metrics) -> Arc<Self> {
+        Self::with_audit(config, metrics, Audit::off())
+    }
+
+    /// A core with no agents yet that records each tunnel and refusal in `audit`.
+    pub fn with_audit(config: RouterConfig, metrics: Metrics, audit: Audit) -> Arc<Self> {
         // Every strategy's series exists from the start, at 0 until an agent counts.
         for s in &config.strategies {
             metrics.ready_backends.with_label_values(&[s.name()]);
@@ -89,7 +102,64 @@ impl Router {
             metrics,
             config,
             work: drain::Signal::new(),
+            audit,
+            stopping: AtomicBool::new(false),
         })
+    }
+
+    /// The audit log.
+    pub fn audit(&self) -> &Audit {
+        &self.audit
+    }
+
+    /// The server's hard stop: tunnels it cuts are recorded as ended by `drain`.
+    pub fn stopping(&self) {
+        self.stopping.store(true, Ordering::Relaxed);
+    }
+
+    /// `reason`, unless the hard stop came, which ends everything for `drain`.
+    fn unless_stopping(&self, reason: Reason) -> Reason {
+        match self.stopping.load(Ordering::Relaxed) {
+            true => Reason::Drain,
+            false => reason,
+        }
+    }
+
+    /// Records a refusal of `address` for `fe` (when the audit is on).
+    fn refused(&self, fe: &FrontendStream, address: &str, reason: Reason, error: &str) {
+        if self.audit.enabled() {
+            let error = (!error.is_empty()).then(|| error.to_string());
+            self.audit
+                .record(Record::refused(&fe.peer, address, reason, error));
+        }
+    }
+
+    /// Records a dial that went to `agent` and failed.
+    fn dial_failed(
+        &self,
+        agent: &AgentStream,
+        random: i64,
+        pending: &PendingDial,
+        reason: Reason,
+        error: &str,
+    ) {
+        if self.audit.enabled() {
+            let fe = &pending.frontend;
+            let error = (!error.is_empty()).then(|| error.to_string());
+            let r = Record::refused(&fe.peer, &pending.request.address, reason, error);
+            let r = r.dial_failed(agent, pending.strategy, random, pending.started.elapsed());
+            self.audit.record(r);
+        }
+    }
+
+    /// Records the end of tunnel `conn` on `agent`.
+    fn tunnel_ended(&self, conn: &Conn, agent: &AgentStream, reason: Reason, error: &str) {
+        if self.audit.enabled() {
+            let error = (!error.is_empty()).then(|| error.to_string());
+            let reason = self.unless_stopping(reason);
+            self.audit
+                .record(Record::tunnel(conn, agent, reason, error));
+        }
     }
 
     /// Do we offer credit flow control to agents?
@@ -137,8 +207,8 @@ impl Router {
         fe: &Arc<FrontendStream>,
         req: DialRequest,
     ) -> Result<(), DialError> {
-        let agent = match self.registry.route(&self.config.strategies, &req.address) {
-            Ok(agent) => agent,
+        let (agent, strategy) = match self.registry.route(&self.config.strategies, &req.address) {
+            Ok(routed) => routed,
             Err(NoRoute::Host(e)) => {
                 // Where upstream's agent would have failed the dial: counted as its
                 // error answer would be, and the caller told what is wrong.
@@ -146,6 +216,7 @@ impl Router {
                     self.metrics.dial_failed(DialFailure::ErrorResponse);
                 }
                 tracing::info!(address = ?req.address, reason = %e, "dial address refused");
+                self.refused(fe, &req.address, Reason::BadAddress, &e.to_string());
                 return Err(DialError::BadAddress(e));
             }
             Err(why) => {
@@ -153,10 +224,12 @@ impl Router {
                     self.metrics.dial_failed(DialFailure::NoAgent);
                 }
                 tracing::info!(address = %req.address, reason = %why, "no agent available for dial");
+                self.refused(fe, &req.address, Reason::NoAgent, &why.to_string());
                 return Err(DialError::NoAgent);
             }
         };
-        self.send_dial(fe, req, agent, Instant::now(), 0).await;
+        self.send_dial(fe, req, agent, strategy, Instant::now(), 0)
+            .await;
         Ok(())
     }
 
@@ -176,6 +249,7 @@ impl Router {
         fe: &Arc<FrontendStream>,
         req: DialRequest,
         agent: Arc<AgentStream>,
+        strategy: &'static str,
         started: Instant,
         attempts: u8,
     ) {
@@ -184,6 +258,7 @@ impl Router {
         let pending = PendingDial {
             frontend: fe.clone(),
             started,
+            strategy,
             request: req.clone(),
             attempts,
             _work: self.work.watch(),
@@ -263,16 +338,18 @@ impl Router {
             async move {
                 let fe = pending.frontend.clone();
                 let next = (pending.attempts < MAX_REDISPATCH && !fe.is_closed())
-                    .then(|| this.registry.select(&this.config.strategies, &pending.request.address))
+                    .then(|| this.registry.route(&this.config.strategies, &pending.request.address).ok())
                     .flatten();
                 match next {
-                    Some(agent) => {
+                    Some((agent, strategy)) => {
                         tracing::info!(random, agent_id = %agent.agent_id, "agent went away before answering; dial sent to another agent");
                         let PendingDial { request, started, attempts, .. } = pending;
-                        this.send_dial(&fe, request, agent, started, attempts + 1).await;
+                        this.send_dial(&fe, request, agent, strategy, started, attempts + 1).await;
                     }
                     None => {
                         this.metrics.dial_failed(DialFailure::BackendClose);
+                        let reason = this.unless_stopping(Reason::Agent);
+                        this.refused(&fe, &pending.request.address, reason, &error);
                         this.to_frontend(&fe, Packet::dial_response(random, 0, error));
                     }
                 }
@@ -294,6 +371,7 @@ impl Router {
             return false;
         };
         self.metrics.dial_failed(reason);
+        self.dial_failed(agent, random, &pending, Reason::Timeout, error);
         self.to_frontend(&pending.frontend, Packet::dial_response(random, 0, error));
         true
     }
@@ -315,6 +393,7 @@ impl Router {
             return false;
         }
         self.metrics.bytes_to_agent.inc_by(len as u64);
+        conn.sent(len);
         match conn.agent() {
             Some(agent) => {
                 // The agent's queue is full: this frontend stream waits, as upstream's
@@ -339,7 +418,11 @@ impl Router {
 
     /// A CLOSE_REQ from `fe`: passed to the agent, whose CLOSE_RSP comes back to `fe`.
     pub async fn close(&self, fe: &FrontendStream, connect_id: i64) {
-        match fe.route(connect_id).and_then(|c| c.agent()) {
+        let conn = fe.route(connect_id);
+        if let Some(c) = &conn {
+            c.close_requested();
+        }
+        match conn.and_then(|c| c.agent()) {
             Some(agent) => {
                 self.to_agent(&agent, Packet::close_request(connect_id))
                     .await;
@@ -360,8 +443,10 @@ impl Router {
     /// The frontend no longer wants dial `random`: take it off `agent` and tell the
     /// agent with DIAL_CLS (unless the dial was answered or failed meanwhile).
     async fn abandon_dial(&self, agent: &AgentStream, random: i64) {
-        if self.take_pending(agent, random).is_some() {
+        if let Some(pending) = self.take_pending(agent, random) {
             self.metrics.dial_failed(DialFailure::FrontendClose);
+            let reason = self.unless_stopping(Reason::Client);
+            self.dial_failed(agent, random, &pending, reason, "");
             self.to_agent(agent, Packet::close_dial(random)).await;
         }
     }
@@ -379,6 +464,7 @@ impl Router {
             };
             if agent.remove_conn(connect_id).is_some() {
                 self.metrics.connection_ended(conn.established);
+                self.tunnel_ended(&conn, &agent, Reason::Client, "");
                 self.to_agent(&agent, Packet::close_request(connect_id))
                     .await;
             }
@@ -424,14 +510,32 @@ impl Router {
             }
             return;
         };
-        let fe = pending.frontend;
+        let fe = pending.frontend.clone();
         if !success {
             self.metrics.dial_failed(DialFailure::ErrorResponse);
-            tracing::info!(agent_id = %agent.agent_id, error = %rsp.error, "agent failed to dial");
+            // Who asked: a policy refusal can be a stolen frontend credential probing
+            // the node's network.
+            tracing::info!(
+                agent_id = %agent.agent_id,
+                requester = %fe.peer,
+                address = tether_core::ratelimit::clipped(&pending.request.address, 256),
+                error = %rsp.error,
+                "agent failed to dial"
+            );
+            let reason = Reason::of_dial_error(&rsp.error);
+            self.dial_failed(agent, random, &pending, reason, &rsp.error);
             self.to_frontend(&fe, Packet::dial_response(random, connect_id, rsp.error));
             return;
         }
-        let conn = Conn::new(connect_id, &fe, agent, self.work.watch());
+        let latency = pending.started.elapsed();
+        let dialed = Dialed {
+            peer: fe.peer.clone(),
+            address: pending.request.address,
+            random,
+            strategy: pending.strategy,
+            latency,
+        };
+        let conn = Conn::new(connect_id, &fe, agent, self.work.watch(), dialed);
         if !fe.claim(&conn) {
             // Two agents used the same connectID on one frontend stream; the client
             // could not tell them apart.
@@ -440,6 +544,7 @@ impl Router {
                 "connectID already in use on this frontend stream; refusing"
             );
             conn.close();
+            self.tunnel_ended(&conn, agent, Reason::Agent, "connectID collision");
             self.to_agent(agent, Packet::close_request(connect_id))
                 .await;
             self.to_frontend(
@@ -450,9 +555,7 @@ impl Router {
         }
         agent.add_conn(conn);
         self.metrics.established_connections.inc();
-        self.metrics
-            .dial_duration
-            .observe(pending.started.elapsed().as_secs_f64());
+        self.metrics.dial_duration.observe(latency.as_secs_f64());
         if !self.to_frontend(&fe, Packet::dial_response(random, connect_id, "")) {
             self.metrics.dial_failed(DialFailure::SendRsp);
             self.frontend_gone(&fe).await;
@@ -486,6 +589,7 @@ impl Router {
         match admitted {
             Ok(true) => {
                 self.metrics.bytes_from_agent.inc_by(len as u64);
+                conn.received(len);
                 let Some(fe) = conn.frontend() else { return };
                 if !self.to_frontend(&fe, Outgoing::data(packet, conn)) {
                     self.frontend_gone(&fe).await;
@@ -495,12 +599,12 @@ impl Router {
             Err(Refused::Overrun) => {
                 tracing::warn!(agent_id = %agent.agent_id, connect_id, "agent sent more than the flow-control window; closing the connection");
                 let error = "agent exceeded the flow-control window".to_string();
-                self.close_conn(agent, &conn, error).await;
+                self.close_conn(agent, &conn, Reason::Agent, error).await;
             }
             Err(Refused::Stalled(timeout)) => {
                 tracing::warn!(agent_id = %agent.agent_id, connect_id, queued = conn.flow.window().queued(), ?timeout, "client stopped reading; closing the connection (--stalled-reader-timeout)");
                 let error = format!("client did not read for {timeout:?}; connection closed");
-                self.close_conn(agent, &conn, error).await;
+                self.close_conn(agent, &conn, Reason::Timeout, error).await;
             }
         }
     }
@@ -508,6 +612,12 @@ impl Router {
     /// CLOSE_RSP: the agent closed the connection; its frontend hears it.
     fn on_close_rsp(&self, agent: &AgentStream, close: CloseResponse) {
         if let Some(conn) = agent.remove_conn(close.connect_id) {
+            let reason = match (conn.is_close_requested(), close.error.is_empty()) {
+                (true, _) => Reason::Client,
+                (false, true) => Reason::Agent,
+                (false, false) => Reason::BackendError,
+            };
+            self.tunnel_ended(&conn, agent, reason, &close.error);
             let packet = Packet::close_response(close.connect_id, close.error);
             self.conn_ended(&conn, packet);
         }
@@ -517,6 +627,8 @@ impl Router {
     fn on_close_dial(&self, agent: &AgentStream, cls: CloseDial) {
         if let Some(pending) = self.take_pending(agent, cls.random) {
             self.metrics.dial_failed(DialFailure::ErrorResponse);
+            let error = "the agent gave up the dial (DIAL_CLS)";
+            self.dial_failed(agent, cls.random, &pending, Reason::DialError, error);
             self.to_frontend(&pending.frontend, Packet::close_dial(cls.random));
         }
     }
@@ -561,6 +673,7 @@ impl Router {
             self.redispatch(random, pending, error.clone());
         }
         for (connect_id, conn) in tables.conns {
+            self.tunnel_ended(&conn, agent, Reason::Agent, &error);
             self.conn_ended(&conn, Packet::close_response(connect_id, error.clone()));
         }
     }
@@ -579,11 +692,12 @@ impl Router {
 
     /// Closes `conn` from the server's side: the client gets CLOSE_RSP with `error`,
     /// the agent CLOSE_REQ.
-    async fn close_conn(&self, agent: &AgentStream, conn: &Conn, error: String) {
+    async fn close_conn(&self, agent: &AgentStream, conn: &Conn, reason: Reason, error: String) {
         let connect_id = conn.connect_id;
         if agent.remove_conn(connect_id).is_none() {
             return;
         }
+        self.tunnel_ended(conn, agent, reason, &error);
         self.conn_ended(conn, Packet::close_response(connect_id, error));
         self.to_agent(agent, Packet::close_request(connect_id))
             .await;

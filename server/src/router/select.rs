@@ -407,11 +407,14 @@ impl Registry {
     /// Any other host: the first strategy with a candidate wins; among its candidates
     /// an agent (group) is chosen at random, then one of its eligible streams,
     /// preferring agents and streams that are not draining.
+    ///
+    /// With the agent comes the name of what chose it: a strategy's, or `node` for a
+    /// host one node owns.
     pub fn route(
         &self,
         strategies: &[Strategy],
         address: &str,
-    ) -> Result<Arc<AgentStream>, NoRoute> {
+    ) -> Result<(Arc<AgentStream>, &'static str), NoRoute> {
         let (host, _) = DialHost::parse_address(address).map_err(NoRoute::Host)?;
         let g = self.groups.read().unwrap_or_else(|e| e.into_inner());
         let mut rng = rand::rng();
@@ -424,7 +427,9 @@ impl Registry {
                             .as_deref()
                             .is_some_and(|n| n.eq_ignore_ascii_case(&node))
                     };
-                    return pick_group(&g.list, on_node, &mut rng).ok_or(NoRoute::NodeAgent(node));
+                    return pick_group(&g.list, on_node, &mut rng)
+                        .map(|b| (b, "node"))
+                        .ok_or(NoRoute::NodeAgent(node));
                 }
                 Owner::Contested(nodes) => return Err(NoRoute::Contested(nodes)),
                 Owner::Nobody => {}
@@ -445,13 +450,13 @@ impl Registry {
             }
             if strategy == Strategy::Default {
                 if let Some(b) = any_active(&g.list, &mut rng) {
-                    return Ok(b);
+                    return Ok((b, strategy.name()));
                 }
             }
             let eligible =
                 |b: &&Arc<AgentStream>| b.eligible(strategy, &host, pod_node.as_deref(), self);
             if let Some(b) = pick_group(&g.list, eligible, &mut rng) {
-                return Ok(b);
+                return Ok((b, strategy.name()));
             }
         }
         Err(match blind {
@@ -462,7 +467,7 @@ impl Registry {
 
     /// [`Registry::route`]'s agent, if any.
     pub fn select(&self, strategies: &[Strategy], address: &str) -> Option<Arc<AgentStream>> {
-        self.route(strategies, address).ok()
+        self.route(strategies, address).ok().map(|(b, _)| b)
     }
 }
 

@@ -5,9 +5,11 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Duration;
 use std::time::Instant;
 
 use futures::{Stream, StreamExt};
+use serde::Serialize;
 use tether_core::drain::Watch;
 use tether_core::flow::ConnFlow;
 use tether_core::identifiers::AgentIdentifiers;
@@ -32,6 +34,47 @@ fn remove_shrinking<V>(map: &mut HashMap<i64, V>, key: i64) -> Option<V> {
 
 // === FrontendStream ===
 
+/// Who opened a frontend connection, as the kernel or TLS proved it.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct FrontendPeer {
+    /// `grpc` or `http-connect`.
+    pub kind: &'static str,
+    /// `uds` or `tcp`.
+    pub transport: &'static str,
+    /// The client certificate's subject (mutual-TLS TCP).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub subject: Option<String>,
+    /// The client's address (TCP).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub remote: Option<String>,
+    /// The peer process's user ID (Unix socket, `SO_PEERCRED`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub uid: Option<u32>,
+    /// The peer process's ID (Unix socket, `SO_PEERCRED`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pid: Option<i32>,
+}
+
+/// `grpc/uds uid=0 pid=123`, `http-connect/tcp CN=system:kube-apiserver 10.0.0.5:51234`.
+impl std::fmt::Display for FrontendPeer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.kind, self.transport)?;
+        if let Some(s) = &self.subject {
+            write!(f, " {}", tether_core::ratelimit::clipped(s, 256))?;
+        }
+        if let Some(r) = &self.remote {
+            write!(f, " {r}")?;
+        }
+        if let Some(uid) = self.uid {
+            write!(f, " uid={uid}")?;
+        }
+        if let Some(pid) = self.pid {
+            write!(f, " pid={pid}")?;
+        }
+        Ok(())
+    }
+}
+
 /// One frontend stream: a gRPC Proxy stream or one HTTP-CONNECT connection.
 pub struct FrontendStream {
     id: u64,
@@ -39,6 +82,8 @@ pub struct FrontendStream {
     /// channel; DATA in it is bounded per connection by its receive window.
     tx: queue::Sender<Outgoing>,
     routes: Mutex<Routes>,
+    /// Who opened it (for the audit record).
+    pub(crate) peer: Arc<FrontendPeer>,
     /// Upstream counts a gRPC frontend's packets and no-agent dials; an HTTP-CONNECT
     /// connection's, never.
     pub(crate) counted: bool,
@@ -56,24 +101,35 @@ pub(crate) struct Routes {
 static NEXT_FRONTEND: AtomicU64 = AtomicU64::new(1);
 
 impl FrontendStream {
-    /// A frontend stream whose client-bound packets go to `tx` (read them with
-    /// [`outbox`]).
+    /// A gRPC frontend stream of an unnamed peer (tests).
     pub fn new(tx: queue::Sender<Outgoing>) -> Arc<Self> {
+        let peer = FrontendPeer {
+            kind: "grpc",
+            ..Default::default()
+        };
+        Self::grpc(tx, Arc::new(peer))
+    }
+
+    /// A gRPC frontend stream of `peer` whose client-bound packets go to `tx` (read
+    /// them with [`outbox`]).
+    pub fn grpc(tx: queue::Sender<Outgoing>, peer: Arc<FrontendPeer>) -> Arc<Self> {
         Arc::new(FrontendStream {
             id: NEXT_FRONTEND.fetch_add(1, Ordering::Relaxed),
             tx,
             routes: Mutex::new(Routes::default()),
+            peer,
             counted: true,
         })
     }
 
     /// An HTTP-CONNECT connection's stream: as upstream, its `to_client` packets and
     /// its dials that find no agent are not counted in the metrics.
-    pub fn http_connect(tx: queue::Sender<Outgoing>) -> Arc<Self> {
+    pub fn http_connect(tx: queue::Sender<Outgoing>, peer: Arc<FrontendPeer>) -> Arc<Self> {
         Arc::new(FrontendStream {
             id: NEXT_FRONTEND.fetch_add(1, Ordering::Relaxed),
             tx,
             routes: Mutex::new(Routes::default()),
+            peer,
             counted: false,
         })
     }
@@ -184,6 +240,23 @@ pub struct Conn {
     pub(crate) established: Instant,
     /// Holds a graceful drain open until the connection ends.
     work: Mutex<Option<Watch>>,
+    /// How it was dialled (for the audit record).
+    pub(crate) dialed: Dialed,
+    /// DATA payload bytes towards the agent and from it: plain counters bumped where
+    /// the bytes already pass (the audit record's).
+    to_agent: AtomicU64,
+    from_agent: AtomicU64,
+    /// The client sent CLOSE_REQ: the agent's CLOSE_RSP answers it.
+    close_requested: AtomicBool,
+}
+
+/// How a connection was dialled.
+pub(crate) struct Dialed {
+    pub peer: Arc<FrontendPeer>,
+    pub address: String,
+    pub random: i64,
+    pub strategy: &'static str,
+    pub latency: Duration,
 }
 
 impl Conn {
@@ -192,6 +265,7 @@ impl Conn {
         fe: &Arc<FrontendStream>,
         agent: &Arc<AgentStream>,
         work: Watch,
+        dialed: Dialed,
     ) -> Arc<Self> {
         Arc::new(Conn {
             connect_id,
@@ -200,7 +274,39 @@ impl Conn {
             flow: ConnFlow::new(agent.peer_window),
             established: Instant::now(),
             work: Mutex::new(Some(work)),
+            dialed,
+            to_agent: AtomicU64::new(0),
+            from_agent: AtomicU64::new(0),
+            close_requested: AtomicBool::new(false),
         })
+    }
+
+    /// `n` bytes of DATA went towards the agent.
+    pub(crate) fn sent(&self, n: usize) {
+        self.to_agent.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    /// `n` bytes of DATA came from the agent.
+    pub(crate) fn received(&self, n: usize) {
+        self.from_agent.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    /// Bytes towards the agent and from it so far.
+    pub(crate) fn bytes(&self) -> (u64, u64) {
+        (
+            self.to_agent.load(Ordering::Relaxed),
+            self.from_agent.load(Ordering::Relaxed),
+        )
+    }
+
+    /// The client asked to close the connection.
+    pub(crate) fn close_requested(&self) {
+        self.close_requested.store(true, Ordering::Relaxed);
+    }
+
+    /// Did the client ask to close it?
+    pub(crate) fn is_close_requested(&self) -> bool {
+        self.close_requested.load(Ordering::Relaxed)
     }
 
     /// The agent stream carrying this connection, while it is connected.
@@ -236,6 +342,8 @@ impl Conn {
 pub(crate) struct PendingDial {
     pub frontend: Arc<FrontendStream>,
     pub started: Instant,
+    /// The strategy that chose its agent.
+    pub strategy: &'static str,
     /// The request, to send it to another agent if this one goes away unanswered.
     pub request: DialRequest,
     /// How often it was already re-dispatched.

@@ -421,3 +421,107 @@ fn no_import_circle() {
         }
     }
 }
+
+/// Every way a tunnel ends, and a policy refusal, leave a record with its reason and
+/// the bytes each way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_end_is_recorded_with_its_reason() {
+    let path = std::env::temp_dir().join(format!(
+        "tether-router-audit-{}-{}",
+        std::process::id(),
+        tether_core::random_id()
+    ));
+    let config = tether_ops::audit::AuditConfig {
+        path: Some(path.clone()),
+        max_size: 1 << 20,
+        max_backups: 1,
+    };
+    let metrics = Metrics::new();
+    let audit = Audit::open(&config, metrics.audit.clone(), "audit-test").unwrap();
+    let router = Router::with_audit(
+        RouterConfig {
+            strategies: parse_strategies("default").unwrap(),
+            backend_dial_timeout: None,
+            flow_control: true,
+            stall_timeout: Duration::from_secs(30),
+            trust_claims: true,
+            max_agent_streams: 0,
+        },
+        metrics,
+        audit,
+    );
+    let mut agent = FakeAgent::join(&router, "a", "", None);
+    let mut fe = FakeFrontend::open();
+
+    // 1: the client closes, after 10 bytes up and 7 down.
+    establish(&router, &mut fe, &mut agent, 1).await;
+    let up = Packet::data(1, bytes::Bytes::from_static(b"0123456789"));
+    assert!(router.send_data(&fe.fe, up).await);
+    assert!(matches!(agent.next().await, Payload::Data(_)));
+    let down = Packet::data(1, bytes::Bytes::from_static(b"abcdefg"));
+    agent.send(&router, down).await;
+    assert!(matches!(fe.next().await, Payload::Data(_)));
+    router.close(&fe.fe, 1).await;
+    assert!(matches!(agent.next().await, Payload::CloseRequest(_)));
+    agent.send(&router, Packet::close_response(1, "")).await;
+    assert!(matches!(fe.next().await, Payload::CloseResponse(_)));
+    // 2: the target fails at the agent.
+    establish(&router, &mut fe, &mut agent, 2).await;
+    let reset = Packet::close_response(2, "connection reset by peer");
+    agent.send(&router, reset).await;
+    assert!(matches!(fe.next().await, Payload::CloseResponse(_)));
+    // 3: the target closes.
+    establish(&router, &mut fe, &mut agent, 3).await;
+    agent.send(&router, Packet::close_response(3, "")).await;
+    assert!(matches!(fe.next().await, Payload::CloseResponse(_)));
+    // The agent's dial policy refuses.
+    fe.dial(&router, "10.1.2.3:22", 99).await;
+    let req = agent.dial_request().await;
+    let refusal = format!("{} 10.1.2.3:22 is not on this node", audit::POLICY_PREFIX);
+    let rsp = Packet::dial_response(req.random, 0, refusal);
+    agent.send(&router, rsp).await;
+    assert!(fe.dial_response().await.is_err());
+    // 4: the frontend stream goes away.
+    let mut other = FakeFrontend::open();
+    establish(&router, &mut other, &mut agent, 4).await;
+    router.frontend_gone(&other.fe).await;
+    assert!(matches!(agent.next().await, Payload::CloseRequest(_)));
+    // 5: the agent's stream goes away.
+    establish(&router, &mut fe, &mut agent, 5).await;
+    router.remove_agent(&agent.stream);
+
+    assert!(router.audit().sync(PATIENCE));
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    std::fs::remove_file(&path).unwrap();
+    let seen: Vec<(String, String, Option<i64>)> = lines
+        .iter()
+        .map(|r| {
+            let s = |k: &str| r[k].as_str().unwrap().to_string();
+            (s("event"), s("reason"), r["connect_id"].as_i64())
+        })
+        .collect();
+    let want = [
+        ("tunnel", "client", Some(1)),
+        ("tunnel", "backend_error", Some(2)),
+        ("tunnel", "agent", Some(3)),
+        ("refused", "policy", None),
+        ("tunnel", "client", Some(4)),
+        ("tunnel", "agent", Some(5)),
+    ];
+    let want: Vec<(String, String, Option<i64>)> = want
+        .iter()
+        .map(|(e, r, c)| (e.to_string(), r.to_string(), *c))
+        .collect();
+    assert_eq!(seen, want);
+    assert_eq!(lines[0]["bytes_to_agent"], 10);
+    assert_eq!(lines[0]["bytes_from_agent"], 7);
+    assert_eq!(lines[0]["agent"]["id"], "a");
+    assert_eq!(lines[0]["strategy"], "default");
+    assert_eq!(lines[1]["error"], "connection reset by peer");
+    assert_eq!(lines[3]["random"], 99);
+    assert_eq!(lines[5]["error"], "agent a disconnected");
+}
