@@ -14,12 +14,7 @@ const BIN: &str = env!("CARGO_BIN_EXE_tether");
 
 /// The one `error:` line `tether args` exits with.
 fn start_up_error(args: &[String]) -> String {
-    let out = Command::new(BIN).args(args).output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-    assert!(!out.status.success(), "tether {args:?} started:\n{stderr}");
-    let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
-    assert_eq!(errors.len(), 1, "one error line expected:\n{stderr}");
-    errors[0].to_string()
+    tether_testkit::process::start_up_error(std::path::Path::new(BIN), args)
 }
 
 /// Asserts `line` holds each of `parts`, and `cause` exactly once.

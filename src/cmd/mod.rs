@@ -12,6 +12,43 @@ pub mod status;
 
 pub use logging::LogArgs;
 
+/// The audit log's flags, the server's and the agent's alike: kube-apiserver's names.
+#[derive(clap::Args, Debug, Clone)]
+pub struct AuditArgs {
+    /// Write an audit record (one JSON line) for every tunnel, dial and refusal to this
+    /// file, or to stdout with -. Empty: no audit (the default).
+    ///
+    /// kube-apiserver's flag name. See docs/audit.md for the format: the server records
+    /// each tunnel when it ends and each refusal; the agent each dial's outcome and each
+    /// connection's end.
+    #[arg(long, default_value = "")]
+    pub audit_log_path: String,
+    /// Megabytes the audit log may reach before it is rotated (path -> path.1).
+    ///
+    /// At least 1 (kube-apiserver's 0 would mean lumberjack's 100).
+    #[arg(long, default_value_t = tether_ops::audit::DEFAULT_MAX_SIZE_MB)]
+    pub audit_log_maxsize: u64,
+    /// Rotated audit files kept (path.1 ... path.N); the oldest is removed.
+    ///
+    /// At least 1: kube-apiserver's 0 (keep every file) is refused, so the audit
+    /// never fills a disk.
+    #[arg(long, default_value_t = tether_ops::audit::DEFAULT_MAX_BACKUPS)]
+    pub audit_log_maxbackup: usize,
+}
+
+impl AuditArgs {
+    /// The validated settings; `None` when the audit is off.
+    pub fn config(
+        &self,
+    ) -> Result<Option<tether_ops::audit::AuditConfig>, tether_ops::audit::AuditError> {
+        tether_ops::audit::AuditConfig::from_flags(
+            &self.audit_log_path,
+            self.audit_log_maxsize,
+            self.audit_log_maxbackup,
+        )
+    }
+}
+
 use std::time::Duration;
 use tether_core::error::chain;
 

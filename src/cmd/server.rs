@@ -285,23 +285,8 @@ pub struct ServerArgs {
     /// certificates and logs why. Tether only.
     #[arg(long, default_value = "1m", value_parser = duration)]
     pub cert_reload_interval: Duration,
-    /// Write an audit record (one JSON line) for every tunnel and refusal to this file,
-    /// or to stdout with -. Empty: no audit (the default).
-    ///
-    /// kube-apiserver's flag name. See docs/audit.md for the format.
-    #[arg(long, default_value = "")]
-    pub audit_log_path: String,
-    /// Megabytes the audit log may reach before it is rotated (path -> path.1).
-    ///
-    /// At least 1 (kube-apiserver's 0 would mean lumberjack's 100).
-    #[arg(long, default_value_t = tether_ops::audit::DEFAULT_MAX_SIZE_MB)]
-    pub audit_log_maxsize: u64,
-    /// Rotated audit files kept (path.1 ... path.N); the oldest is removed.
-    ///
-    /// At least 1: kube-apiserver's 0 (keep every file) is refused, so the audit
-    /// never fills a disk.
-    #[arg(long, default_value_t = tether_ops::audit::DEFAULT_MAX_BACKUPS)]
-    pub audit_log_maxbackup: usize,
+    #[command(flatten)]
+    pub audit: super::AuditArgs,
 
     #[command(flatten)]
     pub log: LogArgs,
@@ -636,11 +621,7 @@ impl ServerArgs {
                 Some(admin_addr),
                 opt_path(&self.kubeconfig),
             ),
-            audit: tether_ops::audit::AuditConfig::from_flags(
-                &self.audit_log_path,
-                self.audit_log_maxsize,
-                self.audit_log_maxbackup,
-            )?,
+            audit: self.audit.config()?,
         })
     }
 }

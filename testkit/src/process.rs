@@ -590,3 +590,18 @@ pub fn token_auth_server_args(pki: &crate::Pki, kubeconfig: &Path) -> Vec<String
         format!("--kubeconfig={}", kubeconfig.display()),
     ]
 }
+
+/// The one `error:` line `bin args` exits with at start-up (asserting that it does not
+/// start, and prints exactly one such line).
+pub fn start_up_error(bin: &Path, args: &[String]) -> String {
+    let out = std::process::Command::new(bin).args(args).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(
+        !out.status.success(),
+        "{} {args:?} started:\n{stderr}",
+        bin.display()
+    );
+    let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(errors.len(), 1, "one error line expected:\n{stderr}");
+    errors[0].to_string()
+}
