@@ -5,11 +5,11 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use serde::Serialize;
 use tether_core::pump::SpliceEnd;
-use tether_ops::audit::{AuditLog, Time};
+use tether_ops::audit::{millis, AuditLog, Time};
 
 /// The agent's audit log.
 pub type Audit = AuditLog<Record>;
@@ -83,7 +83,6 @@ pub struct Record {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
     /// The `serverid` of the stream the dial came on.
-    #[serde(serialize_with = "shared_str")]
     pub server_id: Arc<str>,
     /// The address the server asked for (at most 256 bytes of it).
     pub address: String,
@@ -104,15 +103,6 @@ pub struct Record {
     /// From connected to closed, in milliseconds (`closed` records).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub duration_ms: Option<f64>,
-}
-
-fn shared_str<S: serde::Serializer>(s: &Arc<str>, ser: S) -> Result<S::Ok, S::Error> {
-    ser.serialize_str(s)
-}
-
-/// Milliseconds, to the microsecond.
-pub fn ms(d: Duration) -> f64 {
-    (d.as_micros() as f64) / 1000.0
 }
 
 /// The dial a record is about.
@@ -159,7 +149,7 @@ impl Audited {
         }
         let mut r = self.line(d, Event::Dial, outcome, error.map(str::to_string));
         r.dialed = dialed;
-        r.dial_ms = Some(ms(d.started.elapsed()));
+        r.dial_ms = Some(millis(d.started.elapsed()));
         self.log.record(r);
     }
 
@@ -184,7 +174,7 @@ impl Audited {
         r.dialed = dialed;
         r.bytes_to_target = to_target;
         r.bytes_from_target = from_target;
-        r.duration_ms = Some(ms(d.started.elapsed()));
+        r.duration_ms = Some(millis(d.started.elapsed()));
         self.log.record(r);
     }
 }

@@ -147,31 +147,14 @@ struct Rfc3339(SystemTime);
 
 impl std::fmt::Display for Rfc3339 {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let d = self
-            .0
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .unwrap_or_default();
-        let secs = d.as_secs();
-        let (days, rem) = ((secs / 86_400) as i64, secs % 86_400);
-        // Howard Hinnant's civil_from_days.
-        let z = days + 719_468;
-        let era = z.div_euclid(146_097);
-        let doe = z.rem_euclid(146_097);
-        let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-        let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-        let mp = (5 * doy + 2) / 153;
-        let day = doy - (153 * mp + 2) / 5 + 1;
-        let month = if mp < 10 { mp + 3 } else { mp - 9 };
-        let year = yoe + era * 400 + i64::from(month <= 2);
-        write!(
-            f,
-            "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:06}Z",
-            rem / 3600,
-            rem / 60 % 60,
-            rem % 60,
-            d.subsec_micros()
-        )
+        let t = k8s_openapi::jiff::Timestamp::try_from(self.0).unwrap_or_default();
+        write!(f, "{t:.6}")
     }
+}
+
+/// A duration in milliseconds, to the microsecond (the records' `*_ms` fields).
+pub fn millis(d: Duration) -> f64 {
+    (d.as_micros() as f64) / 1000.0
 }
 
 enum Msg<R> {

@@ -195,7 +195,7 @@ impl Accepted {
     /// Records a TCP client `--frontend-client-names` refused.
     fn not_allowed(&self, peer: &Arc<FrontendPeer>, why: String) {
         if self.router.audit().enabled() {
-            let r = Record::refused(peer, "", Reason::FrontendNotAllowed, Some(why));
+            let r = Record::refused(peer, "", Reason::FrontendNotAllowed, &why);
             self.router.audit().record(r);
         }
     }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Serialize;
-use tether_ops::audit::{AuditLog, Time};
+use tether_ops::audit::{millis, AuditLog, Time};
 
 pub use super::state::FrontendPeer;
 use super::state::{AgentStream, Conn};
@@ -94,16 +94,6 @@ impl AgentRecord {
     }
 }
 
-/// A shared frontend peer, serialised as the peer.
-#[derive(Debug, Clone)]
-pub struct Peer(pub Arc<FrontendPeer>);
-
-impl Serialize for Peer {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        self.0.serialize(s)
-    }
-}
-
 /// One audit line.
 #[derive(Debug, Clone, Serialize)]
 pub struct Record {
@@ -117,7 +107,7 @@ pub struct Record {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
     /// Who asked.
-    pub frontend: Peer,
+    pub frontend: Arc<FrontendPeer>,
     /// The requested `host:port`.
     pub address: String,
     /// The proxy strategy that chose the agent (`node` for a host one node owns).
@@ -152,8 +142,9 @@ fn clip(s: &str) -> String {
     tether_core::ratelimit::clipped(s, MAX_TEXT).to_string()
 }
 
-fn ms(d: Duration) -> f64 {
-    (d.as_micros() as f64) / 1000.0
+/// An error text as a record keeps it: none when empty, else clipped.
+fn error_field(e: &str) -> Option<String> {
+    (!e.is_empty()).then(|| clip(e))
 }
 
 impl Record {
@@ -162,14 +153,14 @@ impl Record {
         frontend: &Arc<FrontendPeer>,
         address: &str,
         reason: Reason,
-        error: Option<String>,
+        error: &str,
     ) -> Self {
         Record {
             time: Time::now(),
             event: Event::Refused,
             reason,
-            error: error.map(|e| clip(&e)),
-            frontend: Peer(frontend.clone()),
+            error: error_field(error),
+            frontend: frontend.clone(),
             address: clip(address),
             strategy: None,
             agent: None,
@@ -193,28 +184,28 @@ impl Record {
         self.agent = Some(AgentRecord::of(agent));
         self.strategy = Some(strategy);
         self.random = Some(random);
-        self.dial_ms = Some(ms(dial));
+        self.dial_ms = Some(millis(dial));
         self
     }
 
     /// Tunnel `conn` carried by `agent` ended.
-    pub fn tunnel(conn: &Conn, agent: &AgentStream, reason: Reason, error: Option<String>) -> Self {
+    pub fn tunnel(conn: &Conn, agent: &AgentStream, reason: Reason, error: &str) -> Self {
         let (to_agent, from_agent) = conn.bytes();
         Record {
             time: Time::now(),
             event: Event::Tunnel,
             reason,
-            error: error.filter(|e| !e.is_empty()).map(|e| clip(&e)),
-            frontend: Peer(conn.dialed.peer.clone()),
+            error: error_field(error),
+            frontend: conn.dialed.peer.clone(),
             address: clip(&conn.dialed.address),
             strategy: Some(conn.dialed.strategy),
             agent: Some(AgentRecord::of(agent)),
             random: Some(conn.dialed.random),
             connect_id: Some(conn.connect_id),
-            dial_ms: Some(ms(conn.dialed.latency)),
+            dial_ms: Some(millis(conn.dialed.latency)),
             bytes_to_agent: to_agent,
             bytes_from_agent: from_agent,
-            duration_ms: Some(ms(conn.established.elapsed())),
+            duration_ms: Some(millis(conn.established.elapsed())),
         }
     }
 }
@@ -246,12 +237,7 @@ mod tests {
             pid: Some(42),
             ..Default::default()
         });
-        let r = Record::refused(
-            &peer,
-            "x:1",
-            Reason::NoAgent,
-            Some("No agent available".into()),
-        );
+        let r = Record::refused(&peer, "x:1", Reason::NoAgent, "No agent available");
         let v = serde_json::to_value(&r).unwrap();
         assert_eq!(v["event"], "refused");
         assert_eq!(v["reason"], "no_agent");

@@ -128,7 +128,6 @@ impl Router {
     /// Records a refusal of `address` for `fe` (when the audit is on).
     fn refused(&self, fe: &FrontendStream, address: &str, reason: Reason, error: &str) {
         if self.audit.enabled() {
-            let error = (!error.is_empty()).then(|| error.to_string());
             self.audit
                 .record(Record::refused(&fe.peer, address, reason, error));
         }
@@ -145,7 +144,6 @@ impl Router {
     ) {
         if self.audit.enabled() {
             let fe = &pending.frontend;
-            let error = (!error.is_empty()).then(|| error.to_string());
             let r = Record::refused(&fe.peer, &pending.request.address, reason, error);
             let r = r.dial_failed(agent, pending.strategy, random, pending.started.elapsed());
             self.audit.record(r);
@@ -155,7 +153,6 @@ impl Router {
     /// Records the end of tunnel `conn` on `agent`.
     fn tunnel_ended(&self, conn: &Conn, agent: &AgentStream, reason: Reason, error: &str) {
         if self.audit.enabled() {
-            let error = (!error.is_empty()).then(|| error.to_string());
             let reason = self.unless_stopping(reason);
             self.audit
                 .record(Record::tunnel(conn, agent, reason, error));

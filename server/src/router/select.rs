@@ -465,7 +465,8 @@ impl Registry {
         })
     }
 
-    /// [`Registry::route`]'s agent, if any.
+    /// [`Registry::route`]'s agent, if any (the tests' shorthand).
+    #[cfg(test)]
     pub fn select(&self, strategies: &[Strategy], address: &str) -> Option<Arc<AgentStream>> {
         self.route(strategies, address).ok().map(|(b, _)| b)
     }
