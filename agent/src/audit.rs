@@ -118,6 +118,14 @@ pub struct Dial<'a> {
 }
 
 impl Audited {
+    /// Where `stream` went, when the audit records it (no getpeername otherwise).
+    pub fn peer_of(&self, stream: &tokio::net::TcpStream) -> Option<SocketAddr> {
+        self.log
+            .enabled()
+            .then(|| stream.peer_addr().ok())
+            .flatten()
+    }
+
     fn line(&self, d: &Dial<'_>, event: Event, outcome: Outcome, error: Option<String>) -> Record {
         Record {
             time: Time::now(),

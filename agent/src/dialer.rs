@@ -253,10 +253,11 @@ impl Session {
         connect_id: i64,
         hard_stop: CancellationToken,
     ) {
-        let Some(stream) = self.connect(&address, random, connect_id, &hard_stop).await else {
+        let Some((stream, dialed)) = self.connect(&address, random, connect_id, &hard_stop).await
+        else {
             return;
         };
-        let (connected, dialed) = (Instant::now(), stream.peer_addr().ok());
+        let connected = Instant::now();
         let (tx, rx) = queue::queue();
         let flow = Arc::new(ConnFlow::new(self.peer_window));
         let conn = Conn {
@@ -306,15 +307,16 @@ impl Session {
         }
     }
 
-    /// Opens the target connection for dial `random`; on failure the server gets the
-    /// DIAL_RSP error. `None` also when the server cancelled the dial meanwhile.
+    /// Opens the target connection for dial `random`, with the address it went to when
+    /// the audit records it; on failure the server gets the DIAL_RSP error. `None` also
+    /// when the server cancelled the dial meanwhile.
     async fn connect(
         &self,
         address: &str,
         random: i64,
         connect_id: i64,
         hard_stop: &CancellationToken,
-    ) -> Option<TcpStream> {
+    ) -> Option<(TcpStream, Option<std::net::SocketAddr>)> {
         let started = Instant::now();
         let audit = Dial {
             address,
@@ -338,9 +340,9 @@ impl Session {
                 self.metrics
                     .dial_duration
                     .observe(started.elapsed().as_secs_f64());
-                let dialed = stream.peer_addr().ok();
+                let dialed = self.audited.peer_of(&stream);
                 self.audited.dial(&audit, Outcome::Connected, dialed, None);
-                return Some(stream);
+                return Some((stream, dialed));
             }
             Ok(Err(DialFailure::Refused(refusal))) => {
                 self.refuse(&audit, refusal).await;
