@@ -37,6 +37,9 @@ pub enum Command {
     /// disagrees with the server count in use), each problem a line on stderr; 2 the
     /// endpoint could not be read (one line saying what to fix).
     Status(cmd::status::StatusArgs),
+    /// Roll a component out with no gap in service. Tether only.
+    #[command(subcommand)]
+    Rollout(cmd::rollout::RolloutCommand),
 }
 
 impl Cli {
@@ -48,6 +51,7 @@ impl Cli {
             Command::Local(args) => cmd::local::main(args),
             Command::Ccm(args) => cmd::ccm::main(*args),
             Command::Certs(c) => cmd::certs::main(c),
+            Command::Rollout(c) => cmd::rollout::main(c),
             // Its own codes: 1 for trouble found, 2 for an endpoint it cannot read.
             Command::Status(args) => return cmd::status::main(args),
         };

@@ -7,6 +7,7 @@ pub mod certs;
 pub mod klog;
 pub mod local;
 pub mod logging;
+pub mod rollout;
 pub mod server;
 pub mod status;
 
