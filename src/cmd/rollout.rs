@@ -19,6 +19,14 @@ const SET_LABEL: &str = "tether.dev/agent-set";
 /// On the surge DaemonSet: the DaemonSet it stands in for.
 const SURGE_FOR: &str = "tether.dev/surge-for";
 
+/// What the DaemonSets are made with: their fields' manager is `tether`.
+fn create_params() -> PostParams {
+    PostParams {
+        field_manager: Some("tether".into()),
+        ..Default::default()
+    }
+}
+
 /// What to roll out.
 #[derive(clap::Subcommand, Debug)]
 pub enum RolloutCommand {
@@ -144,7 +152,7 @@ async fn agents(args: &AgentsArgs) -> anyhow::Result<()> {
             }
             Step::MakeSurge => {
                 let o = original.expect("the step has it");
-                api.create(&PostParams::default(), &surge_of(&o, &surge_name, args)?)
+                api.create(&create_params(), &surge_of(&o, &surge_name, args)?)
                     .await
                     .with_context(|| format!("cannot create daemonset/{surge_name}"))?;
                 println!("daemonset/{surge_name} created with {}", args.image);
@@ -156,7 +164,7 @@ async fn agents(args: &AgentsArgs) -> anyhow::Result<()> {
             Step::AwaitOriginalGone => gone(&api, &args.daemonset, deadline).await?,
             Step::MakeOriginal => {
                 let s = surge.expect("the step has it");
-                api.create(&PostParams::default(), &original_of(&s, &args.daemonset))
+                api.create(&create_params(), &original_of(&s, &args.daemonset))
                     .await
                     .with_context(|| format!("cannot create daemonset/{}", args.daemonset))?;
                 println!(
