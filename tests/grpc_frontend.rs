@@ -256,6 +256,61 @@ async fn graceful_shutdown_lets_established_tunnels_finish() {
     assert!(started.elapsed() < Duration::from_secs(10));
 }
 
+/// A new server started on the old one's socket path (`--delete-existing-uds-file`, as
+/// kubeadm's manifest has it) takes new clients; the old one, stopping, leaves the path
+/// to it and finishes its own tunnels.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_successor_on_the_socket_path_keeps_it_when_the_old_server_stops() {
+    let mut s = setup(&["--graceful-shutdown-timeout=20s"]).await;
+    let echo = backend::echo().await;
+    let socket = socket_path(s.pki.dir());
+    let mut old_tunnel = Client::uds(&socket)
+        .await
+        .unwrap()
+        .dial(&echo.addr.to_string())
+        .await
+        .unwrap();
+
+    let mut args = uds_frontend_args(&s.pki, "grpc", &socket);
+    args.push("--delete-existing-uds-file".into());
+    let successor = ServerProc::start(bin(), &args);
+    let _agent = AgentProc::start(bin(), &s.pki, successor.agent, &[]);
+    successor.wait_agents(1).await;
+
+    s.server.proc.signal("TERM");
+    s.server.proc.wait_event(
+        "the Unix socket's path now belongs to another server; left in place",
+        Duration::from_secs(10),
+        |_| true,
+    );
+    assert!(
+        socket.exists(),
+        "the old server removed its successor's socket"
+    );
+    // New clients reach the successor...
+    let mut c = Client::uds(&socket)
+        .await
+        .unwrap()
+        .dial(&echo.addr.to_string())
+        .await
+        .unwrap();
+    let mut b = [0u8; 1];
+    c.write_all(b"n").await.unwrap();
+    c.read_exact(&mut b).await.unwrap();
+    // ...while the old server's tunnel still carries bytes until it ends.
+    old_tunnel.write_all(b"o").await.unwrap();
+    old_tunnel.read_exact(&mut b).await.unwrap();
+    assert_eq!(&b, b"o");
+    drop(old_tunnel);
+    s.server
+        .proc
+        .wait_exit(Duration::from_secs(10))
+        .expect("the old server exits once idle");
+    assert!(socket.exists());
+    c.write_all(b"n").await.unwrap();
+    c.read_exact(&mut b).await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sigterm_ends_open_streams_and_the_server_exits_at_once() {
     // The default --graceful-shutdown-timeout is 0: close at once. Open Proxy streams

@@ -5,7 +5,7 @@
 use crate::error::chain;
 use std::future::Future;
 use std::io;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -340,10 +340,45 @@ fn log_unfinished(warnings: &Warnings, peer: std::net::SocketAddr, e: Unfinished
     }
 }
 
+/// A Unix socket file this process bound, known by its inode: a successor that bound
+/// the path after it (`--delete-existing-uds-file`) owns the path from then on, and this
+/// process must leave it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SocketFile {
+    /// Where it was bound.
+    pub path: PathBuf,
+    dev: u64,
+    ino: u64,
+}
+
+impl SocketFile {
+    fn at(path: &Path) -> io::Result<SocketFile> {
+        use std::os::unix::fs::MetadataExt;
+        let meta = std::fs::symlink_metadata(path)?;
+        Ok(SocketFile {
+            path: path.to_path_buf(),
+            dev: meta.dev(),
+            ino: meta.ino(),
+        })
+    }
+
+    /// Whether the path still holds the socket this process bound.
+    pub fn is_ours(&self) -> bool {
+        SocketFile::at(&self.path).is_ok_and(|now| now == *self)
+    }
+
+    /// Removes the file if it is still the socket this process bound; says whether it
+    /// did. (A successor may bind between the check and the removal; it then lost its
+    /// path, as it would have with an unconditional removal.)
+    pub fn remove_if_ours(&self) -> bool {
+        self.is_ours() && std::fs::remove_file(&self.path).is_ok()
+    }
+}
+
 /// Binds a Unix socket at `path`. An existing socket file is removed first when
 /// `delete_existing` (upstream's `--delete-existing-uds-file`); a non-socket file there
 /// is never removed.
-pub fn bind_uds(path: &Path, delete_existing: bool) -> io::Result<UnixListener> {
+pub fn bind_uds(path: &Path, delete_existing: bool) -> io::Result<(UnixListener, SocketFile)> {
     use std::os::unix::fs::FileTypeExt;
     if let Ok(meta) = std::fs::symlink_metadata(path) {
         if !meta.file_type().is_socket() {
@@ -366,7 +401,8 @@ pub fn bind_uds(path: &Path, delete_existing: bool) -> io::Result<UnixListener> 
     }
     let socket = socket2::Socket::new(socket2::Domain::UNIX, socket2::Type::STREAM, None)?;
     socket.bind(&socket2::SockAddr::unix(path)?)?;
-    UnixListener::from_std(listening(socket)?.into())
+    let file = SocketFile::at(path)?;
+    Ok((UnixListener::from_std(listening(socket)?.into())?, file))
 }
 
 /// The queue of connections the kernel accepts for a listener before we do: as long as
@@ -413,7 +449,7 @@ pub fn bind_uds_with(
     path: &Path,
     delete_existing: bool,
     access: &SocketAccess,
-) -> io::Result<UnixListener> {
+) -> io::Result<(UnixListener, SocketFile)> {
     let listener = bind_uds(path, delete_existing)?;
     if let Some(gid) = access.group {
         // Without CAP_CHOWN (a container that drops every capability) only a group the
@@ -563,11 +599,30 @@ mod tests {
 
         let dir = std::env::temp_dir().join(format!("tether-backlog-{}", std::process::id()));
         let path = dir.join("s.sock");
-        let uds = bind_uds(&path, true).unwrap();
+        let (uds, _) = bind_uds(&path, true).unwrap();
         assert_eq!(backlog(&["-Hlx", "src", path.to_str().unwrap()]), expected);
         // Both still work as listeners.
         let (_c, _) = tokio::join!(TcpStream::connect(("127.0.0.1", port)), tcp.accept());
         let (_c, _) = tokio::join!(tokio::net::UnixStream::connect(&path), uds.accept());
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[tokio::test]
+    async fn a_successor_that_took_the_socket_path_keeps_it() {
+        let dir = std::env::temp_dir().join(format!("tether-successor-{}", std::process::id()));
+        let path = dir.join("s.sock");
+        let (_old, old_file) = bind_uds(&path, true).unwrap();
+        assert!(old_file.is_ours());
+        // The successor binds the same path, as --delete-existing-uds-file does.
+        let (new, new_file) = bind_uds(&path, true).unwrap();
+        assert!(!old_file.is_ours());
+        // The old server, stopping, leaves the path to the new one.
+        assert!(!old_file.remove_if_ours());
+        let (_c, accepted) = tokio::join!(tokio::net::UnixStream::connect(&path), new.accept());
+        accepted.unwrap();
+        // Which removes it when it stops.
+        assert!(new_file.remove_if_ours());
+        assert!(!path.exists());
         let _ = std::fs::remove_dir_all(dir);
     }
 }

@@ -1,7 +1,6 @@
 //! A bound server's life: the background jobs, the listeners, then the drain and the
 //! hard stop.
 
-use std::path::PathBuf;
 use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 use std::time::Duration;
@@ -58,9 +57,12 @@ impl BoundServer {
         drain.cancelled().await;
         tracing::info!("shutting down: no new frontend connections");
         // TCP frontends stop accepting at once; a Unix socket's path is removed so no
-        // new client can reach it.
-        for path in &frontends.sockets {
-            let _ = std::fs::remove_file(path);
+        // new client can reach it, unless a successor bound it since: its clients are
+        // its own.
+        for socket in &frontends.sockets {
+            if !socket.remove_if_ours() {
+                tracing::info!(path = %socket.path.display(), "the Unix socket's path now belongs to another server; left in place");
+            }
         }
         if let Some(task) = lease_task {
             // Stop advertising this server before waiting for its tunnels to finish.
@@ -167,8 +169,8 @@ impl BoundServer {
         );
         let mut frontends = Frontends::default();
         for (mode, listener) in self.frontends {
-            if let FrontendListener::Uds(_, path) = &listener {
-                frontends.sockets.push(path.clone());
+            if let FrontendListener::Uds(_, file) = &listener {
+                frontends.sockets.push(file.clone());
             }
             let (router, drain, hard_stop) =
                 (self.router.clone(), drain.clone(), hard_stop.clone());
@@ -190,7 +192,7 @@ impl BoundServer {
 #[derive(Default)]
 pub(crate) struct Frontends {
     pub(crate) tasks: Vec<tokio::task::JoinHandle<()>>,
-    pub(crate) sockets: Vec<PathBuf>,
+    pub(crate) sockets: Vec<tether_core::transport::SocketFile>,
 }
 
 /// Waits up to 2 s for the audit records queued so far (the tunnels the hard stop cut

@@ -2,7 +2,6 @@
 //! served, so a bad address or file fails with one error naming it.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 use tether_core::error::chain;
 use tether_core::tls::{self, TlsError, TlsFiles};
@@ -193,7 +192,7 @@ pub struct BoundAddrs {
 }
 
 pub(crate) enum FrontendListener {
-    Uds(UnixListener, PathBuf),
+    Uds(UnixListener, transport::SocketFile),
     Tls(TcpListener, ServerConfigSource, FrontendClients),
 }
 
@@ -267,17 +266,15 @@ pub(crate) async fn bind_frontend(
             delete_existing,
             access,
         } => {
-            let l = transport::bind_uds_with(path, *delete_existing, access).map_err(|source| {
-                StartError::Bind {
-                    what: "frontend socket",
-                    addr: path.display().to_string(),
-                    source,
-                }
-            })?;
-            Ok((
-                FrontendListener::Uds(l, path.clone()),
-                path.display().to_string(),
-            ))
+            let (l, file) =
+                transport::bind_uds_with(path, *delete_existing, access).map_err(|source| {
+                    StartError::Bind {
+                        what: "frontend socket",
+                        addr: path.display().to_string(),
+                        source,
+                    }
+                })?;
+            Ok((FrontendListener::Uds(l, file), path.display().to_string()))
         }
         Listen::Tcp {
             addr,
