@@ -56,14 +56,7 @@ impl BoundServer {
 
         drain.cancelled().await;
         tracing::info!("shutting down: no new frontend connections");
-        // TCP frontends stop accepting at once; a Unix socket's path is removed so no
-        // new client can reach it, unless a successor bound it since: its clients are
-        // its own.
-        for socket in &frontends.sockets {
-            if !socket.remove_if_ours() {
-                tracing::info!(path = %socket.path.display(), "the Unix socket's path now belongs to another server; left in place");
-            }
-        }
+        frontends.close_sockets();
         if let Some(task) = lease_task {
             // Stop advertising this server before waiting for its tunnels to finish.
             let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
@@ -193,6 +186,19 @@ impl BoundServer {
 pub(crate) struct Frontends {
     pub(crate) tasks: Vec<tokio::task::JoinHandle<()>>,
     pub(crate) sockets: Vec<tether_core::transport::SocketFile>,
+}
+
+impl Frontends {
+    /// At the drain (TCP frontends stop accepting at once): each Unix socket's path is
+    /// removed so no new client can reach it, unless a successor bound it since: its
+    /// clients are its own.
+    fn close_sockets(&self) {
+        for socket in &self.sockets {
+            if !socket.remove_if_ours() {
+                tracing::info!(path = %socket.path.display(), "the Unix socket's path now belongs to another server; left in place");
+            }
+        }
+    }
 }
 
 /// Waits up to 2 s for the audit records queued so far (the tunnels the hard stop cut

@@ -179,6 +179,31 @@ pub struct ConnectedAgents {
     state: Mutex<State>,
 }
 
+/// One of `agents.urls`: a server's admin `/agents` URL (https needs `agents.caFile`,
+/// `has_ca`).
+fn admin_url(u: &str, has_ca: bool) -> Result<hyper::Uri, String> {
+    let uri: hyper::Uri = u
+        .parse()
+        .map_err(|e| format!("agents.urls: {u:?} is not a URL: {e}"))?;
+    match (uri.scheme_str(), uri.host()) {
+        (Some("http"), Some(_)) => {}
+        (Some("https"), Some(_)) if !has_ca => {
+            return Err(format!(
+                "agents.urls: {u:?} is https: set agents.caFile to the CA that signed the server's --admin-cert"
+            ))
+        }
+        (Some("https"), Some(host)) => {
+            tether_core::tls::server_name(host).map_err(|e| format!("agents.urls: {u:?}: {e}"))?;
+        }
+        _ => {
+            return Err(format!(
+                "agents.urls: {u:?} must be http://HOST:PORT/agents or https://HOST:PORT/agents (the server's admin port)"
+            ))
+        }
+    }
+    Ok(uri)
+}
+
 impl ConnectedAgents {
     /// Validates the configuration (start-up errors).
     pub fn new(config: &AgentsConfig) -> Result<Self, String> {
@@ -191,29 +216,7 @@ impl ConnectedAgents {
         let urls = config
             .urls
             .iter()
-            .map(|u| {
-                let uri: hyper::Uri = u
-                    .parse()
-                    .map_err(|e| format!("agents.urls: {u:?} is not a URL: {e}"))?;
-                match (uri.scheme_str(), uri.host()) {
-                    (Some("http"), Some(_)) => {}
-                    (Some("https"), Some(_)) if config.ca_file.is_none() => {
-                        return Err(format!(
-                            "agents.urls: {u:?} is https: set agents.caFile to the CA that signed the server's --admin-cert"
-                        ))
-                    }
-                    (Some("https"), Some(host)) => {
-                        tether_core::tls::server_name(host)
-                            .map_err(|e| format!("agents.urls: {u:?}: {e}"))?;
-                    }
-                    _ => {
-                        return Err(format!(
-                            "agents.urls: {u:?} must be http://HOST:PORT/agents or https://HOST:PORT/agents (the server's admin port)"
-                        ))
-                    }
-                }
-                Ok(uri)
-            })
+            .map(|u| admin_url(u, config.ca_file.is_some()))
             .collect::<Result<_, _>>()?;
         // Read once at start-up: a CA changes with a restart, as kube's own CA files do.
         let tls = match &config.ca_file {

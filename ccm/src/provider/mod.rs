@@ -186,30 +186,13 @@ pub fn parse(path: &Path, text: &str) -> Result<CloudConfig, InventoryError> {
             source,
         })?
     };
+    let invalid = |e: String| InventoryError::Parse {
+        path: path.into(),
+        source: serde::de::Error::custom(e),
+    };
     let mut machines = BTreeMap::new();
     for m in file.nodes {
-        if let Some(a) = m
-            .addresses
-            .iter()
-            .find(|a| !ADDRESS_TYPES.contains(&a.kind.as_str()))
-        {
-            return Err(InventoryError::Parse {
-                path: path.into(),
-                source: serde::de::Error::custom(format!(
-                    "node {:?}: address type {:?} is not one of {ADDRESS_TYPES:?}",
-                    m.name, a.kind
-                )),
-            });
-        }
-        if let Some(key) = m.labels.keys().find(|k| reserved_label(k)) {
-            return Err(InventoryError::Parse {
-                path: path.into(),
-                source: serde::de::Error::custom(format!(
-                    "node {:?}: label {key:?} is in a reserved domain (kubernetes.io, k8s.io, tether.dev): use region/zone/instanceType for topology, and your own domain for the rest",
-                    m.name
-                )),
-            });
-        }
+        check_machine(&m).map_err(invalid)?;
         let name = m.name.clone();
         if machines.insert(name.clone(), m).is_some() {
             return Err(InventoryError::Duplicate {
@@ -218,32 +201,44 @@ pub fn parse(path: &Path, text: &str) -> Result<CloudConfig, InventoryError> {
             });
         }
     }
-    let agents = match &file.agents {
-        Some(a) => Some(
-            agents::ConnectedAgents::new(a).map_err(|e| InventoryError::Parse {
-                path: path.into(),
-                source: serde::de::Error::custom(e),
-            })?,
-        ),
-        None => None,
-    };
-    let load_balancer = match &file.load_balancer {
-        Some(lb) => {
-            Some(
-                crate::lb::addresses::Pools::new(lb).map_err(|e| InventoryError::Parse {
-                    path: path.into(),
-                    source: serde::de::Error::custom(e),
-                })?,
-            )
-        }
-        None => None,
-    };
+    let agents = file
+        .agents
+        .as_ref()
+        .map(|a| agents::ConnectedAgents::new(a).map_err(|e| invalid(e.to_string())))
+        .transpose()?;
+    let load_balancer = file
+        .load_balancer
+        .as_ref()
+        .map(|lb| crate::lb::addresses::Pools::new(lb).map_err(|e| invalid(e.to_string())))
+        .transpose()?;
     Ok(CloudConfig {
         machines,
         agents,
         routes: file.routes,
         load_balancer,
     })
+}
+
+/// What is wrong with an inventory entry: an address type Kubernetes does not have, or
+/// a label in a domain the CCM or Kubernetes sets.
+fn check_machine(m: &Machine) -> Result<(), String> {
+    if let Some(a) = m
+        .addresses
+        .iter()
+        .find(|a| !ADDRESS_TYPES.contains(&a.kind.as_str()))
+    {
+        return Err(format!(
+            "node {:?}: address type {:?} is not one of {ADDRESS_TYPES:?}",
+            m.name, a.kind
+        ));
+    }
+    if let Some(key) = m.labels.keys().find(|k| reserved_label(k)) {
+        return Err(format!(
+            "node {:?}: label {key:?} is in a reserved domain (kubernetes.io, k8s.io, tether.dev): use region/zone/instanceType for topology, and your own domain for the rest",
+            m.name
+        ));
+    }
+    Ok(())
 }
 
 struct Loaded {
