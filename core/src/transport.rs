@@ -362,17 +362,40 @@ impl SocketFile {
         })
     }
 
-    /// Whether the path still holds the socket this process bound.
+    /// Whether the path still holds the socket this process bound. (The socket, open,
+    /// keeps its inode, so no other file can have its number meanwhile.)
     pub fn is_ours(&self) -> bool {
         SocketFile::at(&self.path).is_ok_and(|now| now == *self)
     }
 
-    /// Removes the file if it is still the socket this process bound; says whether it
-    /// did. (A successor may bind between the check and the removal; it then lost its
-    /// path, as it would have with an unconditional removal.)
-    pub fn remove_if_ours(&self) -> bool {
-        self.is_ours() && std::fs::remove_file(&self.path).is_ok()
+    /// Removes the file if it is still the socket this process bound. (A successor
+    /// may bind between the check and the removal; it then loses its path, as it did
+    /// with an unconditional removal: a window of one system call.)
+    pub fn remove_if_ours(&self) -> Removal {
+        if !self.is_ours() {
+            return match std::fs::symlink_metadata(&self.path) {
+                Ok(_) => Removal::NotOurs,
+                Err(_) => Removal::Gone,
+            };
+        }
+        match std::fs::remove_file(&self.path) {
+            Ok(()) => Removal::Removed,
+            Err(e) => Removal::Failed(e),
+        }
     }
+}
+
+/// What [`SocketFile::remove_if_ours`] did.
+#[derive(Debug)]
+pub enum Removal {
+    /// The socket file is gone.
+    Removed,
+    /// Nothing was there any more.
+    Gone,
+    /// Another file is at the path now (a successor's socket): left.
+    NotOurs,
+    /// It could not be removed.
+    Failed(io::Error),
 }
 
 /// Binds a Unix socket at `path`. An existing socket file is removed first when
@@ -617,12 +640,13 @@ mod tests {
         let (new, new_file) = bind_uds(&path, true).unwrap();
         assert!(!old_file.is_ours());
         // The old server, stopping, leaves the path to the new one.
-        assert!(!old_file.remove_if_ours());
+        assert!(matches!(old_file.remove_if_ours(), Removal::NotOurs));
         let (_c, accepted) = tokio::join!(tokio::net::UnixStream::connect(&path), new.accept());
         accepted.unwrap();
         // Which removes it when it stops.
-        assert!(new_file.remove_if_ours());
+        assert!(matches!(new_file.remove_if_ours(), Removal::Removed));
         assert!(!path.exists());
+        assert!(matches!(new_file.remove_if_ours(), Removal::Gone));
         let _ = std::fs::remove_dir_all(dir);
     }
 }

@@ -52,11 +52,11 @@ impl BoundServer {
             spawn_admin(&self.router, l, profiling, access, status, tls, &hard_stop);
         }
         let (config, router) = (self.config.clone(), self.router.clone());
-        let (agent_task, frontends) = self.spawn_listeners(server_count, &drain, &hard_stop);
+        let (agent_task, frontends) = self.spawn_listeners(server_count, &hard_stop);
 
         drain.cancelled().await;
         tracing::info!("shutting down: no new frontend connections");
-        frontends.close_sockets();
+        frontends.close();
         if let Some(task) = lease_task {
             // Stop advertising this server before waiting for its tunnels to finish.
             let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
@@ -124,11 +124,11 @@ impl BoundServer {
         )))
     }
 
-    /// Starts the agent listener and the frontends (which stop accepting at `drain`).
+    /// Starts the agent listener and the frontends (which stop accepting at
+    /// [`Frontends::close`]).
     pub(crate) fn spawn_listeners(
         self,
         server_count: Arc<AtomicU32>,
-        drain: &CancellationToken,
         hard_stop: &CancellationToken,
     ) -> (tokio::task::JoinHandle<()>, Frontends) {
         let config = self.config;
@@ -165,8 +165,11 @@ impl BoundServer {
             if let FrontendListener::Uds(_, file) = &listener {
                 frontends.sockets.push(file.clone());
             }
-            let (router, drain, hard_stop) =
-                (self.router.clone(), drain.clone(), hard_stop.clone());
+            let (router, drain, hard_stop) = (
+                self.router.clone(),
+                frontends.drain.clone(),
+                hard_stop.clone(),
+            );
             let keepalive = config.frontend_keepalive;
             let span = tracing::info_span!("frontend_listener", %mode);
             let admission = admission(&self.router, "frontend", config.admission);
@@ -186,18 +189,30 @@ impl BoundServer {
 pub(crate) struct Frontends {
     pub(crate) tasks: Vec<tokio::task::JoinHandle<()>>,
     pub(crate) sockets: Vec<tether_core::transport::SocketFile>,
+    /// The frontends' own drain, after the sockets' paths are dealt with.
+    pub(crate) drain: CancellationToken,
 }
 
 impl Frontends {
-    /// At the drain (TCP frontends stop accepting at once): each Unix socket's path is
-    /// removed so no new client can reach it, unless a successor bound it since: its
-    /// clients are its own.
-    fn close_sockets(&self) {
+    /// At the drain: each Unix socket's path is removed so no new client can reach it,
+    /// unless a successor bound it since (its clients are its own); then the frontends
+    /// stop accepting. In that order: a listener closed first frees its socket's
+    /// inode, whose number a successor's socket could then take.
+    fn close(&self) {
+        use tether_core::transport::Removal;
         for socket in &self.sockets {
-            if !socket.remove_if_ours() {
-                tracing::info!(path = %socket.path.display(), "the Unix socket's path now belongs to another server; left in place");
+            let path = socket.path.display();
+            match socket.remove_if_ours() {
+                Removal::Removed | Removal::Gone => {}
+                Removal::NotOurs => {
+                    tracing::info!(%path, "the Unix socket's path now belongs to another server; left in place")
+                }
+                Removal::Failed(e) => {
+                    tracing::warn!(%path, error = %e, "cannot remove the Unix socket")
+                }
             }
         }
+        self.drain.cancel();
     }
 }
 

@@ -115,7 +115,7 @@ fn step(
         check_surge(s, &surge_name, args)?;
     }
     if let Some(owners) = original.and_then(|o| o.metadata.owner_references.as_ref()) {
-        if let Some(owner) = owners.first() {
+        if let Some(owner) = owners.iter().find(|o| o.controller == Some(true)) {
             bail!(
                 "daemonset/{} belongs to {}/{}: change its image through its owner",
                 args.daemonset,
@@ -133,11 +133,6 @@ fn step(
         (Some(o), None) if has_image(o) && !deleting(o) => Step::Done,
         // An original being deleted: its copy at once.
         (Some(_), None) => Step::MakeSurge,
-        (Some(o), Some(_)) if deleting(o) && has_image(o) => bail!(
-            "daemonset/{} (already at {}) is being deleted beside daemonset/{surge_name}: wait for it to go and run again",
-            args.daemonset,
-            args.image
-        ),
         (Some(o), Some(s)) if deleting(s) && has_image(o) => Step::AwaitSurgeGone,
         (Some(_), Some(s)) if deleting(s) => bail!(
             "daemonset/{surge_name} is being deleted before daemonset/{} runs {}: wait for it to go and run again",
@@ -145,7 +140,7 @@ fn step(
             args.image
         ),
         (_, Some(s)) if !has_image(s) => {
-            let other = image(s, args.container.as_deref()).unwrap_or("?");
+            let other = image(s, args.container.as_deref())?;
             bail!(
                 "daemonset/{surge_name} runs {other}: a rollout to that image was interrupted; run again with --image {other} to finish it first"
             )
@@ -172,8 +167,10 @@ fn check_surge(s: &DaemonSet, name: &str, args: &AgentsArgs) -> anyhow::Result<(
             args.daemonset
         );
     }
+    // Deleting a DaemonSet in the foreground counts one generation more.
+    let made = 1 + i64::from(s.metadata.deletion_timestamp.is_some());
     let generation = s.metadata.generation.unwrap_or(1);
-    if generation > 1 {
+    if generation > made {
         bail!(
             "daemonset/{name} was changed after tether rollout made it (generation {generation}): look at the change, then delete it (without --cascade=orphan) to start again"
         );
@@ -596,9 +593,12 @@ mod tests {
         }
     }
 
+    /// `d` as kube-apiserver shows it once deleted in the foreground: a deletion
+    /// timestamp, and one generation more.
     fn deleting(mut d: DaemonSet) -> DaemonSet {
         use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
         d.metadata.deletion_timestamp = Some(Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH));
+        d.metadata.generation = Some(d.metadata.generation.unwrap_or(1) + 1);
         d
     }
 
@@ -676,10 +676,16 @@ mod tests {
             Step::AwaitSurgeGone
         );
         assert_eq!(step(Some(&new), None), Step::Done);
+        // The original deleted by someone after it was made again: made once more.
+        assert_eq!(
+            step(Some(&deleting(new.clone())), Some(&surge)),
+            Step::AwaitOriginalGone
+        );
     }
 
     #[test]
     fn what_it_will_not_do_says_what_to_do() {
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
         let a = args();
         let old = daemonset("konnectivity-agent", "tether:a");
         let surge = surge_of(&old, "konnectivity-agent-surge", &a).unwrap();
@@ -700,15 +706,21 @@ mod tests {
         let mut changed = surge.clone();
         changed.metadata.generation = Some(2);
         assert!(refused(None, Some(&changed), &a).contains("changed after"));
+        assert!(refused(None, Some(&deleting(changed)), &a).contains("changed after"));
         // An original an operator owns goes through that operator.
         let mut owned = old.clone();
-        owned.metadata.owner_references = Some(vec![
-            k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
-                kind: "Agents".into(),
-                name: "fleet".into(),
-                ..Default::default()
-            },
-        ]);
+        let owner = k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
+            kind: "Agents".into(),
+            name: "fleet".into(),
+            ..Default::default()
+        };
+        owned.metadata.owner_references = Some(vec![owner.clone()]);
+        // (An owner that does not control it is no bar.)
+        assert_eq!(step(Some(&owned), None, &a).unwrap(), Step::MakeSurge);
+        owned.metadata.owner_references = Some(vec![OwnerReference {
+            controller: Some(true),
+            ..owner
+        }]);
         assert!(refused(Some(&owned), None, &a).contains("Agents/fleet"));
     }
 

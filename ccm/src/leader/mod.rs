@@ -110,12 +110,14 @@ impl Elector {
     /// One read and write; `None` when the write lost to a concurrent one.
     async fn attempt(&mut self) -> Result<Option<Attempt>, LeaseError> {
         self.eager = false;
+        // The times written are taken before the read, as client-go takes them.
+        let now = MicroTime(Timestamp::now());
         let existing = match self.api.get_opt(&self.cfg.name).await {
             Ok(l) => l,
             Err(e) => return Err(self.err(e)),
         };
         let Some(lease) = existing else {
-            return self.create().await.map(Some);
+            return self.create(now).await.map(Some);
         };
         let spec = lease.spec.clone().unwrap_or_default();
         let holder = spec.holder_identity.clone().unwrap_or_default();
@@ -137,16 +139,16 @@ impl Elector {
             return Ok(Some(Attempt::NotHeld));
         }
         self.expires = None;
-        let new = self.renewal(spec, ours);
+        let new = self.renewal(spec, ours, now);
         if balanced {
             return self.write_balanced(lease, new, ours).await;
         }
         self.write(lease, new).await
     }
 
-    /// Creates the lease, held by us; `NotHeld` when another replica created it first.
-    async fn create(&self) -> Result<Attempt, LeaseError> {
-        let now = MicroTime(Timestamp::now());
+    /// Creates the lease, held by us since `now`; `NotHeld` when another replica
+    /// created it first.
+    async fn create(&self, now: MicroTime) -> Result<Attempt, LeaseError> {
         let mut annotations = BTreeMap::new();
         if self.cfg.balance.is_some() {
             annotations.insert(HELD_ANNOTATION.to_string(), (self.held() + 1).to_string());
@@ -198,9 +200,8 @@ impl Elector {
         }
     }
 
-    /// The lease's spec as we write it: renewed now, and ours if it was not.
-    fn renewal(&self, spec: LeaseSpec, ours: bool) -> LeaseSpec {
-        let now = MicroTime(Timestamp::now());
+    /// The lease's spec as we write it: renewed at `now`, and ours if it was not.
+    fn renewal(&self, spec: LeaseSpec, ours: bool, now: MicroTime) -> LeaseSpec {
         let mut new = spec;
         if !ours {
             new.acquire_time = Some(now.clone());
