@@ -287,6 +287,14 @@ pub struct AgentArgs {
     pub warn_on_channel_limit: bool,
 }
 
+/// A list flag's values, trimmed, without the empty ones.
+fn nonempty(v: &[String]) -> Vec<String> {
+    v.iter()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .collect()
+}
+
 /// The ALPN offer: `--alpn-proto`'s protocols, then h2 unless listed (as grpc-go's
 /// credentials append it).
 fn offered_alpn(extra: &[String]) -> Vec<Vec<u8>> {
@@ -373,24 +381,10 @@ impl AgentArgs {
                 "--agent-identifiers: {e}; it is ignored (no dial can match it): fix the value"
             );
         }
-        let ca = if self.ca_cert.is_empty() {
-            PathBuf::from(SYSTEM_CA)
-        } else {
-            PathBuf::from(&self.ca_cert)
-        };
-        let identity = match (self.agent_cert.is_empty(), self.agent_key.is_empty()) {
-            (true, true) => None,
-            (false, false) => Some((
-                PathBuf::from(&self.agent_cert),
-                PathBuf::from(&self.agent_key),
-            )),
-            _ => bail!("--agent-cert and --agent-key go together; set both or neither"),
-        };
+        let tls = self.tls()?;
         if self.enable_contention_profiling && !self.enable_profiling {
             bail!("--enable-contention-profiling needs --enable-profiling");
         }
-        let alpn = offered_alpn(&self.alpn_proto);
-        let tls = tether_agent::AgentTls { ca, identity, alpn };
         let servers = parse_servers(&self.proxy_server_host, self.proxy_server_port)?;
         let policy = self.policy()?;
         let reads_node = policy.node_name.is_some() && !policy.any;
@@ -400,46 +394,15 @@ impl AgentArgs {
                 "--kubeconfig is unused: the agent reads it only with --count-server-leases or --node-name"
             );
         }
-        let token_path = (!self.service_account_token_path.is_empty())
-            .then(|| PathBuf::from(&self.service_account_token_path));
-        if let Some(p) = &token_path {
-            std::fs::metadata(p).with_context(|| {
-                format!(
-                    "--service-account-token-path {}: cannot read the token file",
-                    p.display()
-                )
-            })?;
-        }
-        if self.xfr_channel_size == 0 {
-            bail!("--xfr-channel-size must be at least 1");
-        }
-        if self.sync_interval.is_zero() || self.sync_interval_cap < self.sync_interval {
-            bail!("--sync-interval must be positive and not above --sync-interval-cap");
-        }
-        if self.dial_timeout.is_zero() || self.stalled_reader_timeout.is_zero() {
-            bail!("--dial-timeout and --stalled-reader-timeout must be positive (e.g. 5s)");
-        }
-        // grpc-go raises 0 (and anything below 10s) to 10s. Tether honours a
-        // shorter positive interval (it finds a dead link sooner), but 0 has no
-        // meaning of its own: it is grpc-go's 10s.
-        let keepalive = if self.keepalive_time.is_zero() {
-            tracing::warn!(
-                "--keepalive-time=0: pinging every 10s, as grpc-go (and so upstream's agent) does"
-            );
-            GRPC_MIN_CLIENT_KEEPALIVE
-        } else {
-            self.keepalive_time
-        };
+        let token_path = self.token_path()?;
+        self.check_stream_limits()?;
+        let keepalive = self.keepalive();
         let dead_link = super::dead_link(self.dead_link_timeout)?;
         let egress = self.egress()?;
         Ok(AgentConfig {
             servers,
             sync_forever: self.sync_forever,
-            lease_count: self.count_server_leases.then(|| tether_agent::LeaseCount {
-                kubeconfig: (!self.kubeconfig.is_empty()).then(|| PathBuf::from(&self.kubeconfig)),
-                namespace: self.lease_namespace.clone(),
-                selector: self.lease_label_selector.clone(),
-            }),
+            lease_count: self.lease_count(),
             count_source: if self.server_count_source == "max" {
                 tether_agent::CountSource::Max
             } else {
@@ -468,59 +431,96 @@ impl AgentArgs {
         })
     }
 
+    /// The TLS settings towards the servers: --ca-cert (else the system bundle), the
+    /// client certificate and key (both or neither), and the ALPN offer.
+    fn tls(&self) -> anyhow::Result<tether_agent::AgentTls> {
+        let ca = if self.ca_cert.is_empty() {
+            PathBuf::from(SYSTEM_CA)
+        } else {
+            PathBuf::from(&self.ca_cert)
+        };
+        let identity = match (self.agent_cert.is_empty(), self.agent_key.is_empty()) {
+            (true, true) => None,
+            (false, false) => Some((
+                PathBuf::from(&self.agent_cert),
+                PathBuf::from(&self.agent_key),
+            )),
+            _ => bail!("--agent-cert and --agent-key go together; set both or neither"),
+        };
+        let alpn = offered_alpn(&self.alpn_proto);
+        Ok(tether_agent::AgentTls { ca, identity, alpn })
+    }
+
+    /// --service-account-token-path, checked to exist; `None` when empty.
+    fn token_path(&self) -> anyhow::Result<Option<PathBuf>> {
+        let token_path = (!self.service_account_token_path.is_empty())
+            .then(|| PathBuf::from(&self.service_account_token_path));
+        if let Some(p) = &token_path {
+            std::fs::metadata(p).with_context(|| {
+                format!(
+                    "--service-account-token-path {}: cannot read the token file",
+                    p.display()
+                )
+            })?;
+        }
+        Ok(token_path)
+    }
+
+    /// Checks the queue size, the reconnect delays and the dial and stall timeouts.
+    fn check_stream_limits(&self) -> anyhow::Result<()> {
+        if self.xfr_channel_size == 0 {
+            bail!("--xfr-channel-size must be at least 1");
+        }
+        if self.sync_interval.is_zero() || self.sync_interval_cap < self.sync_interval {
+            bail!("--sync-interval must be positive and not above --sync-interval-cap");
+        }
+        if self.dial_timeout.is_zero() || self.stalled_reader_timeout.is_zero() {
+            bail!("--dial-timeout and --stalled-reader-timeout must be positive (e.g. 5s)");
+        }
+        Ok(())
+    }
+
+    /// The HTTP/2 keepalive interval: --keepalive-time, with 0 read as grpc-go's 10s.
+    fn keepalive(&self) -> Duration {
+        // grpc-go raises 0 (and anything below 10s) to 10s. Tether honours a
+        // shorter positive interval (it finds a dead link sooner), but 0 has no
+        // meaning of its own: it is grpc-go's 10s.
+        if self.keepalive_time.is_zero() {
+            tracing::warn!(
+                "--keepalive-time=0: pinging every 10s, as grpc-go (and so upstream's agent) does"
+            );
+            GRPC_MIN_CLIENT_KEEPALIVE
+        } else {
+            self.keepalive_time
+        }
+    }
+
+    /// Counting the servers' Leases, with --count-server-leases.
+    fn lease_count(&self) -> Option<tether_agent::LeaseCount> {
+        self.count_server_leases.then(|| tether_agent::LeaseCount {
+            kubeconfig: (!self.kubeconfig.is_empty()).then(|| PathBuf::from(&self.kubeconfig)),
+            namespace: self.lease_namespace.clone(),
+            selector: self.lease_label_selector.clone(),
+        })
+    }
+
     /// The dial policy from --dial-policy, --dial-allow, --service-cidr, --node-name,
     /// --node-ip and --kubeconfig.
     fn policy(&self) -> anyhow::Result<tether_agent::policy::PolicyConfig> {
         use tether_agent::policy::{Allow, PolicyConfig};
-        let nonempty = |v: &[String]| -> Vec<String> {
-            v.iter()
-                .map(|s| s.trim().to_string())
-                .filter(|s| !s.is_empty())
-                .collect()
-        };
         let allow = nonempty(&self.dial_allow)
             .iter()
             .map(|a| Allow::parse(a))
             .collect::<Result<Vec<_>, _>>()?;
-        let service_cidrs = nonempty(&self.service_cidr)
-            .iter()
-            .map(|c| {
-                c.parse::<tether_core::identifiers::Cidr>()
-                    .map(|c| c.normalized())
-                    .map_err(|e| {
-                        anyhow::anyhow!("--service-cidr {c:?}: {e}; give kube-apiserver's --service-cluster-ip-range")
-                    })
-            })
-            .collect::<anyhow::Result<Vec<_>>>()?;
-        let node_ips = nonempty(&self.node_ip)
-            .iter()
-            .map(|ip| {
-                ip.parse::<std::net::IpAddr>()
-                    .map(tether_agent::policy::rules::canonical)
-                    .map_err(|_| {
-                        anyhow::anyhow!(
-                            "--node-ip {ip:?} is not an IP address (set it from status.hostIP)"
-                        )
-                    })
-            })
-            .collect::<anyhow::Result<Vec<_>>>()?;
+        let service_cidrs = self.service_cidrs()?;
+        let node_ips = self.node_ips()?;
         let node_name = Some(self.node_name.trim().to_string()).filter(|n| !n.is_empty());
         if let Some(n) = &node_name {
             if n.contains('$') || n.contains('/') {
                 bail!("--node-name {n:?} is not a node name (an unexpanded $(NODE_NAME)? set NODE_NAME from spec.nodeName)");
             }
         }
-        let node_ports = match self.service_node_port_range.trim() {
-            "" => None,
-            r => Some(
-                r.split_once('-')
-                    .and_then(|(lo, hi)| Some(lo.parse::<u16>().ok()?..=hi.parse::<u16>().ok()?))
-                    .filter(|r| *r.start() > 0 && r.start() <= r.end())
-                    .ok_or_else(|| {
-                        anyhow::anyhow!("--service-node-port-range {r:?} is not LOW-HIGH (e.g. 30000-32767, kube-apiserver's)")
-                    })?,
-            ),
-        };
+        let node_ports = self.node_ports()?;
         let mut any = self.dial_policy.as_deref() == Some("any");
         let blind = node_name.is_none()
             && node_ips.is_empty()
@@ -550,6 +550,51 @@ impl AgentArgs {
             allow,
             node_ports,
             kubeconfig: (!self.kubeconfig.is_empty()).then(|| PathBuf::from(&self.kubeconfig)),
+        })
+    }
+
+    /// --service-cidr's ranges, normalized.
+    fn service_cidrs(&self) -> anyhow::Result<Vec<tether_core::identifiers::Cidr>> {
+        nonempty(&self.service_cidr)
+            .iter()
+            .map(|c| {
+                c.parse::<tether_core::identifiers::Cidr>()
+                    .map(|c| c.normalized())
+                    .map_err(|e| {
+                        anyhow::anyhow!("--service-cidr {c:?}: {e}; give kube-apiserver's --service-cluster-ip-range")
+                    })
+            })
+            .collect::<anyhow::Result<Vec<_>>>()
+    }
+
+    /// --node-ip's addresses, in canonical form.
+    fn node_ips(&self) -> anyhow::Result<Vec<std::net::IpAddr>> {
+        nonempty(&self.node_ip)
+            .iter()
+            .map(|ip| {
+                ip.parse::<std::net::IpAddr>()
+                    .map(tether_agent::policy::rules::canonical)
+                    .map_err(|_| {
+                        anyhow::anyhow!(
+                            "--node-ip {ip:?} is not an IP address (set it from status.hostIP)"
+                        )
+                    })
+            })
+            .collect::<anyhow::Result<Vec<_>>>()
+    }
+
+    /// --service-node-port-range as a range of ports; `None` when empty.
+    fn node_ports(&self) -> anyhow::Result<Option<std::ops::RangeInclusive<u16>>> {
+        Ok(match self.service_node_port_range.trim() {
+            "" => None,
+            r => Some(
+                r.split_once('-')
+                    .and_then(|(lo, hi)| Some(lo.parse::<u16>().ok()?..=hi.parse::<u16>().ok()?))
+                    .filter(|r| *r.start() > 0 && r.start() <= r.end())
+                    .ok_or_else(|| {
+                        anyhow::anyhow!("--service-node-port-range {r:?} is not LOW-HIGH (e.g. 30000-32767, kube-apiserver's)")
+                    })?,
+            ),
         })
     }
 
@@ -591,15 +636,7 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
     super::block_on(args.worker_threads, async move {
         // Certificates first: a bad one is reported as such, even when a port is taken.
         let (agent_id, servers) = (config.agent_id.clone(), config.servers.clone());
-        let agent = Agent::new(config)?;
-        let agent = match &audit {
-            Some(a) => {
-                let counters = agent.metrics().audit.clone();
-                let log = tether_ops::audit::AuditLog::open(a, counters, "tether-audit")?;
-                agent.with_audit(log)
-            }
-            None => agent,
-        };
+        let agent = with_audit(Agent::new(config)?, audit.as_ref())?;
         let health = tokio::net::TcpListener::bind(health)
             .await
             .with_context(|| format!("cannot listen on health port {health}"))?;
@@ -613,40 +650,68 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
             admin = %admin.local_addr()?,
             "agent starting"
         );
-        if args.dial_policy.as_deref() == Some("any") {
-            tracing::warn!(
-                "UNSAFE: --dial-policy=any: any server, or anyone holding a frontend credential, may have this agent dial any address its node reaches"
-            );
-        } else if !agent.policy().config().any {
-            tracing::info!(allows = %agent.policy().describe(), "dial policy");
-        }
+        log_dial_policy(args.dial_policy.as_deref(), &agent);
         let drain = CancellationToken::new();
         let hard_stop = CancellationToken::new();
         agent.serve_health(health, hard_stop.clone());
         agent.serve_admin(admin, hard_stop.clone());
-        {
-            let (drain, hard_stop) = (drain.clone(), hard_stop.clone());
-            let deadline = agent.metrics().drain_deadline.clone();
-            tokio::spawn(async move {
-                tether_ops::shutdown::signal().await;
-                tracing::info!(timeout = ?drain_timeout, "draining; signal again to exit now");
-                let end = std::time::SystemTime::now() + drain_timeout;
-                let end = end
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .unwrap_or_default();
-                deadline.set(end.as_secs().try_into().unwrap_or(i64::MAX));
-                drain.cancel();
-                tokio::select! {
-                    _ = tether_ops::shutdown::signal() => tracing::info!("second signal: exiting"),
-                    _ = tokio::time::sleep(drain_timeout) => tracing::info!("drain timeout: exiting"),
-                }
-                hard_stop.cancel();
-            });
-        }
+        spawn_signal_handler(&agent, drain.clone(), hard_stop.clone(), drain_timeout);
         agent.run(drain, hard_stop.clone()).await;
         hard_stop.cancel();
         agent.sync_audit().await;
         tracing::info!("agent stopped");
         Ok(())
     })
+}
+
+/// The agent writing its audit log to `audit`'s file, when the audit is on.
+fn with_audit(
+    agent: Agent,
+    audit: Option<&tether_ops::audit::AuditConfig>,
+) -> anyhow::Result<Agent> {
+    Ok(match audit {
+        Some(a) => {
+            let counters = agent.metrics().audit.clone();
+            let log = tether_ops::audit::AuditLog::open(a, counters, "tether-audit")?;
+            agent.with_audit(log)
+        }
+        None => agent,
+    })
+}
+
+/// Logs the dial policy at start: a warning for --dial-policy=any, else what it allows.
+fn log_dial_policy(dial_policy: Option<&str>, agent: &Agent) {
+    if dial_policy == Some("any") {
+        tracing::warn!(
+            "UNSAFE: --dial-policy=any: any server, or anyone holding a frontend credential, may have this agent dial any address its node reaches"
+        );
+    } else if !agent.policy().config().any {
+        tracing::info!(allows = %agent.policy().describe(), "dial policy");
+    }
+}
+
+/// Spawns the task that drains at the first signal (publishing the deadline) and stops
+/// hard at a second signal or after `drain_timeout`.
+fn spawn_signal_handler(
+    agent: &Agent,
+    drain: CancellationToken,
+    hard_stop: CancellationToken,
+    drain_timeout: Duration,
+) {
+    let deadline = agent.metrics().drain_deadline.clone();
+    tokio::spawn(async move {
+        tether_ops::shutdown::signal().await;
+        tracing::info!(timeout = ?drain_timeout, "draining; signal again to exit now");
+        let end = std::time::SystemTime::now() + drain_timeout;
+        let end = end
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        deadline.set(end.as_secs().try_into().unwrap_or(i64::MAX));
+        drain.cancel();
+        tokio::select! {
+            _ = tether_ops::shutdown::signal() => tracing::info!("second signal: exiting"),
+            _ = tokio::time::sleep(drain_timeout) => tracing::info!("drain timeout: exiting"),
+        }
+        hard_stop.cancel();
+    });
 }

@@ -194,6 +194,9 @@ pub struct CcmArgs {
     pub log: LogArgs,
 }
 
+/// The load balancers a provider serves, as [`CcmConfig`]'s `load_balancer_server`.
+type LoadBalancers = Option<Arc<tether_ccm::lb::balancer::TunnelLoadBalancers>>;
+
 impl CcmArgs {
     /// The HTTPS endpoint's address and TLS config (None with --secure-port=0).
     fn secure_listener(
@@ -245,10 +248,42 @@ impl CcmArgs {
         Ok(Some((std::net::SocketAddr::new(ip, self.secure_port), tls)))
     }
 
+    /// Validates the flags into the controller manager's settings and its provider.
     fn config(&self) -> anyhow::Result<(CcmConfig, Arc<dyn Provider>)> {
         let enabled = Enabled::parse(&self.controllers).map_err(anyhow::Error::msg)?;
-        let cluster_cidrs = self
-            .cluster_cidr
+        let cluster_cidrs = self.cluster_cidrs()?;
+        self.check_routes_and_nodes(&cluster_cidrs)?;
+        let metrics = tether_ccm::metrics::Metrics::new();
+        let lb = self.tunnel_lb(&metrics)?;
+        let (provider, load_balancer_server) = self.provider(lb)?;
+        self.check_leases()?;
+        self.check_rates_and_periods()?;
+        let identity = identity();
+        let config = CcmConfig {
+            metrics,
+            load_balancer_server,
+            cluster_name: self.cluster_name.clone(),
+            enabled,
+            node_monitor_period: self.node_monitor_period,
+            node_status_update_frequency: self.node_status_update_frequency,
+            load_balancer_class: (!self.load_balancer_class.is_empty())
+                .then(|| self.load_balancer_class.clone()),
+            lb_resync_period: self.lb_resync_period,
+            concurrent_service_syncs: self.concurrent_service_syncs,
+            concurrent_node_syncs: self.concurrent_node_syncs,
+            cluster_cidrs,
+            configure_cloud_routes: self.configure_cloud_routes,
+            route_reconciliation_period: self.route_reconciliation_period,
+            leader_election: self.leader_election(&identity),
+            load_balancer_lease: self.load_balancer_lease(&identity),
+            identity,
+        };
+        Ok((config, provider))
+    }
+
+    /// --cluster-cidr's ranges.
+    fn cluster_cidrs(&self) -> anyhow::Result<Vec<tether_core::identifiers::Cidr>> {
+        self.cluster_cidr
             .split(',')
             .map(str::trim)
             .filter(|c| !c.is_empty())
@@ -256,7 +291,15 @@ impl CcmArgs {
                 c.parse::<tether_core::identifiers::Cidr>()
                     .map_err(|e| anyhow::anyhow!("--cluster-cidr {c:?}: {e}"))
             })
-            .collect::<anyhow::Result<Vec<_>>>()?;
+            .collect::<anyhow::Result<Vec<_>>>()
+    }
+
+    /// Checks the route controller's flags (a pod network when it runs) and the node
+    /// controllers' (no node IPAM, at least one sync at a time).
+    fn check_routes_and_nodes(
+        &self,
+        cluster_cidrs: &[tether_core::identifiers::Cidr],
+    ) -> anyhow::Result<()> {
         let named = |n: &str| self.controllers.iter().any(|c| c.trim() == n);
         if (named("route") || named("node-route-controller"))
             && self.configure_cloud_routes
@@ -273,6 +316,15 @@ impl CcmArgs {
         if self.concurrent_node_syncs == 0 {
             bail!("--concurrent-node-syncs must be at least 1");
         }
+        Ok(())
+    }
+
+    /// The load balancers reaching the nodes through the Tether server's socket
+    /// (--tunnel-uds), bound to --lb-bind-address when given; `None` without a socket.
+    fn tunnel_lb(
+        &self,
+        metrics: &tether_ccm::metrics::Metrics,
+    ) -> anyhow::Result<Option<tether_ccm::lb::balancer::TunnelLbConfig>> {
         let bind = match self.lb_bind_address.as_str() {
             "" => None,
             bind => Some(
@@ -286,8 +338,7 @@ impl CcmArgs {
                     })?,
             ),
         };
-        let metrics = tether_ccm::metrics::Metrics::new();
-        let lb = match (bind, self.tunnel_uds.as_str()) {
+        Ok(match (bind, self.tunnel_uds.as_str()) {
             (Some(_), "") => bail!("--lb-bind-address needs --tunnel-uds: load balancers reach the nodes through the Tether server's socket"),
             (_, "") => None,
             (bind, uds) => Some(tether_ccm::lb::balancer::TunnelLbConfig {
@@ -296,11 +347,16 @@ impl CcmArgs {
                 max_connections: self.lb_max_connections,
                 metrics: metrics.clone(),
             }),
-        };
-        let (provider, load_balancer_server): (Arc<dyn Provider>, _) = match self
-            .cloud_provider
-            .as_str()
-        {
+        })
+    }
+
+    /// The --cloud-provider with its --cloud-config and load balancers `lb`, and the load
+    /// balancers it serves.
+    fn provider(
+        &self,
+        lb: Option<tether_ccm::lb::balancer::TunnelLbConfig>,
+    ) -> anyhow::Result<(Arc<dyn Provider>, LoadBalancers)> {
+        match self.cloud_provider.as_str() {
             tether_ccm::provider::NAME => {
                 if self.cloud_config.is_empty() {
                     bail!("--cloud-provider=tether needs --cloud-config: the inventory file (see docs/ccm.md)");
@@ -310,10 +366,14 @@ impl CcmArgs {
                     tracing::warn!("--leader-elect=false: this replica holds and announces every load-balancer address without a lease; run exactly one replica, or two will answer for the same addresses");
                 }
                 let server = provider.load_balancer_server();
-                (Arc::new(provider), server)
+                Ok((Arc::new(provider), server))
             }
             other => bail!("--cloud-provider: unknown provider {other:?} (this build has: tether)"),
-        };
+        }
+    }
+
+    /// Checks, with --leader-elect, the controllers' and the pools' lease timings.
+    fn check_leases(&self) -> anyhow::Result<()> {
         if self.leader_elect
             && !(self.leader_elect_retry_period < self.leader_elect_renew_deadline
                 && self.leader_elect_renew_deadline < self.leader_elect_lease_duration)
@@ -328,6 +388,11 @@ impl CcmArgs {
         {
             bail!("--lb-lease-retry-period < --lb-lease-renew-deadline, deadline + retry period <= --lb-lease-duration (whole seconds) must hold: a holder must let go before the lease can run out elsewhere (defaults 500ms, 2s, 4s)");
         }
+        Ok(())
+    }
+
+    /// Checks the rate limits, the Service syncs and the node controllers' periods.
+    fn check_rates_and_periods(&self) -> anyhow::Result<()> {
         if !(self.kube_api_qps > 0.0 && self.provider_qps > 0.0)
             || self.kube_api_burst == 0
             || self.provider_burst == 0
@@ -340,52 +405,48 @@ impl CcmArgs {
         if self.node_monitor_period.is_zero() || self.node_status_update_frequency.is_zero() {
             bail!("--node-monitor-period and --node-status-update-frequency must be positive");
         }
-        let host = std::env::var("HOSTNAME")
-            .ok()
-            .filter(|h| !h.is_empty())
-            .unwrap_or_else(|| "tether-ccm".into());
-        let identity = format!("{host}_{}", uuid::Uuid::new_v4());
-        let config = CcmConfig {
-            metrics,
-            load_balancer_server,
-            cluster_name: self.cluster_name.clone(),
-            enabled,
-            node_monitor_period: self.node_monitor_period,
-            node_status_update_frequency: self.node_status_update_frequency,
-            load_balancer_class: (!self.load_balancer_class.is_empty())
-                .then(|| self.load_balancer_class.clone()),
-            lb_resync_period: self.lb_resync_period,
-            concurrent_service_syncs: self.concurrent_service_syncs,
-            concurrent_node_syncs: self.concurrent_node_syncs,
-            cluster_cidrs,
-            configure_cloud_routes: self.configure_cloud_routes,
-            route_reconciliation_period: self.route_reconciliation_period,
-            leader_election: self.leader_elect.then(|| LeaderElection {
-                namespace: self.leader_elect_resource_namespace.clone(),
-                name: self.leader_elect_resource_name.clone(),
-                identity: identity.clone(),
-                lease_duration: self.leader_elect_lease_duration,
-                renew_deadline: self.leader_elect_renew_deadline,
-                retry_period: self.leader_elect_retry_period,
-                await_successor: None,
-                balance: None,
-            }),
-            // One lease per pool, `<this>-<pool>`, balanced over the replicas.
-            load_balancer_lease: self.leader_elect.then(|| LeaderElection {
-                namespace: self.leader_elect_resource_namespace.clone(),
-                name: format!("{}-lb", self.leader_elect_resource_name),
-                identity: identity.clone(),
-                lease_duration: self.lb_lease_duration,
-                renew_deadline: self.lb_lease_renew_deadline,
-                retry_period: self.lb_lease_retry_period,
-                // Before the process exits, a standby holds the addresses.
-                await_successor: Some(self.lb_lease_duration),
-                balance: Some(Default::default()),
-            }),
-            identity,
-        };
-        Ok((config, provider))
+        Ok(())
     }
+
+    /// The controllers' leader election, with --leader-elect.
+    fn leader_election(&self, identity: &str) -> Option<LeaderElection> {
+        self.leader_elect.then(|| LeaderElection {
+            namespace: self.leader_elect_resource_namespace.clone(),
+            name: self.leader_elect_resource_name.clone(),
+            identity: identity.to_string(),
+            lease_duration: self.leader_elect_lease_duration,
+            renew_deadline: self.leader_elect_renew_deadline,
+            retry_period: self.leader_elect_retry_period,
+            await_successor: None,
+            balance: None,
+        })
+    }
+
+    /// The load-balancer pools' leases, with --leader-elect.
+    fn load_balancer_lease(&self, identity: &str) -> Option<LeaderElection> {
+        // One lease per pool, `<this>-<pool>`, balanced over the replicas.
+        self.leader_elect.then(|| LeaderElection {
+            namespace: self.leader_elect_resource_namespace.clone(),
+            name: format!("{}-lb", self.leader_elect_resource_name),
+            identity: identity.to_string(),
+            lease_duration: self.lb_lease_duration,
+            renew_deadline: self.lb_lease_renew_deadline,
+            retry_period: self.lb_lease_retry_period,
+            // Before the process exits, a standby holds the addresses.
+            await_successor: Some(self.lb_lease_duration),
+            balance: Some(Default::default()),
+        })
+    }
+}
+
+/// This replica's identity in its leases: the host name (`HOSTNAME`, else `tether-ccm`)
+/// and a random UUID.
+fn identity() -> String {
+    let host = std::env::var("HOSTNAME")
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "tether-ccm".into());
+    format!("{host}_{}", uuid::Uuid::new_v4())
 }
 
 /// Runs the controller manager until signalled; exits non-zero when leadership is lost.
@@ -396,7 +457,6 @@ pub fn main(args: CcmArgs) -> anyhow::Result<()> {
     // on, and the runtime's threads, started below, inherit its absence.
     tether_ccm::lb::netns::drop_sys_admin()
         .map_err(|e| anyhow::anyhow!("cannot drop CAP_SYS_ADMIN: {e}"))?;
-    let kubeconfig = (!args.kubeconfig.is_empty()).then(|| PathBuf::from(&args.kubeconfig));
     let metrics = config.metrics.clone();
     let registry = metrics.catalog.registry().clone();
     let (rest_metrics, provider_calls) = (metrics.rest.clone(), metrics.provider_calls.clone());
@@ -409,69 +469,25 @@ pub fn main(args: CcmArgs) -> anyhow::Result<()> {
     );
     let kube_limit = Arc::new(TokenBucket::new(args.kube_api_qps, args.kube_api_burst));
     super::block_on(0, async move {
-        let build = |config| {
-            tether_ops::kubeclient::limited_client_from(
-                config,
-                kube_limit.clone(),
-                rest_metrics.clone(),
-            )
-        };
-        let root_config = tether_ops::kubeclient::config(kubeconfig.as_deref())
-            .await
-            .context("cannot build the Kubernetes client")?;
-        let client = build(root_config.clone()).context("cannot build the Kubernetes client")?;
-        // The delegated-auth kubeconfigs default to the controller manager's own client.
-        let delegated = |flag: &str| {
-            let (flag, client) = (flag.to_string(), client.clone());
-            async move {
-                if flag.is_empty() {
-                    return Ok(client);
-                }
-                let config = tether_ops::kubeclient::config(Some(Path::new(&flag))).await?;
-                build(config)
-            }
-        };
-        let delegation = tether_ccm::serving::Delegation {
-            authentication: delegated(&args.authentication_kubeconfig)
-                .await
-                .context("--authentication-kubeconfig")?,
-            authorization: delegated(&args.authorization_kubeconfig)
-                .await
-                .context("--authorization-kubeconfig")?,
-        };
         // SIGTERM starts the drain (controllers clean up, leases are handed over); the
         // token renewal and the HTTPS endpoint take it as their hard stop.
         let drain = tokio_util::sync::CancellationToken::new();
-        let clients = if args.use_service_account_credentials {
-            tether_ccm::credentials::service_account_clients(
-                client.clone(),
-                root_config,
-                build,
-                drain.clone(),
-            )
-            .await
-            .context("--use-service-account-credentials")?
-        } else {
-            tether_ccm::credentials::Clients::from(client.clone())
-        };
+        let (clients, delegation) =
+            kube_clients(&args, kube_limit, &rest_metrics, drain.clone()).await?;
         tokio::spawn(
             report_usage(rest_metrics.clone(), provider_calls)
                 .instrument(tracing::info_span!("api_usage")),
         );
         if let Some((addr, tls)) = secure {
-            let listener = tokio::net::TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("cannot listen on --bind-address/--secure-port {addr}"))?;
-            let bound = listener.local_addr()?;
-            tracing::info!(addr = %bound, "serving /healthz and /metrics over HTTPS");
-            tether_ccm::serving::spawn(
-                listener,
-                Arc::new(move || tls.clone()),
+            serve_https(
+                addr,
+                tls,
                 delegation,
                 health.clone(),
                 registry,
                 drain.clone(),
-            );
+            )
+            .await?;
         }
         tracing::info!(provider = provider.name(), identity = %config.identity, "cloud-controller-manager starting");
         tokio::spawn({
@@ -484,6 +500,95 @@ pub fn main(args: CcmArgs) -> anyhow::Result<()> {
         tether_ccm::run(clients, provider, config, health, drain).await?;
         Ok(())
     })
+}
+
+/// The clients that check /metrics callers: --authentication-kubeconfig's and
+/// --authorization-kubeconfig's, each defaulting to the controller manager's own `client`.
+async fn delegation(
+    args: &CcmArgs,
+    client: &kube::Client,
+    build: &impl Fn(kube::Config) -> Result<kube::Client, tether_ops::kubeclient::KubeSetupError>,
+) -> anyhow::Result<tether_ccm::serving::Delegation> {
+    let delegated = |flag: &str| {
+        let (flag, client) = (flag.to_string(), client.clone());
+        async move {
+            if flag.is_empty() {
+                return Ok(client);
+            }
+            let config = tether_ops::kubeclient::config(Some(Path::new(&flag))).await?;
+            build(config)
+        }
+    };
+    Ok(tether_ccm::serving::Delegation {
+        authentication: delegated(&args.authentication_kubeconfig)
+            .await
+            .context("--authentication-kubeconfig")?,
+        authorization: delegated(&args.authorization_kubeconfig)
+            .await
+            .context("--authorization-kubeconfig")?,
+    })
+}
+
+/// The Kubernetes clients, each limited by `limit` and counted in `rest_metrics`: the
+/// controllers' (with --use-service-account-credentials each its own ServiceAccount's,
+/// their tokens renewed until `hard_stop`) and those checking /metrics callers.
+async fn kube_clients(
+    args: &CcmArgs,
+    limit: Arc<TokenBucket>,
+    rest_metrics: &tether_ops::kubeclient::RestMetrics,
+    hard_stop: tokio_util::sync::CancellationToken,
+) -> anyhow::Result<(
+    tether_ccm::credentials::Clients,
+    tether_ccm::serving::Delegation,
+)> {
+    let kubeconfig = (!args.kubeconfig.is_empty()).then(|| PathBuf::from(&args.kubeconfig));
+    let build = |config| {
+        tether_ops::kubeclient::limited_client_from(config, limit.clone(), rest_metrics.clone())
+    };
+    let root_config = tether_ops::kubeclient::config(kubeconfig.as_deref())
+        .await
+        .context("cannot build the Kubernetes client")?;
+    let client = build(root_config.clone()).context("cannot build the Kubernetes client")?;
+    let delegation = delegation(args, &client, &build).await?;
+    let clients = if args.use_service_account_credentials {
+        tether_ccm::credentials::service_account_clients(
+            client.clone(),
+            root_config,
+            build,
+            hard_stop,
+        )
+        .await
+        .context("--use-service-account-credentials")?
+    } else {
+        tether_ccm::credentials::Clients::from(client.clone())
+    };
+    Ok((clients, delegation))
+}
+
+/// Binds the HTTPS endpoint at `addr` and serves /healthz and /metrics on it until
+/// `hard_stop`.
+async fn serve_https(
+    addr: std::net::SocketAddr,
+    tls: Arc<rustls::ServerConfig>,
+    delegation: tether_ccm::serving::Delegation,
+    health: tether_ccm::serving::Health,
+    registry: prometheus::Registry,
+    hard_stop: tokio_util::sync::CancellationToken,
+) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on --bind-address/--secure-port {addr}"))?;
+    let bound = listener.local_addr()?;
+    tracing::info!(addr = %bound, "serving /healthz and /metrics over HTTPS");
+    tether_ccm::serving::spawn(
+        listener,
+        Arc::new(move || tls.clone()),
+        delegation,
+        health,
+        registry,
+        hard_stop,
+    );
+    Ok(())
 }
 
 /// Logs the running totals of API calls every 10 s while they change.

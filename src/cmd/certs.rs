@@ -173,8 +173,43 @@ fn leaf(common: &CommonArgs, cn: &str, sans: Vec<String>, server: bool, client: 
     }
 }
 
+/// `certs init`: checks no output exists, makes or loads the CAs, issues the server's
+/// certificates and writes them with the server's kubeconfig.
 fn init(a: InitArgs) -> anyhow::Result<()> {
     let c = &a.common;
+    let generated_ca = a.ca_cert.is_none();
+    let mut w = Writer::new(&c.out, c.format, c.force, &c.namespace)?;
+    w.check_free(&init_names(generated_ca))?;
+    let ca = match (&a.ca_cert, &a.ca_key) {
+        (Some(cert), Some(key)) => Ca::load(cert, key)?,
+        _ => Ca::new_with("tether-ca", c.key_algorithm)?,
+    };
+    let ca_pem = ca.pair().cert_pem.clone();
+    // Frontend clients get a CA of their own, so that no agent certificate (signed by
+    // `ca`) can open tunnels: it is the server's --server-ca-cert.
+    let frontend_ca = Ca::new_with("tether-frontend-ca", c.key_algorithm)?;
+    let issued = issue_init_leaves(&a, &ca, &frontend_ca)?;
+    write_cas(&mut w, c.format, &ca, &frontend_ca, generated_ca)?;
+    for (name, pair) in &issued {
+        w.pair(name, pair, &ca_pem)?;
+    }
+    let kubeconfig = server_kubeconfig(&a.apiserver_url, &ca_pem, &issued[3].1);
+    if c.format == Format::Files {
+        w.file("konnectivity-server.conf", &kubeconfig, true)?;
+    }
+    let written = w.finish()?;
+    for p in &written {
+        println!("wrote {}", p.display());
+    }
+    println!("server: --cluster-cert=server-agent.crt --cluster-key=server-agent.key; with agent certificates (tether certs agent) also --cluster-ca-cert=ca.crt (not with token authentication, as deploy/ ships); for a TCP frontend --server-ca-cert=frontend-ca.crt (only apiserver-client.crt chains to it)");
+    if generated_ca {
+        println!("note: a new CA was generated; kube-apiserver trusts konnectivity-server.conf only if it trusts this CA (use --ca-cert/--ca-key with the cluster CA)");
+    }
+    Ok(())
+}
+
+/// The files `certs init` writes (ca.key only when it generates the CA).
+fn init_names(generated_ca: bool) -> Vec<String> {
     let mut names: Vec<String> = [
         "server-agent",
         "server-frontend",
@@ -190,23 +225,24 @@ fn init(a: InitArgs) -> anyhow::Result<()> {
         "frontend-ca.key".into(),
         "konnectivity-server.conf".into(),
     ]);
-    let generated_ca = a.ca_cert.is_none();
     if generated_ca {
         names.push("ca.key".into());
     }
-    let mut w = Writer::new(&c.out, c.format, c.force, &c.namespace)?;
-    w.check_free(&names)?;
-    let ca = match (&a.ca_cert, &a.ca_key) {
-        (Some(cert), Some(key)) => Ca::load(cert, key)?,
-        _ => Ca::new_with("tether-ca", c.key_algorithm)?,
-    };
-    let ca_pem = ca.pair().cert_pem.clone();
-    // Frontend clients get a CA of their own, so that no agent certificate (signed by
-    // `ca`) can open tunnels: it is the server's --server-ca-cert.
-    let frontend_ca = Ca::new_with("tether-frontend-ca", c.key_algorithm)?;
+    names
+}
+
+/// The four leaves of `certs init`, by file name: the agent-facing and frontend serving
+/// certificates, kube-apiserver's frontend client certificate (from `frontend_ca`) and
+/// the server's own client certificate (last).
+fn issue_init_leaves(
+    a: &InitArgs,
+    ca: &Ca,
+    frontend_ca: &Ca,
+) -> anyhow::Result<[(&'static str, tether_certs::Pair); 4]> {
+    let c = &a.common;
     let mut frontend_sans = vec!["localhost".to_string(), "127.0.0.1".into()];
     frontend_sans.extend(a.server_sans.iter().cloned());
-    let issued = [
+    Ok([
         (
             "server-agent",
             ca.issue(&leaf(
@@ -241,17 +277,28 @@ fn init(a: InitArgs) -> anyhow::Result<()> {
             "konnectivity-server-client",
             ca.issue(&leaf(c, "system:konnectivity-server", vec![], false, true))?,
         ),
-    ];
-    match c.format {
+    ])
+}
+
+/// Writes the CA (its key only when generated) and the frontend CA, as files or Secrets.
+fn write_cas(
+    w: &mut Writer,
+    format: Format,
+    ca: &Ca,
+    frontend_ca: &Ca,
+    generated_ca: bool,
+) -> anyhow::Result<()> {
+    let ca_pem = &ca.pair().cert_pem;
+    match format {
         Format::Files => {
-            w.file("ca.crt", &ca_pem, false)?;
+            w.file("ca.crt", ca_pem, false)?;
             if generated_ca {
                 w.file("ca.key", &ca.pair().key_pem, true)?;
             }
         }
-        Format::Secret => w.pair("konnectivity-ca", ca.pair(), &ca_pem)?,
+        Format::Secret => w.pair("konnectivity-ca", ca.pair(), ca_pem)?,
     }
-    match c.format {
+    match format {
         Format::Files => {
             w.file("frontend-ca.crt", &frontend_ca.pair().cert_pem, false)?;
             w.file("frontend-ca.key", &frontend_ca.pair().key_pem, true)?;
@@ -262,31 +309,21 @@ fn init(a: InitArgs) -> anyhow::Result<()> {
             &frontend_ca.pair().cert_pem,
         )?,
     }
-    for (name, pair) in &issued {
-        w.pair(name, pair, &ca_pem)?;
-    }
-    let identity = &issued[3].1;
+    Ok(())
+}
+
+/// The server's kubeconfig (konnectivity-server.conf): `identity` as
+/// `system:konnectivity-server` at `apiserver_url`, trusting `ca_pem`.
+fn server_kubeconfig(apiserver_url: &str, ca_pem: &str, identity: &tether_certs::Pair) -> String {
     use base64::Engine;
     let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
-    let kubeconfig = format!(
+    format!(
         "apiVersion: v1\nkind: Config\nclusters:\n- name: kubernetes\n  cluster:\n    server: {}\n    certificate-authority-data: {}\nusers:\n- name: system:konnectivity-server\n  user:\n    client-certificate-data: {}\n    client-key-data: {}\ncontexts:\n- name: konnectivity-server\n  context:\n    cluster: kubernetes\n    user: system:konnectivity-server\ncurrent-context: konnectivity-server\n",
-        a.apiserver_url,
-        b64(&ca_pem),
+        apiserver_url,
+        b64(ca_pem),
         b64(&identity.cert_pem),
         b64(&identity.key_pem)
-    );
-    if c.format == Format::Files {
-        w.file("konnectivity-server.conf", &kubeconfig, true)?;
-    }
-    let written = w.finish()?;
-    for p in &written {
-        println!("wrote {}", p.display());
-    }
-    println!("server: --cluster-cert=server-agent.crt --cluster-key=server-agent.key; with agent certificates (tether certs agent) also --cluster-ca-cert=ca.crt (not with token authentication, as deploy/ ships); for a TCP frontend --server-ca-cert=frontend-ca.crt (only apiserver-client.crt chains to it)");
-    if generated_ca {
-        println!("note: a new CA was generated; kube-apiserver trusts konnectivity-server.conf only if it trusts this CA (use --ca-cert/--ca-key with the cluster CA)");
-    }
-    Ok(())
+    )
 }
 
 fn agent(a: AgentArgs) -> anyhow::Result<()> {
@@ -314,6 +351,7 @@ fn read_certs(path: &Path) -> anyhow::Result<Vec<CertInfo>> {
     inspect::parse_pem(&pem).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
 }
 
+/// `certs inspect`: prints each certificate and checks it; fails naming every problem.
 fn run_inspect(a: InspectArgs) -> anyhow::Result<()> {
     let roots = match &a.ca {
         Some(p) => read_certs(p)?,
@@ -323,88 +361,8 @@ fn run_inspect(a: InspectArgs) -> anyhow::Result<()> {
     for path in &a.files {
         let certs = read_certs(path)?;
         for (i, cert) in certs.iter().enumerate() {
-            println!(
-                "{}{}",
-                path.display(),
-                if certs.len() > 1 {
-                    format!(" [{i}]")
-                } else {
-                    String::new()
-                }
-            );
-            println!("  subject:       {}", cert.subject);
-            println!("  issuer:        {}", cert.issuer);
-            let mut sans: Vec<String> = cert.dns_sans.clone();
-            sans.extend(cert.ip_sans.iter().map(|ip| ip.to_string()));
-            println!(
-                "  SANs:          {}",
-                if sans.is_empty() {
-                    "-".into()
-                } else {
-                    sans.join(", ")
-                }
-            );
-            println!("  key usage:     {}", cert.key_usage.join(", "));
-            println!(
-                "  ext key usage: {}",
-                if cert.ext_key_usage.is_empty() {
-                    "-".into()
-                } else {
-                    cert.ext_key_usage.join(", ")
-                }
-            );
-            println!("  CA:            {}", cert.is_ca);
-            let days = (cert.not_after - inspect::now()) / 86_400;
-            println!(
-                "  not after:     {} ({})",
-                inspect::format_time(cert.not_after),
-                if cert.expired() {
-                    "EXPIRED".to_string()
-                } else {
-                    format!("{days} days left")
-                }
-            );
-            if cert.expired() {
-                problems.push(format!(
-                    "{} is expired: issue a new certificate",
-                    path.display()
-                ));
-            }
-            if let Some(ca_path) = &a.ca {
-                let ok = roots.iter().any(|r| cert.signed_by(r) || cert.der == r.der);
-                println!("  chains to CA:  {}", if ok { "yes" } else { "NO" });
-                if !ok {
-                    problems.push(format!(
-                        "{} is not signed by {}",
-                        path.display(),
-                        ca_path.display()
-                    ));
-                }
-            }
-            if let (Some(san), 0) = (&a.san, i) {
-                let ok = cert.covers(san);
-                println!("  covers {san}: {}", if ok { "yes" } else { "NO" });
-                if !ok {
-                    problems.push(format!(
-                        "{} is not valid for {san}: add it as a SAN",
-                        path.display()
-                    ));
-                }
-            }
-            if let (Some(key), 0) = (&a.key, i) {
-                let pem = std::fs::read_to_string(key)
-                    .with_context(|| format!("cannot read {}", key.display()))?;
-                let ok = inspect::key_matches(cert, &pem)
-                    .map_err(|e| anyhow::anyhow!("{}: {e}", key.display()))?;
-                println!("  key matches:   {}", if ok { "yes" } else { "NO" });
-                if !ok {
-                    problems.push(format!(
-                        "{} does not belong to {}",
-                        key.display(),
-                        path.display()
-                    ));
-                }
-            }
+            print_cert(path, i, certs.len(), cert);
+            problems.extend(check_cert(&a, &roots, path, i, cert)?);
             println!();
         }
     }
@@ -412,4 +370,104 @@ fn run_inspect(a: InspectArgs) -> anyhow::Result<()> {
         bail!("{}", problems.join("; "));
     }
     Ok(())
+}
+
+/// Prints certificate `i` of the `count` in `path`: subject, issuer, SANs, key usages,
+/// CA flag and expiry.
+fn print_cert(path: &Path, i: usize, count: usize, cert: &CertInfo) {
+    println!(
+        "{}{}",
+        path.display(),
+        if count > 1 {
+            format!(" [{i}]")
+        } else {
+            String::new()
+        }
+    );
+    println!("  subject:       {}", cert.subject);
+    println!("  issuer:        {}", cert.issuer);
+    let mut sans: Vec<String> = cert.dns_sans.clone();
+    sans.extend(cert.ip_sans.iter().map(|ip| ip.to_string()));
+    println!(
+        "  SANs:          {}",
+        if sans.is_empty() {
+            "-".into()
+        } else {
+            sans.join(", ")
+        }
+    );
+    println!("  key usage:     {}", cert.key_usage.join(", "));
+    println!(
+        "  ext key usage: {}",
+        if cert.ext_key_usage.is_empty() {
+            "-".into()
+        } else {
+            cert.ext_key_usage.join(", ")
+        }
+    );
+    println!("  CA:            {}", cert.is_ca);
+    let days = (cert.not_after - inspect::now()) / 86_400;
+    println!(
+        "  not after:     {} ({})",
+        inspect::format_time(cert.not_after),
+        if cert.expired() {
+            "EXPIRED".to_string()
+        } else {
+            format!("{days} days left")
+        }
+    );
+}
+
+/// Checks certificate `i` of `path` (expiry; with the flags, its chain to --ca and, for
+/// the first, --san and --key), printing each flag's outcome; returns the problems.
+fn check_cert(
+    a: &InspectArgs,
+    roots: &[CertInfo],
+    path: &Path,
+    i: usize,
+    cert: &CertInfo,
+) -> anyhow::Result<Vec<String>> {
+    let mut problems = Vec::new();
+    if cert.expired() {
+        problems.push(format!(
+            "{} is expired: issue a new certificate",
+            path.display()
+        ));
+    }
+    if let Some(ca_path) = &a.ca {
+        let ok = roots.iter().any(|r| cert.signed_by(r) || cert.der == r.der);
+        println!("  chains to CA:  {}", if ok { "yes" } else { "NO" });
+        if !ok {
+            problems.push(format!(
+                "{} is not signed by {}",
+                path.display(),
+                ca_path.display()
+            ));
+        }
+    }
+    if let (Some(san), 0) = (&a.san, i) {
+        let ok = cert.covers(san);
+        println!("  covers {san}: {}", if ok { "yes" } else { "NO" });
+        if !ok {
+            problems.push(format!(
+                "{} is not valid for {san}: add it as a SAN",
+                path.display()
+            ));
+        }
+    }
+    if let (Some(key), 0) = (&a.key, i) {
+        let pem = std::fs::read_to_string(key)
+            .with_context(|| format!("cannot read {}", key.display()))?;
+        let ok = inspect::key_matches(cert, &pem)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", key.display()))?;
+        println!("  key matches:   {}", if ok { "yes" } else { "NO" });
+        if !ok {
+            problems.push(format!(
+                "{} does not belong to {}",
+                key.display(),
+                path.display()
+            ));
+        }
+    }
+    Ok(problems)
 }

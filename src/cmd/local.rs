@@ -3,7 +3,7 @@
 //! backend, all on loopback with a throwaway PKI, until Ctrl-C.
 
 use std::net::{Ipv4Addr, SocketAddr};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -55,8 +55,9 @@ pub fn main(args: LocalArgs) -> anyhow::Result<()> {
     result
 }
 
+/// Starts the demo backend, the server and the agent; prints where they listen once the
+/// agent is connected; stops them all at Ctrl-C.
 async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()> {
-    let loopback = |port| SocketAddr::from((Ipv4Addr::LOCALHOST, port));
     let hard_stop = CancellationToken::new();
     let demo = tokio::net::TcpListener::bind(loopback(0)).await?;
     let demo_addr = demo.local_addr()?;
@@ -64,32 +65,45 @@ async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()
         demo_backend(demo, hard_stop.clone()).instrument(tracing::info_span!("demo_backend")),
     );
 
-    let config = ServerConfig {
+    let config = server_config(&args, &pki, &socket);
+    let bound = Server::bind(config)
+        .await
+        .context("server start-up failed")?;
+    let addrs = bound.addrs().clone();
+    let router = bound.router().clone();
+    // The server's drain starts at the hard stop, which ends the agent and its tunnels.
+    let server_task = tokio::spawn(bound.run(hard_stop.clone()));
+
+    let agent = Agent::new(agent_config(&pki, addrs.agent.port())?)?;
+    let agent_drain = CancellationToken::new();
+    let agent_task = {
+        let (agent, drain, hard_stop) = (agent.clone(), agent_drain.clone(), hard_stop.clone());
+        tokio::spawn(async move { agent.run(drain, hard_stop).await })
+    };
+
+    wait_for_agent(&router).await?;
+    print_ready(&pki, &socket, &addrs, demo_addr);
+
+    tether_ops::shutdown::signal().await;
+    agent_drain.cancel();
+    hard_stop.cancel();
+    let _ = agent_task.await;
+    let _ = server_task.await;
+    Ok(())
+}
+
+/// `port` on 127.0.0.1.
+fn loopback(port: u16) -> SocketAddr {
+    SocketAddr::from((Ipv4Addr::LOCALHOST, port))
+}
+
+/// The server's settings: the [`frontends`] and the agent listener on loopback, with the
+/// throwaway PKI.
+fn server_config(args: &LocalArgs, pki: &DevPki, socket: &Path) -> ServerConfig {
+    ServerConfig {
         server_id: "local".into(),
         server_count: 1,
-        frontends: vec![
-            FrontendConfig {
-                mode: Mode::Grpc,
-                listen: Listen::Uds {
-                    path: socket.clone(),
-                    delete_existing: true,
-                    access: Default::default(),
-                },
-            },
-            FrontendConfig {
-                mode: Mode::HttpConnect,
-                listen: Listen::Tcp {
-                    addr: loopback(args.http_connect_port),
-                    tls: TlsFiles {
-                        cert: pki.server_cert.clone(),
-                        key: pki.server_key.clone(),
-                        ca: Some(pki.frontend_ca_cert.clone()),
-                        policy: Default::default(),
-                    },
-                    clients: Default::default(),
-                },
-            },
-        ],
+        frontends: frontends(args, pki, socket),
         agent_addr: loopback(0),
         agent_tls: TlsFiles {
             cert: pki.server_cert.clone(),
@@ -124,17 +138,42 @@ async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()
         audit: None,
         cert_reload_interval: Duration::from_secs(60),
         lease: None,
-    };
-    let bound = Server::bind(config)
-        .await
-        .context("server start-up failed")?;
-    let addrs = bound.addrs().clone();
-    let router = bound.router().clone();
-    // The server's drain starts at the hard stop, which ends the agent and its tunnels.
-    let server_task = tokio::spawn(bound.run(hard_stop.clone()));
+    }
+}
 
-    let agent = Agent::new(AgentConfig {
-        servers: vec![("127.0.0.1".into(), addrs.agent.port())],
+/// The two frontends: gRPC on `socket`, and HTTP-CONNECT with mutual TLS on
+/// --http-connect-port (clients signed by the PKI's frontend CA).
+fn frontends(args: &LocalArgs, pki: &DevPki, socket: &Path) -> Vec<FrontendConfig> {
+    vec![
+        FrontendConfig {
+            mode: Mode::Grpc,
+            listen: Listen::Uds {
+                path: socket.to_path_buf(),
+                delete_existing: true,
+                access: Default::default(),
+            },
+        },
+        FrontendConfig {
+            mode: Mode::HttpConnect,
+            listen: Listen::Tcp {
+                addr: loopback(args.http_connect_port),
+                tls: TlsFiles {
+                    cert: pki.server_cert.clone(),
+                    key: pki.server_key.clone(),
+                    ca: Some(pki.frontend_ca_cert.clone()),
+                    policy: Default::default(),
+                },
+                clients: Default::default(),
+            },
+        },
+    ]
+}
+
+/// The agent's settings: the server's agent listener at `server_port` on loopback, the
+/// throwaway PKI, and a policy allowing only this machine's loopback.
+fn agent_config(pki: &DevPki, server_port: u16) -> anyhow::Result<AgentConfig> {
+    Ok(AgentConfig {
+        servers: vec![("127.0.0.1".into(), server_port)],
         sync_forever: false,
         lease_count: None,
         count_source: Default::default(),
@@ -168,14 +207,11 @@ async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()
                 .collect::<Result<_, _>>()?,
             ..Default::default()
         },
-    })?;
-    let agent_drain = CancellationToken::new();
-    let agent_task = {
-        let (agent, drain, hard_stop) = (agent.clone(), agent_drain.clone(), hard_stop.clone());
-        tokio::spawn(async move { agent.run(drain, hard_stop).await })
-    };
+    })
+}
 
-    // Ready when the agent's stream is registered.
+/// Waits (up to 10 s) until the agent's stream is registered with the router.
+async fn wait_for_agent(router: &tether_server::Router) -> anyhow::Result<()> {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while router.registry().is_empty() {
         anyhow::ensure!(
@@ -184,6 +220,16 @@ async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    Ok(())
+}
+
+/// Prints where everything listens and how to send traffic through the tunnel.
+fn print_ready(
+    pki: &DevPki,
+    socket: &Path,
+    addrs: &tether_server::BoundAddrs,
+    demo_addr: SocketAddr,
+) {
     let http_connect = &addrs.frontends[1];
     let d = pki.dir.display();
     println!(
@@ -206,13 +252,6 @@ Press Ctrl-C to stop.",
         health = addrs.health.map(|a| a.to_string()).unwrap_or_default(),
     );
     tracing::info!(http_connect = %http_connect, demo = %demo_addr, "local ready");
-
-    tether_ops::shutdown::signal().await;
-    agent_drain.cancel();
-    hard_stop.cancel();
-    let _ = agent_task.await;
-    let _ = server_task.await;
-    Ok(())
 }
 
 /// Answers every HTTP request with a short text naming the connection's peer.

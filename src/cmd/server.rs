@@ -437,14 +437,7 @@ impl ServerArgs {
     /// Validates the flags into a [`ServerConfig`].
     pub fn config(&self) -> anyhow::Result<ServerConfig> {
         super::check_positionals(&self.positional, "proxy-server")?;
-        let (policy, not_offered) = tether_core::tls::TlsPolicy::parse(
-            &self.cipher_suites.join(","),
-            &self.tls_min_version,
-        )
-        .map_err(anyhow::Error::msg)?;
-        if let Some(warning) = not_offered {
-            tracing::warn!("{warning}");
-        }
+        let policy = self.tls_policy()?;
         if self.enable_contention_profiling && !self.enable_profiling {
             bail!("--enable-contention-profiling needs --enable-profiling");
         }
@@ -454,18 +447,90 @@ impl ServerArgs {
         let strategies = tether_server::parse_strategies(&self.proxy_strategies)
             .map_err(|e| anyhow::anyhow!("--proxy-strategies: {e}"))?;
         let agent_auth = self.agent_auth()?;
-        let lease = if self.enable_lease_controller {
-            Some(tether_server::lease::LeaseConfig {
-                namespace: self.lease_namespace.clone(),
-                labels: tether_server::lease::parse_labels(&self.lease_label)
-                    .map_err(|e| anyhow::anyhow!("--lease-label: {e}"))?,
-                kubeconfig: opt_path(&self.kubeconfig),
-                renew_interval: tether_server::lease::RENEW_INTERVAL,
-                duration: tether_server::lease::LEASE_DURATION,
-            })
+        let lease = self.lease()?;
+        let nodes = self.nodes(&strategies, agent_auth.is_some())?;
+        if self.cert_reload_interval.is_zero() {
+            bail!("--cert-reload-interval must be positive (e.g. 1m)");
+        }
+        let listen = self.frontend_listen(&policy)?;
+        let agent_tls = self.agent_tls(&policy)?;
+        self.check_agent_streams(agent_auth.is_some())?;
+        let agent_dead_link = dead_link(self.dead_link_timeout)?;
+        let server_id = if self.server_id.is_empty() {
+            uuid::Uuid::new_v4().to_string()
         } else {
-            None
+            self.server_id.clone()
         };
+        let endpoints = self.endpoints(&policy)?;
+        Ok(ServerConfig {
+            server_id,
+            server_count: self.server_count,
+            frontends: vec![FrontendConfig {
+                mode: self.mode,
+                listen,
+            }],
+            agent_addr: endpoints.agent,
+            agent_tls,
+            agent_keepalive: grpc_server_keepalive(self.keepalive_time),
+            frontend_keepalive: grpc_server_keepalive(self.frontend_keepalive_time),
+            agent_dead_link,
+            health_addr: Some(endpoints.health),
+            admin_addr: Some(endpoints.admin),
+            admin_tls: endpoints.admin_tls,
+            router: self.router(strategies),
+            channel_size: self.xfr_channel_size,
+            graceful_shutdown_timeout: self.graceful_shutdown_timeout,
+            agent_auth,
+            require_agent_identity_match: self.require_agent_identity_match,
+            cert_reload_interval: self.cert_reload_interval,
+            lease,
+            nodes,
+            admission: self.admission(),
+            profiling: self.enable_profiling,
+            agents_access: tether_server::AgentsAccess::for_bind(
+                Some(endpoints.admin),
+                opt_path(&self.kubeconfig),
+            ),
+            audit: self.audit.config()?,
+        })
+    }
+
+    /// The TLS versions and cipher suites from --tls-min-version and --cipher-suites,
+    /// warning about those rustls cannot serve (they are dropped).
+    fn tls_policy(&self) -> anyhow::Result<tether_core::tls::TlsPolicy> {
+        let (policy, not_offered) = tether_core::tls::TlsPolicy::parse(
+            &self.cipher_suites.join(","),
+            &self.tls_min_version,
+        )
+        .map_err(anyhow::Error::msg)?;
+        if let Some(warning) = not_offered {
+            tracing::warn!("{warning}");
+        }
+        Ok(policy)
+    }
+
+    /// The server's Lease, with --enable-lease-controller.
+    fn lease(&self) -> anyhow::Result<Option<tether_server::lease::LeaseConfig>> {
+        if !self.enable_lease_controller {
+            return Ok(None);
+        }
+        Ok(Some(tether_server::lease::LeaseConfig {
+            namespace: self.lease_namespace.clone(),
+            labels: tether_server::lease::parse_labels(&self.lease_label)
+                .map_err(|e| anyhow::anyhow!("--lease-label: {e}"))?,
+            kubeconfig: opt_path(&self.kubeconfig),
+            renew_interval: tether_server::lease::RENEW_INTERVAL,
+            duration: tether_server::lease::LEASE_DURATION,
+        }))
+    }
+
+    /// Watching Node objects: for routing pod IPs (--watch-node-pod-cidrs, which needs
+    /// the destCIDR strategy) and for pinning nodes to authenticated agents.
+    fn nodes(
+        &self,
+        strategies: &[tether_server::Strategy],
+        token_auth: bool,
+    ) -> anyhow::Result<Option<tether_server::nodes::WatchConfig>> {
         if self.watch_node_pod_cidrs && !strategies.contains(&tether_server::Strategy::DestCidr) {
             bail!("--watch-node-pod-cidrs routes pod IPs by destCIDR: add destCIDR to --proxy-strategies (e.g. destHost,destCIDR,default)");
         }
@@ -473,70 +538,86 @@ impl ServerArgs {
         // With certificates, the Node objects pin each node's names and addresses to
         // its agent from start-up on, not only once its agent has connected.
         let watch_nodes = self.watch_node_pod_cidrs
-            || agent_auth.is_some()
+            || token_auth
             || (!self.kubeconfig.is_empty() && !self.cluster_ca_cert.is_empty());
-        let nodes = watch_nodes.then(|| tether_server::nodes::WatchConfig {
+        Ok(watch_nodes.then(|| tether_server::nodes::WatchConfig {
             kubeconfig: opt_path(&self.kubeconfig),
             route_pod_ips: self.watch_node_pod_cidrs,
-        });
-        if self.cert_reload_interval.is_zero() {
-            bail!("--cert-reload-interval must be positive (e.g. 1m)");
-        }
-        let listen = if !self.uds_name.is_empty() {
+        }))
+    }
+
+    /// The frontend's listener: the --uds-name socket, else TCP with mutual TLS.
+    fn frontend_listen(&self, policy: &tether_core::tls::TlsPolicy) -> anyhow::Result<Listen> {
+        if !self.uds_name.is_empty() {
             if self.server_port != 0 {
                 bail!(
                     "--server-port must be 0 when --uds-name is set (got {}); add --server-port=0",
                     self.server_port
                 );
             }
-            Listen::Uds {
+            return Ok(Listen::Uds {
                 path: self.uds_name.clone().into(),
                 delete_existing: self.delete_existing_uds_file,
                 access: self.socket_access()?,
-            }
-        } else {
-            let (Some(cert), Some(key), Some(ca)) = (
-                opt_path(&self.server_cert),
-                opt_path(&self.server_key),
-                opt_path(&self.server_ca_cert),
-            ) else {
-                bail!("a TCP frontend needs --server-cert, --server-key and --server-ca-cert (mutual TLS is mandatory), or use --uds-name with --server-port=0");
-            };
-            Listen::Tcp {
-                addr: bind_addr(
-                    &self.server_bind_address,
-                    self.server_port,
-                    "server-bind-address",
-                )?,
-                tls: TlsFiles {
-                    cert,
-                    key,
-                    ca: Some(ca),
-                    policy: policy.clone(),
-                },
-                clients: tether_server::FrontendClients {
-                    names: self
-                        .frontend_client_names
-                        .iter()
-                        .map(|n| n.trim().to_string())
-                        .filter(|n| !n.is_empty())
-                        .collect(),
-                    allow_shared_ca: self.unsafe_shared_frontend_ca,
-                },
-            }
+            });
+        }
+        let (Some(cert), Some(key), Some(ca)) = (
+            opt_path(&self.server_cert),
+            opt_path(&self.server_key),
+            opt_path(&self.server_ca_cert),
+        ) else {
+            bail!("a TCP frontend needs --server-cert, --server-key and --server-ca-cert (mutual TLS is mandatory), or use --uds-name with --server-port=0");
         };
+        Ok(Listen::Tcp {
+            addr: bind_addr(
+                &self.server_bind_address,
+                self.server_port,
+                "server-bind-address",
+            )?,
+            tls: TlsFiles {
+                cert,
+                key,
+                ca: Some(ca),
+                policy: policy.clone(),
+            },
+            clients: tether_server::FrontendClients {
+                names: self
+                    .frontend_client_names
+                    .iter()
+                    .map(|n| n.trim().to_string())
+                    .filter(|n| !n.is_empty())
+                    .collect(),
+                allow_shared_ca: self.unsafe_shared_frontend_ca,
+            },
+        })
+    }
+
+    /// The agent listener's TLS: --cluster-cert and --cluster-key (else the frontend's),
+    /// verifying agents by --cluster-ca-cert when given.
+    fn agent_tls(&self, policy: &tether_core::tls::TlsPolicy) -> anyhow::Result<TlsFiles> {
         let agent_cert = opt_path(&self.cluster_cert).or_else(|| opt_path(&self.server_cert));
         let agent_key = opt_path(&self.cluster_key).or_else(|| opt_path(&self.server_key));
         let (Some(agent_cert), Some(agent_key)) = (agent_cert, agent_key) else {
             bail!("the agent listener always uses TLS: set --cluster-cert and --cluster-key (or --server-cert and --server-key)");
         };
+        Ok(TlsFiles {
+            cert: agent_cert,
+            key: agent_key,
+            ca: opt_path(&self.cluster_ca_cert),
+            policy: policy.clone(),
+        })
+    }
+
+    /// Checks the agent streams' settings: the stall timeout, the queue size, and that
+    /// agents are authenticated (by certificate or `token_auth`) unless explicitly not.
+    fn check_agent_streams(&self, token_auth: bool) -> anyhow::Result<()> {
         if self.stalled_reader_timeout.is_zero() {
             bail!("--stalled-reader-timeout must be positive (e.g. 30s)");
         }
         if self.xfr_channel_size == 0 {
             bail!("--xfr-channel-size must be at least 1");
         }
-        if agent_auth.is_none() && self.cluster_ca_cert.is_empty() {
+        if !token_auth && self.cluster_ca_cert.is_empty() {
             if !self.unsafe_allow_unauthenticated_agents {
                 bail!("agents are not authenticated: set --cluster-ca-cert (agent client certificates) or --agent-namespace, --agent-service-account and --authentication-audience (ServiceAccount tokens); --unsafe-allow-unauthenticated-agents accepts any agent");
             }
@@ -544,18 +625,17 @@ impl ServerArgs {
                 bail!("--require-agent-identity-match needs authenticated agents: set --cluster-ca-cert or token authentication");
             }
         }
-        let agent_dead_link = dead_link(self.dead_link_timeout)?;
-        let server_id = if self.server_id.is_empty() {
-            uuid::Uuid::new_v4().to_string()
-        } else {
-            self.server_id.clone()
-        };
-        let health_addr = bind_addr(
+        Ok(())
+    }
+
+    /// The health, admin and agent listeners' addresses, and the admin port's TLS.
+    fn endpoints(&self, policy: &tether_core::tls::TlsPolicy) -> anyhow::Result<Endpoints> {
+        let health = bind_addr(
             &self.health_bind_address,
             self.health_port,
             "health-bind-address",
         )?;
-        let admin_addr = bind_addr(
+        let admin = bind_addr(
             &self.admin_bind_address,
             self.admin_port,
             "admin-bind-address",
@@ -575,55 +655,43 @@ impl ServerArgs {
                 bail!("--admin-key needs --admin-cert (the certificate for TLS on the admin port)")
             }
         };
-        Ok(ServerConfig {
-            server_id,
-            server_count: self.server_count,
-            frontends: vec![FrontendConfig {
-                mode: self.mode,
-                listen,
-            }],
-            agent_addr: bind_addr(
-                &self.agent_bind_address,
-                self.agent_port,
-                "agent-bind-address",
-            )?,
-            agent_tls: TlsFiles {
-                cert: agent_cert,
-                key: agent_key,
-                ca: opt_path(&self.cluster_ca_cert),
-                policy,
-            },
-            agent_keepalive: grpc_server_keepalive(self.keepalive_time),
-            frontend_keepalive: grpc_server_keepalive(self.frontend_keepalive_time),
-            agent_dead_link,
-            health_addr: Some(health_addr),
-            admin_addr: Some(admin_addr),
+        let agent = bind_addr(
+            &self.agent_bind_address,
+            self.agent_port,
+            "agent-bind-address",
+        )?;
+        Ok(Endpoints {
+            health,
+            admin,
             admin_tls,
-            router: RouterConfig {
-                strategies,
-                backend_dial_timeout: (!self.backend_dial_timeout.is_zero())
-                    .then_some(self.backend_dial_timeout),
-                flow_control: self.flow_control,
-                stall_timeout: self.stalled_reader_timeout,
-                trust_claims: self.unsafe_trust_agent_identifiers,
-                max_agent_streams: self.max_agent_streams,
-            },
-            channel_size: self.xfr_channel_size,
-            graceful_shutdown_timeout: self.graceful_shutdown_timeout,
-            agent_auth,
-            require_agent_identity_match: self.require_agent_identity_match,
-            cert_reload_interval: self.cert_reload_interval,
-            lease,
-            nodes,
-            admission: self.admission(),
-            profiling: self.enable_profiling,
-            agents_access: tether_server::AgentsAccess::for_bind(
-                Some(admin_addr),
-                opt_path(&self.kubeconfig),
-            ),
-            audit: self.audit.config()?,
+            agent,
         })
     }
+
+    /// The router's settings: `strategies`, timeouts, flow control and trust.
+    fn router(&self, strategies: Vec<tether_server::Strategy>) -> RouterConfig {
+        RouterConfig {
+            strategies,
+            backend_dial_timeout: (!self.backend_dial_timeout.is_zero())
+                .then_some(self.backend_dial_timeout),
+            flow_control: self.flow_control,
+            stall_timeout: self.stalled_reader_timeout,
+            trust_claims: self.unsafe_trust_agent_identifiers,
+            max_agent_streams: self.max_agent_streams,
+        }
+    }
+}
+
+/// Where the server listens besides its frontend, from the flags.
+struct Endpoints {
+    /// The health listener (--health-bind-address, --health-port).
+    health: std::net::SocketAddr,
+    /// The admin listener (--admin-bind-address, --admin-port).
+    admin: std::net::SocketAddr,
+    /// The admin port's TLS (--admin-cert, --admin-key); `None`: plain HTTP.
+    admin_tls: Option<TlsFiles>,
+    /// The agent listener (--agent-bind-address, --agent-port).
+    agent: std::net::SocketAddr,
 }
 
 impl ServerArgs {
