@@ -115,6 +115,7 @@ fn bad_flags_fail_with_one_clear_line() {
             "an unexpanded $(NODE_NAME)?",
         ),
         (&["agent", "--dial-policy=none"][..], "--dial-policy"),
+        (&["agent", "--ready-when=all"][..], "--ready-when"),
         (
             &["agent", "--dial-policy=node"][..],
             "--dial-policy=node allows nothing without knowing the node",

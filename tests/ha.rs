@@ -313,3 +313,55 @@ async fn partition(server_args: &[String], agent_args: &[String], bound: Duratio
     s1.wait_agents(1).await;
     s2.wait_agents(1).await;
 }
+
+/// `--ready-when=every-server`: an agent is ready only while it holds a stream to every
+/// server it knows of (here the server count, 2), so a rolling update never drains a
+/// node's old agent while its new one reaches only some of the servers. The default
+/// is ready with any one, as upstream's agent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_agent_ready_with_every_server_is_not_ready_with_one() {
+    let pki = Pki::new();
+    let dir = TempDir::new("tether-ready-when");
+    let count = ["--server-count=2".to_string()];
+    let s1 = server(&pki, dir.path(), "s1", &count);
+    let mut s2 = server(&pki, dir.path(), "s2", &count);
+    let s2_port = s2.agent.port();
+    let list = format!("127.0.0.1:{},127.0.0.1:{s2_port}", s1.agent.port());
+    let agent = |extra: &str| {
+        let args = [format!("--proxy-server-host={list}"), extra.to_string()];
+        AgentProc::start(bin(), &pki, s1.agent, &args)
+    };
+    let every = agent("--ready-when=every-server");
+    let any = agent("--ready-when=any-server");
+    let agents = [every, any];
+    wait_streams(&agents, 2.0).await;
+    let [every, any] = &agents;
+    let ready = |a: &AgentProc| {
+        let health = a.health;
+        async move { tether_testkit::http_get(health, "/readyz").await.ok() }
+    };
+    assert_eq!(ready(every).await.map(|r| r.0), Some(200));
+
+    s2.proc.signal("TERM");
+    assert!(s2.proc.wait_exit(Duration::from_secs(10)).is_some());
+    let (code, body) = tether_testkit::wait_until(
+        "the every-server agent unready with one server",
+        Duration::from_secs(20),
+        || async { ready(every).await.filter(|r| r.0 == 503) },
+    )
+    .await;
+    assert_eq!(code, 503);
+    assert!(body.contains("connected to 1 of 2 proxy servers"), "{body}");
+    assert_eq!(ready(any).await.map(|r| r.0), Some(200));
+
+    let _s2 = server(
+        &pki,
+        dir.path(),
+        "s2",
+        &[count[0].clone(), format!("--agent-port={s2_port}")],
+    );
+    tether_testkit::wait_until("ready again with both", Duration::from_secs(60), || async {
+        ready(every).await.filter(|r| r.0 == 200).map(|_| ())
+    })
+    .await;
+}

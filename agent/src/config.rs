@@ -53,6 +53,9 @@ pub struct AgentConfig {
     pub egress: Egress,
     /// Which targets servers may have this agent dial (`--dial-policy`, `--dial-allow`).
     pub policy: PolicyConfig,
+    /// `/readyz` only once a stream is up to every server the agent knows of
+    /// (`--ready-when=every-server`), not to any one.
+    pub ready_with_every_server: bool,
 }
 
 /// Where server Leases are counted.

@@ -123,17 +123,13 @@ impl Agent {
         self.work.open() as i64
     }
 
-    /// Serves `/healthz`, `/readyz` (ready iff a stream is up) and `/metrics`.
+    /// Serves `/healthz`, `/readyz` (see [`readiness`]) and `/metrics`.
     pub fn serve_health(&self, listener: TcpListener, hard_stop: CancellationToken) {
         let streams = self.streams.clone();
-        let ready: tether_ops::health::ReadyCheck = Arc::new(move || {
-            let n = streams.load(Ordering::Relaxed);
-            if n > 0 {
-                Ok(format!("{n} proxy server stream(s) connected"))
-            } else {
-                Err("not connected to any proxy server".into())
-            }
-        });
+        let known = self.metrics.known_server_count.clone();
+        let every = self.config.ready_with_every_server;
+        let ready: tether_ops::health::ReadyCheck =
+            Arc::new(move || readiness(streams.load(Ordering::Relaxed), known.get(), every));
         tether_ops::health::spawn(
             "health",
             listener,
@@ -157,5 +153,20 @@ impl Agent {
             ),
             hard_stop,
         );
+    }
+}
+
+/// `/readyz`: ready with a stream up (`streams`), or with `every`, with a stream up to
+/// each of the `known` servers (0: unknown, so one will do).
+pub fn readiness(streams: i64, known: i64, every: bool) -> Result<String, String> {
+    let want = if every { known.max(1) } else { 1 };
+    if streams >= want {
+        Ok(format!("{streams} proxy server stream(s) connected"))
+    } else if streams <= 0 {
+        Err("not connected to any proxy server".into())
+    } else {
+        Err(format!(
+            "connected to {streams} of {want} proxy servers (--ready-when=every-server)"
+        ))
     }
 }

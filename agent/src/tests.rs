@@ -162,6 +162,7 @@ impl Pair {
                 any: true,
                 ..Default::default()
             },
+            ready_with_every_server: false,
         })
         .unwrap();
         Pair {
@@ -291,4 +292,20 @@ async fn drain_announces_itself_on_every_stream_and_serves_until_the_hard_stop()
     })
     .await;
     assert_eq!(pair.seen.connects.load(Ordering::Relaxed), 2);
+}
+
+#[test]
+fn ready_with_one_server_or_with_every_known_one() {
+    use crate::readiness;
+    assert!(readiness(0, 2, false).is_err());
+    assert!(readiness(1, 2, false).is_ok());
+    let short = readiness(1, 2, true).unwrap_err();
+    assert!(short.contains("1 of 2"), "{short}");
+    assert!(readiness(2, 2, true).is_ok());
+    // A count not known yet (0) asks for one.
+    assert!(readiness(1, 0, true).is_ok());
+    assert_eq!(
+        readiness(0, 0, true).unwrap_err(),
+        "not connected to any proxy server"
+    );
 }

@@ -141,6 +141,14 @@ pub struct AgentArgs {
     /// terminationGracePeriodSeconds. Tether only.
     #[arg(long, default_value = "30s", value_parser = duration)]
     pub drain_timeout: Duration,
+    /// When /readyz says ready: with a stream up to any server (as upstream), or to
+    /// every server the agent knows of (the server count, or the Leases counted).
+    ///
+    /// every-server keeps a rolling update (maxSurge, `tether rollout agents`) from
+    /// draining a node's old agent before its new one reaches every server; while a
+    /// server is down it holds the update back. Tether only.
+    #[arg(long, value_enum, default_value = "any-server")]
+    pub ready_when: ReadyWhen,
     /// Threads running the agent's tasks (0 = one per CPU).
     ///
     /// One thread carries an agent's traffic with the fewest cross-thread wake-ups and
@@ -369,6 +377,15 @@ fn parse_servers(list: &str, default_port: u16) -> anyhow::Result<Vec<(String, u
     Ok(out)
 }
 
+/// `--ready-when`.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadyWhen {
+    /// A stream is up to some server.
+    AnyServer,
+    /// A stream is up to every server the agent knows of.
+    EveryServer,
+}
+
 impl AgentArgs {
     /// Validates the flags into an [`AgentConfig`].
     pub fn config(&self) -> anyhow::Result<AgentConfig> {
@@ -428,6 +445,7 @@ impl AgentArgs {
             profiling: self.enable_profiling,
             egress,
             policy,
+            ready_with_every_server: self.ready_when == ReadyWhen::EveryServer,
         })
     }
 

@@ -207,6 +207,7 @@ fn agent_config(pki: &DevPki, server_port: u16) -> anyhow::Result<AgentConfig> {
                 .collect::<Result<_, _>>()?,
             ..Default::default()
         },
+        ready_with_every_server: false,
     })
 }
 
