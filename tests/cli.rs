@@ -115,7 +115,10 @@ fn bad_flags_fail_with_one_clear_line() {
             "an unexpanded $(NODE_NAME)?",
         ),
         (&["agent", "--dial-policy=none"][..], "--dial-policy"),
-        (&["agent", "--ready-when=all"][..], "--ready-when"),
+        (
+            &["agent", "--ready-when=all"][..],
+            "'--ready-when <READY_WHEN>' (one of: any-server, every-server)",
+        ),
         (
             &["agent", "--dial-policy=node"][..],
             "--dial-policy=node allows nothing without knowing the node",

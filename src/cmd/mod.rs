@@ -174,7 +174,14 @@ pub fn parse_args_from<P: clap::Parser>(
         _ => {
             let rendered = e.render().to_string();
             let first = rendered.lines().next().unwrap_or_default();
-            first.strip_prefix("error: ").unwrap_or(first).to_string()
+            let line = first.strip_prefix("error: ").unwrap_or(first).to_string();
+            // clap lists a value flag's choices on a line of their own: keep them.
+            match e.get(ContextKind::ValidValue) {
+                Some(ContextValue::Strings(values)) if !values.is_empty() => {
+                    format!("{line} (one of: {})", values.join(", "))
+                }
+                _ => line,
+            }
         }
     };
     eprintln!("error: {line}");
