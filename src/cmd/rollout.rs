@@ -442,15 +442,16 @@ impl Kube {
         let mut said = None;
         loop {
             let now = readiness(&self.sets.get(name).await?);
-            let mut missing: Vec<String> = self
-                .nodes(cover, false)
-                .await?
-                .difference(&self.nodes(d, true).await?)
-                .cloned()
-                .collect();
-            if cover.metadata.uid == d.metadata.uid {
-                missing.clear();
-            }
+            // A DaemonSet covers its own nodes by its counts: no pod lists then.
+            let missing: Vec<String> = if cover.metadata.uid == d.metadata.uid {
+                Vec::new()
+            } else {
+                self.nodes(cover, false)
+                    .await?
+                    .difference(&self.nodes(d, true).await?)
+                    .cloned()
+                    .collect()
+            };
             if now != said {
                 if let Some((up, desired)) = now {
                     println!("daemonset/{name}: {up} of {desired} agents ready");
