@@ -267,7 +267,7 @@ async fn draining_agent_is_last_choice_serves_until_its_drain_timeout() {
         bin(),
         &pki,
         server.agent,
-        &["--agent-id=a".into(), "--drain-timeout=4s".into()],
+        &["--agent-id=a".into(), "--drain-timeout=10s".into()],
     );
     let b = AgentProc::start(bin(), &pki, server.agent, &["--agent-id=b".into()]);
     server.wait_agents(2).await;
@@ -303,7 +303,7 @@ async fn draining_agent_is_last_choice_serves_until_its_drain_timeout() {
     )
     .unwrap();
     assert!(
-        (signalled + 3.0..signalled + 6.0).contains(&deadline),
+        (signalled + 9.0..signalled + 12.0).contains(&deadline),
         "drain deadline {deadline}, signalled at {signalled}"
     );
     let (a_before, b_before) = (dial_count(&a).await, dial_count(&b).await);
@@ -332,17 +332,31 @@ async fn draining_agent_is_last_choice_serves_until_its_drain_timeout() {
     assert_eq!(dial_count(&a).await, a_before + 1.0);
     drop(late);
 
-    // The held connection keeps working; closing it does not end the drain: the
-    // agent serves until --drain-timeout, as upstream's until its second signal.
+    // The held connection keeps working. In the drain's last 5 s the agent closes it
+    // at its first quiet moment (the target answered last): the client sees it end
+    // between two requests, well before the agent's hard stop.
     held.write_all(b"q").await.unwrap();
     let mut x = [0u8; 1];
     held.read_exact(&mut x).await.unwrap();
-    drop(held);
     let mut again = client.dial(&echo.addr.to_string()).await.unwrap();
     again.write_all(b"w").await.unwrap();
     again.read_exact(&mut x).await.unwrap();
     assert_eq!(&x, b"w");
     drop(again);
+    let ended = tokio::time::timeout(Duration::from_secs(20), held.read(&mut x)).await;
+    assert!(
+        matches!(ended, Ok(Ok(0))),
+        "the quiet connection ends: {ended:?}"
+    );
+    assert!(a
+        .proc
+        .logged("drain ends soon: closing each connection at its first quiet moment"));
+    assert!(
+        !a.proc.exited(),
+        "the connection ended before the hard stop"
+    );
+    // Closing it does not end the drain: the agent serves until --drain-timeout, as
+    // upstream's until its second signal.
     let status = a
         .proc
         .wait_exit(Duration::from_secs(20))

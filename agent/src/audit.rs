@@ -4,6 +4,7 @@
 //! `--audit-log-path` is set; written by `tether_ops::audit`.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -55,6 +56,9 @@ pub enum Outcome {
     StreamGone,
     /// The agent cut it (its stop, a flow-control violation, a stalled target).
     Stopped,
+    /// The agent closed it at a quiet moment near the end of its drain, so that the
+    /// client's next request goes to another agent (see `dialer::QUIET`).
+    Drained,
 }
 
 impl Outcome {
@@ -161,24 +165,26 @@ impl Audited {
         self.log.record(r);
     }
 
-    /// Records the end of connection `d`, connected to `dialed`: how, and the bytes
-    /// it carried to and from the target.
+    /// Records the end of connection `d`, connected to `dialed`: how (`None`: the
+    /// agent closed it at a quiet moment at the end of its drain), and the bytes it
+    /// carried to and from the target.
     pub fn closed(
         &self,
         d: &Dial<'_>,
         dialed: Option<SocketAddr>,
-        end: &SpliceEnd,
+        end: Option<&SpliceEnd>,
         (to_target, from_target): (u64, u64),
     ) {
         if !self.log.enabled() {
             return;
         }
         let error = match end {
-            SpliceEnd::LocalError(e) => Some(e.to_string()),
-            SpliceEnd::RemoteClosed(Some(e)) if !e.is_empty() => Some(e.clone()),
+            Some(SpliceEnd::LocalError(e)) => Some(e.to_string()),
+            Some(SpliceEnd::RemoteClosed(Some(e))) if !e.is_empty() => Some(e.clone()),
             _ => None,
         };
-        let mut r = self.line(d, Event::Closed, Outcome::of(end), error);
+        let outcome = end.map_or(Outcome::Drained, Outcome::of);
+        let mut r = self.line(d, Event::Closed, outcome, error);
         r.dialed = dialed;
         r.bytes_to_target = to_target;
         r.bytes_from_target = from_target;
@@ -187,29 +193,61 @@ impl Audited {
     }
 }
 
-/// A connection's pump sends through this: DATA payload bytes are added to `bytes`
-/// on their way (no allocation, one relaxed add per packet).
+/// What one connection carried so far: the bytes each way, for its audit record, and
+/// who sent last, for its quiet close at the end of a drain. One relaxed add and one
+/// relaxed store per DATA packet; no allocation.
+#[derive(Debug, Default)]
+pub struct Traffic {
+    to_target: AtomicU64,
+    from_target: AtomicU64,
+    /// The target sent the last DATA: whatever the client asked has its answer.
+    target_last: AtomicBool,
+}
+
+impl Traffic {
+    /// Counts `packet` (from the server) when it is DATA for the target.
+    pub fn count_to_target(&self, packet: &tether_proto::Packet) {
+        if let Some(tether_proto::packet::Payload::Data(d)) = &packet.payload {
+            self.to_target
+                .fetch_add(d.data.len() as u64, Ordering::Relaxed);
+            self.target_last.store(false, Ordering::Relaxed);
+        }
+    }
+
+    /// Counts `packet` (to the server) when it is DATA from the target.
+    fn count_from_target(&self, packet: &tether_proto::Packet) {
+        if let Some(tether_proto::packet::Payload::Data(d)) = &packet.payload {
+            self.from_target
+                .fetch_add(d.data.len() as u64, Ordering::Relaxed);
+            self.target_last.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Bytes so far: (to the target, from the target).
+    pub fn bytes(&self) -> (u64, u64) {
+        (
+            self.to_target.load(Ordering::Relaxed),
+            self.from_target.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Whether the target sent the last DATA.
+    pub fn target_spoke_last(&self) -> bool {
+        self.target_last.load(Ordering::Relaxed)
+    }
+}
+
+/// A connection's pump sends through this: its DATA is counted in `traffic` on the way.
 pub struct Counting<'a, S> {
     /// Where packets go.
     pub inner: &'a S,
-    /// Bytes of DATA sent so far.
-    pub bytes: &'a std::sync::atomic::AtomicU64,
+    /// What the connection carried.
+    pub traffic: &'a Traffic,
 }
 
 impl<S: tether_core::pump::Sink> tether_core::pump::Sink for Counting<'_, S> {
     fn send(&self, packet: tether_proto::Packet) -> impl std::future::Future<Output = bool> + Send {
-        if let Some(tether_proto::packet::Payload::Data(d)) = &packet.payload {
-            let n = d.data.len() as u64;
-            self.bytes
-                .fetch_add(n, std::sync::atomic::Ordering::Relaxed);
-        }
+        self.traffic.count_from_target(&packet);
         self.inner.send(packet)
-    }
-}
-
-/// Adds the DATA payload bytes of `packet` to `bytes` (a pump's inbound packets).
-pub fn count_data(bytes: &std::sync::atomic::AtomicU64, packet: &tether_proto::Packet) {
-    if let Some(tether_proto::packet::Payload::Data(d)) = &packet.payload {
-        bytes.fetch_add(d.data.len() as u64, std::sync::atomic::Ordering::Relaxed);
     }
 }

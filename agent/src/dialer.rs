@@ -3,7 +3,7 @@
 //! socket and the agent stream until either side closes.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -17,7 +17,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::audit::{Audited, Dial, Outcome};
+use crate::audit::{Audited, Counting, Dial, Outcome, Traffic};
 use crate::metrics::Metrics;
 use crate::policy::{DialFailure, DialPolicy};
 
@@ -54,6 +54,23 @@ pub(crate) struct Outbox {
     pub(crate) data: mpsc::Sender<Packet>,
 }
 
+/// The agent's drain, as its sessions take part in it.
+#[derive(Clone, Default)]
+pub(crate) struct AgentDrain {
+    /// Every open target connection, across all sessions, holds a watch: the drain
+    /// waits for the last.
+    pub(crate) work: Arc<drain::Signal>,
+    /// Cancelled for the drain's last seconds: each connection then closes at its
+    /// first quiet moment ([`QUIET`]), so that a client's keep-alive connection ends
+    /// between two requests, not under one at the hard stop.
+    pub(crate) closing: CancellationToken,
+}
+
+/// How long a connection must carry nothing, the target having sent last, to be
+/// closed at the end of a drain: longer than the gaps within one answer, shorter than
+/// the pause between a client's requests on a keep-alive connection.
+pub const QUIET: Duration = Duration::from_millis(100);
+
 /// What a session asks before each dial and records after it.
 pub(crate) struct Targets {
     /// What servers may have this agent dial.
@@ -77,8 +94,8 @@ pub(crate) struct Session {
     metrics: Metrics,
     /// Cancelled when the stream ends: every pump stops.
     pub(crate) closed: CancellationToken,
-    /// Open target connections across all sessions each hold a watch (for drain).
-    work: Arc<drain::Signal>,
+    /// The agent's drain.
+    drain: AgentDrain,
     /// What servers may have this agent dial.
     policy: Arc<DialPolicy>,
     /// The audit log and this stream's server id.
@@ -92,7 +109,7 @@ impl Session {
         peer_window: Option<u32>,
         stall_timeout: Duration,
         metrics: Metrics,
-        work: Arc<drain::Signal>,
+        drain: AgentDrain,
         targets: Targets,
     ) -> Arc<Self> {
         Arc::new(Session {
@@ -106,7 +123,7 @@ impl Session {
             stall_timeout,
             metrics,
             closed: CancellationToken::new(),
-            work,
+            drain,
             policy: targets.policy,
             audited: targets.audited,
         })
@@ -264,7 +281,7 @@ impl Session {
             tx,
             flow: flow.clone(),
             hard_stop: hard_stop.clone(),
-            _work: self.work.watch(),
+            _work: self.drain.work.watch(),
         };
         self.conns().insert(connect_id, conn);
         self.metrics.open_endpoint_connections.inc();
@@ -281,28 +298,34 @@ impl Session {
             send: flow.credit(),
             recv: Some(flow.window()),
         };
-        // Bytes each way, for the audit record.
-        let (to_target, from_target) = (AtomicU64::new(0), AtomicU64::new(0));
-        let rx = futures::StreamExt::inspect(rx, |p| crate::audit::count_data(&to_target, p));
-        let sink = crate::audit::Counting {
+        // What it carries, for the audit record and the quiet close.
+        let traffic = Traffic::default();
+        let rx = futures::StreamExt::inspect(rx, |p| traffic.count_to_target(p));
+        let sink = Counting {
             inner: self.as_ref(),
-            bytes: &from_target,
+            traffic: &traffic,
         };
-        let end = splice(rd, wr, rx, &sink, connect_id, &hard_stop, flow).await;
-        let bytes = (to_target.into_inner(), from_target.into_inner());
+        let spliced = splice(rd, wr, rx, &sink, connect_id, &hard_stop, flow);
+        // `None`: closed at a quiet moment at the end of the drain.
+        let end = tokio::select! {
+            end = spliced => Some(end),
+            () = quiet(&self.drain.closing, &traffic) => None,
+        };
         let audit = Dial {
             address: &address,
             random,
             connect_id,
             started: connected,
         };
-        self.audited.closed(&audit, dialed, &end, bytes);
+        self.audited
+            .closed(&audit, dialed, end.as_ref(), traffic.bytes());
         let error = match &end {
-            SpliceEnd::LocalError(e) => e.to_string(),
+            Some(SpliceEnd::LocalError(e)) => e.to_string(),
             _ => String::new(),
         };
         tracing::debug!(?end, "connection ended");
-        if self.finish(connect_id) && !matches!(end, SpliceEnd::Cancelled | SpliceEnd::SinkGone) {
+        let told = matches!(end, Some(SpliceEnd::Cancelled | SpliceEnd::SinkGone));
+        if self.finish(connect_id) && !told {
             self.send(Packet::close_response(connect_id, error)).await;
         }
     }
@@ -412,6 +435,28 @@ impl Session {
     }
 }
 
+/// Resolves at the connection's first quiet moment once `closing` is cancelled: nothing
+/// carried either way for [`QUIET`], and the target sent last (an answer is complete,
+/// no request waits for one). Until then it only waits on the token: the sampling
+/// loop is allocated when the drain's end begins, not kept in every pump.
+async fn quiet(closing: &CancellationToken, traffic: &Traffic) {
+    closing.cancelled().await;
+    Box::pin(async {
+        let mut seen = traffic.bytes();
+        let mut since = Instant::now();
+        loop {
+            tokio::time::sleep(QUIET / 4).await;
+            let now = traffic.bytes();
+            if now != seen {
+                (seen, since) = (now, Instant::now());
+            } else if since.elapsed() >= QUIET && traffic.target_spoke_last() {
+                return;
+            }
+        }
+    })
+    .await
+}
+
 /// How many answers may wait for the server to read (see [`Outbox`]).
 pub(crate) const ANSWERS: usize = 256;
 
@@ -456,10 +501,10 @@ mod tests {
         }
     }
 
-    fn session(window: Option<u32>) -> (Arc<Session>, ToServer, Arc<drain::Signal>) {
+    fn session(window: Option<u32>) -> (Arc<Session>, ToServer, AgentDrain) {
         let (control, control_rx) = mpsc::channel(ANSWERS);
         let (data, data_rx) = mpsc::channel(64);
-        let work = Arc::new(drain::Signal::new());
+        let drain = AgentDrain::default();
         let timeout = Duration::from_secs(5);
         let stall = Duration::from_secs(30);
         let out = Outbox { control, data };
@@ -476,14 +521,14 @@ mod tests {
             window,
             stall,
             Metrics::new(),
-            work.clone(),
+            drain.clone(),
             targets,
         );
         let rx = ToServer {
             control: control_rx,
             data: data_rx,
         };
-        (s, rx, work)
+        (s, rx, drain)
     }
 
     async fn next(rx: &mut ToServer) -> Payload {
@@ -505,7 +550,7 @@ mod tests {
 
     #[tokio::test]
     async fn dial_pump_and_close_leave_nothing_open() {
-        let (session, mut rx, work) = session(None);
+        let (session, mut rx, AgentDrain { work, .. }) = session(None);
         let target = TcpListener::bind("127.0.0.1:0").await.unwrap();
         dial(&session, target.local_addr().unwrap().to_string(), 11).await;
         let (mut sock, _) = target.accept().await.unwrap();
@@ -532,7 +577,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_refused_dial_is_answered_with_the_error() {
-        let (session, mut rx, work) = session(None);
+        let (session, mut rx, AgentDrain { work, .. }) = session(None);
         let closed = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = closed.local_addr().unwrap().to_string();
         drop(closed);
@@ -578,7 +623,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_server_overrunning_the_window_loses_that_connection() {
-        let (session, mut rx, work) = session(Some(64 << 10));
+        let (session, mut rx, AgentDrain { work, .. }) = session(Some(64 << 10));
         let target = TcpListener::bind("127.0.0.1:0").await.unwrap();
         dial(&session, target.local_addr().unwrap().to_string(), 1).await;
         let (_sock, _) = target.accept().await.unwrap();
@@ -595,5 +640,58 @@ mod tests {
             other => panic!("{other:?}"),
         }
         work.idle().await;
+    }
+
+    /// Dials a fresh target through `session` as `random`: its socket and connectID.
+    async fn connected(
+        session: &Arc<Session>,
+        rx: &mut ToServer,
+        random: i64,
+    ) -> (tokio::net::TcpStream, i64) {
+        let target = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        dial(session, target.local_addr().unwrap().to_string(), random).await;
+        let (sock, _) = target.accept().await.unwrap();
+        match next(rx).await {
+            Payload::DialResponse(r) if r.error.is_empty() => (sock, r.connect_id),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn at_the_end_of_a_drain_a_connection_closes_once_its_answer_is_complete() {
+        let (session, mut rx, drain) = session(None);
+        let mut buf = [0u8; 8];
+        // Answered: the target spoke last.
+        let (mut answered, answered_id) = connected(&session, &mut rx, 1).await;
+        session.handle(Packet::data(answered_id, &b"GET"[..])).await;
+        answered.read_exact(&mut buf[..3]).await.unwrap();
+        answered.write_all(b"200").await.unwrap();
+        assert!(matches!(next(&mut rx).await, Payload::Data(d) if &d.data[..] == b"200"));
+        // Asked and not yet answered: the client spoke last.
+        let (mut asked, asked_id) = connected(&session, &mut rx, 2).await;
+        session.handle(Packet::data(asked_id, &b"GET"[..])).await;
+        asked.read_exact(&mut buf[..3]).await.unwrap();
+
+        drain.closing.cancel();
+        match next(&mut rx).await {
+            Payload::CloseResponse(c) => assert_eq!((c.connect_id, &*c.error), (answered_id, "")),
+            other => panic!("the answered connection closes first: {other:?}"),
+        }
+        assert_eq!(
+            answered.read(&mut buf).await.unwrap(),
+            0,
+            "its target sees EOF"
+        );
+        // The open request gets its answer, and only then is its connection closed.
+        asked.write_all(b"200").await.unwrap();
+        match next(&mut rx).await {
+            Payload::Data(d) => assert_eq!((d.connect_id, &d.data[..]), (asked_id, &b"200"[..])),
+            other => panic!("the answer comes before the close: {other:?}"),
+        }
+        match next(&mut rx).await {
+            Payload::CloseResponse(c) => assert_eq!(c.connect_id, asked_id),
+            other => panic!("{other:?}"),
+        }
+        drain.work.idle().await;
     }
 }

@@ -19,7 +19,6 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use axum::http::StatusCode;
-use tether_core::drain;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -27,6 +26,14 @@ pub use config::{AgentConfig, AgentTls, CountSource, LeaseCount};
 pub use link::LinkError;
 
 use crate::metrics::Metrics;
+
+/// How long before the end of a drain of `drain_timeout` its connections begin to close
+/// at their quiet moments ([`Agent::close_when_quiet`]): 5 s, or half the drain when
+/// that is shorter. A stream quiet then (a `logs -f` between lines) ends up to that
+/// much early; it would have been cut at the end anyway.
+pub fn quiet_close_window(drain_timeout: std::time::Duration) -> std::time::Duration {
+    (drain_timeout / 2).min(std::time::Duration::from_secs(5))
+}
 
 /// A running agent's shared state.
 #[derive(Clone)]
@@ -38,8 +45,8 @@ pub struct Agent {
     metrics: Metrics,
     /// What servers may have this agent dial.
     policy: Arc<policy::DialPolicy>,
-    /// Every open target connection holds a watch: drain waits for the last.
-    work: Arc<drain::Signal>,
+    /// The drain the sessions share: a watch per open connection, the quiet close.
+    drain: dialer::AgentDrain,
     streams: Arc<AtomicI64>,
     header_count: Arc<AtomicI64>,
     /// The HTTP/2 keepalive interval new streams use, in milliseconds: `--keepalive-time`,
@@ -80,7 +87,7 @@ impl Agent {
             proxy_tls,
             metrics,
             policy: policy::DialPolicy::new(config.policy.clone()),
-            work: Arc::new(drain::Signal::new()),
+            drain: dialer::AgentDrain::default(),
             streams: Arc::new(AtomicI64::new(0)),
             header_count: Arc::new(AtomicI64::new(1)),
             keepalive_ms: Arc::new(AtomicU64::new(
@@ -118,9 +125,19 @@ impl Agent {
         &self.policy
     }
 
+    /// Begins the drain's end: each open connection closes at its first quiet moment
+    /// (the target sent last, then nothing moved for [`dialer::QUIET`]), so that a
+    /// client's keep-alive connection (kube-apiserver's to a webhook, an aggregated
+    /// API, a kubelet) ends between requests and its next request opens a connection
+    /// through another agent, instead of failing under the hard stop. The stop calls it
+    /// [`quiet_close_window`] before `--drain-timeout` ends.
+    pub fn close_when_quiet(&self) {
+        self.drain.closing.cancel();
+    }
+
     /// Open target connections.
     pub fn open_connections(&self) -> i64 {
-        self.work.open() as i64
+        self.drain.work.open() as i64
     }
 
     /// Serves `/healthz`, `/readyz` (see [`readiness`]) and `/metrics`.

@@ -327,7 +327,7 @@ impl Agent {
             peer_window,
             cfg.stall_timeout,
             self.metrics.clone(),
-            self.work.clone(),
+            self.drain.clone(),
             crate::dialer::Targets {
                 policy: self.policy.clone(),
                 audited: crate::audit::Audited {

@@ -136,10 +136,10 @@ impl Agent {
     /// Starts what runs beside the streams until `hard_stop`: the memory trimmer and
     /// the certificate reload.
     fn spawn_upkeep(&self, hard_stop: &CancellationToken) {
-        let work = self.work.clone();
+        let work = self.drain.work.clone();
         tether_ops::memory::spawn_trimmer(
             move || work.open() as i64,
-            tether_ops::memory::Looks::BackOff(self.work.started()),
+            tether_ops::memory::Looks::BackOff(self.drain.work.started()),
             hard_stop.clone(),
         );
         let mut watched = vec![self.tls.clone() as Arc<dyn tether_ops::reload::Reload>];

@@ -708,8 +708,9 @@ fn log_dial_policy(dial_policy: Option<&str>, agent: &Agent) {
     }
 }
 
-/// Spawns the task that drains at the first signal (publishing the deadline) and stops
-/// hard at a second signal or after `drain_timeout`.
+/// Spawns the task that drains at the first signal (publishing the deadline), closes
+/// connections at their quiet moments in the drain's last seconds, and stops hard at a
+/// second signal or after `drain_timeout`.
 fn spawn_signal_handler(
     agent: &Agent,
     drain: CancellationToken,
@@ -717,6 +718,7 @@ fn spawn_signal_handler(
     drain_timeout: Duration,
 ) {
     let deadline = agent.metrics().drain_deadline.clone();
+    let agent = agent.clone();
     tokio::spawn(async move {
         tether_ops::shutdown::signal().await;
         tracing::info!(timeout = ?drain_timeout, "draining; signal again to exit now");
@@ -726,9 +728,20 @@ fn spawn_signal_handler(
             .unwrap_or_default();
         deadline.set(end.as_secs().try_into().unwrap_or(i64::MAX));
         drain.cancel();
+        let window = tether_agent::quiet_close_window(drain_timeout);
+        let timed_out = async {
+            tokio::time::sleep(drain_timeout - window).await;
+            tracing::info!(
+                open = agent.open_connections(),
+                within = ?window,
+                "drain ends soon: closing each connection at its first quiet moment"
+            );
+            agent.close_when_quiet();
+            tokio::time::sleep(window).await;
+        };
         tokio::select! {
             _ = tether_ops::shutdown::signal() => tracing::info!("second signal: exiting"),
-            _ = tokio::time::sleep(drain_timeout) => tracing::info!("drain timeout: exiting"),
+            _ = timed_out => tracing::info!("drain timeout: exiting"),
         }
         hard_stop.cancel();
     });
