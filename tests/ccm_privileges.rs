@@ -505,7 +505,7 @@ fn the_manifests_inventory_is_valid() {
     let docs = manifest("tether-ccm.yaml");
     let cm = docs
         .iter()
-        .find(|d| d["kind"] == "ConfigMap")
+        .find(|d| d["kind"] == "ConfigMap" && d["metadata"]["name"] == "tether-ccm-inventory")
         .expect("the inventory ConfigMap");
     let text = cm["data"]["inventory.yaml"].as_str().unwrap();
     let config = tether_ccm::provider::parse(Path::new("inventory.yaml"), text)

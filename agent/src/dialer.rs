@@ -319,6 +319,12 @@ impl Session {
         };
         self.audited
             .closed(&audit, dialed, end.as_ref(), traffic.bytes());
+        self.ended(connect_id, end).await;
+    }
+
+    /// Forgets connection `connect_id`, which ended as `end` (`None`: at a quiet moment
+    /// at the end of the drain), and tells the server unless it knows already.
+    async fn ended(&self, connect_id: i64, end: Option<SpliceEnd>) {
         let error = match &end {
             Some(SpliceEnd::LocalError(e)) => e.to_string(),
             _ => String::new(),

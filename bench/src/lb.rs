@@ -30,6 +30,7 @@ pub(crate) async fn load_balancer(to: SocketAddr, uds: PathBuf) -> anyhow::Resul
             tunnel_uds: uds,
             max_connections: tunnel_lb::DEFAULT_MAX_CONNECTIONS,
             metrics: Default::default(),
+            record: None,
         },
         None,
     )

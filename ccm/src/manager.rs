@@ -170,6 +170,8 @@ impl DataPlane {
         else {
             return DataPlane { drain, task: None };
         };
+        // The allocation record, for the service controller if this replica leads.
+        lbs.keep_record(&clients.root);
         // Its health check fails once it has ended before the drain (say, its caches
         // never synced): this replica then serves no pool.
         let exit = ExitFlag::default();
@@ -189,6 +191,7 @@ impl DataPlane {
                 load_balancer_class: config.load_balancer_class.clone(),
                 resync: config.lb_resync_period,
                 workers: config.concurrent_service_syncs,
+                identity: config.identity.clone(),
             },
             drain.clone(),
         );

@@ -346,6 +346,10 @@ impl CcmArgs {
                 tunnel_uds: PathBuf::from(uds),
                 max_connections: self.lb_max_connections,
                 metrics: metrics.clone(),
+                record: Some(tether_ccm::lb::record::RecordRef {
+                    namespace: self.leader_elect_resource_namespace.clone(),
+                    name: tether_ccm::lb::record::name_for(&self.leader_elect_resource_name),
+                }),
             }),
         })
     }

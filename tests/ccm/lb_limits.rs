@@ -164,7 +164,7 @@ fn the_global_connection_cap_holds_over_every_service() {
     let (cluster, inventory, tunnel) = (&bulk.cluster, bulk.inventory.as_path(), &bulk.tunnel);
     let (port_a, port_b) = bulk.ports;
     let metrics_port = free_port();
-    let _ccm = start_ccm_with(
+    let ccm = start_ccm_with(
         Path::new(BIN),
         cluster,
         inventory,
@@ -185,6 +185,10 @@ fn the_global_connection_cap_holds_over_every_service() {
         Some(s)
     };
     let a1 = wait_blocking("A serving", Duration::from_secs(60), || open(port_a));
+    // B is ensured after A (each assignment is recorded before its status is written).
+    ccm.wait_event("load balancer listening", Duration::from_secs(60), |ev| {
+        ev["service"] == "default/b"
+    });
     let a2 = open(port_a).expect("a second connection on A");
     let a3 = open(port_a).expect("a third connection on A");
     assert!(

@@ -1010,3 +1010,172 @@ fn local_policy_sends_nothing_to_a_node_without_an_endpoint() {
         );
     }
 }
+
+/// Serving trusts the CCM's allocation record (a ConfigMap only the CCM may write),
+/// never a Service's status alone, which anyone allowed `services/status` can write:
+/// a status pointed at another Service's address gets no traffic there and a Warning
+/// event; a change refused for a port collision is not served on its new port. Both
+/// hold across a restart, when the allocations are read back from the record and the
+/// Services are served again in no particular order.
+#[test]
+fn a_forged_status_gets_no_traffic_and_an_event() {
+    use serde_json::json;
+    let node = Node::create();
+    let tunnel = Tunnel::to_node(Path::new(BIN), &node, "node-1");
+    let _page_a = node.serve_page(30080, "page a\n");
+    let _page_b = node.serve_page(30081, "page b\n");
+    let _page_c = node.serve_page(30082, "page c\n");
+    let _page_d = node.serve_page(30083, "page d\n");
+    wait_blocking("node pages serving", Duration::from_secs(20), || {
+        curl(Some(&node.ns), &format!("http://{}:30081/", node.node_ip))
+    });
+    let cluster = Cluster::start(&Egress::Direct);
+    cluster.add_node("node-1", &node.node_ip);
+    cluster.set_node_ready("node-1", true);
+    let k = std::process::id() % 250;
+    let (_dir, inventory) = inventory_dir();
+    write_inventory(
+        &inventory,
+        &format!(
+            "nodes:\n{}loadBalancer:\n  pools:\n  - name: general\n    addresses: [127.81.{k}.10-127.81.{k}.13]\n",
+            machine("node-1", &node.node_ip, false),
+        ),
+    );
+    let no = json!({});
+    let key = json!({"tether.dev/lb-sharing-key": "k"});
+    lb_service(
+        &cluster,
+        "default",
+        "web-a",
+        443,
+        Some(30080),
+        no.clone(),
+        no.clone(),
+    );
+    lb_service(
+        &cluster,
+        "default",
+        "evil",
+        8443,
+        Some(30081),
+        no.clone(),
+        no.clone(),
+    );
+    lb_service(
+        &cluster,
+        "default",
+        "s1",
+        8053,
+        Some(30082),
+        key.clone(),
+        no.clone(),
+    );
+    lb_service(
+        &cluster,
+        "default",
+        "s2",
+        8054,
+        Some(30083),
+        key.clone(),
+        no.clone(),
+    );
+    let ccm_args = [format!("--tunnel-uds={}", tunnel.socket.display())];
+    let ccm = start_ccm_with(Path::new(BIN), &cluster, &inventory, "ccm", &ccm_args);
+    let ip_a = wait_ingress(&cluster, "default", "web-a");
+    let ip_e = wait_ingress(&cluster, "default", "evil");
+    let ip_s = wait_ingress(&cluster, "default", "s1");
+    assert_eq!(wait_ingress(&cluster, "default", "s2"), ip_s);
+    let page = |url: String| curl(None, &url);
+    let serves = |url: String, want: &str| {
+        let got = wait_blocking(
+            &format!("{want:?} at {url}"),
+            Duration::from_secs(30),
+            || page(url.clone()),
+        );
+        assert_eq!(got, want, "{url}");
+    };
+    serves(format!("http://{ip_a}:443/"), "page a\n");
+    serves(format!("http://{ip_e}:8443/"), "page b\n");
+    serves(format!("http://{ip_s}:8053/"), "page c\n");
+    serves(format!("http://{ip_s}:8054/"), "page d\n");
+    let record = cluster.kubectl_ok(&[
+        "get",
+        "configmap",
+        "-n",
+        "kube-system",
+        "cloud-controller-manager-lb-allocations",
+        "-o",
+        "jsonpath={.data.allocations\\.json}",
+    ]);
+    for ip in [&ip_a, &ip_e, &ip_s] {
+        assert!(
+            record.contains(ip.as_str()),
+            "{ip} not in the record: {record}"
+        );
+    }
+
+    // evil asks for web-a's address (refused: AddressInUse) and its status is pointed
+    // there (as anyone allowed services/status can do).
+    lb_service(
+        &cluster,
+        "default",
+        "evil",
+        8443,
+        Some(30081),
+        no.clone(),
+        json!({"loadBalancerIP": ip_a}),
+    );
+    wait_for_event(&cluster, "evil", "AddressInUse");
+    cluster.kubectl_ok(&[
+        "patch",
+        "service",
+        "evil",
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        &format!(r#"{{"status":{{"loadBalancer":{{"ingress":[{{"ip":"{ip_a}"}}]}}}}}}"#),
+    ]);
+    wait_for_event(&cluster, "evil", "LoadBalancerStatusNotAllocated");
+    assert_eq!(
+        ingress_ips(&cluster, "default", "evil"),
+        std::slice::from_ref(&ip_a)
+    );
+    // s2 adds s1's port: refused (PortCollision), and served on its old port only.
+    let both = json!({"ports": [
+        {"name": "p", "port": 8054, "nodePort": 30083},
+        {"name": "q", "port": 8053},
+    ]});
+    lb_service(&cluster, "default", "s2", 8054, None, key.clone(), both);
+    wait_for_event(&cluster, "s2", "PortCollision");
+
+    let holds = |when: &str| {
+        serves(format!("http://{ip_s}:8053/"), "page c\n");
+        assert_eq!(
+            page(format!("http://{ip_a}:8443/")),
+            None,
+            "{when}: evil served on web-a's address"
+        );
+        for _ in 0..5 {
+            assert_eq!(
+                page(format!("http://{ip_a}:443/")).as_deref(),
+                Some("page a\n"),
+                "{when}"
+            );
+            assert_eq!(
+                page(format!("http://{ip_s}:8053/")).as_deref(),
+                Some("page c\n"),
+                "{when}: s2 on s1's port"
+            );
+        }
+        serves(format!("http://{ip_s}:8054/"), "page d\n");
+    };
+    holds("after the forgery");
+    drop(ccm);
+    let ccm = start_ccm_with(Path::new(BIN), &cluster, &inventory, "ccm-2", &ccm_args);
+    serves(format!("http://{ip_a}:443/"), "page a\n");
+    holds("after a restart");
+    assert_eq!(wait_ingress(&cluster, "default", "s1"), ip_s, "s1 moved");
+    assert_eq!(wait_ingress(&cluster, "default", "web-a"), ip_a);
+    drop(ccm);
+    drop(tunnel);
+}

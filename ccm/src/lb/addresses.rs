@@ -556,6 +556,8 @@ pub struct Allocator {
     pools: Pools,
     held: BTreeMap<IpAddr, Vec<Holder>>,
     by_uid: HashMap<String, Vec<IpAddr>>,
+    /// Raised by every change of what is held (for the record's writes).
+    generation: u64,
 }
 
 impl Allocator {
@@ -565,6 +567,7 @@ impl Allocator {
             pools,
             held: BTreeMap::new(),
             by_uid: HashMap::new(),
+            generation: 0,
         }
     }
 
@@ -780,6 +783,7 @@ impl Allocator {
 
     fn record(&mut self, req: &Request, chosen: &[IpAddr]) {
         self.release(&req.uid);
+        self.generation += 1;
         for ip in chosen {
             self.held.entry(*ip).or_default().push(Holder {
                 uid: req.uid.clone(),
@@ -800,6 +804,7 @@ impl Allocator {
 
     /// Forgets `uid`'s addresses; returns those nobody holds any more.
     pub fn release(&mut self, uid: &str) -> Vec<IpAddr> {
+        self.generation += 1;
         let mut freed = Vec::new();
         for ip in self.by_uid.remove(uid).unwrap_or_default() {
             if let Some(holders) = self.held.get_mut(&ip) {
@@ -817,6 +822,34 @@ impl Allocator {
     pub fn clear(&mut self) {
         self.held.clear();
         self.by_uid.clear();
+        self.generation += 1;
+    }
+
+    /// How many changes of what is held there were so far.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// What is held now, as the allocation record says it, and its generation.
+    pub fn snapshot(&self) -> (u64, super::record::Allocations) {
+        let mut services = BTreeMap::new();
+        for (uid, addresses) in &self.by_uid {
+            let holder = addresses
+                .first()
+                .and_then(|ip| self.held.get(ip))
+                .and_then(|hs| hs.iter().find(|h| &h.uid == uid));
+            let Some(h) = holder else { continue };
+            let ports = h.ports.iter().map(|(_, port)| *port).collect();
+            services.insert(
+                uid.clone(),
+                super::record::Allocation {
+                    service: h.service.clone(),
+                    addresses: addresses.clone(),
+                    ports,
+                },
+            );
+        }
+        (self.generation, super::record::Allocations { services })
     }
 }
 

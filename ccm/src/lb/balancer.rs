@@ -42,6 +42,9 @@ pub struct TunnelLbConfig {
     pub max_connections: usize,
     /// The controller manager's metrics (the balancers' series).
     pub metrics: crate::metrics::Metrics,
+    /// Where the allocation record lives (`None`: no record; allocations are read back
+    /// from the Services' status, and every status is served).
+    pub record: Option<super::record::RecordRef>,
 }
 
 /// Default of [`TunnelLbConfig::max_connections`]. With a client that stops reading, a
@@ -113,6 +116,11 @@ pub struct TunnelLoadBalancers {
     metrics: crate::metrics::Metrics,
     /// The pools this replica serves now (their leases held).
     serving: tokio::sync::RwLock<std::collections::HashSet<String>>,
+    /// Where the allocation record lives, if it is kept.
+    record_at: Option<super::record::RecordRef>,
+    /// Its writer, once the manager gives a client ([`Self::keep_record`]); without
+    /// one, allocations are read back from the Services' status.
+    record: std::sync::OnceLock<super::record::Writer>,
 }
 
 impl std::fmt::Debug for TunnelLoadBalancers {
@@ -175,7 +183,62 @@ impl TunnelLoadBalancers {
             pool_source: None,
             serving: Default::default(),
             metrics: cfg.metrics,
+            record_at: cfg.record,
+            record: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Keeps the allocation record (when configured) through `client` from now on:
+    /// every assignment is in it before its status can be published, and a new leader
+    /// reads allocations back from it, not from the Services' status (which anyone
+    /// allowed `services/status` can write). Called once, before the controllers start.
+    pub fn keep_record(&self, client: &kube::Client) {
+        if let Some(at) = &self.record_at {
+            let _ = self
+                .record
+                .set(super::record::Writer::new(client.clone(), at));
+        }
+    }
+
+    /// Where the allocation record lives, when one is kept: pool holders follow it.
+    pub fn record_at(&self) -> Option<&super::record::RecordRef> {
+        self.record_at.as_ref()
+    }
+
+    /// Writes what the allocator holds to the record (when there is one).
+    async fn persist(&self) -> Result<(), CloudError> {
+        let Some(writer) = self.record.get() else {
+            return Ok(());
+        };
+        let wanted = self.allocator().generation();
+        writer
+            .write(wanted, || self.allocator().snapshot())
+            .await
+            .map_err(|e| CloudError::Provider(chain(&e).to_string()))
+    }
+
+    /// The allocations a new leader starts from: the record's, `None` when there is no
+    /// record (or none yet: a leader of an earlier version kept none), and then the
+    /// Services' status is read instead. A record that cannot be read is retried for a
+    /// minute, then the status is read too (and said so).
+    async fn recorded(&self) -> Option<super::record::Allocations> {
+        let writer = self.record.get()?;
+        let mut wait = std::time::Duration::from_millis(200);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            match writer.read().await {
+                Ok(read) => return read,
+                Err(e) if std::time::Instant::now() < deadline => {
+                    tracing::warn!(error = %chain(&e), "cannot read the load-balancer allocation record; retrying");
+                }
+                Err(e) => {
+                    tracing::error!(error = %chain(&e), "cannot read the load-balancer allocation record: reading the allocations back from the Services' status instead");
+                    return None;
+                }
+            }
+            tokio::time::sleep(wait).await;
+            wait = (wait * 2).min(std::time::Duration::from_secs(5));
+        }
     }
 
     /// Takes the pools from `source` as they change (the cloud config's
@@ -315,7 +378,12 @@ impl TunnelLoadBalancers {
             families,
             require_all: svc.require_dual_stack,
             requested,
-            current: self.published(svc),
+            // With a record, a Service keeps what the allocator holds for it (read
+            // back from the record), whatever its status claims.
+            current: match self.record.get() {
+                Some(_) => Vec::new(),
+                None => self.published(svc),
+            },
             sharing_key: match self.bind {
                 Some(_) => Some(BIND_ADDRESS_SHARING.into()),
                 None => svc.sharing_key.clone(),
@@ -413,23 +481,51 @@ impl LoadBalancers for TunnelLoadBalancers {
     }
 
     async fn restore(&self, _cluster: &str, services: &[ServiceInfo]) {
+        let recorded = self.recorded().await;
         // (request() reads the allocator's pools: the requests first, then the lock.)
         let requests: Vec<(&ServiceInfo, Request)> = services
             .iter()
             .filter_map(|svc| self.request(svc).ok().map(|r| (svc, r)))
             .collect();
-        let mut allocator = self.allocator();
-        for (svc, req) in requests {
-            let kept = allocator.restore(&req);
-            if !kept.is_empty() {
-                tracing::info!(service = %label(svc), addresses = ?kept, "load-balancer addresses read back");
+        {
+            let mut allocator = self.allocator();
+            for (svc, mut req) in requests {
+                // With a record, what it says (addresses and the ports accepted with
+                // them), never what a status claims or a refused change asks: a Service
+                // refused a port keeps no claim to it across a restart.
+                match recorded.as_ref().map(|r| r.services.get(&svc.uid)) {
+                    Some(Some(a)) => {
+                        req.current = a.addresses.clone();
+                        req.ports = a.ports.iter().map(|p| ("TCP".to_string(), *p)).collect();
+                    }
+                    Some(None) => req.current = Vec::new(),
+                    None => req.current = self.published(svc),
+                }
+                let kept = allocator.restore(&req);
+                if !kept.is_empty() {
+                    tracing::info!(service = %label(svc), addresses = ?kept, "load-balancer addresses read back");
+                }
+            }
+        }
+        if recorded.is_none() && self.record.get().is_some() {
+            // The first leader with a record (an upgrade): it starts from the statuses.
+            match self.persist().await {
+                Ok(()) => tracing::info!(
+                    "load-balancer allocation record written from the Services' status"
+                ),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot write the load-balancer allocation record; the next assignment tries again")
+                }
             }
         }
     }
 
     async fn release_all(&self, _cluster: &str) {
-        // The next leader reads the allocations back from the Services' status.
+        // The next leader reads the allocations back from the record.
         self.allocator().clear();
+        if let Some(writer) = self.record.get() {
+            writer.forget().await;
+        }
     }
 
     async fn ensure(
@@ -474,6 +570,8 @@ impl LoadBalancers for TunnelLoadBalancers {
         let req = self.request(svc).map_err(refused)?;
         let addresses = self.allocator().assign(&req).map_err(refused)?;
         self.publish_usage();
+        // In the record before the status: holders serve only what it says.
+        self.persist().await?;
         Ok(self.status(&addresses))
     }
 
@@ -490,7 +588,7 @@ impl LoadBalancers for TunnelLoadBalancers {
     async fn delete(&self, _cluster: &str, svc: &ServiceInfo) -> Result<(), CloudError> {
         self.allocator().release(&svc.uid);
         self.publish_usage();
-        Ok(())
+        self.persist().await
     }
 }
 

@@ -8,6 +8,8 @@
 //!   data plane (listeners, backends, the tunnel hop).
 //! - [`pools`]: which replica holds which pool (a lease per pool, balanced over the
 //!   replicas), and serving each held pool's Services from their status.
+//! - [`record`]: the allocation record (a ConfigMap only the CCM writes), against which
+//!   holders check each Service's status before they serve it.
 //! - [`proxy_protocol`]: the PROXY protocol header telling backends the client.
 
 pub mod addresses;
@@ -17,3 +19,4 @@ pub mod netns;
 pub mod pools;
 mod port;
 pub mod proxy_protocol;
+pub mod record;

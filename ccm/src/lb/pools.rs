@@ -12,16 +12,18 @@ use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tether_core::error::chain;
 
 use k8s_openapi::api::core::v1::{Node, Service};
 use kube::api::Api;
 use kube::runtime::reflector::{ObjectRef, Store};
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::balancer::TunnelLoadBalancers;
+use super::record::Known;
 use crate::cloud::ServiceInfo;
 use crate::endpoints::EndpointsCache;
 use crate::leader::{LeaderElection, Leadership};
@@ -40,7 +42,14 @@ pub struct ServingConfig {
     pub resync: Duration,
     /// Services synced at once (`--concurrent-service-syncs`).
     pub workers: usize,
+    /// This replica's identity (its events' reporting instance).
+    pub identity: String,
 }
+
+/// How long a status the allocation record does not back is held back before it is
+/// taken for forged: the leader writes the record before the status, but this
+/// replica's watches may bring the status first.
+const CONFIRM: Duration = Duration::from_secs(2);
 
 /// How often the pool list is read again (pools come and go with the cloud config).
 const POOL_CHECK: Duration = Duration::from_secs(1);
@@ -69,6 +78,10 @@ pub async fn run(
     else {
         return;
     };
+    let Some(record) = follow_record(&client, &lbs, &hard_stop, &drain).await else {
+        return;
+    };
+    let events = events(&client, &cfg, &nodes, &lbs);
     let server = Arc::new(Server {
         lbs: lbs.clone(),
         nodes,
@@ -77,7 +90,11 @@ pub async fn run(
         queue: queue.clone(),
         class: cfg.load_balancer_class.clone(),
         served: Mutex::new(HashMap::new()),
+        record,
+        unbacked: Mutex::new(HashMap::new()),
+        events,
     });
+    spawn_record_watch(&server, &hard_stop);
     spawn_node_set_watch(&server, node_events, &hard_stop);
     spawn_resync(&server, &hard_stop, cfg.resync);
     let workers = {
@@ -157,6 +174,61 @@ impl Watches {
             endpoints,
         })
     }
+}
+
+/// What the serving loop publishes its events with (as this replica).
+fn events(
+    client: &kube::Client,
+    cfg: &ServingConfig,
+    nodes: &Store<Node>,
+    lbs: &TunnelLoadBalancers,
+) -> crate::controllers::Context {
+    crate::controllers::Context {
+        client: client.clone(),
+        identity: cfg.identity.clone(),
+        nodes: nodes.clone(),
+        recorder: Default::default(),
+        metrics: lbs.metrics().clone(),
+    }
+}
+
+/// Follows the allocation record (when the balancers keep one) and waits until it is
+/// read; `None` on `drain` first.
+async fn follow_record(
+    client: &kube::Client,
+    lbs: &TunnelLoadBalancers,
+    hard_stop: &CancellationToken,
+    drain: &CancellationToken,
+) -> Option<Option<watch::Receiver<Known>>> {
+    let Some(at) = lbs.record_at() else {
+        return Some(None);
+    };
+    let mut rx = super::record::follow(client.clone(), at, hard_stop.clone());
+    tokio::select! {
+        r = rx.wait_for(|k| !matches!(k, Known::Unsynced)) => r.ok()?,
+        _ = drain.cancelled() => return None,
+    };
+    Some(Some(rx))
+}
+
+/// Spawns the task that queues every Service when the allocation record changes.
+fn spawn_record_watch(server: &Arc<Server>, hard_stop: &CancellationToken) {
+    let Some(mut rx) = server.record.clone() else {
+        return;
+    };
+    let (server, hard_stop) = (server.clone(), hard_stop.clone());
+    tokio::spawn(
+        async move {
+            loop {
+                tokio::select! {
+                    r = rx.changed() => if r.is_err() { return },
+                    _ = hard_stop.cancelled() => return,
+                }
+                server.queue_all();
+            }
+        }
+        .instrument(tracing::info_span!("lb_serve_record")),
+    );
 }
 
 /// Spawns the task that queues every Service when the node set changes (until `hard_stop`
@@ -398,11 +470,106 @@ struct Server {
     class: Option<String>,
     /// What was served, by Service key (to stop serving one that is gone).
     served: Mutex<HashMap<String, ServiceInfo>>,
+    /// The allocation record, when one is kept.
+    record: Option<watch::Receiver<Known>>,
+    /// Services whose status showed addresses the record does not give them, by UID:
+    /// since when, and those addresses.
+    unbacked: Mutex<HashMap<String, (Instant, Vec<IpAddr>)>>,
+    /// For the Warning event about such a status.
+    events: crate::controllers::Context,
 }
 
 impl Server {
     fn served(&self) -> std::sync::MutexGuard<'_, HashMap<String, ServiceInfo>> {
         self.served.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn unbacked(&self) -> std::sync::MutexGuard<'_, HashMap<String, (Instant, Vec<IpAddr>)>> {
+        self.unbacked.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// What of `info` (its status: `status`) the allocation record lets this replica
+    /// serve: the addresses and TCP ports it records for the Service, and when to look
+    /// again. An address the record does not give the Service is not served; it is
+    /// remembered, and [`CONFIRM`] later (the leader writes the record before the
+    /// status, but this replica's watches may bring the status first), if the record
+    /// still does not give it, a Warning event says that someone other than the CCM
+    /// wrote that status (the leader will have written the Service's own back by then).
+    async fn admitted(
+        &self,
+        mut info: ServiceInfo,
+        status: Vec<IpAddr>,
+    ) -> (ServiceInfo, Vec<IpAddr>, Option<Duration>) {
+        let Some(record) = &self.record else {
+            return (info, status, None);
+        };
+        let known = record.borrow().clone();
+        let admitted = super::record::admit(&known, &info.uid, &status);
+        if let Some(ports) = &admitted.ports {
+            info.ports
+                .retain(|p| p.protocol != "TCP" || ports.contains(&p.port));
+        }
+        if matches!(known, Known::Unreadable) {
+            return (info, admitted.addresses, None);
+        }
+        let (since, shown) = {
+            let mut unbacked = self.unbacked();
+            if !admitted.refused.is_empty() {
+                let (_, shown) = unbacked
+                    .entry(info.uid.clone())
+                    .or_insert_with(|| (Instant::now(), Vec::new()));
+                for ip in &admitted.refused {
+                    if !shown.contains(ip) {
+                        shown.push(*ip);
+                    }
+                }
+            }
+            let Some((since, shown)) = unbacked.remove(&info.uid) else {
+                return (info, admitted.addresses, None);
+            };
+            if since.elapsed() < CONFIRM {
+                let after = CONFIRM - since.elapsed();
+                unbacked.insert(info.uid.clone(), (since, shown));
+                return (info, admitted.addresses, Some(after));
+            }
+            (since, shown)
+        };
+        let forged = super::record::admit(&known, &info.uid, &shown).refused;
+        if !forged.is_empty() {
+            self.say_unallocated(&info, &forged, since).await;
+        }
+        (info, admitted.addresses, None)
+    }
+
+    /// Warns (log and event) that `info`'s status showed `forged`, which the allocation
+    /// record does not give it, `since` then.
+    async fn say_unallocated(&self, info: &ServiceInfo, forged: &[IpAddr], since: Instant) {
+        let shown = forged
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(", ");
+        let service = format!("{}/{}", info.namespace, info.name);
+        tracing::warn!(%service, addresses = %shown, "a Service's status showed load-balancer addresses the allocation record does not give it: not served there");
+        let target = crate::controllers::Target {
+            api_version: "v1",
+            kind: "Service",
+            namespace: Some(info.namespace.clone()),
+            name: info.name.clone(),
+            uid: Some(info.uid.clone()),
+        };
+        let record = self
+            .lbs
+            .record_at()
+            .map(|r| format!("{}/{}", r.namespace, r.name))
+            .unwrap_or_default();
+        let note = format!(
+            "status.loadBalancer showed {shown} ({:.0} s ago), which the CCM did not allocate to this Service (its allocation record, ConfigMap {record}): not served there. Someone other than the CCM wrote that status.",
+            since.elapsed().as_secs_f64()
+        );
+        self.events
+            .event(&target, true, super::record::UNALLOCATED, "Serve", note)
+            .await;
     }
 
     /// Queues every LoadBalancer Service (a pool was taken, the node set changed).
@@ -424,6 +591,10 @@ impl Server {
             is_ours(s, self.class.as_deref()) && s.metadata.deletion_timestamp.is_none()
         });
         let Some(svc) = wanted else {
+            if let Some(svc) = &svc {
+                self.unbacked()
+                    .remove(svc.metadata.uid.as_deref().unwrap_or_default());
+            }
             let gone = self.served().remove(key);
             if let Some(info) = gone {
                 self.lbs.unserve(&info).await;
@@ -441,11 +612,21 @@ impl Server {
             self.served().remove(key);
             self.lbs.unserve(&old).await;
         }
-        let addresses: Vec<IpAddr> = self.lbs.published(&info);
+        let status: Vec<IpAddr> = self.lbs.published(&info);
+        let (info, addresses, recheck) = self.admitted(info, status).await;
         let nodes = backends_for(&self.nodes, &self.endpoints, svc);
         match self.lbs.serve(&info, &nodes, &addresses).await {
             Ok(()) => {
                 self.served().insert(key.to_string(), info);
+                if let Some(after) = recheck {
+                    // Not a retry: a retry's wait holds even when the record arrives
+                    // meanwhile, and the Service must be served as soon as it does.
+                    let (queue, key) = (self.queue.clone(), key.to_string());
+                    tokio::spawn(async move {
+                        tokio::time::sleep(after).await;
+                        queue.add(&key);
+                    });
+                }
                 Outcome::Done
             }
             Err(e) => {
