@@ -4,7 +4,7 @@
 //! `--audit-log-path` is set; written by `tether_ops::audit`.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -202,6 +202,8 @@ pub struct Traffic {
     from_target: AtomicU64,
     /// The target sent the last DATA: whatever the client asked has its answer.
     target_last: AtomicBool,
+    /// DATA from the target waiting for room on the way to the server.
+    sending: AtomicU32,
 }
 
 impl Traffic {
@@ -231,9 +233,9 @@ impl Traffic {
         )
     }
 
-    /// Whether the target sent the last DATA.
+    /// Whether the target sent the last DATA, and all of it has left for the server.
     pub fn target_spoke_last(&self) -> bool {
-        self.target_last.load(Ordering::Relaxed)
+        self.target_last.load(Ordering::Relaxed) && self.sending.load(Ordering::Relaxed) == 0
     }
 }
 
@@ -248,6 +250,11 @@ pub struct Counting<'a, S> {
 impl<S: tether_core::pump::Sink> tether_core::pump::Sink for Counting<'_, S> {
     fn send(&self, packet: tether_proto::Packet) -> impl std::future::Future<Output = bool> + Send {
         self.traffic.count_from_target(&packet);
-        self.inner.send(packet)
+        let sending = &self.traffic.sending;
+        sending.fetch_add(1, Ordering::Relaxed);
+        futures::FutureExt::map(self.inner.send(packet), move |sent| {
+            sending.fetch_sub(1, Ordering::Relaxed);
+            sent
+        })
     }
 }

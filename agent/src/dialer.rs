@@ -275,16 +275,7 @@ impl Session {
             return;
         };
         let connected = Instant::now();
-        let (tx, rx) = queue::queue();
-        let flow = Arc::new(ConnFlow::new(self.peer_window));
-        let conn = Conn {
-            tx,
-            flow: flow.clone(),
-            hard_stop: hard_stop.clone(),
-            _work: self.drain.work.watch(),
-        };
-        self.conns().insert(connect_id, conn);
-        self.metrics.open_endpoint_connections.inc();
+        let (rx, flow) = self.register(connect_id, &hard_stop);
         if !self
             .answer(Packet::dial_response(random, connect_id, ""))
             .await
@@ -307,9 +298,12 @@ impl Session {
         };
         let spliced = splice(rd, wr, rx, &sink, connect_id, &hard_stop, flow);
         // `None`: closed at a quiet moment at the end of the drain.
+        // With credit flow control the pump reads the target only with credit left: a
+        // connection out of credit is held up, not quiet.
+        let delivered = || flow.send.is_none_or(|credit| credit.available() > 0);
         let end = tokio::select! {
             end = spliced => Some(end),
-            () = quiet(&self.drain.closing, &traffic) => None,
+            () = quiet(&self.drain.closing, &traffic, delivered) => None,
         };
         let audit = Dial {
             address: &address,
@@ -320,6 +314,26 @@ impl Session {
         self.audited
             .closed(&audit, dialed, end.as_ref(), traffic.bytes());
         self.ended(connect_id, end).await;
+    }
+
+    /// Registers connection `connect_id` (its queue, flow control and hard stop): what
+    /// the server sends it comes out of the returned queue.
+    fn register(
+        &self,
+        connect_id: i64,
+        hard_stop: &CancellationToken,
+    ) -> (queue::Receiver<Packet>, Arc<ConnFlow>) {
+        let (tx, rx) = queue::queue();
+        let flow = Arc::new(ConnFlow::new(self.peer_window));
+        let conn = Conn {
+            tx,
+            flow: flow.clone(),
+            hard_stop: hard_stop.clone(),
+            _work: self.drain.work.watch(),
+        };
+        self.conns().insert(connect_id, conn);
+        self.metrics.open_endpoint_connections.inc();
+        (rx, flow)
     }
 
     /// Forgets connection `connect_id`, which ended as `end` (`None`: at a quiet moment
@@ -442,10 +456,11 @@ impl Session {
 }
 
 /// Resolves at the connection's first quiet moment once `closing` is cancelled: nothing
-/// carried either way for [`QUIET`], and the target sent last (an answer is complete,
-/// no request waits for one). Until then it only waits on the token: the sampling
-/// loop is allocated when the drain's end begins, not kept in every pump.
-async fn quiet(closing: &CancellationToken, traffic: &Traffic) {
+/// carried either way for [`QUIET`], the target sent last (an answer is complete, no
+/// request waits for one) and all it sent is `delivered` (none waits for room or
+/// credit on its way). Until then it only waits on the token: the sampling loop is
+/// allocated when the drain's end begins, not kept in every pump.
+async fn quiet(closing: &CancellationToken, traffic: &Traffic, delivered: impl Fn() -> bool) {
     closing.cancelled().await;
     Box::pin(async {
         let mut seen = traffic.bytes();
@@ -455,7 +470,7 @@ async fn quiet(closing: &CancellationToken, traffic: &Traffic) {
             let now = traffic.bytes();
             if now != seen {
                 (seen, since) = (now, Instant::now());
-            } else if since.elapsed() >= QUIET && traffic.target_spoke_last() {
+            } else if since.elapsed() >= QUIET && traffic.target_spoke_last() && delivered() {
                 return;
             }
         }
@@ -699,5 +714,53 @@ mod tests {
             other => panic!("{other:?}"),
         }
         drain.work.idle().await;
+    }
+
+    #[tokio::test]
+    async fn at_the_end_of_a_drain_a_connection_held_up_for_credit_is_not_quiet() {
+        let window = 64 << 10;
+        let (session, mut rx, drain) = session(Some(window));
+        let (mut target, id) = connected(&session, &mut rx, 1).await;
+        session.handle(Packet::data(id, &b"GET"[..])).await;
+        let mut buf = [0u8; 3];
+        target.read_exact(&mut buf).await.unwrap();
+        // An answer of four windows: the pump sends its credit's worth and waits.
+        let answer = tokio::spawn(async move {
+            target
+                .write_all(&vec![7u8; 4 * window as usize])
+                .await
+                .unwrap();
+            target
+        });
+        let mut got = 0;
+        while got < window as usize {
+            match next(&mut rx).await {
+                Payload::Data(d) => got += d.data.len(),
+                other => panic!("{other:?}"),
+            }
+        }
+        drain.closing.cancel();
+        // An observation window, not synchronisation: ten quiet periods out of credit.
+        let early = tokio::time::timeout(QUIET * 10, next(&mut rx)).await;
+        assert!(early.is_err(), "closed while held up for credit: {early:?}");
+        // Credit comes: the rest of the answer goes out, then the connection closes.
+        let mut closed = false;
+        while !closed {
+            // (A packet may overdraw the credit: grant the whole answer's worth.)
+            session
+                .handle(Packet::window_update(id, 4 * i64::from(window)))
+                .await;
+            match next(&mut rx).await {
+                Payload::Data(d) => got += d.data.len(),
+                Payload::CloseResponse(c) => closed = c.connect_id == id,
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(
+            got,
+            4 * window as usize,
+            "the whole answer before the close"
+        );
+        drop(answer.await.unwrap());
     }
 }

@@ -171,7 +171,7 @@ impl DataPlane {
             return DataPlane { drain, task: None };
         };
         // The allocation record, for the service controller if this replica leads.
-        lbs.keep_record(&clients.root);
+        lbs.allocations().keep_record(&clients.root);
         // Its health check fails once it has ended before the drain (say, its caches
         // never synced): this replica then serves no pool.
         let exit = ExitFlag::default();

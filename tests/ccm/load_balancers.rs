@@ -681,13 +681,24 @@ fn services_get_their_own_addresses_from_the_pools() {
     // Said once, though resyncs (every second) came and went meanwhile.
     assert_eq!(event_count(&cluster, "web-d", "AddressInUse"), 1);
 
-    // A restart: allocations read back; a Service created while no CCM ran does not
-    // take any of them.
+    // A restart, from a version that kept no allocation record (its data removed):
+    // allocations read back from the statuses, and the record written from them; a
+    // Service created while no CCM ran does not take any of them.
     let before: Vec<(String, String)> = ["web-a", "web-b", "web-c", "s1", "s2", "web-p", "web-pp"]
         .iter()
         .map(|n| (n.to_string(), wait_ingress(&cluster, "default", n)))
         .collect();
     ccm.kill();
+    cluster.kubectl_ok(&[
+        "patch",
+        "configmap",
+        "-n",
+        "kube-system",
+        "cloud-controller-manager-lb-allocations",
+        "--type=json",
+        "-p",
+        r#"[{"op":"remove","path":"/data"}]"#,
+    ]);
     lb_service(
         &cluster,
         "default",
@@ -705,6 +716,21 @@ fn services_get_their_own_addresses_from_the_pools() {
     );
     for (name, ip) in &before {
         assert_eq!(&wait_ingress(&cluster, "default", name), ip, "{name} moved");
+    }
+    let record = cluster.kubectl_ok(&[
+        "get",
+        "configmap",
+        "-n",
+        "kube-system",
+        "cloud-controller-manager-lb-allocations",
+        "-o",
+        "jsonpath={.data.allocations\\.json}",
+    ]);
+    for (name, ip) in &before {
+        assert!(
+            record.contains(ip.as_str()),
+            "{name}'s {ip} not in the record: {record}"
+        );
     }
     assert_eq!(
         wait_blocking("web-a after the restart", Duration::from_secs(20), || curl(

@@ -245,8 +245,9 @@ pub trait LoadBalancers: Send + Sync {
     ) -> Result<(), CloudError>;
     /// Deletes the balancer (no error if it does not exist).
     async fn delete(&self, cluster: &str, svc: &ServiceInfo) -> Result<(), CloudError>;
-    /// Before any sync: what these Services' status shows they hold (their ingress
-    /// addresses) is theirs, never handed to another.
+    /// Before any sync, with every Service of this provider (with an ingress or not):
+    /// what each holds (its status shows, or the provider's own record says) is its,
+    /// never handed to another.
     async fn restore(&self, _cluster: &str, _services: &[ServiceInfo]) {}
     /// The controller stops (its hard stop: the drain, lost leadership): forget what is
     /// kept in memory (the next leader reads it back through [`Self::restore`]).

@@ -183,7 +183,10 @@ impl ServiceController {
             .services
             .state()
             .iter()
-            .filter(|s| self.ours(s) && has_ingress(s))
+            // Every one of ours, with an ingress or not: a provider that keeps its own
+            // record (the tether provider) restores by UID, so a status cleared while
+            // no leader ran costs a Service nothing.
+            .filter(|s| self.ours(s))
             .map(|s| service_info(s, &self.endpoints))
             .collect();
         self.lbs.restore(&self.cfg.cluster_name, &held).await;

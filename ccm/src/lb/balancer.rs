@@ -1,11 +1,9 @@
-//! Load balancers over the tunnel, the `tether` provider's LoadBalancers, and their
-//! registry: each LoadBalancer Service gets its own addresses from the
-//! `loadBalancer:` pools (see [`super::addresses`]; without pools, every Service
-//! shares `--lb-bind-address` and colliding ports are refused), held by the replica
-//! holding each pool's Lease (see [`super::pools`] and [`super::announce`]). For each
-//! address and TCP port the CCM listens (`port`: admission, the next backend,
-//! the PROXY header, the splice), and forwards every connection through the Tether
-//! server's gRPC frontend to a backend node's NodePort, or with
+//! The load balancers' data plane, the `tether` provider's, which every replica runs:
+//! the replica holding a pool's Lease (see [`super::pools`] and [`super::announce`])
+//! serves the Services whose addresses are in that pool (as [`super::allocation`]
+//! gave them). For each address and TCP port the CCM listens (`port`: admission, the
+//! next backend, the PROXY header, the splice), and forwards every connection through
+//! the Tether server's gRPC frontend to a backend node's NodePort, or with
 //! `allocateLoadBalancerNodePorts: false` to a ready endpoint's pod IP and targetPort.
 //! So Services in NAT-ed clusters are reachable with no cloud at all and no L2
 //! adjacency to the nodes. Konnectivity dials TCP only: other ports are left out (the
@@ -19,16 +17,14 @@ use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex};
 use tether_core::error::chain;
 
-use async_trait::async_trait;
 use tether_client::Client;
 use tokio::net::TcpListener;
 
-use super::addresses::{Allocator, Family, Pools, Refusal, Request};
+use super::addresses::Pools;
+use super::allocation::Allocations;
 use super::announce::Announcer;
 use super::port::{label, Listener, PortTarget, Shared};
-use crate::cloud::{
-    Backend, CloudError, LoadBalancerStatus, LoadBalancers, ServiceInfo, ServicePort,
-};
+use crate::cloud::{Backend, CloudError, ServiceInfo, ServicePort};
 
 /// Where the balancers get their addresses and how they reach the nodes.
 #[derive(Debug, Clone)]
@@ -56,11 +52,6 @@ pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
 
 /// How long connecting to the Tether server's socket may take.
 const TUNNEL_CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
-
-/// The implicit sharing key of Services sharing `--lb-bind-address`.
-const BIND_ADDRESS_SHARING: &str = "--lb-bind-address";
-/// The pool `--lb-bind-address` makes (its Lease: `<lease>-lb-bind-address`).
-const BIND_ADDRESS_POOL: &str = "bind-address";
 
 struct Balancer {
     /// The addresses served here, each with the pool it was served under (what is let
@@ -90,19 +81,15 @@ const LB_WINDOWS: tether_client::Windows = tether_client::Windows {
     connection: 16 << 20,
 };
 
-/// Reads the pools as they are now (the provider's configuration, re-read when it
-/// changes); `None` when they cannot be read.
-pub type PoolSource = Arc<dyn Fn() -> Option<Pools> + Send + Sync>;
-
 /// The balancers, by Service UID.
 pub struct TunnelLoadBalancers {
     tunnel_uds: PathBuf,
     /// One tunnel connection (HTTP/2) per Service, by UID: readers that stop on one
     /// Service pin at most that connection's window, never another Service's traffic.
     clients: tokio::sync::Mutex<HashMap<String, Client>>,
-    allocator: Mutex<Allocator>,
-    /// Without pools: the one address every Service shares.
-    bind: Option<IpAddr>,
+    /// Who holds which address (the service controller's side, on the leader); here
+    /// for the pools and the record.
+    allocations: Arc<Allocations>,
     announcer: Option<Announcer>,
     balancers: Mutex<HashMap<String, Balancer>>,
     /// Connections open over every Service, and `--lb-max-connections`.
@@ -110,24 +97,17 @@ pub struct TunnelLoadBalancers {
     max_connections: usize,
     /// Services with a connection open.
     busy: Arc<AtomicUsize>,
-    /// Where changed pools are read from (the cloud config), if they may change.
-    pool_source: Option<PoolSource>,
     /// The controller manager's metrics.
     metrics: crate::metrics::Metrics,
     /// The pools this replica serves now (their leases held).
     serving: tokio::sync::RwLock<std::collections::HashSet<String>>,
-    /// Where the allocation record lives, if it is kept.
-    record_at: Option<super::record::RecordRef>,
-    /// Its writer, once the manager gives a client ([`Self::keep_record`]); without
-    /// one, allocations are read back from the Services' status.
-    record: std::sync::OnceLock<super::record::Writer>,
 }
 
 impl std::fmt::Debug for TunnelLoadBalancers {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TunnelLoadBalancers")
             .field("tunnel_uds", &self.tunnel_uds)
-            .field("bind", &self.bind)
+            .field("allocations", &self.allocations)
             .finish_non_exhaustive()
     }
 }
@@ -136,142 +116,30 @@ impl TunnelLoadBalancers {
     /// Balancers with addresses from `pools`, else `cfg.bind` (the tunnel is connected
     /// on first use).
     pub fn new(cfg: TunnelLbConfig, pools: Option<Pools>) -> Result<Self, String> {
-        let (pools, bind) = match (pools, cfg.bind) {
-            (Some(_), Some(bind)) => {
-                return Err(format!(
-                    "--lb-bind-address {bind} and loadBalancer pools in the cloud config: addresses come from the pools; drop --lb-bind-address"
-                ))
-            }
-            (Some(p), None) => (p, None),
-            (None, Some(bind)) => {
-                let single = super::addresses::LoadBalancerConfig {
-                    interface: None,
-                    pools: vec![super::addresses::PoolConfig {
-                        name: BIND_ADDRESS_POOL.into(),
-                        addresses: vec![bind.to_string()],
-                        namespaces: Vec::new(),
-                    }],
-                    reserved_ports: None,
-                    ingress_hostname_suffix: None,
-                };
-                (Pools::new(&single)?, Some(bind))
-            }
-            (None, None) => {
-                return Err(
-                    "load balancers need addresses: a loadBalancer section with pools in the cloud config (or --lb-bind-address)"
-                        .into(),
-                )
-            }
-        };
-        let announcer = match &pools.interface {
-            Some(i) => {
-                refuse_host_addresses(&pools)?;
-                Some(Announcer::new(i)?)
-            }
+        let interface = pools.as_ref().and_then(|p| p.interface.clone());
+        let allocations = Allocations::new(pools, cfg.bind, cfg.metrics.clone(), cfg.record)?;
+        let announcer = match interface {
+            Some(i) => Some(Announcer::new(&i)?),
             None => None,
         };
         Ok(TunnelLoadBalancers {
             tunnel_uds: cfg.tunnel_uds,
             clients: tokio::sync::Mutex::new(HashMap::new()),
-            allocator: Mutex::new(Allocator::new(pools)),
-            bind,
+            allocations: Arc::new(allocations),
             announcer,
             balancers: Mutex::new(HashMap::new()),
             open: Arc::new(AtomicUsize::new(0)),
             max_connections: cfg.max_connections,
             busy: Arc::new(AtomicUsize::new(0)),
-            pool_source: None,
             serving: Default::default(),
             metrics: cfg.metrics,
-            record_at: cfg.record,
-            record: std::sync::OnceLock::new(),
         })
     }
 
-    /// Keeps the allocation record (when configured) through `client` from now on:
-    /// every assignment is in it before its status can be published, and a new leader
-    /// reads allocations back from it, not from the Services' status (which anyone
-    /// allowed `services/status` can write). Called once, before the controllers start.
-    pub fn keep_record(&self, client: &kube::Client) {
-        if let Some(at) = &self.record_at {
-            let _ = self
-                .record
-                .set(super::record::Writer::new(client.clone(), at));
-        }
-    }
-
-    /// Where the allocation record lives, when one is kept: pool holders follow it.
-    pub fn record_at(&self) -> Option<&super::record::RecordRef> {
-        self.record_at.as_ref()
-    }
-
-    /// Writes what the allocator holds to the record (when there is one).
-    async fn persist(&self) -> Result<(), CloudError> {
-        let Some(writer) = self.record.get() else {
-            return Ok(());
-        };
-        let wanted = self.allocator().generation();
-        writer
-            .write(wanted, || self.allocator().snapshot())
-            .await
-            .map_err(|e| CloudError::Provider(chain(&e).to_string()))
-    }
-
-    /// The allocations a new leader starts from: the record's, `None` when there is no
-    /// record (or none yet: a leader of an earlier version kept none), and then the
-    /// Services' status is read instead. A record that cannot be read is retried for a
-    /// minute, then the status is read too (and said so).
-    async fn recorded(&self) -> Option<super::record::Allocations> {
-        let writer = self.record.get()?;
-        let mut wait = std::time::Duration::from_millis(200);
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-        loop {
-            match writer.read().await {
-                Ok(read) => return read,
-                Err(e) if std::time::Instant::now() < deadline => {
-                    tracing::warn!(error = %chain(&e), "cannot read the load-balancer allocation record; retrying");
-                }
-                Err(e) => {
-                    tracing::error!(error = %chain(&e), "cannot read the load-balancer allocation record: reading the allocations back from the Services' status instead");
-                    return None;
-                }
-            }
-            tokio::time::sleep(wait).await;
-            wait = (wait * 2).min(std::time::Duration::from_secs(5));
-        }
-    }
-
-    /// Takes the pools from `source` as they change (the cloud config's
-    /// `loadBalancer:` section, re-read when the file changes): addresses added become
-    /// available at the next sync or resync, Services on removed ones move at theirs.
-    pub fn reloading_pools(mut self, source: PoolSource) -> Self {
-        self.pool_source = Some(source);
-        self
-    }
-
-    /// Adopts changed pools, if the cloud config changed them. The interface is fixed
-    /// at start-up (a different one is logged and needs a restart).
-    fn refresh_pools(&self) {
-        let Some(new) = self.pool_source.as_ref().and_then(|read| read()) else {
-            return;
-        };
-        let mut allocator = self.allocator();
-        if allocator.pools() == &new {
-            return;
-        }
-        if new.interface != allocator.pools().interface {
-            tracing::warn!(was = ?allocator.pools().interface, now = ?new.interface, "loadBalancer.interface changed: restart the CCM to move the addresses; the pools' other changes apply now");
-        }
-        let interface = allocator.pools().interface.clone();
-        let pools = super::addresses::Pools { interface, ..new };
-        if self.announcer.is_some() {
-            if let Err(e) = refuse_host_addresses(&pools) {
-                tracing::error!(error = %e, "changed load-balancer pools not taken");
-                return;
-            }
-        }
-        tracing::info!(pools = pools.pools.len(), "load-balancer pools reloaded");
-        allocator.set_pools(pools);
+    /// The allocation side: the service controller's load balancers (the provider's
+    /// [`LoadBalancers`](crate::cloud::LoadBalancers)).
+    pub fn allocations(&self) -> &Arc<Allocations> {
+        &self.allocations
     }
 
     /// The controller manager's metrics these balancers count in.
@@ -323,107 +191,6 @@ impl TunnelLoadBalancers {
         self.balancers.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn allocator(&self) -> std::sync::MutexGuard<'_, Allocator> {
-        self.allocator.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Publishes each pool's addresses in use and in all (pools gone lose their series).
-    fn publish_usage(&self) {
-        let m = &self.metrics;
-        m.lb_addresses_in_use.reset();
-        m.lb_addresses_total.reset();
-        for (pool, used, total) in self.allocator().usage() {
-            m.lb_addresses_in_use
-                .with_label_values(&[pool.as_str()])
-                .set(used as i64);
-            m.lb_addresses_total
-                .with_label_values(&[pool.as_str()])
-                .set(total.min(i64::MAX as u64) as i64);
-        }
-    }
-
-    /// What `svc` asks of the allocator; an unparsable requested address is refused.
-    fn request(&self, svc: &ServiceInfo) -> Result<Request, Refusal> {
-        let mut requested = Vec::new();
-        for r in &svc.requested_ips {
-            match r.parse::<IpAddr>() {
-                Ok(ip) => requested.push(ip),
-                Err(_) => {
-                    return Err(Refusal {
-                        reason: super::addresses::reasons::INVALID,
-                        message: format!(
-                            "requested load-balancer address {r:?} is not an IP address"
-                        ),
-                    })
-                }
-            }
-        }
-        let families: Vec<Family> = match self.bind {
-            // The one shared address decides.
-            Some(bind) => vec![Family::of(bind)],
-            None => svc
-                .families
-                .iter()
-                .filter_map(|f| match f.as_str() {
-                    "IPv4" => Some(Family::V4),
-                    "IPv6" => Some(Family::V6),
-                    _ => None,
-                })
-                .collect(),
-        };
-        Ok(Request {
-            uid: svc.uid.clone(),
-            service: label(svc),
-            namespace: svc.namespace.clone(),
-            families,
-            require_all: svc.require_dual_stack,
-            requested,
-            // With a record, a Service keeps what the allocator holds for it (read
-            // back from the record), whatever its status claims.
-            current: match self.record.get() {
-                Some(_) => Vec::new(),
-                None => self.published(svc),
-            },
-            sharing_key: match self.bind {
-                Some(_) => Some(BIND_ADDRESS_SHARING.into()),
-                None => svc.sharing_key.clone(),
-            },
-            // One --lb-bind-address is every Service's, whatever its namespace.
-            sharing_namespaces: match self.bind {
-                Some(_) => vec!["*".into()],
-                None => svc.sharing_namespaces.clone(),
-            },
-            ports: svc
-                .ports
-                .iter()
-                .filter(|p| p.protocol == "TCP")
-                .map(|p| (p.protocol.clone(), p.port))
-                .collect(),
-        })
-    }
-
-    /// The ingress: the addresses, or their hostnames with
-    /// `loadBalancer.ingressHostnameSuffix`.
-    fn status(&self, addresses: &[IpAddr]) -> LoadBalancerStatus {
-        let suffix = self.allocator().pools().ingress_hostname_suffix.clone();
-        match suffix {
-            Some(suffix) => LoadBalancerStatus {
-                ips: Vec::new(),
-                hostnames: addresses
-                    .iter()
-                    .map(|ip| super::addresses::ingress_hostname(*ip, &suffix))
-                    .collect(),
-                proxy: true,
-            },
-            None => LoadBalancerStatus {
-                ips: addresses.iter().map(ToString::to_string).collect(),
-                hostnames: Vec::new(),
-                // Traffic must reach this proxy, never be short-cut by kube-proxy.
-                proxy: true,
-            },
-        }
-    }
-
     /// Lets go of addresses no Service served here has any more (logged: the next
     /// sync retries).
     async fn let_go(&self, freed: Vec<IpAddr>) {
@@ -466,167 +233,9 @@ fn forget_series(m: &crate::metrics::Metrics, service: &str) {
     }
 }
 
-/// The allocation side, for the service controller (which runs on the controllers'
-/// leader): addresses are assigned and published in the Services' status; whoever
-/// holds each pool's lease serves them from there ([`TunnelLoadBalancers::serve`]).
-#[async_trait]
-impl LoadBalancers for TunnelLoadBalancers {
-    async fn get(
-        &self,
-        _cluster: &str,
-        svc: &ServiceInfo,
-    ) -> Result<Option<LoadBalancerStatus>, CloudError> {
-        let held = self.allocator().holding(&svc.uid).to_vec();
-        Ok((!held.is_empty()).then(|| self.status(&held)))
-    }
-
-    async fn restore(&self, _cluster: &str, services: &[ServiceInfo]) {
-        let recorded = self.recorded().await;
-        // (request() reads the allocator's pools: the requests first, then the lock.)
-        let requests: Vec<(&ServiceInfo, Request)> = services
-            .iter()
-            .filter_map(|svc| self.request(svc).ok().map(|r| (svc, r)))
-            .collect();
-        {
-            let mut allocator = self.allocator();
-            for (svc, mut req) in requests {
-                // With a record, what it says (addresses and the ports accepted with
-                // them), never what a status claims or a refused change asks: a Service
-                // refused a port keeps no claim to it across a restart.
-                match recorded.as_ref().map(|r| r.services.get(&svc.uid)) {
-                    Some(Some(a)) => {
-                        req.current = a.addresses.clone();
-                        req.ports = a.ports.iter().map(|p| ("TCP".to_string(), *p)).collect();
-                    }
-                    Some(None) => req.current = Vec::new(),
-                    None => req.current = self.published(svc),
-                }
-                let kept = allocator.restore(&req);
-                if !kept.is_empty() {
-                    tracing::info!(service = %label(svc), addresses = ?kept, "load-balancer addresses read back");
-                }
-            }
-        }
-        if recorded.is_none() && self.record.get().is_some() {
-            // The first leader with a record (an upgrade): it starts from the statuses.
-            match self.persist().await {
-                Ok(()) => tracing::info!(
-                    "load-balancer allocation record written from the Services' status"
-                ),
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot write the load-balancer allocation record; the next assignment tries again")
-                }
-            }
-        }
-    }
-
-    async fn release_all(&self, _cluster: &str) {
-        // The next leader reads the allocations back from the record.
-        self.allocator().clear();
-        if let Some(writer) = self.record.get() {
-            writer.forget().await;
-        }
-    }
-
-    async fn ensure(
-        &self,
-        _cluster: &str,
-        svc: &ServiceInfo,
-        _nodes: &[Backend],
-    ) -> Result<LoadBalancerStatus, CloudError> {
-        let tcp: Vec<&ServicePort> = svc.ports.iter().filter(|p| p.protocol == "TCP").collect();
-        if tcp.is_empty() {
-            // Nothing to serve: no address (it would be a pool address for nothing)
-            // and no ingress a client would take for a working balancer.
-            return Err(CloudError::Refused {
-                reason: crate::translate::UNSUPPORTED_PROTOCOL.into(),
-                message: format!(
-                    "no TCP port, so no load balancer: the tether load balancer forwards TCP only (Konnectivity dials TCP); port(s) {} not served",
-                    svc.ports
-                        .iter()
-                        .map(|p| format!("{}/{}", p.port, p.protocol))
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                ),
-            });
-        }
-        self.refresh_pools();
-        let reserved: Vec<u16> = {
-            let allocator = self.allocator();
-            let r = &allocator.pools().reserved_ports;
-            tcp.iter()
-                .map(|p| p.port)
-                .filter(|p| r.contains(p))
-                .collect()
-        };
-        if !reserved.is_empty() {
-            return Err(CloudError::Refused {
-                reason: super::addresses::reasons::RESERVED_PORT.into(),
-                message: format!(
-                    "port(s) {reserved:?} are reserved for the control plane (loadBalancer.reservedPorts in the cloud config)"
-                ),
-            });
-        }
-        let req = self.request(svc).map_err(refused)?;
-        let addresses = self.allocator().assign(&req).map_err(refused)?;
-        self.publish_usage();
-        // In the record before the status: holders serve only what it says.
-        self.persist().await?;
-        Ok(self.status(&addresses))
-    }
-
-    async fn update(
-        &self,
-        _cluster: &str,
-        _svc: &ServiceInfo,
-        _nodes: &[Backend],
-    ) -> Result<(), CloudError> {
-        // The pool holders read the node set themselves.
-        Ok(())
-    }
-
-    async fn delete(&self, _cluster: &str, svc: &ServiceInfo) -> Result<(), CloudError> {
-        self.allocator().release(&svc.uid);
-        self.publish_usage();
-        self.persist().await
-    }
-}
-
 /// The serving side: each replica serves the addresses of the pools whose leases it
 /// holds, for every Service whose status shows one of them.
 impl TunnelLoadBalancers {
-    /// The pools' names (the cloud config re-read first), in the order written.
-    pub fn pool_names(&self) -> Vec<String> {
-        self.refresh_pools();
-        self.allocator()
-            .pools()
-            .pools
-            .iter()
-            .map(|p| p.name.clone())
-            .collect()
-    }
-
-    /// The name of the pool holding `ip`.
-    fn pool_of(&self, ip: IpAddr) -> Option<String> {
-        self.allocator().pools().pool_of(ip).map(str::to_string)
-    }
-
-    /// The addresses a Service's status shows (IPs, or names under
-    /// `loadBalancer.ingressHostnameSuffix`).
-    pub fn published(&self, svc: &ServiceInfo) -> Vec<IpAddr> {
-        let suffix = self.allocator().pools().ingress_hostname_suffix.clone();
-        svc.current_ips
-            .iter()
-            .filter_map(|ip| {
-                ip.parse().ok().or_else(|| {
-                    suffix
-                        .as_deref()
-                        .and_then(|s| super::addresses::address_of_hostname(ip, s))
-                })
-            })
-            .collect()
-    }
-
     /// Whether this replica can hold addresses now: its interface exists, is up and has
     /// carrier. One that cannot does not stand for the pools' leases, and gives them up
     /// when this starts failing.
@@ -692,7 +301,7 @@ impl TunnelLoadBalancers {
             recorded.extend(gone);
         }
         let in_pool = {
-            let pools = self.allocator().pools().clone();
+            let pools = self.allocations.allocator().pools().clone();
             let name = pool.to_string();
             move |ip: IpAddr| recorded.contains(&ip) || pools.pool_of(ip) == Some(name.as_str())
         };
@@ -815,7 +424,7 @@ impl TunnelLoadBalancers {
     ) -> Vec<(IpAddr, String)> {
         addresses
             .iter()
-            .filter_map(|ip| self.pool_of(*ip).map(|p| (*ip, p)))
+            .filter_map(|ip| self.allocations.pool_of(*ip).map(|p| (*ip, p)))
             .filter(|(_, p)| serving.contains(p))
             .collect()
     }
@@ -951,27 +560,4 @@ fn tcp_ports(svc: &ServiceInfo) -> Result<Vec<&ServicePort>, CloudError> {
         }
     }
     Ok(tcp)
-}
-
-/// Refuses pools holding an address of this host: announced from the load-balancer
-/// namespace, it would take the host's own address away from it on the LAN.
-fn refuse_host_addresses(pools: &Pools) -> Result<(), String> {
-    let host = super::netns::host_addresses()
-        .map_err(|e| format!("cannot list this host's addresses: {e}"))?;
-    for (interface, ip) in host {
-        if let Some(pool) = pools.pools.iter().find(|p| p.contains(ip)) {
-            return Err(format!(
-                "loadBalancer pool {:?} holds {ip}, an address of this host (interface {interface}): announcing it would take it from the host; take it out of the pool",
-                pool.name
-            ));
-        }
-    }
-    Ok(())
-}
-
-fn refused(r: Refusal) -> CloudError {
-    CloudError::Refused {
-        reason: r.reason.into(),
-        message: r.message,
-    }
 }

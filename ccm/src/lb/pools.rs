@@ -200,7 +200,7 @@ async fn follow_record(
     hard_stop: &CancellationToken,
     drain: &CancellationToken,
 ) -> Option<Option<watch::Receiver<Known>>> {
-    let Some(at) = lbs.record_at() else {
+    let Some(at) = lbs.allocations().record_at() else {
         return Some(None);
     };
     let mut rx = super::record::follow(client.clone(), at, hard_stop.clone());
@@ -290,7 +290,7 @@ async fn hold_pools(
     // Terms of removed pools, letting go.
     let mut ending: Vec<tokio::task::JoinHandle<()>> = Vec::new();
     loop {
-        let names = server.lbs.pool_names();
+        let names = server.lbs.allocations().pool_names();
         for name in &names {
             if terms.contains_key(name) {
                 continue;
@@ -515,6 +515,8 @@ impl Server {
         let (since, shown) = {
             let mut unbacked = self.unbacked();
             if !admitted.refused.is_empty() {
+                // Entries of Services deleted within the wait go with age.
+                unbacked.retain(|_, (since, _)| since.elapsed() < CONFIRM * 10);
                 let (_, shown) = unbacked
                     .entry(info.uid.clone())
                     .or_insert_with(|| (Instant::now(), Vec::new()));
@@ -560,6 +562,7 @@ impl Server {
         };
         let record = self
             .lbs
+            .allocations()
             .record_at()
             .map(|r| format!("{}/{}", r.namespace, r.name))
             .unwrap_or_default();
@@ -597,6 +600,7 @@ impl Server {
             }
             let gone = self.served().remove(key);
             if let Some(info) = gone {
+                self.unbacked().remove(&info.uid);
                 self.lbs.unserve(&info).await;
             }
             return Outcome::Done;
@@ -612,7 +616,7 @@ impl Server {
             self.served().remove(key);
             self.lbs.unserve(&old).await;
         }
-        let status: Vec<IpAddr> = self.lbs.published(&info);
+        let status: Vec<IpAddr> = self.lbs.allocations().published(&info);
         let (info, addresses, recheck) = self.admitted(info, status).await;
         let nodes = backends_for(&self.nodes, &self.endpoints, svc);
         match self.lbs.serve(&info, &nodes, &addresses).await {

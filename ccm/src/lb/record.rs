@@ -75,6 +75,13 @@ pub enum RecordError {
     },
 }
 
+impl RecordError {
+    /// Whether the API server refused it for want of permission (403).
+    pub fn forbidden(&self) -> bool {
+        matches!(self, RecordError::Kube { source: kube::Error::Api(e), .. } if e.code == 403)
+    }
+}
+
 /// Where the record lives.
 #[derive(Debug, Clone)]
 pub struct RecordRef {

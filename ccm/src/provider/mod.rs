@@ -363,14 +363,12 @@ impl TetherProvider {
                     let with_pools = pools.is_some();
                     let lbs = crate::lb::balancer::TunnelLoadBalancers::new(c, pools)
                         .map_err(InventoryError::LoadBalancer)?;
-                    Some(Arc::new(if with_pools {
-                        {
+                    if with_pools {
                         let inventory = inventory.clone();
-                        lbs.reloading_pools(Arc::new(move || inventory.pools()))
+                        lbs.allocations()
+                            .reloading_pools(Arc::new(move || inventory.pools()));
                     }
-                    } else {
-                        lbs
-                    }))
+                    Some(Arc::new(lbs))
                 }
                 (None, Some(_)) => {
                     return Err(InventoryError::LoadBalancer(format!(
@@ -414,8 +412,8 @@ impl Provider for TetherProvider {
     }
     fn load_balancers(&self) -> Option<Arc<dyn crate::cloud::LoadBalancers>> {
         self.load_balancers
-            .clone()
-            .map(|l| l as Arc<dyn crate::cloud::LoadBalancers>)
+            .as_ref()
+            .map(|l| l.allocations().clone() as Arc<dyn crate::cloud::LoadBalancers>)
     }
 }
 
