@@ -45,10 +45,11 @@ pub(crate) async fn load_balancer(to: SocketAddr, uds: PathBuf) -> anyhow::Resul
     // Assigned (as the leader's service controller does), then served (as the pool's
     // holder does).
     let status = lbs
+        .allocations()
         .ensure("bench", &svc, std::slice::from_ref(&node))
         .await
         .map_err(|e| anyhow::anyhow!("{e}"))?;
-    for pool in lbs.pool_names() {
+    for pool in lbs.allocations().pool_names() {
         lbs.resume_pool(&pool).await;
     }
     let addresses: Vec<std::net::IpAddr> =

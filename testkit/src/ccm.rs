@@ -216,6 +216,20 @@ pub fn lb_service(
     cluster.apply(&svc.to_string());
 }
 
+/// The load balancers' allocation record as the CCM wrote it (its JSON; empty when
+/// there is none).
+pub fn allocation_record(cluster: &Cluster) -> String {
+    cluster.kubectl_ok(&[
+        "get",
+        "configmap",
+        "-n",
+        "kube-system",
+        "cloud-controller-manager-lb-allocations",
+        "-o",
+        "jsonpath={.data.allocations\\.json}",
+    ])
+}
+
 /// The ingress IPs of Service `ns/name`.
 pub fn ingress_ips(cluster: &Cluster, ns: &str, name: &str) -> Vec<String> {
     let out = cluster.kubectl(&["get", "service", "-n", ns, name, "-o", "json"]);

@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use serde_json::Value;
 use tether_testkit::ccm::{
-    add_node_with_pod_cidr, event_count, https_get, ingress_ips, inventory_dir, lb_service,
-    machine, metrics_reader_token, start_ccm_with, wait_for_event, wait_ingress, write_inventory,
-    write_machines, Tunnel,
+    add_node_with_pod_cidr, allocation_record, event_count, https_get, ingress_ips, inventory_dir,
+    lb_service, machine, metrics_reader_token, start_ccm_with, wait_for_event, wait_ingress,
+    write_inventory, write_machines, Tunnel,
 };
 use tether_testkit::kube::{free_port, wait_blocking, Cluster, Egress};
 use tether_testkit::netns::{curl, curl_within, Node};
@@ -717,15 +717,7 @@ fn services_get_their_own_addresses_from_the_pools() {
     for (name, ip) in &before {
         assert_eq!(&wait_ingress(&cluster, "default", name), ip, "{name} moved");
     }
-    let record = cluster.kubectl_ok(&[
-        "get",
-        "configmap",
-        "-n",
-        "kube-system",
-        "cloud-controller-manager-lb-allocations",
-        "-o",
-        "jsonpath={.data.allocations\\.json}",
-    ]);
+    let record = allocation_record(&cluster);
     for (name, ip) in &before {
         assert!(
             record.contains(ip.as_str()),
@@ -1124,15 +1116,7 @@ fn a_forged_status_gets_no_traffic_and_an_event() {
     serves(format!("http://{ip_e}:8443/"), "page b\n");
     serves(format!("http://{ip_s}:8053/"), "page c\n");
     serves(format!("http://{ip_s}:8054/"), "page d\n");
-    let record = cluster.kubectl_ok(&[
-        "get",
-        "configmap",
-        "-n",
-        "kube-system",
-        "cloud-controller-manager-lb-allocations",
-        "-o",
-        "jsonpath={.data.allocations\\.json}",
-    ]);
+    let record = allocation_record(&cluster);
     for ip in [&ip_a, &ip_e, &ip_s] {
         assert!(
             record.contains(ip.as_str()),
