@@ -100,7 +100,14 @@ async fn provider_faults_are_retried_and_retry_after_is_honoured() {
         took >= Duration::from_secs(1),
         "retried after {took:?}, before RetryAfter"
     );
-    assert_eq!(fake.calls(), 2, "one throttled call, one that worked");
+    // One throttled call and one that worked; a third when the node changed between
+    // the cache read and the untaint (set_ready's status patch, on a loaded machine:
+    // a conflict, retried after 500 ms with a fresh provider call). Once in a CI run.
+    assert!(
+        matches!(fake.calls(), 2 | 3),
+        "{} calls: one throttled, one that worked (and one after a conflict)",
+        fake.calls()
+    );
 
     // A plain provider error: retried after the per-key backoff (5 s first).
     fake.fail_next([CloudError::Provider("cloud API is down".into())]);
