@@ -180,8 +180,9 @@ impl Session {
                 match tx {
                     // The pump writes what is queued, then closes and answers.
                     Some(tx) => drop(tx.send(packet)),
+                    // Behind the CLOSE_RSP a connection that just ended has queued.
                     None => {
-                        self.answer(Packet::unknown_connection(c.connect_id)).await;
+                        self.send(Packet::unknown_connection(c.connect_id)).await;
                     }
                 }
             }
@@ -210,7 +211,7 @@ impl Session {
             .map(|c| (c.tx.clone(), c.flow.clone()));
         let Some((tx, flow)) = conn else {
             tracing::debug!(connect_id, "DATA for unknown connectID");
-            self.answer(Packet::unknown_connection(connect_id)).await;
+            self.send(Packet::unknown_connection(connect_id)).await;
             return;
         };
         match flow.admit(len, self.stall_timeout).await {
@@ -345,9 +346,21 @@ impl Session {
         };
         tracing::debug!(?end, "connection ended");
         let told = matches!(end, Some(SpliceEnd::Cancelled | SpliceEnd::SinkGone));
-        if self.finish(connect_id) && !told {
+        // Forgotten only once its CLOSE_RSP is queued: a CLOSE_REQ or DATA that crosses
+        // it meanwhile goes to the ended pump, unanswered, instead of drawing an
+        // "unknown connectID" that would reach the server first.
+        let registered = self.halt(connect_id);
+        if registered && !told {
             self.send(Packet::close_response(connect_id, error)).await;
         }
+        self.finish(connect_id);
+    }
+
+    /// Wakes whoever waits on `connect_id`'s flow control, leaving it registered; true
+    /// when it still was.
+    fn halt(&self, connect_id: i64) -> bool {
+        let conns = self.conns();
+        conns.get(&connect_id).map(|c| c.flow.close()).is_some()
     }
 
     /// Opens the target connection for dial `random`, with the address it went to when
@@ -625,7 +638,10 @@ mod tests {
             matches!(next(&mut rx).await, Payload::CloseResponse(c) if c.error == "unknown connectID 9")
         );
         session.handle(Packet::close_request(8)).await;
-        assert!(matches!(next(&mut rx).await, Payload::CloseResponse(c) if c.connect_id == 8));
+        // Queued with connection traffic, behind the CLOSE_RSP of a connection that has
+        // just ended, never ahead of it.
+        let queued = rx.data.try_recv().map(|p| p.payload);
+        assert!(matches!(queued, Ok(Some(Payload::CloseResponse(c))) if c.connect_id == 8));
         session.handle(Packet::close_dial(77)).await;
         session.handle(Packet::window_update(5, 100)).await;
         let unsupported = Packet::dial_request("udp", "127.0.0.1:53", 4);
