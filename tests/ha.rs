@@ -4,6 +4,8 @@
 
 use std::net::SocketAddr;
 use std::path::Path;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tether_client::Client;
@@ -364,4 +366,175 @@ async fn an_agent_ready_with_every_server_is_not_ready_with_one() {
         ready(every).await.filter(|r| r.0 == 200).map(|_| ())
     })
     .await;
+}
+
+/// A server's successor on the same host (`--reuse-port` on one agent port, the Unix
+/// socket replaced by a rename, agents following Leases, dials waiting for an agent):
+/// a client dialling every 100 ms through the socket path sees no failure from before
+/// the successor starts until after the old server has gone, and a tunnel the old
+/// server carries lasts through its drain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_successor_on_the_same_host_takes_over_with_no_failed_dial() {
+    let pki = Pki::new();
+    let dir = TempDir::new("tether-handover");
+    let cluster = Cluster::start(&Egress::GrpcUds(dir.path().join("unused.sock")));
+    let kubeconfig = cluster.files.admin_kubeconfig.display().to_string();
+    let socket = dir.path().join("konnectivity-server.sock");
+    let f = &pki.files;
+    let args = |id: &str, agent_port: u16| -> Vec<String> {
+        vec![
+            format!("--server-id={id}"),
+            format!("--uds-name={}", socket.display()),
+            "--delete-existing-uds-file".into(),
+            "--server-port=0".into(),
+            format!("--agent-port={agent_port}"),
+            "--reuse-port".into(),
+            "--wait-for-agent=20s".into(),
+            "--graceful-shutdown-timeout=60s".into(),
+            "--enable-lease-controller".into(),
+            format!("--kubeconfig={kubeconfig}"),
+            format!("--cluster-cert={}", f.server_cert.display()),
+            format!("--cluster-key={}", f.server_key.display()),
+            format!("--cluster-ca-cert={}", f.ca_cert.display()),
+        ]
+    };
+    let mut blue = ServerProc::start(bin(), &args("blue", 0));
+    let port = blue.agent.port();
+    let agents: Vec<AgentProc> = (0..2)
+        .map(|i| {
+            AgentProc::start(
+                bin(),
+                &pki,
+                blue.agent,
+                &[
+                    format!("--agent-id=agent-{i}"),
+                    "--count-server-leases".into(),
+                    format!("--kubeconfig={kubeconfig}"),
+                ],
+            )
+        })
+        .collect();
+    wait_streams(&agents, 1.0).await;
+    let echo = backend::echo().await;
+    let target = echo.addr.to_string();
+
+    // A long tunnel through the old server.
+    let long_client = Client::uds(&socket).await.unwrap();
+    let mut long = long_client.dial(&target).await.unwrap();
+    roundtrip(&mut long).await;
+
+    // The probe: a new tunnel every 100 ms, as kube-apiserver opens one per call.
+    let stop = tokio_util::sync::CancellationToken::new();
+    let served = Arc::new(AtomicU32::new(0));
+    let probe = {
+        let (socket, target) = (socket.clone(), target.clone());
+        let (stop, served) = (stop.clone(), served.clone());
+        tokio::spawn(async move {
+            let (mut slowest, mut failed) = (Duration::ZERO, Vec::new());
+            while !stop.is_cancelled() {
+                let at = std::time::Instant::now();
+                match echo_roundtrip(&socket, &target).await {
+                    Ok(()) => drop(served.fetch_add(1, Ordering::Relaxed)),
+                    Err(e) => failed.push(format!("{e} (took {:?})", at.elapsed())),
+                }
+                slowest = slowest.max(at.elapsed());
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            (slowest, failed)
+        })
+    };
+    let probes = |n: u32| {
+        let served = served.clone();
+        async move {
+            let enough = || {
+                let served = served.clone();
+                async move { (served.load(Ordering::Relaxed) >= n).then_some(()) }
+            };
+            tether_testkit::wait_until(
+                &format!("{n} probes served"),
+                Duration::from_secs(60),
+                enough,
+            )
+            .await
+        }
+    };
+    probes(5).await;
+
+    // The successor binds the same agent port and takes the socket path at once; the
+    // agents see its Lease and open a stream to it too.
+    let green = ServerProc::start(bin(), &args("green", port));
+    assert_eq!(green.agent.port(), port);
+    // A call at once reaches the successor before any agent has: it waits for one.
+    echo_roundtrip(&socket, &target).await.unwrap();
+    wait_streams(&agents, 2.0).await;
+    green.wait_agents(2).await;
+
+    // The old server stops: its frontend and agent port close, its Lease goes, and it
+    // serves the tunnel it carries until that ends.
+    blue.proc.signal("TERM");
+    tether_testkit::wait_until(
+        "the old server's Lease is gone",
+        Duration::from_secs(30),
+        || {
+            let out = cluster.kubectl_ok(&["get", "leases", "-n", "kube-system", "-o", "name"]);
+            async move { (!out.contains("konnectivity-proxy-server-blue")).then_some(()) }
+        },
+    )
+    .await;
+    roundtrip(&mut long).await;
+    drop(long);
+    drop(long_client);
+    blue.proc
+        .wait_exit(Duration::from_secs(30))
+        .expect("the old server exits once its last tunnel has ended");
+    let log = blue.proc.log_text();
+    assert!(
+        log.contains("now belongs to another server; left in place"),
+        "{log}"
+    );
+    wait_streams(&agents, 1.0).await;
+
+    // Some more probes through the successor alone, then the count.
+    let page = green.metrics().await;
+    let before = metric(
+        &page,
+        "konnectivity_network_proxy_server_dial_duration_seconds_count",
+    )
+    .unwrap_or(0.0);
+    tether_testkit::wait_until(
+        "10 more dials through the successor",
+        Duration::from_secs(60),
+        || {
+            let health = green.health;
+            async move {
+                let (_, page) = tether_testkit::http_get(health, "/metrics").await.ok()?;
+                let now = metric(
+                    &page,
+                    "konnectivity_network_proxy_server_dial_duration_seconds_count",
+                )?;
+                (now >= before + 10.0).then_some(())
+            }
+        },
+    )
+    .await;
+    stop.cancel();
+    let (slowest, failed) = probe.await.unwrap();
+    let ok = served.load(Ordering::Relaxed);
+    let waited = metric(
+        &green.metrics().await,
+        r#"tether_server_dials_waited_total{result="arrived"}"#,
+    );
+    println!("handover: {ok} dials, {} failed, slowest {slowest:?}; {waited:?} waited on the successor for an agent", failed.len());
+    assert!(
+        failed.is_empty(),
+        "{} of {} dials failed: {failed:#?}",
+        failed.len(),
+        ok as usize + failed.len()
+    );
+}
+
+async fn roundtrip(c: &mut tether_client::TunnelConn) {
+    c.write_all(b"hi").await.unwrap();
+    let mut b = [0u8; 2];
+    c.read_exact(&mut b).await.unwrap();
 }

@@ -398,34 +398,35 @@ pub enum Removal {
     Failed(io::Error),
 }
 
-/// Binds a Unix socket at `path`. An existing socket file is removed first when
+/// Binds a Unix socket at `path`. An existing socket file is replaced when
 /// `delete_existing` (upstream's `--delete-existing-uds-file`); a non-socket file there
-/// is never removed.
+/// is never removed. See [`bind_uds_with`].
 pub fn bind_uds(path: &Path, delete_existing: bool) -> io::Result<(UnixListener, SocketFile)> {
+    bind_uds_with(path, delete_existing, &SocketAccess::default())
+}
+
+/// Whether a socket file is at `path` (to be replaced); an error for any other file.
+fn existing_socket(path: &Path) -> io::Result<bool> {
     use std::os::unix::fs::FileTypeExt;
-    if let Ok(meta) = std::fs::symlink_metadata(path) {
-        if !meta.file_type().is_socket() {
-            return Err(io::Error::new(
-                io::ErrorKind::AlreadyExists,
-                format!(
-                    "{} exists and is not a socket; refusing to remove it",
-                    path.display()
-                ),
-            ));
-        }
-        if delete_existing {
-            std::fs::remove_file(path)?;
-        }
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_socket() => Ok(true),
+        Ok(_) => Err(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            format!(
+                "{} exists and is not a socket; refusing to remove it",
+                path.display()
+            ),
+        )),
+        Err(_) => Ok(false),
     }
-    if let Some(dir) = path.parent() {
-        if !dir.as_os_str().is_empty() {
-            std::fs::create_dir_all(dir)?;
-        }
-    }
-    let socket = socket2::Socket::new(socket2::Domain::UNIX, socket2::Type::STREAM, None)?;
-    socket.bind(&socket2::SockAddr::unix(path)?)?;
-    let file = SocketFile::at(path)?;
-    Ok((UnixListener::from_std(listening(socket)?.into())?, file))
+}
+
+/// Where a replacing socket is bound before it is renamed over the path: beside it (a
+/// rename stays in one directory), named for this process.
+fn staging_path(path: &Path) -> PathBuf {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(format!(".{}.new", std::process::id()));
+    path.with_file_name(name)
 }
 
 /// The queue of connections the kernel accepts for a listener before we do: as long as
@@ -439,12 +440,22 @@ pub const LISTEN_BACKLOG: i32 = 65_535;
 /// Binds a TCP listener at `addr` with [`LISTEN_BACKLOG`] (and `SO_REUSEADDR`, as
 /// tokio's `bind` sets, so a restarted server can bind again at once).
 pub fn bind_tcp(addr: std::net::SocketAddr) -> io::Result<TcpListener> {
+    bind_tcp_with(addr, false)
+}
+
+/// [`bind_tcp`], and with `reuse_port` also `SO_REUSEPORT`: another listener of the
+/// same user may then bind the same address while this one runs (a successor taking
+/// over; the kernel spreads new connections over both until one closes).
+pub fn bind_tcp_with(addr: std::net::SocketAddr, reuse_port: bool) -> io::Result<TcpListener> {
     let socket = socket2::Socket::new(
         socket2::Domain::for_address(addr),
         socket2::Type::STREAM,
         Some(socket2::Protocol::TCP),
     )?;
     socket.set_reuse_address(true)?;
+    if reuse_port {
+        socket.set_reuse_port(true)?;
+    }
     socket.bind(&addr.into())?;
     TcpListener::from_std(listening(socket)?.into())
 }
@@ -466,14 +477,49 @@ pub struct SocketAccess {
     pub group: Option<u32>,
 }
 
-/// [`bind_uds`], then the socket's group and mode set as `access` says (the group
+/// Binds a Unix socket at `path` with the group and mode `access` says (the group
 /// first, so the socket is never open wider than asked).
+///
+/// An existing socket is replaced only when `delete_existing`, and without a moment
+/// where the path is missing: the new socket is bound beside it, given its access, and
+/// renamed over it. So a client connecting meanwhile reaches the old server or the new
+/// one, never nothing (a successor's take-over, see docs/operating.md); the old server
+/// keeps the connections it has.
 pub fn bind_uds_with(
     path: &Path,
     delete_existing: bool,
     access: &SocketAccess,
 ) -> io::Result<(UnixListener, SocketFile)> {
-    let listener = bind_uds(path, delete_existing)?;
+    let replace = existing_socket(path)?;
+    if let Some(dir) = path.parent() {
+        if !dir.as_os_str().is_empty() {
+            std::fs::create_dir_all(dir)?;
+        }
+    }
+    let at = if replace && delete_existing {
+        staging_path(path)
+    } else {
+        path.to_path_buf()
+    };
+    // A staging file left by a process of ours that died in between: ours to remove.
+    if at != path && existing_socket(&at)? {
+        std::fs::remove_file(&at)?;
+    }
+    let socket = socket2::Socket::new(socket2::Domain::UNIX, socket2::Type::STREAM, None)?;
+    socket.bind(&socket2::SockAddr::unix(&at)?)?;
+    let placed = set_access(&at, access).and_then(|()| match at != path {
+        true => std::fs::rename(&at, path),
+        false => Ok(()),
+    });
+    if let Err(e) = placed {
+        let _ = std::fs::remove_file(&at);
+        return Err(e);
+    }
+    let file = SocketFile::at(path)?;
+    Ok((UnixListener::from_std(listening(socket)?.into())?, file))
+}
+
+fn set_access(path: &Path, access: &SocketAccess) -> io::Result<()> {
     if let Some(gid) = access.group {
         // Without CAP_CHOWN (a container that drops every capability) only a group the
         // process is in may be given.
@@ -490,7 +536,7 @@ pub fn bind_uds_with(
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
     }
-    Ok(listener)
+    Ok(())
 }
 
 /// HTTP/2 receive window per stream on every Tether endpoint (agent link, gRPC
@@ -647,6 +693,48 @@ mod tests {
         assert!(matches!(new_file.remove_if_ours(), Removal::Removed));
         assert!(!path.exists());
         assert!(matches!(new_file.remove_if_ours(), Removal::Gone));
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// A successor's socket replaces the old one by a rename: a client looking at the
+    /// path meanwhile always finds a socket there, and the old server's clients keep
+    /// their connections.
+    #[tokio::test]
+    async fn replacing_a_socket_never_leaves_its_path_empty() {
+        let dir = std::env::temp_dir().join(format!("tether-replace-{}", std::process::id()));
+        let path = dir.join("s.sock");
+        let (old, _) = bind_uds(&path, true).unwrap();
+        let (kept, accepted) = tokio::join!(tokio::net::UnixStream::connect(&path), old.accept());
+        let (kept, (mut old_end, _)) = (kept.unwrap(), accepted.unwrap());
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let watcher = {
+            let (path, stop) = (path.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut looks = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    std::fs::symlink_metadata(&path).expect("the path is never missing");
+                    looks += 1;
+                }
+                looks
+            })
+        };
+        let mut successors = Vec::new();
+        for _ in 0..200 {
+            successors.push(bind_uds(&path, true).unwrap());
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        assert!(watcher.join().unwrap() > 0);
+        let (last, last_file) = successors.pop().unwrap();
+        assert!(last_file.is_ours());
+        let (_c, accepted) = tokio::join!(tokio::net::UnixStream::connect(&path), last.accept());
+        accepted.unwrap();
+        // No staging file is left beside it.
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut kept = kept;
+        kept.write_all(b"x").await.unwrap();
+        let mut b = [0u8; 1];
+        old_end.read_exact(&mut b).await.unwrap();
         let _ = std::fs::remove_dir_all(dir);
     }
 }

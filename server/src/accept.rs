@@ -39,8 +39,9 @@ pub(crate) fn refusals(
 }
 
 /// The agent listener: mutual TLS, then one task per connection serving
-/// `AgentService` with HTTP/2 keepalive; after the hard stop it waits for those tasks
-/// (each ends within `tether_core::grpc::server::CLOSE_GRACE`).
+/// `AgentService` with HTTP/2 keepalive, until `accepting` is cancelled; then it waits
+/// for those tasks (each ends within `tether_core::grpc::server::CLOSE_GRACE` of the
+/// hard stop).
 pub(crate) fn spawn_agent_listener(
     link: agent_link::AgentLink,
     listener: TcpListener,
@@ -48,7 +49,7 @@ pub(crate) fn spawn_agent_listener(
     keepalive: Duration,
     dead_link: Option<Duration>,
     admission: Arc<tether_core::admission::Admission>,
-    hard_stop: &CancellationToken,
+    accepting: &CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
     let mut incoming = transport::tls_incoming_with(
         listener,
@@ -56,7 +57,7 @@ pub(crate) fn spawn_agent_listener(
         "agent",
         dead_link,
         admission,
-        hard_stop.clone(),
+        accepting.clone(),
     );
     let link = Arc::new(link);
     tokio::spawn(

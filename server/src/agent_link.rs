@@ -869,6 +869,7 @@ mod tests {
                 stall_timeout: Duration::from_secs(30),
                 trust_claims: false,
                 max_agent_streams: 2,
+                agent_wait: Duration::ZERO,
             },
             crate::metrics::Metrics::new(),
         );

@@ -93,6 +93,9 @@ pub struct ServerConfig {
     pub frontends: Vec<FrontendConfig>,
     /// Agent listener address.
     pub agent_addr: SocketAddr,
+    /// `--reuse-port`: every TCP listener binds with `SO_REUSEPORT`, so a successor
+    /// can bind beside this server; the agent listener then closes at the drain.
+    pub reuse_port: bool,
     /// Agent listener TLS; `ca` set = agents must present a client certificate.
     pub agent_tls: TlsFiles,
     /// Caps on the TCP listeners' connections and handshakes (each listener its own).

@@ -205,6 +205,15 @@ tether_ops::metric_set! {
             .expect("valid metric"),
             &[&["too_many_streams"], &["too_many_connections"], &["unverified"]],
         )),
+        /// Dials that waited for an agent (`--wait-for-agent`), by result.
+        pub dials_waited: IntCounterVec = catalog.add(with_series(
+            IntCounterVec::new(
+                Opts::new("tether_server_dials_waited_total", "Dials that found no agent to take them and waited for one (--wait-for-agent), by result: arrived (an agent that may take it connected in time), gave_up (none did; the dial failed with No agent available)."),
+                &["result"],
+            )
+            .expect("valid metric"),
+            &[&["arrived"], &["gave_up"]],
+        )),
         /// Live agent streams ended because their token no longer passes a review.
         pub agent_streams_revoked: IntCounter = catalog.made(IntCounter::with_opts(Opts::new(
             "tether_server_agent_streams_revoked_total",

@@ -151,6 +151,14 @@ impl BoundServer {
             ),
         };
         let keepalive = config.agent_keepalive;
+        let mut frontends = Frontends::default();
+        // Sharing its port (--reuse-port), a stopping server stops taking agents with
+        // its frontends, so that agents reconnecting meanwhile reach its successor; its
+        // streams stay until the hard stop.
+        let accepting = match config.reuse_port {
+            true => frontends.drain.clone(),
+            false => hard_stop.clone(),
+        };
         let agent_task = spawn_agent_listener(
             link,
             self.agent_listener,
@@ -158,9 +166,8 @@ impl BoundServer {
             keepalive,
             config.agent_dead_link,
             admission(&self.router, "agent", config.admission),
-            hard_stop,
+            &accepting,
         );
-        let mut frontends = Frontends::default();
         for (mode, listener) in self.frontends {
             if let FrontendListener::Uds(_, file) = &listener {
                 frontends.sockets.push(file.clone());

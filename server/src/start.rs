@@ -218,8 +218,12 @@ pub struct BoundServer {
 /// Entry point.
 pub struct Server;
 
-pub(crate) fn bind_tcp(what: &'static str, addr: SocketAddr) -> Result<TcpListener, StartError> {
-    transport::bind_tcp(addr).map_err(|source| StartError::Bind {
+pub(crate) fn bind_tcp(
+    what: &'static str,
+    addr: SocketAddr,
+    reuse_port: bool,
+) -> Result<TcpListener, StartError> {
+    transport::bind_tcp_with(addr, reuse_port).map_err(|source| StartError::Bind {
         what,
         addr: addr.to_string(),
         source,
@@ -259,6 +263,7 @@ impl TlsSources {
 pub(crate) async fn bind_frontend(
     fe: &FrontendConfig,
     tls_sources: &mut TlsSources,
+    reuse_port: bool,
 ) -> Result<(FrontendListener, String), StartError> {
     match &fe.listen {
         Listen::Uds {
@@ -286,7 +291,7 @@ pub(crate) async fn bind_frontend(
                 Mode::HttpConnect => &[tls::ALPN_HTTP11],
             };
             let cfg = tls_sources.source("frontend", files, alpn)?;
-            let l = bind_tcp("frontend port", *addr)?;
+            let l = bind_tcp("frontend port", *addr, reuse_port)?;
             let at = l.local_addr().map(|a| a.to_string()).unwrap_or_default();
             Ok((FrontendListener::Tls(l, cfg, clients.clone()), at))
         }
@@ -296,9 +301,10 @@ pub(crate) async fn bind_frontend(
 pub(crate) fn bind_optional(
     what: &'static str,
     addr: Option<SocketAddr>,
+    reuse_port: bool,
 ) -> Result<Option<TcpListener>, StartError> {
     match addr {
-        Some(a) => Ok(Some(bind_tcp(what, a)?)),
+        Some(a) => Ok(Some(bind_tcp(what, a, reuse_port)?)),
         None => Ok(None),
     }
 }
@@ -313,16 +319,17 @@ impl Server {
             reloadables: Vec::new(),
         };
         let agent_tls = tls_sources.source("agent listener", &config.agent_tls, &[tls::ALPN_H2])?;
-        let agent_listener = bind_tcp("agent port", config.agent_addr)?;
+        let reuse = config.reuse_port;
+        let agent_listener = bind_tcp("agent port", config.agent_addr, reuse)?;
         let mut frontends = Vec::new();
         let mut frontend_addrs = Vec::new();
         for fe in &config.frontends {
-            let (listener, at) = bind_frontend(fe, &mut tls_sources).await?;
+            let (listener, at) = bind_frontend(fe, &mut tls_sources, reuse).await?;
             frontends.push((fe.mode, listener));
             frontend_addrs.push(at);
         }
-        let health = bind_optional("health port", config.health_addr)?;
-        let admin = bind_optional("admin port", config.admin_addr)?;
+        let health = bind_optional("health port", config.health_addr, reuse)?;
+        let admin = bind_optional("admin port", config.admin_addr, reuse)?;
         let admin_tls = match &config.admin_tls {
             Some(files) => Some(tls_sources.source("admin port", files, &[tls::ALPN_HTTP11])?),
             None => None,

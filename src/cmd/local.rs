@@ -105,6 +105,7 @@ fn server_config(args: &LocalArgs, pki: &DevPki, socket: &Path) -> ServerConfig 
         server_count: 1,
         frontends: frontends(args, pki, socket),
         agent_addr: loopback(0),
+        reuse_port: false,
         agent_tls: TlsFiles {
             cert: pki.server_cert.clone(),
             key: pki.server_key.clone(),
@@ -124,6 +125,7 @@ fn server_config(args: &LocalArgs, pki: &DevPki, socket: &Path) -> ServerConfig 
             stall_timeout: tether_core::flow::DEFAULT_STALL_TIMEOUT,
             trust_claims: false,
             max_agent_streams: tether_server::DEFAULT_MAX_AGENT_STREAMS,
+            agent_wait: Duration::from_secs(5),
         },
         channel_size: 10,
         graceful_shutdown_timeout: Duration::from_secs(5),

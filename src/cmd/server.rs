@@ -214,6 +214,23 @@ pub struct ServerArgs {
     /// authentication needs anyway. Tether only.
     #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
     pub watch_node_pod_cidrs: bool,
+    /// How long a dial that no connected agent can take waits for one (0 = fail it at
+    /// once, as upstream).
+    ///
+    /// Covers the seconds after this server starts or takes over from a predecessor, and
+    /// a node's agent reconnecting: kube-apiserver's call waits instead of failing with
+    /// "No agent available". Bounded by --backend-dial-timeout. Tether only.
+    #[arg(long, default_value = "0", value_parser = duration)]
+    pub wait_for_agent: Duration,
+    /// Bind the agent, frontend TCP, health and admin ports with SO_REUSEPORT, so a
+    /// successor can start on the same ports while this server still runs.
+    ///
+    /// The kernel spreads new connections over both until one closes its listeners (at
+    /// SIGTERM this server closes its frontend at once and its agent port after its
+    /// tunnels). Only a process of the same user can join the port. See
+    /// docs/operating.md, "Upgrading the server". Tether only.
+    #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
+    pub reuse_port: bool,
     /// How long established tunnels may finish after SIGTERM (0 = close at once).
     #[arg(long, default_value = "0", value_parser = duration)]
     pub graceful_shutdown_timeout: Duration,
@@ -470,6 +487,7 @@ impl ServerArgs {
                 listen,
             }],
             agent_addr: endpoints.agent,
+            reuse_port: self.reuse_port,
             agent_tls,
             agent_keepalive: grpc_server_keepalive(self.keepalive_time),
             frontend_keepalive: grpc_server_keepalive(self.frontend_keepalive_time),
@@ -678,6 +696,7 @@ impl ServerArgs {
             stall_timeout: self.stalled_reader_timeout,
             trust_claims: self.unsafe_trust_agent_identifiers,
             max_agent_streams: self.max_agent_streams,
+            agent_wait: self.wait_for_agent,
         }
     }
 }

@@ -153,6 +153,12 @@ where
                 None => Err(("502 Bad Gateway", "agent disconnected".into())),
             }
         }
+        // A dial that waited for an agent (--wait-for-agent) and none came: what
+        // upstream answers when there is none.
+        Ok(Some(Payload::DialResponse(rsp))) if rsp.error == crate::router::NO_AGENT => Err((
+            "500 Internal Server Error",
+            "currently no tunnels available".into(),
+        )),
         Ok(Some(Payload::DialResponse(rsp))) => {
             tracing::info!(error = %rsp.error, %address, "dial failed");
             Err((dial_error_status(&rsp.error), rsp.error))

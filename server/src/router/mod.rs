@@ -11,6 +11,7 @@ mod select;
 mod state;
 #[cfg(test)]
 mod tests;
+mod wait;
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -70,6 +71,9 @@ pub struct RouterConfig {
     /// With an upstream agent: how long one connection's full queue (its client not
     /// reading) may hold up the agent's stream before the connection is closed.
     pub stall_timeout: Duration,
+    /// `--wait-for-agent`: how long a dial no connected agent can take waits for one
+    /// (zero: it fails at once, as upstream's).
+    pub agent_wait: Duration,
 }
 
 /// The server core shared by frontends and agent links.
@@ -216,18 +220,27 @@ impl Router {
                 self.refused(fe, &req.address, Reason::BadAddress, &e.to_string());
                 return Err(DialError::BadAddress(e));
             }
+            Err(why) if wait::worth_waiting(&why, self.config.agent_wait) => {
+                self.wait_for_agent(fe.clone(), req, why);
+                return Ok(());
+            }
             Err(why) => {
-                if fe.counted {
-                    self.metrics.dial_failed(DialFailure::NoAgent);
-                }
-                tracing::info!(address = %req.address, reason = %why, "no agent available for dial");
-                self.refused(fe, &req.address, Reason::NoAgent, &why.to_string());
+                self.no_agent(fe, &req.address, &why);
                 return Err(DialError::NoAgent);
             }
         };
         self.send_dial(fe, req, agent, strategy, Instant::now(), 0)
             .await;
         Ok(())
+    }
+
+    /// Counts, logs and records a dial no agent takes.
+    fn no_agent(&self, fe: &FrontendStream, address: &str, why: &NoRoute) {
+        if fe.counted {
+            self.metrics.dial_failed(DialFailure::NoAgent);
+        }
+        tracing::info!(address = %address, reason = %why, "no agent available for dial");
+        self.refused(fe, address, Reason::NoAgent, &why.to_string());
     }
 
     /// Answers dial `random` of `fe` with why [`Router::dial`] failed: upstream's "No

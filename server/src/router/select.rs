@@ -237,6 +237,8 @@ pub struct Registry {
     trust_claims: bool,
     /// Most streams per group (0 = no cap).
     max_streams: usize,
+    /// Woken whenever a stream is added (dials waiting for an agent look again).
+    added: tokio::sync::Notify,
 }
 
 impl Default for Registry {
@@ -254,6 +256,7 @@ impl Registry {
             nodes: Arc::default(),
             trust_claims,
             max_streams,
+            added: tokio::sync::Notify::new(),
         }
     }
 
@@ -304,7 +307,16 @@ impl Registry {
                 g.index.insert(key, at);
             }
         }
-        Ok(g.streams)
+        let streams = g.streams;
+        drop(g);
+        self.added.notify_waiters();
+        Ok(streams)
+    }
+
+    /// Resolves when the next stream is added (from the moment it is called, even
+    /// before it is polled).
+    pub(crate) fn arrived(&self) -> tokio::sync::futures::Notified<'_> {
+        self.added.notified()
     }
 
     /// Removes `agent`; false when it was not registered.

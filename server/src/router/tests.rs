@@ -27,6 +27,7 @@ fn router(strategies: &str, backend_dial_timeout: Option<Duration>) -> Arc<Route
             // These tests are about routing mechanics; verification is select's.
             trust_claims: true,
             max_agent_streams: 0,
+            agent_wait: Duration::ZERO,
         },
         Metrics::new(),
     )
@@ -446,6 +447,7 @@ async fn every_end_is_recorded_with_its_reason() {
             stall_timeout: Duration::from_secs(30),
             trust_claims: true,
             max_agent_streams: 0,
+            agent_wait: Duration::ZERO,
         },
         metrics,
         audit,
@@ -524,4 +526,62 @@ async fn every_end_is_recorded_with_its_reason() {
     assert_eq!(lines[1]["error"], "connection reset by peer");
     assert_eq!(lines[3]["random"], 99);
     assert_eq!(lines[5]["error"], "agent a disconnected");
+}
+
+fn waiting_router(wait: Duration) -> Arc<Router> {
+    Router::new(
+        RouterConfig {
+            strategies: parse_strategies("default").unwrap(),
+            backend_dial_timeout: None,
+            flow_control: true,
+            stall_timeout: Duration::from_secs(30),
+            trust_claims: true,
+            max_agent_streams: 0,
+            agent_wait: wait,
+        },
+        Metrics::new(),
+    )
+}
+
+/// `--wait-for-agent`: a dial made before any agent is connected goes to the first that
+/// arrives, and the frontend's other traffic is not held up meanwhile.
+#[tokio::test]
+async fn a_dial_waits_for_an_agent_to_arrive() {
+    let router = waiting_router(Duration::from_secs(30));
+    let mut fe = FakeFrontend::open();
+    fe.dial(&router, "target:80", 7).await;
+    // The dial returned at once: the frontend stream reads on while it waits.
+    let p = tokio::time::timeout(Duration::from_millis(100), fe.out.next()).await;
+    assert!(p.is_err(), "nothing is answered before an agent comes");
+    let mut agent = FakeAgent::join(&router, "late", "", None);
+    let req = agent.dial_request().await;
+    assert_eq!(req.random, 7);
+    agent.send(&router, Packet::dial_response(7, 3, "")).await;
+    assert_eq!(fe.dial_response().await, Ok(3));
+    let waited = router.metrics.dials_waited.with_label_values(&["arrived"]);
+    assert_eq!(waited.get(), 1);
+}
+
+/// When no agent comes within the wait, the dial fails as upstream's would.
+#[tokio::test]
+async fn a_dial_that_waited_in_vain_fails_with_no_agent() {
+    let router = waiting_router(Duration::from_millis(300));
+    let mut fe = FakeFrontend::open();
+    let started = Instant::now();
+    fe.dial(&router, "target:80", 8).await;
+    assert_eq!(fe.dial_response().await, Err(NO_AGENT.to_string()));
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    let gave_up = router.metrics.dials_waited.with_label_values(&["gave_up"]);
+    assert_eq!(gave_up.get(), 1);
+    assert_eq!(router.work().open(), 0);
+    // An address no agent may ever take is refused at once, without waiting.
+    let bad = DialRequest {
+        protocol: "tcp".into(),
+        address: "no-port".into(),
+        random: 9,
+    };
+    assert!(matches!(
+        router.dial(&fe.fe, bad).await,
+        Err(DialError::BadAddress(_))
+    ));
 }
