@@ -543,6 +543,19 @@ patches:
         serde_json::from_slice(&out.stdout).unwrap()
     }
 
+    /// What `url` answers on the control-plane host's network (its loopback ports),
+    /// or `None` when it does not answer 2xx.
+    pub fn on_control_plane(&self, url: &str) -> Option<String> {
+        let out = Command::new("ip")
+            .args(["netns", "exec", &self.control_plane.net.ns, "curl", "-sf"])
+            .arg(url)
+            .output()
+            .ok()?;
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
     /// Every node: the control-plane node, then the workers.
     pub fn nodes(&self) -> impl Iterator<Item = &RealNode> {
         std::iter::once(&self.control_plane).chain(&self.workers)

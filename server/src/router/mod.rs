@@ -447,6 +447,10 @@ impl Router {
     pub async fn cancel(&self, fe: &FrontendStream, random: i64) {
         if let Some(agent) = fe.unexpect(random) {
             self.abandon_dial(&agent, random).await;
+        } else if let Some(address) = fe.unwait(random) {
+            self.metrics.dial_failed(DialFailure::FrontendClose);
+            let reason = self.unless_stopping(Reason::Client);
+            self.refused(fe, &address, reason, "cancelled while waiting for an agent");
         }
     }
 

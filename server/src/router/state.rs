@@ -96,6 +96,8 @@ pub(crate) struct Routes {
     pub conns: HashMap<i64, Arc<Conn>>,
     /// DialRequest.random -> the agent stream it was sent to.
     pub pending: HashMap<i64, Arc<AgentStream>>,
+    /// DialRequest.random -> the address, for dials waiting for an agent.
+    pub waiting: HashMap<i64, String>,
 }
 
 static NEXT_FRONTEND: AtomicU64 = AtomicU64::new(1);
@@ -162,6 +164,23 @@ impl FrontendStream {
     /// Dial `random` is no longer pending; the agent it was sent to.
     pub(crate) fn unexpect(&self, random: i64) -> Option<Arc<AgentStream>> {
         remove_shrinking(&mut lock(&self.routes).pending, random)
+    }
+
+    /// Dial `random` (to `address`) waits for an agent.
+    pub(crate) fn wait(&self, random: i64, address: &str) {
+        lock(&self.routes)
+            .waiting
+            .insert(random, address.to_string());
+    }
+
+    /// Whether dial `random` still waits for an agent (not cancelled, stream open).
+    pub(crate) fn is_waiting(&self, random: i64) -> bool {
+        lock(&self.routes).waiting.contains_key(&random)
+    }
+
+    /// Dial `random` no longer waits; its address if it still did.
+    pub(crate) fn unwait(&self, random: i64) -> Option<String> {
+        remove_shrinking(&mut lock(&self.routes).waiting, random)
     }
 
     /// Routes `conn` here; false when its connectID is taken on this stream.

@@ -585,3 +585,30 @@ async fn a_dial_that_waited_in_vain_fails_with_no_agent() {
         Err(DialError::BadAddress(_))
     ));
 }
+
+/// A dial the client cancels (DIAL_CLS) while it waits for an agent never reaches the
+/// agent that arrives later.
+#[tokio::test]
+async fn a_dial_cancelled_while_waiting_goes_to_no_agent() {
+    let router = waiting_router(Duration::from_secs(30));
+    let mut fe = FakeFrontend::open();
+    fe.dial(&router, "target:80", 11).await;
+    router.cancel(&fe.fe, 11).await;
+    let mut agent = FakeAgent::join(&router, "late", "", None);
+    // A second dial, made after the agent came, is the first packet it gets.
+    fe.dial(&router, "target:80", 12).await;
+    assert_eq!(agent.dial_request().await.random, 12);
+    agent.nothing();
+    until_one_dial_is_open(&router).await;
+    let p = tokio::time::timeout(Duration::from_millis(100), fe.out.next()).await;
+    assert!(p.is_err(), "the cancelled dial is not answered");
+}
+
+/// Until nothing waits: the cancelled dial's task has ended.
+async fn until_one_dial_is_open(router: &Router) {
+    let deadline = Instant::now() + PATIENCE;
+    while router.work().open() > 1 {
+        assert!(Instant::now() < deadline, "a waiting dial never ended");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}

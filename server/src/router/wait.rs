@@ -42,10 +42,16 @@ impl Router {
         let address = req.address.clone();
         tracing::debug!(%address, reason = %why, "no agent yet; the dial waits for one");
         let work = self.work.watch();
+        fe.wait(req.random, &address);
         tokio::spawn(
             async move {
                 let _work = work;
-                match this.agent_for(&fe, &address, deadline).await {
+                let routed = this.agent_for(&fe, &req, deadline).await;
+                // Cancelled (CLOSE_DIAL) or its stream gone meanwhile: nothing to answer.
+                if fe.unwait(req.random).is_none() {
+                    return;
+                }
+                match routed {
                     Ok((agent, strategy)) => {
                         this.metrics.dials_waited.with_label_values(&["arrived"]).inc();
                         let (agent_id, waited) = (&agent.agent_id, started.elapsed());
@@ -63,23 +69,24 @@ impl Router {
         );
     }
 
-    /// The agent `address` goes to, once one is connected; why none, at `deadline`, when
-    /// `fe` is gone or the server stops.
+    /// The agent `req` goes to, once one is connected; why none, at `deadline`, when
+    /// `fe` is gone or no longer wants it, or when the server stops.
     async fn agent_for(
         &self,
         fe: &FrontendStream,
-        address: &str,
+        req: &DialRequest,
         deadline: Instant,
     ) -> Result<(Arc<AgentStream>, &'static str), NoRoute> {
         loop {
             // Asked for before looking, so an agent arriving in between is seen.
             let arrived = self.registry.arrived();
-            let why = match self.registry.route(&self.config.strategies, address) {
+            let why = match self.registry.route(&self.config.strategies, &req.address) {
                 Ok(routed) => return Ok(routed),
                 Err(why) => why,
             };
             let stopping = self.stopping.load(Ordering::Relaxed);
-            if fe.is_closed() || stopping || Instant::now() >= deadline {
+            let wanted = !fe.is_closed() && fe.is_waiting(req.random);
+            if !wanted || stopping || Instant::now() >= deadline {
                 return Err(why);
             }
             let next = deadline.min(Instant::now() + LOOK_AGAIN);
