@@ -29,7 +29,6 @@ fn config(enabled: Enabled) -> CcmConfig {
         leader_election: None,
         load_balancer_lease: None,
         identity: "test".into(),
-        load_balancer_server: None,
         metrics: Default::default(),
     }
 }

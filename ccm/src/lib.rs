@@ -19,7 +19,6 @@ pub mod serving;
 pub mod translate;
 pub mod workqueue;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 pub use manager::run;
@@ -153,9 +152,6 @@ pub struct CcmConfig {
     pub load_balancer_lease: Option<leader::LeaderElection>,
     /// Reported as the event source.
     pub identity: String,
-    /// The load balancers' data plane (the `tether` provider's), which every replica
-    /// runs beside the controllers, serving the pools whose leases it holds.
-    pub load_balancer_server: Option<Arc<lb::balancer::TunnelLoadBalancers>>,
     /// The controller manager's metrics (served on the secure port).
     pub metrics: metrics::Metrics,
 }

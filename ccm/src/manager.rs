@@ -20,7 +20,7 @@ use crate::cloud::{Provider, Routes};
 use crate::controllers::{self, node::NodeController, node_lifecycle::NodeLifecycleController};
 use crate::controllers::{csr_approver::CsrApprover, Context};
 use crate::workqueue::WorkQueue;
-use crate::{credentials, endpoints, informer, lb, leader, serving, CcmConfig, CcmError};
+use crate::{credentials, endpoints, informer, leader, serving, CcmConfig, CcmError};
 
 /// How long controllers get to stop (and clean up) at the drain or step-down.
 const STOP_TIMEOUT: Duration = Duration::from_secs(10);
@@ -42,7 +42,7 @@ pub async fn run(
         .map(|le| le.name.as_str())
         .unwrap_or("cloud-controller-manager")]);
     leader_metric.set(0);
-    let data_plane = DataPlane::start(&clients, &config, &health, &drain);
+    let data_plane = DataPlane::start(provider.as_ref(), &clients, &config, &health, &drain);
     if config.enabled.service && provider.load_balancers().is_none() {
         tracing::warn!(provider = provider.name(), "service controller disabled: the provider has no load balancers (tether: set --tunnel-uds, and loadBalancer pools in the cloud config or --lb-bind-address)");
     }
@@ -151,8 +151,9 @@ async fn elect(
     Some((l.lost.clone(), Some(l)))
 }
 
-/// The load balancers' data plane, which runs on every replica beside the controllers:
-/// each serves the pools whose leases it holds.
+/// What the provider runs on every replica beside the controllers
+/// ([`Provider::initialize`]; the `tether` provider's load balancers, each replica
+/// serving the pools whose leases it holds).
 struct DataPlane {
     drain: CancellationToken,
     task: Option<tokio::task::JoinHandle<()>>,
@@ -160,18 +161,32 @@ struct DataPlane {
 
 impl DataPlane {
     fn start(
+        provider: &dyn Provider,
         clients: &credentials::Clients,
         config: &CcmConfig,
         health: &serving::Health,
         drain: &CancellationToken,
     ) -> Self {
         let drain = drain.child_token();
-        let (Some(lbs), true) = (config.load_balancer_server.clone(), config.enabled.service)
-        else {
+        let replica = crate::cloud::Replica {
+            client: clients.root.clone(),
+            lease: config.load_balancer_lease.clone(),
+            load_balancer_class: config.load_balancer_class.clone(),
+            resync: config.lb_resync_period,
+            workers: config.concurrent_service_syncs,
+            identity: config.identity.clone(),
+            drain: drain.clone(),
+        };
+        // What the provider runs on every replica is its load balancers: only with the
+        // service controller on.
+        let run = config
+            .enabled
+            .service
+            .then(|| provider.initialize(replica))
+            .flatten();
+        let Some(run) = run else {
             return DataPlane { drain, task: None };
         };
-        // The allocation record, for the service controller if this replica leads.
-        lbs.allocations().keep_record(&clients.root);
         // Its health check fails once it has ended before the drain (say, its caches
         // never synced): this replica then serves no pool.
         let exit = ExitFlag::default();
@@ -183,18 +198,6 @@ impl DataPlane {
                 Err("the load balancers' data plane stopped".into())
             }
         });
-        let run = lb::pools::run(
-            clients.root.clone(),
-            lbs,
-            lb::pools::ServingConfig {
-                lease: config.load_balancer_lease.clone(),
-                load_balancer_class: config.load_balancer_class.clone(),
-                resync: config.lb_resync_period,
-                workers: config.concurrent_service_syncs,
-                identity: config.identity.clone(),
-            },
-            drain.clone(),
-        );
         let task = tokio::spawn(
             async move {
                 run.await;

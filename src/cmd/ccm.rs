@@ -194,9 +194,6 @@ pub struct CcmArgs {
     pub log: LogArgs,
 }
 
-/// The load balancers a provider serves, as [`CcmConfig`]'s `load_balancer_server`.
-type LoadBalancers = Option<Arc<tether_ccm::lb::balancer::TunnelLoadBalancers>>;
-
 impl CcmArgs {
     /// The HTTPS endpoint's address and TLS config (None with --secure-port=0).
     fn secure_listener(
@@ -255,13 +252,12 @@ impl CcmArgs {
         self.check_routes_and_nodes(&cluster_cidrs)?;
         let metrics = tether_ccm::metrics::Metrics::new();
         let lb = self.tunnel_lb(&metrics)?;
-        let (provider, load_balancer_server) = self.provider(lb)?;
+        let provider = self.provider(lb)?;
         self.check_leases()?;
         self.check_rates_and_periods()?;
         let identity = identity();
         let config = CcmConfig {
             metrics,
-            load_balancer_server,
             cluster_name: self.cluster_name.clone(),
             enabled,
             node_monitor_period: self.node_monitor_period,
@@ -359,7 +355,7 @@ impl CcmArgs {
     fn provider(
         &self,
         lb: Option<tether_ccm::lb::balancer::TunnelLbConfig>,
-    ) -> anyhow::Result<(Arc<dyn Provider>, LoadBalancers)> {
+    ) -> anyhow::Result<Arc<dyn Provider>> {
         match self.cloud_provider.as_str() {
             tether_ccm::provider::NAME => {
                 if self.cloud_config.is_empty() {
@@ -369,8 +365,7 @@ impl CcmArgs {
                 if !self.leader_elect && provider.announces() {
                     tracing::warn!("--leader-elect=false: this replica holds and announces every load-balancer address without a lease; run exactly one replica, or two will answer for the same addresses");
                 }
-                let server = provider.load_balancer_server();
-                Ok((Arc::new(provider), server))
+                Ok(Arc::new(provider))
             }
             other => bail!("--cloud-provider: unknown provider {other:?} (this build has: tether)"),
         }

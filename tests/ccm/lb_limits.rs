@@ -104,6 +104,15 @@ fn stalled_downloads_on_one_service_leave_another_its_throughput() {
         &[
             "--lb-bind-address=127.0.0.1".into(),
             format!("--tunnel-uds={}", tunnel.socket.display()),
+            // Leases that outlast a loaded machine's slow apiserver: a pool whose
+            // renewal misses the 2 s default deadline is let go, which cuts the
+            // download this test measures (seen twice in parallel runs).
+            "--lb-lease-duration=30s".into(),
+            "--lb-lease-renew-deadline=20s".into(),
+            "--lb-lease-retry-period=1s".into(),
+            "--leader-elect-lease-duration=30s".into(),
+            "--leader-elect-renew-deadline=20s".into(),
+            "--leader-elect-retry-period=1s".into(),
         ],
     );
     let (a, b) = (format!("127.0.0.1:{port_a}"), format!("127.0.0.1:{port_b}"));

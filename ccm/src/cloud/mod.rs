@@ -291,6 +291,32 @@ pub trait Provider: Send + Sync {
     fn routes(&self) -> Option<Arc<dyn Routes>> {
         None
     }
+    /// What the provider runs on every replica, leader or not, until `replica.drain`
+    /// (upstream's `Initialize`): the `tether` provider's load-balancer data plane.
+    /// `None`: nothing.
+    fn initialize(&self, _replica: Replica) -> Option<futures::future::BoxFuture<'static, ()>> {
+        None
+    }
+}
+
+/// What the manager gives a provider's [`Provider::initialize`]: the cluster and this
+/// replica's settings.
+pub struct Replica {
+    /// The controller manager's own client.
+    pub client: kube::Client,
+    /// The leases the provider's per-replica work elects with (`None` without
+    /// `--leader-elect`; the load-balancer pools add `-<pool>` to its name).
+    pub lease: Option<crate::leader::LeaderElection>,
+    /// `--load-balancer-class`.
+    pub load_balancer_class: Option<String>,
+    /// How often everything is looked at again.
+    pub resync: Duration,
+    /// Work in parallel (`--concurrent-service-syncs`).
+    pub workers: usize,
+    /// This replica's identity (its events' source).
+    pub identity: String,
+    /// Ends the work.
+    pub drain: tokio_util::sync::CancellationToken,
 }
 
 /// The provider ID scheme of the built-in provider.
@@ -345,6 +371,9 @@ impl Provider for Limited<dyn Provider> {
             inner,
             gate: self.gate.clone(),
         }))
+    }
+    fn initialize(&self, replica: Replica) -> Option<futures::future::BoxFuture<'static, ()>> {
+        self.inner.initialize(replica)
     }
     fn routes(&self) -> Option<Arc<dyn Routes>> {
         let inner = self.inner.routes()?;

@@ -338,3 +338,16 @@ pub struct Target {
     /// UID.
     pub uid: Option<String>,
 }
+
+impl Target {
+    /// A core/v1 Service.
+    pub fn service(namespace: Option<String>, name: String, uid: Option<String>) -> Target {
+        Target {
+            api_version: "v1",
+            kind: "Service",
+            namespace,
+            name,
+            uid,
+        }
+    }
+}

@@ -617,13 +617,7 @@ fn has_finalizer(svc: &Service) -> bool {
 }
 
 fn target(svc: &Service) -> Target {
-    Target {
-        api_version: "v1",
-        kind: "Service",
-        namespace: svc.namespace(),
-        name: svc.name_any(),
-        uid: svc.uid(),
-    }
+    Target::service(svc.namespace(), svc.name_any(), svc.uid())
 }
 
 fn without_ip_mode(ingress: &serde_json::Value) -> serde_json::Value {

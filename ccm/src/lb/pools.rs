@@ -553,13 +553,11 @@ impl Server {
             .join(", ");
         let service = format!("{}/{}", info.namespace, info.name);
         tracing::warn!(%service, addresses = %shown, "a Service's status showed load-balancer addresses the allocation record does not give it: not served there");
-        let target = crate::controllers::Target {
-            api_version: "v1",
-            kind: "Service",
-            namespace: Some(info.namespace.clone()),
-            name: info.name.clone(),
-            uid: Some(info.uid.clone()),
-        };
+        let target = crate::controllers::Target::service(
+            Some(info.namespace.clone()),
+            info.name.clone(),
+            Some(info.uid.clone()),
+        );
         let record = self
             .lbs
             .allocations()

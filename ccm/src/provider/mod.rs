@@ -383,12 +383,6 @@ impl TetherProvider {
 }
 
 impl TetherProvider {
-    /// Its load balancers' data plane: each replica serves the load balancers of the
-    /// pools whose leases it holds ([`crate::CcmConfig::load_balancer_server`]).
-    pub fn load_balancer_server(&self) -> Option<Arc<crate::lb::balancer::TunnelLoadBalancers>> {
-        self.load_balancers.clone()
-    }
-
     /// Whether its load balancers hold and announce addresses (`loadBalancer.interface`).
     pub fn announces(&self) -> bool {
         self.load_balancers.as_ref().is_some_and(|l| l.announces())
@@ -414,6 +408,25 @@ impl Provider for TetherProvider {
         self.load_balancers
             .as_ref()
             .map(|l| l.allocations().clone() as Arc<dyn crate::cloud::LoadBalancers>)
+    }
+    /// The load balancers' data plane, on every replica: the allocation record kept
+    /// for the service controller if this replica leads, and each pool whose lease this
+    /// replica holds served.
+    fn initialize(
+        &self,
+        replica: crate::cloud::Replica,
+    ) -> Option<futures::future::BoxFuture<'static, ()>> {
+        let lbs = self.load_balancers.clone()?;
+        lbs.allocations().keep_record(&replica.client);
+        let serving = crate::lb::pools::ServingConfig {
+            lease: replica.lease,
+            load_balancer_class: replica.load_balancer_class,
+            resync: replica.resync,
+            workers: replica.workers,
+            identity: replica.identity,
+        };
+        let run = crate::lb::pools::run(replica.client, lbs, serving, replica.drain);
+        Some(Box::pin(run))
     }
 }
 
