@@ -169,25 +169,41 @@ impl BoundServer {
             &accepting,
         );
         for (mode, listener) in self.frontends {
-            if let FrontendListener::Uds(_, file) = &listener {
-                frontends.sockets.push(file.clone());
-            }
-            let (router, drain, hard_stop) = (
-                self.router.clone(),
-                frontends.drain.clone(),
-                hard_stop.clone(),
-            );
-            let keepalive = config.frontend_keepalive;
-            let span = tracing::info_span!("frontend_listener", %mode);
-            let admission = admission(&self.router, "frontend", config.admission);
-            frontends.tasks.push(tokio::spawn(
-                serve_frontend(
-                    mode, listener, router, keepalive, admission, drain, hard_stop,
-                )
-                .instrument(span),
-            ));
+            frontends.spawn(&self.router, &config, mode, listener, hard_stop);
         }
         (agent_task, frontends)
+    }
+}
+
+impl Frontends {
+    /// Serves one frontend listener until the frontends' drain.
+    fn spawn(
+        &mut self,
+        router: &Arc<Router>,
+        config: &crate::ServerConfig,
+        mode: crate::Mode,
+        listener: FrontendListener,
+        hard_stop: &CancellationToken,
+    ) {
+        if let FrontendListener::Uds(_, file) = &listener {
+            self.sockets.push(file.clone());
+        }
+        let (drain, hard_stop) = (self.drain.clone(), hard_stop.clone());
+        let keepalive = config.frontend_keepalive;
+        let span = tracing::info_span!("frontend_listener", %mode);
+        let admission = admission(router, "frontend", config.admission);
+        self.tasks.push(tokio::spawn(
+            serve_frontend(
+                mode,
+                listener,
+                router.clone(),
+                keepalive,
+                admission,
+                drain,
+                hard_stop,
+            )
+            .instrument(span),
+        ));
     }
 }
 
