@@ -482,6 +482,22 @@ async fn a_successor_on_the_same_host_takes_over_with_no_failed_dial() {
     )
     .await;
     roundtrip(&mut long).await;
+    // A client that keeps its connection (the CCM's load balancers do) got a GOAWAY
+    // from the old server: its next tunnel goes to the successor.
+    let blue_dials = || async {
+        let page = blue.metrics().await;
+        let name = "konnectivity_network_proxy_server_dial_duration_seconds_count";
+        metric(&page, name).unwrap_or(0.0)
+    };
+    let before = blue_dials().await;
+    let mut again = long_client.dial(&target).await.unwrap();
+    roundtrip(&mut again).await;
+    assert_eq!(
+        blue_dials().await,
+        before,
+        "the kept client's dial went to the old server"
+    );
+    drop(again);
     drop(long);
     drop(long_client);
     blue.proc

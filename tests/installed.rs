@@ -233,6 +233,7 @@ fn the_installed_form_carries_every_kubectl_path_and_a_load_balancer() {
     let i = Installed::start(&InstalledOptions {
         bin_dir: bin_dir(),
         workers: 2,
+        ha: false,
     });
     let c = &i.cluster;
     assert_agents_verified_by_token(&i);
@@ -473,6 +474,7 @@ fn day_two_rolling_update_server_restart_and_ccm_rollout() {
     let i = Installed::start(&InstalledOptions {
         bin_dir: bin_dir(),
         workers: 2,
+        ha: false,
     });
     let c = &i.cluster;
     let worker = &i.workers[0];
@@ -666,7 +668,7 @@ fn day_two_rolling_update_server_restart_and_ccm_rollout() {
     );
     i.wait_or_explain("every agent on the server", || {
         let agents = i.server_agents();
-        (agents["agents"].as_array().map_or(0, |a| a.len()) == 1 + i.workers.len()).then_some(())
+        (agents["agents"].as_array().map_or(0, |a| a.len()) == i.nodes().count()).then_some(())
     });
 
     // --- The CCM Deployment, rolled: the Service keeps its address throughout.
@@ -719,12 +721,6 @@ fn day_two_rolling_update_server_restart_and_ccm_rollout() {
     assert_eq!(lb_address(c), address);
 }
 
-/// How soon kubectl works again after the server's static pod is replaced: the
-/// kubelet notices the manifest (fileCheckFrequency, 10 s here, 20 s by default), stops
-/// the old pod (its graceful shutdown ends at once with nothing open), starts the new
-/// one, and the agents reconnect (their backoff is at most 10 s). A clean-clone CI
-/// run, four such clusters at once on 2 cores, stretched the kubelet's part to 65 s;
-/// Tether's part is asserted on its own.
 /// One of the two static pods a server upgrade alternates between: its manifest's
 /// name (the pod's) and its health port; the agent and admin ports are shared
 /// (`--reuse-port`).
@@ -827,6 +823,7 @@ fn certificates_rotate_without_dropping_tunnels() {
     let mut i = Installed::start(&InstalledOptions {
         bin_dir: bin_dir(),
         workers: 1,
+        ha: false,
     });
     let worker = i.workers[0].name.clone();
     i.workers[0].run_pod(&i.cluster, "web", "app: web", &web_pod_containers());
@@ -934,3 +931,210 @@ fn certificates_rotate_without_dropping_tunnels() {
 fn webhook_backend() {
     tether_testkit::webhook::serve_if_asked();
 }
+
+/// How many agent streams the server on `host` holds (its health port's metrics), or
+/// `None` while it does not answer.
+fn streams_on(i: &Installed, host: &tether_testkit::node::RealNode) -> Option<f64> {
+    let page = i.on_host(host, "http://127.0.0.1:8134/metrics")?;
+    tether_testkit::metric(
+        &page,
+        "konnectivity_network_proxy_server_ready_backend_connections",
+    )
+}
+
+/// The id of the server on `host` (its admin port's `/status`), or `None` while it does
+/// not answer.
+fn server_id(i: &Installed, host: &tether_testkit::node::RealNode) -> Option<String> {
+    let status = i.on_host(host, "http://127.0.0.1:8133/status")?;
+    let status: serde_json::Value = serde_json::from_str(&status).ok()?;
+    status["serverId"].as_str().map(String::from)
+}
+
+/// A cheap kubectl call through the apiserver of `kubeconfig` to `node`'s kubelet.
+fn prober_to(kubeconfig: &Path, node: &str) -> Prober {
+    let (kubeconfig, node) = (kubeconfig.to_path_buf(), node.to_string());
+    Prober::start(move || node_answers(&kubeconfig, &node))
+}
+
+/// Two control-plane hosts, each with its kube-apiserver and its server static pod,
+/// every agent holding a stream to both (Leases), two CCM replicas:
+/// - Kubermatic's rolling restart (issue 16303): each host's server restarted in
+///   place, one host after the other. Every agent must hold a stream to the new server
+///   within [`AGENTS_BACK`] of its first answer, and calls through the other host's
+///   kube-apiserver must not fail meanwhile.
+/// - The CCM Deployment rolled, as shipped (two replicas, one per host): the load
+///   balancer's address must not go unanswered for a second or more.
+#[test]
+fn ha_control_plane_restarted_host_by_host_and_ccm_rolled() {
+    let i = Installed::start(&InstalledOptions {
+        bin_dir: bin_dir(),
+        workers: 1,
+        ha: true,
+    });
+    let c = &i.cluster;
+    let second = i.second.as_ref().unwrap();
+    let nodes = i.nodes().count() as f64;
+    let hosts = [
+        (
+            &i.control_plane,
+            i.etc_kubernetes().to_path_buf(),
+            c.files.admin_kubeconfig.clone(),
+        ),
+        (
+            &second.node,
+            second.etc.clone(),
+            second.apiserver.admin_kubeconfig.clone(),
+        ),
+    ];
+    for (host, _, _) in &hosts {
+        i.wait_or_explain(&format!("{} holding every agent", host.name), || {
+            (streams_on(&i, host) == Some(nodes)).then_some(())
+        });
+    }
+    let worker = &i.workers[0];
+    worker.run_pod(c, "web", "app: web", &web_pod_containers());
+    let address = web_load_balancer(&i);
+
+    // --- Kubermatic's rolling restart: one host's server, then the other's.
+    for (n, (host, etc, _)) in hosts.iter().enumerate() {
+        let (_, _, other_kubeconfig) = &hosts[1 - n];
+        let other = prober_to(other_kubeconfig, &worker.name);
+        let manifest = etc.join("manifests/konnectivity-server.yaml");
+        let text = std::fs::read_to_string(&manifest).unwrap();
+        // A changed annotation: the kubelet replaces the pod, as a rolling update does.
+        let restarted = text.replacen(
+            "  labels:\n",
+            &format!("  annotations:\n    tether.test/restart: \"{n}\"\n  labels:\n"),
+            1,
+        );
+        assert_ne!(restarted, text);
+        let old_id = server_id(&i, host).expect("the server's /status");
+        let edited = Instant::now();
+        std::fs::write(&manifest, restarted).unwrap();
+        // The old server drains, then the new one (another random id) answers.
+        let up = i.wait_or_explain(&format!("{}'s new server answering", host.name), || {
+            server_id(&i, host)
+                .filter(|id| *id != old_id)
+                .map(|_| Instant::now())
+        });
+        let all = i.wait_or_explain(
+            &format!("every agent on {}'s new server", host.name),
+            || (streams_on(&i, host) == Some(nodes)).then(Instant::now),
+        );
+        let seen = other.finish();
+        let (outage, failures) = longest_outage(&seen);
+        println!(
+            "rolling restart of {}: the new server answered {:.1} s after the edit and held every agent {:.1} s after that; {failures} of {} calls through the other host's kube-apiserver failed (longest {:.1} s)",
+            host.name,
+            (up - edited).as_secs_f64(),
+            (all - up).as_secs_f64(),
+            seen.len(),
+            outage.as_secs_f64()
+        );
+        assert!(
+            all - up < AGENTS_BACK,
+            "the agents took {:?} to reach {}'s new server",
+            all - up,
+            host.name
+        );
+        assert_eq!(failures, 0, "calls through the other host failed");
+    }
+
+    // --- The CCM Deployment, rolled with its two replicas: a request every 250 ms,
+    // each given 3 s.
+    let slowest = std::sync::Arc::new(std::sync::Mutex::new(Duration::ZERO));
+    let lb_probe = {
+        let (ns, address, slowest) = (i.client.ns.clone(), address.clone(), slowest.clone());
+        Prober::start(move || {
+            let at = Instant::now();
+            let ok = curl(Some(&ns), &format!("http://{address}/"), 3).is_some();
+            let mut s = slowest.lock().unwrap();
+            *s = (*s).max(at.elapsed());
+            ok
+        })
+    };
+    // The replicas' logs, kept past their pods for a failure's message.
+    let pods = c.kubectl_ok(&[
+        "get",
+        "pods",
+        "-n",
+        "kube-system",
+        "-l",
+        "k8s-app=tether-ccm",
+        "-o",
+        "jsonpath={.items[*].metadata.name}",
+    ]);
+    let followed: Vec<(PathBuf, Killed)> = pods
+        .split_whitespace()
+        .map(|pod| {
+            let file = i.overlay_dir().with_file_name(format!("{pod}.log"));
+            let mut cmd = c.kubectl_command();
+            cmd.args(["logs", "-f", "-n", "kube-system", pod])
+                .stdout(std::fs::File::create(&file).unwrap())
+                .stderr(Stdio::null());
+            (file, Killed(cmd.spawn().unwrap()))
+        })
+        .collect();
+    let rolled = Instant::now();
+    c.kubectl_ok(&[
+        "rollout",
+        "restart",
+        "deployment/tether-ccm",
+        "-n",
+        "kube-system",
+    ]);
+    i.rollout_status("deployment/tether-ccm");
+    i.wait_or_explain(
+        "the page through the load balancer after the rollout",
+        || curl(Some(&i.client.ns), &format!("http://{address}/"), 2).map(|_| ()),
+    );
+    let seen = lb_probe.finish();
+    let (outage, failures) = longest_outage(&seen);
+    let slowest = *slowest.lock().unwrap();
+    println!(
+        "CCM rollout, two replicas: done in {:.1} s; {failures} of {} requests to {address} failed (longest run of failures {:.1} s), the slowest took {:.2} s",
+        rolled.elapsed().as_secs_f64(),
+        seen.len(),
+        outage.as_secs_f64(),
+        slowest.as_secs_f64()
+    );
+    // What the replicas and servers warned about, for a failure's message.
+    let warnings = || {
+        let mut text: String = followed
+            .iter()
+            .map(|(f, _)| std::fs::read_to_string(f).unwrap_or_default())
+            .collect();
+        text.push_str(&i.logs());
+        let failed: Vec<String> = seen
+            .iter()
+            .filter(|(_, ok)| !ok)
+            .map(|(at, _)| format!("{:.2}", (*at - rolled).as_secs_f64()))
+            .collect();
+        let keep = ["WARN", "became leader", "released", "listening", "SIGTERM"];
+        let lines: Vec<&str> = text
+            .lines()
+            .filter(|l| keep.iter().any(|k| l.contains(k)))
+            .collect();
+        format!(
+            "failed at {failed:?} s into the rollout\n{}",
+            lines.join("\n")
+        )
+    };
+    // The target is no failed request (a SYN sent as the pool moves is sent again a
+    // second later); measured so far: 0-3 failed requests a rollout (docs/operating.md),
+    // so this bounds the outage only, well above what was seen.
+    assert!(
+        outage < LB_OUTAGE,
+        "the load balancer failed requests for {outage:?}: {}",
+        warnings()
+    );
+    assert_eq!(lb_address(c), address);
+}
+
+/// The longest run of failed requests (each given 3 s) through a load balancer while
+/// its pool moves between two replicas; the one-replica rollout's was 8-27 s.
+const LB_OUTAGE: Duration = Duration::from_secs(12);
+
+/// How soon every agent holds a stream to a restarted server once it answers: they see
+/// its Lease and dial (their backoff is at most 10 s).
+const AGENTS_BACK: Duration = Duration::from_secs(30);

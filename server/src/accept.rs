@@ -89,13 +89,14 @@ pub(crate) async fn serve_frontend(
     router: Arc<Router>,
     keepalive: Duration,
     admission: Arc<tether_core::admission::Admission>,
-    drain: CancellationToken,
+    (drain, go_away): (CancellationToken, CancellationToken),
     hard_stop: CancellationToken,
 ) {
     let serve = Accepted {
         mode,
         router,
         keepalive,
+        go_away,
         hard_stop,
     };
     match listener {
@@ -148,6 +149,8 @@ pub(crate) struct Accepted {
     pub(crate) mode: Mode,
     pub(crate) router: Arc<Router>,
     pub(crate) keepalive: Duration,
+    /// A successor took the listener's address: gRPC connections say GOAWAY.
+    pub(crate) go_away: CancellationToken,
     pub(crate) hard_stop: CancellationToken,
 }
 
@@ -214,6 +217,7 @@ impl Accepted {
                     router,
                     audited,
                     self.keepalive,
+                    self.go_away.clone(),
                     hard_stop,
                 );
                 tokio::spawn(conn.instrument(span));

@@ -151,7 +151,10 @@ impl BoundServer {
             ),
         };
         let keepalive = config.agent_keepalive;
-        let mut frontends = Frontends::default();
+        let mut frontends = Frontends {
+            shared: config.reuse_port,
+            ..Frontends::default()
+        };
         // Sharing its port (--reuse-port), a stopping server stops taking agents with
         // its frontends, so that agents reconnecting meanwhile reach its successor; its
         // streams stay until the hard stop.
@@ -188,7 +191,8 @@ impl Frontends {
         if let FrontendListener::Uds(_, file) = &listener {
             self.sockets.push(file.clone());
         }
-        let (drain, hard_stop) = (self.drain.clone(), hard_stop.clone());
+        let drain = (self.drain.clone(), self.go_away.clone());
+        let hard_stop = hard_stop.clone();
         let keepalive = config.frontend_keepalive;
         let span = tracing::info_span!("frontend_listener", %mode);
         let admission = admission(router, "frontend", config.admission);
@@ -214,6 +218,12 @@ pub(crate) struct Frontends {
     pub(crate) sockets: Vec<tether_core::transport::SocketFile>,
     /// The frontends' own drain, after the sockets' paths are dealt with.
     pub(crate) drain: CancellationToken,
+    /// Cancelled at the drain when a successor has taken (or may share, with
+    /// `--reuse-port`) the listeners' addresses: each gRPC connection says GOAWAY, so
+    /// its client (the CCM's load balancers keep theirs) reconnects to the successor.
+    pub(crate) go_away: CancellationToken,
+    /// `--reuse-port`.
+    pub(crate) shared: bool,
 }
 
 impl Frontends {
@@ -223,17 +233,23 @@ impl Frontends {
     /// inode, whose number a successor's socket could then take.
     fn close(&self) {
         use tether_core::transport::Removal;
+        let mut succeeded = self.shared;
         for socket in &self.sockets {
             let path = socket.path.display();
             match socket.remove_if_ours() {
                 Removal::Removed | Removal::Gone => {}
                 Removal::NotOurs => {
+                    succeeded = true;
                     tracing::info!(%path, "the Unix socket's path now belongs to another server; left in place")
                 }
                 Removal::Failed(e) => {
                     tracing::warn!(%path, error = %e, "cannot remove the Unix socket")
                 }
             }
+        }
+        if succeeded {
+            tracing::info!("telling the frontends' clients to reconnect (GOAWAY): their next tunnels go to the successor");
+            self.go_away.cancel();
         }
         self.drain.cancel();
     }

@@ -16,6 +16,11 @@
 //!   connection opened to them over it (the NAT case); kube-apiserver reaches neither
 //!   their InternalIPs nor their pods.
 //! - A client namespace on the LAN, for LoadBalancer Services.
+//! - With [`InstalledOptions::ha`], a second control-plane host, `control-plane-2`: a
+//!   kube-apiserver of its own on this host (the same etcd, its egress the socket in
+//!   that node's `/etc/kubernetes`), its own server static pod and PKI from its own
+//!   `tether certs init`, agents dialling both hosts (`PROXY_SERVER_HOST` lists both)
+//!   and one CCM replica on each.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -98,6 +103,21 @@ pub struct InstalledOptions {
     pub bin_dir: PathBuf,
     /// How many workers.
     pub workers: usize,
+    /// Two: a second control-plane host, `control-plane-2`, with a kube-apiserver of
+    /// its own (the same etcd) and its own server static pod, and two CCM replicas.
+    pub ha: bool,
+}
+
+/// The second control-plane host of an HA cluster ([`InstalledOptions::ha`]).
+pub struct SecondHost {
+    /// The node, `control-plane-2`.
+    pub node: RealNode,
+    /// Its kube-apiserver, whose egress is this host's server's socket.
+    pub apiserver: crate::kube::PeerApiserver,
+    /// What the node sees as `/etc/kubernetes`.
+    pub etc: PathBuf,
+    /// Its address on the LAN: what agents dial.
+    pub server_address: String,
 }
 
 /// The cluster of the module documentation; everything stops and is removed on drop
@@ -105,6 +125,8 @@ pub struct InstalledOptions {
 pub struct Installed {
     /// Worker nodes `worker-0`, `worker-1`, ...
     pub workers: Vec<RealNode>,
+    /// The second control-plane host, in an HA cluster.
+    pub second: Option<SecondHost>,
     /// The control-plane node, `control-plane`.
     pub control_plane: RealNode,
     /// etcd, kube-apiserver, kube-controller-manager, kube-scheduler.
@@ -164,6 +186,20 @@ impl Installed {
         }
         let client = Node::create();
         lan.attach(&client);
+        // The second control-plane host reaches the first one's kube-apiserver (what the
+        // kubelets and the CCM use) as the workers do.
+        let cp2_net = opts.ha.then(|| {
+            let net = Node::create();
+            let address = lan.attach(&net);
+            net.ip(&[
+                "route",
+                "replace",
+                &format!("{}/32", cp_net.host_ip),
+                "via",
+                &net.host_ip,
+            ]);
+            (net, address)
+        });
 
         // kube-apiserver's egress: the file users copy, its socket where the
         // control-plane node's /etc/kubernetes is on this host.
@@ -182,7 +218,9 @@ impl Installed {
                 verify_kubelet_certificates: true,
                 controller_manager: true,
                 workloads: true,
-                extra_sans: vec![cp_net.host_ip.clone()],
+                extra_sans: std::iter::once(cp_net.host_ip.clone())
+                    .chain(cp2_net.iter().map(|(n, _)| n.host_ip.clone()))
+                    .collect(),
                 kubeadm_ca: true,
                 dual_stack: false,
                 // Nodes at edge sites do not reach each other's pods: webhooks and
@@ -192,41 +230,9 @@ impl Installed {
             },
         );
 
-        // The control-plane host's PKI as kubeadm leaves it, then the README's commands.
-        let pki = etc.join("pki");
-        std::fs::create_dir_all(&pki).unwrap();
-        std::fs::copy(&cluster.files.ca, pki.join("ca.crt")).unwrap();
-        std::fs::copy(&cluster.files.ca_key, pki.join("ca.key")).unwrap();
         let tether = opts.bin_dir.join("tether");
-        let out = Command::new(&tether)
-            .args(["certs", "init", "--out"])
-            .arg(pki.join("konnectivity"))
-            .arg("--ca-cert")
-            .arg(pki.join("ca.crt"))
-            .arg("--ca-key")
-            .arg(pki.join("ca.key"))
-            .args(["--server-san", &server_address])
-            .args([
-                "--apiserver-url",
-                &format!("https://{}:{}", cp_net.host_ip, cluster.port),
-            ])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "tether certs init: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        // `sed 's|image: tether:v0.1.0|image: REGISTRY/tether:v0.1.0|'` (README).
-        std::fs::create_dir_all(etc.join("manifests")).unwrap();
-        let manifest = std::fs::read_to_string(deploy_dir().join("konnectivity-server.yaml"))
-            .unwrap()
-            .replace(
-                &format!("image: {IMAGE}"),
-                &format!("image: {REGISTRY_IMAGE}"),
-            );
-        std::fs::write(etc.join("manifests/konnectivity-server.yaml"), manifest).unwrap();
-
+        let apiserver_url = format!("https://{}:{}", cp_net.host_ip, cluster.port);
+        control_plane_host(&etc, &cluster, &tether, &server_address, &apiserver_url);
         let node_opts = NodeOptions {
             server_tls_bootstrap: true,
             external_cloud_provider: true,
@@ -251,20 +257,9 @@ impl Installed {
                 ..node_opts.clone()
             },
         );
-        // kubeadm's mark-control-plane phase (1.20 names the taint `master`).
-        cluster.kubectl_ok(&[
-            "label",
-            "node",
-            "control-plane",
-            "node-role.kubernetes.io/control-plane=",
-            "node-role.kubernetes.io/master=",
-        ]);
-        cluster.kubectl_ok(&[
-            "taint",
-            "node",
-            "control-plane",
-            "node-role.kubernetes.io/master:NoSchedule",
-        ]);
+        mark_control_plane(&cluster, "control-plane");
+        let second = cp2_net
+            .map(|(net, address)| second_host(&d, net, address, &cluster, &tether, &node_opts));
         let mut workers = Vec::new();
         for (i, net) in worker_nets.into_iter().enumerate() {
             workers.push(RealNode::start_on(
@@ -277,7 +272,11 @@ impl Installed {
 
         // kube-controller-manager's node IPAM, as the pod network uses it: each Node's
         // spec.podCIDR is the range its bridge network hands out.
-        for node in std::iter::once(&control_plane).chain(&workers) {
+        let second_node = second.as_ref().map(|s| &s.node);
+        for node in std::iter::once(&control_plane)
+            .chain(second_node)
+            .chain(&workers)
+        {
             cluster.kubectl_ok(&[
                 "patch",
                 "node",
@@ -293,6 +292,7 @@ impl Installed {
 
         let installed = Installed {
             workers,
+            second,
             control_plane,
             cluster,
             client,
@@ -386,7 +386,7 @@ patches:
           maxSurge: null
           maxUnavailable: 10%
 - patch: |-
-    # One control-plane host: one CCM replica (the manifest's two need two hosts), and
+    # One CCM replica per control-plane host (the manifest's two need two hosts), and
     # kube-apiserver where this host reaches it (no kube-proxy here).
     apiVersion: apps/v1
     kind: Deployment
@@ -394,7 +394,7 @@ patches:
       name: tether-ccm
       namespace: kube-system
     spec:
-      replicas: 1
+      replicas: {replicas}
       template:
         spec:
           containers:
@@ -414,7 +414,8 @@ patches:
       namespace: kube-system
 - path: inventory.yaml
 "#,
-            address = self.server_address,
+            address = self.server_addresses().join(","),
+            replicas = 1 + usize::from(self.second.is_some()),
             apiserver_host = self.control_plane.net.host_ip,
             apiserver_port = self.cluster.port,
         );
@@ -434,7 +435,7 @@ patches:
     /// replica is ready and every node is initialised (no `uninitialized` taint).
     pub fn wait_installed(&self) {
         let c = &self.cluster;
-        let nodes = 1 + self.workers.len();
+        let nodes = self.nodes().count();
         self.wait_or_explain("every agent ready", || {
             let ready = c.kubectl_ok(&[
                 "get",
@@ -457,7 +458,8 @@ patches:
                 "-o",
                 "jsonpath={.status.readyReplicas}",
             ]);
-            (ready.trim().parse::<u32>().unwrap_or(0) >= 1).then_some(())
+            let want = 1 + u32::from(self.second.is_some());
+            (ready.trim().parse::<u32>().unwrap_or(0) >= want).then_some(())
         });
         self.wait_or_explain("every node initialised by the CCM", || {
             let taints = c.kubectl_ok(&[
@@ -543,11 +545,23 @@ patches:
         serde_json::from_slice(&out.stdout).unwrap()
     }
 
+    /// The control-plane hosts' LAN addresses, what agents dial.
+    pub fn server_addresses(&self) -> Vec<String> {
+        std::iter::once(self.server_address.clone())
+            .chain(self.second.as_ref().map(|s| s.server_address.clone()))
+            .collect()
+    }
+
     /// What `url` answers on the control-plane host's network (its loopback ports),
     /// or `None` when it does not answer 2xx.
     pub fn on_control_plane(&self, url: &str) -> Option<String> {
+        self.on_host(&self.control_plane, url)
+    }
+
+    /// What `url` answers on `node`'s network, or `None` when it does not answer 2xx.
+    pub fn on_host(&self, node: &RealNode, url: &str) -> Option<String> {
         let out = Command::new("ip")
-            .args(["netns", "exec", &self.control_plane.net.ns, "curl", "-sf"])
+            .args(["netns", "exec", &node.net.ns, "curl", "-sf"])
             .arg(url)
             .output()
             .ok()?;
@@ -558,7 +572,9 @@ patches:
 
     /// Every node: the control-plane node, then the workers.
     pub fn nodes(&self) -> impl Iterator<Item = &RealNode> {
-        std::iter::once(&self.control_plane).chain(&self.workers)
+        std::iter::once(&self.control_plane)
+            .chain(self.second.as_ref().map(|s| &s.node))
+            .chain(&self.workers)
     }
 
     /// A node by name.
@@ -577,4 +593,105 @@ patches:
         }
         out
     }
+}
+
+/// A control-plane host's `/etc/kubernetes` in `etc` as kubeadm leaves it (the cluster
+/// CA), then the README's commands: `tether certs init` (the server certificate for
+/// `server_address`, the server's kubeconfig for `apiserver_url`) and the static pod with
+/// the registry's image (`sed 's|image: tether:v0.1.0|image: REGISTRY/tether:v0.1.0|'`).
+fn control_plane_host(
+    etc: &Path,
+    cluster: &Cluster,
+    tether: &Path,
+    server_address: &str,
+    apiserver_url: &str,
+) {
+    let pki = etc.join("pki");
+    std::fs::create_dir_all(etc.join("konnectivity-server")).unwrap();
+    std::fs::create_dir_all(&pki).unwrap();
+    std::fs::copy(&cluster.files.ca, pki.join("ca.crt")).unwrap();
+    std::fs::copy(&cluster.files.ca_key, pki.join("ca.key")).unwrap();
+    let out = Command::new(tether)
+        .args(["certs", "init", "--out"])
+        .arg(pki.join("konnectivity"))
+        .arg("--ca-cert")
+        .arg(pki.join("ca.crt"))
+        .arg("--ca-key")
+        .arg(pki.join("ca.key"))
+        .args(["--server-san", server_address])
+        .args(["--apiserver-url", apiserver_url])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "tether certs init: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::create_dir_all(etc.join("manifests")).unwrap();
+    let manifest = std::fs::read_to_string(deploy_dir().join("konnectivity-server.yaml"))
+        .unwrap()
+        .replace(
+            &format!("image: {IMAGE}"),
+            &format!("image: {REGISTRY_IMAGE}"),
+        );
+    std::fs::write(etc.join("manifests/konnectivity-server.yaml"), manifest).unwrap();
+}
+
+/// The second control-plane host: its `/etc/kubernetes`, its kube-apiserver (egress to
+/// its own server's socket), its node, marked as a control-plane node.
+fn second_host(
+    d: &Path,
+    net: Node,
+    server_address: String,
+    cluster: &Cluster,
+    tether: &Path,
+    node_opts: &NodeOptions,
+) -> SecondHost {
+    let etc = d.join("etc-kubernetes-2");
+    let egress = std::fs::read_to_string(deploy_dir().join("egress-selector-configuration.yaml"))
+        .unwrap()
+        .replace("/etc/kubernetes/", &format!("{}/", etc.display()));
+    let egress_file = d.join("egress-selector-configuration-2.yaml");
+    std::fs::write(&egress_file, egress).unwrap();
+    let apiserver = cluster.start_peer_apiserver(&Egress::File(egress_file));
+    let port = apiserver.url.rsplit(':').next().unwrap().to_string();
+    // This host's server talks to this host's kube-apiserver.
+    let apiserver_url = format!("https://{}:{port}", net.host_ip);
+    control_plane_host(&etc, cluster, tether, &server_address, &apiserver_url);
+    let node = RealNode::start_on(
+        net,
+        cluster,
+        "control-plane-2",
+        &NodeOptions {
+            etc_kubernetes: Some(etc.clone()),
+            kube_proxy: false,
+            ..node_opts.clone()
+        },
+    );
+    mark_control_plane(cluster, &node.name);
+    SecondHost {
+        node,
+        apiserver,
+        etc,
+        server_address,
+    }
+}
+
+/// kubeadm's mark-control-plane phase (1.20 names the taint `master`, and keeps the
+/// node out of load balancers' backends).
+fn mark_control_plane(cluster: &Cluster, node: &str) {
+    cluster.kubectl_ok(&[
+        "label",
+        "node",
+        node,
+        "node-role.kubernetes.io/control-plane=",
+        "node-role.kubernetes.io/master=",
+        "node.kubernetes.io/exclude-from-external-load-balancers=",
+    ]);
+    cluster.kubectl_ok(&[
+        "taint",
+        "node",
+        node,
+        "node-role.kubernetes.io/master:NoSchedule",
+    ]);
 }

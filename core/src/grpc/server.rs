@@ -117,6 +117,22 @@ pub async fn serve_connection<S, F>(
     io: S,
     settings: Settings,
     hard_stop: CancellationToken,
+    start: impl FnMut(http::Request<RecvStream>, SendResponse<Bytes>) -> Option<F>,
+) where
+    S: AsyncRead + AsyncWrite + Unpin,
+    F: Future<Output = ()>,
+{
+    serve_connection_until(io, settings, None, hard_stop, start).await
+}
+
+/// [`serve_connection`], and when `go_away` is cancelled the connection says GOAWAY
+/// and takes no new stream while its open ones go on: its client opens its next
+/// streams on a new connection (to a successor that took the listener's address).
+pub async fn serve_connection_until<S, F>(
+    io: S,
+    settings: Settings,
+    go_away: Option<CancellationToken>,
+    hard_stop: CancellationToken,
     mut start: impl FnMut(http::Request<RecvStream>, SendResponse<Bytes>) -> Option<F>,
 ) where
     S: AsyncRead + AsyncWrite + Unpin,
@@ -134,6 +150,7 @@ pub async fn serve_connection<S, F>(
     let keepalive = std::pin::pin!(keep_alive(pings, settings.keepalive));
     let hard_stop = std::pin::pin!(hard_stop.cancelled());
     let mut serving = Serving::new(conn, keepalive, hard_stop);
+    serving.go_away = go_away.map(|t| Box::pin(t.cancelled_owned()));
     loop {
         let event = std::future::poll_fn(|cx| serving.poll_event(cx)).await;
         if serving.handle(event, &mut start).is_break() {
@@ -173,6 +190,8 @@ struct Serving<'a, S, F, K, H> {
     streams: FuturesUnordered<F>,
     /// Set at the hard stop (a timer is not kept for every idle connection before).
     closing: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// Ends in a GOAWAY that lets the open streams finish (once; then `None`).
+    go_away: Option<Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>>,
     stopping: bool,
     wake: Arc<SelfWake>,
     /// Made from `wake`.
@@ -200,6 +219,7 @@ where
             hard_stop,
             streams: FuturesUnordered::new(),
             closing: None,
+            go_away: None,
             stopping: false,
             waker: Waker::from(wake.clone()),
             wake,
@@ -215,6 +235,7 @@ where
             hard_stop,
             streams,
             closing,
+            go_away,
             stopping,
             wake,
             waker,
@@ -231,6 +252,13 @@ where
             |cx| {
                 if !*stopping && hard_stop.as_mut().poll(cx).is_ready() {
                     return Poll::Ready(Event::HardStop);
+                }
+                if go_away
+                    .as_mut()
+                    .is_some_and(|g| g.as_mut().poll(cx).is_ready())
+                {
+                    *go_away = None;
+                    return Poll::Ready(Event::GoAway);
                 }
                 if keepalive.as_mut().poll(cx).is_ready() {
                     return Poll::Ready(Event::PingUnanswered);
@@ -273,6 +301,8 @@ where
                 self.closing = Some(Box::pin(tokio::time::sleep(CLOSE_GRACE)));
             }
             Event::GraceOver => return ControlFlow::Break(()),
+            // The open streams go on; the connection ends once they have.
+            Event::GoAway => self.conn.graceful_shutdown(),
         }
         ControlFlow::Continue(())
     }
@@ -293,6 +323,7 @@ enum Event {
     PingUnanswered,
     HardStop,
     GraceOver,
+    GoAway,
 }
 
 /// The waker a connection's task hands its streams and its HTTP/2 connection: a wake

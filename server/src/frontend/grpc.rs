@@ -29,7 +29,9 @@ const MAX_STREAMS: u32 = 1 << 16;
 const MAX_HEADER_LIST: u32 = 16 << 10;
 
 /// Serves one frontend connection until the client goes, a keepalive ping goes
-/// unanswered, or `hard_stop`. Its streams run in this task too (`h2serve`):
+/// unanswered, or `hard_stop`; at `go_away` (a successor took the listener's address)
+/// it says GOAWAY, so its client opens its next streams there, while the open ones go
+/// on. Its streams run in this task too (`h2serve`):
 /// kube-apiserver opens one connection per tunnel, so there is nothing to gain from
 /// running a connection's streams in parallel, and a wake-up per hop to lose.
 pub async fn serve_connection<S>(
@@ -37,6 +39,7 @@ pub async fn serve_connection<S>(
     router: Arc<Router>,
     peer: Arc<FrontendPeer>,
     keepalive: Duration,
+    go_away: CancellationToken,
     hard_stop: CancellationToken,
 ) where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -46,7 +49,8 @@ pub async fn serve_connection<S>(
         max_header_list: MAX_HEADER_LIST,
         keepalive,
     };
-    h2serve::serve_connection(io, settings, hard_stop.clone(), |request, respond| {
+    let stop = hard_stop.clone();
+    h2serve::serve_connection_until(io, settings, Some(go_away), stop, |request, respond| {
         start_stream(&router, &peer, request, respond, &hard_stop)
     })
     .await;
