@@ -3,7 +3,7 @@
 //! counts from Leases on a real kube-apiserver; partitions found by keepalive.
 
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -368,23 +368,40 @@ async fn an_agent_ready_with_every_server_is_not_ready_with_one() {
     .await;
 }
 
-/// A server's successor on the same host (`--reuse-port` on one agent port, the Unix
-/// socket replaced by a rename, agents following Leases, dials waiting for an agent):
-/// a client dialling every 100 ms through the socket path sees no failure from before
-/// the successor starts until after the old server has gone, and a tunnel the old
-/// server carries lasts through its drain.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_successor_on_the_same_host_takes_over_with_no_failed_dial() {
-    let pki = Pki::new();
-    let dir = TempDir::new("tether-handover");
-    let cluster = Cluster::start(&Egress::GrpcUds(dir.path().join("unused.sock")));
-    let kubeconfig = cluster.files.admin_kubeconfig.display().to_string();
-    let socket = dir.path().join("konnectivity-server.sock");
-    let f = &pki.files;
-    let args = |id: &str, agent_port: u16| -> Vec<String> {
+/// The handover tests' host: a kube-apiserver for the Leases, the flags two servers
+/// on one host share (one agent port and socket path, `--reuse-port`), and agents that
+/// follow Leases.
+struct SameHost {
+    pki: Pki,
+    cluster: Cluster,
+    socket: PathBuf,
+    _dir: TempDir,
+}
+
+impl SameHost {
+    fn new() -> Self {
+        let pki = Pki::new();
+        let dir = TempDir::new("tether-handover");
+        let cluster = Cluster::start(&Egress::GrpcUds(dir.path().join("unused.sock")));
+        let socket = dir.path().join("konnectivity-server.sock");
+        SameHost {
+            pki,
+            cluster,
+            socket,
+            _dir: dir,
+        }
+    }
+
+    fn kubeconfig(&self) -> String {
+        self.cluster.files.admin_kubeconfig.display().to_string()
+    }
+
+    /// Server `id`'s flags, on `agent_port` (0: any).
+    fn server_args(&self, id: &str, agent_port: u16) -> Vec<String> {
+        let f = &self.pki.files;
         vec![
             format!("--server-id={id}"),
-            format!("--uds-name={}", socket.display()),
+            format!("--uds-name={}", self.socket.display()),
             "--delete-existing-uds-file".into(),
             "--server-port=0".into(),
             format!("--agent-port={agent_port}"),
@@ -392,34 +409,47 @@ async fn a_successor_on_the_same_host_takes_over_with_no_failed_dial() {
             "--wait-for-agent=20s".into(),
             "--graceful-shutdown-timeout=60s".into(),
             "--enable-lease-controller".into(),
-            format!("--kubeconfig={kubeconfig}"),
+            format!("--kubeconfig={}", self.kubeconfig()),
             format!("--cluster-cert={}", f.server_cert.display()),
             format!("--cluster-key={}", f.server_key.display()),
             format!("--cluster-ca-cert={}", f.ca_cert.display()),
         ]
-    };
-    let mut blue = ServerProc::start(bin(), &args("blue", 0));
-    let port = blue.agent.port();
-    let agents: Vec<AgentProc> = (0..2)
-        .map(|i| {
-            AgentProc::start(
-                bin(),
-                &pki,
-                blue.agent,
-                &[
+    }
+
+    /// Two agents dialling `server`, counting Leases.
+    fn agents(&self, server: SocketAddr) -> Vec<AgentProc> {
+        (0..2)
+            .map(|i| {
+                let args = [
                     format!("--agent-id=agent-{i}"),
                     "--count-server-leases".into(),
-                    format!("--kubeconfig={kubeconfig}"),
-                ],
-            )
-        })
-        .collect();
+                    format!("--kubeconfig={}", self.kubeconfig()),
+                ];
+                AgentProc::start(bin(), &self.pki, server, &args)
+            })
+            .collect()
+    }
+}
+
+/// A server's successor on the same host (`--reuse-port` on one agent port, the Unix
+/// socket replaced by a rename, agents following Leases, dials waiting for an agent):
+/// a client dialling every 100 ms through the socket path sees no failure from before
+/// the successor starts until after the old server has gone, and a tunnel the old
+/// server carries lasts through its drain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_successor_on_the_same_host_takes_over_with_no_failed_dial() {
+    let host = SameHost::new();
+    let (socket, cluster) = (&host.socket, &host.cluster);
+    let args = |id: &str, port: u16| host.server_args(id, port);
+    let mut blue = ServerProc::start(bin(), &args("blue", 0));
+    let port = blue.agent.port();
+    let agents = host.agents(blue.agent);
     wait_streams(&agents, 1.0).await;
     let echo = backend::echo().await;
     let target = echo.addr.to_string();
 
     // A long tunnel through the old server.
-    let long_client = Client::uds(&socket).await.unwrap();
+    let long_client = Client::uds(socket).await.unwrap();
     let mut long = long_client.dial(&target).await.unwrap();
     roundtrip(&mut long).await;
 
@@ -465,7 +495,7 @@ async fn a_successor_on_the_same_host_takes_over_with_no_failed_dial() {
     let green = ServerProc::start(bin(), &args("green", port));
     assert_eq!(green.agent.port(), port);
     // A call at once reaches the successor before any agent has: it waits for one.
-    echo_roundtrip(&socket, &target).await.unwrap();
+    echo_roundtrip(socket, &target).await.unwrap();
     wait_streams(&agents, 2.0).await;
     green.wait_agents(2).await;
 
@@ -547,6 +577,54 @@ async fn a_successor_on_the_same_host_takes_over_with_no_failed_dial() {
         failed.len(),
         ok as usize + failed.len()
     );
+}
+
+/// An in-place restart, as the kubelet restarts a changed static pod: the old server is
+/// stopped first, and lingers while it carries a tunnel; its successor starts on the
+/// same port and socket path. The old server's DRAIN sends the agents to the successor
+/// at once, not when the old server exits (before, they held the stopping server's
+/// stream as their one server, and a dial through the successor waited for an agent
+/// that came only once the old server had gone).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn agents_join_the_successor_while_the_stopped_server_drains() {
+    let host = SameHost::new();
+    let mut blue_args = host.server_args("blue", 0);
+    blue_args.push("--graceful-shutdown-timeout=300s".into());
+    let mut blue = ServerProc::start(bin(), &blue_args);
+    let agents = host.agents(blue.agent);
+    wait_streams(&agents, 1.0).await;
+    let echo = backend::echo().await;
+    let target = echo.addr.to_string();
+    let long_client = Client::uds(&host.socket).await.unwrap();
+    let mut long = long_client.dial(&target).await.unwrap();
+    roundtrip(&mut long).await;
+
+    blue.proc.signal("TERM");
+    blue.proc.wait_event(
+        "told the agents this server drains (DRAIN): they connect to the other servers while their streams here serve the last tunnels",
+        Duration::from_secs(30),
+        |e| e["agents"] == 2,
+    );
+    let green = ServerProc::start(bin(), &host.server_args("green", blue.agent.port()));
+    green.wait_agents(2).await;
+    assert!(!blue.proc.exited(), "the old server still drains");
+    let started = std::time::Instant::now();
+    echo_roundtrip(&host.socket, &target).await.unwrap();
+    let took = started.elapsed();
+    roundtrip(&mut long).await;
+    for a in &agents {
+        assert!(
+            a.proc.logged("the server is stopping (DRAIN)"),
+            "{}",
+            a.proc.log_text()
+        );
+    }
+    println!("a dial through the successor while the old server drained: {took:?}");
+    drop(long);
+    drop(long_client);
+    blue.proc
+        .wait_exit(Duration::from_secs(30))
+        .expect("the old server exits once its last tunnel has ended");
 }
 
 async fn roundtrip(c: &mut tether_client::TunnelConn) {

@@ -79,6 +79,16 @@ pub(crate) struct Targets {
     pub(crate) audited: Audited,
 }
 
+/// What this stream's server negotiated and says.
+#[derive(Default)]
+pub(crate) struct Peer {
+    /// The server's per-connection receive window, when it does credit flow control.
+    pub(crate) window: Option<u32>,
+    /// Cancelled when the server says DRAIN: it is stopping (a Tether server tells the
+    /// agents that asked, `tether-drain-notice`). The stream serves on.
+    pub(crate) draining: CancellationToken,
+}
+
 /// The connections of one agent stream.
 pub(crate) struct Session {
     out: Outbox,
@@ -87,8 +97,8 @@ pub(crate) struct Session {
     next_id: AtomicI64,
     draining: AtomicBool,
     dial_timeout: Duration,
-    /// The server's per-connection receive window, when it does credit flow control.
-    peer_window: Option<u32>,
+    /// What the server negotiated and says.
+    peer: Peer,
     /// How long a connection's full queue may hold up the stream (upstream server).
     stall_timeout: Duration,
     metrics: Metrics,
@@ -106,7 +116,7 @@ impl Session {
     pub(crate) fn new(
         out: Outbox,
         dial_timeout: Duration,
-        peer_window: Option<u32>,
+        peer: Peer,
         stall_timeout: Duration,
         metrics: Metrics,
         drain: AgentDrain,
@@ -119,7 +129,7 @@ impl Session {
             next_id: AtomicI64::new(1),
             draining: AtomicBool::new(false),
             dial_timeout,
-            peer_window,
+            peer,
             stall_timeout,
             metrics,
             closed: CancellationToken::new(),
@@ -197,6 +207,10 @@ impl Session {
                     tracing::info!(random = c.random, "dial cancelled by server");
                     hard_stop.cancel();
                 }
+            }
+            Some(Payload::Drain(_)) if !self.peer.draining.is_cancelled() => {
+                tracing::info!("the server is stopping (DRAIN): connecting to the other servers; this stream serves its tunnels to the end");
+                self.peer.draining.cancel();
             }
             _ => tracing::debug!(ty = packet.r#type, "unexpected packet from server; ignored"),
         }
@@ -325,7 +339,7 @@ impl Session {
         hard_stop: &CancellationToken,
     ) -> (queue::Receiver<Packet>, Arc<ConnFlow>) {
         let (tx, rx) = queue::queue();
-        let flow = Arc::new(ConnFlow::new(self.peer_window));
+        let flow = Arc::new(ConnFlow::new(self.peer.window));
         let conn = Conn {
             tx,
             flow: flow.clone(),
@@ -549,10 +563,14 @@ mod tests {
             }),
             audited: Audited::default(),
         };
+        let peer = Peer {
+            window,
+            ..Peer::default()
+        };
         let s = Session::new(
             out,
             timeout,
-            window,
+            peer,
             stall,
             Metrics::new(),
             drain.clone(),
@@ -656,6 +674,21 @@ mod tests {
         session.drain();
         assert!(matches!(next(&mut rx).await, Payload::Drain(_)));
         assert!(rx.try_recv().is_none());
+    }
+
+    /// A DRAIN from the server (it is stopping) is noted for the server set, answers
+    /// nothing, and the stream still serves dials.
+    #[tokio::test]
+    async fn a_drain_from_the_server_is_noted_and_dials_go_on() {
+        let (session, mut rx, _) = session(None);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        assert!(!session.peer.draining.is_cancelled());
+        session.handle(Packet::drain()).await;
+        session.handle(Packet::drain()).await;
+        assert!(session.peer.draining.is_cancelled());
+        assert!(rx.try_recv().is_none(), "a DRAIN is not answered");
+        dial(&session, listener.local_addr().unwrap().to_string(), 3).await;
+        assert!(matches!(next(&mut rx).await, Payload::DialResponse(r) if r.error.is_empty()));
     }
 
     #[tokio::test]

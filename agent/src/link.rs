@@ -218,8 +218,8 @@ impl Agent {
         })
     }
 
-    /// The Connect request's metadata: the agent's id, identifiers, token and
-    /// flow-control offer.
+    /// The Connect request's metadata: the agent's id, identifiers, token,
+    /// flow-control offer and the ask to hear DRAIN.
     fn metadata(&self) -> Result<http::HeaderMap, LinkError> {
         let cfg = &self.config;
         let ascii = |what: &str, v: &str| {
@@ -248,17 +248,20 @@ impl Agent {
         if cfg.flow_control {
             link::offer_window(&mut md);
         }
+        md.insert(header::DRAIN_NOTICE, MetadataValue::from_static("1"));
         Ok(md.into_headers())
     }
 
     /// Serves one established stream until it fails (Err), or `hard_stop` (Ok). Once
     /// `drain` is cancelled the stream sends DRAIN and keeps serving; at `hard_stop` a
-    /// drained stream half-closes, so the server ends its side.
+    /// drained stream half-closes, so the server ends its side. `server_draining` is
+    /// cancelled when the server says it is stopping (DRAIN).
     pub(crate) async fn serve(
         &self,
         est: Established,
         drain: &CancellationToken,
         hard_stop: &CancellationToken,
+        server_draining: CancellationToken,
     ) -> Result<(), LinkError> {
         let Established {
             server_id,
@@ -272,7 +275,8 @@ impl Agent {
             out,
             inbound,
         } = est;
-        let (session, control_rx, data_rx) = self.new_session(peer_window, &server_id);
+        let (session, control_rx, data_rx) =
+            self.new_session(peer_window, server_draining, &server_id);
         let _close_on_exit = session.closed.clone().drop_guard();
         let _count = Decrement::count(&self.streams, &self.metrics.open_server_connections);
         let via = via
@@ -315,7 +319,8 @@ impl Agent {
     /// ends of its bounded answers and data queues, for the writer.
     fn new_session(
         &self,
-        peer_window: Option<u32>,
+        window: Option<u32>,
+        draining: CancellationToken,
         server_id: &str,
     ) -> (Arc<Session>, mpsc::Receiver<Packet>, mpsc::Receiver<Packet>) {
         let cfg = &self.config;
@@ -324,7 +329,7 @@ impl Agent {
         let session = Session::new(
             Outbox { control, data },
             cfg.dial_timeout,
-            peer_window,
+            crate::dialer::Peer { window, draining },
             cfg.stall_timeout,
             self.metrics.clone(),
             self.drain.clone(),

@@ -19,9 +19,18 @@ use crate::Agent;
 /// The streams held, by server id, each with its hard stop.
 #[derive(Clone, Default)]
 struct Held {
-    streams: Arc<Mutex<HashMap<String, CancellationToken>>>,
-    /// Notified when a stream ends.
+    streams: Arc<Mutex<HashMap<String, HeldStream>>>,
+    /// Notified when a stream ends or its server says it is stopping.
     ended: Arc<tokio::sync::Notify>,
+}
+
+/// One stream held, by its server's id.
+struct HeldStream {
+    hard_stop: CancellationToken,
+    /// The server said DRAIN: it is stopping. The stream serves on, but no longer
+    /// counts toward the servers held, so the agent connects to a successor meanwhile;
+    /// reaching the stopping server again is still a duplicate.
+    leaving: bool,
 }
 
 /// What one dial reached.
@@ -35,8 +44,21 @@ enum Reached {
 }
 
 impl Held {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, CancellationToken>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, HeldStream>> {
         self.streams.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The servers held that are not stopping.
+    fn count(&self) -> i64 {
+        self.lock().values().filter(|s| !s.leaving).count() as i64
+    }
+
+    /// `server_id` said it is stopping: look for the others.
+    fn leaving(&self, server_id: &str) {
+        if let Some(s) = self.lock().get_mut(server_id) {
+            s.leaving = true;
+        }
+        self.ended.notify_one();
     }
 
     /// Waits, at most twice `CLOSE_GRACE`, until every stream has ended.
@@ -125,8 +147,8 @@ impl Agent {
         let leases = self.count_leases(&hard_stop).await;
         self.keep_streams(&held, leases.as_ref(), &drain, &hard_stop)
             .await;
-        for hard_stop in held.lock().values() {
-            hard_stop.cancel();
+        for stream in held.lock().values() {
+            stream.hard_stop.cancel();
         }
         if drain.is_cancelled() {
             held.wait_closed().await;
@@ -204,7 +226,7 @@ impl Agent {
             if hard_stop.is_cancelled() {
                 break;
             }
-            let have = held.lock().len() as i64;
+            let have = held.count();
             let target = self.target_count(leases);
             self.metrics.known_server_count.set(target);
             // A count of 0 (`--server-count=0` upstream) is unknown: keep looking for
@@ -267,11 +289,25 @@ impl Agent {
                 tracing::info!(%server_id, %host, have = streams.len(), "reached a server this agent is already connected to; closing the duplicate stream and retrying");
                 return Reached::Duplicate;
             }
-            streams.insert(server_id.clone(), hard_stop.clone());
+            let stream = HeldStream {
+                hard_stop: hard_stop.clone(),
+                leaving: false,
+            };
+            streams.insert(server_id.clone(), stream);
         }
         let (this, held, drain) = (self.clone(), held.clone(), drain.clone());
         tokio::spawn(async move {
-            if let Err(e) = this.serve(est, &drain, &hard_stop).await {
+            let server_draining = CancellationToken::new();
+            let served = this.serve(est, &drain, &hard_stop, server_draining.clone());
+            let mut served = std::pin::pin!(served);
+            let served = tokio::select! {
+                served = &mut served => served,
+                _ = server_draining.cancelled() => {
+                    held.leaving(&server_id);
+                    served.await
+                }
+            };
+            if let Err(e) = served {
                 tracing::warn!(%server_id, error = %chain(&e), "proxy server stream down; reconnecting");
             }
             held.lock().remove(&server_id);

@@ -86,6 +86,11 @@ pub mod header {
     /// Agent -> server in the request metadata; the server answers in its response
     /// headers only when the agent sent it. Upstream peers neither send nor answer it.
     pub const FLOW_WINDOW: &str = "tether-flow-window";
+    /// Tether extension, agent -> server in the request metadata: "tell me with DRAIN
+    /// when you stop", so the agent connects to the server's successor while the
+    /// stream serves its last tunnels. Upstream servers ignore it and never send DRAIN;
+    /// a Tether server sends it only to an agent that asked.
+    pub const DRAIN_NOTICE: &str = "tether-drain-notice";
 }
 
 pub mod link {

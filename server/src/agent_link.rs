@@ -99,6 +99,8 @@ struct Admitted {
     verified: Verified,
     /// The agent's per-connection window when both sides do credit flow control.
     peer_window: Option<u32>,
+    /// The agent asked to hear DRAIN when this server stops (`tether-drain-notice`).
+    drain_notice: bool,
     peer: String,
     /// The token and what it proved, to review it again while the stream lives (boxed:
     /// the stream's future holds this for hours).
@@ -583,6 +585,7 @@ impl AgentLink {
             identifiers,
             verified,
             peer_window,
+            drain_notice: md.contains_key(tether_proto::header::DRAIN_NOTICE),
             peer,
             token,
         })
@@ -667,14 +670,18 @@ impl AgentLink {
         // WINDOW_UPDATEs: a queue that holds no memory while empty (a tokio channel
         // would keep a 32-packet block, 2.5 KiB, for each of thousands of agents).
         let (ctl, ctl_rx) = tether_core::queue::queue();
-        let agent = Arc::new(AgentStream::new(
+        let agent = AgentStream::new(
             a.agent_id.clone(),
             a.identifiers,
             a.verified,
             tx,
             ctl,
             a.peer_window,
-        ));
+        );
+        let agent = Arc::new(match a.drain_notice {
+            true => agent.hearing_drain(),
+            false => agent,
+        });
         let (agent_id, peer) = (&a.agent_id, &a.peer);
         if let Err(e) = self.router.add_agent(agent.clone()) {
             self.router

@@ -57,6 +57,10 @@ impl BoundServer {
         drain.cancelled().await;
         tracing::info!("shutting down: no new frontend connections");
         frontends.close();
+        let told = router.drain_agents();
+        if told > 0 {
+            tracing::info!(agents = told, "told the agents this server drains (DRAIN): they connect to the other servers while their streams here serve the last tunnels");
+        }
         if let Some(task) = lease_task {
             // Stop advertising this server before waiting for its tunnels to finish.
             let _ = tokio::time::timeout(Duration::from_secs(5), task).await;

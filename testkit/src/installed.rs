@@ -175,13 +175,7 @@ impl Installed {
             // kube-apiserver where the control-plane host has it, the address pods
             // are told (KUBERNETES_SERVICE_HOST): a worker reaches it as it reaches
             // the apiserver, over its own link.
-            net.ip(&[
-                "route",
-                "replace",
-                &format!("{}/32", cp_net.host_ip),
-                "via",
-                &net.host_ip,
-            ]);
+            net.reach_over_own_link(&cp_net);
             worker_nets.push(net);
         }
         let client = Node::create();
@@ -191,13 +185,7 @@ impl Installed {
         let cp2_net = opts.ha.then(|| {
             let net = Node::create();
             let address = lan.attach(&net);
-            net.ip(&[
-                "route",
-                "replace",
-                &format!("{}/32", cp_net.host_ip),
-                "via",
-                &net.host_ip,
-            ]);
+            net.reach_over_own_link(&cp_net);
             (net, address)
         });
 

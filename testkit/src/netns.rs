@@ -146,6 +146,13 @@ impl Node {
         ]);
     }
 
+    /// Reaches `other`'s host address over this node's own link to the host, as the
+    /// host routes it (not over a LAN both are on).
+    pub fn reach_over_own_link(&self, other: &Node) {
+        let host = format!("{}/32", other.host_ip);
+        self.ip(&["route", "replace", &host, "via", &self.host_ip]);
+    }
+
     /// Runs `ip -n NS args...` (asserting success) and returns its stdout.
     pub fn ip(&self, args: &[&str]) -> String {
         let out = Command::new("ip")
@@ -293,6 +300,43 @@ impl Node {
             _proc: proc,
             _dir: dir,
         }
+    }
+}
+
+impl Node {
+    /// Serves `body` over HTTP on `port` of the node's address, answering each request
+    /// only `delay` after it came (a slow backend: a request stays in flight that
+    /// long). Each request logs the JSON event `request` as it comes.
+    pub fn serve_slow_page(
+        &self,
+        port: u16,
+        body: &str,
+        delay: std::time::Duration,
+    ) -> crate::Proc {
+        const SLOW: &str = r#"
+import http.server, sys, time
+class Slow(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        print('{"message":"request"}', file=sys.stderr, flush=True)
+        time.sleep(float(sys.argv[3]))
+        body = sys.argv[4].encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+http.server.ThreadingHTTPServer((sys.argv[1], int(sys.argv[2])), Slow).serve_forever()
+"#;
+        let args = [
+            "-c".to_string(),
+            SLOW.to_string(),
+            self.node_ip.clone(),
+            port.to_string(),
+            delay.as_secs_f64().to_string(),
+            body.to_string(),
+        ];
+        self.spawn(&format!("slow-http@{}", self.ns), "python3", &args)
     }
 }
 

@@ -383,6 +383,61 @@ fn a_graceful_handover_costs_under_a_second() {
     drop(f.node);
 }
 
+/// A request in flight when its holder is stopped (a rolling update) is answered: the
+/// holder lets go of the pool at a moment when no connection is open through it
+/// (within 2 s), not halfway through one. Before, the connection was cut as its
+/// address went, and its client waited for an answer that never came.
+#[test]
+fn a_request_in_flight_at_a_graceful_handover_is_answered() {
+    let f = Failover::new();
+    // The pool's one address goes to a Service whose backend answers 1.5 s late.
+    f.cluster
+        .kubectl_ok(&["delete", "service", "web", "-n", "default"]);
+    let slow = f
+        .node
+        .serve_slow_page(30082, "slow hello\n", Duration::from_millis(1500));
+    lb_service(
+        &f.cluster,
+        "default",
+        "slow",
+        8080,
+        Some(30082),
+        serde_json::json!({}),
+        serde_json::json!({}),
+    );
+    let mut a = f.start(0, "ccm-a");
+    assert_eq!(wait_ingress(&f.cluster, "default", "slow"), f.vip);
+    let _b = f.start(1, "ccm-b");
+    let url = format!("http://{}:8080/", f.vip);
+    wait_blocking(
+        "the slow Service answering",
+        Duration::from_secs(60),
+        || curl_within(Some(&f.client.ns), &url, "5"),
+    );
+    let requests = slow.count_events("request");
+    let in_flight = {
+        let (ns, url) = (f.client.ns.clone(), url.clone());
+        std::thread::spawn(move || curl_within(Some(&ns), &url, "20"))
+    };
+    wait_blocking(
+        "the request reaching the backend",
+        Duration::from_secs(30),
+        || (slow.count_events("request") > requests).then_some(()),
+    );
+    a.signal("TERM");
+    let answer = in_flight.join().unwrap();
+    a.wait_exit(Duration::from_secs(30))
+        .expect("the holder exits");
+    assert_eq!(
+        answer.as_deref(),
+        Some("slow hello\n"),
+        "the request in flight at the handover; the holder's log:\n{}",
+        a.log_text()
+    );
+    assert!(a.logged("letting go of the pool"), "{}", a.log_text());
+    drop(f.node);
+}
+
 /// Two pools, two replicas: the pools spread. The first replica takes both; the second,
 /// holding none, asks for one and is handed it gracefully (connections to the moved
 /// address fail for under a second, the other address's never); after the first

@@ -50,6 +50,25 @@ pub struct TunnelLbConfig {
 /// 1024 of them fit the 1 GiB memory limit in deploy/tether-ccm.yaml.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
 
+/// How long a pool let go waits for the connections it cut to end before its
+/// addresses go.
+const CUT_CLOSE: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// Waits, at most `limit`, until no connection is open through `services` (polled
+/// every 10 ms); true when none is.
+async fn until_none_open(services: &[Shared], limit: std::time::Duration) -> bool {
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        if services.iter().all(|s| s.open() == 0) {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}
+
 /// How long connecting to the Tether server's socket may take.
 const TUNNEL_CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
@@ -271,12 +290,32 @@ impl TunnelLoadBalancers {
         }
     }
 
+    /// The Services served on `pool`'s addresses here (their shared state).
+    fn served_on(&self, pool: &str) -> Vec<Shared> {
+        self.lock()
+            .values()
+            .filter(|b| b.addresses.iter().any(|(_, p)| p == pool))
+            .map(|b| b.shared.clone())
+            .collect()
+    }
+
+    /// Waits, at most `limit`, for a moment when no connection is open through
+    /// `pool`'s addresses (polled every 10 ms): a holder letting go of a pool on
+    /// purpose (its drain, a handover) does it between two requests, so that none is
+    /// cut halfway. A Service served on other pools too counts them in. True when
+    /// quiet.
+    pub async fn until_pool_quiet(&self, pool: &str, limit: std::time::Duration) -> bool {
+        until_none_open(&self.served_on(pool), limit).await
+    }
+
     /// Lets go of `pool`: its listeners stop (with their connections) and its
     /// addresses go, and none is served again until [`Self::resume_pool`]. Serves in
-    /// flight finish first, so none puts one back.
+    /// flight finish first, so none puts one back. The connections cut end (their
+    /// clients told) before the addresses go, for at most [`CUT_CLOSE`].
     pub async fn release_pool(&self, pool: &str) {
         let mut serving = self.serving.write().await;
         serving.remove(pool);
+        let services = self.served_on(pool);
         // What was served under the pool, and what the cloud config puts in it now.
         let mut recorded: std::collections::HashSet<IpAddr> = Default::default();
         let mut idle = Vec::new();
@@ -312,6 +351,9 @@ impl TunnelLoadBalancers {
                 clients.remove(uid);
             }
         }
+        // A connection's reset sent once its address is gone would never reach its
+        // client, which would wait for an answer until it gave up.
+        until_none_open(&services, CUT_CLOSE).await;
         if let Some(a) = &self.announcer {
             match a.release_pool(pool, &in_pool).await {
                 Ok(0) => {}

@@ -24,27 +24,11 @@ use tracing::Instrument;
 
 use super::balancer::TunnelLoadBalancers;
 use super::record::Known;
-use crate::cloud::ServiceInfo;
+use crate::cloud::{Replica, ServiceInfo};
 use crate::endpoints::EndpointsCache;
 use crate::leader::{LeaderElection, Leadership};
 use crate::translate::{backends, backends_for, is_ours, service_info};
 use crate::workqueue::{Outcome, WorkQueue};
-
-/// How the pools are held and served.
-#[derive(Debug, Clone)]
-pub struct ServingConfig {
-    /// The pools' leases: `name` is their prefix (`-<pool>` is added); `None` with
-    /// `--leader-elect=false` (this replica serves every pool).
-    pub lease: Option<LeaderElection>,
-    /// `--load-balancer-class`.
-    pub load_balancer_class: Option<String>,
-    /// How often every Service is served again (`--lb-resync-period`).
-    pub resync: Duration,
-    /// Services synced at once (`--concurrent-service-syncs`).
-    pub workers: usize,
-    /// This replica's identity (its events' reporting instance).
-    pub identity: String,
-}
 
 /// How long a status the allocation record does not back is held back before it is
 /// taken for forged: the leader writes the record before the status, but this
@@ -54,17 +38,19 @@ const CONFIRM: Duration = Duration::from_secs(2);
 /// How often the pool list is read again (pools come and go with the cloud config).
 const POOL_CHECK: Duration = Duration::from_secs(1);
 
+/// How long a holder letting go of a pool on purpose waits for a moment when no
+/// connection is open through it (a long download is cut after this).
+const POOL_QUIET: Duration = Duration::from_secs(2);
+
 /// A refresh must leave this much before the renew deadline.
 const REFRESH_MARGIN: Duration = Duration::from_millis(250);
 
-/// Serves the pools this replica holds until `drain`; then lets go of each (its
-/// addresses first, then its lease, handed to a standby) before returning.
-pub async fn run(
-    client: kube::Client,
-    lbs: Arc<TunnelLoadBalancers>,
-    cfg: ServingConfig,
-    drain: CancellationToken,
-) {
+/// Serves the pools this replica holds until the replica's `drain`; then lets go of
+/// each (its addresses first, then its lease, handed to a standby) before returning.
+/// The replica's `lease` names the pools' leases (`-<pool>` is added); without one
+/// (`--leader-elect=false`) this replica serves every pool.
+pub async fn run(lbs: Arc<TunnelLoadBalancers>, cfg: Replica) {
+    let (client, drain) = (cfg.client.clone(), cfg.drain.clone());
     let hard_stop = CancellationToken::new();
     let _hard_stop = hard_stop.clone().drop_guard();
     let queue = WorkQueue::new("lb-serve", lbs.metrics());
@@ -179,7 +165,7 @@ impl Watches {
 /// What the serving loop publishes its events with (as this replica).
 fn events(
     client: &kube::Client,
-    cfg: &ServingConfig,
+    cfg: &Replica,
     nodes: &Store<Node>,
     lbs: &TunnelLoadBalancers,
 ) -> crate::controllers::Context {
@@ -449,11 +435,26 @@ async fn serve_term(
             }
         }
     };
+    let mut unusable = std::pin::pin!(unusable);
     tokio::select! {
-        _ = drain.cancelled() => true,
+        _ = drain.cancelled() => {}
+        _ = leadership.lost.cancelled() => return false,
+        _ = leadership.handover.cancelled() => {}
+        why = &mut unusable => {
+            tracing::warn!(reason = %why, "giving up the pool's lease");
+            return true;
+        }
+    }
+    // Let go on purpose (the drain, a handover): between two requests, so that none is
+    // cut halfway (a client whose SYN comes as the address moves sends it again a
+    // second later, to the standby). Held and refreshed meanwhile.
+    tokio::select! {
+        quiet = lbs.until_pool_quiet(pool, POOL_QUIET) => {
+            tracing::info!(quiet, "letting go of the pool");
+            true
+        }
         _ = leadership.lost.cancelled() => false,
-        _ = leadership.handover.cancelled() => true,
-        why = unusable => {
+        why = &mut unusable => {
             tracing::warn!(reason = %why, "giving up the pool's lease");
             true
         }

@@ -150,6 +150,11 @@ impl Shared {
         }
     }
 
+    /// This Service's connections open now, every port.
+    pub(super) fn open(&self) -> usize {
+        self.mine.load(Ordering::Acquire)
+    }
+
     /// How many backends the listeners choose from.
     pub(super) fn node_count(&self) -> usize {
         self.nodes.read().unwrap_or_else(|e| e.into_inner()).len()

@@ -418,15 +418,7 @@ impl Provider for TetherProvider {
     ) -> Option<futures::future::BoxFuture<'static, ()>> {
         let lbs = self.load_balancers.clone()?;
         lbs.allocations().keep_record(&replica.client);
-        let serving = crate::lb::pools::ServingConfig {
-            lease: replica.lease,
-            load_balancer_class: replica.load_balancer_class,
-            resync: replica.resync,
-            workers: replica.workers,
-            identity: replica.identity,
-        };
-        let run = crate::lb::pools::run(replica.client, lbs, serving, replica.drain);
-        Some(Box::pin(run))
+        Some(Box::pin(crate::lb::pools::run(lbs, replica)))
     }
 }
 

@@ -87,6 +87,8 @@ pub struct Router {
     audit: Audit,
     /// The hard stop came: what ends now ends for `drain`.
     stopping: AtomicBool,
+    /// The server drains: every agent stream that asked hears DRAIN, new ones too.
+    agents_told: AtomicBool,
 }
 
 impl Router {
@@ -108,12 +110,25 @@ impl Router {
             work: drain::Signal::new(),
             audit,
             stopping: AtomicBool::new(false),
+            agents_told: AtomicBool::new(false),
         })
     }
 
     /// The audit log.
     pub fn audit(&self) -> &Audit {
         &self.audit
+    }
+
+    /// The server's drain: every agent that asked (a Tether agent) hears DRAIN, now and
+    /// when it connects later, and connects to the other servers (a successor among
+    /// them) while its stream here serves the tunnels it holds; the number told.
+    pub fn drain_agents(&self) -> usize {
+        self.agents_told.store(true, Ordering::Relaxed);
+        let agents = self.registry.snapshot();
+        for agent in &agents {
+            agent.tell_drain();
+        }
+        agents.iter().filter(|a| a.told_drain()).count()
     }
 
     /// The server's hard stop: tunnels it cuts are recorded as ended by `drain`.
@@ -654,6 +669,9 @@ impl Router {
     pub fn add_agent(&self, agent: Arc<AgentStream>) -> Result<(), TooManyStreams> {
         self.registry.add(agent.clone())?;
         self.count_agent(&agent, 1);
+        if self.agents_told.load(Ordering::Relaxed) {
+            agent.tell_drain();
+        }
         Ok(())
     }
 

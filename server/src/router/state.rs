@@ -417,6 +417,10 @@ pub struct AgentStream {
     /// (negotiated with `tether-flow-window`); `None` for an upstream agent.
     pub(crate) peer_window: Option<u32>,
     draining: AtomicBool,
+    /// The agent asked to hear DRAIN when this server stops (a Tether agent).
+    hears_drain: bool,
+    /// DRAIN was queued to the agent.
+    told_drain: AtomicBool,
     tables: Mutex<AgentTables>,
     /// Cancelled when the stream is gone or retired.
     pub(crate) closed: CancellationToken,
@@ -443,9 +447,31 @@ impl AgentStream {
             ctl,
             peer_window,
             draining: AtomicBool::new(false),
+            hears_drain: false,
+            told_drain: AtomicBool::new(false),
             tables: Mutex::new(AgentTables::default()),
             closed: CancellationToken::new(),
         }
+    }
+
+    /// The agent asked to hear DRAIN when this server stops (`tether-drain-notice`).
+    pub fn hearing_drain(mut self) -> Self {
+        self.hears_drain = true;
+        self
+    }
+
+    /// Tells the agent, once and if it asked, that this server is stopping: it connects
+    /// to the others (a successor among them) while this stream serves its tunnels.
+    /// Queued ahead of DATA, never waiting.
+    pub(crate) fn tell_drain(&self) {
+        if self.hears_drain && !self.told_drain.swap(true, Ordering::Relaxed) {
+            let _ = self.ctl.send(Packet::drain());
+        }
+    }
+
+    /// Was the agent told that this server is stopping?
+    pub fn told_drain(&self) -> bool {
+        self.told_drain.load(Ordering::Relaxed)
     }
 
     /// Has the agent sent DRAIN?

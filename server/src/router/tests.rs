@@ -17,20 +17,21 @@ use super::*;
 /// A wait that only a bug makes long.
 const PATIENCE: Duration = Duration::from_secs(5);
 
+fn config(strategies: &str, backend_dial_timeout: Option<Duration>) -> RouterConfig {
+    RouterConfig {
+        strategies: parse_strategies(strategies).unwrap(),
+        backend_dial_timeout,
+        flow_control: true,
+        stall_timeout: Duration::from_secs(30),
+        // These tests are about routing mechanics; verification is select's.
+        trust_claims: true,
+        max_agent_streams: 0,
+        agent_wait: Duration::ZERO,
+    }
+}
+
 fn router(strategies: &str, backend_dial_timeout: Option<Duration>) -> Arc<Router> {
-    Router::new(
-        RouterConfig {
-            strategies: parse_strategies(strategies).unwrap(),
-            backend_dial_timeout,
-            flow_control: true,
-            stall_timeout: Duration::from_secs(30),
-            // These tests are about routing mechanics; verification is select's.
-            trust_claims: true,
-            max_agent_streams: 0,
-            agent_wait: Duration::ZERO,
-        },
-        Metrics::new(),
-    )
+    Router::new(config(strategies, backend_dial_timeout), Metrics::new())
 }
 
 /// An agent stream whose packets the test reads.
@@ -42,18 +43,40 @@ struct FakeAgent {
 
 impl FakeAgent {
     fn join(router: &Router, id: &str, identifiers: &str, window: Option<u32>) -> Self {
+        Self::join_asking(router, id, identifiers, window, false)
+    }
+
+    /// An agent that asked to hear DRAIN (`drain_notice`, a Tether agent) or not.
+    fn join_asking(
+        router: &Router,
+        id: &str,
+        identifiers: &str,
+        window: Option<u32>,
+        drain_notice: bool,
+    ) -> Self {
         let (tx, rx) = mpsc::channel(64);
         let (ctl_tx, ctl) = tether_core::queue::queue();
-        let stream = Arc::new(AgentStream::new(
+        let stream = AgentStream::new(
             id.into(),
             AgentIdentifiers::parse(identifiers, true).unwrap(),
             Verified::default(),
             tx,
             ctl_tx,
             window,
-        ));
+        );
+        let stream = Arc::new(match drain_notice {
+            true => stream.hearing_drain(),
+            false => stream,
+        });
         router.add_agent(stream.clone()).unwrap();
         FakeAgent { stream, rx, ctl }
+    }
+
+    /// The DRAINs queued to the agent so far.
+    fn drains_heard(&self) -> usize {
+        std::iter::from_fn(|| self.ctl.try_recv())
+            .filter(|p| matches!(p.payload, Some(Payload::Drain(_))))
+            .count()
     }
 
     async fn next(&mut self) -> Payload {
@@ -432,26 +455,14 @@ async fn every_end_is_recorded_with_its_reason() {
         std::process::id(),
         tether_core::random_id()
     ));
-    let config = tether_ops::audit::AuditConfig {
+    let audit_config = tether_ops::audit::AuditConfig {
         path: Some(path.clone()),
         max_size: 1 << 20,
         max_backups: 1,
     };
     let metrics = Metrics::new();
-    let audit = Audit::open(&config, metrics.audit.clone(), "audit-test").unwrap();
-    let router = Router::with_audit(
-        RouterConfig {
-            strategies: parse_strategies("default").unwrap(),
-            backend_dial_timeout: None,
-            flow_control: true,
-            stall_timeout: Duration::from_secs(30),
-            trust_claims: true,
-            max_agent_streams: 0,
-            agent_wait: Duration::ZERO,
-        },
-        metrics,
-        audit,
-    );
+    let audit = Audit::open(&audit_config, metrics.audit.clone(), "audit-test").unwrap();
+    let router = Router::with_audit(config("default", None), metrics, audit);
     let mut agent = FakeAgent::join(&router, "a", "", None);
     let mut fe = FakeFrontend::open();
 
@@ -529,18 +540,11 @@ async fn every_end_is_recorded_with_its_reason() {
 }
 
 fn waiting_router(wait: Duration) -> Arc<Router> {
-    Router::new(
-        RouterConfig {
-            strategies: parse_strategies("default").unwrap(),
-            backend_dial_timeout: None,
-            flow_control: true,
-            stall_timeout: Duration::from_secs(30),
-            trust_claims: true,
-            max_agent_streams: 0,
-            agent_wait: wait,
-        },
-        Metrics::new(),
-    )
+    let config = RouterConfig {
+        agent_wait: wait,
+        ..config("default", None)
+    };
+    Router::new(config, Metrics::new())
 }
 
 /// `--wait-for-agent`: a dial made before any agent is connected goes to the first that
@@ -611,4 +615,28 @@ async fn until_one_dial_is_open(router: &Router) {
         assert!(Instant::now() < deadline, "a waiting dial never ended");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+/// The server's drain: each agent that asked hears DRAIN once, ahead of its DATA, and
+/// so does one that connects while the server drains; an upstream agent (which did not
+/// ask) hears nothing, and tunnels go on.
+#[tokio::test]
+async fn a_draining_server_tells_the_agents_that_asked() {
+    let router = router("default", None);
+    let mut tether = FakeAgent::join_asking(&router, "tether", "", Some(1 << 20), true);
+    let mut fe = FakeFrontend::open();
+    establish(&router, &mut fe, &mut tether, 1).await;
+    let upstream = FakeAgent::join(&router, "upstream", "", None);
+
+    assert_eq!(router.drain_agents(), 1, "one agent asked");
+    assert_eq!(router.drain_agents(), 1, "told once, counted again");
+    assert_eq!(tether.drains_heard(), 1);
+    assert_eq!(upstream.drains_heard(), 0);
+    let late = FakeAgent::join_asking(&router, "late", "", None, true);
+    assert_eq!(late.drains_heard(), 1, "an agent joining a draining server");
+    assert!(tether.stream.told_drain() && !upstream.stream.told_drain());
+
+    // The tunnel the told agent carries goes on.
+    assert!(router.send_data(&fe.fe, Packet::data(1, &b"on"[..])).await);
+    assert!(matches!(tether.next().await, Payload::Data(d) if &d.data[..] == b"on"));
 }
