@@ -256,6 +256,35 @@ async fn graceful_shutdown_lets_established_tunnels_finish() {
     assert!(started.elapsed() < Duration::from_secs(10));
 }
 
+/// A tunnel still open when the graceful shutdown runs out is closed by the server
+/// (CLOSE_RSP), not cut with the connection: its client reads a clean end of file.
+/// kube-apiserver 1.20's client kept a cut tunnel open for ever (`kubectl logs -f` went
+/// silent through a server upgrade instead of ending).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_tunnel_left_when_the_grace_runs_out_is_closed_cleanly() {
+    let mut s = setup(&["--graceful-shutdown-timeout=1s"]).await;
+    let echo = backend::echo().await;
+    let client = Client::uds(socket_path(s.pki.dir())).await.unwrap();
+    let mut c = client.dial(&echo.addr.to_string()).await.unwrap();
+    c.write_all(b"1").await.unwrap();
+    let mut b = [0u8; 1];
+    c.read_exact(&mut b).await.unwrap();
+
+    s.server.proc.signal("TERM");
+    let read = tokio::time::timeout(Duration::from_secs(20), c.read(&mut b)).await;
+    assert!(matches!(read, Ok(Ok(0))), "{read:?}");
+    let said = s.server.proc.wait_event(
+        "graceful shutdown timeout reached; closing remaining tunnels",
+        Duration::from_secs(10),
+        |_| true,
+    );
+    assert_eq!(said["closed"], 1, "{said}");
+    s.server
+        .proc
+        .wait_exit(Duration::from_secs(10))
+        .expect("the server exits");
+}
+
 /// A new server started on the old one's socket path (`--delete-existing-uds-file`, as
 /// kubeadm's manifest has it) takes new clients; the old one, stopping, leaves the path
 /// to it and finishes its own tunnels.

@@ -490,57 +490,19 @@ fn day_two_rolling_update_server_restart_and_ccm_rollout() {
     let hook = tether_testkit::webhook::install(c, &worker.name, "webhook_backend");
     hook.assert_served(c);
 
-    // Image B: the same binaries under another tag, on every node as a pull would
-    // leave it.
-    let image_b = format!("{REGISTRY_IMAGE}-b");
-    let b = Image::build(
-        &bin_dir(),
-        &image_b,
-        &i.overlay_dir().with_file_name("tether-b.oci.tar"),
-    );
-    for node in i.nodes() {
-        node.import_image(&b.archive, &b.reference);
-    }
+    let image_b = image_b(&i);
 
     // --- The agent DaemonSet, A to B, with streams open through worker-0's agent.
-    let mut follow = c.kubectl_command();
-    follow
-        .args(["logs", "-f", "web", "-c", "web", "--tail=1"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null());
-    let mut logs = Killed(follow.spawn().unwrap());
-    let (lines_tx, lines) = std::sync::mpsc::channel::<Instant>();
-    let out = logs.0.stdout.take().unwrap();
-    let reader = std::thread::spawn(move || {
-        use std::io::BufRead;
-        for _ in std::io::BufReader::new(out).lines().map_while(Result::ok) {
-            let _ = lines_tx.send(Instant::now());
-        }
-    });
-    lines
-        .recv_timeout(Duration::from_secs(30))
-        .expect("logs -f streams");
+    let logs = LogsFollowed::start(&i, "logs-f-agents");
     let (port, _pf) = port_forward(c.kubectl_command(), Streams::Default);
     let page = |port: u16| curl(None, &format!("http://127.0.0.1:{port}/"), 5).is_some();
     assert!(page(port), "port-forward before the update");
 
-    let probe_kubeconfig = admin.clone();
-    let probe_node = worker.name.clone();
-    let prober = Prober::start(move || node_answers(&probe_kubeconfig, &probe_node));
+    let prober = prober_to(&admin, &worker.name);
     let probe_kubeconfig = admin.clone();
     let hook_prober = Prober::start(move || webhook_answers(&probe_kubeconfig));
     let rolled = Instant::now();
-    // 1.20's DaemonSets cannot surge: `tether rollout agents` overlaps old and new.
-    let log = i.overlay_dir().with_file_name("rollout-agents.log");
-    let mut rollout = Command::new(BIN);
-    rollout
-        .args(["rollout", "agents", "--image", &image_b, "--kubeconfig"])
-        .arg(&admin)
-        .stdout(std::fs::File::create(&log).unwrap())
-        .stderr(Stdio::from(
-            std::fs::File::create(log.with_extension("err")).unwrap(),
-        ));
-    let mut rollout = Killed(rollout.spawn().unwrap());
+    let rollout = AgentRollout::start(&i, &image_b);
     // While worker-0's old agent drains, the port-forward session it carries still works.
     let draining = i.wait_or_explain("worker-0's old agent draining", || {
         let phase = agent_pods(
@@ -553,48 +515,21 @@ fn day_two_rolling_update_server_restart_and_ccm_rollout() {
     assert!(page(port), "port-forward while the agent drains");
     // logs -f ends with the old agent's drain (--drain-timeout=30s): at its first quiet
     // moment in the last 5 s.
-    let mut last_line = draining;
-    while let Ok(at) = lines.recv_timeout(Duration::from_secs(90)) {
-        last_line = at;
-    }
+    let (last_line, _) = logs.until_end();
     let logs_ended = Instant::now();
-    let _ = reader.join();
     // The port-forward session, carried by the same agent, ends with it.
     i.wait_or_explain("the port-forward ending with the old agent", || {
         (!page(port)).then_some(())
     });
-    let status = i.wait_or_explain("tether rollout agents finishing", || {
-        rollout.0.try_wait().unwrap()
-    });
-    let said = std::fs::read_to_string(&log).unwrap_or_default();
-    assert!(
-        status.success(),
-        "tether rollout agents: {status}\n{said}{}",
-        std::fs::read_to_string(log.with_extension("err")).unwrap_or_default()
-    );
+    let said = rollout.finish(&i);
     let done = rolled.elapsed();
     let seen = prober.finish();
     let (outage, failures) = longest_outage(&seen);
     let (hook_outage, hook_failures) = longest_outage(&hook_prober.finish());
-    let images = c.kubectl_ok(&[
-        "get",
-        "pods",
-        "-n",
-        "kube-system",
-        "-l",
-        "k8s-app=konnectivity-agent",
-        "-o",
-        "jsonpath={.items[*].spec.containers[0].image}",
-    ]);
-    assert!(images.split_whitespace().all(|i| i == image_b), "{images}");
-    assert_eq!(
-        images.split_whitespace().count(),
-        i.nodes().count(),
-        "one agent a node: {images}"
-    );
+    assert_agents_run(&i, &image_b);
     println!(
         "agent rollout (tether rollout agents): logs -f streamed {:.1} s into the old agent's drain and ended {:.1} s after the rollout began; {failures} of {} kubectl calls to {} failed (longest failure {:.1} s); {hook_failures} of the webhook's calls failed ({:.1} s); done in {:.1} s",
-        (last_line.max(draining) - draining).as_secs_f64(),
+        (last_line.max(draining).saturating_duration_since(draining)).as_secs_f64(),
         (logs_ended - rolled).as_secs_f64(),
         seen.len(),
         worker.name,
@@ -613,32 +548,47 @@ fn day_two_rolling_update_server_restart_and_ccm_rollout() {
         hook_failures, 0,
         "the webhook failed for {hook_outage:?} through the rollout\n{said}"
     );
-    drop(logs);
 
     // --- The server, blue/green (docs/operating.md, "Upgrading the server"): a
     // successor's static pod (image B) beside the old one, the old one's manifest
     // removed once the successor holds every agent; then back the other way.
     let manifests = i.etc_kubernetes().join("manifests");
-    let probe_kubeconfig = admin.clone();
-    let probe_node = worker.name.clone();
-    let prober = Prober::start(move || node_answers(&probe_kubeconfig, &probe_node));
+    let prober = prober_to(&admin, &worker.name);
+    // A `logs -f` started before: carried by the old server through its drain, cut
+    // when its 20 s (--graceful-shutdown-timeout) run out.
+    let logs = LogsFollowed::start(&i, "logs-f-servers");
     let upgrade = Instant::now();
+    let mut first_stop = None;
     for (old, new) in [(BLUE, GREEN), (GREEN, BLUE)] {
-        blue_green(&i, &i.control_plane, &manifests, (old, new), &image_b);
+        let stopped = blue_green(&i, &i.control_plane, &manifests, (old, new), &image_b);
+        first_stop.get_or_insert(stopped);
     }
     let took = upgrade.elapsed();
     let seen = prober.finish();
     let (outage, failures) = longest_outage(&seen);
+    let first_stop = first_stop.unwrap();
+    let (last_line, said) = logs.until_end();
     println!(
-        "server upgrade, blue/green and back: {failures} of {} kubectl calls to {} failed (longest failure {:.1} s); done in {:.1} s",
+        "server upgrade, blue/green and back: {failures} of {} kubectl calls to {} failed (longest failure {:.1} s); done in {:.1} s; a logs -f through the first old server streamed {:.1} s after it was told to stop, then kubectl said {said:?}",
         seen.len(),
         worker.name,
         outage.as_secs_f64(),
-        took.as_secs_f64()
+        took.as_secs_f64(),
+        last_line.saturating_duration_since(first_stop).as_secs_f64()
     );
     assert_eq!(
         failures, 0,
         "kubectl calls failed through the server upgrade"
+    );
+    assert!(
+        last_line.saturating_duration_since(first_stop) > Duration::from_secs(10),
+        "logs -f did not last through the old server's drain"
+    );
+    // The old server closes what is left when its grace runs out (CLOSE_RSP): without
+    // that, kube-apiserver 1.20's client kept the stream open, silent, for ever.
+    assert!(
+        !said.starts_with("nothing"),
+        "logs -f did not end with the old server: {said}"
     );
     i.wait_or_explain("every agent on the server", || {
         let agents = i.server_agents();
@@ -702,17 +652,150 @@ const GREEN: Colour = Colour {
     health: 8136,
 };
 
+/// `kubectl logs -f` of pod `web`, each line's arrival noted; kubectl's stderr kept in
+/// a file named `name` beside the cluster's.
+struct LogsFollowed {
+    process: Killed,
+    lines: std::sync::mpsc::Receiver<Instant>,
+    reader: std::thread::JoinHandle<()>,
+    err: PathBuf,
+    /// When the first line came.
+    first: Instant,
+}
+
+impl LogsFollowed {
+    /// Started, and streaming (its first line came).
+    fn start(i: &Installed, name: &str) -> LogsFollowed {
+        let err = i.overlay_dir().with_file_name(format!("{name}.err"));
+        let mut follow = i.cluster.kubectl_command();
+        follow
+            .args(["logs", "-f", "web", "-c", "web", "--tail=1"])
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&err).unwrap());
+        let mut process = Killed(follow.spawn().unwrap());
+        let (lines_tx, lines) = std::sync::mpsc::channel::<Instant>();
+        let out = process.0.stdout.take().unwrap();
+        let reader = std::thread::spawn(move || {
+            use std::io::BufRead;
+            for _ in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+                let _ = lines_tx.send(Instant::now());
+            }
+        });
+        let first = lines
+            .recv_timeout(Duration::from_secs(30))
+            .expect("logs -f streams");
+        LogsFollowed {
+            process,
+            lines,
+            reader,
+            err,
+            first,
+        }
+    }
+
+    /// Waits until it ends (or 60 s pass without a line, or 150 s in all): when its
+    /// last line came, and what kubectl said on stderr (or that it was still running).
+    fn until_end(mut self) -> (Instant, String) {
+        let deadline = Instant::now() + Duration::from_secs(150);
+        let mut last = self.first;
+        while let Ok(at) = self.lines.recv_timeout(Duration::from_secs(60)) {
+            last = at;
+            if Instant::now() > deadline {
+                break;
+            }
+        }
+        let ended = self.process.0.try_wait().ok().flatten();
+        drop(self.process);
+        let _ = self.reader.join();
+        let said = std::fs::read_to_string(&self.err).unwrap_or_default();
+        match ended {
+            Some(status) => (last, format!("{} ({status})", said.trim())),
+            None => (last, "nothing: still running, silent".into()),
+        }
+    }
+}
+
+/// Image B: the same binaries under another tag, on every node as a pull would leave
+/// it.
+fn image_b(i: &Installed) -> String {
+    let image_b = format!("{REGISTRY_IMAGE}-b");
+    let b = Image::build(
+        &bin_dir(),
+        &image_b,
+        &i.overlay_dir().with_file_name("tether-b.oci.tar"),
+    );
+    for node in i.nodes() {
+        node.import_image(&b.archive, &b.reference);
+    }
+    image_b
+}
+
+/// `tether rollout agents --image IMAGE` running (1.20's DaemonSets cannot surge: it
+/// overlaps old and new agents), its output in files beside the cluster's.
+struct AgentRollout {
+    process: Killed,
+    log: PathBuf,
+}
+
+impl AgentRollout {
+    fn start(i: &Installed, image: &str) -> AgentRollout {
+        let log = i.overlay_dir().with_file_name("rollout-agents.log");
+        let mut rollout = Command::new(BIN);
+        rollout
+            .args(["rollout", "agents", "--image", image, "--kubeconfig"])
+            .arg(&i.cluster.files.admin_kubeconfig)
+            .stdout(std::fs::File::create(&log).unwrap())
+            .stderr(Stdio::from(
+                std::fs::File::create(log.with_extension("err")).unwrap(),
+            ));
+        AgentRollout {
+            process: Killed(rollout.spawn().unwrap()),
+            log,
+        }
+    }
+
+    /// Waits until it has finished, asserting success; what it printed.
+    fn finish(mut self, i: &Installed) -> String {
+        let status = i.wait_or_explain("tether rollout agents finishing", || {
+            self.process.0.try_wait().unwrap()
+        });
+        let said = std::fs::read_to_string(&self.log).unwrap_or_default();
+        assert!(
+            status.success(),
+            "tether rollout agents: {status}\n{said}{}",
+            std::fs::read_to_string(self.log.with_extension("err")).unwrap_or_default()
+        );
+        said
+    }
+}
+
+/// Every node runs one agent, of `image`.
+fn assert_agents_run(i: &Installed, image: &str) {
+    let images = agent_pods(
+        &i.cluster,
+        "metadata.namespace=kube-system",
+        "{.items[*].spec.containers[0].image}",
+    );
+    assert!(images.split_whitespace().all(|i| i == image), "{images}");
+    assert_eq!(
+        images.split_whitespace().count(),
+        i.nodes().count(),
+        "one agent a node: {images}"
+    );
+}
+
 /// One blue/green server upgrade on `host` (docs/operating.md, "Upgrading the
 /// server"): the successor's static pod (`image`) written beside the old one in
 /// `manifests`, the old one's manifest removed once the successor is ready and holds
-/// every agent, and waited until the old pod is gone.
+/// every agent, and waited until the old pod is gone. Returns when the old one's
+/// manifest was removed (the kubelet stops it then).
 fn blue_green(
     i: &Installed,
     host: &tether_testkit::node::RealNode,
     manifests: &Path,
     (old, new): (Colour, Colour),
     image: &str,
-) {
+) -> Instant {
     let c = &i.cluster;
     let nodes = i.nodes().count() as f64;
     let old_manifest = manifests.join(format!("{}.yaml", old.name));
@@ -741,11 +824,13 @@ fn blue_green(
         (held == Some(nodes)).then_some(())
     });
     std::fs::remove_file(&old_manifest).unwrap();
+    let stopped = Instant::now();
     let gone = format!("{}-{}", old.name, host.name);
     i.wait_or_explain(&format!("{gone} gone"), || {
         let out = c.kubectl(&["get", "pod", "-n", "kube-system", &gone]);
         (!out.status.success()).then_some(())
     });
+    stopped
 }
 
 /// The successor's manifest made from the running one's, as docs/operating.md's `sed`
@@ -977,10 +1062,57 @@ fn servers_running(host: &tether_testkit::node::RealNode) -> usize {
         .count()
 }
 
-/// A cheap kubectl call through the apiserver of `kubeconfig` to `node`'s kubelet.
+/// kubectl calls through the apiserver of `kubeconfig` to `node`'s kubelet and pod
+/// `web` on it, every 250 ms, in turn: the node proxy, `logs` and `exec`.
 fn prober_to(kubeconfig: &Path, node: &str) -> Prober {
     let (kubeconfig, node) = (kubeconfig.to_path_buf(), node.to_string());
-    Prober::start(move || node_answers(&kubeconfig, &node))
+    let turn = std::sync::atomic::AtomicUsize::new(0);
+    let kubectl = move |args: &[&str]| {
+        Command::new("kubectl")
+            .arg(format!("--kubeconfig={}", kubeconfig.display()))
+            .args(args)
+            .arg("--request-timeout=5s")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    Prober::start(
+        move || match turn.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 3 {
+            0 => kubectl(&[
+                "get",
+                "--raw",
+                &format!("/api/v1/nodes/{node}/proxy/healthz"),
+            ]),
+            1 => kubectl(&["logs", "web", "-c", "web", "--tail=1"]),
+            _ => kubectl(&["exec", "web", "-c", "web", "--", "true"]),
+        },
+    )
+}
+
+/// Runs `step` while kubectl calls go to `node` through each kube-apiserver of
+/// `through` (host, kubeconfig), then says how they fared and asserts that none
+/// failed.
+fn no_call_fails(through: &[(&str, &Path)], node: &str, what: &str, step: impl FnOnce()) {
+    let probers: Vec<Prober> = through
+        .iter()
+        .map(|(_, kubeconfig)| prober_to(kubeconfig, node))
+        .collect();
+    let began = Instant::now();
+    step();
+    let took = began.elapsed();
+    for ((host, _), prober) in through.iter().zip(probers) {
+        let seen = prober.finish();
+        let (outage, failures) = longest_outage(&seen);
+        println!(
+            "{what}, in {:.1} s: {failures} of {} calls through {host}'s kube-apiserver failed (longest {:.1} s)",
+            took.as_secs_f64(),
+            seen.len(),
+            outage.as_secs_f64()
+        );
+        assert_eq!(
+            failures, 0,
+            "calls through {host}'s kube-apiserver failed: {what}"
+        );
+    }
 }
 
 /// Two control-plane hosts, each with its kube-apiserver and its server static pod,
@@ -990,6 +1122,8 @@ fn prober_to(kubeconfig: &Path, node: &str) -> Prober {
 ///   within [`AGENTS_BACK`] of its first answer (the old server's DRAIN sends them
 ///   while it still serves its last tunnels), and no call through either host's
 ///   kube-apiserver may fail meanwhile.
+/// - Both hosts' servers upgraded blue/green, one host after the other, then the agent
+///   DaemonSet rolled: no call through either host's kube-apiserver may fail.
 /// - The CCM Deployment rolled, as shipped (two replicas, one per host): the load
 ///   balancer must answer every request while its pool moves.
 #[test]
@@ -1083,38 +1217,36 @@ fn ha_control_plane_restarted_host_by_host_and_ccm_rolled() {
 
     // --- The servers upgraded blue/green, one host at a time (the same image: the
     // handover is what is measured), calls through both hosts' kube-apiservers.
-    let probers = hosts
+    let through: Vec<(&str, &Path)> = hosts
         .iter()
-        .map(|(_, _, kubeconfig)| prober_to(kubeconfig, &worker.name))
-        .collect::<Vec<_>>();
-    let upgrade = Instant::now();
-    for (host, etc, _) in &hosts {
-        let manifests = etc.join("manifests");
-        let text = std::fs::read_to_string(manifests.join("konnectivity-server.yaml")).unwrap();
-        let image = text
-            .lines()
-            .find_map(|l| l.trim_start().strip_prefix("image: "))
-            .unwrap()
-            .to_string();
-        blue_green(&i, host, &manifests, (BLUE, GREEN), &image);
-    }
-    let took = upgrade.elapsed();
-    for ((host, _, _), prober) in hosts.iter().zip(probers) {
-        let seen = prober.finish();
-        let (outage, failures) = longest_outage(&seen);
-        println!(
-            "servers upgraded blue/green, one host after the other, in {:.1} s: {failures} of {} calls through {}'s kube-apiserver failed (longest {:.1} s)",
-            took.as_secs_f64(),
-            seen.len(),
-            host.name,
-            outage.as_secs_f64()
-        );
-        assert_eq!(
-            failures, 0,
-            "calls through {}'s kube-apiserver failed through the upgrade",
-            host.name
-        );
-    }
+        .map(|(host, _, kubeconfig)| (host.name.as_str(), kubeconfig.as_path()))
+        .collect();
+    no_call_fails(
+        &through,
+        &worker.name,
+        "servers upgraded blue/green",
+        || {
+            for (host, etc, _) in &hosts {
+                let manifests = etc.join("manifests");
+                let text =
+                    std::fs::read_to_string(manifests.join("konnectivity-server.yaml")).unwrap();
+                let image = text
+                    .lines()
+                    .find_map(|l| l.trim_start().strip_prefix("image: "))
+                    .unwrap()
+                    .to_string();
+                blue_green(&i, host, &manifests, (BLUE, GREEN), &image);
+            }
+        },
+    );
+
+    // --- The agent DaemonSet rolled to image B with `tether rollout agents` (1.20's
+    // DaemonSets cannot surge), calls through both hosts' kube-apiservers.
+    let image = image_b(&i);
+    no_call_fails(&through, &worker.name, "agents rolled", || {
+        AgentRollout::start(&i, &image).finish(&i);
+    });
+    assert_agents_run(&i, &image);
 
     // --- The CCM Deployment, rolled with its two replicas: a request every 250 ms.
     let slowest = std::sync::Arc::new(std::sync::Mutex::new(Duration::ZERO));

@@ -48,6 +48,8 @@ pub struct Agent {
     /// The drain the sessions share: a watch per open connection, the quiet close.
     drain: dialer::AgentDrain,
     streams: Arc<AtomicI64>,
+    /// Of those, the streams whose server said DRAIN (not counted for readiness).
+    leaving: Arc<AtomicI64>,
     header_count: Arc<AtomicI64>,
     /// The HTTP/2 keepalive interval new streams use, in milliseconds: `--keepalive-time`,
     /// doubled each time a server closes a stream for pinging too often.
@@ -89,6 +91,7 @@ impl Agent {
             policy: policy::DialPolicy::new(config.policy.clone()),
             drain: dialer::AgentDrain::default(),
             streams: Arc::new(AtomicI64::new(0)),
+            leaving: Arc::new(AtomicI64::new(0)),
             header_count: Arc::new(AtomicI64::new(1)),
             keepalive_ms: Arc::new(AtomicU64::new(
                 config.keepalive.as_millis().try_into().unwrap_or(u64::MAX),
@@ -142,11 +145,13 @@ impl Agent {
 
     /// Serves `/healthz`, `/readyz` (see [`readiness`]) and `/metrics`.
     pub fn serve_health(&self, listener: TcpListener, hard_stop: CancellationToken) {
-        let streams = self.streams.clone();
+        let (streams, leaving) = (self.streams.clone(), self.leaving.clone());
         let known = self.metrics.known_server_count.clone();
         let every = self.config.ready_with_every_server;
-        let ready: tether_ops::health::ReadyCheck =
-            Arc::new(move || readiness(streams.load(Ordering::Relaxed), known.get(), every));
+        let ready: tether_ops::health::ReadyCheck = Arc::new(move || {
+            let counted = streams.load(Ordering::Relaxed) - leaving.load(Ordering::Relaxed);
+            readiness(counted, known.get(), every)
+        });
         tether_ops::health::spawn(
             "health",
             listener,

@@ -304,7 +304,10 @@ impl Agent {
                 served = &mut served => served,
                 _ = server_draining.cancelled() => {
                     held.leaving(&server_id);
-                    served.await
+                    this.leaving.fetch_add(1, Ordering::Relaxed);
+                    let served = served.await;
+                    this.leaving.fetch_sub(1, Ordering::Relaxed);
+                    served
                 }
             };
             if let Err(e) = served {

@@ -65,15 +65,7 @@ impl BoundServer {
             // Stop advertising this server before waiting for its tunnels to finish.
             let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
         }
-        // Pending dials and established connections each hold a drain watch.
-        let grace = config.graceful_shutdown_timeout;
-        let drained = tokio::time::timeout(grace, router.work().drain());
-        if !grace.is_zero() && drained.await.is_err() {
-            tracing::info!(
-                open = router.work().open(),
-                "graceful shutdown timeout reached; closing remaining tunnels"
-            );
-        }
+        finish_tunnels(&router, config.graceful_shutdown_timeout).await;
         router.stopping();
         hard_stop.cancel();
         let stopped = tokio::time::timeout(Duration::from_secs(2), async {
@@ -181,6 +173,34 @@ impl BoundServer {
         (agent_task, frontends)
     }
 }
+
+/// Lets established tunnels finish for up to `grace` (pending dials and established
+/// connections each hold a drain watch); closes those left from the server's side.
+async fn finish_tunnels(router: &Router, grace: Duration) {
+    let drained = tokio::time::timeout(grace, router.work().drain());
+    if drained.await.is_ok() {
+        return;
+    }
+    let closed = router.end_all(SHUTDOWN_CLOSE);
+    if !grace.is_zero() {
+        tracing::info!(
+            open = router.work().open(),
+            closed,
+            "graceful shutdown timeout reached; closing remaining tunnels"
+        );
+    }
+    if closed > 0 {
+        // Their CLOSE_RSPs go out before the connections do.
+        tokio::time::sleep(CLOSE_FLUSH).await;
+    }
+}
+
+/// What a tunnel still open when the graceful shutdown runs out is closed with.
+const SHUTDOWN_CLOSE: &str = "proxy server shutting down: graceful shutdown timeout reached";
+
+/// How long the CLOSE_RSPs of those tunnels get to reach their clients before the
+/// hard stop closes the connections.
+const CLOSE_FLUSH: Duration = Duration::from_millis(300);
 
 impl Frontends {
     /// Serves one frontend listener until the frontends' drain.

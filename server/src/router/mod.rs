@@ -131,6 +131,31 @@ impl Router {
         agents.iter().filter(|a| a.told_drain()).count()
     }
 
+    /// The graceful shutdown ran out: every connection still open is closed from the
+    /// server's side (its client gets CLOSE_RSP with `error`, its agent CLOSE_REQ) and
+    /// every pending dial fails, so that each client ends its tunnel at once. Cut with
+    /// the process instead, a tunnel of a client that misses the broken connection
+    /// (kube-apiserver 1.20's konnectivity-client) hangs: `kubectl logs -f` went silent
+    /// rather than ending. The number of connections closed.
+    pub fn end_all(&self, error: &str) -> usize {
+        let mut closed = 0;
+        for agent in self.registry.snapshot() {
+            let tables = agent.take_tables();
+            for (random, pending) in tables.pending {
+                self.forget_pending(random, &pending);
+                self.dial_failed(&agent, random, &pending, Reason::Drain, error);
+                self.to_frontend(&pending.frontend, Packet::dial_response(random, 0, error));
+            }
+            for (connect_id, conn) in tables.conns {
+                self.tunnel_ended(&conn, &agent, Reason::Drain, error);
+                self.conn_ended(&conn, Packet::close_response(connect_id, error));
+                agent.tell(Packet::close_request(connect_id));
+                closed += 1;
+            }
+        }
+        closed
+    }
+
     /// The server's hard stop: tunnels it cuts are recorded as ended by `drain`.
     pub fn stopping(&self) {
         self.stopping.store(true, Ordering::Relaxed);

@@ -465,8 +465,13 @@ impl AgentStream {
     /// Queued ahead of DATA, never waiting.
     pub(crate) fn tell_drain(&self) {
         if self.hears_drain && !self.told_drain.swap(true, Ordering::Relaxed) {
-            let _ = self.ctl.send(Packet::drain());
+            self.tell(Packet::drain());
         }
+    }
+
+    /// Queues `packet` to the agent ahead of DATA, never waiting.
+    pub(crate) fn tell(&self, packet: Packet) {
+        let _ = self.ctl.send(packet);
     }
 
     /// Was the agent told that this server is stopping?

@@ -640,3 +640,38 @@ async fn a_draining_server_tells_the_agents_that_asked() {
     assert!(router.send_data(&fe.fe, Packet::data(1, &b"on"[..])).await);
     assert!(matches!(tether.next().await, Payload::Data(d) if &d.data[..] == b"on"));
 }
+
+/// The graceful shutdown ran out: the tunnel still open is closed from the server's
+/// side (its client gets CLOSE_RSP with the reason, the agent CLOSE_REQ), and a dial
+/// still pending fails, so each client ends its tunnel instead of finding it cut.
+#[tokio::test]
+async fn the_end_of_a_graceful_shutdown_closes_what_is_left() {
+    let router = router("default", None);
+    let mut agent = FakeAgent::join(&router, "a", "", None);
+    let mut fe = FakeFrontend::open();
+    establish(&router, &mut fe, &mut agent, 4).await;
+    fe.dial(&router, "target:80", 9).await;
+    assert_eq!(agent.dial_request().await.random, 9);
+
+    assert_eq!(router.end_all("shutting down"), 1);
+    let mut seen = (false, false);
+    for _ in 0..2 {
+        match fe.next().await {
+            Payload::CloseResponse(c) => {
+                assert_eq!((c.connect_id, c.error.as_str()), (4, "shutting down"));
+                seen.0 = true;
+            }
+            Payload::DialResponse(r) => {
+                assert_eq!((r.random, r.error.as_str()), (9, "shutting down"));
+                seen.1 = true;
+            }
+            other => panic!("expected CLOSE_RSP and DIAL_RSP, got {other:?}"),
+        }
+    }
+    assert_eq!(seen, (true, true));
+    let told = std::iter::from_fn(|| agent.ctl.try_recv())
+        .any(|p| matches!(p.payload, Some(Payload::CloseRequest(c)) if c.connect_id == 4));
+    assert!(told, "the agent is told to close");
+    assert_eq!(router.end_all("again"), 0, "nothing left");
+    assert_eq!(router.work().open(), 0);
+}
