@@ -181,7 +181,7 @@ async fn finish_tunnels(router: &Router, grace: Duration) {
     if drained.await.is_ok() {
         return;
     }
-    let closed = router.end_all(SHUTDOWN_CLOSE);
+    let closed = router.end_all();
     if !grace.is_zero() {
         tracing::info!(
             open = router.work().open(),
@@ -194,9 +194,6 @@ async fn finish_tunnels(router: &Router, grace: Duration) {
         tokio::time::sleep(CLOSE_FLUSH).await;
     }
 }
-
-/// What a tunnel still open when the graceful shutdown runs out is closed with.
-const SHUTDOWN_CLOSE: &str = "proxy server shutting down: graceful shutdown timeout reached";
 
 /// How long the CLOSE_RSPs of those tunnels get to reach their clients before the
 /// hard stop closes the connections.

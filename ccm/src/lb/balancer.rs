@@ -310,8 +310,9 @@ impl TunnelLoadBalancers {
 
     /// Lets go of `pool`: its listeners stop (with their connections) and its
     /// addresses go, and none is served again until [`Self::resume_pool`]. Serves in
-    /// flight finish first, so none puts one back. The connections cut end (their
-    /// clients told) before the addresses go, for at most [`CUT_CLOSE`].
+    /// flight finish first, and later ones skip the pool, so none puts one back. The
+    /// connections cut end (their clients told) before the addresses go, for at most
+    /// [`CUT_CLOSE`].
     pub async fn release_pool(&self, pool: &str) {
         let mut serving = self.serving.write().await;
         serving.remove(pool);
@@ -351,6 +352,9 @@ impl TunnelLoadBalancers {
                 clients.remove(uid);
             }
         }
+        // No serve puts the pool's addresses back from here on (the pool is not served
+        // any more): the other pools' serves go on meanwhile.
+        drop(serving);
         // A connection's reset sent once its address is gone would never reach its
         // client, which would wait for an answer until it gave up.
         until_none_open(&services, CUT_CLOSE).await;
@@ -368,7 +372,6 @@ impl TunnelLoadBalancers {
                 }
             }
         }
-        drop(serving);
     }
 
     /// Serves `svc` over `nodes` on those of `addresses` (its status) whose pools this

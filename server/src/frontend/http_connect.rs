@@ -141,6 +141,7 @@ where
             ))
         }
         Err(DialError::BadAddress(e)) => return Err(("400 Bad Request", e.to_string())),
+        Err(e @ DialError::ShuttingDown) => return Err(("503 Service Unavailable", e.to_string())),
     }
     let first = tokio::select! {
         p = tokio::time::timeout(DIAL_BACKSTOP, rx.next()) => p,

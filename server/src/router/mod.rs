@@ -48,7 +48,14 @@ pub enum DialError {
     /// spelling): no agent is asked to dial it.
     #[error(transparent)]
     BadAddress(tether_core::host::HostError),
+    /// The server's graceful shutdown ran out: it takes no more dials.
+    #[error("{SHUTTING_DOWN}")]
+    ShuttingDown,
 }
+
+/// What a tunnel (or dial) still open when the graceful shutdown runs out is closed
+/// with, and what a dial made after is refused with.
+pub const SHUTTING_DOWN: &str = "proxy server shutting down: graceful shutdown timeout reached";
 
 /// How long a dial may wait for its agent's answer when `--backend-dial-timeout` is not
 /// set (upstream waits for ever on gRPC; HTTP-CONNECT clients give up after 30 s).
@@ -89,6 +96,8 @@ pub struct Router {
     stopping: AtomicBool,
     /// The server drains: every agent stream that asked hears DRAIN, new ones too.
     agents_told: AtomicBool,
+    /// The graceful shutdown ran out ([`Router::end_all`]): no more dials.
+    closing: AtomicBool,
 }
 
 impl Router {
@@ -111,6 +120,7 @@ impl Router {
             audit,
             stopping: AtomicBool::new(false),
             agents_told: AtomicBool::new(false),
+            closing: AtomicBool::new(false),
         })
     }
 
@@ -126,34 +136,40 @@ impl Router {
         self.agents_told.store(true, Ordering::Relaxed);
         let agents = self.registry.snapshot();
         for agent in &agents {
-            agent.tell_drain();
+            self.tell_drain(agent);
         }
         agents.iter().filter(|a| a.told_drain()).count()
     }
 
-    /// The graceful shutdown ran out: every connection still open is closed from the
-    /// server's side (its client gets CLOSE_RSP with `error`, its agent CLOSE_REQ) and
-    /// every pending dial fails, so that each client ends its tunnel at once. Cut with
-    /// the process instead, a tunnel of a client that misses the broken connection
-    /// (kube-apiserver 1.20's konnectivity-client) hangs: `kubectl logs -f` went silent
-    /// rather than ending. The number of connections closed.
-    pub fn end_all(&self, error: &str) -> usize {
-        let mut closed = 0;
+    /// The graceful shutdown ran out: no more dials are taken ([`SHUTTING_DOWN`]),
+    /// every connection still open is closed from the server's side (its client gets
+    /// CLOSE_RSP, its agent CLOSE_REQ) and every pending dial fails (its agent gets
+    /// DIAL_CLS), so that each client ends its tunnel at once. Cut with the process
+    /// instead, a tunnel of a client that misses the broken connection (kube-apiserver
+    /// 1.20's konnectivity-client) hangs: `kubectl logs -f` went silent rather than
+    /// ending. The number of connections and dials ended.
+    pub fn end_all(&self) -> usize {
+        self.closing.store(true, Ordering::Relaxed);
+        let mut ended = 0;
         for agent in self.registry.snapshot() {
             let tables = agent.take_tables();
             for (random, pending) in tables.pending {
                 self.forget_pending(random, &pending);
-                self.dial_failed(&agent, random, &pending, Reason::Drain, error);
-                self.to_frontend(&pending.frontend, Packet::dial_response(random, 0, error));
+                self.metrics.dial_failed(DialFailure::BackendClose);
+                self.dial_failed(&agent, random, &pending, Reason::Drain, SHUTTING_DOWN);
+                let answer = Packet::dial_response(random, 0, SHUTTING_DOWN);
+                self.to_frontend(&pending.frontend, answer);
+                self.tell_agent(&agent, Packet::close_dial(random));
+                ended += 1;
             }
             for (connect_id, conn) in tables.conns {
-                self.tunnel_ended(&conn, &agent, Reason::Drain, error);
-                self.conn_ended(&conn, Packet::close_response(connect_id, error));
-                agent.tell(Packet::close_request(connect_id));
-                closed += 1;
+                self.tunnel_ended(&conn, &agent, Reason::Drain, SHUTTING_DOWN);
+                self.conn_ended(&conn, Packet::close_response(connect_id, SHUTTING_DOWN));
+                self.tell_agent(&agent, Packet::close_request(connect_id));
+                ended += 1;
             }
         }
-        closed
+        ended
     }
 
     /// The server's hard stop: tunnels it cuts are recorded as ended by `drain`.
@@ -239,6 +255,20 @@ impl Router {
         agent.tx.send(packet).map(|r| r.is_ok())
     }
 
+    /// Tells `agent`, once and if it asked, that this server is stopping; counted.
+    fn tell_drain(&self, agent: &AgentStream) {
+        if agent.tell_drain() {
+            self.metrics
+                .packet(Segment::ToAgent, tether_proto::PacketType::Drain as i32);
+        }
+    }
+
+    /// Queues `packet` to `agent` ahead of its DATA, never waiting; counted.
+    fn tell_agent(&self, agent: &AgentStream, packet: Packet) {
+        self.metrics.packet(Segment::ToAgent, packet.r#type);
+        agent.tell(packet);
+    }
+
     // === frontend -> agent ===
 
     /// Sends a DIAL_REQ from `fe` to an agent chosen by the strategies. The answer
@@ -248,6 +278,10 @@ impl Router {
         fe: &Arc<FrontendStream>,
         req: DialRequest,
     ) -> Result<(), DialError> {
+        if self.closing.load(Ordering::Relaxed) {
+            self.refused(fe, &req.address, Reason::Drain, SHUTTING_DOWN);
+            return Err(DialError::ShuttingDown);
+        }
         let (agent, strategy) = match self.registry.route(&self.config.strategies, &req.address) {
             Ok(routed) => routed,
             Err(NoRoute::Host(e)) => {
@@ -289,6 +323,7 @@ impl Router {
         let error = match why {
             DialError::NoAgent => NO_AGENT.to_string(),
             DialError::BadAddress(e) => e.to_string(),
+            DialError::ShuttingDown => SHUTTING_DOWN.to_string(),
         };
         self.to_frontend(fe, Packet::dial_response(random, 0, &error));
     }
@@ -695,7 +730,7 @@ impl Router {
         self.registry.add(agent.clone())?;
         self.count_agent(&agent, 1);
         if self.agents_told.load(Ordering::Relaxed) {
-            agent.tell_drain();
+            self.tell_drain(&agent);
         }
         Ok(())
     }

@@ -463,10 +463,13 @@ impl AgentStream {
     /// Tells the agent, once and if it asked, that this server is stopping: it connects
     /// to the others (a successor among them) while this stream serves its tunnels.
     /// Queued ahead of DATA, never waiting.
-    pub(crate) fn tell_drain(&self) {
-        if self.hears_drain && !self.told_drain.swap(true, Ordering::Relaxed) {
+    /// True when it was queued now.
+    pub(crate) fn tell_drain(&self) -> bool {
+        let now = self.hears_drain && !self.told_drain.swap(true, Ordering::Relaxed);
+        if now {
             self.tell(Packet::drain());
         }
+        now
     }
 
     /// Queues `packet` to the agent ahead of DATA, never waiting.

@@ -653,25 +653,44 @@ async fn the_end_of_a_graceful_shutdown_closes_what_is_left() {
     fe.dial(&router, "target:80", 9).await;
     assert_eq!(agent.dial_request().await.random, 9);
 
-    assert_eq!(router.end_all("shutting down"), 1);
+    assert_eq!(router.end_all(), 2, "a connection and a dial");
     let mut seen = (false, false);
     for _ in 0..2 {
         match fe.next().await {
             Payload::CloseResponse(c) => {
-                assert_eq!((c.connect_id, c.error.as_str()), (4, "shutting down"));
+                assert_eq!((c.connect_id, c.error.as_str()), (4, SHUTTING_DOWN));
                 seen.0 = true;
             }
             Payload::DialResponse(r) => {
-                assert_eq!((r.random, r.error.as_str()), (9, "shutting down"));
+                assert_eq!((r.random, r.error.as_str()), (9, SHUTTING_DOWN));
                 seen.1 = true;
             }
             other => panic!("expected CLOSE_RSP and DIAL_RSP, got {other:?}"),
         }
     }
     assert_eq!(seen, (true, true));
-    let told = std::iter::from_fn(|| agent.ctl.try_recv())
-        .any(|p| matches!(p.payload, Some(Payload::CloseRequest(c)) if c.connect_id == 4));
-    assert!(told, "the agent is told to close");
-    assert_eq!(router.end_all("again"), 0, "nothing left");
+    let told: Vec<Payload> = std::iter::from_fn(|| agent.ctl.try_recv())
+        .filter_map(|p| p.payload)
+        .collect();
+    assert!(
+        told.iter()
+            .any(|p| matches!(p, Payload::CloseRequest(c) if c.connect_id == 4))
+            && told
+                .iter()
+                .any(|p| matches!(p, Payload::CloseDial(c) if c.random == 9)),
+        "the agent is told to close the connection and drop the dial: {told:?}"
+    );
+    assert_eq!(router.end_all(), 0, "nothing left");
     assert_eq!(router.work().open(), 0);
+    // A dial made now is refused, not left to the hard stop.
+    let req = DialRequest {
+        protocol: "tcp".into(),
+        address: "target:80".into(),
+        random: 10,
+    };
+    assert!(matches!(
+        router.dial(&fe.fe, req).await,
+        Err(DialError::ShuttingDown)
+    ));
+    agent.nothing();
 }
