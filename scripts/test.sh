@@ -11,5 +11,6 @@ scripts/install-deps.sh
 scripts/install-kube.sh >/dev/null
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
-cargo test --workspace --locked
+# Every test binary runs even after one fails, so a run reports every failure.
+cargo test --workspace --locked --no-fail-fast
 scripts/check-clean.sh "$started"

@@ -1076,16 +1076,28 @@ fn start_etcd(data_dir: &Path) -> (Proc, String) {
 }
 
 /// Polls `probe` (blocking) until it returns Some.
-pub fn wait_blocking<T>(what: &str, timeout: Duration, mut probe: impl FnMut() -> Option<T>) -> T {
+pub fn wait_blocking<T>(what: &str, timeout: Duration, probe: impl FnMut() -> Option<T>) -> T {
+    wait_blocking_or(what, timeout, probe, String::new)
+}
+
+/// [`wait_blocking`], whose timeout also prints `context()` (a log, an object).
+pub fn wait_blocking_or<T>(
+    what: &str,
+    timeout: Duration,
+    mut probe: impl FnMut() -> Option<T>,
+    context: impl Fn() -> String,
+) -> T {
     let deadline = Instant::now() + timeout;
     loop {
         if let Some(v) = probe() {
             return v;
         }
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {timeout:?} waiting for {what}"
-        );
+        if Instant::now() >= deadline {
+            panic!(
+                "timed out after {timeout:?} waiting for {what}\n{}",
+                context()
+            );
+        }
         std::thread::sleep(Duration::from_millis(100));
     }
 }

@@ -542,7 +542,7 @@ fn pools_spread_over_the_replicas() {
 #[test]
 fn the_holders_host_daemons_are_neither_exposed_nor_blocked() {
     let f = Failover::new();
-    let _a = f.start(0, "ccm-a");
+    let a = f.start(0, "ccm-a");
     assert_eq!(wait_ingress(&f.cluster, "default", "web"), f.vip);
     let host = &f.hosts[0];
     // A Service on the apiserver's port: refused, said in an event, no ingress.
@@ -600,12 +600,23 @@ fn the_holders_host_daemons_are_neither_exposed_nor_blocked() {
         String::from_utf8_lossy(&holder_port.stderr)
     );
     let _alt = f.node.serve_page(30081, "the service on P\n");
-    assert_eq!(
-        wait_blocking("the Service on P", Duration::from_secs(30), || {
-            curl_quick(&f.client.ns, &vip_p)
-        }),
-        "the service on P\n"
+    let context = || {
+        let svc = f.cluster.kubectl(&["get", "service", "web", "-o", "yaml"]);
+        let log = a.log_text();
+        let tail: Vec<&str> = log.lines().rev().take(30).collect();
+        format!(
+            "the Service:\n{}\nthe replica's last log lines, newest first:\n{}",
+            String::from_utf8_lossy(&svc.stdout),
+            tail.join("\n")
+        )
+    };
+    let served = tether_testkit::kube::wait_blocking_or(
+        "the Service on P",
+        Duration::from_secs(60),
+        || curl_quick(&f.client.ns, &vip_p),
+        context,
     );
+    assert_eq!(served, "the service on P\n");
     // The daemon restarts on P while the address holds P.
     d.kill();
     let d2 = daemon("host-daemon-again");
