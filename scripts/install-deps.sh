@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the system tools Tether's tests use (curl, openssl, iproute2, util-linux's
-# prlimit, python3 for the stand-in kubelet, tinyproxy for the egress-proxy tests,
+# prlimit, python3 for the stand-in kubelet, tinyproxy for the egress-proxy tests, nginx
+# (the reverse proxy WebSocket agents go through),
 # prometheus and promtool for the monitoring rules' tests), idempotently: nothing is
 # downloaded when they are already present. Debian/Ubuntu (apt) only.
 set -euo pipefail
@@ -13,6 +14,7 @@ command -v kill >/dev/null 2>&1 || need+=(procps)
 command -v prlimit >/dev/null 2>&1 || need+=(util-linux)
 command -v python3 >/dev/null 2>&1 || need+=(python3)
 command -v tinyproxy >/dev/null 2>&1 || need+=(tinyproxy)
+command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need+=(nginx-light)
 { command -v promtool && command -v prometheus; } >/dev/null 2>&1 || need+=(prometheus)
 
 if [ ${#need[@]} -gt 0 ]; then

@@ -56,6 +56,43 @@ pub struct AgentConfig {
     /// `/readyz` only once a stream is up to every server the agent knows of
     /// (`--ready-when=every-server`), not to any one.
     pub ready_with_every_server: bool,
+    /// How streams to servers are carried, in order of preference (`--transports`);
+    /// never empty.
+    pub transports: Vec<Transport>,
+}
+
+/// What carries a stream to a server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// gRPC over HTTP/2 and TLS, as upstream's agent (the default).
+    H2,
+    /// The agent protocol's packets as WebSocket messages over HTTP/1.1 and TLS, for
+    /// paths that pass only HTTP/1.1 (a TLS-terminating reverse proxy).
+    WebSocket,
+}
+
+impl Transport {
+    /// Every transport, by its flag name.
+    pub const ALL: [Transport; 2] = [Transport::H2, Transport::WebSocket];
+
+    /// Its name in `--transports`, the metrics, logs and `/agents`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Transport::H2 => "h2",
+            Transport::WebSocket => "websocket",
+        }
+    }
+
+    /// The transport `--transports` names `s`.
+    pub fn parse(s: &str) -> Option<Transport> {
+        Transport::ALL.into_iter().find(|t| t.name() == s)
+    }
+}
+
+impl std::fmt::Display for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
 }
 
 /// Where server Leases are counted.

@@ -22,7 +22,7 @@ use axum::http::StatusCode;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-pub use config::{AgentConfig, AgentTls, CountSource, LeaseCount};
+pub use config::{AgentConfig, AgentTls, CountSource, LeaseCount, Transport};
 pub use link::LinkError;
 
 use crate::metrics::Metrics;
@@ -54,6 +54,9 @@ pub struct Agent {
     /// The HTTP/2 keepalive interval new streams use, in milliseconds: `--keepalive-time`,
     /// doubled each time a server closes a stream for pinging too often.
     keepalive_ms: Arc<AtomicU64>,
+    /// The place in `--transports` of the transport the last stream opened over: the
+    /// next stream tries it first.
+    working: Arc<std::sync::atomic::AtomicUsize>,
     /// The audit record of each dial and connection (`--audit-log-path`).
     audit: audit::Audit,
 }
@@ -96,6 +99,7 @@ impl Agent {
             keepalive_ms: Arc::new(AtomicU64::new(
                 config.keepalive.as_millis().try_into().unwrap_or(u64::MAX),
             )),
+            working: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
             config,
             audit: audit::Audit::off(),
         })

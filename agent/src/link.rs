@@ -1,11 +1,13 @@
-//! One stream to one proxy server, on the client half of gRPC on bare HTTP/2 that the
-//! client and the bench share (`tether_core::grpc::client`): establish it (TCP or a
-//! tunnel through the egress proxy, TLS, the HTTP/2 handshake, the agent's metadata,
-//! the server's id and count, the flow-control offer) and serve it until it fails,
-//! drains or is hard-stopped. One task serves a stream: it drives the connection, its
-//! keepalive pings, the reader (every packet to the dialer's session) and the writer
-//! (the session's answers first, then connection traffic as HTTP/2 flow control
-//! allows), as the server's `h2serve` does for an agent connection.
+//! One stream to one proxy server, over the transports `--transports` names in turn:
+//! gRPC on bare HTTP/2 (the client half the client and the bench share,
+//! `tether_core::grpc::client`) or WebSocket (`tether_core::ws`). Establish it (TCP or
+//! a tunnel through the egress proxy, TLS, the HTTP/2 handshake or the WebSocket
+//! upgrade, the agent's metadata, the server's id and count, the flow-control offer)
+//! and serve it until it fails, drains or is hard-stopped. One task serves a stream: it
+//! drives the connection, its keepalive pings, the reader (every packet to the
+//! dialer's session) and the writer (the session's answers first, then connection
+//! traffic as the transport's flow control allows), as the server's `h2serve` does for
+//! an agent connection.
 
 use std::future::Future;
 use std::io;
@@ -17,11 +19,13 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures::{Sink, Stream};
 use h2::client::{Connection, SendRequest};
 use h2::{Ping, PingPong, Reason};
 use tether_core::grpc::client::{self, FirstFlight, Inbound, StreamError, Windows};
 use tether_core::grpc::{frame_parts, Outbound};
 use tether_core::transport::{self, TlsOver};
+use tether_core::ws::{self, Message, WebSocketStream, WsError};
 use tether_proto::{header, link, Packet};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -30,7 +34,7 @@ use tracing::Instrument;
 
 use crate::dialer::{Outbox, Session};
 use crate::proxy::{Carrier, ProxyError, ProxyUrl};
-use crate::Agent;
+use crate::{Agent, Transport};
 
 /// The method the agent calls.
 const CONNECT_PATH: &str = "/AgentService/Connect";
@@ -54,6 +58,9 @@ type ServerTls = TlsOver<Carrier>;
 /// The agent link's HTTP/2 connection.
 type Conn = Connection<FirstFlight<ServerTls>, Bytes>;
 
+/// The agent link's WebSocket.
+type Socket = WebSocketStream<ServerTls>;
+
 /// Why one stream to the server ended.
 #[derive(Debug, thiserror::Error)]
 pub enum LinkError {
@@ -75,6 +82,9 @@ pub enum LinkError {
     /// Writing to the stream failed.
     #[error("cannot write to the proxy server")]
     Write(#[source] io::Error),
+    /// The WebSocket under the stream failed.
+    #[error("proxy server WebSocket failed")]
+    WebSocket(#[source] WsError),
     /// A keepalive ping went unanswered.
     #[error("proxy server did not answer a keepalive ping within {0:?}")]
     Keepalive(Duration),
@@ -105,6 +115,7 @@ impl LinkError {
             LinkError::Connection(_)
             | LinkError::Closed
             | LinkError::Write(_)
+            | LinkError::WebSocket(_)
             | LinkError::Keepalive(_)
             | LinkError::Connect(_)
             | LinkError::Proxy(_) => tonic::Code::Unavailable,
@@ -125,6 +136,29 @@ impl LinkError {
         }
     }
 
+    /// Whether another transport may do better: not when the server answered and
+    /// refused the agent, nor when the agent's own token is unreadable.
+    fn falls_back(&self) -> bool {
+        !matches!(
+            self,
+            LinkError::Stream(StreamError::Status { .. }) | LinkError::Token { .. }
+        )
+    }
+
+    /// A failed WebSocket upgrade: the server's refusal keeps its status.
+    fn upgrade(e: ws::UpgradeError) -> LinkError {
+        match e {
+            ws::UpgradeError::Refused {
+                status: Some((code, message)),
+                ..
+            } => LinkError::Stream(StreamError::Status { code, message }),
+            ws::UpgradeError::Refused { http, status: None } => LinkError::Stream(
+                StreamError::Http(http::StatusCode::from_u16(http).unwrap_or_default()),
+            ),
+            ws::UpgradeError::Failed(e) => LinkError::Connect(io::Error::other(e)),
+        }
+    }
+
     /// The HTTP/2 error code the server closed the connection or stream with.
     fn reason(&self) -> Option<Reason> {
         match self {
@@ -140,16 +174,30 @@ impl LinkError {
 
 impl Agent {
     /// TCP to the server at `host:port`, or a tunnel to it through the egress proxy
-    /// when one applies, and TLS to the server over it.
-    async fn open(&self, host: &str, port: u16) -> Result<ServerTls, LinkError> {
+    /// when one applies, and TLS to the server over it, offering the ALPN `transport`
+    /// speaks.
+    async fn open(
+        &self,
+        host: &str,
+        port: u16,
+        transport: Transport,
+    ) -> Result<ServerTls, LinkError> {
         let authority = transport::authority(host, port);
         let name = tether_core::tls::server_name(host)
             .map_err(|e| LinkError::Connect(io::Error::new(io::ErrorKind::InvalidInput, e)))?;
         let dead_link = self.config.dead_link;
+        let tls = match transport {
+            Transport::H2 => self.tls.get(),
+            Transport::WebSocket => {
+                let mut http1 = (*self.tls.get()).clone();
+                http1.alpn_protocols = vec![tether_core::tls::ALPN_HTTP11.to_vec()];
+                Arc::new(http1)
+            }
+        };
         let Some(proxy) = self.config.egress.route(host, port) else {
             let connect = async {
                 let tcp = transport::connect_tcp(&authority, dead_link).await?;
-                transport::tls_over(Carrier::Left(tcp), name, self.tls.get()).await
+                transport::tls_over(Carrier::Left(tcp), name, tls).await
             };
             return tokio::time::timeout(CONNECT_TIMEOUT, connect)
                 .await
@@ -160,34 +208,76 @@ impl Agent {
         let tunnel = crate::proxy::tunnel(proxy, &authority, proxy_tls, dead_link)
             .await
             .map_err(LinkError::Proxy)?;
-        tokio::time::timeout(
-            CONNECT_TIMEOUT,
-            transport::tls_over(tunnel, name, self.tls.get()),
-        )
-        .await
-        .map_err(|_| LinkError::Timeout(CONNECT_TIMEOUT))?
-        .map_err(LinkError::Connect)
+        tokio::time::timeout(CONNECT_TIMEOUT, transport::tls_over(tunnel, name, tls))
+            .await
+            .map_err(|_| LinkError::Timeout(CONNECT_TIMEOUT))?
+            .map_err(LinkError::Connect)
     }
 
-    /// Opens a stream to the server at `host:port` and reads its id and count.
+    /// Opens a stream to the server at `host:port` over the first transport that works
+    /// (the one that worked last, then the others in `--transports` order), each within
+    /// [`ESTABLISH_TIMEOUT`], and reads the server's id and count.
     pub(crate) async fn establish(&self, host: &str, port: u16) -> Result<Established, LinkError> {
-        let authority = transport::authority(host, port);
-        let io = self.open(host, port).await?;
-        let via = self.config.egress.route(host, port).cloned();
-        let (mut send, mut conn) = client::handshake(io, Windows::default())
+        let transports = &self.config.transports;
+        let first = self
+            .working
+            .load(Ordering::Relaxed)
+            .min(transports.len() - 1);
+        let order = std::iter::once(first).chain((0..transports.len()).filter(|i| *i != first));
+        let mut order = order.peekable();
+        while let Some(i) = order.next() {
+            let transport = transports[i];
+            let tried = tokio::time::timeout(
+                ESTABLISH_TIMEOUT,
+                self.establish_over(transport, host, port),
+            )
             .await
-            .map_err(LinkError::Connect)?;
-        let pings = conn.ping_pong().expect("a new connection's pings");
-        let request = client::request(&authority, CONNECT_PATH, self.metadata()?);
-        let (out, response) =
-            client::open(&mut send, request, None).map_err(LinkError::Connection)?;
-        // The connection moves only while driven: drive it until the headers come.
-        let response = tokio::select! {
-            r = response => r.map_err(|e| LinkError::Stream(StreamError::Transport(e)))?,
-            r = &mut conn => return Err(conn_ended(r)),
+            .unwrap_or(Err(LinkError::Timeout(ESTABLISH_TIMEOUT)));
+            let e = match tried {
+                Ok(est) => {
+                    self.working.store(i, Ordering::Relaxed);
+                    return Ok(est);
+                }
+                Err(e) => e,
+            };
+            let Some(next) = order.peek().map(|n| transports[*n]) else {
+                return Err(e);
+            };
+            if !e.falls_back() {
+                return Err(e);
+            }
+            self.metrics
+                .transport_fallbacks
+                .with_label_values(&[transport.name()])
+                .inc();
+            tracing::warn!(%host, port, %transport, %next, error = %tether_core::error::chain(&e), "cannot open a stream over this transport; trying the next");
+        }
+        unreachable!("--transports is never empty")
+    }
+
+    /// Opens a stream to the server at `host:port` over `transport`.
+    async fn establish_over(
+        &self,
+        transport: Transport,
+        host: &str,
+        port: u16,
+    ) -> Result<Established, LinkError> {
+        let authority = transport::authority(host, port);
+        let io = self.open(host, port, transport).await?;
+        let via = self.config.egress.route(host, port).cloned();
+        let (carried, headers) = match transport {
+            Transport::H2 => {
+                let (h2, headers) = self.establish_h2(io, &authority).await?;
+                (Carried::H2(Box::new(h2)), headers)
+            }
+            Transport::WebSocket => {
+                let (socket, headers) = ws::client(io, &authority, CONNECT_PATH, self.metadata()?)
+                    .await
+                    .map_err(LinkError::upgrade)?;
+                (Carried::Ws(Box::new(socket)), headers)
+            }
         };
-        client::check_response(&response).map_err(LinkError::Stream)?;
-        let md = MetadataMap::from_headers(response.headers().clone());
+        let md = MetadataMap::from_headers(headers);
         let md = &md;
         let protocol = |e: link::MetaError| LinkError::Protocol(e.to_string());
         let server_id = link::single(md, header::SERVER_ID)
@@ -210,12 +300,40 @@ impl Agent {
             via,
             keepalive: self.keepalive(),
             peer_window,
+            transport,
+            carried,
+        })
+    }
+
+    /// The HTTP/2 handshake and the Connect call on `io`: the stream, and the headers
+    /// the server answered with.
+    async fn establish_h2(
+        &self,
+        io: ServerTls,
+        authority: &str,
+    ) -> Result<(H2Stream, http::HeaderMap), LinkError> {
+        let (mut send, mut conn) = client::handshake(io, Windows::default())
+            .await
+            .map_err(LinkError::Connect)?;
+        let pings = conn.ping_pong().expect("a new connection's pings");
+        let request = client::request(authority, CONNECT_PATH, self.metadata()?);
+        let (out, response) =
+            client::open(&mut send, request, None).map_err(LinkError::Connection)?;
+        // The connection moves only while driven: drive it until the headers come.
+        let response = tokio::select! {
+            r = response => r.map_err(|e| LinkError::Stream(StreamError::Transport(e)))?,
+            r = &mut conn => return Err(conn_ended(r)),
+        };
+        client::check_response(&response).map_err(LinkError::Stream)?;
+        let (parts, body) = response.into_parts();
+        let h2 = H2Stream {
             conn,
             _send: send,
             pings,
             out,
-            inbound: Inbound::open(response.into_body()),
-        })
+            inbound: Inbound::open(body),
+        };
+        Ok((h2, parts.headers))
     }
 
     /// The Connect request's metadata: the agent's id, identifiers, token,
@@ -254,8 +372,8 @@ impl Agent {
 
     /// Serves one established stream until it fails (Err), or `hard_stop` (Ok). Once
     /// `drain` is cancelled the stream sends DRAIN and keeps serving; at `hard_stop` a
-    /// drained stream half-closes, so the server ends its side. `server_draining` is
-    /// cancelled when the server says it is stopping (DRAIN).
+    /// drained stream half-closes (HTTP/2) or closes (WebSocket), so the server ends its
+    /// side. `server_draining` is cancelled when the server says it is stopping (DRAIN).
     pub(crate) async fn serve(
         &self,
         est: Established,
@@ -269,50 +387,85 @@ impl Agent {
             via,
             keepalive,
             peer_window,
-            mut conn,
-            _send,
-            pings,
-            out,
-            inbound,
+            transport,
+            carried,
         } = est;
         let (session, control_rx, data_rx) =
             self.new_session(peer_window, server_draining, &server_id);
         let _close_on_exit = session.closed.clone().drop_guard();
         let _count = Decrement::count(&self.streams, &self.metrics.open_server_connections);
+        let _by_transport = Gauged::inc(
+            self.metrics
+                .server_streams
+                .with_label_values(&[transport.name()]),
+        );
         let via = via
             .as_ref()
             .map_or_else(|| "direct".to_string(), ProxyUrl::to_string);
-        tracing::info!(%server_id, server_count, flow_control = peer_window.is_some(), %via, "connected to proxy server");
-
-        let finish = CancellationToken::new();
+        tracing::info!(%server_id, server_count, flow_control = peer_window.is_some(), %via, %transport, "connected to proxy server");
+        let stopping = Stopping {
+            session: &session,
+            drain,
+            hard_stop,
+            finish: CancellationToken::new(),
+            span: tracing::info_span!("server_stream", %server_id, %transport),
+        };
         let heard = Heard::default();
-        let reader = pin!(read(inbound, session.clone(), heard.clone()));
-        let writer = pin!(write(out, control_rx, data_rx, finish.clone()));
-        let pinger = pin!(keep_alive(pings, keepalive, heard));
-        let mut driven = Driven {
-            conn: &mut conn,
-            reader,
-            writer,
-            pinger,
+        let failed = match carried {
+            Carried::H2(h2) => {
+                let H2Stream {
+                    mut conn,
+                    _send,
+                    pings,
+                    out,
+                    inbound,
+                } = *h2;
+                let mut driven = Driven {
+                    conn: &mut conn,
+                    reader: pin!(read(inbound, session.clone(), heard.clone())),
+                    writer: pin!(write(out, control_rx, data_rx, stopping.finish.clone())),
+                    pinger: pin!(keep_alive(pings, keepalive, heard)),
+                };
+                match driven.run(&stopping).await {
+                    Ok(()) => return Ok(()),
+                    Err(e) => {
+                        let reason = goaway_reason(&e, driven.conn).await;
+                        (e, reason)
+                    }
+                }
+            }
+            Carried::Ws(socket) => {
+                let (sink, source) = futures::StreamExt::split(*socket);
+                let (ask, asked) = mpsc::channel(1);
+                let (pong, pongs) = mpsc::channel(1);
+                let mut never = std::future::pending();
+                let mut driven = Driven {
+                    conn: &mut never,
+                    reader: pin!(read(
+                        WsSource { source, pong },
+                        session.clone(),
+                        heard.clone()
+                    )),
+                    writer: pin!(write(
+                        WsSink {
+                            sink,
+                            asked,
+                            ping_due: false,
+                            closing: false
+                        },
+                        control_rx,
+                        data_rx,
+                        stopping.finish.clone()
+                    )),
+                    pinger: pin!(keep_alive(WsPings { ask, pongs }, keepalive, heard)),
+                };
+                match driven.run(&stopping).await {
+                    Ok(()) => return Ok(()),
+                    Err(e) => (e, None),
+                }
+            }
         };
-        let ended = driven
-            .until_hard_stop(&session, drain, hard_stop)
-            .instrument(tracing::info_span!("server_stream", %server_id))
-            .await;
-        let drained = match ended {
-            Ok(drained) => drained,
-            Err(e) => return Err(self.stream_failed(e, keepalive, driven.conn).await),
-        };
-        if drained {
-            // Half-close instead of dropping the stream: the writer sends what is
-            // queued (DRAIN among it) and then END_STREAM, where a reset could discard
-            // it. The server then ends its side; a server that does not is left after
-            // CLOSE_GRACE.
-            session.closed.cancel();
-            finish.cancel();
-            let _ = tokio::time::timeout(CLOSE_GRACE, driven.half_close()).await;
-        }
-        Ok(())
+        Err(self.stream_failed(failed.0, keepalive, failed.1))
     }
 
     /// A new stream's session (what the reader hands packets to), and the receiving
@@ -351,19 +504,16 @@ impl Agent {
 
     /// Counts a failed stream (upstream's `stream_errors_total` and
     /// `server_connection_failure_count`). A server that closed the connection for
-    /// pinging too often gets half as many pings from then on, as grpc-go clients (the
-    /// upstream agent) do, so a short `--keepalive-time` against an upstream server (which
-    /// allows one ping per 30 s) settles after a few reconnects instead of flapping.
-    async fn stream_failed(&self, e: LinkError, keepalive: Duration, conn: &mut Conn) -> LinkError {
-        // A stream may fail before its connection reports the GOAWAY that ended it.
-        let mut reason = e.reason();
-        if reason != Some(Reason::ENHANCE_YOUR_CALM) && !matches!(e, LinkError::Connection(_)) {
-            if let Ok(Err(c)) = tokio::time::timeout(Duration::from_millis(100), conn).await {
-                if c.is_remote() {
-                    reason = c.reason().or(reason);
-                }
-            }
-        }
+    /// pinging too often (`reason`) gets half as many pings from then on, as grpc-go
+    /// clients (the upstream agent) do, so a short `--keepalive-time` against an upstream
+    /// server (which allows one ping per 30 s) settles after a few reconnects instead of
+    /// flapping.
+    fn stream_failed(
+        &self,
+        e: LinkError,
+        keepalive: Duration,
+        reason: Option<Reason>,
+    ) -> LinkError {
         if reason == Some(Reason::ENHANCE_YOUR_CALM) {
             let was: u64 = keepalive.as_millis().try_into().unwrap_or(u64::MAX);
             let now = was.saturating_mul(2);
@@ -395,6 +545,20 @@ impl Agent {
     }
 }
 
+/// The HTTP/2 error code the server ended the stream's connection with: a stream may
+/// fail before its connection reports the GOAWAY that ended it.
+async fn goaway_reason(e: &LinkError, conn: &mut Conn) -> Option<Reason> {
+    let mut reason = e.reason();
+    if reason != Some(Reason::ENHANCE_YOUR_CALM) && !matches!(e, LinkError::Connection(_)) {
+        if let Ok(Err(c)) = tokio::time::timeout(Duration::from_millis(100), conn).await {
+            if c.is_remote() {
+                reason = c.reason().or(reason);
+            }
+        }
+    }
+    reason
+}
+
 /// Why the connection's driver returned.
 fn conn_ended(r: Result<(), h2::Error>) -> LinkError {
     match r {
@@ -403,21 +567,53 @@ fn conn_ended(r: Result<(), h2::Error>) -> LinkError {
     }
 }
 
-/// What a served stream's task drives: the connection, and beside it the reader, the
-/// writer and the pinger (pinned in [`Agent::serve`]).
-struct Driven<'a, R, W, P> {
-    conn: &'a mut Conn,
+/// What ends a served stream from the agent's side: the drain (DRAIN sent, serving
+/// on), the hard stop (after a drain, the writer finishes the stream), in the stream's
+/// span.
+struct Stopping<'a> {
+    session: &'a Session,
+    drain: &'a CancellationToken,
+    hard_stop: &'a CancellationToken,
+    finish: CancellationToken,
+    span: tracing::Span,
+}
+
+/// What a served stream's task drives: the connection (HTTP/2's; a WebSocket has none
+/// apart from its halves), and beside it the reader, the writer and the pinger (pinned
+/// in [`Agent::serve`]).
+struct Driven<'a, C, R, W, P> {
+    conn: &'a mut C,
     reader: Pin<&'a mut R>,
     writer: Pin<&'a mut W>,
     pinger: Pin<&'a mut P>,
 }
 
-impl<R, W, P> Driven<'_, R, W, P>
+impl<C, R, W, P> Driven<'_, C, R, W, P>
 where
+    C: Future<Output = Result<(), h2::Error>> + Unpin,
     R: Future<Output = LinkError>,
     W: Future<Output = Result<(), LinkError>>,
     P: Future<Output = LinkError>,
 {
+    /// Drives the stream until it fails (Err) or the hard stop (Ok); a drained stream
+    /// is then ended from the agent's side, waiting [`CLOSE_GRACE`] for the server.
+    async fn run(&mut self, stop: &Stopping<'_>) -> Result<(), LinkError> {
+        let drained = self
+            .until_hard_stop(stop.session, stop.drain, stop.hard_stop)
+            .instrument(stop.span.clone())
+            .await?;
+        if drained {
+            // Half-close instead of dropping the stream: the writer sends what is
+            // queued (DRAIN among it) and then END_STREAM (a close frame), where a
+            // reset could discard it. The server then ends its side; a server that
+            // does not is left after CLOSE_GRACE.
+            stop.session.closed.cancel();
+            stop.finish.cancel();
+            let _ = tokio::time::timeout(CLOSE_GRACE, self.half_close()).await;
+        }
+        Ok(())
+    }
+
     /// Drives all four until one ends, which fails the stream (Err), or until `hard_stop`
     /// (Ok: whether the stream drained). At `drain` the session sends DRAIN and the
     /// stream serves on.
@@ -489,28 +685,156 @@ impl Heard {
     }
 }
 
+/// The reading half of a stream, whatever carries it.
+trait PacketSource {
+    /// The next packet; `None` once the server ended the stream with status OK.
+    fn poll_packet(&mut self, cx: &mut Context<'_>) -> Poll<Result<Option<Packet>, LinkError>>;
+}
+
+impl PacketSource for Inbound {
+    fn poll_packet(&mut self, cx: &mut Context<'_>) -> Poll<Result<Option<Packet>, LinkError>> {
+        Inbound::poll_packet(self, cx).map(|p| p.transpose().map_err(LinkError::Stream))
+    }
+}
+
+/// The reading half of a WebSocket: binary messages are packets, pongs go to the
+/// pinger, a close frame carries the stream's status.
+struct WsSource {
+    source: futures::stream::SplitStream<Socket>,
+    pong: mpsc::Sender<()>,
+}
+
+impl PacketSource for WsSource {
+    fn poll_packet(&mut self, cx: &mut Context<'_>) -> Poll<Result<Option<Packet>, LinkError>> {
+        loop {
+            let message = match futures::ready!(Pin::new(&mut self.source).poll_next(cx)) {
+                Some(Ok(m)) => m,
+                Some(Err(e)) => return Poll::Ready(Err(LinkError::WebSocket(e))),
+                None => return Poll::Ready(Err(LinkError::Closed)),
+            };
+            return Poll::Ready(match message {
+                Message::Binary(data) => ws::decode(&data)
+                    .map(Some)
+                    .map_err(|e| LinkError::Stream(StreamError::Message(e))),
+                Message::Pong(_) => {
+                    let _ = self.pong.try_send(());
+                    continue;
+                }
+                Message::Ping(_) | Message::Frame(_) => continue,
+                Message::Text(_) => Err(LinkError::Protocol("text message from the server".into())),
+                Message::Close(frame) => match ws::status_of_close(frame.as_ref()) {
+                    Some((code, message)) => {
+                        Err(LinkError::Stream(StreamError::Status { code, message }))
+                    }
+                    None => Ok(None),
+                },
+            });
+        }
+    }
+}
+
 /// Hands every packet from the server to `session`, until the stream fails or ends.
-async fn read(mut inbound: Inbound, session: Arc<Session>, heard: Heard) -> LinkError {
+async fn read(mut inbound: impl PacketSource, session: Arc<Session>, heard: Heard) -> LinkError {
     loop {
-        match inbound.message().await {
+        match std::future::poll_fn(|cx| inbound.poll_packet(cx)).await {
             Ok(Some(p)) => {
                 heard.now();
                 session.handle(p).await
             }
             Ok(None) => return LinkError::Protocol("server closed the stream".into()),
-            Err(e) => return LinkError::Stream(e),
+            Err(e) => return e,
         }
     }
 }
 
-/// Writes what the session queues, one packet at a time as HTTP/2 flow control allows
-/// (a large DATA payload as a slice, not copied): an answer before any connection
+/// The writing half of a stream, whatever carries it.
+trait PacketSink {
+    /// Sends `packet` once there is room.
+    fn poll_send(&mut self, cx: &mut Context<'_>, packet: &Packet) -> Poll<io::Result<()>>;
+    /// Nothing more is queued for now: writes out what is buffered.
+    fn poll_idle(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>>;
+    /// Ends the agent's side of the stream.
+    fn poll_finish(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>>;
+}
+
+impl PacketSink for Outbound {
+    fn poll_send(&mut self, cx: &mut Context<'_>, packet: &Packet) -> Poll<io::Result<()>> {
+        self.poll_send_parts(cx, || frame_parts(packet))
+    }
+
+    fn poll_idle(&mut self, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_finish(&mut self, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.finish();
+        Poll::Ready(Ok(()))
+    }
+}
+
+/// The writing half of a WebSocket: a packet a binary message, a ping when the pinger
+/// asks, a close frame at the end.
+struct WsSink {
+    sink: futures::stream::SplitSink<Socket, Message>,
+    asked: mpsc::Receiver<()>,
+    ping_due: bool,
+    closing: bool,
+}
+
+impl WsSink {
+    /// Sends a ping the pinger asked for.
+    fn poll_pings(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if !self.ping_due {
+            self.ping_due = self.asked.poll_recv(cx).is_ready();
+        }
+        if self.ping_due {
+            futures::ready!(self.start(cx, Message::Ping(Bytes::new())))?;
+            self.ping_due = false;
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    /// Starts sending `message` once the sink has room (Pending until then).
+    fn start(&mut self, cx: &mut Context<'_>, message: Message) -> Poll<io::Result<()>> {
+        let mut sink = Pin::new(&mut self.sink);
+        futures::ready!(sink.as_mut().poll_ready(cx)).map_err(io::Error::other)?;
+        sink.start_send(message).map_err(io::Error::other)?;
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl PacketSink for WsSink {
+    fn poll_send(&mut self, cx: &mut Context<'_>, packet: &Packet) -> Poll<io::Result<()>> {
+        futures::ready!(self.poll_pings(cx))?;
+        self.start(cx, ws::encode(packet))
+    }
+
+    fn poll_idle(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        futures::ready!(self.poll_pings(cx))?;
+        Pin::new(&mut self.sink)
+            .poll_flush(cx)
+            .map_err(io::Error::other)
+    }
+
+    fn poll_finish(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if !self.closing {
+            futures::ready!(self.start(cx, Message::Close(Some(ws::close_frame(0, "")))))?;
+            self.closing = true;
+        }
+        Pin::new(&mut self.sink)
+            .poll_flush(cx)
+            .map_err(io::Error::other)
+    }
+}
+
+/// Writes what the session queues, one packet at a time as the transport allows (over
+/// HTTP/2 a large DATA payload as a slice, not copied): an answer before any connection
 /// traffic, and after taking a connection packet the answers are looked at again, so a
 /// DIAL_RSP queued before its connection's first DATA goes first. Once `finish` is
 /// cancelled and nothing more is queued, or every sender is gone, it ends the stream's
 /// body.
 async fn write(
-    mut out: Outbound,
+    mut out: impl PacketSink,
     mut control: mpsc::Receiver<Packet>,
     mut data: mpsc::Receiver<Packet>,
     finish: CancellationToken,
@@ -519,7 +843,11 @@ async fn write(
     let mut answer: Option<Packet> = None;
     let mut traffic: Option<Packet> = None;
     let mut answers_open = true;
+    let mut ending = false;
     std::future::poll_fn(|cx: &mut Context<'_>| loop {
+        if ending {
+            return out.poll_finish(cx).map_err(LinkError::Write);
+        }
         if answer.is_none() && answers_open {
             match control.poll_recv(cx) {
                 Poll::Ready(Some(p)) => answer = Some(p),
@@ -535,13 +863,16 @@ async fn write(
                     continue;
                 }
                 Poll::Ready(None) => {
-                    out.finish();
-                    return Poll::Ready(Ok(()));
+                    ending = true;
+                    continue;
                 }
                 Poll::Pending => {
                     if finishing.as_mut().poll(cx).is_ready() {
-                        out.finish();
-                        return Poll::Ready(Ok(()));
+                        ending = true;
+                        continue;
+                    }
+                    if let Poll::Ready(Err(e)) = out.poll_idle(cx) {
+                        return Poll::Ready(Err(LinkError::Write(e)));
                     }
                     return Poll::Pending;
                 }
@@ -553,7 +884,7 @@ async fn write(
             &mut traffic
         };
         let packet = next.as_ref().expect("one is queued");
-        match out.poll_send_parts(cx, || frame_parts(packet)) {
+        match out.poll_send(cx, packet) {
             Poll::Ready(Ok(())) => *next = None,
             Poll::Ready(Err(e)) => return Poll::Ready(Err(LinkError::Write(e))),
             Poll::Pending => return Poll::Pending,
@@ -562,11 +893,54 @@ async fn write(
     .await
 }
 
+/// A stream's keepalive pings, whatever carries them.
+trait Pings {
+    /// Sends a ping.
+    fn ping(&mut self) -> Result<(), LinkError>;
+    /// The answer to a ping.
+    fn poll_pong(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), LinkError>>;
+}
+
+impl Pings for PingPong {
+    fn ping(&mut self) -> Result<(), LinkError> {
+        self.send_ping(Ping::opaque())
+            .map_err(LinkError::Connection)
+    }
+
+    fn poll_pong(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), LinkError>> {
+        PingPong::poll_pong(self, cx)
+            .map_ok(drop)
+            .map_err(LinkError::Connection)
+    }
+}
+
+/// A WebSocket's pings: the writer sends them, the reader hands over the pongs.
+struct WsPings {
+    ask: mpsc::Sender<()>,
+    pongs: mpsc::Receiver<()>,
+}
+
+impl Pings for WsPings {
+    fn ping(&mut self) -> Result<(), LinkError> {
+        // A ping still waiting to be written does for this one.
+        let _ = self.ask.try_send(());
+        Ok(())
+    }
+
+    fn poll_pong(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), LinkError>> {
+        match self.pongs.poll_recv(cx) {
+            Poll::Ready(Some(())) => Poll::Ready(Ok(())),
+            Poll::Ready(None) => Poll::Ready(Err(LinkError::Closed)),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
 /// Pings the server once the stream has heard nothing from it for `every`; fails when
 /// a ping goes unanswered for `PING_TIMEOUT` (or `every`, if shorter) with nothing
 /// heard meanwhile either. Traffic keeps a busy stream's pings away, as hyper's
 /// keepalive does, so a slow link carrying a download is not taken for a dead one.
-async fn keep_alive(mut pings: PingPong, every: Duration, heard: Heard) -> LinkError {
+async fn keep_alive(mut pings: impl Pings, every: Duration, heard: Heard) -> LinkError {
     let timeout = every.min(PING_TIMEOUT);
     loop {
         let quiet = heard.last().elapsed();
@@ -574,8 +948,8 @@ async fn keep_alive(mut pings: PingPong, every: Duration, heard: Heard) -> LinkE
             tokio::time::sleep(every - quiet).await;
             continue;
         }
-        if let Err(e) = pings.send_ping(Ping::opaque()) {
-            return LinkError::Connection(e);
+        if let Err(e) = pings.ping() {
+            return e;
         }
         let sent = std::time::Instant::now();
         let mut deadline = tokio::time::Instant::now() + timeout;
@@ -584,11 +958,11 @@ async fn keep_alive(mut pings: PingPong, every: Duration, heard: Heard) -> LinkE
                 pong = std::future::poll_fn(|cx| pings.poll_pong(cx)) => match pong {
                     // A pong is hearing from the server: the next ping is an interval
                     // away (grpc-go's policy counts pings closer than its minimum).
-                    Ok(_) => {
+                    Ok(()) => {
                         heard.now();
                         break;
                     }
-                    Err(e) => return LinkError::Connection(e),
+                    Err(e) => return e,
                 },
                 _ = tokio::time::sleep_until(deadline) => {
                     let last = heard.last();
@@ -603,16 +977,30 @@ async fn keep_alive(mut pings: PingPong, every: Duration, heard: Heard) -> LinkE
     }
 }
 
-/// A stream whose response headers have arrived.
+/// A stream whose answer (response headers, or the upgrade's) has arrived.
 pub(crate) struct Established {
     pub(crate) server_id: String,
     server_count: i64,
     /// The egress proxy the stream goes through (`None`: directly).
     via: Option<ProxyUrl>,
-    /// The HTTP/2 keepalive interval the stream's connection pings at.
+    /// The keepalive interval the stream pings at.
     keepalive: Duration,
     /// The server's per-connection window when it agreed to credit flow control.
     peer_window: Option<u32>,
+    /// What carries the stream.
+    transport: Transport,
+    carried: Carried,
+}
+
+/// The stream, as its transport carries it (boxed: a stream waits in a queue of them
+/// only briefly, but the two differ much in size).
+enum Carried {
+    H2(Box<H2Stream>),
+    Ws(Box<Socket>),
+}
+
+/// A Connect call on an HTTP/2 connection.
+struct H2Stream {
     /// The connection, to be driven while the stream lives.
     conn: Conn,
     /// Keeps the connection open for the stream's life.
@@ -620,6 +1008,22 @@ pub(crate) struct Established {
     pings: PingPong,
     out: Outbound,
     inbound: Inbound,
+}
+
+/// A gauge raised while this lives.
+struct Gauged(prometheus::IntGauge);
+
+impl Gauged {
+    fn inc(gauge: prometheus::IntGauge) -> Self {
+        gauge.inc();
+        Gauged(gauge)
+    }
+}
+
+impl Drop for Gauged {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }
 
 /// One open stream, counted in the agent's readiness and its gauge while it lives.

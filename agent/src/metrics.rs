@@ -57,6 +57,22 @@ tether_ops::metric_set! {
             "open_server_connections",
             "Current number of open server connections.",
         ))),
+        /// Streams to servers currently open, by transport.
+        pub server_streams: IntGaugeVec = catalog.made(IntGaugeVec::new(
+            Opts::new(
+                "tether_agent_server_streams",
+                "Open streams to proxy servers by transport: h2 (gRPC over HTTP/2, as upstream), websocket (over WebSocket on HTTP/1.1).",
+            ),
+            &["transport"],
+        )),
+        /// Attempts over one transport that failed and fell back to the next.
+        pub transport_fallbacks: IntCounterVec = catalog.made(IntCounterVec::new(
+            Opts::new(
+                "tether_agent_transport_fallbacks_total",
+                "Attempts to open a stream that failed over one transport (label: the transport that failed) and went on to the next one --transports lists.",
+            ),
+            &["transport"],
+        )),
         /// Servers the agent was told about (`servercount`).
         pub known_server_count: IntGauge = catalog.made(IntGauge::with_opts(opts(
             "known_server_count",

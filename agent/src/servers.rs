@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{AgentConfig, CountSource};
 use crate::lease_count::LeaseCounter;
-use crate::link::{LinkError, CLOSE_GRACE, ESTABLISH_TIMEOUT};
+use crate::link::CLOSE_GRACE;
 use crate::Agent;
 
 /// The streams held, by server id, each with its hard stop.
@@ -267,10 +267,7 @@ impl Agent {
         drain: &CancellationToken,
         hard_stop: &CancellationToken,
     ) -> Reached {
-        let established = tokio::time::timeout(ESTABLISH_TIMEOUT, self.establish(host, port))
-            .await
-            .unwrap_or(Err(LinkError::Timeout(ESTABLISH_TIMEOUT)));
-        let est = match established {
+        let est = match self.establish(host, port).await {
             Ok(est) => est,
             Err(e) => {
                 tracing::warn!(%host, port, error = %chain(&e), "proxy server stream down; reconnecting");

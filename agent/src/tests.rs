@@ -163,6 +163,7 @@ impl Pair {
                 ..Default::default()
             },
             ready_with_every_server: false,
+            transports: vec![crate::Transport::H2],
         })
         .unwrap();
         Pair {

@@ -19,6 +19,7 @@ pub mod read_ahead;
 pub mod tls;
 pub mod transport;
 pub mod write_through;
+pub mod ws;
 
 pub use tether_proto as proto;
 

@@ -86,6 +86,11 @@ impl TlsConn {
         &self.info
     }
 
+    /// The protocol the client and the server agreed on by ALPN, if any.
+    pub fn alpn(&self) -> Option<&[u8]> {
+        self.stream.get_ref().1.alpn_protocol()
+    }
+
     /// Its place among the unproven connections: drop it once the peer has proved who it
     /// is (a client certificate the caller accepts, an authenticated request), and close
     /// the connection if it is evicted first.

@@ -66,12 +66,13 @@ pub(crate) fn spawn_agent_listener(
             while let Some(mut conn) = incoming.recv().await {
                 let info = conn.info().clone();
                 let pending = conn.take_pending();
+                let alpn = conn.alpn().map(<[u8]>::to_vec);
                 let span = tracing::debug_span!("agent_connection", peer = %info.remote_addr);
                 // Boxed: the TLS connection (over a KiB) is then once on the heap, not
                 // in each of the futures it passes through.
-                let serve = link
-                    .clone()
-                    .serve_connection(Box::new(conn), info, pending, keepalive);
+                let serve =
+                    link.clone()
+                        .serve_connection(Box::new(conn), info, pending, keepalive, alpn);
                 connections.spawn(serve.instrument(span));
             }
             connections.close();

@@ -79,7 +79,10 @@ fn hopts(name: &str, help: &str) -> HistogramOpts {
 
 /// `vec` with the series for each of `labels` created up front (at zero), so that a
 /// rate over them exists before the first event.
-fn with_series(vec: IntCounterVec, labels: &[&[&str]]) -> IntCounterVec {
+fn with_series<B: prometheus::core::MetricVecBuilder>(
+    vec: prometheus::core::MetricVec<B>,
+    labels: &[&[&str]],
+) -> prometheus::core::MetricVec<B> {
     for l in labels {
         vec.with_label_values(l);
     }
@@ -213,6 +216,15 @@ tether_ops::metric_set! {
             )
             .expect("valid metric"),
             &[&["arrived"], &["gave_up"]],
+        )),
+        /// Open agent streams by the transport that carries them.
+        pub agent_streams: IntGaugeVec = catalog.add(with_series(
+            IntGaugeVec::new(
+                Opts::new("tether_server_agent_streams", "Open agent streams by transport: h2 (gRPC over HTTP/2, as upstream), websocket (the agent protocol over WebSocket on HTTP/1.1)."),
+                &["transport"],
+            )
+            .expect("valid metric"),
+            &[&["h2"], &["websocket"]],
         )),
         /// Live agent streams ended because their token no longer passes a review.
         pub agent_streams_revoked: IntCounter = catalog.made(IntCounter::with_opts(Opts::new(

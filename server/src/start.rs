@@ -318,7 +318,12 @@ impl Server {
             expiry: metrics.cert_expiry.clone(),
             reloadables: Vec::new(),
         };
-        let agent_tls = tls_sources.source("agent listener", &config.agent_tls, &[tls::ALPN_H2])?;
+        // HTTP/1.1 for agents that carry their link over WebSocket.
+        let agent_tls = tls_sources.source(
+            "agent listener",
+            &config.agent_tls,
+            &[tls::ALPN_H2, tls::ALPN_HTTP11],
+        )?;
         let reuse = config.reuse_port;
         let agent_listener = bind_tcp("agent port", config.agent_addr, reuse)?;
         let mut frontends = Vec::new();

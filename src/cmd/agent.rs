@@ -149,6 +149,15 @@ pub struct AgentArgs {
     /// server is down it holds the update back. Tether only.
     #[arg(long, value_enum, default_value = "any-server")]
     pub ready_when: ReadyWhen,
+    /// How streams to the servers are carried, in order of preference: h2, websocket.
+    ///
+    /// h2 is gRPC over HTTP/2, as upstream (any server, Tether or upstream). websocket
+    /// carries the same packets over HTTP/1.1 (a Tether server), for paths that pass
+    /// only HTTP/1.1: a TLS-terminating reverse proxy, an L7 firewall. A stream that
+    /// cannot be opened over one is tried over the next (each try within 20 s), and the
+    /// one that worked is tried first from then on. Tether only.
+    #[arg(long, value_delimiter = ',', default_value = "h2")]
+    pub transports: Vec<String>,
     /// Threads running the agent's tasks (0 = one per CPU).
     ///
     /// One thread carries an agent's traffic with the fewest cross-thread wake-ups and
@@ -446,6 +455,7 @@ impl AgentArgs {
             egress,
             policy,
             ready_with_every_server: self.ready_when == ReadyWhen::EveryServer,
+            transports: self.transports()?,
         })
     }
 
@@ -467,6 +477,31 @@ impl AgentArgs {
         };
         let alpn = offered_alpn(&self.alpn_proto);
         Ok(tether_agent::AgentTls { ca, identity, alpn })
+    }
+
+    /// --transports: known names, none twice, at least one.
+    fn transports(&self) -> anyhow::Result<Vec<tether_agent::Transport>> {
+        let mut out = Vec::new();
+        for name in self.transports.iter().map(|t| t.trim()) {
+            let Some(t) = tether_agent::Transport::parse(name) else {
+                let known: Vec<_> = tether_agent::Transport::ALL
+                    .iter()
+                    .map(|t| t.name())
+                    .collect();
+                bail!(
+                    "--transports: unknown transport {name:?} (known: {})",
+                    known.join(", ")
+                );
+            };
+            if out.contains(&t) {
+                bail!("--transports: {name} is listed twice");
+            }
+            out.push(t);
+        }
+        if out.is_empty() {
+            bail!("--transports: name at least one transport (h2, websocket)");
+        }
+        Ok(out)
     }
 
     /// --service-account-token-path, checked to exist; `None` when empty.

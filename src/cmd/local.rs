@@ -210,6 +210,7 @@ fn agent_config(pki: &DevPki, server_port: u16) -> anyhow::Result<AgentConfig> {
             ..Default::default()
         },
         ready_with_every_server: false,
+        transports: vec![tether_agent::Transport::H2],
     })
 }
 

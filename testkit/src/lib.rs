@@ -10,6 +10,7 @@ pub mod installed;
 pub mod kube;
 pub mod kubectl;
 pub mod netns;
+pub mod nginx;
 pub mod node;
 pub mod process;
 pub mod rogue;

@@ -364,7 +364,8 @@ impl Registry {
     /// The connected agents as JSON for the admin endpoint's `/agents`: one entry per
     /// agent ID with its identifiers, what the server verified (`verifiedHosts`;
     /// `verifiedIps`, every address that routes to it, claimed or not; `verifiedBy`,
-    /// `verifiedNode`; from its first stream), whether it drains, and its stream count.
+    /// `verifiedNode`; from its first stream), whether it drains, its stream count and
+    /// what carries its streams (`transports`: `h2`, `websocket`).
     pub fn agents_json(&self) -> String {
         serde_json::json!({ "agents": self.agents() }).to_string()
     }
@@ -394,9 +395,15 @@ impl Registry {
                     "verifiedNode": b.verified.node,
                     "draining": true,
                     "streams": 0,
+                    "transports": [],
                 })
             });
             entry["streams"] = (entry["streams"].as_u64().unwrap_or(0) + 1).into();
+            if let Some(t) = entry["transports"].as_array_mut() {
+                if !t.iter().any(|x| x == b.transport) {
+                    t.push(b.transport.into());
+                }
+            }
             if !b.is_draining() {
                 entry["draining"] = false.into();
             }

@@ -424,6 +424,8 @@ pub struct AgentStream {
     tables: Mutex<AgentTables>,
     /// Cancelled when the stream is gone or retired.
     pub(crate) closed: CancellationToken,
+    /// What carries the stream: `h2` (gRPC) or `websocket`.
+    pub transport: &'static str,
 }
 
 static NEXT_AGENT_STREAM: AtomicU64 = AtomicU64::new(1);
@@ -451,7 +453,14 @@ impl AgentStream {
             told_drain: AtomicBool::new(false),
             tables: Mutex::new(AgentTables::default()),
             closed: CancellationToken::new(),
+            transport: "h2",
         }
+    }
+
+    /// The stream is carried by `transport` (`h2` unless said).
+    pub fn carried_by(mut self, transport: &'static str) -> Self {
+        self.transport = transport;
+        self
     }
 
     /// The agent asked to hear DRAIN when this server stops (`tether-drain-notice`).

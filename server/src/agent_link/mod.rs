@@ -44,6 +44,8 @@ macro_rules! refused {
     };
 }
 
+mod ws;
+
 /// Most bytes of a peer's agent ID a log line shows.
 const SHOWN_ID: usize = 128;
 
@@ -90,6 +92,16 @@ struct OpenStream {
     span: tracing::Span,
     /// Its place in its connection's count, held until it ends.
     _live: LiveStream,
+}
+
+/// An admitted stream opened in the router, before its transport answers.
+struct Opened {
+    agent: Arc<AgentStream>,
+    packets: PacketStream,
+    token: Option<Box<(String, crate::auth::Bound)>>,
+    span: tracing::Span,
+    peer_window: Option<u32>,
+    live: LiveStream,
 }
 
 /// An agent the link let in: who it is and what the server checked.
@@ -270,30 +282,18 @@ impl AgentLink {
         info: TlsConnectInfo,
         pending: Option<tether_core::admission::Pending>,
         keepalive: Duration,
+        alpn: Option<Vec<u8>>,
     ) where
-        S: AsyncRead + AsyncWrite + Unpin,
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
-        let settings = Settings {
-            max_streams: MAX_STREAMS,
-            max_header_list: MAX_HEADER_LIST,
-            keepalive,
-        };
         let info = Arc::new(info);
-        let hard_stop = self.hard_stop.clone();
         let streams = Arc::new(ConnStreams {
             stages: pending.as_ref().map(|p| p.stages()),
             ..ConnStreams::default()
         });
-        let serve = h2serve::serve_connection(io, settings, hard_stop, |request, respond| {
-            // Boxed: `FuturesUnordered` keeps a stub the size of its future type, and
-            // an agent connection holds one stream for hours.
-            let stream: Pin<Box<dyn Future<Output = ()> + Send>> =
-                Box::pin(
-                    self.clone()
-                        .stream(request, respond, info.clone(), streams.clone()),
-                );
-            Some(stream)
-        });
+        let serve =
+            self.clone()
+                .carry_connection(io, alpn, info.clone(), streams.clone(), keepalive);
         let serve = std::pin::pin!(serve);
         let watch = std::pin::pin!(watch_admission(&streams, pending));
         let why = tokio::select! {
@@ -320,6 +320,52 @@ impl AgentLink {
             }
         }
     }
+    /// Serves the connection as the protocol agreed by ALPN asks: `h2`, gRPC on HTTP/2
+    /// (as upstream), `http/1.1`, a WebSocket ([`ws`]); with none agreed (a reverse
+    /// proxy's connection to the server), its first bytes say which.
+    async fn carry_connection<S>(
+        self: Arc<Self>,
+        mut io: S,
+        alpn: Option<Vec<u8>>,
+        info: Arc<TlsConnectInfo>,
+        streams: Arc<ConnStreams>,
+        keepalive: Duration,
+    ) where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let mut first = bytes::BytesMut::new();
+        let h2 = match alpn.as_deref() {
+            Some(tether_core::tls::ALPN_H2) => true,
+            Some(_) => false,
+            None => match tokio::io::AsyncReadExt::read_buf(&mut io, &mut first).await {
+                Ok(n) if n > 0 => tether_core::ws::is_h2_preface(&first),
+                _ => return,
+            },
+        };
+        if !h2 {
+            // Boxed: an HTTP/2 connection's future does not carry a WebSocket's room.
+            return Box::pin(ws::serve(self, io, first, info, streams, keepalive)).await;
+        }
+        let io = tether_core::ws::Rewound::new(first.freeze(), io);
+        let settings = Settings {
+            max_streams: MAX_STREAMS,
+            max_header_list: MAX_HEADER_LIST,
+            keepalive,
+        };
+        let hard_stop = self.hard_stop.clone();
+        let serve = h2serve::serve_connection(io, settings, hard_stop, |request, respond| {
+            // Boxed: `FuturesUnordered` keeps a stub the size of its future type, and
+            // an agent connection holds one stream for hours.
+            let stream: Pin<Box<dyn Future<Output = ()> + Send>> =
+                Box::pin(
+                    self.clone()
+                        .stream(request, respond, info.clone(), streams.clone()),
+                );
+            Some(stream)
+        });
+        serve.await
+    }
+
     /// One Connect call: admit the agent, answer with the headers, then carry its
     /// stream until either side ends it, or its token no longer passes; the status goes
     /// in trailers.
@@ -355,38 +401,54 @@ impl AgentLink {
     ) -> Option<OpenStream> {
         let mut reply = Reply::new(respond);
         let (parts, body) = request.into_parts();
-        streams.stage(tether_core::admission::Stage::Serving);
-        // Boxed, as are the router's calls below: a TokenReview's request is large.
-        let admitted = Box::pin(self.admit_request(parts, &info))
-            .await
-            .and_then(|a| self.count_connection(&a, &streams).map(|()| a));
-        let mut admission = match admitted {
-            Ok(a) => a,
+        let opened =
+            match h2serve::check_call(&parts.method, &parts.uri, &parts.headers, CONNECT_PATH) {
+                Ok(()) => Box::pin(self.admit_and_open(parts.headers, &info, &streams, "h2")).await,
+                Err(status) => Err(status),
+            };
+        let opened = match opened {
+            Ok(o) => o,
             Err(status) => {
                 streams.refused(reply, status);
                 return None;
             }
         };
-        let peer_window = admission.peer_window;
-        let token = admission.token.take();
-        let span = tracing::info_span!("agent_stream", agent_id = %shown(&admission.agent_id), peer = %admission.peer);
-        let (agent, packets) = match self.open(admission) {
-            Ok(opened) => opened,
-            Err(status) => {
-                streams.refused(reply, status);
-                return None;
-            }
-        };
-        let live = streams.open();
-        self.answer(&mut reply, peer_window);
+        reply.headers_mut().extend(self.answer(opened.peer_window));
         Some(OpenStream {
-            agent,
-            packets,
+            agent: opened.agent,
+            packets: opened.packets,
             body,
             reply,
+            token: opened.token,
+            span: opened.span,
+            _live: opened.live,
+        })
+    }
+
+    /// Admits an agent stream whose metadata is `headers` (an HTTP/2 Connect call's,
+    /// or a WebSocket upgrade's) and opens it in the router, carried by `transport`.
+    async fn admit_and_open(
+        &self,
+        headers: http::HeaderMap,
+        info: &TlsConnectInfo,
+        streams: &Arc<ConnStreams>,
+        transport: &'static str,
+    ) -> Result<Opened, Status> {
+        streams.stage(tether_core::admission::Stage::Serving);
+        // Boxed, as are the router's calls below: a TokenReview's request is large.
+        let mut admission = Box::pin(self.admit(&MetadataMap::from_headers(headers), info)).await?;
+        self.count_connection(&admission, streams)?;
+        let peer_window = admission.peer_window;
+        let token = admission.token.take();
+        let span = tracing::info_span!("agent_stream", agent_id = %shown(&admission.agent_id), peer = %admission.peer, transport);
+        let (agent, packets) = self.open(admission, transport)?;
+        Ok(Opened {
+            agent,
+            packets,
             token,
             span,
-            _live: live,
+            peer_window,
+            live: streams.open(),
         })
     }
 
@@ -408,6 +470,8 @@ impl AgentLink {
             .grpc_connections
             .with_label_values(&["Connect"]);
         gauge.inc();
+        let streams = self.router.metrics.agent_streams.with_label_values(&["h2"]);
+        streams.inc();
         async move {
             let _live = _live;
             if reply.send_headers().is_ok() {
@@ -417,14 +481,15 @@ impl AgentLink {
                 self.router.remove_agent(&agent);
             }
             gauge.dec();
+            streams.dec();
             tracing::info!("agent disconnected");
         }
         .instrument(span)
     }
 
-    /// The response headers: `serverid`, `servercount`, and the flow-control answer
+    /// The answer's headers: `serverid`, `servercount`, and the flow-control answer
     /// when the agent offered a window.
-    fn answer(&self, reply: &mut Reply, peer_window: Option<u32>) {
+    fn answer(&self, peer_window: Option<u32>) -> http::HeaderMap {
         let mut meta = MetadataMap::new();
         if let Ok(v) = MetadataValue::try_from(self.server_id.as_str()) {
             meta.insert(header::SERVER_ID, v);
@@ -434,7 +499,7 @@ impl AgentLink {
         }
         let count = self.server_count.load(std::sync::atomic::Ordering::Relaxed);
         meta.insert(header::SERVER_COUNT, MetadataValue::from(count));
-        reply.headers_mut().extend(meta.into_headers());
+        meta.into_headers()
     }
 
     /// [`AgentLink::carry`], ended early (status UNAUTHENTICATED, a log line, a metric)
@@ -447,11 +512,7 @@ impl AgentLink {
         packets: PacketStream,
         token: Option<Box<(String, crate::auth::Bound)>>,
     ) {
-        let revoked: Pin<Box<dyn Future<Output = crate::auth::AuthError> + Send>> =
-            match (token, &self.authenticator) {
-                (Some(t), Some(auth)) => Box::pin(revoked(auth.clone(), t)),
-                _ => Box::pin(futures::future::pending()),
-            };
+        let revoked = self.revocation(token);
         let ended = tokio::select! {
             status = self.carry(agent.clone(), body, reply, packets) => Ok(status),
             why = revoked => Err(why),
@@ -465,6 +526,17 @@ impl AgentLink {
                 tracing::warn!(error = %chain(&why), "the agent's token no longer passes a review; stream ended");
                 reply.finish(Status::unauthenticated("token no longer accepted"));
             }
+        }
+    }
+
+    /// Resolves when the stream's token (if it came with one) no longer passes a review.
+    fn revocation(
+        &self,
+        token: Option<Box<(String, crate::auth::Bound)>>,
+    ) -> Pin<Box<dyn Future<Output = crate::auth::AuthError> + Send>> {
+        match (token, &self.authenticator) {
+            (Some(t), Some(auth)) => Box::pin(revoked(auth.clone(), t)),
+            _ => Box::pin(futures::future::pending()),
         }
     }
 
@@ -519,17 +591,6 @@ impl AgentLink {
                 sent_all.then(|| failed.unwrap_or_else(ok))
             }
         }
-    }
-
-    /// Checks the call ([`h2serve::check_call`]), then admits the agent.
-    async fn admit_request(
-        &self,
-        parts: http::request::Parts,
-        info: &TlsConnectInfo,
-    ) -> Result<Admitted, Status> {
-        h2serve::check_call(&parts.method, &parts.uri, &parts.headers, CONNECT_PATH)?;
-        self.admit(&MetadataMap::from_headers(parts.headers), info)
-            .await
     }
 
     /// Reads and checks the agent's metadata: its id, its token (with an
@@ -665,7 +726,11 @@ impl AgentLink {
     /// packets to the agent. That stream ends when the agent stream is removed (its
     /// senders dropped with the last reference), retired (`closed`) or the server
     /// stops; WINDOW_UPDATEs overtake queued DATA.
-    fn open(&self, a: Admitted) -> Result<(Arc<AgentStream>, PacketStream), Status> {
+    fn open(
+        &self,
+        a: Admitted,
+        transport: &'static str,
+    ) -> Result<(Arc<AgentStream>, PacketStream), Status> {
         let (tx, rx) = mpsc::channel(self.channel_size);
         // WINDOW_UPDATEs: a queue that holds no memory while empty (a tokio channel
         // would keep a 32-packet block, 2.5 KiB, for each of thousands of agents).
@@ -678,6 +743,7 @@ impl AgentLink {
             ctl,
             a.peer_window,
         );
+        let agent = agent.carried_by(transport);
         let agent = Arc::new(match a.drain_notice {
             true => agent.hearing_drain(),
             false => agent,
@@ -692,7 +758,7 @@ impl AgentLink {
             refused!(self, agent_id = %shown(agent_id), %peer, error = %chain(&e), "agent stream refused");
             return Err(Status::resource_exhausted(e.to_string()));
         }
-        tracing::info!(agent_id = %shown(agent_id), %peer, identifiers = ?agent.identifiers, flow_control = a.peer_window.is_some(), "agent connected");
+        tracing::info!(agent_id = %shown(agent_id), %peer, identifiers = ?agent.identifiers, flow_control = a.peer_window.is_some(), transport, "agent connected");
         let (hard_stop, retired) = (self.hard_stop.clone(), agent.closed.clone());
         let ended = async move {
             tokio::select! {
@@ -909,7 +975,7 @@ mod tests {
                 };
                 tokio::spawn(
                     link.clone()
-                        .serve_connection(tcp, info, None, Duration::ZERO),
+                        .serve_connection(tcp, info, None, Duration::ZERO, None),
                 );
             }
         });

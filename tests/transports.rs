@@ -1,0 +1,181 @@
+//! The agent link's transports with real processes: an agent over WebSocket
+//! (`--transports=websocket`) carries tunnels as one over HTTP/2 does (flow control,
+//! bulk both ways, many at once) and says so in `/agents` and the metrics; through a
+//! TLS-terminating nginx that speaks only HTTP/1.1, an `h2,websocket` agent finds h2
+//! refused and falls back to WebSocket within a bound, and keeps it; a server that
+//! refuses the agent is not retried over another transport.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use futures::future::join_all;
+use tether_client::Client;
+use tether_testkit::backend::{self, bulk_exchange, echo_tunnels};
+use tether_testkit::nginx::{Nginx, Upstream, CONNECT_WITHIN};
+use tether_testkit::process::{socket_path, uds_frontend_args};
+use tether_testkit::{metric, AgentProc, Pki, ServerProc};
+
+const BIN: &str = env!("CARGO_BIN_EXE_tether");
+
+fn server(pki: &Pki, extra: &[&str]) -> ServerProc {
+    let mut args = uds_frontend_args(pki, "grpc", &socket_path(pki.dir()));
+    args.extend(extra.iter().map(|s| s.to_string()));
+    ServerProc::start(Path::new(BIN), &args)
+}
+
+/// `/agents` from the server's admin port.
+async fn agents(server: &ServerProc) -> serde_json::Value {
+    let url = format!("http://{}/agents", server.admin);
+    let out = tokio::process::Command::new("curl")
+        .args(["-sf", &url])
+        .output()
+        .await
+        .unwrap();
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {out:?}"))
+}
+
+/// Four tunnels of 8 MiB each way at once, and a hundred small ones, through `client`.
+async fn carries_tunnels(client: &Client) {
+    let bulk = backend::bulk().await;
+    let target = bulk.addr.to_string();
+    let runs = (0..4u64).map(|i| {
+        let target = target.clone();
+        async move {
+            let conn = client.dial(&target).await.unwrap();
+            bulk_exchange(conn, 100 + i, 200 + i, 8 << 20, async {}).await
+        }
+    });
+    let results = tokio::time::timeout(Duration::from_secs(120), join_all(runs))
+        .await
+        .expect("bulk tunnels over the transport stalled");
+    for r in results {
+        r.expect("bulk tunnel");
+    }
+    let echo = backend::echo().await;
+    let conns = echo_tunnels(client, echo.addr, 100).await;
+    assert_eq!(conns.len(), 100);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_agent_over_websocket_carries_tunnels_and_says_so() {
+    let pki = Pki::new();
+    let server = server(&pki, &[]);
+    let agent = AgentProc::start(
+        Path::new(BIN),
+        &pki,
+        server.agent,
+        &["--transports=websocket".into()],
+    );
+    server.wait_agents(1).await;
+    let ev = server
+        .proc
+        .wait_event("agent connected", Duration::from_secs(20), |_| true);
+    assert_eq!(ev["transport"], "websocket", "{ev}");
+    assert_eq!(ev["flow_control"], true, "flow control negotiated: {ev}");
+    let client = Client::uds(socket_path(pki.dir())).await.unwrap();
+    carries_tunnels(&client).await;
+
+    let listing = agents(&server).await;
+    assert_eq!(
+        listing["agents"][0]["transports"],
+        serde_json::json!(["websocket"]),
+        "{listing}"
+    );
+    let page = server.metrics().await;
+    let streams = |t: &str| {
+        metric(
+            &page,
+            &format!("tether_server_agent_streams{{transport=\"{t}\"}}"),
+        )
+    };
+    assert_eq!(streams("websocket"), Some(1.0), "{page}");
+    assert_eq!(streams("h2"), Some(0.0), "{page}");
+    let page = agent.metrics().await;
+    assert_eq!(
+        metric(
+            &page,
+            "tether_agent_server_streams{transport=\"websocket\"}"
+        ),
+        Some(1.0)
+    );
+}
+
+/// nginx on 127.0.0.1, terminating TLS with the server's own certificate (the agent
+/// verifies it as the server's) and presenting the agent certificate to the server.
+async fn nginx(pki: &Pki, server: &ServerProc) -> Nginx {
+    let f = &pki.files;
+    let upstream = Upstream {
+        addr: server.agent,
+        ca: &f.ca_cert,
+        name: "localhost",
+        client: Some((&f.agent_cert, &f.agent_key)),
+    };
+    Nginx::start(
+        pki.dir(),
+        "127.0.0.1",
+        &f.server_cert,
+        &f.server_key,
+        &upstream,
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn through_an_http1_reverse_proxy_h2_falls_back_to_websocket_and_keeps_it() {
+    let pki = Pki::new();
+    let port = format!("--agent-port={}", tether_testkit::kube::free_port());
+    let server = server(&pki, &[&port]);
+    let proxy = nginx(&pki, &server).await;
+    let started = Instant::now();
+    let agent = AgentProc::start(
+        Path::new(BIN),
+        &pki,
+        proxy.addr,
+        &["--transports=h2,websocket".into()],
+    );
+    tokio::time::timeout(CONNECT_WITHIN, server.wait_agents(1))
+        .await
+        .unwrap_or_else(|_| panic!("no agent through nginx:\n{}", proxy.error_log()));
+    let took = started.elapsed();
+    eprintln!("an h2,websocket agent connected through nginx in {took:?}");
+    let ev = server
+        .proc
+        .wait_event("agent connected", Duration::from_secs(5), |_| true);
+    assert_eq!(ev["transport"], "websocket", "{ev}");
+    let fell = agent.proc.wait_event(
+        "cannot open a stream over this transport; trying the next",
+        Duration::from_secs(5),
+        |_| true,
+    );
+    assert_eq!(fell["transport"], "h2", "{fell}");
+    assert_eq!(fell["next"], "websocket", "{fell}");
+    let client = Client::uds(socket_path(pki.dir())).await.unwrap();
+    carries_tunnels(&client).await;
+
+    // The stream cut (nginx's connection to the server goes with the server): the agent
+    // comes back over WebSocket at once, without trying h2 again.
+    let page = agent.metrics().await;
+    let fallbacks = metric(
+        &page,
+        "tether_agent_transport_fallbacks_total{transport=\"h2\"}",
+    );
+    assert_eq!(fallbacks, Some(1.0), "{page}");
+    drop(client);
+    drop(server);
+    let server = self::server(&pki, &[&port]);
+    tokio::time::timeout(CONNECT_WITHIN, server.wait_agents(1))
+        .await
+        .expect("the agent did not come back through nginx");
+    let page = agent.metrics().await;
+    assert_eq!(
+        metric(
+            &page,
+            "tether_agent_transport_fallbacks_total{transport=\"h2\"}"
+        ),
+        fallbacks,
+        "the agent tried h2 again after WebSocket worked:\n{page}"
+    );
+    assert!(proxy
+        .access_log()
+        .contains("GET /AgentService/Connect HTTP/1.1\" 101"));
+}
