@@ -584,3 +584,71 @@ fn a_webhook_and_an_aggregated_api_behind_the_tunnel_by_cluster_ip() {
 fn webhook_backend() {
     tether_testkit::webhook::serve_if_asked();
 }
+
+/// A node whose agent reaches the server only through nginx, which terminates TLS and
+/// speaks HTTP/1.1 to the server (no HTTP/2 anywhere on the path), with its pod-bound
+/// token as the credential (nginx's TLS hides the agent's certificate): every kubectl
+/// path works over the agent's WebSocket, and the server verified the node by the
+/// token.
+#[test]
+fn an_agent_behind_an_http1_reverse_proxy_carries_every_kubectl_path() {
+    use tether_testkit::kube::Egress;
+    use tether_testkit::nginx::{Nginx, Upstream};
+    use tether_testkit::process::{socket_path, token_auth_server_args};
+    let net = Node::create();
+    let pki = Pki::with_sans(std::slice::from_ref(&net.host_ip));
+    let opts = ClusterOptions {
+        reachable_from_nodes: true,
+        controller_manager: true,
+        ..Default::default()
+    };
+    let cluster = Cluster::start_with(&Egress::GrpcUds(socket_path(pki.dir())), &opts);
+    cluster.apply_shipped_rbac();
+    let args = token_auth_server_args(&pki, &cluster.files.server_kubeconfig);
+    let server = ServerProc::start(Path::new(BIN), &args);
+    let f = &pki.files;
+    let upstream = Upstream {
+        addr: server.agent,
+        ca: &f.ca_cert,
+        name: "localhost",
+        client: None,
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let proxy = rt.block_on(Nginx::start(
+        pki.dir(),
+        &net.host_ip,
+        &f.server_cert,
+        &f.server_key,
+        &upstream,
+    ));
+    let mut node = RealNode::start_on(net, &cluster, "node-0", &NodeOptions::default());
+    let token = cluster.pod_bound_agent_token("konnectivity-agent-node-0", "node-0");
+    let token_file = pki.dir().join("node-0.token");
+    std::fs::write(&token_file, token).unwrap();
+    node.start_agent(
+        Path::new(AGENT_BIN),
+        &pki,
+        proxy.addr.port(),
+        &[
+            "--agent-cert=".into(),
+            "--agent-key=".into(),
+            format!("--service-account-token-path={}", token_file.display()),
+            "--transports=websocket".into(),
+        ],
+    );
+    let ev = server
+        .proc
+        .wait_event("agent connected", Duration::from_secs(60), |_| true);
+    assert_eq!(ev["transport"], "websocket", "{ev}");
+    node.run_pod(&cluster, "web", "app: web", &web_pod_containers());
+    let dials_before = agent_dials(&node);
+    every_kubectl_path(&cluster, &node.name, node.ip(), pki.dir());
+    let dials = agent_dials(&node) - dials_before;
+    assert!(dials >= 15.0, "only {dials} dials went through the agent");
+    let connected = server.proc.events("agent connected");
+    assert!(
+        connected.iter().all(|e| e["transport"] == "websocket"),
+        "{connected:?}"
+    );
+    drop(proxy);
+}

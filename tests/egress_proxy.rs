@@ -118,12 +118,19 @@ impl Site {
 
     /// An agent inside the node with `env`, its health port on the node's link.
     fn agent(&self, env: &[(&str, &str)]) -> AgentProc {
+        self.agent_with(env, &[])
+    }
+
+    /// [`Site::agent`] with `args` too.
+    fn agent_with(&self, env: &[(&str, &str)], args: &[&str]) -> AgentProc {
+        let mut all = vec![format!("--health-server-host={}", self.node.link_ip)];
+        all.extend(args.iter().map(|a| a.to_string()));
         AgentProc::start_with_env(
             Some(&self.node),
             Path::new(BIN),
             &self.pki,
             self.server.agent,
-            &[format!("--health-server-host={}", self.node.link_ip)],
+            &all,
             env,
         )
     }
@@ -167,6 +174,20 @@ fn assert_no_password(agent: &AgentProc) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_agent_reaches_its_server_only_through_the_proxy() {
+    only_through_the_proxy(&[]).await;
+}
+
+/// The same over WebSocket: the CONNECT tunnel carries TLS with ALPN http/1.1, then
+/// the upgrade.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_websocket_agent_reaches_its_server_only_through_the_proxy() {
+    let connected = only_through_the_proxy(&["--transports=websocket"]).await;
+    assert_eq!(connected["transport"], "websocket", "{connected}");
+}
+
+/// An agent with `args` whose only way to its server is tinyproxy reaches it there,
+/// carries a tunnel, and never shows the proxy's password; its "connected" event.
+async fn only_through_the_proxy(args: &[&str]) -> serde_json::Value {
     let site = Site::new().await;
     // The node cannot reach the server's port itself: only the proxy (on the host) can.
     let port = site.server.agent.port().to_string();
@@ -183,7 +204,7 @@ async fn an_agent_reaches_its_server_only_through_the_proxy() {
         "DROP",
     ]);
     let url = site.proxy.url(PASSWORD);
-    let agent = site.agent(&[("HTTPS_PROXY", &url)]);
+    let agent = site.agent_with(&[("HTTPS_PROXY", &url)], args);
     site.server.wait_agents(1).await;
     site.fetch_page().await;
 
@@ -204,6 +225,7 @@ async fn an_agent_reaches_its_server_only_through_the_proxy() {
         .wait_event("connected to proxy server", START_TIMEOUT, |_| true);
     assert_eq!(connected["via"], shown.as_str(), "{connected}");
     assert_no_password(&agent);
+    connected
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

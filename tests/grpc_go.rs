@@ -278,3 +278,40 @@ async fn a_keepalive_shorter_than_a_grpc_go_servers_policy_backs_off() {
     })
     .await;
 }
+
+/// An agent that prefers WebSocket, against a grpc-go server (as upstream's, which
+/// speaks only h2): the WebSocket attempt fails at TLS (no shared ALPN protocol) and
+/// the agent falls back to h2 at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_websocket_first_agent_falls_back_to_h2_with_a_grpc_go_server() {
+    let pki = Pki::new();
+    let bulk = backend::bulk().await;
+    let go = go_server(&pki, bulk.addr, &[]);
+    let started = std::time::Instant::now();
+    let agent = AgentProc::start(
+        Path::new(BIN),
+        &pki,
+        go.agent,
+        &["--transports=websocket,h2".into()],
+    );
+    let ev = agent
+        .proc
+        .wait_event("connected to proxy server", START_TIMEOUT, |_| true);
+    eprintln!(
+        "connected over {} in {:?}",
+        ev["transport"],
+        started.elapsed()
+    );
+    assert_eq!(ev["transport"], "h2", "{ev}");
+    let fell = agent.proc.wait_event(
+        "cannot open a stream over this transport; trying the next",
+        START_TIMEOUT,
+        |_| true,
+    );
+    assert_eq!(fell["transport"], "websocket", "{fell}");
+    let frontend = go.frontend;
+    bulk_all(2, 1 << 20, || async move {
+        TcpStream::connect(frontend).await.unwrap()
+    })
+    .await;
+}
