@@ -1,7 +1,8 @@
 //! The compromised node: a hand-written agent holding one node's valid credentials (its
 //! certificate from `tether certs agent`, or its pod-bound ServiceAccount token) tries
 //! to take another node's traffic, against servers in their default configuration and
-//! with the flags of the manifests in deploy/. Each test names the threat it closes
+//! with the flags of the manifests in deploy/, its streams over HTTP/2 and over WebSocket
+//! (`--transports`). Each test names the threat it closes
 //! (docs/threat-model.md lists them).
 
 use std::path::Path;
@@ -16,7 +17,7 @@ use tether_testkit::kube::{Cluster, Egress};
 use tether_testkit::process::{frontend_cas_command, socket_path, uds_frontend_args};
 use tether_testkit::rogue::{
     certified_agent, forged_packets_reach_no_tunnel, manifest_agent_identifiers,
-    manifest_server_args, node_cert, ping, wait_verified_ips, Rogue, ROGUE,
+    manifest_server_args, node_cert, ping, wait_verified_ips, Over, Rogue, ROGUE,
 };
 use tether_testkit::{metric, AgentProc, Pki, ServerProc, TempDir};
 use tokio::io::AsyncReadExt;
@@ -75,6 +76,16 @@ async fn node_b_beside_an_attacker(extra: &[&str]) -> NodeB {
 /// and no more than one agent's share of the dials any agent may take.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_node_certificate_cannot_take_another_nodes_traffic() {
+    certificate_cannot_take(Over::H2).await;
+}
+
+/// [`a_node_certificate_cannot_take_another_nodes_traffic`] with the attacker's streams over WebSocket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_certificate_cannot_take_another_nodes_traffic_over_websocket() {
+    certificate_cannot_take(Over::WebSocket).await;
+}
+
+async fn certificate_cannot_take(over: Over) {
     let NodeB {
         pki,
         cert_a,
@@ -86,7 +97,7 @@ async fn a_node_certificate_cannot_take_another_nodes_traffic() {
     } = node_b_beside_an_attacker(&[]).await;
     let elsewhere = backend::echo().await;
 
-    let rogue = Rogue::connect(&pki, server.agent, Some((&cert_a.0, &cert_a.1))).await;
+    let rogue = Rogue::connect_over(over, &pki, server.agent, Some((&cert_a.0, &cert_a.1))).await;
     let (streams, refused) = rogue
         .open_many(50, "node-b", "host=node-b&ipv4=127.0.0.2", None)
         .await;
@@ -129,8 +140,11 @@ async fn a_node_certificate_cannot_take_another_nodes_traffic() {
 
     let page = server.metrics().await;
     let count = |name: &str| metric(&page, name).unwrap_or(0.0);
+    // Over HTTP/2 the streams share a connection and the router refuses them; over
+    // WebSocket each is a connection of its own, refused by the identity's cap.
     assert_eq!(
-        count(r#"tether_server_agent_streams_refused_total{reason="too_many_streams"}"#),
+        count(r#"tether_server_agent_streams_refused_total{reason="too_many_streams"}"#)
+            + count(r#"tether_server_agent_streams_refused_total{reason="too_many_connections"}"#),
         42.0
     );
     assert!(count(r#"tether_server_unverified_identifiers_total{kind="ip"}"#) >= 8.0);
@@ -159,6 +173,16 @@ async fn a_node_certificate_cannot_take_another_nodes_traffic() {
 /// `--require-agent-identity-match` refuses the impostor outright.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn forged_packets_reach_no_other_agents_tunnels() {
+    forged_packets(Over::H2).await;
+}
+
+/// [`forged_packets_reach_no_other_agents_tunnels`] with the attacker's streams over WebSocket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn forged_packets_reach_no_other_agents_tunnels_over_websocket() {
+    forged_packets(Over::WebSocket).await;
+}
+
+async fn forged_packets(over: Over) {
     let NodeB {
         pki,
         cert_a,
@@ -169,7 +193,7 @@ async fn forged_packets_reach_no_other_agents_tunnels() {
         _certs,
     } = node_b_beside_an_attacker(&["--require-agent-identity-match"]).await;
 
-    let rogue = Rogue::connect(&pki, server.agent, Some((&cert_a.0, &cert_a.1))).await;
+    let rogue = Rogue::connect_over(over, &pki, server.agent, Some((&cert_a.0, &cert_a.1))).await;
     let refused = rogue.open("node-b", "host=node-b", None).await.err();
     assert_eq!(
         refused.map(|s| s.code()),
@@ -192,11 +216,22 @@ async fn forged_packets_reach_no_other_agents_tunnels() {
 /// documented 30 s backstop, though `--backend-dial-timeout` is not set.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_dial_no_agent_answers_fails_on_the_grpc_frontend() {
+    unanswered_dial(Over::H2).await;
+}
+
+/// [`a_dial_no_agent_answers_fails_on_the_grpc_frontend`] with the attacker's streams over WebSocket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dial_no_agent_answers_fails_on_the_grpc_frontend_over_websocket() {
+    unanswered_dial(Over::WebSocket).await;
+}
+
+async fn unanswered_dial(over: Over) {
     let pki = Pki::new();
     let certs = TempDir::new("tether-node-certs");
     let cert_a = node_cert(Path::new(BIN), &pki, certs.path(), "node-a", "127.0.0.3");
     let server = certificate_server(&pki, &[]);
-    let mut rogue = Rogue::connect(&pki, server.agent, Some((&cert_a.0, &cert_a.1))).await;
+    let mut rogue =
+        Rogue::connect_over(over, &pki, server.agent, Some((&cert_a.0, &cert_a.1))).await;
     rogue.silent = true;
     let _stream = rogue.open("node-a", "", None).await.unwrap();
     server.wait_agents(1).await;
@@ -354,6 +389,16 @@ sys.stdin.read()
 /// edge-1 to it, and holds the impostor to one node's eight streams.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_node_token_cannot_take_another_nodes_traffic() {
+    token_cannot_take(Over::H2).await;
+}
+
+/// [`a_node_token_cannot_take_another_nodes_traffic`] with the attacker's streams over WebSocket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_token_cannot_take_another_nodes_traffic_over_websocket() {
+    token_cannot_take(Over::WebSocket).await;
+}
+
+async fn token_cannot_take(over: Over) {
     let cluster = Cluster::start(&Egress::Direct);
     cluster.apply_shipped_rbac();
     for (node, ip) in [("edge-1", "127.0.0.2"), ("edge-2", "127.0.0.3")] {
@@ -390,7 +435,7 @@ async fn a_node_token_cannot_take_another_nodes_traffic() {
     wait_verified_ips(&server, "edge-1", serde_json::json!(["127.0.0.2"])).await;
 
     let token_2 = cluster.pod_bound_agent_token("konnectivity-agent-edge-2", "edge-2");
-    let rogue = Rogue::connect(&pki, server.agent, None).await;
+    let rogue = Rogue::connect_over(over, &pki, server.agent, None).await;
     let (streams, refused) = rogue
         .open_many(
             50,
@@ -436,7 +481,7 @@ async fn a_node_token_cannot_take_another_nodes_traffic() {
 
     // Without a token nothing is admitted; and since anyone finishes TLS on a token
     // server's agent port, a connection on which no agent is admitted is closed.
-    let anonymous = Rogue::connect(&pki, server.agent, None).await;
+    let anonymous = Rogue::connect_over(over, &pki, server.agent, None).await;
     let refused = anonymous.open("edge-1", "host=edge-1", None).await.err();
     assert_eq!(
         refused.map(|s| s.code()),

@@ -42,10 +42,23 @@ const STATUS_CLOSE_BASE: u16 = 4000;
 /// The longest close reason a frame carries (its payload is at most 125 bytes).
 const MAX_REASON: usize = 123;
 
+/// How much a WebSocket reads at a time: a TLS record's plaintext. tungstenite keeps a
+/// buffer this large for each connection's life (its default, 128 KiB, would be most
+/// of an idle agent's cost on the server).
+const READ_BUFFER: usize = 16 << 10;
+
+/// Messages are gathered up to this before a write (the writer flushes whenever its
+/// queue is empty).
+const WRITE_BUFFER: usize = 16 << 10;
+
 /// The framing's limits: a message holds one packet, at most as large as the gRPC
-/// link allows one.
+/// link allows one; what waits to be written is at most one such message more than
+/// [`WRITE_BUFFER`].
 pub fn config() -> WebSocketConfig {
     WebSocketConfig::default()
+        .read_buffer_size(READ_BUFFER)
+        .write_buffer_size(WRITE_BUFFER)
+        .max_write_buffer_size(WRITE_BUFFER + MAX_MESSAGE + 64)
         .max_message_size(Some(MAX_MESSAGE))
         .max_frame_size(Some(MAX_MESSAGE))
 }
@@ -136,34 +149,42 @@ pub enum HeadError {
     TooLarge,
 }
 
-/// Reads a request head from `io`, starting with `buf` (bytes read already).
+/// Reads a request head from `io`, starting with `buf` (bytes read already): never
+/// more than [`MAX_HEAD`] bytes, parsed only once its blank line has come.
 pub async fn read_head<S: AsyncRead + Unpin>(
     io: &mut S,
     mut buf: BytesMut,
 ) -> Result<Head, HeadError> {
+    let mut searched: usize = 0;
     loop {
-        let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
-        let mut req = httparse::Request::new(&mut slots);
-        match req.parse(&buf) {
-            Ok(httparse::Status::Complete(len)) => {
-                let head = head_of(&req)?;
-                buf.advance(len);
-                return Ok(Head {
-                    rest: buf.freeze(),
-                    ..head
-                });
+        let from = searched.saturating_sub(3);
+        if buf[from..].windows(4).any(|w| w == b"\r\n\r\n") {
+            let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
+            let mut req = httparse::Request::new(&mut slots);
+            match req.parse(&buf) {
+                Ok(httparse::Status::Complete(len)) => {
+                    let head = head_of(&req)?;
+                    buf.advance(len);
+                    return Ok(Head {
+                        rest: buf.freeze(),
+                        ..head
+                    });
+                }
+                Ok(httparse::Status::Partial) => {}
+                Err(e) => return Err(HeadError::Malformed(e.to_string())),
             }
-            Ok(httparse::Status::Partial) => {}
-            Err(e) => return Err(HeadError::Malformed(e.to_string())),
         }
+        searched = buf.len();
         if buf.len() >= MAX_HEAD {
             return Err(HeadError::TooLarge);
         }
-        buf.reserve(4096);
-        let n = io.read_buf(&mut buf).await.map_err(HeadError::Io)?;
+        let mut chunk = [0u8; 4096];
+        let room = chunk.len().min(MAX_HEAD - buf.len());
+        let n = io.read(&mut chunk[..room]).await.map_err(HeadError::Io)?;
         if n == 0 {
             return Err(HeadError::Io(io::ErrorKind::UnexpectedEof.into()));
         }
+        buf.extend_from_slice(&chunk[..n]);
     }
 }
 
@@ -195,13 +216,26 @@ fn lists(headers: &http::HeaderMap, name: http::HeaderName, token: &str) -> bool
         .any(|t| t.trim().eq_ignore_ascii_case(token))
 }
 
-/// Checks that `head` asks for a WebSocket upgrade of `path`; the refusal (HTTP
-/// status, gRPC status code, message) when it does not.
-pub fn check_upgrade(head: &Head, path: &str) -> Result<(), (u16, i32, String)> {
-    use http::header::{CONNECTION, SEC_WEBSOCKET_KEY, SEC_WEBSOCKET_VERSION, UPGRADE};
+/// What the `101` answer to an upgrade request needs of it.
+#[derive(Debug)]
+pub struct Upgrade {
+    /// `Sec-WebSocket-Accept`.
+    accept: String,
+    /// The client asked for [`SUBPROTOCOL`].
+    subprotocol: bool,
+}
+
+/// Checks that `head` asks for a WebSocket upgrade of `path`, as an agent does (no
+/// `Origin`: that is a browser's); what the answer needs, or the refusal (HTTP status,
+/// gRPC status code, message).
+pub fn check_upgrade(head: &Head, path: &str) -> Result<Upgrade, (u16, i32, String)> {
+    use http::header::{
+        CONNECTION, ORIGIN, SEC_WEBSOCKET_KEY, SEC_WEBSOCKET_PROTOCOL, SEC_WEBSOCKET_VERSION,
+        UPGRADE,
+    };
     let h = &head.headers;
     if head.path != path {
-        return Err((404, 12, format!("no such path {:?}", head.path)));
+        return Err((404, 12, format!("no such path; agents connect to {path}")));
     }
     if head.method != "GET" || !lists(h, UPGRADE, "websocket") || !lists(h, CONNECTION, "upgrade") {
         return Err((
@@ -210,32 +244,33 @@ pub fn check_upgrade(head: &Head, path: &str) -> Result<(), (u16, i32, String)> 
             "the agent link over HTTP/1.1 is a WebSocket: GET with Upgrade: websocket".into(),
         ));
     }
+    if h.contains_key(ORIGIN) {
+        return Err((
+            403,
+            7,
+            "requests from browsers (with Origin) are refused".into(),
+        ));
+    }
     if h.get(SEC_WEBSOCKET_VERSION).map(|v| v.as_bytes()) != Some(b"13") {
         return Err((426, 3, "WebSocket version 13 is required".into()));
     }
-    if h.get(SEC_WEBSOCKET_KEY).is_none() {
+    let Some(key) = h.get(SEC_WEBSOCKET_KEY) else {
         return Err((400, 3, "no Sec-WebSocket-Key".into()));
-    }
-    Ok(())
+    };
+    Ok(Upgrade {
+        accept: derive_accept_key(key.as_bytes()),
+        subprotocol: lists(h, SEC_WEBSOCKET_PROTOCOL, SUBPROTOCOL),
+    })
 }
 
-/// The `101 Switching Protocols` answer to `head`, with `extra` headers (the server's
-/// id and count).
-pub fn accepted(head: &Head, extra: &http::HeaderMap) -> Vec<u8> {
-    let key = head
-        .headers
-        .get(http::header::SEC_WEBSOCKET_KEY)
-        .map(|k| k.as_bytes())
-        .unwrap_or_default();
+/// The `101 Switching Protocols` answer to `upgrade`, with `extra` headers (the
+/// server's id and count).
+pub fn accepted(upgrade: &Upgrade, extra: &http::HeaderMap) -> Vec<u8> {
     let mut out = format!(
         "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Accept: {}\r\n",
-        derive_accept_key(key)
+        upgrade.accept
     );
-    if lists(
-        &head.headers,
-        http::header::SEC_WEBSOCKET_PROTOCOL,
-        SUBPROTOCOL,
-    ) {
+    if upgrade.subprotocol {
         out.push_str(&format!("Sec-WebSocket-Protocol: {SUBPROTOCOL}\r\n"));
     }
     let mut out = out.into_bytes();
@@ -254,7 +289,7 @@ pub fn refused(status: u16, code: i32, message: &str) -> Vec<u8> {
         .unwrap_or("Error");
     let body = format!("{message}\n");
     format!(
-        "HTTP/1.1 {status} {reason}\r\ngrpc-status: {code}\r\ngrpc-message: {}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "HTTP/1.1 {status} {reason}\r\ngrpc-status: {code}\r\ngrpc-message: {}\r\nContent-Type: text/plain\r\nX-Content-Type-Options: nosniff\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         percent_encode(message),
         body.len()
     )
@@ -434,11 +469,11 @@ mod tests {
         let (a, mut b) = tokio::io::duplex(64 << 10);
         let server = tokio::spawn(async move {
             let head = read_head(&mut b, BytesMut::new()).await.unwrap();
-            check_upgrade(&head, "/AgentService/Connect").unwrap();
+            let upgrade = check_upgrade(&head, "/AgentService/Connect").unwrap();
             assert_eq!(head.headers["agentid"], "node-1");
             let mut extra = http::HeaderMap::new();
             extra.insert("serverid", "s1".parse().unwrap());
-            tokio::io::AsyncWriteExt::write_all(&mut b, &accepted(&head, &extra))
+            tokio::io::AsyncWriteExt::write_all(&mut b, &accepted(&upgrade, &extra))
                 .await
                 .unwrap();
             let mut ws = server(b, head.rest).await;
@@ -485,6 +520,23 @@ mod tests {
             }
             e => panic!("{e}"),
         }
+    }
+
+    /// A head that comes a byte at a time is read whole; one from a browser (with
+    /// `Origin`) is refused.
+    #[tokio::test]
+    async fn a_trickled_head_is_read_and_a_browsers_refused() {
+        let head = "GET /AgentService/Connect HTTP/1.1\r\nHost: s\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nOrigin: https://evil.example\r\n\r\nrest";
+        let (mut a, mut b) = tokio::io::duplex(1);
+        tokio::spawn(async move {
+            for byte in head.as_bytes() {
+                let _ = tokio::io::AsyncWriteExt::write_all(&mut a, &[*byte]).await;
+            }
+        });
+        let read = read_head(&mut b, BytesMut::new()).await.unwrap();
+        assert_eq!(read.path, "/AgentService/Connect");
+        let (http, code, _) = check_upgrade(&read, "/AgentService/Connect").unwrap_err();
+        assert_eq!((http, code), (403, 7));
     }
 
     #[tokio::test]

@@ -27,7 +27,9 @@ pub struct Upstream<'a> {
     pub ca: &'a Path,
     /// The name it verifies the server as.
     pub name: &'a str,
-    /// The certificate and key nginx presents to the server, if any.
+    /// The certificate and key nginx presents to the server, if any: the server then
+    /// takes nginx for the agent that certificate names, so nginx itself requires and
+    /// verifies the agents' certificates (against `ca`), as it must where it does this.
     pub client: Option<(&'a Path, &'a Path)>,
 }
 
@@ -53,13 +55,19 @@ impl Nginx {
         std::fs::create_dir_all(dir.join("temp")).unwrap();
         let port = crate::kube::free_port();
         let addr: SocketAddr = format!("{ip}:{port}").parse().unwrap();
-        let client = upstream
+        let (client, verify) = upstream
             .client
             .map(|(c, k)| {
-                format!(
-                    "proxy_ssl_certificate {};\n      proxy_ssl_certificate_key {};",
-                    c.display(),
-                    k.display()
+                (
+                    format!(
+                        "proxy_ssl_certificate {};\n      proxy_ssl_certificate_key {};",
+                        c.display(),
+                        k.display()
+                    ),
+                    format!(
+                        "ssl_verify_client on;\n    ssl_client_certificate {};",
+                        upstream.ca.display()
+                    ),
                 )
             })
             .unwrap_or_default();
@@ -83,6 +91,7 @@ http {{
     listen {addr} ssl;
     ssl_certificate {cert};
     ssl_certificate_key {key};
+    {verify}
     location / {{
       proxy_pass https://{upstream};
       proxy_http_version 1.1;

@@ -41,12 +41,29 @@ pub fn node_cert(bin: &Path, pki: &Pki, out: &Path, node: &str, ip: &str) -> (Pa
     )
 }
 
+/// What carries the attacker's streams, as `--transports` names them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Over {
+    /// gRPC on HTTP/2: every stream on one connection.
+    H2,
+    /// WebSocket on HTTP/1.1: a connection per stream.
+    WebSocket,
+}
+
+impl Over {
+    /// Every transport an agent may use.
+    pub const ALL: [Over; 2] = [Over::H2, Over::WebSocket];
+}
+
 /// The attacker: one mutual-TLS HTTP/2 connection to the agent port, on which it opens
-/// as many Connect streams as it likes with whatever metadata it likes. Every stream
-/// answers each dial with a tunnel of its own bytes ([`ROGUE`]), unless `silent`.
+/// as many Connect streams as it likes with whatever metadata it likes (over WebSocket:
+/// a connection per stream, with the same credentials). Every stream answers each dial
+/// with a tunnel of its own bytes ([`ROGUE`]), unless `silent`.
 pub struct Rogue {
     /// The connection its streams share.
     pub channel: tonic::transport::Channel,
+    /// Over WebSocket: where and with what it connects for each stream.
+    ws: Option<WsDialer>,
     /// Dials that reached the attacker.
     pub dials: Arc<AtomicUsize>,
     /// Leaves every dial unanswered.
@@ -66,9 +83,29 @@ impl Rogue {
         server: std::net::SocketAddr,
         identity: Option<(&Path, &Path)>,
     ) -> Rogue {
+        Self::connect_over(Over::H2, pki, server, identity).await
+    }
+
+    /// [`Rogue::connect`], its streams carried `over` a transport.
+    pub async fn connect_over(
+        over: Over,
+        pki: &Pki,
+        server: std::net::SocketAddr,
+        identity: Option<(&Path, &Path)>,
+    ) -> Rogue {
         let channel = crate::agent_channel(server, &pki.files.ca_cert, identity).await;
+        let ws = (over == Over::WebSocket).then(|| WsDialer {
+            server,
+            tls: tether_core::tls::client_config(
+                &pki.files.ca_cert,
+                identity,
+                &[tether_core::tls::ALPN_HTTP11],
+            )
+            .expect("client TLS"),
+        });
         Rogue {
             channel,
+            ws,
             dials: Arc::default(),
             silent: false,
         }
@@ -82,32 +119,41 @@ impl Rogue {
         token: Option<&str>,
     ) -> Result<RogueStream, tonic::Status> {
         let (out, rx) = mpsc::channel(64);
-        let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
-        let md = request.metadata_mut();
+        let mut md = tonic::metadata::MetadataMap::new();
         md.insert("agentid", agent_id.parse().unwrap());
         md.insert("agentidentifiers", identifiers.parse().unwrap());
         if let Some(t) = token {
             md.insert("authorization", format!("Bearer {t}").parse().unwrap());
         }
-        let mut inbound = AgentServiceClient::new(self.channel.clone())
-            .connect(request)
-            .await?
-            .into_inner();
         let (dials, silent, reply) = (self.dials.clone(), self.silent, out.clone());
-        tokio::spawn(async move {
-            let mut next_id = 1_000_000;
-            while let Ok(Some(packet)) = inbound.message().await {
+        let answer = move |packet: Packet| {
+            let (dials, reply) = (dials.clone(), reply.clone());
+            async move {
                 if let Some(Payload::DialRequest(req)) = packet.payload {
-                    dials.fetch_add(1, Ordering::SeqCst);
+                    let next_id = 1_000_000 + dials.fetch_add(1, Ordering::SeqCst) as i64 + 1;
                     if silent {
-                        continue;
+                        return;
                     }
-                    next_id += 1;
                     let _ = reply
                         .send(Packet::dial_response(req.random, next_id, ""))
                         .await;
                     let _ = reply.send(Packet::data(next_id, ROGUE.to_vec())).await;
                 }
+            }
+        };
+        if let Some(ws) = &self.ws {
+            ws.open(md.into_headers(), rx, answer).await?;
+            return Ok(RogueStream { out });
+        }
+        let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+        *request.metadata_mut() = md;
+        let mut inbound = AgentServiceClient::new(self.channel.clone())
+            .connect(request)
+            .await?
+            .into_inner();
+        tokio::spawn(async move {
+            while let Ok(Some(packet)) = inbound.message().await {
+                answer(packet).await;
             }
         });
         Ok(RogueStream { out })
@@ -129,6 +175,64 @@ impl Rogue {
             }
         }
         (opened, refused)
+    }
+}
+
+/// How the attacker opens a stream over WebSocket: a TLS connection of its own to the
+/// agent port, then the upgrade with its metadata.
+struct WsDialer {
+    server: std::net::SocketAddr,
+    tls: Arc<rustls::ClientConfig>,
+}
+
+impl WsDialer {
+    /// Opens a stream with `headers`; what `rx` yields goes to the server, and each
+    /// packet from it to `answer`. A refusal comes back as the status it carried.
+    async fn open<F, Fut>(
+        &self,
+        headers: http::HeaderMap,
+        mut rx: mpsc::Receiver<Packet>,
+        answer: F,
+    ) -> Result<(), tonic::Status>
+    where
+        F: Fn(Packet) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send,
+    {
+        use futures::{SinkExt, StreamExt};
+        use tether_core::ws;
+        let name = tether_core::tls::server_name("127.0.0.1").expect("a server name");
+        let io =
+            tether_core::transport::connect_tls(&self.server.to_string(), name, self.tls.clone())
+                .await
+                .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+        let authority = self.server.to_string();
+        let (socket, _) = ws::client(io, &authority, "/AgentService/Connect", headers)
+            .await
+            .map_err(|e| match e {
+                ws::UpgradeError::Refused {
+                    status: Some((code, message)),
+                    ..
+                } => tonic::Status::new(tonic::Code::from(code), message),
+                e => tonic::Status::unavailable(e.to_string()),
+            })?;
+        let (mut sink, mut source) = socket.split();
+        tokio::spawn(async move {
+            while let Some(p) = rx.recv().await {
+                if sink.send(ws::encode(&p)).await.is_err() {
+                    return;
+                }
+            }
+        });
+        tokio::spawn(async move {
+            while let Some(Ok(m)) = source.next().await {
+                if let ws::Message::Binary(data) = m {
+                    if let Ok(p) = ws::decode(&data) {
+                        answer(p).await;
+                    }
+                }
+            }
+        });
+        Ok(())
     }
 }
 

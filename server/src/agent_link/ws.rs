@@ -4,6 +4,7 @@
 //! message one packet to the router, each packet for the agent one message, pings
 //! while the link is quiet, and its end a close frame carrying the status.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -54,11 +55,18 @@ pub(super) async fn serve<S>(
             return refuse(&mut io, &streams, ws::refused(status, 3, &e.to_string())).await;
         }
     };
-    if let Err((http, code, message)) = ws::check_upgrade(&head, CONNECT_PATH) {
-        refused!(link, %peer, path = %head.path, error = %message, "agent request over HTTP/1.1 is no WebSocket upgrade; refused");
-        return refuse(&mut io, &streams, ws::refused(http, code, &message)).await;
-    }
-    let opened = Box::pin(link.admit_and_open(head.headers.clone(), &info, &streams, "websocket"));
+    let upgrade = match ws::check_upgrade(&head, CONNECT_PATH) {
+        Ok(upgrade) => upgrade,
+        Err((http, code, message)) => {
+            let path = tether_core::ratelimit::clipped(&head.path, 128);
+            refused!(link, %peer, %path, error = %message, "agent request over HTTP/1.1 is no WebSocket upgrade; refused");
+            return refuse(&mut io, &streams, ws::refused(http, code, &message)).await;
+        }
+    };
+    // The headers (a bearer token among them) go into the admission, which drops them:
+    // the stream's future, which lives for hours, does not keep them.
+    let ws::Head { headers, rest, .. } = head;
+    let opened = Box::pin(link.admit_and_open(headers, &info, &streams, "websocket"));
     let opened = match opened.await {
         Ok(o) => o,
         Err(status) => {
@@ -66,13 +74,13 @@ pub(super) async fn serve<S>(
             return refuse(&mut io, &streams, answer).await;
         }
     };
-    let answer = ws::accepted(&head, &link.answer(opened.peer_window));
+    let answer = ws::accepted(&upgrade, &link.answer(opened.peer_window));
     let span = opened.span.clone();
     if io.write_all(&answer).await.is_err() || io.flush().await.is_err() {
         link.router.remove_agent(&opened.agent);
         return;
     }
-    let socket = ws::server(io, head.rest).await;
+    let socket = ws::server(io, rest).await;
     let gauge = link
         .router
         .metrics
@@ -111,7 +119,7 @@ where
     } = opened;
     let (sink, source) = socket.split();
     let sink = tokio::sync::Mutex::new(sink);
-    let heard = Arc::new(Mutex::new(Instant::now()));
+    let heard = Heard::default();
     let status = {
         let both = std::pin::pin!(both_ways(
             link, &agent, &sink, source, packets, keepalive, &heard
@@ -147,7 +155,7 @@ async fn both_ways<S>(
     source: Source<S>,
     packets: PacketStream,
     keepalive: Duration,
-    heard: &Mutex<Instant>,
+    heard: &Heard,
 ) -> Status
 where
     S: AsyncRead + AsyncWrite + Unpin + Send,
@@ -178,7 +186,7 @@ async fn read<S>(
     agent: &Arc<AgentStream>,
     mut source: Source<S>,
     hard_stop: tokio_util::sync::CancellationToken,
-    heard: &Mutex<Instant>,
+    heard: &Heard,
 ) -> Option<Status>
 where
     S: AsyncRead + AsyncWrite + Unpin,
@@ -189,10 +197,17 @@ where
             _ = hard_stop.cancelled() => return None,
             _ = agent.closed.cancelled() => return None,
         };
-        *heard.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+        heard.now();
         match next {
             Some(Ok(Message::Binary(data))) => match ws::decode(&data) {
-                Ok(packet) => Box::pin(router.on_agent_packet(agent, packet)).await,
+                Ok(packet) => {
+                    // The socket goes unread while the packet is handed on (a stalled
+                    // client without flow control): busy, not silent.
+                    heard.busy.store(true, Ordering::Relaxed);
+                    Box::pin(router.on_agent_packet(agent, packet)).await;
+                    heard.busy.store(false, Ordering::Relaxed);
+                    heard.now();
+                }
                 Err(e) => break Status::internal(e.to_string()),
             },
             Some(Ok(Message::Ping(_) | Message::Pong(_) | Message::Frame(_))) => {}
@@ -269,16 +284,45 @@ where
     }
 }
 
+/// When the agent was last heard from, and whether the reader is busy handing a
+/// packet on.
+struct Heard {
+    at: Mutex<Instant>,
+    busy: AtomicBool,
+}
+
+impl Default for Heard {
+    fn default() -> Self {
+        Heard {
+            at: Mutex::new(Instant::now()),
+            busy: AtomicBool::new(false),
+        }
+    }
+}
+
+impl Heard {
+    fn now(&self) {
+        *self.at.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+    }
+
+    /// How long the agent has been silent (never while the reader is busy).
+    fn quiet(&self) -> Duration {
+        if self.busy.load(Ordering::Relaxed) {
+            return Duration::ZERO;
+        }
+        self.at.lock().unwrap_or_else(|e| e.into_inner()).elapsed()
+    }
+}
+
 /// Resolves once nothing was heard from the agent for `keepalive` and the ping after
 /// it (never with keepalive off).
-async fn silence(heard: &Mutex<Instant>, keepalive: Duration) {
+async fn silence(heard: &Heard, keepalive: Duration) {
     if keepalive.is_zero() {
         return std::future::pending().await;
     }
     let limit = keepalive + PING_TIMEOUT.min(keepalive);
     loop {
-        let last = *heard.lock().unwrap_or_else(|e| e.into_inner());
-        let quiet = last.elapsed();
+        let quiet = heard.quiet();
         if quiet >= limit {
             return;
         }
