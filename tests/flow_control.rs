@@ -53,12 +53,20 @@ async fn busy_connections(client: &Client, target: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn tether_peers_a_stalled_reader_stalls_only_itself() {
+    stalled_reader_stalls_only_itself(&[]).await;
+}
+
+/// The same with the agent's stream over WebSocket: the credit is the same packets'.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn over_websocket_a_stalled_reader_stalls_only_itself() {
+    stalled_reader_stalls_only_itself(&["--transports=websocket"]).await;
+}
+
+async fn stalled_reader_stalls_only_itself(agent_args: &[&str]) {
     // A stall timeout far beyond the test: only flow control can keep others moving.
-    let s = setup(
-        &["--stalled-reader-timeout=1h"],
-        &["--stalled-reader-timeout=1h"],
-    )
-    .await;
+    let mut agent = vec!["--stalled-reader-timeout=1h"];
+    agent.extend(agent_args);
+    let s = setup(&["--stalled-reader-timeout=1h"], &agent).await;
     let ev = s
         .server
         .proc
