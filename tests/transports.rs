@@ -179,3 +179,88 @@ async fn through_an_http1_reverse_proxy_h2_falls_back_to_websocket_and_keeps_it(
         .access_log()
         .contains("GET /AgentService/Connect HTTP/1.1\" 101"));
 }
+
+/// DRAIN both ways over WebSocket: a draining agent's DRAIN reaches the server and the
+/// agent leaves cleanly on its second signal (its close frame ends the stream OK); a
+/// stopping server's DRAIN reaches the agent, whose tunnel keeps working through the
+/// server's drain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn drain_passes_both_ways_over_websocket() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let pki = Pki::new();
+    let server = server(&pki, &["--graceful-shutdown-timeout=30s"]);
+    let mut agent = AgentProc::start(
+        Path::new(BIN),
+        &pki,
+        server.agent,
+        &["--transports=websocket".into()],
+    );
+    server.wait_agents(1).await;
+    agent.proc.signal("TERM");
+    server.proc.wait_event(
+        "agent is draining; it is now last choice for new dials",
+        Duration::from_secs(20),
+        |_| true,
+    );
+    agent.proc.signal("TERM");
+    let status = agent
+        .proc
+        .wait_exit(Duration::from_secs(20))
+        .expect("the agent exits on a second signal");
+    assert!(status.success(), "{status:?}");
+    server
+        .proc
+        .wait_event("agent disconnected", Duration::from_secs(20), |_| true);
+
+    let agent = AgentProc::start(
+        Path::new(BIN),
+        &pki,
+        server.agent,
+        &["--transports=websocket".into()],
+    );
+    server.wait_agents(1).await;
+    let echo = backend::echo().await;
+    let client = Client::uds(socket_path(pki.dir())).await.unwrap();
+    let mut tunnel = client.dial(&echo.addr.to_string()).await.unwrap();
+    server.proc.signal("TERM");
+    agent.proc.wait_event(
+        "the server is stopping (DRAIN): connecting to the other servers; this stream serves its tunnels to the end",
+        Duration::from_secs(20),
+        |_| true,
+    );
+    tunnel.write_all(b"still").await.unwrap();
+    let mut back = [0u8; 5];
+    tunnel.read_exact(&mut back).await.unwrap();
+    assert_eq!(&back, b"still");
+}
+
+/// A server with `--agent-websocket=false` offers only h2: an agent that prefers
+/// WebSocket falls back to h2 there, and one that knows only WebSocket is kept out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_server_without_websocket_takes_only_h2() {
+    let pki = Pki::new();
+    let server = server(&pki, &["--agent-websocket=false"]);
+    let only_ws = AgentProc::start(
+        Path::new(BIN),
+        &pki,
+        server.agent,
+        &["--transports=websocket".into(), "--agent-id=only-ws".into()],
+    );
+    only_ws.proc.wait_event(
+        "proxy server stream down; reconnecting",
+        Duration::from_secs(20),
+        |_| true,
+    );
+    let _both = AgentProc::start(
+        Path::new(BIN),
+        &pki,
+        server.agent,
+        &["--transports=websocket,h2".into(), "--agent-id=both".into()],
+    );
+    let ev = server
+        .proc
+        .wait_event("agent connected", Duration::from_secs(20), |_| true);
+    assert_eq!(ev["agent_id"], "both", "{ev}");
+    assert_eq!(ev["transport"], "h2", "{ev}");
+    assert_eq!(server.proc.count_events("agent connected"), 1);
+}

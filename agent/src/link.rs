@@ -451,7 +451,8 @@ impl Agent {
                             sink,
                             asked,
                             ping_due: false,
-                            closing: false
+                            closing: false,
+                            frames: Default::default(),
                         },
                         control_rx,
                         data_rx,
@@ -779,6 +780,9 @@ struct WsSink {
     asked: mpsc::Receiver<()>,
     ping_due: bool,
     closing: bool,
+    /// The frames of the packet being sent that the sink has not taken yet (the writer
+    /// offers the same packet again until it is sent).
+    frames: std::collections::VecDeque<Message>,
 }
 
 impl WsSink {
@@ -806,7 +810,21 @@ impl WsSink {
 impl PacketSink for WsSink {
     fn poll_send(&mut self, cx: &mut Context<'_>, packet: &Packet) -> Poll<io::Result<()>> {
         futures::ready!(self.poll_pings(cx))?;
-        self.start(cx, ws::encode(packet))
+        if self.frames.is_empty() {
+            self.frames.extend(ws::encode(packet));
+        }
+        while let Some(frame) = self.frames.pop_front() {
+            let mut sink = Pin::new(&mut self.sink);
+            match sink.as_mut().poll_ready(cx) {
+                Poll::Ready(Ok(())) => sink.start_send(frame).map_err(io::Error::other)?,
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(io::Error::other(e))),
+                Poll::Pending => {
+                    self.frames.push_front(frame);
+                    return Poll::Pending;
+                }
+            }
+        }
+        Poll::Ready(Ok(()))
     }
 
     fn poll_idle(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {

@@ -51,6 +51,11 @@ pub(crate) struct Args {
     /// route without it.
     #[arg(long)]
     pub(crate) audit: bool,
+    /// Add the gRPC route again with the agent's stream over WebSocket
+    /// (`--transports=websocket`): its throughput, CPU per GiB and round trip beside
+    /// HTTP/2's.
+    #[arg(long)]
+    pub(crate) websocket: bool,
     /// Skip the HTTP-CONNECT route.
     #[arg(long)]
     pub(crate) no_http_connect: bool,

@@ -42,7 +42,13 @@ fn main() -> anyhow::Result<()> {
     }
     if let (Some(to), Some(pki)) = (args.swarm_to, &args.swarm_pki) {
         // One runtime thread, as the agent runs by default (`--worker-threads`).
-        let swarm = swarm::run_swarm(to, pki.clone(), args.swarm_first, args.swarm_count);
+        let swarm = swarm::run_swarm(
+            to,
+            pki.clone(),
+            args.swarm_first,
+            args.swarm_count,
+            args.websocket,
+        );
         return on_one_thread(swarm);
     }
     if let Some(at) = args.echo_at {

@@ -22,6 +22,8 @@ pub(crate) enum Route {
     GrpcUds,
     /// The gRPC route with `--audit-log-path` on server and agent.
     GrpcUdsAudit,
+    /// The gRPC route with the agent's stream over WebSocket.
+    GrpcUdsWs,
     HttpConnectUds,
     Ssh,
     Relay,
@@ -37,6 +39,7 @@ impl Route {
             Route::Direct => "direct",
             Route::GrpcUds => "tether grpc/uds",
             Route::GrpcUdsAudit => "tether grpc/uds + audit",
+            Route::GrpcUdsWs => "tether grpc/uds, agent over websocket",
             Route::HttpConnectUds => "tether http-connect/uds",
             Route::Ssh => "ssh -L",
             Route::Relay => "2 plain relays (floor)",
@@ -53,6 +56,8 @@ pub(crate) struct Env {
     pub(crate) client: tether_client::Client,
     /// The client of the audited gRPC pair (`--audit`).
     pub(crate) audit_client: Option<tether_client::Client>,
+    /// The client of the gRPC pair whose agent speaks WebSocket (`--websocket`).
+    pub(crate) ws_client: Option<tether_client::Client>,
     pub(crate) ssh_port: Option<u16>,
     pub(crate) relay_port: Option<u16>,
     pub(crate) lb_port: Option<u16>,
@@ -99,6 +104,13 @@ impl Env {
                     .audit_client
                     .as_ref()
                     .context("audit pair not set up")?;
+                Box::pin(client.dial(&target.to_string()).await?)
+            }
+            Route::GrpcUdsWs => {
+                let client = self
+                    .ws_client
+                    .as_ref()
+                    .context("websocket pair not set up")?;
                 Box::pin(client.dial(&target.to_string()).await?)
             }
             Route::GrpcRelay => {

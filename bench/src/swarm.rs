@@ -58,15 +58,21 @@ pub async fn run_swarm(
     pki: PathBuf,
     first: usize,
     count: usize,
+    websocket: bool,
 ) -> anyhow::Result<()> {
+    let alpn = match websocket {
+        true => tether_core::tls::ALPN_HTTP11,
+        false => tether_core::tls::ALPN_H2,
+    };
     let tls = tether_core::tls::client_config(
         &pki.join("ca.crt"),
         Some((&pki.join("fleet-agent.crt"), &pki.join("fleet-agent.key"))),
-        &[b"h2"],
+        &[alpn],
     )?;
     let counters = Arc::new(Counters::default());
     for id in first..first + count {
-        tokio::spawn(fake_agent(id, server, tls.clone(), counters.clone()));
+        let agent = fake_agent(id, server, tls.clone(), counters.clone(), websocket);
+        tokio::spawn(agent);
     }
     tokio::spawn(async {
         // The parent closes stdin (or dies): stop.
@@ -96,10 +102,15 @@ async fn fake_agent(
     server: SocketAddr,
     tls: Arc<rustls::ClientConfig>,
     c: Arc<Counters>,
+    websocket: bool,
 ) {
     let mut delay = Duration::from_secs(1);
     loop {
-        match hold_stream(id, server, tls.clone(), &c).await {
+        let held = match websocket {
+            true => hold_ws_stream(id, server, tls.clone(), &c).await,
+            false => hold_stream(id, server, tls.clone(), &c).await,
+        };
+        match held {
             Ok(()) => delay = Duration::from_secs(1),
             Err(refused) => {
                 c.failures.fetch_add(1, Ordering::Relaxed);
@@ -133,11 +144,11 @@ async fn hold_stream(
     let (mut send, mut conn) = client::handshake(io, client::Windows::default())
         .await
         .map_err(|_| false)?;
-    let mut headers = http::HeaderMap::new();
-    let value = |v: String| http::HeaderValue::try_from(v).expect("ASCII id");
-    headers.insert(header::AGENT_ID, value(format!("swarm-{id}")));
-    headers.insert(header::AGENT_IDENTIFIERS, value(format!("host=swarm-{id}")));
-    let request = client::request(&server.to_string(), "/AgentService/Connect", headers);
+    let request = client::request(
+        &server.to_string(),
+        "/AgentService/Connect",
+        swarm_headers(id),
+    );
     let (mut out, response) = client::open(&mut send, request, None).map_err(|_| false)?;
     let response = tokio::select! {
         r = response => r.map_err(|_| true)?,
@@ -191,6 +202,75 @@ async fn hold_stream(
     Ok(())
 }
 
+/// The agent's metadata for swarm agent `id`.
+fn swarm_headers(id: usize) -> http::HeaderMap {
+    let mut headers = http::HeaderMap::new();
+    let value = |v: String| http::HeaderValue::try_from(v).expect("ASCII id");
+    headers.insert(header::AGENT_ID, value(format!("swarm-{id}")));
+    headers.insert(header::AGENT_IDENTIFIERS, value(format!("host=swarm-{id}")));
+    headers
+}
+
+/// [`hold_stream`] over WebSocket (`--websocket`): the upgrade, then a packet per
+/// message, answered as the HTTP/2 swarm answers.
+async fn hold_ws_stream(
+    id: usize,
+    server: SocketAddr,
+    tls: Arc<rustls::ClientConfig>,
+    c: &Counters,
+) -> Result<(), bool> {
+    use futures::{SinkExt, StreamExt};
+    use tether_core::ws;
+    let name = tether_core::tls::server_name("127.0.0.1").map_err(|_| false)?;
+    let io = tether_core::transport::connect_tls(&server.to_string(), name, tls)
+        .await
+        .map_err(|_| false)?;
+    let authority = server.to_string();
+    let (mut socket, _) = ws::client(io, &authority, "/AgentService/Connect", swarm_headers(id))
+        .await
+        .map_err(|e| matches!(e, ws::UpgradeError::Refused { .. }))?;
+    c.connects.fetch_add(1, Ordering::Relaxed);
+    c.up.fetch_add(1, Ordering::Relaxed);
+    let mut next_id = 1i64;
+    let mut bursted = false;
+    while let Some(Ok(m)) = socket.next().await {
+        let ws::Message::Binary(data) = m else {
+            continue;
+        };
+        let Ok(p) = ws::decode(&data) else { break };
+        let mut answers = Vec::new();
+        match p.payload {
+            Some(Payload::DialRequest(d)) => {
+                next_id += 1;
+                answers.push(Packet::dial_response(d.random, next_id, ""));
+                if d.address == BURST_ADDRESS {
+                    if !std::mem::replace(&mut bursted, true) {
+                        c.burst_streams.fetch_add(1, Ordering::Relaxed);
+                    }
+                    answers.push(Packet::data(next_id, vec![7u8; BURST]));
+                }
+            }
+            Some(Payload::CloseRequest(r)) => {
+                answers.push(Packet::close_response(r.connect_id, ""))
+            }
+            _ => {}
+        }
+        for m in answers.iter().flat_map(ws::encode) {
+            if socket.feed(m).await.is_err() {
+                break;
+            }
+        }
+        if !answers.is_empty() && socket.flush().await.is_err() {
+            break;
+        }
+    }
+    c.up.fetch_sub(1, Ordering::Relaxed);
+    Ok(())
+}
+
+/// Whether this run's swarms speak WebSocket (`--websocket` with `--agents`).
+static OVER_WEBSOCKET: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// A swarm process and its latest counters.
 struct Swarm {
     proc: Proc,
@@ -210,6 +290,11 @@ fn start_swarm(
             format!("--swarm-first={first}"),
             format!("--swarm-count={count}"),
         ])
+        .args(
+            OVER_WEBSOCKET
+                .load(Ordering::Relaxed)
+                .then_some("--websocket"),
+        )
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -445,7 +530,7 @@ async fn idle_cpu(pid: u32, window: Duration) -> f64 {
 pub async fn run(args: &Args, t: &Tether) -> anyhow::Result<()> {
     let mut out = serde_json::Map::new();
     if let Some(n) = args.agents {
-        let v = many_agents(t, n, args.agent_procs).await?;
+        let v = many_agents(t, n, args.agent_procs, args.websocket).await?;
         out.insert("many_agents".into(), v);
     }
     if let Some(m) = args.tunnels {
@@ -473,7 +558,13 @@ fn swarm_pki(dir: &std::path::Path) -> anyhow::Result<tether_certs::DevPki> {
 }
 
 /// The `--agents` run: one agent, then N, then a reconnect storm.
-pub async fn many_agents(t: &Tether, agents: usize, procs: usize) -> anyhow::Result<Value> {
+pub async fn many_agents(
+    t: &Tether,
+    agents: usize,
+    procs: usize,
+    websocket: bool,
+) -> anyhow::Result<Value> {
+    OVER_WEBSOCKET.store(websocket, Ordering::Relaxed);
     let dir = std::env::temp_dir().join(format!("tether-swarm-{}", std::process::id()));
     let pki = swarm_pki(&dir.join("pki"))?;
     let socket = dir.join("grpc.sock");

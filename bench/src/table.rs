@@ -122,6 +122,15 @@ async fn start(args: &Args, t: &Tether, dir: &Path) -> anyhow::Result<Env> {
     } else {
         None
     };
+    let ws_socket = dir.join("websocket.sock");
+    let ws_client = if args.websocket {
+        let agent = vec!["--transports=websocket".to_string()];
+        let (s_, a_, _) = start_pair_with(t, &pki, "grpc", &ws_socket, &[], &agent)?;
+        s.add(Route::GrpcUdsWs, vec![s_, a_], &[]);
+        Some(tether_client::Client::uds(&ws_socket).await?)
+    } else {
+        None
+    };
     let ssh_port = if args.no_ssh {
         None
     } else {
@@ -151,6 +160,7 @@ async fn start(args: &Args, t: &Tether, dir: &Path) -> anyhow::Result<Env> {
         backend,
         client: tether_client::Client::uds(&grpc_socket).await?,
         audit_client,
+        ws_client,
         connect_socket,
         ssh_port,
         relay_port,
@@ -172,6 +182,9 @@ fn routes(args: &Args, env: &Env) -> Vec<Route> {
     }
     if env.audit_client.is_some() {
         routes.push(Route::GrpcUdsAudit);
+    }
+    if env.ws_client.is_some() {
+        routes.push(Route::GrpcUdsWs);
     }
     if !args.no_http_connect {
         routes.push(Route::HttpConnectUds);

@@ -42,30 +42,60 @@ const STATUS_CLOSE_BASE: u16 = 4000;
 /// The longest close reason a frame carries (its payload is at most 125 bytes).
 const MAX_REASON: usize = 123;
 
-/// How much a WebSocket reads at a time: a TLS record's plaintext. tungstenite keeps a
-/// buffer this large for each connection's life (its default, 128 KiB, would be most
-/// of an idle agent's cost on the server).
-const READ_BUFFER: usize = 16 << 10;
+/// How much a WebSocket reads at a time. tungstenite keeps a buffer this large for each
+/// connection's life (its default, 128 KiB, would be most of an idle agent's cost on
+/// the server): 8 KiB makes an idle WebSocket agent cost the server less than an
+/// HTTP/2 one (`tether-bench --agents`).
+const READ_BUFFER: usize = 8 << 10;
 
-/// Messages are gathered up to this before a write (the writer flushes whenever its
-/// queue is empty).
-const WRITE_BUFFER: usize = 16 << 10;
+/// Frames are gathered up to this before a write (the writer flushes whenever its
+/// queue is empty): below it, every frame became a TLS record and a system call of its
+/// own, and 8 KiB cost twice h2's CPU per byte.
+const WRITE_BUFFER: usize = 32 << 10;
+
+/// The largest frame either end sends: a packet above this goes as a fragmented
+/// message. tungstenite reads a frame whole into its read buffer and keeps that
+/// buffer's size (and a frame whole into its write buffer, likewise): with frames this
+/// small, an agent that once carried a 128 KiB DATA packet holds 38 KiB on the server
+/// for the rest of its stream's life, not 138 KiB.
+pub const FRAGMENT: usize = 16 << 10;
+
+/// The largest frame either end reads: a peer's frame header cannot make it reserve
+/// more.
+const MAX_FRAME: usize = 64 << 10;
 
 /// The framing's limits: a message holds one packet, at most as large as the gRPC
-/// link allows one; what waits to be written is at most one such message more than
-/// [`WRITE_BUFFER`].
+/// link allows one, in frames of at most [`MAX_FRAME`]; what waits to be written is at
+/// most a frame more than [`WRITE_BUFFER`].
 pub fn config() -> WebSocketConfig {
     WebSocketConfig::default()
         .read_buffer_size(READ_BUFFER)
         .write_buffer_size(WRITE_BUFFER)
-        .max_write_buffer_size(WRITE_BUFFER + MAX_MESSAGE + 64)
+        .max_write_buffer_size(WRITE_BUFFER + MAX_FRAME + 64)
         .max_message_size(Some(MAX_MESSAGE))
-        .max_frame_size(Some(MAX_MESSAGE))
+        .max_frame_size(Some(MAX_FRAME))
 }
 
-/// `packet` as a binary message.
-pub fn encode(packet: &Packet) -> Message {
-    Message::Binary(Bytes::from(packet.encode_to_vec()))
+/// `packet` as a binary message: one frame, or frames of [`FRAGMENT`] bytes when it is
+/// larger (in order, the last one final).
+pub fn encode(packet: &Packet) -> Vec<Message> {
+    use tokio_tungstenite::tungstenite::protocol::frame::coding::{Data, OpCode};
+    use tokio_tungstenite::tungstenite::protocol::frame::Frame;
+    let data = Bytes::from(packet.encode_to_vec());
+    if data.len() <= FRAGMENT {
+        return vec![Message::Binary(data)];
+    }
+    let n = data.len().div_ceil(FRAGMENT);
+    (0..n)
+        .map(|i| {
+            let chunk = data.slice(i * FRAGMENT..((i + 1) * FRAGMENT).min(data.len()));
+            let opcode = match i {
+                0 => OpCode::Data(Data::Binary),
+                _ => OpCode::Data(Data::Continue),
+            };
+            Message::Frame(Frame::message(chunk, opcode, i + 1 == n))
+        })
+        .collect()
 }
 
 /// The packet a binary message carries.
@@ -477,11 +507,15 @@ mod tests {
                 .await
                 .unwrap();
             let mut ws = server(b, head.rest).await;
-            let Some(Ok(Message::Binary(m))) = ws.next().await else {
-                panic!("no packet")
-            };
-            let p = decode(&m).unwrap();
-            ws.send(encode(&p)).await.unwrap();
+            for _ in 0..2 {
+                let Some(Ok(Message::Binary(m))) = ws.next().await else {
+                    panic!("no packet")
+                };
+                let p = decode(&m).unwrap();
+                for m in encode(&p) {
+                    ws.send(m).await.unwrap();
+                }
+            }
             ws.close(Some(close_frame(0, ""))).await.unwrap();
         });
         let mut md = http::HeaderMap::new();
@@ -490,12 +524,21 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(answer["serverid"], "s1");
-        let p = Packet::data(7, Bytes::from_static(b"hello"));
-        ws.send(encode(&p)).await.unwrap();
-        let Some(Ok(Message::Binary(m))) = ws.next().await else {
-            panic!("no echo")
-        };
-        assert_eq!(decode(&m).unwrap(), p);
+        // A small packet in one frame, a large one in fragments, each back whole.
+        for p in [
+            Packet::data(7, Bytes::from_static(b"hello")),
+            Packet::data(8, Bytes::from(vec![9u8; 100 << 10])),
+        ] {
+            let messages = encode(&p);
+            assert_eq!(messages.len(), p.encoded_len().div_ceil(FRAGMENT));
+            for m in messages {
+                ws.send(m).await.unwrap();
+            }
+            let Some(Ok(Message::Binary(m))) = ws.next().await else {
+                panic!("no echo")
+            };
+            assert_eq!(decode(&m).unwrap(), p);
+        }
         server.await.unwrap();
     }
 

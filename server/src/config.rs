@@ -124,6 +124,8 @@ pub struct ServerConfig {
     pub agent_auth: Option<auth::TokenAuthConfig>,
     /// Refuse agents whose agentid/identifiers are not in their client certificate.
     pub require_agent_identity_match: bool,
+    /// Agents may carry their stream over WebSocket on the agent port (`--agent-websocket`).
+    pub agent_websocket: bool,
     /// How often certificate files are checked for changes (SIGHUP reloads at once).
     pub cert_reload_interval: Duration,
     /// Publish a Lease and tell agents the number of live servers.

@@ -136,6 +136,7 @@ impl BoundServer {
             hard_stop: hard_stop.clone(),
             authenticator: self.authenticator,
             require_identity_match: config.require_agent_identity_match,
+            websocket: config.agent_websocket,
             unverified_warnings: tether_ops::ratelimit::TokenBucket::new(
                 agent_link::UNVERIFIED_WARNINGS.0,
                 agent_link::UNVERIFIED_WARNINGS.1,

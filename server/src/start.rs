@@ -319,11 +319,11 @@ impl Server {
             reloadables: Vec::new(),
         };
         // HTTP/1.1 for agents that carry their link over WebSocket.
-        let agent_tls = tls_sources.source(
-            "agent listener",
-            &config.agent_tls,
-            &[tls::ALPN_H2, tls::ALPN_HTTP11],
-        )?;
+        let agent_alpn: &'static [&'static [u8]] = match config.agent_websocket {
+            true => &[tls::ALPN_H2, tls::ALPN_HTTP11],
+            false => &[tls::ALPN_H2],
+        };
+        let agent_tls = tls_sources.source("agent listener", &config.agent_tls, agent_alpn)?;
         let reuse = config.reuse_port;
         let agent_listener = bind_tcp("agent port", config.agent_addr, reuse)?;
         let mut frontends = Vec::new();

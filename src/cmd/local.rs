@@ -131,6 +131,7 @@ fn server_config(args: &LocalArgs, pki: &DevPki, socket: &Path) -> ServerConfig 
         graceful_shutdown_timeout: Duration::from_secs(5),
         agent_auth: None,
         require_agent_identity_match: false,
+        agent_websocket: true,
         nodes: None,
         admission: tether_core::admission::AdmissionLimits::for_open_files(
             tether_ops::limits::open_file_limit().unwrap_or(1024),

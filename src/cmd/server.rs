@@ -247,6 +247,14 @@ pub struct ServerArgs {
     /// --cluster-ca-cert or token authentication. Tether only.
     #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
     pub require_agent_identity_match: bool,
+    /// Agents may carry their stream over WebSocket (HTTP/1.1) on the agent port, beside
+    /// HTTP/2.
+    ///
+    /// For agents behind reverse proxies that pass only HTTP/1.1 (agent
+    /// `--transports=websocket`). `false` offers only h2 by ALPN and closes HTTP/1.1
+    /// requests. Tether only.
+    #[arg(long, default_value = "true", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
+    pub agent_websocket: bool,
     /// UNSAFE: route dials by identifiers agents claim but the server could not verify.
     ///
     /// Upstream's behaviour, for fleets with agents that cannot be verified: a
@@ -500,6 +508,7 @@ impl ServerArgs {
             graceful_shutdown_timeout: self.graceful_shutdown_timeout,
             agent_auth,
             require_agent_identity_match: self.require_agent_identity_match,
+            agent_websocket: self.agent_websocket,
             cert_reload_interval: self.cert_reload_interval,
             lease,
             nodes,

@@ -218,8 +218,10 @@ impl WsDialer {
         let (mut sink, mut source) = socket.split();
         tokio::spawn(async move {
             while let Some(p) = rx.recv().await {
-                if sink.send(ws::encode(&p)).await.is_err() {
-                    return;
+                for m in ws::encode(&p) {
+                    if sink.send(m).await.is_err() {
+                        return;
+                    }
                 }
             }
         });

@@ -64,6 +64,8 @@ pub struct AgentLink {
     pub(crate) authenticator: Option<Arc<crate::auth::TokenAuthenticator>>,
     /// Refuse agents with any claim the server could not verify.
     pub(crate) require_identity_match: bool,
+    /// Agents may carry their stream over WebSocket (`--agent-websocket`).
+    pub(crate) websocket: bool,
     /// Warnings about unverified claims: a fleet that claims what it cannot prove
     /// (a shared certificate) would otherwise log one per agent at every reconnect.
     pub(crate) unverified_warnings: tether_ops::ratelimit::TokenBucket,
@@ -342,6 +344,10 @@ impl AgentLink {
                 _ => return,
             },
         };
+        if !h2 && !self.websocket {
+            tracing::debug!(peer = %info.remote_addr, "an HTTP/1.1 request on the agent port, which takes only HTTP/2 (--agent-websocket=false); closed");
+            return;
+        }
         if !h2 {
             // Boxed: an HTTP/2 connection's future does not carry a WebSocket's room.
             return Box::pin(ws::serve(self, io, first, info, streams, keepalive)).await;
@@ -954,6 +960,7 @@ mod tests {
             hard_stop: hard_stop.clone(),
             authenticator: None,
             require_identity_match: false,
+            websocket: true,
             unverified_warnings: tether_ops::ratelimit::TokenBucket::new(
                 UNVERIFIED_WARNINGS.0,
                 UNVERIFIED_WARNINGS.1,

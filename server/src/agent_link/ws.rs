@@ -274,12 +274,14 @@ where
         let Some(packet) = next else {
             return sink.flush().await.is_ok();
         };
-        if let Err(e) = sink.feed(ws::encode(&packet)).await {
-            tracing::debug!(error = %chain(&e), "cannot write to the agent");
-            router
-                .metrics
-                .send_error(Segment::ToAgent, Code::Unavailable, packet.r#type);
-            return false;
+        for message in ws::encode(&packet) {
+            if let Err(e) = sink.feed(message).await {
+                tracing::debug!(error = %chain(&e), "cannot write to the agent");
+                router
+                    .metrics
+                    .send_error(Segment::ToAgent, Code::Unavailable, packet.r#type);
+                return false;
+            }
         }
     }
 }
