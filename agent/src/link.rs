@@ -411,62 +411,15 @@ impl Agent {
             span: tracing::info_span!("server_stream", %server_id, %transport),
         };
         let heard = Heard::default();
-        let failed = match carried {
-            Carried::H2(h2) => {
-                let H2Stream {
-                    mut conn,
-                    _send,
-                    pings,
-                    out,
-                    inbound,
-                } = *h2;
-                let mut driven = Driven {
-                    conn: &mut conn,
-                    reader: pin!(read(inbound, session.clone(), heard.clone())),
-                    writer: pin!(write(out, control_rx, data_rx, stopping.finish.clone())),
-                    pinger: pin!(keep_alive(pings, keepalive, heard)),
-                };
-                match driven.run(&stopping).await {
-                    Ok(()) => return Ok(()),
-                    Err(e) => {
-                        let reason = goaway_reason(&e, driven.conn).await;
-                        (e, reason)
-                    }
-                }
-            }
-            Carried::Ws(socket) => {
-                let (sink, source) = futures::StreamExt::split(*socket);
-                let (ask, asked) = mpsc::channel(1);
-                let (pong, pongs) = mpsc::channel(1);
-                let mut never = std::future::pending();
-                let mut driven = Driven {
-                    conn: &mut never,
-                    reader: pin!(read(
-                        WsSource { source, pong },
-                        session.clone(),
-                        heard.clone()
-                    )),
-                    writer: pin!(write(
-                        WsSink {
-                            sink,
-                            asked,
-                            ping_due: false,
-                            closing: false,
-                            frames: Default::default(),
-                        },
-                        control_rx,
-                        data_rx,
-                        stopping.finish.clone()
-                    )),
-                    pinger: pin!(keep_alive(WsPings { ask, pongs }, keepalive, heard)),
-                };
-                match driven.run(&stopping).await {
-                    Ok(()) => return Ok(()),
-                    Err(e) => (e, None),
-                }
-            }
+        let queues = (session.clone(), control_rx, data_rx);
+        let ended = match carried {
+            Carried::H2(h2) => drive_h2(*h2, queues, &stopping, keepalive, heard).await,
+            Carried::Ws(socket) => drive_ws(*socket, queues, &stopping, keepalive, heard).await,
         };
-        Err(self.stream_failed(failed.0, keepalive, failed.1))
+        let Err((e, reason)) = ended else {
+            return Ok(());
+        };
+        Err(self.stream_failed(e, keepalive, reason))
     }
 
     /// A new stream's session (what the reader hands packets to), and the receiving
@@ -544,6 +497,69 @@ impl Agent {
         }
         e
     }
+}
+
+/// What a stream's reader hands packets to, and what its writer sends.
+type Queues = (Arc<Session>, mpsc::Receiver<Packet>, mpsc::Receiver<Packet>);
+
+/// Drives a Connect call on its HTTP/2 connection until the hard stop (Ok) or it fails
+/// (with the HTTP/2 code the server ended the connection with, if any).
+async fn drive_h2(
+    h2: H2Stream,
+    (session, control, data): Queues,
+    stopping: &Stopping<'_>,
+    keepalive: Duration,
+    heard: Heard,
+) -> Result<(), (LinkError, Option<Reason>)> {
+    let H2Stream {
+        mut conn,
+        _send,
+        pings,
+        out,
+        inbound,
+    } = h2;
+    let mut driven = Driven {
+        conn: &mut conn,
+        reader: pin!(read(inbound, session, heard.clone())),
+        writer: pin!(write(out, control, data, stopping.finish.clone())),
+        pinger: pin!(keep_alive(pings, keepalive, heard)),
+    };
+    match driven.run(stopping).await {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            let reason = goaway_reason(&e, driven.conn).await;
+            Err((e, reason))
+        }
+    }
+}
+
+/// Drives a WebSocket until the hard stop (Ok) or it fails: the reader and the writer
+/// each on their half, pings asked of the writer and pongs handed back by the reader.
+async fn drive_ws(
+    socket: Socket,
+    (session, control, data): Queues,
+    stopping: &Stopping<'_>,
+    keepalive: Duration,
+    heard: Heard,
+) -> Result<(), (LinkError, Option<Reason>)> {
+    let (sink, source) = futures::StreamExt::split(socket);
+    let (ask, asked) = mpsc::channel(1);
+    let (pong, pongs) = mpsc::channel(1);
+    let sink = WsSink {
+        sink,
+        asked,
+        ping_due: false,
+        closing: false,
+        frames: Default::default(),
+    };
+    let mut never = std::future::pending();
+    let mut driven = Driven {
+        conn: &mut never,
+        reader: pin!(read(WsSource { source, pong }, session, heard.clone())),
+        writer: pin!(write(sink, control, data, stopping.finish.clone())),
+        pinger: pin!(keep_alive(WsPings { ask, pongs }, keepalive, heard)),
+    };
+    driven.run(stopping).await.map_err(|e| (e, None))
 }
 
 /// The HTTP/2 error code the server ended the stream's connection with: a stream may

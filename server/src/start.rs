@@ -259,6 +259,15 @@ impl TlsSources {
     }
 }
 
+/// What the agent listener offers by ALPN: h2, and HTTP/1.1 for agents that carry
+/// their stream over WebSocket (`--agent-websocket`).
+fn agent_alpn(websocket: bool) -> &'static [&'static [u8]] {
+    match websocket {
+        true => &[tls::ALPN_H2, tls::ALPN_HTTP11],
+        false => &[tls::ALPN_H2],
+    }
+}
+
 /// Binds one frontend; its listener and the address it is reached at.
 pub(crate) async fn bind_frontend(
     fe: &FrontendConfig,
@@ -318,12 +327,8 @@ impl Server {
             expiry: metrics.cert_expiry.clone(),
             reloadables: Vec::new(),
         };
-        // HTTP/1.1 for agents that carry their link over WebSocket.
-        let agent_alpn: &'static [&'static [u8]] = match config.agent_websocket {
-            true => &[tls::ALPN_H2, tls::ALPN_HTTP11],
-            false => &[tls::ALPN_H2],
-        };
-        let agent_tls = tls_sources.source("agent listener", &config.agent_tls, agent_alpn)?;
+        let alpn = agent_alpn(config.agent_websocket);
+        let agent_tls = tls_sources.source("agent listener", &config.agent_tls, alpn)?;
         let reuse = config.reuse_port;
         let agent_listener = bind_tcp("agent port", config.agent_addr, reuse)?;
         let mut frontends = Vec::new();

@@ -429,11 +429,7 @@ impl AgentArgs {
             servers,
             sync_forever: self.sync_forever,
             lease_count: self.lease_count(),
-            count_source: if self.server_count_source == "max" {
-                tether_agent::CountSource::Max
-            } else {
-                tether_agent::CountSource::Default
-            },
+            count_source: self.count_source(),
             tls,
             cert_reload_interval: self.cert_reload_interval,
             agent_id: if self.agent_id.is_empty() {
@@ -477,6 +473,14 @@ impl AgentArgs {
         };
         let alpn = offered_alpn(&self.alpn_proto);
         Ok(tether_agent::AgentTls { ca, identity, alpn })
+    }
+
+    /// --server-count-source.
+    fn count_source(&self) -> tether_agent::CountSource {
+        match self.server_count_source.as_str() {
+            "max" => tether_agent::CountSource::Max,
+            _ => tether_agent::CountSource::Default,
+        }
     }
 
     /// --transports: known names, none twice, at least one.

@@ -459,16 +459,22 @@ impl ServerArgs {
         Ok(tether_core::transport::SocketAccess { mode, group })
     }
 
-    /// Validates the flags into a [`ServerConfig`].
-    pub fn config(&self) -> anyhow::Result<ServerConfig> {
-        super::check_positionals(&self.positional, "proxy-server")?;
-        let policy = self.tls_policy()?;
+    /// --enable-contention-profiling needs --enable-profiling; queues hold something.
+    fn check_profiling_and_queues(&self) -> anyhow::Result<()> {
         if self.enable_contention_profiling && !self.enable_profiling {
             bail!("--enable-contention-profiling needs --enable-profiling");
         }
         if self.frontend_write_channel_size == 0 {
             bail!("--frontend-write-channel-size must be at least 1");
         }
+        Ok(())
+    }
+
+    /// Validates the flags into a [`ServerConfig`].
+    pub fn config(&self) -> anyhow::Result<ServerConfig> {
+        super::check_positionals(&self.positional, "proxy-server")?;
+        let policy = self.tls_policy()?;
+        self.check_profiling_and_queues()?;
         let strategies = tether_server::parse_strategies(&self.proxy_strategies)
             .map_err(|e| anyhow::anyhow!("--proxy-strategies: {e}"))?;
         let agent_auth = self.agent_auth()?;
