@@ -170,21 +170,8 @@ async fn hold_stream(
                 Ok(None) => break,
                 Err(_) => break 'stream,
             };
-            match p.payload {
-                Some(Payload::DialRequest(d)) => {
-                    next_id += 1;
-                    out.send_now(&Packet::dial_response(d.random, next_id, ""));
-                    if d.address == BURST_ADDRESS {
-                        if !std::mem::replace(&mut bursted, true) {
-                            c.burst_streams.fetch_add(1, Ordering::Relaxed);
-                        }
-                        out.send_now(&Packet::data(next_id, vec![7u8; BURST]));
-                    }
-                }
-                Some(Payload::CloseRequest(r)) => {
-                    out.send_now(&Packet::close_response(r.connect_id, ""))
-                }
-                _ => {}
+            for a in answers(p, &mut next_id, &mut bursted, c) {
+                out.send_now(&a);
             }
         }
         tokio::select! {
@@ -200,6 +187,26 @@ async fn hold_stream(
     }
     c.up.fetch_sub(1, Ordering::Relaxed);
     Ok(())
+}
+
+/// A swarm agent's answers to `p`: a dial answered at once (with a burst of DATA for
+/// [`BURST_ADDRESS`]), a close confirmed.
+fn answers(p: Packet, next_id: &mut i64, bursted: &mut bool, c: &Counters) -> Vec<Packet> {
+    match p.payload {
+        Some(Payload::DialRequest(d)) => {
+            *next_id += 1;
+            let mut out = vec![Packet::dial_response(d.random, *next_id, "")];
+            if d.address == BURST_ADDRESS {
+                if !std::mem::replace(bursted, true) {
+                    c.burst_streams.fetch_add(1, Ordering::Relaxed);
+                }
+                out.push(Packet::data(*next_id, vec![7u8; BURST]));
+            }
+            out
+        }
+        Some(Payload::CloseRequest(r)) => vec![Packet::close_response(r.connect_id, "")],
+        _ => Vec::new(),
+    }
 }
 
 /// The agent's metadata for swarm agent `id`.
@@ -238,23 +245,7 @@ async fn hold_ws_stream(
             continue;
         };
         let Ok(p) = ws::decode(&data) else { break };
-        let mut answers = Vec::new();
-        match p.payload {
-            Some(Payload::DialRequest(d)) => {
-                next_id += 1;
-                answers.push(Packet::dial_response(d.random, next_id, ""));
-                if d.address == BURST_ADDRESS {
-                    if !std::mem::replace(&mut bursted, true) {
-                        c.burst_streams.fetch_add(1, Ordering::Relaxed);
-                    }
-                    answers.push(Packet::data(next_id, vec![7u8; BURST]));
-                }
-            }
-            Some(Payload::CloseRequest(r)) => {
-                answers.push(Packet::close_response(r.connect_id, ""))
-            }
-            _ => {}
-        }
+        let answers = answers(p, &mut next_id, &mut bursted, c);
         for m in answers.iter().flat_map(ws::encode) {
             if socket.feed(m).await.is_err() {
                 break;
