@@ -538,3 +538,39 @@ async fn idle_connections_are_closed() {
         Some(1.0)
     );
 }
+
+/// The same over HTTP/1.1: a client that finishes TLS with ALPN `http/1.1` and sends
+/// half an upgrade request (or a request head that never ends) holds its connection no
+/// longer than one with no agent stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn half_an_upgrade_request_is_closed() {
+    use tokio::io::AsyncWriteExt;
+    let pki = Pki::new();
+    let server = certificate_server(&pki, &[]);
+    let f = &pki.files;
+    let tls = tether_core::tls::client_config(
+        &f.ca_cert,
+        Some((&f.agent_cert, &f.agent_key)),
+        &[tether_core::tls::ALPN_HTTP11],
+    )
+    .unwrap();
+    let mut slow = tether_testkit::tls_connect(server.agent, tls)
+        .await
+        .unwrap();
+    slow.write_all(b"GET /AgentService/Connect HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n")
+        .await
+        .unwrap();
+    slow.flush().await.unwrap();
+    let mut buf = [0u8; 64];
+    let read = tokio::time::timeout(Duration::from_secs(30), slow.read(&mut buf));
+    let n = read.await.expect("closed within 30 s");
+    assert!(matches!(n, Ok(0) | Err(_)), "{n:?}");
+    let page = server.metrics().await;
+    assert_eq!(
+        metric(
+            &page,
+            r#"tether_server_connections_refused_total{listener="agent",reason="unadmitted"}"#
+        ),
+        Some(1.0)
+    );
+}
