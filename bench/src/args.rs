@@ -56,6 +56,14 @@ pub(crate) struct Args {
     /// HTTP/2's.
     #[arg(long)]
     pub(crate) websocket: bool,
+    /// Loss instead of the route table: these loss rates in percent (e.g. `0,1,3`) on
+    /// the link of an agent in a network namespace, each transport in turn: a small
+    /// tunnel's round trip beside eight bulk ones, and their throughput.
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) loss: Vec<f64>,
+    /// Seconds measured at each loss rate.
+    #[arg(long, default_value_t = 10)]
+    pub(crate) loss_seconds: u64,
     /// Skip the HTTP-CONNECT route.
     #[arg(long)]
     pub(crate) no_http_connect: bool,

@@ -14,6 +14,7 @@ mod args;
 mod backend;
 mod latency;
 mod lb;
+mod loss;
 mod memory;
 mod procinfo;
 mod procs;
@@ -83,6 +84,10 @@ async fn bench(args: Args) -> anyhow::Result<()> {
     }
     if args.agents.is_some() || args.tunnels.is_some() {
         return swarm::run(&args, &t).await;
+    }
+    if !args.loss.is_empty() {
+        let v = loss::run(&t, &args.loss, args.loss_seconds).await?;
+        return report::write_json(&args.json, &serde_json::json!({ "loss": v }));
     }
     table::run(&args, &t).await
 }
