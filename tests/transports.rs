@@ -246,10 +246,16 @@ async fn a_server_without_websocket_takes_only_h2() {
         server.agent,
         &["--transports=websocket".into(), "--agent-id=only-ws".into()],
     );
-    only_ws.proc.wait_event(
+    let down = only_ws.proc.wait_event(
         "proxy server stream down; reconnecting",
         Duration::from_secs(20),
         |_| true,
+    );
+    let error = down["error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains("takes none of the protocols this transport offers (http/1.1)")
+            && error.contains("--transports"),
+        "{down}"
     );
     let _both = AgentProc::start(
         Path::new(BIN),

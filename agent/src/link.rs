@@ -85,6 +85,19 @@ pub enum LinkError {
     /// The WebSocket under the stream failed.
     #[error("proxy server WebSocket failed")]
     WebSocket(#[source] WsError),
+    /// The WebSocket upgrade was answered with an HTTP error (by a proxy on the way:
+    /// a Tether server's refusals carry a gRPC status).
+    #[error("the WebSocket upgrade was refused")]
+    Upgrade(#[source] ws::UpgradeError),
+    /// TLS failed because the other end takes none of the protocols offered by ALPN.
+    #[error("the proxy server, or a proxy in front of it, takes none of the protocols this transport offers ({offered}): an upstream server, or a Tether server with --agent-websocket=false, takes only h2 (--transports=h2); a reverse proxy that passes only HTTP/1.1 takes only websocket (--transports=websocket, or h2,websocket to try both)")]
+    NoProtocol {
+        /// What was offered (`h2`, `http/1.1`).
+        offered: &'static str,
+        /// The TLS error.
+        #[source]
+        source: io::Error,
+    },
     /// A keepalive ping went unanswered.
     #[error("proxy server did not answer a keepalive ping within {0:?}")]
     Keepalive(Duration),
@@ -116,6 +129,8 @@ impl LinkError {
             | LinkError::Closed
             | LinkError::Write(_)
             | LinkError::WebSocket(_)
+            | LinkError::Upgrade(_)
+            | LinkError::NoProtocol { .. }
             | LinkError::Keepalive(_)
             | LinkError::Connect(_)
             | LinkError::Proxy(_) => tonic::Code::Unavailable,
@@ -127,9 +142,12 @@ impl LinkError {
     /// `reason`.
     pub(crate) fn connect_failure(&self) -> &'static str {
         match self {
-            LinkError::Connect(_) | LinkError::Connection(_) | LinkError::Closed => "connect",
+            LinkError::Connect(_)
+            | LinkError::Connection(_)
+            | LinkError::Closed
+            | LinkError::NoProtocol { .. } => "connect",
             LinkError::Proxy(_) => "proxy",
-            LinkError::Stream(_) => "refused",
+            LinkError::Stream(_) | LinkError::Upgrade(_) => "refused",
             LinkError::Timeout(_) => "timeout",
             LinkError::Token { .. } => "token",
             _ => "other",
@@ -152,9 +170,7 @@ impl LinkError {
                 status: Some((code, message)),
                 ..
             } => LinkError::Stream(StreamError::Status { code, message }),
-            ws::UpgradeError::Refused { http, status: None } => LinkError::Stream(
-                StreamError::Http(http::StatusCode::from_u16(http).unwrap_or_default()),
-            ),
+            e @ ws::UpgradeError::Refused { status: None, .. } => LinkError::Upgrade(e),
             ws::UpgradeError::Failed(e) => LinkError::Connect(io::Error::other(e)),
         }
     }
@@ -194,15 +210,19 @@ impl Agent {
                 Arc::new(http1)
             }
         };
+        let failed = |e| tls_failed(e, transport);
         let Some(proxy) = self.config.egress.route(host, port) else {
             let connect = async {
-                let tcp = transport::connect_tcp(&authority, dead_link).await?;
-                transport::tls_over(Carrier::Left(tcp), name, tls).await
+                let tcp = transport::connect_tcp(&authority, dead_link)
+                    .await
+                    .map_err(LinkError::Connect)?;
+                transport::tls_over(Carrier::Left(tcp), name, tls)
+                    .await
+                    .map_err(failed)
             };
             return tokio::time::timeout(CONNECT_TIMEOUT, connect)
                 .await
-                .map_err(|_| LinkError::Timeout(CONNECT_TIMEOUT))?
-                .map_err(LinkError::Connect);
+                .map_err(|_| LinkError::Timeout(CONNECT_TIMEOUT))?;
         };
         let proxy_tls = self.proxy_tls.as_ref().map(|t| t.get());
         let tunnel = crate::proxy::tunnel(proxy, &authority, proxy_tls, dead_link)
@@ -211,7 +231,7 @@ impl Agent {
         tokio::time::timeout(CONNECT_TIMEOUT, transport::tls_over(tunnel, name, tls))
             .await
             .map_err(|_| LinkError::Timeout(CONNECT_TIMEOUT))?
-            .map_err(LinkError::Connect)
+            .map_err(failed)
     }
 
     /// Opens a stream to the server at `host:port` over the first transport that works
@@ -574,6 +594,25 @@ async fn goaway_reason(e: &LinkError, conn: &mut Conn) -> Option<Reason> {
         }
     }
     reason
+}
+
+/// A failed TLS handshake over `transport`: one the other end refused for want of a
+/// shared ALPN protocol says which transports would do.
+fn tls_failed(e: io::Error, transport: Transport) -> LinkError {
+    use rustls::AlertDescription::NoApplicationProtocol;
+    let no_protocol = matches!(
+        e.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>()),
+        Some(rustls::Error::AlertReceived(NoApplicationProtocol))
+            | Some(rustls::Error::NoApplicationProtocol)
+    );
+    if !no_protocol {
+        return LinkError::Connect(e);
+    }
+    let offered = match transport {
+        Transport::H2 => "h2",
+        Transport::WebSocket => "http/1.1",
+    };
+    LinkError::NoProtocol { offered, source: e }
 }
 
 /// Why the connection's driver returned.

@@ -353,12 +353,14 @@ where
 #[derive(Debug, thiserror::Error)]
 pub enum UpgradeError {
     /// The server (or a proxy on the way) answered with something other than 101.
-    #[error("HTTP status {http}")]
+    #[error("HTTP status {http}{}", body.as_deref().map(|b| format!(": {b}")).unwrap_or_default())]
     Refused {
         /// The HTTP status.
         http: u16,
         /// The gRPC status a Tether server put in `grpc-status` and `grpc-message`.
         status: Option<(i32, String)>,
+        /// The start of the answer's body, on one line (a proxy's page says why).
+        body: Option<String>,
     },
     /// The connection failed, or the answer was not a WebSocket's.
     #[error("WebSocket handshake failed")]
@@ -390,9 +392,33 @@ where
         Err(WsError::Http(response)) => Err(UpgradeError::Refused {
             http: response.status().as_u16(),
             status: status_of(response.headers()),
+            body: response.body().as_deref().and_then(body_line),
         }),
         Err(e) => Err(UpgradeError::Failed(e)),
     }
+}
+
+/// What a refusal's body says, on one line: its text without markup, at most 200
+/// bytes (a proxy's error page: "400 Bad Request No required SSL certificate was sent").
+fn body_line(body: &[u8]) -> Option<String> {
+    let text = String::from_utf8_lossy(body);
+    let mut out = String::new();
+    let mut in_tag = false;
+    for c in text.chars() {
+        match c {
+            '<' => in_tag = true,
+            '>' => {
+                in_tag = false;
+                out.push(' ');
+            }
+            _ if in_tag => {}
+            c if c.is_control() => out.push(' '),
+            c => out.push(c),
+        }
+    }
+    let line = out.split_whitespace().collect::<Vec<_>>().join(" ");
+    let line = crate::ratelimit::clipped(&line, 200).to_string();
+    (!line.is_empty()).then_some(line)
 }
 
 /// Whether a connection's first bytes are HTTP/2's client preface (a client that
@@ -485,6 +511,16 @@ mod tests {
     }
 
     #[test]
+    fn a_proxys_error_page_is_one_line() {
+        let page = b"<html>\r\n<head><title>400 No required SSL certificate was sent</title></head>\r\n<body>\r\n<center><h1>400 Bad Request</h1></center>\r\n</body></html>";
+        assert_eq!(
+            body_line(page).as_deref(),
+            Some("400 No required SSL certificate was sent 400 Bad Request")
+        );
+        assert_eq!(body_line(b"  \r\n"), None);
+    }
+
+    #[test]
     fn the_h2_preface_is_told_from_an_http1_request() {
         assert!(is_h2_preface(b"PRI * HTTP/2.0\r\n"));
         assert!(is_h2_preface(b"PRI"));
@@ -557,9 +593,10 @@ mod tests {
             .err()
             .unwrap();
         match e {
-            UpgradeError::Refused { http, status } => {
+            UpgradeError::Refused { http, status, body } => {
                 assert_eq!(http, 401);
                 assert_eq!(status, Some((16, "token: not valid".into())));
+                assert_eq!(body.as_deref(), Some("token: not valid"));
             }
             e => panic!("{e}"),
         }

@@ -98,13 +98,16 @@ pub struct AgentArgs {
     /// Finds new servers behind a load balancer when their count is not announced.
     #[arg(long, default_value = "false", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
     pub sync_forever: bool,
-    /// HTTP/2 keepalive interval to the server.
+    /// Keepalive interval to the server: HTTP/2 pings, or WebSocket pings.
     ///
-    /// 0 is 10s, grpc-go's minimum; shorter positive values are honoured, where grpc-go
-    /// raises them to 10s. Each time a server closes the connection for pinging too often
-    /// (GOAWAY ENHANCE_YOUR_CALM, grpc-go's `too_many_pings`), the interval is doubled for
-    /// later streams, as grpc-go clients do. However long it is, a silent connection is
-    /// closed after --dead-link-timeout.
+    /// A stream that has heard nothing for this long pings the server. 0 is 10s,
+    /// grpc-go's minimum; shorter positive values are honoured, where grpc-go raises them
+    /// to 10s. Each time a server closes the connection for pinging too often (GOAWAY
+    /// ENHANCE_YOUR_CALM, grpc-go's `too_many_pings`), the interval is doubled for later
+    /// streams, as grpc-go clients do. Keep it below the idle timeout of any proxy on the
+    /// way (nginx's proxy_read_timeout is 60s by default), or the proxy cuts idle streams
+    /// and their tunnels. However long it is, a silent connection is closed after
+    /// --dead-link-timeout.
     #[arg(long, default_value = "1h", value_parser = duration)]
     pub keepalive_time: Duration,
     /// Close a server connection that has been silent this long, and redial.
