@@ -140,6 +140,7 @@ const MODULES: &[(&str, &str)] = &[
     ("tether_core", "tls"),
     ("tether_core", "transport"),
     ("tether_core", "write_through"),
+    ("tether_core", "ws"),
     ("tether_ops", "audit"),
     ("tether_ops", "authz"),
     ("tether_ops", "duration"),
