@@ -830,17 +830,17 @@ impl PacketSink for Outbound {
 
 /// The writing half of a WebSocket: a packet a binary message, a ping when the pinger
 /// asks, a close frame at the end.
-struct WsSink {
-    sink: futures::stream::SplitSink<Socket, Message>,
+struct WsSink<S = ServerTls> {
+    sink: futures::stream::SplitSink<WebSocketStream<S>, Message>,
     asked: mpsc::Receiver<()>,
     ping_due: bool,
     closing: bool,
-    /// The frames of the packet being sent that the sink has not taken yet (the writer
-    /// offers the same packet again until it is sent).
+    /// The frames of a packet taken already that the sink has not taken yet: they go
+    /// before anything else.
     frames: std::collections::VecDeque<Message>,
 }
 
-impl WsSink {
+impl<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> WsSink<S> {
     /// Sends a ping the pinger asked for.
     fn poll_pings(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         if !self.ping_due {
@@ -862,12 +862,9 @@ impl WsSink {
     }
 }
 
-impl PacketSink for WsSink {
-    fn poll_send(&mut self, cx: &mut Context<'_>, packet: &Packet) -> Poll<io::Result<()>> {
-        futures::ready!(self.poll_pings(cx))?;
-        if self.frames.is_empty() {
-            self.frames.extend(ws::encode(packet));
-        }
+impl<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> WsSink<S> {
+    /// Hands the sink the frames still queued from an earlier packet.
+    fn poll_queued(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         while let Some(frame) = self.frames.pop_front() {
             let mut sink = Pin::new(&mut self.sink);
             match sink.as_mut().poll_ready(cx) {
@@ -881,15 +878,34 @@ impl PacketSink for WsSink {
         }
         Poll::Ready(Ok(()))
     }
+}
+
+impl<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> PacketSink for WsSink<S> {
+    /// Takes `packet` once the frames of the one before are all with the sink: it is
+    /// encoded then, once, and its own frames go as the sink takes them (on this call or
+    /// the next ones). A packet's frames are never interleaved with another's, and the
+    /// writer may offer a different packet next (an answer overtaking traffic) without
+    /// losing or repeating either.
+    fn poll_send(&mut self, cx: &mut Context<'_>, packet: &Packet) -> Poll<io::Result<()>> {
+        futures::ready!(self.poll_pings(cx))?;
+        futures::ready!(self.poll_queued(cx))?;
+        self.frames.extend(ws::encode(packet));
+        if let Poll::Ready(Err(e)) = self.poll_queued(cx) {
+            return Poll::Ready(Err(e));
+        }
+        Poll::Ready(Ok(()))
+    }
 
     fn poll_idle(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         futures::ready!(self.poll_pings(cx))?;
+        futures::ready!(self.poll_queued(cx))?;
         Pin::new(&mut self.sink)
             .poll_flush(cx)
             .map_err(io::Error::other)
     }
 
     fn poll_finish(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        futures::ready!(self.poll_queued(cx))?;
         if !self.closing {
             futures::ready!(self.start(cx, Message::Close(Some(ws::close_frame(0, "")))))?;
             self.closing = true;
@@ -1114,5 +1130,57 @@ impl Drop for Decrement {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::Relaxed);
         self.1.dec();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures::StreamExt;
+    use tether_core::ws::Role;
+
+    /// The writer over a WebSocket whose peer reads late (the sink full in the middle
+    /// of a fragmented DATA packet) while an answer is queued: every packet arrives
+    /// once, whole, the answer right after the packet it could not cut into.
+    #[tokio::test]
+    async fn an_answer_queued_mid_packet_is_neither_lost_nor_repeated() {
+        let (a, b) = tokio::io::duplex(4 << 10);
+        let client = WebSocketStream::from_raw_socket(a, Role::Client, Some(ws::config())).await;
+        let mut server =
+            WebSocketStream::from_raw_socket(b, Role::Server, Some(ws::config())).await;
+        let (sink, _source) = client.split();
+        let (_ask, asked) = mpsc::channel(1);
+        let sink = WsSink {
+            sink,
+            asked,
+            ping_due: false,
+            closing: false,
+            frames: Default::default(),
+        };
+        let (control, control_rx) = mpsc::channel(4);
+        let (data, data_rx) = mpsc::channel(4);
+        let finish = CancellationToken::new();
+        let writer = tokio::spawn(write(sink, control_rx, data_rx, finish.clone()));
+        let big = Packet::data(1, Bytes::from(vec![7u8; 100 << 10]));
+        let next = Packet::data(1, Bytes::from_static(b"after"));
+        data.send(big.clone()).await.unwrap();
+        data.send(next.clone()).await.unwrap();
+        // The writer is stuck inside the big packet's frames (4 KiB of pipe): answer now.
+        tokio::task::yield_now().await;
+        let answer = Packet::dial_response(42, 2, "");
+        control.send(answer.clone()).await.unwrap();
+        let mut got = Vec::new();
+        while got.len() < 3 {
+            match tokio::time::timeout(Duration::from_secs(10), server.next()).await {
+                Ok(Some(Ok(Message::Binary(m)))) => got.push(ws::decode(&m).unwrap()),
+                Ok(Some(Ok(_))) => {}
+                other => panic!("after {} packets: {other:?}", got.len()),
+            }
+        }
+        assert_eq!(got[0], big);
+        assert!(got[1..] == [answer.clone(), next.clone()] || got[1..] == [next, answer]);
+        finish.cancel();
+        drop((control, data));
+        let _ = writer.await;
     }
 }
