@@ -17,14 +17,9 @@ pub fn who_has(ns: &str, iface: &str, target: Ipv4Addr, wait: Duration) -> Vec<S
 
 #[allow(unsafe_code)]
 fn probe(ns: &str, iface: &str, target: Ipv4Addr, wait: Duration) -> std::io::Result<Vec<String>> {
-    use std::os::fd::AsRawFd;
     let err = std::io::Error::last_os_error;
     // This thread only (it ends with the probe).
-    let file = std::fs::File::open(format!("/var/run/netns/{ns}"))?;
-    // SAFETY: setns on a descriptor we own; affects this thread only.
-    if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-        return Err(err());
-    }
+    crate::netns::enter(ns)?;
     let name = std::ffi::CString::new(iface).unwrap();
     // SAFETY: a NUL-terminated name.
     let index = unsafe { libc::if_nametoindex(name.as_ptr()) };

@@ -13,6 +13,7 @@ pub mod netns;
 pub mod nginx;
 pub mod node;
 pub mod process;
+pub mod refusals;
 pub mod rogue;
 pub mod webhook;
 

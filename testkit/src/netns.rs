@@ -437,3 +437,15 @@ pub fn curl_within(netns: Option<&str>, url: &str, max_time: &str) -> Option<Str
         .success()
         .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
 }
+
+/// Moves this thread (only) into network namespace `ns`.
+#[allow(unsafe_code)]
+pub fn enter(ns: &str) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let file = std::fs::File::open(format!("/var/run/netns/{ns}"))?;
+    // SAFETY: setns on a descriptor we own; affects this thread only.
+    if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}

@@ -14,6 +14,7 @@ use tether_testkit::ccm::{
 use tether_testkit::kube::{wait_blocking, Cluster, Egress};
 use tether_testkit::netns::{curl_within, Node};
 use tether_testkit::process::{socket_path, uds_frontend_args, Proc, START_TIMEOUT};
+use tether_testkit::refusals::Refusals;
 use tether_testkit::{Pki, TempDir};
 
 use crate::BIN;
@@ -355,8 +356,11 @@ fn a_graceful_handover_costs_under_a_second() {
         Duration::from_secs(30),
         || curl_quick(&f.client.ns, &f.url()),
     );
-    // Connect every 100 ms from before the signal until well after the handover.
+    // Connect every 100 ms from before the signal until well after the handover; and
+    // every 5 ms, counting resets (an address there without its listener).
     let prober = ConnProber::start(&f.client.ns, f.url(), "hello over the lan\n");
+    let vip: std::net::IpAddr = f.vip.parse().unwrap();
+    let refusals = Refusals::start(&f.client.ns, (vip, 80).into());
     std::thread::sleep(Duration::from_secs(1));
     a.signal("TERM");
     let exited = a
@@ -372,9 +376,19 @@ fn a_graceful_handover_costs_under_a_second() {
     assert_ne!(mac_b, mac_a);
     std::thread::sleep(Duration::from_secs(2));
     let (tries, failures, window) = prober.finish();
+    let (quick_tries, refused) = refusals.finish();
     eprintln!(
-        "graceful handover: {} of {tries} connections failed, over {window:?}",
-        failures.len()
+        "graceful handover: {} of {tries} connections failed, over {window:?}; {} of {quick_tries} reset",
+        failures.len(),
+        refused.len()
+    );
+    // Neither holder resets a SYN: the old one drops them once it lets go (its
+    // listeners closed quietly until the address is gone), the new one listens before
+    // its address is there.
+    assert!(
+        refused.is_empty(),
+        "connections refused at {refused:?}; the old holder's log:\n{}",
+        a.log_text()
     );
     assert!(
         window < Duration::from_secs(1),

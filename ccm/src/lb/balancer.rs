@@ -81,6 +81,16 @@ struct Balancer {
     shared: Shared,
 }
 
+/// What [`TunnelLoadBalancers::release_pool`] took out of the map for one pool.
+struct Unserved {
+    /// The addresses served under the pool.
+    recorded: std::collections::HashSet<IpAddr>,
+    /// Services left with no listener (their tunnel connections go).
+    idle: Vec<String>,
+    /// The pool's listeners, stopped, open until the addresses are gone.
+    closing: Vec<Listener>,
+}
+
 /// A Service's entry taken out to rework while its listeners are bound.
 struct Claim {
     shared: Shared,
@@ -317,29 +327,11 @@ impl TunnelLoadBalancers {
         let mut serving = self.serving.write().await;
         serving.remove(pool);
         let services = self.served_on(pool);
-        // What was served under the pool, and what the cloud config puts in it now.
-        let mut recorded: std::collections::HashSet<IpAddr> = Default::default();
-        let mut idle = Vec::new();
-        for (uid, b) in self.lock().iter_mut() {
-            let gone: Vec<IpAddr> = b
-                .addresses
-                .iter()
-                .filter(|(_, p)| p == pool)
-                .map(|(ip, _)| *ip)
-                .collect();
-            b.listeners.retain(|addr, l| {
-                let keep = !gone.contains(&addr.ip());
-                if !keep {
-                    l.stop();
-                }
-                keep
-            });
-            b.addresses.retain(|(_, p)| p != pool);
-            if b.listeners.is_empty() {
-                idle.push(uid.clone());
-            }
-            recorded.extend(gone);
-        }
+        let Unserved {
+            recorded,
+            idle,
+            closing,
+        } = self.unserve_pool(pool);
         let in_pool = {
             let pools = self.allocations.allocator().pools().clone();
             let name = pool.to_string();
@@ -372,6 +364,42 @@ impl TunnelLoadBalancers {
                 }
             }
         }
+        drop(closing);
+    }
+
+    /// Takes `pool`'s addresses and listeners out of the map: the listeners closed
+    /// quietly and stopped, but kept open (in [`Unserved::closing`]) until their
+    /// addresses are gone, so that meanwhile a SYN is dropped (and sent again, to the
+    /// next holder), never reset.
+    fn unserve_pool(&self, pool: &str) -> Unserved {
+        let mut out = Unserved {
+            recorded: Default::default(),
+            idle: Vec::new(),
+            closing: Vec::new(),
+        };
+        for (uid, b) in self.lock().iter_mut() {
+            let gone: Vec<IpAddr> = b
+                .addresses
+                .iter()
+                .filter(|(_, p)| p == pool)
+                .map(|(ip, _)| *ip)
+                .collect();
+            let (going, kept) = std::mem::take(&mut b.listeners)
+                .into_iter()
+                .partition(|(addr, _)| gone.contains(&addr.ip()));
+            b.listeners = kept;
+            for (_, l) in going {
+                l.close_quietly();
+                l.stop();
+                out.closing.push(l);
+            }
+            b.addresses.retain(|(_, p)| p != pool);
+            if b.listeners.is_empty() {
+                out.idle.push(uid.clone());
+            }
+            out.recorded.extend(gone);
+        }
+        out
     }
 
     /// Serves `svc` over `nodes` on those of `addresses` (its status) whose pools this
@@ -432,21 +460,34 @@ impl TunnelLoadBalancers {
                     .map(move |p| (SocketAddr::new(*ip, p.port), PortTarget::of(svc, p)))
             })
             .collect();
+        // The listeners before the addresses (they bind with IP_FREEBIND): an address
+        // that is there answers, never resets a SYN for want of a listener (a new
+        // holder's first requests as a pool moves).
         let served = async {
+            self.bind(svc, client, &claim.shared, &mut claim.keep, &wanted)
+                .await?;
             if let Some(a) = &self.announcer {
                 for (ip, pool) in mine {
                     a.hold(*ip, pool).await?;
                 }
             }
-            self.bind(svc, client, &claim.shared, &mut claim.keep, &wanted)
-                .await
+            Ok(())
         }
         .await;
         if let Err(e) = served {
-            // What was serving before serves on.
+            // What was serving before serves on; listeners bound for addresses it did
+            // not have stop.
+            let before = claim.before;
+            claim.keep.retain(|addr, l| {
+                let keep = before.iter().any(|(ip, _)| *ip == addr.ip());
+                if !keep {
+                    l.stop();
+                }
+                keep
+            });
             if let Some(b) = self.lock().get_mut(&svc.uid) {
                 b.listeners = claim.keep;
-                b.addresses = claim.before;
+                b.addresses = before;
             }
             return Err(e);
         }

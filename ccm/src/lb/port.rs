@@ -35,10 +35,12 @@ impl PortTarget {
     }
 }
 
-/// One listener: where it forwards (changed in place) and its hard stop.
+/// One listener: where it forwards (changed in place), its hard stop, and its socket,
+/// open as long as this is (after a stop too, until dropped).
 pub(super) struct Listener {
     target: Arc<RwLock<PortTarget>>,
     hard_stop: CancellationToken,
+    socket: Arc<TcpListener>,
 }
 
 impl Listener {
@@ -53,10 +55,40 @@ impl Listener {
     ) -> Listener {
         let hard_stop = CancellationToken::new();
         let target = Arc::new(RwLock::new(target));
+        let socket = Arc::new(listener);
         tokio::spawn(
-            serve(listener, client, shared, target.clone(), hard_stop.clone()).instrument(span),
+            serve(
+                socket.clone(),
+                client,
+                shared,
+                target.clone(),
+                hard_stop.clone(),
+            )
+            .instrument(span),
         );
-        Listener { target, hard_stop }
+        Listener {
+            target,
+            hard_stop,
+            socket,
+        }
+    }
+
+    /// Closes the door quietly: the kernel drops new connections' SYNs (a socket
+    /// filter that passes nothing) where a closed listener would reset them, so that a
+    /// client connecting while the address moves sends its SYN again a second later,
+    /// to the new holder, instead of failing. Open connections are not touched. Lasts
+    /// until the listener is dropped; meant for one that is about to go with its
+    /// address.
+    pub(super) fn close_quietly(&self) {
+        const DROP_ALL: [socket2::SockFilter; 1] = [socket2::SockFilter::new(
+            (libc::BPF_RET | libc::BPF_K) as u16,
+            0,
+            0,
+            0,
+        )];
+        if let Err(e) = socket2::SockRef::from(&*self.socket).attach_filter(&DROP_ALL) {
+            tracing::warn!(error = %e, "cannot close a load-balancer listener quietly; new connections are reset as it stops");
+        }
     }
 
     /// Sends the listener's next connections to `target`.
@@ -216,7 +248,7 @@ struct PortServer {
 /// connection limit, is closed at once; each other connection goes to the next backend
 /// that answers.
 async fn serve(
-    listener: TcpListener,
+    listener: Arc<TcpListener>,
     client: Client,
     shared: Shared,
     target: Arc<RwLock<PortTarget>>,
