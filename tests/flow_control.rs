@@ -114,6 +114,73 @@ async fn stalled_reader_stalls_only_itself(agent_args: &[&str]) {
     assert!(!s.agent.proc.logged("closing the connection"));
 }
 
+/// Many stalled tunnels on one client connection, each way: eight uploads to a target
+/// that never reads and eight downloads the client never reads. Each fills its own
+/// HTTP/2 stream window (1 MiB), the server's on the uploads and the client's on the
+/// downloads; the connections' windows (16 MiB) leave room beside them, so new dials
+/// and busy tunnels on the same connection go on. With 4 MiB connection windows four
+/// such tunnels stopped every dial on the connection (found with tether-bench --loss,
+/// whose pumps left writers running after their readers had gone).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn many_stalled_tunnels_leave_their_connection_moving() {
+    let s = setup(
+        &["--stalled-reader-timeout=1h"],
+        &["--stalled-reader-timeout=1h"],
+    )
+    .await;
+    let bulk = backend::bulk().await;
+    let sink = backend::sink().await;
+    let client = Client::uds(socket_path(s.pki.dir())).await.unwrap();
+    let target = bulk.addr.to_string();
+    let mut stalled = Vec::new();
+    let written = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    for i in 0..8u64 {
+        // Asks for 32 MiB and never reads it.
+        let conn = client.dial(&target).await.unwrap();
+        stalled.push(tokio::spawn(bulk_exchange(
+            conn,
+            10 + i,
+            20 + i,
+            32 << 20,
+            std::future::pending(),
+        )));
+        let mut blocked = client.dial(&sink.addr.to_string()).await.unwrap();
+        let written = written.clone();
+        stalled.push(tokio::spawn(async move {
+            let buf = vec![0x5au8; 64 << 10];
+            while blocked.write_all(&buf).await.is_ok() {
+                written.fetch_add(buf.len() as u64, std::sync::atomic::Ordering::Relaxed);
+            }
+            Ok(())
+        }));
+    }
+    // Until the stalled tunnels hold more than 4 MiB each way in the connection's
+    // windows: past what the agent and the target queue, 2 MiB per tunnel.
+    let from_agent = r#"tether_server_tunnel_bytes_total{direction="from_agent"}"#;
+    tether_testkit::wait_until(
+        "the stalled tunnels filling their windows",
+        Duration::from_secs(60),
+        || async {
+            let page = s.server.metrics().await;
+            let down = page
+                .lines()
+                .find_map(|l| l.strip_prefix(from_agent)?.trim().parse::<f64>().ok())
+                .unwrap_or(0.0);
+            let up = written.load(std::sync::atomic::Ordering::Relaxed);
+            (down >= (16 << 20) as f64 && up >= 16 << 20).then_some(())
+        },
+    )
+    .await;
+    busy_connections(&client, &target).await;
+    let echo = backend::echo().await;
+    let conns = backend::echo_tunnels(&client, echo.addr, 20).await;
+    assert_eq!(conns.len(), 20);
+    for t in stalled {
+        assert!(!t.is_finished(), "a stalled tunnel is held, not failed");
+        t.abort();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn without_flow_control_the_server_closes_a_stalled_client_connection() {
     // The server behaves like upstream (no credit); the agent falls back too.

@@ -270,3 +270,124 @@ async fn a_server_without_websocket_takes_only_h2() {
     assert_eq!(ev["transport"], "h2", "{ev}");
     assert_eq!(server.proc.count_events("agent connected"), 1);
 }
+
+/// New dials stay prompt while the link carries bulk both ways: an agent in a node
+/// namespace (a veth link, 1500-byte frames) pumps eight echo tunnels flat out, then
+/// drops them mid-flow and pumps eight more, while a new tunnel is dialled and used
+/// every 200 ms. (tether-bench --loss once saw such dials stall, over either transport:
+/// its pumps left writers running after their readers had gone, and those stalled
+/// tunnels filled the client connection's window; see flow_control.rs.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dials_stay_prompt_under_bulk_both_ways_over_websocket() {
+    dials_stay_prompt_under_bulk_both_ways("websocket").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dials_stay_prompt_under_bulk_both_ways_over_h2() {
+    dials_stay_prompt_under_bulk_both_ways("h2").await;
+}
+
+async fn dials_stay_prompt_under_bulk_both_ways(transport: &str) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+    if !tether_testkit::netns::available() {
+        eprintln!("skipped: needs root and iproute2");
+        return;
+    }
+    let node = tether_testkit::netns::Node::create();
+    let pki = Pki::with_sans(std::slice::from_ref(&node.host_ip));
+    let bind = format!("--agent-bind-address={}", node.host_ip);
+    let server = server(&pki, &[&bind]);
+    let echo = backend::echo_in(&node.ns, "127.0.0.1".parse().unwrap()).await;
+    let _agent = AgentProc::start_in(
+        Some(&node),
+        Path::new(BIN),
+        &pki,
+        server.agent,
+        &[format!("--transports={transport}")],
+    );
+    server.wait_agents(1).await;
+    let client = Client::uds(socket_path(pki.dir())).await.unwrap();
+    let target = echo.addr.to_string();
+    let moved = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let (mut slowest, mut dials) = (Duration::ZERO, 0);
+    // Two rounds of eight bulk tunnels, the first dropped mid-flow (their close
+    // requests and in-flight data crossing the second's dials).
+    for _round in 0..2 {
+        let mut pumps = Vec::new();
+        for _ in 0..8 {
+            let conn = client.dial(&target).await.unwrap();
+            pumps.extend(pump(conn, moved.clone()));
+        }
+        let round = Instant::now();
+        while round.elapsed() < Duration::from_secs(6) {
+            let took = dial_and_use(&client, &target, transport, dials, &moved).await;
+            slowest = slowest.max(took);
+            dials += 1;
+            // Pacing, not synchronisation.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        for p in pumps {
+            p.abort();
+        }
+    }
+    let mib = moved.load(Ordering::Relaxed) as f64 / (1 << 20) as f64;
+    eprintln!(
+        "{transport}: {dials} dials beside 8 bulk tunnels, the slowest (with a round trip) {slowest:?}; bulk {:.0} MiB/s",
+        mib / started.elapsed().as_secs_f64()
+    );
+    assert!(mib > 0.0, "the bulk tunnels moved nothing");
+}
+
+/// Writes 64 KiB at a time through `conn` and reads the echo back (counted in
+/// `moved`) until aborted: the writer's task and the reader's.
+fn pump(
+    conn: tether_client::TunnelConn,
+    moved: std::sync::Arc<std::sync::atomic::AtomicU64>,
+) -> [tokio::task::JoinHandle<()>; 2] {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (mut r, mut w) = tokio::io::split(conn);
+    let writer = tokio::spawn(async move {
+        let chunk = vec![1u8; 64 << 10];
+        while w.write_all(&chunk).await.is_ok() {}
+    });
+    let reader = tokio::spawn(async move {
+        let mut buf = vec![0u8; 64 << 10];
+        while let Ok(n @ 1..) = r.read(&mut buf).await {
+            moved.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+        }
+    });
+    [writer, reader]
+}
+
+/// Dials `target`, sends four bytes and reads them back, within 15 s (else panics,
+/// naming dial `n` over `transport`); how long that took.
+async fn dial_and_use(
+    client: &Client,
+    target: &str,
+    transport: &str,
+    n: usize,
+    moved: &std::sync::atomic::AtomicU64,
+) -> Duration {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let at = Instant::now();
+    let used = tokio::time::timeout(Duration::from_secs(15), async {
+        let mut conn = client.dial(target).await?;
+        conn.write_all(b"ping").await?;
+        let mut back = [0u8; 4];
+        conn.read_exact(&mut back).await?;
+        anyhow::Ok(back)
+    })
+    .await;
+    let took = at.elapsed();
+    match used {
+        Ok(Ok(back)) => assert_eq!(&back, b"ping"),
+        Ok(Err(e)) => panic!("dial {n} over {transport} failed after {took:?}: {e:#}"),
+        Err(_) => panic!(
+            "dial {n} over {transport} and its first round trip took over 15 s; the bulk had moved {} MiB",
+            moved.load(std::sync::atomic::Ordering::Relaxed) >> 20
+        ),
+    }
+    took
+}

@@ -332,9 +332,15 @@ impl Agent {
         io: ServerTls,
         authority: &str,
     ) -> Result<(H2Stream, http::HeaderMap), LinkError> {
-        let (mut send, mut conn) = client::handshake(io, Windows::default())
-            .await
-            .map_err(LinkError::Connect)?;
+        let (mut send, mut conn) = client::handshake(
+            io,
+            Windows {
+                stream: tether_core::transport::H2_STREAM_WINDOW,
+                connection: tether_core::transport::H2_CONN_WINDOW,
+            },
+        )
+        .await
+        .map_err(LinkError::Connect)?;
         let pings = conn.ping_pong().expect("a new connection's pings");
         let request = client::request(authority, CONNECT_PATH, self.metadata()?);
         let (out, response) =

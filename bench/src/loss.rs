@@ -154,21 +154,29 @@ impl Site {
 }
 
 /// Writes 64 KiB at a time and reads the echo back, counting what came back, until
-/// `stop`.
+/// `stop`; then the tunnel closes. The writer is this task's (aborting the task ends
+/// both halves): a writer left running after its reader went would make the tunnel a
+/// stalled reader, and enough of those on the client's one connection hold up every
+/// dial on it (the frontend's HTTP/2 connection window).
 async fn pump(conn: tether_client::TunnelConn, stop: Arc<AtomicBool>, moved: Arc<AtomicU64>) {
     let (mut r, mut w) = tokio::io::split(conn);
-    let writer = tokio::spawn(async move {
+    let writer = async move {
         let chunk = vec![1u8; 64 << 10];
         while w.write_all(&chunk).await.is_ok() {}
-    });
-    let mut buf = vec![0u8; 64 << 10];
-    while !stop.load(Ordering::Relaxed) {
-        match r.read(&mut buf).await {
-            Ok(0) | Err(_) => break,
-            Ok(n) => {
-                moved.fetch_add(n as u64, Ordering::Relaxed);
+    };
+    let reader = async move {
+        let mut buf = vec![0u8; 64 << 10];
+        while !stop.load(Ordering::Relaxed) {
+            match r.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    moved.fetch_add(n as u64, Ordering::Relaxed);
+                }
             }
         }
+    };
+    tokio::select! {
+        () = writer => {}
+        () = reader => {}
     }
-    writer.abort();
 }

@@ -549,8 +549,16 @@ fn set_access(path: &Path, access: &SocketAccess) -> io::Result<()> {
 /// windows and adaptive (BDP) windows were no faster on loopback than these.
 pub const H2_STREAM_WINDOW: u32 = 1 << 20;
 
-/// HTTP/2 receive window per connection.
+/// HTTP/2 receive window per connection where a connection carries one stream (the
+/// agent link: one Connect call per connection, so this bounds what an agent can make
+/// the server hold).
 pub const H2_CONN_WINDOW: u32 = 4 << 20;
+
+/// HTTP/2 receive window per connection where a connection carries many tunnels, one
+/// stream each (the gRPC frontend, the client): room for 16 stalled streams' full
+/// windows before the connection, and every other tunnel on it, stops. With
+/// [`H2_CONN_WINDOW`] four stalled tunnels stopped every dial on a shared connection.
+pub const H2_MUX_CONN_WINDOW: u32 = 16 * H2_STREAM_WINDOW;
 
 /// Largest HTTP/2 frame we accept.
 pub const H2_MAX_FRAME: u32 = 128 << 10;

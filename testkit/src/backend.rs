@@ -31,6 +31,14 @@ where
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
     let listener = TcpListener::bind((ip, 0)).await.expect("bind backend");
+    serve_on(listener, handler)
+}
+
+fn serve_on<F, Fut>(listener: TcpListener, handler: F) -> Backend
+where
+    F: Fn(tokio::net::TcpStream) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
     let addr = listener.local_addr().unwrap();
     let accepted = Arc::new(AtomicUsize::new(0));
     let count = accepted.clone();
@@ -85,6 +93,26 @@ pub async fn echo_on(ip: &str) -> Backend {
         let _ = tokio::io::copy(&mut r, &mut w).await;
     })
     .await
+}
+
+/// [`echo`] on `ip` inside network namespace `ns` (a node's loopback, where its agent
+/// dials as it would a kubelet): the listening socket is made there, served from here.
+pub async fn echo_in(ns: &str, ip: std::net::IpAddr) -> Backend {
+    let ns = ns.to_string();
+    let std = std::thread::spawn(move || -> std::io::Result<std::net::TcpListener> {
+        crate::netns::enter(&ns)?;
+        let l = std::net::TcpListener::bind((ip, 0))?;
+        l.set_nonblocking(true)?;
+        Ok(l)
+    })
+    .join()
+    .expect("the namespace thread")
+    .expect("bind an echo backend in the namespace");
+    let listener = TcpListener::from_std(std).expect("register the echo backend");
+    serve_on(listener, |s| async move {
+        let (mut r, mut w) = s.into_split();
+        let _ = tokio::io::copy(&mut r, &mut w).await;
+    })
 }
 
 /// Reads `n` bytes while writing `n` pseudo-random bytes (seeded by the first 8 bytes

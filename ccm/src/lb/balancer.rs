@@ -104,7 +104,9 @@ struct Claim {
 /// 256 KiB in flight per connection moves gigabytes a second; and it takes 64 readers
 /// that stop reading before their Service's 16 MiB connection window is full and its
 /// other connections stall too (other Services have connections of their own). It is
-/// also what one Service's stalled readers can hold in the CCM: 16 MiB at most.
+/// also what one Service's stalled readers can hold in the CCM: 16 MiB at most. The
+/// other way, the server's frontend window (1 MiB per stream, 16 MiB per connection)
+/// takes 16 uploads to backends that stopped reading before the Service stalls.
 const LB_WINDOWS: tether_client::Windows = tether_client::Windows {
     stream: 256 << 10,
     connection: 16 << 20,

@@ -17,7 +17,7 @@ use tether_proto::Packet;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use super::{frame, h2_io, status_of, MessageError, Messages, Outbound};
-use crate::transport::{H2_CONN_WINDOW, H2_MAX_FRAME, H2_STREAM_WINDOW};
+use crate::transport::{H2_MAX_FRAME, H2_MUX_CONN_WINDOW, H2_STREAM_WINDOW};
 
 /// The HTTP/2 receive windows a client connection offers.
 #[derive(Debug, Clone, Copy)]
@@ -32,7 +32,7 @@ impl Default for Windows {
     fn default() -> Self {
         Windows {
             stream: H2_STREAM_WINDOW,
-            connection: H2_CONN_WINDOW,
+            connection: H2_MUX_CONN_WINDOW,
         }
     }
 }

@@ -15,7 +15,7 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use super::{h2_io, percent_encode, Outbound};
-use crate::transport::{H2_CONN_WINDOW, H2_MAX_FRAME, H2_STREAM_WINDOW};
+use crate::transport::{H2_MAX_FRAME, H2_STREAM_WINDOW};
 use bytes::Bytes;
 use futures::stream::FuturesUnordered;
 use futures::task::AtomicWaker;
@@ -43,6 +43,8 @@ pub struct Settings {
     pub max_header_list: u32,
     /// PING interval (zero: never).
     pub keepalive: Duration,
+    /// The connection's HTTP/2 receive window (each stream's is `H2_STREAM_WINDOW`).
+    pub connection_window: u32,
 }
 
 /// Checks a call's head as a gRPC server does before reading its body: `POST` to
@@ -173,7 +175,7 @@ where
     Box::pin(
         h2::server::Builder::new()
             .initial_window_size(H2_STREAM_WINDOW)
-            .initial_connection_window_size(H2_CONN_WINDOW)
+            .initial_connection_window_size(settings.connection_window)
             .max_frame_size(H2_MAX_FRAME)
             .max_concurrent_streams(settings.max_streams)
             .max_header_list_size(settings.max_header_list)

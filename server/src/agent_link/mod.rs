@@ -355,6 +355,7 @@ impl AgentLink {
         let io = tether_core::ws::Rewound::new(first.freeze(), io);
         let settings = Settings {
             max_streams: MAX_STREAMS,
+            connection_window: tether_core::transport::H2_CONN_WINDOW,
             max_header_list: MAX_HEADER_LIST,
             keepalive,
         };

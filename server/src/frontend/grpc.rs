@@ -46,6 +46,7 @@ pub async fn serve_connection<S>(
 {
     let settings = Settings {
         max_streams: MAX_STREAMS,
+        connection_window: tether_core::transport::H2_MUX_CONN_WINDOW,
         max_header_list: MAX_HEADER_LIST,
         keepalive,
     };
