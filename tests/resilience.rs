@@ -259,6 +259,33 @@ async fn a_server_out_of_descriptors_accepts_again_once_they_are_free() {
     dial_and_echo(&pki).await;
 }
 
+/// An agent that holds no server stream and no connection (its node never reached a
+/// server) has nothing to drain: SIGTERM ends it at once, not after --drain-timeout (a
+/// DaemonSet pod on such a node would hold up a rollout for the whole drain).
+#[test]
+fn an_agent_with_nothing_to_drain_exits_at_once() {
+    // A port nobody listens on (bound, then closed).
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let nowhere = closed.local_addr().unwrap();
+    drop(closed);
+    let pki = Pki::new();
+    let mut agent = AgentProc::start(bin(), &pki, nowhere, &["--drain-timeout=5m".into()]);
+    agent.proc.wait_event(
+        "proxy server stream down; reconnecting",
+        Duration::from_secs(30),
+        |_| true,
+    );
+    let signalled = Instant::now();
+    agent.proc.signal("TERM");
+    let status = agent
+        .proc
+        .wait_exit(Duration::from_secs(30))
+        .expect("the agent exits well before its 5 minute drain");
+    assert!(status.success(), "{status:?}");
+    assert!(agent.proc.logged("nothing to drain"));
+    eprintln!("exited {:?} after SIGTERM", signalled.elapsed());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn draining_agent_is_last_choice_serves_until_its_drain_timeout() {
     let pki = Pki::new();

@@ -147,6 +147,11 @@ impl Agent {
         self.drain.work.open() as i64
     }
 
+    /// Streams to servers held now.
+    pub fn server_streams(&self) -> i64 {
+        self.streams.load(Ordering::Relaxed)
+    }
+
     /// Serves `/healthz`, `/readyz` (see [`readiness`]) and `/metrics`.
     pub fn serve_health(&self, listener: TcpListener, hard_stop: CancellationToken) {
         let (streams, leaving) = (self.streams.clone(), self.leaving.clone());

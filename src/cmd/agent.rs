@@ -770,6 +770,13 @@ fn spawn_signal_handler(
             .unwrap_or_default();
         deadline.set(end.as_secs().try_into().unwrap_or(i64::MAX));
         drain.cancel();
+        // No server to say DRAIN to and no connection to finish (a node that never
+        // reached its servers): nothing to wait for.
+        if agent.server_streams() == 0 && agent.open_connections() == 0 {
+            tracing::info!("no server stream and no open connection: nothing to drain; exiting");
+            hard_stop.cancel();
+            return;
+        }
         let window = tether_agent::quiet_close_window(drain_timeout);
         let timed_out = async {
             tokio::time::sleep(drain_timeout - window).await;
