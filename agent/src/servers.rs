@@ -53,12 +53,18 @@ impl Held {
         self.lock().values().filter(|s| !s.leaving).count() as i64
     }
 
-    /// `server_id` said it is stopping: look for the others.
-    fn leaving(&self, server_id: &str) {
+    /// `server_id` said it is stopping: look for the others, after `spread` (chosen at
+    /// random by the caller), so that a stopping server's agents do not all dial its
+    /// peers in the same instant. The stream serves on meanwhile.
+    fn leaving(&self, server_id: &str, spread: Duration) {
         if let Some(s) = self.lock().get_mut(server_id) {
             s.leaving = true;
         }
-        self.ended.notify_one();
+        let ended = self.ended.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(spread).await;
+            ended.notify_one();
+        });
     }
 
     /// Waits, at most twice `CLOSE_GRACE`, until every stream has ended.
@@ -130,6 +136,12 @@ impl Round {
         self.delay = self.delay.mul_f64(1.5).min(cfg.sync_interval_cap);
         Some(wait)
     }
+}
+
+/// How long after a server's DRAIN its agent looks for the others: at random within
+/// `--sync-interval`, which spreads a stopping server's agents over that time.
+fn drain_spread(sync_interval: Duration) -> Duration {
+    sync_interval.mul_f64(rand::rng().random_range(0.0..1.0))
 }
 
 impl Agent {
@@ -300,7 +312,7 @@ impl Agent {
             let served = tokio::select! {
                 served = &mut served => served,
                 _ = server_draining.cancelled() => {
-                    held.leaving(&server_id);
+                    held.leaving(&server_id, drain_spread(this.config.sync_interval));
                     this.leaving.fetch_add(1, Ordering::Relaxed);
                     let served = served.await;
                     this.leaving.fetch_sub(1, Ordering::Relaxed);
@@ -342,5 +354,20 @@ impl Agent {
             (CountSource::Default, Some(n)) => n.max(1),
             (CountSource::Max, Some(n)) => n.max(header),
         }
+    }
+}
+
+#[cfg(test)]
+mod spread_tests {
+    use super::*;
+
+    #[test]
+    fn agents_told_drain_spread_over_the_sync_interval() {
+        let interval = Duration::from_secs(1);
+        let spreads: Vec<Duration> = (0..200).map(|_| drain_spread(interval)).collect();
+        assert!(spreads.iter().all(|s| *s < interval));
+        // Spread, not bunched: some in each half.
+        assert!(spreads.iter().any(|s| *s < interval / 2));
+        assert!(spreads.iter().any(|s| *s >= interval / 2));
     }
 }
