@@ -257,6 +257,16 @@ async fn a_server_without_websocket_takes_only_h2() {
             && error.contains("--transports"),
         "{down}"
     );
+    // The server says which flag serves such an agent.
+    server.proc.wait_event(
+        "TLS handshake failed; connection dropped",
+        Duration::from_secs(20),
+        |ev| {
+            ev["error"]
+                .as_str()
+                .is_some_and(|e| e.contains("--agent-websocket"))
+        },
+    );
     let _both = AgentProc::start(
         Path::new(BIN),
         &pki,
