@@ -1,5 +1,6 @@
-//! `tether local`, the embedded default: the curl line it prints works as printed, and
-//! Ctrl-C stops it and removes its temporary files.
+//! `tether local`, the embedded default: the curl line it prints works as printed (its
+//! agent over h2, and over WebSocket with `--transports=websocket`), and Ctrl-C stops
+//! it and removes its temporary files.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
@@ -9,11 +10,30 @@ const BIN: &str = env!("CARGO_BIN_EXE_tether");
 
 #[test]
 fn local_prints_a_working_curl_line() {
+    prints_a_working_curl_line(&[]);
+}
+
+#[test]
+fn local_over_websocket_prints_a_working_curl_line() {
+    let log = prints_a_working_curl_line(&["--transports=websocket"]);
+    assert!(
+        log.lines()
+            .any(|l| l.contains("connected to proxy server")
+                && l.contains(r#""transport":"websocket""#)),
+        "{log}"
+    );
+}
+
+/// Runs `tether local` with `extra`, uses its curl line, stops it; its log.
+fn prints_a_working_curl_line(extra: &[&str]) -> String {
+    let dir = tether_testkit::TempDir::new("tether-local-test");
+    let log = dir.path().join("local.log");
     let mut child = Command::new(BIN)
         .args(["local", "--log-format=json"])
+        .args(extra)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
         .spawn()
         .unwrap();
     let stdout = child.stdout.take().unwrap();
@@ -74,4 +94,5 @@ fn local_prints_a_working_curl_line() {
     };
     assert!(status.success());
     assert!(!pki_dir.unwrap().exists(), "temporary PKI left behind");
+    std::fs::read_to_string(&log).unwrap_or_default()
 }

@@ -488,27 +488,7 @@ impl AgentArgs {
 
     /// --transports: known names, none twice, at least one.
     fn transports(&self) -> anyhow::Result<Vec<tether_agent::Transport>> {
-        let mut out = Vec::new();
-        for name in self.transports.iter().map(|t| t.trim()) {
-            let Some(t) = tether_agent::Transport::parse(name) else {
-                let known: Vec<_> = tether_agent::Transport::ALL
-                    .iter()
-                    .map(|t| t.name())
-                    .collect();
-                bail!(
-                    "--transports: unknown transport {name:?} (known: {})",
-                    known.join(", ")
-                );
-            };
-            if out.contains(&t) {
-                bail!("--transports: {name} is listed twice");
-            }
-            out.push(t);
-        }
-        if out.is_empty() {
-            bail!("--transports: name at least one transport (h2, websocket)");
-        }
-        Ok(out)
+        parse_transports(&self.transports)
     }
 
     /// --service-account-token-path, checked to exist; `None` when empty.
@@ -794,4 +774,30 @@ fn spawn_signal_handler(
         }
         hard_stop.cancel();
     });
+}
+
+/// `--transports` (the agent's and `tether local`'s): known names, none twice, at least
+/// one, in the order given.
+pub(crate) fn parse_transports(names: &[String]) -> anyhow::Result<Vec<tether_agent::Transport>> {
+    let mut out = Vec::new();
+    for name in names.iter().map(|t| t.trim()) {
+        let Some(t) = tether_agent::Transport::parse(name) else {
+            let known: Vec<_> = tether_agent::Transport::ALL
+                .iter()
+                .map(|t| t.name())
+                .collect();
+            bail!(
+                "--transports: unknown transport {name:?} (known: {})",
+                known.join(", ")
+            );
+        };
+        if out.contains(&t) {
+            bail!("--transports: {name} is listed twice");
+        }
+        out.push(t);
+    }
+    if out.is_empty() {
+        bail!("--transports: name at least one transport (h2, websocket)");
+    }
+    Ok(out)
 }

@@ -31,6 +31,10 @@ pub struct LocalArgs {
 
     #[arg(long)]
     pub dir: Option<PathBuf>,
+    /// How the agent reaches the server, in order of preference: h2, websocket (as the
+    /// agent's --transports).
+    #[arg(long, value_delimiter = ',', default_value = "h2")]
+    pub transports: Vec<String>,
     #[command(flatten)]
     pub log: LogArgs,
 }
@@ -38,6 +42,7 @@ pub struct LocalArgs {
 /// Runs server + agent + demo backend until Ctrl-C.
 pub fn main(args: LocalArgs) -> anyhow::Result<()> {
     args.log.init()?;
+    let transports = super::agent::parse_transports(&args.transports)?;
     let (dir, temporary) = match &args.dir {
         Some(d) => (d.clone(), false),
         None => (
@@ -48,7 +53,7 @@ pub fn main(args: LocalArgs) -> anyhow::Result<()> {
     let pki = DevPki::generate(&dir)
         .with_context(|| format!("cannot create the throwaway PKI in {}", dir.display()))?;
     let socket = dir.join("konnectivity-server.socket");
-    let result = super::block_on(0, run(args, pki, socket));
+    let result = super::block_on(0, run(args, pki, socket, transports));
     if temporary {
         let _ = std::fs::remove_dir_all(&dir);
     }
@@ -57,7 +62,12 @@ pub fn main(args: LocalArgs) -> anyhow::Result<()> {
 
 /// Starts the demo backend, the server and the agent; prints where they listen once the
 /// agent is connected; stops them all at Ctrl-C.
-async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()> {
+async fn run(
+    args: LocalArgs,
+    pki: DevPki,
+    socket: PathBuf,
+    transports: Vec<tether_agent::Transport>,
+) -> anyhow::Result<()> {
     let hard_stop = CancellationToken::new();
     let demo = tokio::net::TcpListener::bind(loopback(0)).await?;
     let demo_addr = demo.local_addr()?;
@@ -74,7 +84,7 @@ async fn run(args: LocalArgs, pki: DevPki, socket: PathBuf) -> anyhow::Result<()
     // The server's drain starts at the hard stop, which ends the agent and its tunnels.
     let server_task = tokio::spawn(bound.run(hard_stop.clone()));
 
-    let agent = Agent::new(agent_config(&pki, addrs.agent.port())?)?;
+    let agent = Agent::new(agent_config(&pki, addrs.agent.port(), transports)?)?;
     let agent_drain = CancellationToken::new();
     let agent_task = {
         let (agent, drain, hard_stop) = (agent.clone(), agent_drain.clone(), hard_stop.clone());
@@ -172,9 +182,13 @@ fn frontends(args: &LocalArgs, pki: &DevPki, socket: &Path) -> Vec<FrontendConfi
     ]
 }
 
-/// The agent's settings: the server's agent listener at `server_port` on loopback, the
-/// throwaway PKI, and a policy allowing only this machine's loopback.
-fn agent_config(pki: &DevPki, server_port: u16) -> anyhow::Result<AgentConfig> {
+/// The agent's settings: the server's agent listener at `server_port` on loopback over
+/// `transports`, the throwaway PKI, and a policy allowing only this machine's loopback.
+fn agent_config(
+    pki: &DevPki,
+    server_port: u16,
+    transports: Vec<tether_agent::Transport>,
+) -> anyhow::Result<AgentConfig> {
     Ok(AgentConfig {
         servers: vec![("127.0.0.1".into(), server_port)],
         sync_forever: false,
@@ -211,7 +225,7 @@ fn agent_config(pki: &DevPki, server_port: u16) -> anyhow::Result<AgentConfig> {
             ..Default::default()
         },
         ready_with_every_server: false,
-        transports: vec![tether_agent::Transport::H2],
+        transports,
     })
 }
 
