@@ -78,6 +78,7 @@ async fn a_healthy_server_exits_0_and_names_its_agent() {
         .find(|l| l.starts_with("node-a"))
         .unwrap();
     assert!(row.contains("127.0.0.1") && row.contains(" no "), "{row}");
+    assert!(row.trim_end().ends_with(" h2"), "the agent's transport: {row}");
 
     let json = status(&url, &["-o", "json"]);
     assert_eq!(json.code, 0, "{}", json.stderr);
@@ -88,6 +89,7 @@ async fn a_healthy_server_exits_0_and_names_its_agent() {
     assert_eq!(doc["agents"][0]["id"], "node-a");
     assert_eq!(doc["agents"][0]["verifiedBy"], "certificate");
     assert_eq!(doc["agents"][0]["draining"], false);
+    assert_eq!(doc["agents"][0]["transports"], serde_json::json!(["h2"]));
     assert_eq!(doc["problems"], serde_json::json!([]));
     assert_eq!(doc["lease"]["enabled"], false);
     let certs = doc["certificates"].as_array().unwrap();

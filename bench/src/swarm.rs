@@ -137,10 +137,7 @@ async fn hold_stream(
     c: &Counters,
 ) -> Result<(), bool> {
     use tether_core::grpc::client;
-    let name = tether_core::tls::server_name("127.0.0.1").map_err(|_| false)?;
-    let io = tether_core::transport::connect_tls(&server.to_string(), name, tls)
-        .await
-        .map_err(|_| false)?;
+    let io = swarm_tls(server, tls).await?;
     let (mut send, mut conn) = client::handshake(io, client::Windows::default())
         .await
         .map_err(|_| false)?;
@@ -209,6 +206,18 @@ fn answers(p: Packet, next_id: &mut i64, bursted: &mut bool, c: &Counters) -> Ve
     }
 }
 
+/// A swarm agent's TLS connection to `server` (Err(false): it failed, no server
+/// refused).
+async fn swarm_tls(
+    server: SocketAddr,
+    tls: Arc<rustls::ClientConfig>,
+) -> Result<tether_core::transport::ClientTls, bool> {
+    let name = tether_core::tls::server_name("127.0.0.1").map_err(|_| false)?;
+    tether_core::transport::connect_tls(&server.to_string(), name, tls)
+        .await
+        .map_err(|_| false)
+}
+
 /// The agent's metadata for swarm agent `id`.
 fn swarm_headers(id: usize) -> http::HeaderMap {
     let mut headers = http::HeaderMap::new();
@@ -228,10 +237,7 @@ async fn hold_ws_stream(
 ) -> Result<(), bool> {
     use futures::{SinkExt, StreamExt};
     use tether_core::ws;
-    let name = tether_core::tls::server_name("127.0.0.1").map_err(|_| false)?;
-    let io = tether_core::transport::connect_tls(&server.to_string(), name, tls)
-        .await
-        .map_err(|_| false)?;
+    let io = swarm_tls(server, tls).await?;
     let authority = server.to_string();
     let (mut socket, _) = ws::client(io, &authority, "/AgentService/Connect", swarm_headers(id))
         .await

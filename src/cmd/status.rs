@@ -521,7 +521,7 @@ fn agents_table(doc: &Value) -> String {
     if agents.is_empty() {
         return "agents: none connected\n".into();
     }
-    let mut rows = vec![["AGENT", "VERIFIED AS", "BY", "DRAINING", "STREAMS"]
+    let mut rows = vec![["AGENT", "VERIFIED AS", "BY", "DRAINING", "STREAMS", "OVER"]
         .map(String::from)
         .to_vec()];
     for a in agents {
@@ -535,6 +535,7 @@ fn agents_table(doc: &Value) -> String {
             dash(str_of(&a["verifiedBy"])),
             if a["draining"] == true { "yes" } else { "no" }.into(),
             a["streams"].as_u64().unwrap_or(0).to_string(),
+            dash(list(&a["transports"]).join(",")),
         ]);
     }
     columns(&rows)
