@@ -78,7 +78,10 @@ async fn a_healthy_server_exits_0_and_names_its_agent() {
         .find(|l| l.starts_with("node-a"))
         .unwrap();
     assert!(row.contains("127.0.0.1") && row.contains(" no "), "{row}");
-    assert!(row.trim_end().ends_with(" h2"), "the agent's transport: {row}");
+    assert!(
+        row.trim_end().ends_with(" h2"),
+        "the agent's transport: {row}"
+    );
 
     let json = status(&url, &["-o", "json"]);
     assert_eq!(json.code, 0, "{}", json.stderr);

@@ -521,9 +521,11 @@ fn agents_table(doc: &Value) -> String {
     if agents.is_empty() {
         return "agents: none connected\n".into();
     }
-    let mut rows = vec![["AGENT", "VERIFIED AS", "BY", "DRAINING", "STREAMS", "OVER"]
-        .map(String::from)
-        .to_vec()];
+    let mut rows = vec![
+        ["AGENT", "VERIFIED AS", "BY", "DRAINING", "STREAMS", "OVER"]
+            .map(String::from)
+            .to_vec(),
+    ];
     for a in agents {
         let verified: Vec<String> = list(&a["verifiedHosts"])
             .into_iter()
