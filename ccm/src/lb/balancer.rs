@@ -224,6 +224,16 @@ impl TunnelLoadBalancers {
 
     /// Lets go of addresses no Service served here has any more (logged: the next
     /// sync retries).
+    /// Holds (adds and announces) each of `mine`, in order; the first failure.
+    async fn hold_all(&self, mine: &[(IpAddr, String)]) -> Result<(), CloudError> {
+        if let Some(a) = &self.announcer {
+            for (ip, pool) in mine {
+                a.hold(*ip, pool).await?;
+            }
+        }
+        Ok(())
+    }
+
     async fn let_go(&self, freed: Vec<IpAddr>) {
         let freed: Vec<IpAddr> = {
             let all = self.lock();
@@ -391,9 +401,11 @@ impl TunnelLoadBalancers {
                 .partition(|(addr, _)| gone.contains(&addr.ip()));
             b.listeners = kept;
             for (_, l) in going {
-                l.close_quietly();
+                let quiet = l.close_quietly();
                 l.stop();
-                out.closing.push(l);
+                if quiet {
+                    out.closing.push(l);
+                }
             }
             b.addresses.retain(|(_, p)| p != pool);
             if b.listeners.is_empty() {
@@ -462,37 +474,28 @@ impl TunnelLoadBalancers {
                     .map(move |p| (SocketAddr::new(*ip, p.port), PortTarget::of(svc, p)))
             })
             .collect();
-        // The listeners before the addresses (they bind with IP_FREEBIND): an address
-        // that is there answers, never resets a SYN for want of a listener (a new
-        // holder's first requests as a pool moves).
-        let served = async {
-            self.bind(svc, client, &claim.shared, &mut claim.keep, &wanted)
-                .await?;
-            if let Some(a) = &self.announcer {
-                for (ip, pool) in mine {
-                    a.hold(*ip, pool).await?;
+        // The new listeners before the addresses (they bind with IP_FREEBIND): an
+        // address that is there answers, never resets a SYN for want of a listener (a
+        // new holder's first requests as a pool moves). What was serving changes only
+        // once every address is held.
+        let ready = match self
+            .bind_new(svc, client, &claim.shared, &claim.keep, &wanted)
+            .await
+        {
+            Ok(fresh) => match self.hold_all(mine).await {
+                Ok(()) => Ok(fresh),
+                Err(e) => {
+                    fresh.iter().for_each(|(_, l)| l.stop());
+                    Err(e)
                 }
-            }
-            Ok(())
-        }
-        .await;
-        if let Err(e) = served {
-            // What was serving before serves on; listeners bound for addresses it did
-            // not have stop.
-            let before = claim.before;
-            claim.keep.retain(|addr, l| {
-                let keep = before.iter().any(|(ip, _)| *ip == addr.ip());
-                if !keep {
-                    l.stop();
-                }
-                keep
-            });
-            if let Some(b) = self.lock().get_mut(&svc.uid) {
-                b.listeners = claim.keep;
-                b.addresses = before;
-            }
-            return Err(e);
-        }
+            },
+            Err(e) => Err(e),
+        };
+        let fresh = match ready {
+            Ok(fresh) => fresh,
+            Err(e) => return Err(self.roll_back(svc, claim, mine, e).await),
+        };
+        Self::commit(svc, &claim.shared, &mut claim.keep, fresh, &wanted);
         self.lock().insert(
             svc.uid.clone(),
             Balancer {
@@ -502,6 +505,30 @@ impl TunnelLoadBalancers {
             },
         );
         Ok(claim.before)
+    }
+
+    /// After a failed [`Self::take_up`]: what was serving before serves on (its
+    /// listeners and addresses back in the map), and the addresses this try added go
+    /// again unless another Service has them; returns `e`.
+    async fn roll_back(
+        &self,
+        svc: &ServiceInfo,
+        claim: Claim,
+        mine: &[(IpAddr, String)],
+        e: CloudError,
+    ) -> CloudError {
+        let before = claim.before;
+        let added: Vec<IpAddr> = mine
+            .iter()
+            .filter(|m| !before.contains(m))
+            .map(|(ip, _)| *ip)
+            .collect();
+        if let Some(b) = self.lock().get_mut(&svc.uid) {
+            b.listeners = claim.keep;
+            b.addresses = before;
+        }
+        self.let_go(added).await;
+        e
     }
 
     /// Those of `addresses` whose pools are in `serving`, with their pools.
@@ -560,23 +587,16 @@ impl TunnelLoadBalancers {
         }
     }
 
-    /// Makes `listeners` the `wanted` ones: those kept pick up a new target in place;
-    /// new ones are bound before any old one stops, so a failed bind leaves what was
-    /// serving before serving (and `listeners` as it was); those no longer wanted stop
-    /// (with their connections).
-    async fn bind(
+    /// Binds and starts the listeners `wanted` asks for that `listeners` has not; on a
+    /// failed bind those bound already stop, and nothing else changed.
+    async fn bind_new(
         &self,
         svc: &ServiceInfo,
         client: &Client,
         shared: &Shared,
-        listeners: &mut HashMap<SocketAddr, Listener>,
+        listeners: &HashMap<SocketAddr, Listener>,
         wanted: &[(SocketAddr, PortTarget)],
-    ) -> Result<(), CloudError> {
-        for (addr, target) in wanted {
-            if let Some(l) = listeners.get(addr) {
-                l.retarget(target);
-            }
-        }
+    ) -> Result<Vec<(SocketAddr, Listener)>, CloudError> {
         let mut fresh: Vec<(SocketAddr, Listener)> = Vec::new();
         for (addr, target) in wanted.iter().filter(|(a, _)| !listeners.contains_key(a)) {
             let bound = match &self.announcer {
@@ -604,6 +624,24 @@ impl TunnelLoadBalancers {
             );
             fresh.push((*addr, l));
         }
+        Ok(fresh)
+    }
+
+    /// Makes `listeners` the `wanted` ones once all is in place: those kept pick up a
+    /// new target in place, `fresh` ones join, those no longer wanted stop (with their
+    /// connections).
+    fn commit(
+        svc: &ServiceInfo,
+        shared: &Shared,
+        listeners: &mut HashMap<SocketAddr, Listener>,
+        fresh: Vec<(SocketAddr, Listener)>,
+        wanted: &[(SocketAddr, PortTarget)],
+    ) {
+        for (addr, target) in wanted {
+            if let Some(l) = listeners.get(addr) {
+                l.retarget(target);
+            }
+        }
         listeners.retain(|addr, l| {
             let wanted = wanted.iter().any(|(a, _)| a == addr);
             if !wanted {
@@ -616,7 +654,6 @@ impl TunnelLoadBalancers {
             tracing::info!(service = %label(svc), listeners = ?added, nodes = shared.node_count(), "load balancer listening");
         }
         listeners.extend(fresh);
-        Ok(())
     }
 
     /// Stops serving `svc` here: its listeners stop (with their connections), its

@@ -76,10 +76,14 @@ impl Listener {
     /// Closes the door quietly: the kernel drops new connections' SYNs (a socket
     /// filter that passes nothing) where a closed listener would reset them, so that a
     /// client connecting while the address moves sends its SYN again a second later,
-    /// to the new holder, instead of failing. Open connections are not touched. Lasts
-    /// until the listener is dropped; meant for one that is about to go with its
-    /// address.
-    pub(super) fn close_quietly(&self) {
+    /// to the new holder, instead of failing. Connections the kernel completed before
+    /// and nobody accepted yet are accepted and closed now, while their address is
+    /// there to tell their clients. Open connections are not touched. Lasts until the
+    /// listener is dropped; meant for one that is about to go with its address. False
+    /// when the filter could not be attached: drop the listener at once then (a listener
+    /// left open and unserved would leave new clients waiting instead).
+    pub(super) fn close_quietly(&self) -> bool {
+        use futures::FutureExt;
         const DROP_ALL: [socket2::SockFilter; 1] = [socket2::SockFilter::new(
             (libc::BPF_RET | libc::BPF_K) as u16,
             0,
@@ -88,7 +92,12 @@ impl Listener {
         )];
         if let Err(e) = socket2::SockRef::from(&*self.socket).attach_filter(&DROP_ALL) {
             tracing::warn!(error = %e, "cannot close a load-balancer listener quietly; new connections are reset as it stops");
+            return false;
         }
+        while let Some(Ok((queued, _))) = self.socket.accept().now_or_never() {
+            drop(queued);
+        }
+        true
     }
 
     /// Sends the listener's next connections to `target`.
