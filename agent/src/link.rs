@@ -332,15 +332,9 @@ impl Agent {
         io: ServerTls,
         authority: &str,
     ) -> Result<(H2Stream, http::HeaderMap), LinkError> {
-        let (mut send, mut conn) = client::handshake(
-            io,
-            Windows {
-                stream: tether_core::transport::H2_STREAM_WINDOW,
-                connection: tether_core::transport::H2_CONN_WINDOW,
-            },
-        )
-        .await
-        .map_err(LinkError::Connect)?;
+        let (mut send, mut conn) = client::handshake(io, Windows::AGENT_LINK)
+            .await
+            .map_err(LinkError::Connect)?;
         let pings = conn.ping_pong().expect("a new connection's pings");
         let request = client::request(authority, CONNECT_PATH, self.metadata()?);
         let (out, response) =
@@ -571,13 +565,7 @@ async fn drive_ws(
     let (sink, source) = futures::StreamExt::split(socket);
     let (ask, asked) = mpsc::channel(1);
     let (pong, pongs) = mpsc::channel(1);
-    let sink = WsSink {
-        sink,
-        asked,
-        ping_due: false,
-        closing: false,
-        frames: Default::default(),
-    };
+    let sink = WsSink::new(sink, asked);
     let mut never = std::future::pending();
     let mut driven = Driven {
         conn: &mut never,
@@ -605,13 +593,7 @@ async fn goaway_reason(e: &LinkError, conn: &mut Conn) -> Option<Reason> {
 /// A failed TLS handshake over `transport`: one the other end refused for want of a
 /// shared ALPN protocol says which transports would do.
 fn tls_failed(e: io::Error, transport: Transport) -> LinkError {
-    use rustls::AlertDescription::NoApplicationProtocol;
-    let no_protocol = matches!(
-        e.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>()),
-        Some(rustls::Error::AlertReceived(NoApplicationProtocol))
-            | Some(rustls::Error::NoApplicationProtocol)
-    );
-    if !no_protocol {
+    if !tether_core::tls::no_shared_alpn(&e) {
         return LinkError::Connect(e);
     }
     let offered = match transport {
@@ -847,6 +829,20 @@ struct WsSink<S = ServerTls> {
 }
 
 impl<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> WsSink<S> {
+    /// The writing half `sink`, sending a ping whenever `asked`.
+    fn new(
+        sink: futures::stream::SplitSink<WebSocketStream<S>, Message>,
+        asked: mpsc::Receiver<()>,
+    ) -> Self {
+        WsSink {
+            sink,
+            asked,
+            ping_due: false,
+            closing: false,
+            frames: Default::default(),
+        }
+    }
+
     /// Sends a ping the pinger asked for.
     fn poll_pings(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         if !self.ping_due {
@@ -1156,13 +1152,7 @@ mod tests {
             WebSocketStream::from_raw_socket(b, Role::Server, Some(ws::config())).await;
         let (sink, _source) = client.split();
         let (_ask, asked) = mpsc::channel(1);
-        let sink = WsSink {
-            sink,
-            asked,
-            ping_due: false,
-            closing: false,
-            frames: Default::default(),
-        };
+        let sink = WsSink::new(sink, asked);
         let (control, control_rx) = mpsc::channel(4);
         let (data, data_rx) = mpsc::channel(4);
         let finish = CancellationToken::new();

@@ -138,7 +138,7 @@ async fn hold_stream(
 ) -> Result<(), bool> {
     use tether_core::grpc::client;
     let io = swarm_tls(server, tls).await?;
-    let (mut send, mut conn) = client::handshake(io, client::Windows::default())
+    let (mut send, mut conn) = client::handshake(io, client::Windows::AGENT_LINK)
         .await
         .map_err(|_| false)?;
     let request = client::request(

@@ -15,6 +15,17 @@ pub const ALPN_H2: &[u8] = b"h2";
 /// ALPN for the HTTP-CONNECT frontend.
 pub const ALPN_HTTP11: &[u8] = b"http/1.1";
 
+/// Whether a TLS handshake (either end's) failed for want of an ALPN protocol both
+/// sides speak: this end found none it serves, or the peer said so in an alert.
+pub fn no_shared_alpn(e: &std::io::Error) -> bool {
+    use rustls::AlertDescription::NoApplicationProtocol;
+    matches!(
+        e.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>()),
+        Some(rustls::Error::AlertReceived(NoApplicationProtocol))
+            | Some(rustls::Error::NoApplicationProtocol)
+    )
+}
+
 /// Why TLS material could not be loaded; each message names the file and what to fix.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

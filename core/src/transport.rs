@@ -333,7 +333,7 @@ fn handshake(
 /// Logs (rate limited) why a handshake did not finish.
 fn log_unfinished(warnings: &Warnings, peer: std::net::SocketAddr, e: Unfinished) {
     let why = match &e {
-        Unfinished::Failed(e) if no_shared_protocol(e) => format!(
+        Unfinished::Failed(e) if crate::tls::no_shared_alpn(e) => format!(
             "{}: the client offered only ALPN protocols this listener does not serve (an agent with --transports=websocket offers http/1.1, which the agent port serves unless --agent-websocket=false; a gRPC client must offer h2)",
             chain(e)
         ),
@@ -347,14 +347,6 @@ fn log_unfinished(warnings: &Warnings, peer: std::net::SocketAddr, e: Unfinished
         }
         None => tracing::debug!(%peer, error = %why, "TLS handshake failed; connection dropped"),
     }
-}
-
-/// Whether a handshake failed for want of an ALPN protocol both sides speak.
-fn no_shared_protocol(e: &io::Error) -> bool {
-    matches!(
-        e.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>()),
-        Some(rustls::Error::NoApplicationProtocol)
-    )
 }
 
 /// A Unix socket file this process bound, known by its inode: a successor that bound

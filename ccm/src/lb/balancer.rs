@@ -222,8 +222,6 @@ impl TunnelLoadBalancers {
         self.balancers.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Lets go of addresses no Service served here has any more (logged: the next
-    /// sync retries).
     /// Holds (adds and announces) each of `mine`, in order; the first failure.
     async fn hold_all(&self, mine: &[(IpAddr, String)]) -> Result<(), CloudError> {
         if let Some(a) = &self.announcer {
@@ -234,6 +232,8 @@ impl TunnelLoadBalancers {
         Ok(())
     }
 
+    /// Lets go of addresses no Service served here has any more (logged: the next
+    /// sync retries).
     async fn let_go(&self, freed: Vec<IpAddr>) {
         let freed: Vec<IpAddr> = {
             let all = self.lock();

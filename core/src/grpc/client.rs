@@ -17,7 +17,7 @@ use tether_proto::Packet;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use super::{frame, h2_io, status_of, MessageError, Messages, Outbound};
-use crate::transport::{H2_MAX_FRAME, H2_MUX_CONN_WINDOW, H2_STREAM_WINDOW};
+use crate::transport::{H2_CONN_WINDOW, H2_MAX_FRAME, H2_MUX_CONN_WINDOW, H2_STREAM_WINDOW};
 
 /// The HTTP/2 receive windows a client connection offers.
 #[derive(Debug, Clone, Copy)]
@@ -26,6 +26,16 @@ pub struct Windows {
     pub stream: u32,
     /// Per connection: shared by every stream on it.
     pub connection: u32,
+}
+
+impl Windows {
+    /// An agent's link (and the bench's emulated agents): one stream per connection,
+    /// its Connect call, so the connection needs no room for other streams; the
+    /// server's side of the link offers the same.
+    pub const AGENT_LINK: Windows = Windows {
+        stream: H2_STREAM_WINDOW,
+        connection: H2_CONN_WINDOW,
+    };
 }
 
 impl Default for Windows {
