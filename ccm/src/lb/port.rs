@@ -83,18 +83,20 @@ impl Listener {
     /// when the filter could not be attached: drop the listener at once then (a listener
     /// left open and unserved would leave new clients waiting instead).
     pub(super) fn close_quietly(&self) -> bool {
-        use futures::FutureExt;
         const DROP_ALL: [socket2::SockFilter; 1] = [socket2::SockFilter::new(
             (libc::BPF_RET | libc::BPF_K) as u16,
             0,
             0,
             0,
         )];
-        if let Err(e) = socket2::SockRef::from(&*self.socket).attach_filter(&DROP_ALL) {
+        let socket = socket2::SockRef::from(&*self.socket);
+        if let Err(e) = socket.attach_filter(&DROP_ALL) {
             tracing::warn!(error = %e, "cannot close a load-balancer listener quietly; new connections are reset as it stops");
             return false;
         }
-        while let Some(Ok((queued, _))) = self.socket.accept().now_or_never() {
+        // The socket itself (non-blocking), not the runtime's view of it: a connection
+        // the kernel queued before the runtime saw it readable is taken too.
+        while let Ok((queued, _)) = socket.accept() {
             drop(queued);
         }
         true
