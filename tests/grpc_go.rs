@@ -224,11 +224,10 @@ async fn a_tether_agent_works_with_a_grpc_go_server() {
         ev["agentID"] == "node-b"
     });
     agent.proc.signal("TERM");
-    let status = agent
-        .proc
-        .wait_exit(Duration::from_secs(20))
-        .expect("the agent exits on a second signal");
-    assert!(status.success(), "{status:?}");
+    agent.proc.exits_cleanly(
+        Duration::from_secs(20),
+        "the agent exits on a second signal",
+    );
     assert!(!go.proc.logged("ignored packet"), "{}", go.proc.log_text());
 }
 

@@ -277,11 +277,10 @@ fn an_agent_with_nothing_to_drain_exits_at_once() {
     );
     let signalled = Instant::now();
     agent.proc.signal("TERM");
-    let status = agent
-        .proc
-        .wait_exit(Duration::from_secs(30))
-        .expect("the agent exits well before its 5 minute drain");
-    assert!(status.success(), "{status:?}");
+    agent.proc.exits_cleanly(
+        Duration::from_secs(30),
+        "the agent exits well before its 5 minute drain",
+    );
     assert!(agent.proc.logged("nothing to drain"));
     eprintln!("exited {:?} after SIGTERM", signalled.elapsed());
 }
@@ -384,11 +383,10 @@ async fn draining_agent_is_last_choice_serves_until_its_drain_timeout() {
     );
     // Closing it does not end the drain: the agent serves until --drain-timeout, as
     // upstream's until its second signal.
-    let status = a
-        .proc
-        .wait_exit(Duration::from_secs(20))
-        .expect("the agent exits at its drain timeout");
-    assert!(status.success());
+    a.proc.exits_cleanly(
+        Duration::from_secs(20),
+        "the agent exits at its drain timeout",
+    );
     assert!(a.proc.logged("drain timeout: exiting"));
 }
 

@@ -23,6 +23,16 @@ fn server(pki: &Pki, extra: &[&str]) -> ServerProc {
     ServerProc::start(Path::new(BIN), &args)
 }
 
+/// An agent that carries its stream over WebSocket only.
+fn ws_agent(pki: &Pki, server: &ServerProc) -> AgentProc {
+    AgentProc::start(
+        Path::new(BIN),
+        pki,
+        server.agent,
+        &["--transports=websocket".into()],
+    )
+}
+
 /// `/agents` from the server's admin port.
 async fn agents(server: &ServerProc) -> serde_json::Value {
     let url = format!("http://{}/agents", server.admin);
@@ -60,12 +70,7 @@ async fn carries_tunnels(client: &Client) {
 async fn an_agent_over_websocket_carries_tunnels_and_says_so() {
     let pki = Pki::new();
     let server = server(&pki, &[]);
-    let agent = AgentProc::start(
-        Path::new(BIN),
-        &pki,
-        server.agent,
-        &["--transports=websocket".into()],
-    );
+    let agent = ws_agent(&pki, &server);
     server.wait_agents(1).await;
     let ev = server
         .proc
@@ -189,12 +194,7 @@ async fn drain_passes_both_ways_over_websocket() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let pki = Pki::new();
     let server = server(&pki, &["--graceful-shutdown-timeout=30s"]);
-    let mut agent = AgentProc::start(
-        Path::new(BIN),
-        &pki,
-        server.agent,
-        &["--transports=websocket".into()],
-    );
+    let mut agent = ws_agent(&pki, &server);
     server.wait_agents(1).await;
     agent.proc.signal("TERM");
     server.proc.wait_event(
@@ -203,21 +203,15 @@ async fn drain_passes_both_ways_over_websocket() {
         |_| true,
     );
     agent.proc.signal("TERM");
-    let status = agent
-        .proc
-        .wait_exit(Duration::from_secs(20))
-        .expect("the agent exits on a second signal");
-    assert!(status.success(), "{status:?}");
+    agent.proc.exits_cleanly(
+        Duration::from_secs(20),
+        "the agent exits on a second signal",
+    );
     server
         .proc
         .wait_event("agent disconnected", Duration::from_secs(20), |_| true);
 
-    let agent = AgentProc::start(
-        Path::new(BIN),
-        &pki,
-        server.agent,
-        &["--transports=websocket".into()],
-    );
+    let agent = ws_agent(&pki, &server);
     server.wait_agents(1).await;
     let echo = backend::echo().await;
     let client = Client::uds(socket_path(pki.dir())).await.unwrap();

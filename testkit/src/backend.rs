@@ -86,13 +86,15 @@ pub async fn echo() -> Backend {
     echo_on("127.0.0.1").await
 }
 
+/// Echoes one connection's bytes back until it ends.
+async fn echo_conn(s: tokio::net::TcpStream) {
+    let (mut r, mut w) = s.into_split();
+    let _ = tokio::io::copy(&mut r, &mut w).await;
+}
+
 /// [`echo`] on a chosen local address (e.g. a veth address nodes reach).
 pub async fn echo_on(ip: &str) -> Backend {
-    serve(ip, |s| async move {
-        let (mut r, mut w) = s.into_split();
-        let _ = tokio::io::copy(&mut r, &mut w).await;
-    })
-    .await
+    serve(ip, echo_conn).await
 }
 
 /// [`echo`] on `ip` inside network namespace `ns` (a node's loopback, where its agent
@@ -109,10 +111,7 @@ pub async fn echo_in(ns: &str, ip: std::net::IpAddr) -> Backend {
     .expect("the namespace thread")
     .expect("bind an echo backend in the namespace");
     let listener = TcpListener::from_std(std).expect("register the echo backend");
-    serve_on(listener, |s| async move {
-        let (mut r, mut w) = s.into_split();
-        let _ = tokio::io::copy(&mut r, &mut w).await;
-    })
+    serve_on(listener, echo_conn)
 }
 
 /// Reads `n` bytes while writing `n` pseudo-random bytes (seeded by the first 8 bytes

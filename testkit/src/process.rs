@@ -196,6 +196,15 @@ impl Proc {
         let _ = self.child.wait();
     }
 
+    /// Waits up to `timeout` for the process to exit, and asserts it exited 0 (`what`
+    /// says which exit was awaited; the log comes with a failure).
+    pub fn exits_cleanly(&mut self, timeout: Duration, what: &str) {
+        let status = self
+            .wait_exit(timeout)
+            .unwrap_or_else(|| panic!("{what}: still running after {timeout:?}"));
+        assert!(status.success(), "{what}: {status:?}\n{}", self.log_text());
+    }
+
     /// Waits for the process to exit; None on timeout.
     pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
         let deadline = Instant::now() + timeout;

@@ -363,10 +363,7 @@ fn a_graceful_handover_costs_under_a_second() {
     let refusals = Refusals::start(&f.client.ns, (vip, 80).into());
     std::thread::sleep(Duration::from_secs(1));
     a.signal("TERM");
-    let exited = a
-        .wait_exit(Duration::from_secs(30))
-        .expect("the holder exits");
-    assert!(exited.success(), "{}", a.log_text());
+    a.exits_cleanly(Duration::from_secs(30), "the holder exits");
     let holder = lb_lease_holder(&f.cluster);
     assert!(
         holder.is_some() && holder.as_ref() != Some(&holder_a),
