@@ -1379,11 +1379,55 @@ fn roll_ccm(i: &Installed, address: &str) -> (Instant, String) {
         "kube-system",
     ]);
     i.rollout_status("deployment/tether-ccm");
-    i.wait_or_explain(
+    i.wait_or_explain_first(
         "the page through the load balancer after the rollout",
         || curl(Some(&i.client.ns), &format!("http://{address}/"), 2).map(|_| ()),
+        || lb_diagnosis(i, address),
     );
     began
+}
+
+/// What a load balancer that does not answer shows: the CCM's recent log, what curl
+/// saw, the client's neighbour entry, and the network namespaces on the CCM's host
+/// (the load balancers' own among them).
+fn lb_diagnosis(i: &Installed, address: &str) -> String {
+    let run = |ns: &str, args: &[&str]| {
+        let out = Command::new("ip")
+            .args(["netns", "exec", ns])
+            .args(args)
+            .output()
+            .map(|o| {
+                format!(
+                    "{}{}",
+                    String::from_utf8_lossy(&o.stdout),
+                    String::from_utf8_lossy(&o.stderr)
+                )
+            })
+            .unwrap_or_else(|e| e.to_string());
+        format!("$ {}\n{out}", args.join(" "))
+    };
+    let url = format!("http://{address}/");
+    let logs = i.cluster.kubectl(&[
+        "logs",
+        "-n",
+        "kube-system",
+        "deployment/tether-ccm",
+        "--tail=80",
+    ]);
+    format!(
+        "$ kubectl logs deployment/tether-ccm --tail=80\n{}{}\n{}\n{}\n{}",
+        String::from_utf8_lossy(&logs.stdout),
+        String::from_utf8_lossy(&logs.stderr),
+        run(
+            &i.client.ns,
+            &["curl", "-sv", "-o", "/dev/null", "--max-time", "3", &url]
+        ),
+        run(&i.client.ns, &["ip", "neigh", "show", address]),
+        run(
+            &i.control_plane.net.ns,
+            &["lsns", "-t", "net", "-o", "NS,NPROCS,PID,COMMAND"]
+        ),
+    )
 }
 
 /// One request to the load balancer at `address` from the client namespace `ns`, given

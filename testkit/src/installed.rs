@@ -462,14 +462,29 @@ patches:
 
     /// Polls `probe` until it returns something, for [`POD_TIMEOUT`]; fails with the
     /// cluster's state (pods, events, every container's log) if it does not.
-    pub fn wait_or_explain<T>(&self, what: &str, mut probe: impl FnMut() -> Option<T>) -> T {
+    pub fn wait_or_explain<T>(&self, what: &str, probe: impl FnMut() -> Option<T>) -> T {
+        self.wait_or_explain_first(what, probe, String::new)
+    }
+
+    /// [`Self::wait_or_explain`], with `first()` (what matters most to this wait) at
+    /// the head of the failure's message, where a truncated CI log still shows it.
+    pub fn wait_or_explain_first<T>(
+        &self,
+        what: &str,
+        mut probe: impl FnMut() -> Option<T>,
+        first: impl FnOnce() -> String,
+    ) -> T {
         let deadline = std::time::Instant::now() + POD_TIMEOUT;
         loop {
             if let Some(v) = probe() {
                 return v;
             }
             if std::time::Instant::now() > deadline {
-                panic!("{what}: not within {POD_TIMEOUT:?}\n{}", self.explain());
+                panic!(
+                    "{what}: not within {POD_TIMEOUT:?}\n{}\n{}",
+                    first(),
+                    self.explain()
+                );
             }
             std::thread::sleep(Duration::from_millis(500));
         }
