@@ -652,3 +652,56 @@ fn an_agent_behind_an_http1_reverse_proxy_carries_every_kubectl_path() {
     );
     drop(proxy);
 }
+
+/// A node whose agent reaches the server over QUIC only (`--transports=quic`, its
+/// pod-bound token as the credential): every kubectl path works, each tunnel a QUIC
+/// stream, and the server verified the node by the token.
+#[test]
+fn an_agent_over_quic_carries_every_kubectl_path() {
+    use tether_testkit::kube::{free_udp_port, Egress};
+    use tether_testkit::process::{socket_path, token_auth_server_args};
+    let net = Node::create();
+    let pki = Pki::with_sans(std::slice::from_ref(&net.host_ip));
+    let opts = ClusterOptions {
+        reachable_from_nodes: true,
+        controller_manager: true,
+        ..Default::default()
+    };
+    let cluster = Cluster::start_with(&Egress::GrpcUds(socket_path(pki.dir())), &opts);
+    cluster.apply_shipped_rbac();
+    let quic_port = free_udp_port();
+    let mut args = token_auth_server_args(&pki, &cluster.files.server_kubeconfig);
+    args.push(format!("--agent-bind-address={}", net.host_ip));
+    args.push(format!("--agent-quic-port={quic_port}"));
+    let server = ServerProc::start(Path::new(BIN), &args);
+    let mut node = RealNode::start_on(net, &cluster, "node-0", &NodeOptions::default());
+    let token = cluster.pod_bound_agent_token("konnectivity-agent-node-0", "node-0");
+    let token_file = pki.dir().join("node-0.token");
+    std::fs::write(&token_file, token).unwrap();
+    node.start_agent(
+        Path::new(AGENT_BIN),
+        &pki,
+        server.agent.port(),
+        &[
+            "--agent-cert=".into(),
+            "--agent-key=".into(),
+            format!("--service-account-token-path={}", token_file.display()),
+            "--transports=quic".into(),
+            format!("--proxy-server-quic-port={quic_port}"),
+        ],
+    );
+    let ev = server
+        .proc
+        .wait_event("agent connected", Duration::from_secs(60), |_| true);
+    assert_eq!(ev["transport"], "quic", "{ev}");
+    node.run_pod(&cluster, "web", "app: web", &web_pod_containers());
+    let dials_before = agent_dials(&node);
+    every_kubectl_path(&cluster, &node.name, node.ip(), pki.dir());
+    let dials = agent_dials(&node) - dials_before;
+    assert!(dials >= 15.0, "only {dials} dials went through the agent");
+    let connected = server.proc.events("agent connected");
+    assert!(
+        connected.iter().all(|e| e["transport"] == "quic"),
+        "{connected:?}"
+    );
+}

@@ -1,8 +1,8 @@
 //! The compromised node: a hand-written agent holding one node's valid credentials (its
 //! certificate from `tether certs agent`, or its pod-bound ServiceAccount token) tries
 //! to take another node's traffic, against servers in their default configuration and
-//! with the flags of the manifests in deploy/, its streams over HTTP/2 and over WebSocket
-//! (`--transports`). Each test names the threat it closes
+//! with the flags of the manifests in deploy/, its streams over HTTP/2, over WebSocket
+//! and over QUIC (`--transports`). Each test names the threat it closes
 //! (docs/threat-model.md lists them).
 
 use std::path::Path;
@@ -13,7 +13,7 @@ use std::time::Duration;
 use tether_client::Client;
 use tether_proto::{packet::Payload, Packet};
 use tether_testkit::backend;
-use tether_testkit::kube::{Cluster, Egress};
+use tether_testkit::kube::{free_udp_port, Cluster, Egress};
 use tether_testkit::process::{frontend_cas_command, socket_path, uds_frontend_args};
 use tether_testkit::rogue::{
     certified_agent, forged_packets_reach_no_tunnel, manifest_agent_identifiers,
@@ -29,6 +29,7 @@ const BIN: &str = env!("CARGO_BIN_EXE_tether");
 fn certificate_server(pki: &Pki, extra: &[&str]) -> ServerProc {
     let mut args = uds_frontend_args(pki, "grpc", &socket_path(pki.dir()));
     args.push("--proxy-strategies=destHost,destCIDR,default".into());
+    args.push(format!("--agent-quic-port={}", free_udp_port()));
     args.extend(extra.iter().map(|s| s.to_string()));
     ServerProc::start(Path::new(BIN), &args)
 }
@@ -85,6 +86,12 @@ async fn a_node_certificate_cannot_take_another_nodes_traffic_over_websocket() {
     certificate_cannot_take(Over::WebSocket).await;
 }
 
+/// [`a_node_certificate_cannot_take_another_nodes_traffic`] with the attacker's streams over QUIC.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_certificate_cannot_take_another_nodes_traffic_over_quic() {
+    certificate_cannot_take(Over::Quic).await;
+}
+
 async fn certificate_cannot_take(over: Over) {
     let NodeB {
         pki,
@@ -97,7 +104,13 @@ async fn certificate_cannot_take(over: Over) {
     } = node_b_beside_an_attacker(&[]).await;
     let elsewhere = backend::echo().await;
 
-    let rogue = Rogue::connect_over(over, &pki, server.agent, Some((&cert_a.0, &cert_a.1))).await;
+    let rogue = Rogue::connect_over(
+        over,
+        &pki,
+        over.agent_port(&server),
+        Some((&cert_a.0, &cert_a.1)),
+    )
+    .await;
     let (streams, refused) = rogue
         .open_many(50, "node-b", "host=node-b&ipv4=127.0.0.2", None)
         .await;
@@ -182,6 +195,12 @@ async fn forged_packets_reach_no_other_agents_tunnels_over_websocket() {
     forged_packets(Over::WebSocket).await;
 }
 
+/// [`forged_packets_reach_no_other_agents_tunnels`] with the attacker's streams over QUIC.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn forged_packets_reach_no_other_agents_tunnels_over_quic() {
+    forged_packets(Over::Quic).await;
+}
+
 async fn forged_packets(over: Over) {
     let NodeB {
         pki,
@@ -193,7 +212,13 @@ async fn forged_packets(over: Over) {
         _certs,
     } = node_b_beside_an_attacker(&["--require-agent-identity-match"]).await;
 
-    let rogue = Rogue::connect_over(over, &pki, server.agent, Some((&cert_a.0, &cert_a.1))).await;
+    let rogue = Rogue::connect_over(
+        over,
+        &pki,
+        over.agent_port(&server),
+        Some((&cert_a.0, &cert_a.1)),
+    )
+    .await;
     let refused = rogue.open("node-b", "host=node-b", None).await.err();
     assert_eq!(
         refused.map(|s| s.code()),
@@ -225,13 +250,24 @@ async fn a_dial_no_agent_answers_fails_on_the_grpc_frontend_over_websocket() {
     unanswered_dial(Over::WebSocket).await;
 }
 
+/// [`a_dial_no_agent_answers_fails_on_the_grpc_frontend`] with the attacker's streams over QUIC.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dial_no_agent_answers_fails_on_the_grpc_frontend_over_quic() {
+    unanswered_dial(Over::Quic).await;
+}
+
 async fn unanswered_dial(over: Over) {
     let pki = Pki::new();
     let certs = TempDir::new("tether-node-certs");
     let cert_a = node_cert(Path::new(BIN), &pki, certs.path(), "node-a", "127.0.0.3");
     let server = certificate_server(&pki, &[]);
-    let mut rogue =
-        Rogue::connect_over(over, &pki, server.agent, Some((&cert_a.0, &cert_a.1))).await;
+    let mut rogue = Rogue::connect_over(
+        over,
+        &pki,
+        over.agent_port(&server),
+        Some((&cert_a.0, &cert_a.1)),
+    )
+    .await;
     rogue.silent = true;
     let _stream = rogue.open("node-a", "", None).await.unwrap();
     server.wait_agents(1).await;
@@ -398,6 +434,12 @@ async fn a_node_token_cannot_take_another_nodes_traffic_over_websocket() {
     token_cannot_take(Over::WebSocket).await;
 }
 
+/// [`a_node_token_cannot_take_another_nodes_traffic`] with the attacker's streams over QUIC.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_token_cannot_take_another_nodes_traffic_over_quic() {
+    token_cannot_take(Over::Quic).await;
+}
+
 async fn token_cannot_take(over: Over) {
     let cluster = Cluster::start(&Egress::Direct);
     cluster.apply_shipped_rbac();
@@ -413,10 +455,9 @@ async fn token_cannot_take(over: Over) {
     }
     let pki = Pki::new();
     let kubelet_1 = backend::echo_on("127.0.0.2").await;
-    let server = ServerProc::start(
-        Path::new(BIN),
-        &manifest_server_args(&pki, &cluster.files.server_kubeconfig),
-    );
+    let mut args = manifest_server_args(&pki, &cluster.files.server_kubeconfig);
+    args.push(format!("--agent-quic-port={}", free_udp_port()));
+    let server = ServerProc::start(Path::new(BIN), &args);
     let tokens = TempDir::new("tether-tokens");
     let token_1 = cluster.pod_bound_agent_token("konnectivity-agent-edge-1", "edge-1");
     let _edge_1 = AgentProc::start_with_token(
@@ -435,7 +476,7 @@ async fn token_cannot_take(over: Over) {
     wait_verified_ips(&server, "edge-1", serde_json::json!(["127.0.0.2"])).await;
 
     let token_2 = cluster.pod_bound_agent_token("konnectivity-agent-edge-2", "edge-2");
-    let rogue = Rogue::connect_over(over, &pki, server.agent, None).await;
+    let rogue = Rogue::connect_over(over, &pki, over.agent_port(&server), None).await;
     let (streams, refused) = rogue
         .open_many(
             50,
@@ -481,7 +522,7 @@ async fn token_cannot_take(over: Over) {
 
     // Without a token nothing is admitted; and since anyone finishes TLS on a token
     // server's agent port, a connection on which no agent is admitted is closed.
-    let anonymous = Rogue::connect_over(over, &pki, server.agent, None).await;
+    let anonymous = Rogue::connect_over(over, &pki, over.agent_port(&server), None).await;
     let refused = anonymous.open("edge-1", "host=edge-1", None).await.err();
     assert_eq!(
         refused.map(|s| s.code()),
@@ -496,6 +537,23 @@ async fn token_cannot_take(over: Over) {
         .await
         .expect("a connection with no agent admitted is closed within 30 s")
         .ok();
+    if over == Over::Quic {
+        use tether_core::quic;
+        let at = over.agent_port(&server);
+        let tls = tether_core::tls::client_config(&pki.files.ca_cert, None, &[]).unwrap();
+        let transport =
+            quic::transport_config(Duration::from_secs(5), Duration::from_secs(60), false);
+        let config = quic::client_config(&tls, transport).unwrap();
+        let endpoint = quic::client_endpoint(at).unwrap();
+        let idle = endpoint
+            .connect_with(config, at, "127.0.0.1")
+            .unwrap()
+            .await
+            .expect("anyone finishes the QUIC handshake on a token server");
+        tokio::time::timeout(Duration::from_secs(30), idle.closed())
+            .await
+            .expect("a QUIC connection with no agent admitted is closed within 30 s");
+    }
     drop(streams);
 }
 

@@ -185,6 +185,14 @@ async fn a_websocket_agent_reaches_its_server_only_through_the_proxy() {
     assert_eq!(connected["transport"], "websocket", "{connected}");
 }
 
+/// QUIC cannot pass an HTTP CONNECT proxy: a `quic,h2` agent whose server is behind
+/// one goes on over h2 through the proxy at once (no QUIC handshake is tried).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_quic_first_agent_behind_a_proxy_goes_on_over_h2() {
+    let connected = only_through_the_proxy(&["--transports=quic,h2"]).await;
+    assert_eq!(connected["transport"], "h2", "{connected}");
+}
+
 /// An agent with `args` whose only way to its server is tinyproxy reaches it there,
 /// carries a tunnel, and never shows the proxy's password; its "connected" event.
 async fn only_through_the_proxy(args: &[&str]) -> serde_json::Value {

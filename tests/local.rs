@@ -1,6 +1,6 @@
 //! `tether local`, the embedded default: the curl line it prints works as printed (its
-//! agent over h2, and over WebSocket with `--transports=websocket`), and Ctrl-C stops
-//! it and removes its temporary files.
+//! agent over h2, over WebSocket with `--transports=websocket`, over QUIC with
+//! `--transports=quic`), and Ctrl-C stops it and removes its temporary files.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
@@ -20,6 +20,16 @@ fn local_over_websocket_prints_a_working_curl_line() {
         log.lines()
             .any(|l| l.contains("connected to proxy server")
                 && l.contains(r#""transport":"websocket""#)),
+        "{log}"
+    );
+}
+
+#[test]
+fn local_over_quic_prints_a_working_curl_line() {
+    let log = prints_a_working_curl_line(&["--transports=quic"]);
+    assert!(
+        log.lines()
+            .any(|l| l.contains("connected to proxy server") && l.contains(r#""transport":"quic""#)),
         "{log}"
     );
 }

@@ -59,6 +59,9 @@ pub struct AgentConfig {
     /// How streams to servers are carried, in order of preference (`--transports`);
     /// never empty.
     pub transports: Vec<Transport>,
+    /// The server's UDP port for QUIC (`--proxy-server-quic-port`); `None`: the same
+    /// number as its TCP port.
+    pub quic_port: Option<u16>,
 }
 
 /// What carries a stream to a server.
@@ -69,17 +72,22 @@ pub enum Transport {
     /// The agent protocol's packets as WebSocket messages over HTTP/1.1 and TLS, for
     /// paths that pass only HTTP/1.1 (a TLS-terminating reverse proxy).
     WebSocket,
+    /// Tether's agent link over QUIC (UDP), a stream per tunnel: for lossy links (a
+    /// loss stalls one tunnel, not all) and roaming ones (the connection survives the
+    /// node's address changing). Only a Tether server with `--agent-quic-port` takes it.
+    Quic,
 }
 
 impl Transport {
     /// Every transport, by its flag name.
-    pub const ALL: [Transport; 2] = [Transport::H2, Transport::WebSocket];
+    pub const ALL: [Transport; 3] = [Transport::H2, Transport::WebSocket, Transport::Quic];
 
     /// Its name in `--transports`, the metrics, logs and `/agents`.
     pub fn name(self) -> &'static str {
         match self {
             Transport::H2 => "h2",
             Transport::WebSocket => "websocket",
+            Transport::Quic => "quic",
         }
     }
 

@@ -61,7 +61,7 @@ tether_ops::metric_set! {
         pub server_streams: IntGaugeVec = catalog.made(IntGaugeVec::new(
             Opts::new(
                 "tether_agent_server_streams",
-                "Open streams to proxy servers by transport: h2 (gRPC over HTTP/2, as upstream), websocket (over WebSocket on HTTP/1.1).",
+                "Open streams to proxy servers by transport: h2 (gRPC over HTTP/2, as upstream), websocket (over WebSocket on HTTP/1.1), quic (over QUIC).",
             ),
             &["transport"],
         )),

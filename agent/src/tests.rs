@@ -164,6 +164,7 @@ impl Pair {
             },
             ready_with_every_server: false,
             transports: vec![crate::Transport::H2],
+            quic_port: None,
         })
         .unwrap();
         Pair {

@@ -56,6 +56,11 @@ pub(crate) struct Args {
     /// HTTP/2's.
     #[arg(long)]
     pub(crate) websocket: bool,
+    /// Add the gRPC route again with the agent's stream over QUIC
+    /// (`--transports=quic`): its throughput, CPU per GiB and round trip beside
+    /// HTTP/2's.
+    #[arg(long)]
+    pub(crate) quic: bool,
     /// Loss instead of the route table: these loss rates in percent (e.g. `0,1,3`) on
     /// the link of an agent in a network namespace, each transport in turn: a small
     /// tunnel's round trip beside eight bulk ones, and their throughput.

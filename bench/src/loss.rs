@@ -35,7 +35,7 @@ pub(crate) async fn run(t: &Tether, rates: &[f64], seconds: u64) -> anyhow::Resu
         "{:>10} {:>6} {:>14} {:>14} {:>16}",
         "transport", "loss %", "small p50 ms", "small p99 ms", "bulk MiB/s"
     );
-    for transport in ["h2", "websocket"] {
+    for transport in ["h2", "websocket", "quic"] {
         let site = Site::start(t, transport).await?;
         for &rate in rates {
             site.drop_share(rate, true);
@@ -71,6 +71,8 @@ impl Site {
         let socket = socket_path(pki.dir());
         let mut args = uds_frontend_args(&pki, "grpc", &socket);
         args.push(format!("--agent-bind-address={}", node.host_ip));
+        let quic_port = tether_testkit::kube::free_udp_port();
+        args.push(format!("--agent-quic-port={quic_port}"));
         let server = tokio::task::block_in_place(|| ServerProc::start(&t.bin, &args));
         let port = crate::procs::free_port();
         let target = format!("127.0.0.1:{port}");
@@ -79,6 +81,7 @@ impl Site {
         echo.wait_event("echo ready", START_TIMEOUT, |_| true);
         let agent_args = vec![
             format!("--transports={transport}"),
+            format!("--proxy-server-quic-port={quic_port}"),
             format!("--health-server-host={}", node.link_ip),
         ];
         let agent = tokio::task::block_in_place(|| {

@@ -48,7 +48,7 @@ fn main() -> anyhow::Result<()> {
             pki.clone(),
             args.swarm_first,
             args.swarm_count,
-            args.websocket,
+            swarm::Over::of(args.websocket, args.quic),
         );
         return on_one_thread(swarm);
     }

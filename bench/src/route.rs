@@ -24,6 +24,8 @@ pub(crate) enum Route {
     GrpcUdsAudit,
     /// The gRPC route with the agent's stream over WebSocket.
     GrpcUdsWs,
+    /// The gRPC route with the agent's stream over QUIC.
+    GrpcUdsQuic,
     HttpConnectUds,
     Ssh,
     Relay,
@@ -40,6 +42,7 @@ impl Route {
             Route::GrpcUds => "tether grpc/uds",
             Route::GrpcUdsAudit => "tether grpc/uds + audit",
             Route::GrpcUdsWs => "tether grpc/uds, agent over websocket",
+            Route::GrpcUdsQuic => "tether grpc/uds, agent over quic",
             Route::HttpConnectUds => "tether http-connect/uds",
             Route::Ssh => "ssh -L",
             Route::Relay => "2 plain relays (floor)",
@@ -58,6 +61,8 @@ pub(crate) struct Env {
     pub(crate) audit_client: Option<tether_client::Client>,
     /// The client of the gRPC pair whose agent speaks WebSocket (`--websocket`).
     pub(crate) ws_client: Option<tether_client::Client>,
+    /// The client of the gRPC pair whose agent speaks QUIC (`--quic`).
+    pub(crate) quic_client: Option<tether_client::Client>,
     pub(crate) ssh_port: Option<u16>,
     pub(crate) relay_port: Option<u16>,
     pub(crate) lb_port: Option<u16>,
@@ -106,11 +111,12 @@ impl Env {
                     .context("audit pair not set up")?;
                 Box::pin(client.dial(&target.to_string()).await?)
             }
-            Route::GrpcUdsWs => {
-                let client = self
-                    .ws_client
-                    .as_ref()
-                    .context("websocket pair not set up")?;
+            Route::GrpcUdsWs | Route::GrpcUdsQuic => {
+                let client = match route {
+                    Route::GrpcUdsWs => self.ws_client.as_ref(),
+                    _ => self.quic_client.as_ref(),
+                };
+                let client = client.context("transport pair not set up")?;
                 Box::pin(client.dial(&target.to_string()).await?)
             }
             Route::GrpcRelay => {

@@ -58,21 +58,31 @@ pub async fn run_swarm(
     pki: PathBuf,
     first: usize,
     count: usize,
-    websocket: bool,
+    over: Over,
 ) -> anyhow::Result<()> {
-    let alpn = match websocket {
-        true => tether_core::tls::ALPN_HTTP11,
-        false => tether_core::tls::ALPN_H2,
+    let alpn = match over {
+        Over::WebSocket => tether_core::tls::ALPN_HTTP11,
+        Over::H2 | Over::Quic => tether_core::tls::ALPN_H2,
     };
     let tls = tether_core::tls::client_config(
         &pki.join("ca.crt"),
         Some((&pki.join("fleet-agent.crt"), &pki.join("fleet-agent.key"))),
         &[alpn],
     )?;
+    // Over QUIC the swarm's agents share one UDP socket, each its own connection.
+    let endpoint = match over {
+        Over::Quic => Some(tether_core::quic::client_endpoint(server)?),
+        _ => None,
+    };
     let counters = Arc::new(Counters::default());
     for id in first..first + count {
-        let agent = fake_agent(id, server, tls.clone(), counters.clone(), websocket);
-        tokio::spawn(agent);
+        let how = Dialer {
+            server,
+            tls: tls.clone(),
+            endpoint: endpoint.clone(),
+            over,
+        };
+        tokio::spawn(fake_agent(id, how, counters.clone()));
     }
     tokio::spawn(async {
         // The parent closes stdin (or dies): stop.
@@ -97,18 +107,14 @@ pub async fn run_swarm(
 
 /// One node's agent: connect, answer dials, and reconnect as the agent does (1 s,
 /// x1.5 up to 10 s, 10% jitter).
-async fn fake_agent(
-    id: usize,
-    server: SocketAddr,
-    tls: Arc<rustls::ClientConfig>,
-    c: Arc<Counters>,
-    websocket: bool,
-) {
+async fn fake_agent(id: usize, how: Dialer, c: Arc<Counters>) {
     let mut delay = Duration::from_secs(1);
+    let (server, tls) = (how.server, &how.tls);
     loop {
-        let held = match websocket {
-            true => hold_ws_stream(id, server, tls.clone(), &c).await,
-            false => hold_stream(id, server, tls.clone(), &c).await,
+        let held = match (how.over, &how.endpoint) {
+            (Over::WebSocket, _) => hold_ws_stream(id, server, tls.clone(), &c).await,
+            (Over::Quic, Some(endpoint)) => hold_quic_stream(id, server, endpoint, tls, &c).await,
+            _ => hold_stream(id, server, tls.clone(), &c).await,
         };
         match held {
             Ok(()) => delay = Duration::from_secs(1),
@@ -265,8 +271,88 @@ async fn hold_ws_stream(
     Ok(())
 }
 
-/// Whether this run's swarms speak WebSocket (`--websocket` with `--agents`).
-static OVER_WEBSOCKET: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// What carries a swarm's agent streams (`--websocket` or `--quic` with `--agents`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Over {
+    H2,
+    WebSocket,
+    Quic,
+}
+
+impl Over {
+    /// The transport the flags name (h2 unless one is given).
+    pub fn of(websocket: bool, quic: bool) -> Over {
+        match (websocket, quic) {
+            (_, true) => Over::Quic,
+            (true, false) => Over::WebSocket,
+            _ => Over::H2,
+        }
+    }
+
+    /// The flag a swarm process is started with.
+    fn flag(self) -> Option<&'static str> {
+        match self {
+            Over::H2 => None,
+            Over::WebSocket => Some("--websocket"),
+            Over::Quic => Some("--quic"),
+        }
+    }
+}
+
+/// How a swarm agent reaches the server.
+struct Dialer {
+    server: SocketAddr,
+    tls: Arc<rustls::ClientConfig>,
+    /// Over QUIC: the swarm's one UDP endpoint.
+    endpoint: Option<tether_core::quic::quinn::Endpoint>,
+    over: Over,
+}
+
+/// [`hold_stream`] over QUIC (`--quic`): a connection on the swarm's endpoint, the
+/// control stream's head, then each tunnel on the stream the server opens for it,
+/// answered as the HTTP/2 swarm answers.
+async fn hold_quic_stream(
+    id: usize,
+    server: SocketAddr,
+    endpoint: &tether_core::quic::quinn::Endpoint,
+    tls: &rustls::ClientConfig,
+    c: &Counters,
+) -> Result<(), bool> {
+    use tether_core::quic;
+    let transport = quic::transport_config(Duration::from_secs(10), Duration::from_secs(30), false);
+    let config = quic::client_config(tls, transport).map_err(|_| false)?;
+    let conn = endpoint
+        .connect_with(config, server, "127.0.0.1")
+        .map_err(|_| false)?
+        .await
+        .map_err(|_| false)?;
+    let (mut send, mut recv) = conn.open_bi().await.map_err(|_| false)?;
+    let head = quic::request_head(
+        &server.to_string(),
+        "/AgentService/Connect",
+        &swarm_headers(id),
+    );
+    send.write_all(&head).await.map_err(|_| false)?;
+    let (_, rest) = quic::read_answer(&mut recv)
+        .await
+        .map_err(|e| matches!(e, quic::AnswerError::Refused { .. }))?;
+    let reader = quic::PacketReader::new(recv, rest);
+    let (mux, mut inbound) = quic::Mux::start(conn, send, reader, tracing::Span::none());
+    c.connects.fetch_add(1, Ordering::Relaxed);
+    c.up.fetch_add(1, Ordering::Relaxed);
+    let mut next_id = 1i64;
+    let mut bursted = false;
+    while let Some(Ok(p)) = inbound.recv().await {
+        for a in answers(p, &mut next_id, &mut bursted, c) {
+            mux.send(&a).await;
+        }
+    }
+    c.up.fetch_sub(1, Ordering::Relaxed);
+    Ok(())
+}
+
+/// What this run's swarms speak (`--websocket`, `--quic` with `--agents`).
+static OVER: std::sync::Mutex<Over> = std::sync::Mutex::new(Over::H2);
 
 /// A swarm process and its latest counters.
 struct Swarm {
@@ -287,11 +373,7 @@ fn start_swarm(
             format!("--swarm-first={first}"),
             format!("--swarm-count={count}"),
         ])
-        .args(
-            OVER_WEBSOCKET
-                .load(Ordering::Relaxed)
-                .then_some("--websocket"),
-        )
+        .args(OVER.lock().unwrap_or_else(|e| e.into_inner()).flag())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -331,8 +413,13 @@ fn start_server(
     pki: &tether_certs::DevPki,
     socket: &Path,
     agent_port: u16,
+    quic: bool,
 ) -> anyhow::Result<Server> {
-    let (proc, ev) = spawn_tether(&t.bin, &t.server_args(pki, "grpc", socket, agent_port))?;
+    let mut args = t.server_args(pki, "grpc", socket, agent_port);
+    if quic {
+        args.push(format!("--agent-quic-port={agent_port}"));
+    }
+    let (proc, ev) = spawn_tether(&t.bin, &args)?;
     Ok(Server {
         proc,
         health: ev["health"].as_str().unwrap_or_default().parse()?,
@@ -527,7 +614,8 @@ async fn idle_cpu(pid: u32, window: Duration) -> f64 {
 pub async fn run(args: &Args, t: &Tether) -> anyhow::Result<()> {
     let mut out = serde_json::Map::new();
     if let Some(n) = args.agents {
-        let v = many_agents(t, n, args.agent_procs, args.websocket).await?;
+        let over = Over::of(args.websocket, args.quic);
+        let v = many_agents(t, n, args.agent_procs, over).await?;
         out.insert("many_agents".into(), v);
     }
     if let Some(m) = args.tunnels {
@@ -559,15 +647,16 @@ pub async fn many_agents(
     t: &Tether,
     agents: usize,
     procs: usize,
-    websocket: bool,
+    over: Over,
 ) -> anyhow::Result<Value> {
-    OVER_WEBSOCKET.store(websocket, Ordering::Relaxed);
+    *OVER.lock().unwrap_or_else(|e| e.into_inner()) = over;
     let dir = std::env::temp_dir().join(format!("tether-swarm-{}", std::process::id()));
     let pki = swarm_pki(&dir.join("pki"))?;
     let socket = dir.join("grpc.sock");
-    let port = free_port();
+    // Over QUIC the agents dial the same number over UDP.
+    let port = tether_testkit::kube::free_udp_port();
     let agent_addr: SocketAddr = ([127, 0, 0, 1], port).into();
-    let mut server = start_server(t, &pki, &socket, port)?;
+    let mut server = start_server(t, &pki, &socket, port, over == Over::Quic)?;
     let base_rss = settled_rss(server.proc.0.id()).await;
 
     let mut swarms = vec![start_swarm(agent_addr, &pki.dir, 0, 1)?];
@@ -626,8 +715,8 @@ pub async fn many_agents(
     // figures compared are taken in the same seconds.
     let (beside, beside_ratio, cpu_per_dial) = {
         let socket = dir.join("grpc-one.sock");
-        let port = free_port();
-        let one_server = start_server(t, &pki, &socket, port)?;
+        let port = tether_testkit::kube::free_udp_port();
+        let one_server = start_server(t, &pki, &socket, port, over == Over::Quic)?;
         let one_swarm = start_swarm(([127, 0, 0, 1], port).into(), &pki.dir, 0, 1)?;
         wait_agents(&one_server, 1.0, Duration::from_secs(30)).await?;
         let one_client = tether_client::Client::uds(&socket).await?;
@@ -673,7 +762,7 @@ pub async fn many_agents(
     let refused_before = swarm_total(&swarms, "refused");
     drop(server);
     let restarted = Instant::now();
-    server = start_server(t, &pki, &socket, port)?;
+    server = start_server(t, &pki, &socket, port, over == Over::Quic)?;
     let (storm, storm_peak) = wait_agents(&server, agents as f64, Duration::from_secs(600)).await?;
     let storm = restarted.elapsed().max(storm);
     let after_rss = settled_rss(server.proc.0.id()).await;
@@ -712,7 +801,7 @@ pub async fn many_tunnels(t: &Tether, tunnels: usize, agents: usize) -> anyhow::
     let pki = swarm_pki(&dir.join("pki"))?;
     let socket = dir.join("grpc.sock");
     let port = free_port();
-    let server = start_server(t, &pki, &socket, port)?;
+    let server = start_server(t, &pki, &socket, port, false)?;
     let swarm = start_swarm(([127, 0, 0, 1], port).into(), &pki.dir, 0, agents)?;
     wait_agents(&server, agents as f64, Duration::from_secs(120)).await?;
     let pid = server.proc.0.id();

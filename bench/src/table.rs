@@ -131,6 +131,20 @@ async fn start(args: &Args, t: &Tether, dir: &Path) -> anyhow::Result<Env> {
     } else {
         None
     };
+    let quic_socket = dir.join("quic.sock");
+    let quic_client = if args.quic {
+        let port = tether_testkit::kube::free_udp_port();
+        let server = vec![format!("--agent-quic-port={port}")];
+        let agent = vec![
+            "--transports=quic".to_string(),
+            format!("--proxy-server-quic-port={port}"),
+        ];
+        let (s_, a_, _) = start_pair_with(t, &pki, "grpc", &quic_socket, &server, &agent)?;
+        s.add(Route::GrpcUdsQuic, vec![s_, a_], &[]);
+        Some(tether_client::Client::uds(&quic_socket).await?)
+    } else {
+        None
+    };
     let ssh_port = if args.no_ssh {
         None
     } else {
@@ -161,6 +175,7 @@ async fn start(args: &Args, t: &Tether, dir: &Path) -> anyhow::Result<Env> {
         client: tether_client::Client::uds(&grpc_socket).await?,
         audit_client,
         ws_client,
+        quic_client,
         connect_socket,
         ssh_port,
         relay_port,
@@ -185,6 +200,9 @@ fn routes(args: &Args, env: &Env) -> Vec<Route> {
     }
     if env.ws_client.is_some() {
         routes.push(Route::GrpcUdsWs);
+    }
+    if env.quic_client.is_some() {
+        routes.push(Route::GrpcUdsQuic);
     }
     if !args.no_http_connect {
         routes.push(Route::HttpConnectUds);

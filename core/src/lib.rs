@@ -14,6 +14,7 @@ pub mod host;
 pub mod identifiers;
 pub mod pump;
 pub mod queue;
+pub mod quic;
 pub mod ratelimit;
 pub mod read_ahead;
 pub mod tls;

@@ -332,7 +332,8 @@ pub fn refused_with(code: i32, message: &str) -> Vec<u8> {
     refused(http_status(code), code, message)
 }
 
-fn append_headers(out: &mut Vec<u8>, headers: &http::HeaderMap) {
+/// Appends `headers` to an HTTP/1.1 head, a line each.
+pub(crate) fn append_headers(out: &mut Vec<u8>, headers: &http::HeaderMap) {
     for (name, value) in headers {
         out.extend_from_slice(name.as_str().as_bytes());
         out.extend_from_slice(b": ");

@@ -43,7 +43,7 @@ pub(crate) fn refusals(
 /// for those tasks (each ends within `tether_core::grpc::server::CLOSE_GRACE` of the
 /// hard stop).
 pub(crate) fn spawn_agent_listener(
-    link: agent_link::AgentLink,
+    link: Arc<agent_link::AgentLink>,
     listener: TcpListener,
     tls: ServerConfigSource,
     keepalive: Duration,
@@ -59,7 +59,6 @@ pub(crate) fn spawn_agent_listener(
         admission,
         accepting.clone(),
     );
-    let link = Arc::new(link);
     tokio::spawn(
         async move {
             let connections = tokio_util::task::TaskTracker::new();

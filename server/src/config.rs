@@ -126,6 +126,8 @@ pub struct ServerConfig {
     pub require_agent_identity_match: bool,
     /// Agents may carry their stream over WebSocket on the agent port (`--agent-websocket`).
     pub agent_websocket: bool,
+    /// Agents may carry their stream over QUIC on this UDP address (`--agent-quic-port`).
+    pub agent_quic_addr: Option<SocketAddr>,
     /// How often certificate files are checked for changes (SIGHUP reloads at once).
     pub cert_reload_interval: Duration,
     /// Publish a Lease and tell agents the number of live servers.

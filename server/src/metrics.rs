@@ -220,7 +220,7 @@ tether_ops::metric_set! {
         /// Open agent streams by the transport that carries them.
         pub agent_streams: IntGaugeVec = catalog.add(with_series(
             IntGaugeVec::new(
-                Opts::new("tether_server_agent_streams", "Open agent streams by transport: h2 (gRPC over HTTP/2, as upstream), websocket (the agent protocol over WebSocket on HTTP/1.1)."),
+                Opts::new("tether_server_agent_streams", "Open agent streams by transport: h2 (gRPC over HTTP/2, as upstream), websocket (the agent protocol over WebSocket on HTTP/1.1), quic (over QUIC, a stream per tunnel)."),
                 &["transport"],
             )
             .expect("valid metric"),

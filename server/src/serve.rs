@@ -128,25 +128,13 @@ impl BoundServer {
         hard_stop: &CancellationToken,
     ) -> (tokio::task::JoinHandle<()>, Frontends) {
         let config = self.config;
-        let link = agent_link::AgentLink {
-            router: self.router.clone(),
-            server_id: config.server_id.clone(),
+        let link = new_link(
+            &self.router,
+            &config,
             server_count,
-            channel_size: config.channel_size,
-            hard_stop: hard_stop.clone(),
-            authenticator: self.authenticator,
-            require_identity_match: config.require_agent_identity_match,
-            websocket: config.agent_websocket,
-            unverified_warnings: tether_ops::ratelimit::TokenBucket::new(
-                agent_link::UNVERIFIED_WARNINGS.0,
-                agent_link::UNVERIFIED_WARNINGS.1,
-            ),
-            identities: agent_link::IdentityConnections::new(config.router.max_agent_streams),
-            refusal_log: tether_core::ratelimit::LogLimit::new(
-                agent_link::REFUSAL_WARNINGS.0,
-                agent_link::REFUSAL_WARNINGS.1,
-            ),
-        };
+            hard_stop,
+            self.authenticator,
+        );
         let keepalive = config.agent_keepalive;
         let mut frontends = Frontends {
             shared: config.reuse_port,
@@ -159,20 +147,75 @@ impl BoundServer {
             true => frontends.drain.clone(),
             false => hard_stop.clone(),
         };
-        let agent_task = spawn_agent_listener(
+        let link = Arc::new(link);
+        let admission = admission(&self.router, "agent", config.admission);
+        let quic_task = self.agent_quic.map(|port| {
+            let tls = self.agent_tls.clone();
+            let accept = (admission.clone(), accepting.clone());
+            spawn_quic_listener(link.clone(), port, tls, accept)
+        });
+        let tcp_task = spawn_agent_listener(
             link,
             self.agent_listener,
             self.agent_tls,
             keepalive,
             config.agent_dead_link,
-            admission(&self.router, "agent", config.admission),
+            admission,
             &accepting,
         );
+        let agent_task = tokio::spawn(async move {
+            let _ = tcp_task.await;
+            if let Some(quic) = quic_task {
+                let _ = quic.await;
+            }
+        });
         for (mode, listener) in self.frontends {
             frontends.spawn(&self.router, &config, mode, listener, hard_stop);
         }
         (agent_task, frontends)
     }
+}
+
+/// The agent link both agent listeners (TCP and QUIC) serve.
+fn new_link(
+    router: &Arc<Router>,
+    config: &crate::config::ServerConfig,
+    server_count: Arc<AtomicU32>,
+    hard_stop: &CancellationToken,
+    authenticator: Option<Arc<crate::auth::TokenAuthenticator>>,
+) -> agent_link::AgentLink {
+    agent_link::AgentLink {
+        router: router.clone(),
+        server_id: config.server_id.clone(),
+        server_count,
+        channel_size: config.channel_size,
+        hard_stop: hard_stop.clone(),
+        authenticator,
+        require_identity_match: config.require_agent_identity_match,
+        websocket: config.agent_websocket,
+        unverified_warnings: tether_ops::ratelimit::TokenBucket::new(
+            agent_link::UNVERIFIED_WARNINGS.0,
+            agent_link::UNVERIFIED_WARNINGS.1,
+        ),
+        identities: agent_link::IdentityConnections::new(config.router.max_agent_streams),
+        refusal_log: tether_core::ratelimit::LogLimit::new(
+            agent_link::REFUSAL_WARNINGS.0,
+            agent_link::REFUSAL_WARNINGS.1,
+        ),
+    }
+}
+
+/// The QUIC agent listener's accept loop, in a task (with the agent port's admission
+/// and what ends its accepting).
+fn spawn_quic_listener(
+    link: Arc<agent_link::AgentLink>,
+    port: agent_link::quic::QuicPort,
+    tls: tether_core::transport::ServerConfigSource,
+    (admission, accepting): (Arc<tether_core::admission::Admission>, CancellationToken),
+) -> tokio::task::JoinHandle<()> {
+    let accept = agent_link::quic::accept_loop(link, port, tls, admission, accepting);
+    let span = tracing::info_span!("agent_listener", transport = "quic");
+    tokio::spawn(accept.instrument(span))
 }
 
 /// Lets established tunnels finish for up to `grace` (pending dials and established

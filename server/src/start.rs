@@ -26,6 +26,9 @@ pub enum StartError {
         #[source]
         source: std::io::Error,
     },
+    /// The QUIC agent listener could not be set up (`--agent-quic-port`).
+    #[error("--agent-quic-port: {0}")]
+    Quic(String),
     /// TLS material is unusable.
     #[error(transparent)]
     Tls(#[from] TlsError),
@@ -183,6 +186,8 @@ fn ancestry<'a>(c: &'a CertInfo, all: &[&'a CertInfo]) -> Result<Vec<&'a CertInf
 pub struct BoundAddrs {
     /// Agent listener.
     pub agent: SocketAddr,
+    /// The agent listener over QUIC (UDP), when on.
+    pub agent_quic: Option<SocketAddr>,
     /// Frontends, in configuration order: a TCP address or a socket path.
     pub frontends: Vec<String>,
     /// Health endpoint.
@@ -207,6 +212,7 @@ pub struct BoundServer {
     pub(crate) router: Arc<Router>,
     pub(crate) agent_listener: TcpListener,
     pub(crate) agent_tls: ServerConfigSource,
+    pub(crate) agent_quic: Option<crate::agent_link::quic::QuicPort>,
     pub(crate) frontends: Vec<(Mode, FrontendListener)>,
     pub(crate) health: Option<TcpListener>,
     pub(crate) admin: Option<TcpListener>,
@@ -307,6 +313,33 @@ pub(crate) async fn bind_frontend(
     }
 }
 
+/// The audit log `--audit-log-path` asks for, or none.
+fn open_audit(
+    config: &ServerConfig,
+    metrics: &metrics::Metrics,
+) -> Result<crate::router::audit::Audit, StartError> {
+    Ok(match &config.audit {
+        Some(a) => crate::router::audit::Audit::open(a, metrics.audit.clone(), "tether-audit")?,
+        None => crate::router::audit::Audit::off(),
+    })
+}
+
+/// Binds every frontend: their listeners (with their modes) and where each is reached.
+async fn bind_frontends(
+    configs: &[FrontendConfig],
+    tls_sources: &mut TlsSources,
+    reuse_port: bool,
+) -> Result<(Vec<(Mode, FrontendListener)>, Vec<String>), StartError> {
+    let mut frontends = Vec::new();
+    let mut addrs = Vec::new();
+    for fe in configs {
+        let (listener, at) = bind_frontend(fe, tls_sources, reuse_port).await?;
+        frontends.push((fe.mode, listener));
+        addrs.push(at);
+    }
+    Ok((frontends, addrs))
+}
+
 pub(crate) fn bind_optional(
     what: &'static str,
     addr: Option<SocketAddr>,
@@ -331,13 +364,15 @@ impl Server {
         let agent_tls = tls_sources.source("agent listener", &config.agent_tls, alpn)?;
         let reuse = config.reuse_port;
         let agent_listener = bind_tcp("agent port", config.agent_addr, reuse)?;
-        let mut frontends = Vec::new();
-        let mut frontend_addrs = Vec::new();
-        for fe in &config.frontends {
-            let (listener, at) = bind_frontend(fe, &mut tls_sources, reuse).await?;
-            frontends.push((fe.mode, listener));
-            frontend_addrs.push(at);
-        }
+        // The agent key signs QUIC's stateless resets: a restarted server's are good.
+        let secret = std::fs::read(&config.agent_tls.key).unwrap_or_default();
+        let agent_quic = config
+            .agent_quic_addr
+            .map(|addr| crate::agent_link::quic::bind(addr, &agent_tls, &secret, reuse))
+            .transpose()
+            .map_err(StartError::Quic)?;
+        let (frontends, frontend_addrs) =
+            bind_frontends(&config.frontends, &mut tls_sources, reuse).await?;
         let health = bind_optional("health port", config.health_addr, reuse)?;
         let admin = bind_optional("admin port", config.admin_addr, reuse)?;
         let admin_tls = match &config.admin_tls {
@@ -346,18 +381,13 @@ impl Server {
         };
         let addrs = BoundAddrs {
             agent: agent_listener.local_addr().expect("bound"),
+            agent_quic: agent_quic.as_ref().and_then(|p| p.addr()),
             frontends: frontend_addrs,
             health: health.as_ref().and_then(|l| l.local_addr().ok()),
             admin: admin.as_ref().and_then(|l| l.local_addr().ok()),
         };
         let clients = KubeClients::of(&config, &metrics).await?;
-        let audit = match &config.audit {
-            Some(a) => {
-                let audited = metrics.audit.clone();
-                crate::router::audit::Audit::open(a, audited, "tether-audit")?
-            }
-            None => crate::router::audit::Audit::off(),
-        };
+        let audit = open_audit(&config, &metrics)?;
         let router = Router::with_audit(config.router.clone(), metrics, audit);
         if config.nodes.as_ref().is_some_and(|w| w.route_pod_ips) {
             router.registry().nodes().route_pod_ips();
@@ -372,6 +402,7 @@ impl Server {
             router,
             agent_listener,
             agent_tls,
+            agent_quic,
             frontends,
             health,
             admin,

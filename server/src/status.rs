@@ -30,6 +30,9 @@ pub(crate) struct StatusSource {
     server_count: Arc<AtomicU32>,
     /// `Some` with `--enable-lease-controller`: the last count and the renew interval.
     lease: Option<(Arc<LastCount>, Duration)>,
+    /// What agents may carry their streams over here, and where QUIC is taken.
+    agent_transports: Vec<&'static str>,
+    agent_quic: Option<std::net::SocketAddr>,
 }
 
 impl StatusSource {
@@ -57,6 +60,11 @@ impl StatusSource {
             configured_count: config.server_count,
             server_count,
             lease: config.lease.as_ref().map(|l| (counted, l.renew_interval)),
+            agent_transports: std::iter::once("h2")
+                .chain(config.agent_websocket.then_some("websocket"))
+                .chain(config.agent_quic_addr.map(|_| "quic"))
+                .collect(),
+            agent_quic: config.agent_quic_addr,
         }
     }
 
@@ -75,6 +83,8 @@ impl StatusSource {
                 "mode": mode,
                 "transport": transport,
             })).collect::<Vec<_>>(),
+            "agentTransports": self.agent_transports,
+            "agentQuic": self.agent_quic.map(|a| a.to_string()),
             "version": env!("CARGO_PKG_VERSION"),
             "startTime": rfc3339(unix(self.started)),
             "uptimeSeconds": now.duration_since(self.started).unwrap_or_default().as_secs(),

@@ -152,15 +152,22 @@ pub struct AgentArgs {
     /// server is down it holds the update back. Tether only.
     #[arg(long, value_enum, default_value = "any-server")]
     pub ready_when: ReadyWhen,
-    /// How streams to the servers are carried, in order of preference: h2, websocket.
+    /// How streams to the servers are carried, in order of preference: h2, websocket,
+    /// quic.
     ///
     /// h2 is gRPC over HTTP/2, as upstream (any server, Tether or upstream). websocket
     /// carries the same packets over HTTP/1.1 (a Tether server), for paths that pass
-    /// only HTTP/1.1: a TLS-terminating reverse proxy, an L7 firewall. A stream that
+    /// only HTTP/1.1: a TLS-terminating reverse proxy, an L7 firewall. quic carries
+    /// them over QUIC on UDP (a Tether server with --agent-quic-port), a stream per
+    /// tunnel, for lossy and roaming links; it passes no HTTP proxy. A stream that
     /// cannot be opened over one is tried over the next (each try within 20 s), and the
     /// one that worked is tried first from then on. Tether only.
     #[arg(long, value_delimiter = ',', default_value = "h2")]
     pub transports: Vec<String>,
+    /// The server's UDP port for --transports=quic (0 = the number of
+    /// --proxy-server-port). Tether only.
+    #[arg(long, default_value_t = 0)]
+    pub proxy_server_quic_port: u16,
     /// Threads running the agent's tasks (0 = one per CPU).
     ///
     /// One thread carries an agent's traffic with the fewest cross-thread wake-ups and
@@ -455,6 +462,7 @@ impl AgentArgs {
             policy,
             ready_with_every_server: self.ready_when == ReadyWhen::EveryServer,
             transports: self.transports()?,
+            quic_port: (self.proxy_server_quic_port != 0).then_some(self.proxy_server_quic_port),
         })
     }
 
@@ -797,7 +805,7 @@ pub(crate) fn parse_transports(names: &[String]) -> anyhow::Result<Vec<tether_ag
         out.push(t);
     }
     if out.is_empty() {
-        bail!("--transports: name at least one transport (h2, websocket)");
+        bail!("--transports: name at least one transport (h2, websocket, quic)");
     }
     Ok(out)
 }

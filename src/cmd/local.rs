@@ -84,7 +84,9 @@ async fn run(
     // The server's drain starts at the hard stop, which ends the agent and its tunnels.
     let server_task = tokio::spawn(bound.run(hard_stop.clone()));
 
-    let agent = Agent::new(agent_config(&pki, addrs.agent.port(), transports)?)?;
+    let mut agent_cfg = agent_config(&pki, addrs.agent.port(), transports)?;
+    agent_cfg.quic_port = addrs.agent_quic.map(|a| a.port());
+    let agent = Agent::new(agent_cfg)?;
     let agent_drain = CancellationToken::new();
     let agent_task = {
         let (agent, drain, hard_stop) = (agent.clone(), agent_drain.clone(), hard_stop.clone());
@@ -142,6 +144,7 @@ fn server_config(args: &LocalArgs, pki: &DevPki, socket: &Path) -> ServerConfig 
         agent_auth: None,
         require_agent_identity_match: false,
         agent_websocket: true,
+        agent_quic_addr: Some(loopback(0)),
         nodes: None,
         admission: tether_core::admission::AdmissionLimits::for_open_files(
             tether_ops::limits::open_file_limit().unwrap_or(1024),
@@ -226,6 +229,7 @@ fn agent_config(
         },
         ready_with_every_server: false,
         transports,
+        quic_port: None,
     })
 }
 

@@ -255,6 +255,14 @@ pub struct ServerArgs {
     /// requests. Tether only.
     #[arg(long, default_value = "true", value_parser = go_bool, num_args = 0..=1, default_missing_value = "true")]
     pub agent_websocket: bool,
+    /// UDP port for agents that carry their stream over QUIC (0 = off).
+    ///
+    /// On --agent-bind-address, with the agent port's certificate and client
+    /// verification (TLS 1.3 only). For lossy and roaming links (agent
+    /// `--transports=quic,h2`): each tunnel is a QUIC stream of its own, and a
+    /// connection survives the node's address changing. Tether only.
+    #[arg(long, default_value_t = 0)]
+    pub agent_quic_port: u16,
     /// UNSAFE: route dials by identifiers agents claim but the server could not verify.
     ///
     /// Upstream's behaviour, for fleets with agents that cannot be verified: a
@@ -515,6 +523,8 @@ impl ServerArgs {
             agent_auth,
             require_agent_identity_match: self.require_agent_identity_match,
             agent_websocket: self.agent_websocket,
+            agent_quic_addr: (self.agent_quic_port != 0)
+                .then(|| std::net::SocketAddr::new(endpoints.agent.ip(), self.agent_quic_port)),
             cert_reload_interval: self.cert_reload_interval,
             lease,
             nodes,
@@ -853,6 +863,7 @@ pub fn main(args: ServerArgs) -> anyhow::Result<()> {
         tracing::info!(
             server_id = %server_id,
             agent = %addrs.agent,
+            agent_quic = %addrs.agent_quic.map(|a| a.to_string()).unwrap_or_default(),
             frontend = %addrs.frontends.join(","),
             health = %addrs.health.map(|a| a.to_string()).unwrap_or_default(),
             admin = %addrs.admin.map(|a| a.to_string()).unwrap_or_default(),

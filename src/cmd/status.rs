@@ -494,6 +494,7 @@ fn table(report: &Report, warn_days: u32) -> String {
     let mut out = columns(&[
         vec!["server".into(), str_of(&doc["serverId"])],
         vec!["mode".into(), str_of(&doc["mode"])],
+        vec!["agents over".into(), agent_transports(doc)],
         vec![
             "version".into(),
             format!("Tether {}", str_of(&doc["version"])),
@@ -623,6 +624,22 @@ fn cert_name(c: &Value) -> String {
 
 /// `s` safe for a terminal: what the server sent (agent IDs, host names, file names)
 /// may be forged on a plain-HTTP path, so control characters (escape sequences
+/// What agents may carry their streams over, and where QUIC is taken (`-` from a
+/// server that does not say).
+fn agent_transports(doc: &Value) -> String {
+    let names: Vec<&str> = doc["agentTransports"]
+        .as_array()
+        .map(|a| a.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    if names.is_empty() {
+        return "-".into();
+    }
+    match doc["agentQuic"].as_str() {
+        Some(at) => format!("{} (QUIC on udp {at})", names.join(", ")),
+        None => names.join(", "),
+    }
+}
+
 /// included) become `?`, and a value is cut at [`MAX_SHOWN`] characters.
 fn printable(s: &str) -> String {
     let mut out: String = s

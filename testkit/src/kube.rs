@@ -83,6 +83,19 @@ pub fn require_grpc_go_peer() -> PathBuf {
 /// our check and the child's bind. Each test process walks its own pid-derived sequence
 /// so that parallel tests in one binary never pick the same port twice.
 pub fn free_port() -> u16 {
+    free_port_where(|port| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok())
+}
+
+/// A UDP port free on 127.0.0.1 (and TCP too), as [`free_port`] picks them: for a
+/// server's `--agent-quic-port`, which has no port 0.
+pub fn free_udp_port() -> u16 {
+    free_port_where(|port| {
+        std::net::UdpSocket::bind(("127.0.0.1", port)).is_ok()
+            && std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
+    })
+}
+
+fn free_port_where(free: impl Fn(u16) -> bool) -> u16 {
     use std::sync::atomic::{AtomicU32, Ordering};
     const LOW: u32 = 20000;
     const SPAN: u32 = 12768;
@@ -95,7 +108,7 @@ pub fn free_port() -> u16 {
     );
     for _ in 0..SPAN {
         let port = (LOW + NEXT.fetch_add(1, Ordering::SeqCst) % SPAN) as u16;
-        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+        if free(port) {
             return port;
         }
     }

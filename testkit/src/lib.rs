@@ -271,6 +271,17 @@ pub async fn agent_channel(
     ca: &Path,
     identity: Option<(&Path, &Path)>,
 ) -> tonic::transport::Channel {
+    agent_channel_with(server, ca, identity, false).await
+}
+
+/// [`agent_channel`], connected only when first used when `lazy` (an attacker over
+/// another transport, whose address speaks no HTTP/2).
+pub async fn agent_channel_with(
+    server: std::net::SocketAddr,
+    ca: &Path,
+    identity: Option<(&Path, &Path)>,
+    lazy: bool,
+) -> tonic::transport::Channel {
     let tls = tether_core::tls::client_config(ca, identity, &[b"h2"]).expect("client TLS");
     let authority = server.to_string();
     let connector = tower::service_fn(move |_| {
@@ -281,9 +292,13 @@ pub async fn agent_channel(
             Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tls))
         }
     });
-    tonic::transport::Endpoint::from_static("http://127.0.0.1")
+    let endpoint = tonic::transport::Endpoint::from_static("http://127.0.0.1")
         .initial_stream_window_size(65_535)
-        .initial_connection_window_size(65_535)
+        .initial_connection_window_size(65_535);
+    if lazy {
+        return endpoint.connect_with_connector_lazy(connector);
+    }
+    endpoint
         .connect_with_connector(connector)
         .await
         .expect("connected to the agent listener")

@@ -403,6 +403,11 @@ impl Node {
     pub fn host_interface(&self) -> &str {
         &self.host_if
     }
+
+    /// The node side of the veth pair, inside the namespace.
+    pub fn node_interface(&self) -> &str {
+        &self.node_if
+    }
 }
 
 impl Drop for Node {

@@ -258,6 +258,8 @@ pub struct ServerProc {
     pub proc: Proc,
     /// Agent listener.
     pub agent: SocketAddr,
+    /// The agent listener over QUIC (`--agent-quic-port`), when on.
+    pub agent_quic: Option<SocketAddr>,
     /// Frontend: a TCP address or a socket path.
     pub frontend: String,
     /// Health endpoint.
@@ -304,6 +306,7 @@ impl ServerProc {
         let ev = proc.wait_event("server listening", START_TIMEOUT, |_| true);
         ServerProc {
             agent: addr(&ev, "agent").expect("agent address"),
+            agent_quic: addr(&ev, "agent_quic"),
             frontend: ev["frontend"].as_str().unwrap_or_default().to_string(),
             health: addr(&ev, "health").expect("health address"),
             admin: addr(&ev, "admin").expect("admin address"),

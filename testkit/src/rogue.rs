@@ -48,11 +48,24 @@ pub enum Over {
     H2,
     /// WebSocket on HTTP/1.1: a connection per stream.
     WebSocket,
+    /// QUIC: a connection per stream (its control stream), tunnels on streams the
+    /// server opens.
+    Quic,
 }
 
 impl Over {
     /// Every transport an agent may use.
-    pub const ALL: [Over; 2] = [Over::H2, Over::WebSocket];
+    pub const ALL: [Over; 3] = [Over::H2, Over::WebSocket, Over::Quic];
+
+    /// Where `server` takes agents over this transport.
+    pub fn agent_port(self, server: &crate::ServerProc) -> std::net::SocketAddr {
+        match self {
+            Over::Quic => server
+                .agent_quic
+                .expect("the server takes QUIC (--agent-quic-port)"),
+            _ => server.agent,
+        }
+    }
 }
 
 /// The attacker: one mutual-TLS HTTP/2 connection to the agent port, on which it opens
@@ -64,6 +77,8 @@ pub struct Rogue {
     pub channel: tonic::transport::Channel,
     /// Over WebSocket: where and with what it connects for each stream.
     ws: Option<WsDialer>,
+    /// Over QUIC: the same.
+    quic: Option<QuicDialer>,
     /// Dials that reached the attacker.
     pub dials: Arc<AtomicUsize>,
     /// Leaves every dial unanswered.
@@ -93,7 +108,8 @@ impl Rogue {
         server: std::net::SocketAddr,
         identity: Option<(&Path, &Path)>,
     ) -> Rogue {
-        let channel = crate::agent_channel(server, &pki.files.ca_cert, identity).await;
+        let lazy = over == Over::Quic;
+        let channel = crate::agent_channel_with(server, &pki.files.ca_cert, identity, lazy).await;
         let ws = (over == Over::WebSocket).then(|| WsDialer {
             server,
             tls: tether_core::tls::client_config(
@@ -103,9 +119,15 @@ impl Rogue {
             )
             .expect("client TLS"),
         });
+        let quic = (over == Over::Quic).then(|| QuicDialer {
+            server,
+            tls: tether_core::tls::client_config(&pki.files.ca_cert, identity, &[])
+                .expect("client TLS"),
+        });
         Rogue {
             channel,
             ws,
+            quic,
             dials: Arc::default(),
             silent: false,
         }
@@ -143,6 +165,10 @@ impl Rogue {
         };
         if let Some(ws) = &self.ws {
             ws.open(md.into_headers(), rx, answer).await?;
+            return Ok(RogueStream { out });
+        }
+        if let Some(quic) = &self.quic {
+            quic.open(md.into_headers(), rx, answer).await?;
             return Ok(RogueStream { out });
         }
         let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
@@ -232,6 +258,72 @@ impl WsDialer {
                         answer(p).await;
                     }
                 }
+            }
+        });
+        Ok(())
+    }
+}
+
+/// How the attacker opens a stream over QUIC: a connection of its own to the server's
+/// UDP port, then the control stream's head with its metadata.
+struct QuicDialer {
+    server: std::net::SocketAddr,
+    tls: Arc<rustls::ClientConfig>,
+}
+
+impl QuicDialer {
+    /// Opens a stream with `headers`; what `rx` yields goes to the server (each packet
+    /// on its tunnel's stream), and each packet from it to `answer`. A refusal comes
+    /// back as the status it carried.
+    async fn open<F, Fut>(
+        &self,
+        headers: http::HeaderMap,
+        mut rx: mpsc::Receiver<Packet>,
+        answer: F,
+    ) -> Result<(), tonic::Status>
+    where
+        F: Fn(Packet) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send,
+    {
+        use tether_core::quic;
+        let unavailable = |e: String| tonic::Status::unavailable(e);
+        let transport =
+            quic::transport_config(Duration::from_secs(10), Duration::from_secs(30), false);
+        let config = quic::client_config(&self.tls, transport).map_err(unavailable)?;
+        let endpoint =
+            quic::client_endpoint(self.server).map_err(|e| unavailable(e.to_string()))?;
+        let conn = endpoint
+            .connect_with(config, self.server, "127.0.0.1")
+            .map_err(|e| unavailable(e.to_string()))?
+            .await
+            .map_err(|e| unavailable(e.to_string()))?;
+        let (mut send, mut recv) = conn
+            .open_bi()
+            .await
+            .map_err(|e| unavailable(e.to_string()))?;
+        let head = quic::request_head(&self.server.to_string(), "/AgentService/Connect", &headers);
+        send.write_all(&head)
+            .await
+            .map_err(|e| unavailable(e.to_string()))?;
+        let (_, rest) = quic::read_answer(&mut recv).await.map_err(|e| match e {
+            quic::AnswerError::Refused { code, message } => {
+                tonic::Status::new(tonic::Code::from(code), message)
+            }
+            e => unavailable(e.to_string()),
+        })?;
+        let reader = quic::PacketReader::new(recv, rest);
+        let (mux, mut inbound) = quic::Mux::start(conn, send, reader, tracing::Span::none());
+        tokio::spawn(async move {
+            let _endpoint = endpoint;
+            while let Some(p) = rx.recv().await {
+                if !mux.send(&p).await {
+                    return;
+                }
+            }
+        });
+        tokio::spawn(async move {
+            while let Some(Ok(p)) = inbound.recv().await {
+                answer(p).await;
             }
         });
         Ok(())

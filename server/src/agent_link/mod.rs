@@ -44,6 +44,7 @@ macro_rules! refused {
     };
 }
 
+pub(crate) mod quic;
 mod ws;
 
 /// Most bytes of a peer's agent ID a log line shows.
@@ -296,13 +297,28 @@ impl AgentLink {
         let serve =
             self.clone()
                 .carry_connection(io, alpn, info.clone(), streams.clone(), keepalive);
+        self.watched(info.remote_addr, &streams, pending, serve)
+            .await;
+    }
+
+    /// Runs `serve` (one agent connection's) under the connection's watch: until its
+    /// first stream is admitted it may be evicted, and it is closed after
+    /// [`ADMIT_WITHIN`] without an admitted stream. Its identities are given back when
+    /// it ends.
+    async fn watched(
+        &self,
+        peer: std::net::SocketAddr,
+        streams: &Arc<ConnStreams>,
+        pending: Option<tether_core::admission::Pending>,
+        serve: impl Future<Output = ()>,
+    ) {
         let serve = std::pin::pin!(serve);
-        let watch = std::pin::pin!(watch_admission(&streams, pending));
+        let watch = std::pin::pin!(watch_admission(streams, pending));
         let why = tokio::select! {
             _ = serve => None,
             why = watch => Some(why),
         };
-        self.identities.release(&streams);
+        self.identities.release(streams);
         if let Some(why) = why {
             self.router
                 .metrics
@@ -311,17 +327,18 @@ impl AgentLink {
                 .inc();
             match why {
                 Closed::Unadmitted => {
-                    tracing::info!(peer = %info.remote_addr, "no agent stream admitted on this connection within 10s; closed")
+                    tracing::info!(%peer, "no agent stream admitted on this connection within 10s; closed")
                 }
                 Closed::Idle => {
-                    tracing::info!(peer = %info.remote_addr, "no agent stream open on this connection for 10s; closed")
+                    tracing::info!(%peer, "no agent stream open on this connection for 10s; closed")
                 }
                 Closed::Evicted => {
-                    tracing::debug!(peer = %info.remote_addr, "unauthenticated connection evicted to make room; closed")
+                    tracing::debug!(%peer, "unauthenticated connection evicted to make room; closed")
                 }
             }
         }
     }
+
     /// Serves the connection as the protocol agreed by ALPN asks: `h2`, gRPC on HTTP/2
     /// (as upstream), `http/1.1`, a WebSocket ([`ws`]); with none agreed (a reverse
     /// proxy's connection to the server), its first bytes say which.
@@ -817,6 +834,25 @@ impl Closed {
             Closed::Idle => "idle",
             Closed::Evicted => "evicted",
         }
+    }
+}
+
+/// A one-stream transport's halves (WebSocket's, QUIC's) until both are done, as the
+/// HTTP/2 stream's: an agent that broke the protocol (`inbound` returns its status)
+/// gets its error at once; otherwise what is queued for it goes out first.
+async fn both_halves(
+    inbound: impl Future<Output = Option<Status>>,
+    outbound: impl Future<Output = bool>,
+) -> Status {
+    let ok = || Status::new(Code::Ok, "");
+    let (inbound, outbound) = (std::pin::pin!(inbound), std::pin::pin!(outbound));
+    match futures::future::select(inbound, outbound).await {
+        Either::Left((Some(failed), _)) => failed,
+        Either::Left((None, outbound)) => {
+            let _ = outbound.await;
+            ok()
+        }
+        Either::Right((_, inbound)) => inbound.await.unwrap_or_else(ok),
     }
 }
 

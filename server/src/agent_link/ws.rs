@@ -9,7 +9,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
-use futures::future::Either;
 use futures::{SinkExt, StreamExt};
 use tether_core::error::chain;
 use tether_core::transport::TlsConnectInfo;
@@ -161,21 +160,13 @@ where
     S: AsyncRead + AsyncWrite + Unpin + Send,
 {
     let router = &link.router;
-    let inbound = std::pin::pin!(async {
+    let inbound = async {
         let failed = read(router, agent, source, link.hard_stop.clone(), heard).await;
         router.remove_agent(agent);
         failed
-    });
-    let outbound = std::pin::pin!(write(router, sink, packets, keepalive));
-    let ok = || Status::new(Code::Ok, "");
-    match futures::future::select(inbound, outbound).await {
-        Either::Left((Some(failed), _)) => failed,
-        Either::Left((None, outbound)) => {
-            let _ = outbound.await;
-            ok()
-        }
-        Either::Right((_, inbound)) => inbound.await.unwrap_or_else(ok),
-    }
+    };
+    let outbound = write(router, sink, packets, keepalive);
+    super::both_halves(inbound, outbound).await
 }
 
 /// Feeds what the agent sends into the router until it closes, the link fails, the

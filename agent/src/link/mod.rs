@@ -36,6 +36,8 @@ use crate::dialer::{Outbox, Session};
 use crate::proxy::{Carrier, ProxyError, ProxyUrl};
 use crate::{Agent, Transport};
 
+mod quic;
+
 /// The method the agent calls.
 const CONNECT_PATH: &str = "/AgentService/Connect";
 
@@ -203,7 +205,7 @@ impl Agent {
             .map_err(|e| LinkError::Connect(io::Error::new(io::ErrorKind::InvalidInput, e)))?;
         let dead_link = self.config.dead_link;
         let tls = match transport {
-            Transport::H2 => self.tls.get(),
+            Transport::H2 | Transport::Quic => self.tls.get(),
             Transport::WebSocket => {
                 let mut http1 = (*self.tls.get()).clone();
                 http1.alpn_protocols = vec![tether_core::tls::ALPN_HTTP11.to_vec()];
@@ -282,20 +284,12 @@ impl Agent {
         host: &str,
         port: u16,
     ) -> Result<Established, LinkError> {
-        let authority = transport::authority(host, port);
-        let io = self.open(host, port, transport).await?;
         let via = self.config.egress.route(host, port).cloned();
-        let (carried, headers) = match transport {
-            Transport::H2 => {
-                let (h2, headers) = self.establish_h2(io, &authority).await?;
-                (Carried::H2(Box::new(h2)), headers)
-            }
-            Transport::WebSocket => {
-                let (socket, headers) = ws::client(io, &authority, CONNECT_PATH, self.metadata()?)
-                    .await
-                    .map_err(LinkError::upgrade)?;
-                (Carried::Ws(Box::new(socket)), headers)
-            }
+        let (carried, headers) = if transport == Transport::Quic {
+            let (link, headers) = self.establish_quic(host, port, self.metadata()?).await?;
+            (Carried::Quic(Box::new(link)), headers)
+        } else {
+            self.establish_tcp(transport, host, port).await?
         };
         let md = MetadataMap::from_headers(headers);
         let md = &md;
@@ -322,6 +316,31 @@ impl Agent {
             peer_window,
             transport,
             carried,
+        })
+    }
+
+    /// Opens a stream over TCP (HTTP/2 or a WebSocket): the stream, and the headers
+    /// the server answered with.
+    async fn establish_tcp(
+        &self,
+        transport: Transport,
+        host: &str,
+        port: u16,
+    ) -> Result<(Carried, http::HeaderMap), LinkError> {
+        let authority = transport::authority(host, port);
+        let io = self.open(host, port, transport).await?;
+        Ok(match transport {
+            Transport::H2 => {
+                let (h2, headers) = self.establish_h2(io, &authority).await?;
+                (Carried::H2(Box::new(h2)), headers)
+            }
+            Transport::WebSocket => {
+                let (socket, headers) = ws::client(io, &authority, CONNECT_PATH, self.metadata()?)
+                    .await
+                    .map_err(LinkError::upgrade)?;
+                (Carried::Ws(Box::new(socket)), headers)
+            }
+            Transport::Quic => unreachable!("QUIC is not carried over TCP"),
         })
     }
 
@@ -435,6 +454,7 @@ impl Agent {
         let ended = match carried {
             Carried::H2(h2) => drive_h2(*h2, queues, &stopping, keepalive, heard).await,
             Carried::Ws(socket) => drive_ws(*socket, queues, &stopping, keepalive, heard).await,
+            Carried::Quic(link) => drive_quic(*link, queues, &stopping, heard).await,
         };
         let Err((e, reason)) = ended else {
             return Ok(());
@@ -576,6 +596,27 @@ async fn drive_ws(
     driven.run(stopping).await.map_err(|e| (e, None))
 }
 
+/// Drives a QUIC link until the hard stop (Ok) or it fails, then closes its
+/// connection; QUIC's own pings and idle timeout keep it alive.
+async fn drive_quic(
+    link: quic::QuicLink,
+    (session, control, data): Queues,
+    stopping: &Stopping<'_>,
+    heard: Heard,
+) -> Result<(), (LinkError, Option<Reason>)> {
+    let (source, sink, closer) = link.split();
+    let mut never = std::future::pending();
+    let mut driven = Driven {
+        conn: &mut never,
+        reader: pin!(read(source, session, heard)),
+        writer: pin!(write(sink, control, data, stopping.finish.clone())),
+        pinger: pin!(std::future::pending::<LinkError>()),
+    };
+    let ended = driven.run(stopping).await.map_err(|e| (e, None));
+    closer.close().await;
+    ended
+}
+
 /// The HTTP/2 error code the server ended the stream's connection with: a stream may
 /// fail before its connection reports the GOAWAY that ended it.
 async fn goaway_reason(e: &LinkError, conn: &mut Conn) -> Option<Reason> {
@@ -599,6 +640,7 @@ fn tls_failed(e: io::Error, transport: Transport) -> LinkError {
     let offered = match transport {
         Transport::H2 => "h2",
         Transport::WebSocket => "http/1.1",
+        Transport::Quic => "tether/1",
     };
     LinkError::NoProtocol { offered, source: e }
 }
@@ -1088,6 +1130,7 @@ pub(crate) struct Established {
 enum Carried {
     H2(Box<H2Stream>),
     Ws(Box<Socket>),
+    Quic(Box<quic::QuicLink>),
 }
 
 /// A Connect call on an HTTP/2 connection.
