@@ -135,6 +135,7 @@ const MODULES: &[(&str, &str)] = &[
     ("tether_core", "identifiers"),
     ("tether_core", "pump"),
     ("tether_core", "queue"),
+    ("tether_core", "quic"),
     ("tether_core", "ratelimit"),
     ("tether_core", "read_ahead"),
     ("tether_core", "tls"),
