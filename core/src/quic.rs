@@ -728,9 +728,7 @@ impl Mux {
 
     /// Ends the connection with gRPC status `code` and `message`.
     pub fn close(&self, code: i32, message: &str) {
-        let reason = format!("{code} {}", crate::ratelimit::clipped(message, 512));
-        let app = if code == 0 { CLOSE_OK } else { CLOSE_STATUS };
-        self.conn.close(VarInt::from_u32(app), reason.as_bytes());
+        close(&self.conn, code, message);
     }
 
     /// Finishes the control stream once what is queued on it is written (the agent's
@@ -741,6 +739,14 @@ impl Mux {
             .unwrap_or_else(|e| e.into_inner())
             .take();
     }
+}
+
+/// Ends `conn` with gRPC status `code` and `message` in its close reason
+/// (`"<code> <message>"`, read back by [`status_of_close`]).
+pub fn close(conn: &quinn::Connection, code: i32, message: &str) {
+    let reason = format!("{code} {}", crate::ratelimit::clipped(message, 512));
+    let app = if code == 0 { CLOSE_OK } else { CLOSE_STATUS };
+    conn.close(VarInt::from_u32(app), reason.as_bytes());
 }
 
 /// The gRPC status in a connection's close reason (`"<code> <message>"`), if it has one.

@@ -546,11 +546,17 @@ impl AgentLink {
             Ok(None) => {}
             Err(why) => {
                 self.router.remove_agent(&agent);
-                self.router.metrics.agent_streams_revoked.inc();
-                tracing::warn!(error = %chain(&why), "the agent's token no longer passes a review; stream ended");
-                reply.finish(Status::unauthenticated("token no longer accepted"));
+                reply.finish(self.revoked(&why));
             }
         }
+    }
+
+    /// A stream ended because its token no longer passes a review (`why`): counted,
+    /// logged, and the status to end it with, on every transport.
+    fn revoked(&self, why: &crate::auth::AuthError) -> Status {
+        self.router.metrics.agent_streams_revoked.inc();
+        tracing::warn!(error = %chain(why), "the agent's token no longer passes a review; stream ended");
+        Status::unauthenticated("token no longer accepted")
     }
 
     /// Resolves when the stream's token (if it came with one) no longer passes a review.

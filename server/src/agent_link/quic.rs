@@ -347,8 +347,7 @@ async fn refuse(
         let _ = send.stopped().await;
     })
     .await;
-    let reason = format!("{} {}", status.code() as i32, status.message());
-    conn.close(VarInt::from_u32(quic::CLOSE_STATUS), reason.as_bytes());
+    quic::close(conn, status.code() as i32, status.message());
 }
 
 /// Carries an opened stream both ways until it ends, the connection fails, or the
@@ -366,11 +365,7 @@ async fn carry(link: &AgentLink, opened: Opened, mux: &Arc<Mux>, inbound: Inboun
         let revoked = std::pin::pin!(link.revocation(token));
         tokio::select! {
             status = both => status,
-            why = revoked => {
-                link.router.metrics.agent_streams_revoked.inc();
-                tracing::warn!(error = %chain(&why), "the agent's token no longer passes a review; stream ended");
-                Status::unauthenticated("token no longer accepted")
-            }
+            why = revoked => link.revoked(&why),
         }
     };
     link.router.remove_agent(&agent);

@@ -127,11 +127,7 @@ where
         let silent = std::pin::pin!(silence(&heard, keepalive));
         tokio::select! {
             status = both => status,
-            why = revoked => {
-                link.router.metrics.agent_streams_revoked.inc();
-                tracing::warn!(error = %chain(&why), "the agent's token no longer passes a review; stream ended");
-                Status::unauthenticated("token no longer accepted")
-            }
+            why = revoked => link.revoked(&why),
             () = silent => {
                 tracing::info!("the agent answered no ping within {PING_TIMEOUT:?}; stream ended");
                 Status::unavailable("keepalive ping unanswered")
