@@ -271,6 +271,11 @@ impl ConnProber {
 /// `ip addr show` of the load-balancer device inside process `pid`'s namespace (the
 /// one its `tether-lb-netns` thread made).
 fn lb_namespace_addresses(pid: u32) -> String {
+    lb_namespace_ip(pid, &["addr", "show", "dev", "tether-lb"])
+}
+
+/// `ip <args>` inside process `pid`'s load-balancer namespace.
+fn lb_namespace_ip(pid: u32, args: &[&str]) -> String {
     let task = std::fs::read_dir(format!("/proc/{pid}/task"))
         .unwrap()
         .filter_map(|t| t.ok())
@@ -281,10 +286,55 @@ fn lb_namespace_addresses(pid: u32) -> String {
         .expect("the namespace thread");
     let out = Command::new("nsenter")
         .arg(format!("--net={}", task.path().join("ns/net").display()))
-        .args(["ip", "addr", "show", "dev", "tether-lb"])
+        .arg("ip")
+        .args(args)
         .output()
         .unwrap();
     String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The namespace's last address goes (its only Service is deleted), and the kernel
+/// flushes every route on a device left with no IPv4 address: the copied on-link
+/// prefix and default routes too. A Service made again on the same address must get
+/// its replies back to the client, so the routes come back with the address.
+#[test]
+fn a_service_made_again_after_the_last_address_went_is_answered() {
+    let f = Failover::new();
+    let a = f.start(0, "ccm-a");
+    assert_eq!(wait_ingress(&f.cluster, "default", "web"), f.vip);
+    wait_blocking(
+        "the client reaches the Service",
+        Duration::from_secs(30),
+        || curl_quick(&f.client.ns, &f.url()),
+    );
+    let deleted = f.cluster.kubectl(&["delete", "service", "web"]);
+    assert!(deleted.status.success(), "{deleted:?}");
+    wait_blocking("the address goes", Duration::from_secs(30), || {
+        arp_answers(&f.client, &f.vip).is_empty().then_some(())
+    });
+    lb_service(
+        &f.cluster,
+        "default",
+        "web",
+        80,
+        Some(30080),
+        serde_json::json!({}),
+        serde_json::json!({}),
+    );
+    assert_eq!(wait_ingress(&f.cluster, "default", "web"), f.vip);
+    let routes = || {
+        format!(
+            "routes in the load-balancer namespace:\n{}",
+            lb_namespace_ip(a.pid(), &["route", "show"])
+        )
+    };
+    let page = tether_testkit::kube::wait_blocking_or(
+        "the client reaches the Service made again",
+        Duration::from_secs(30),
+        || curl_quick(&f.client.ns, &f.url()),
+        routes,
+    );
+    assert_eq!(page, "hello over the lan\n");
 }
 
 /// Crash: SIGKILL the replica holding the address and restart none on its host. Its

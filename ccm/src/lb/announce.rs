@@ -109,8 +109,11 @@ impl Announcer {
             }
             Err(e) => return Err(self.failed(format!("cannot add {ip}"), &e)),
         }
-        // The first announcement now (a failure is the caller's to report), the rest in
-        // the background for neighbours that missed it.
+        // Its routes, which went with the last address before it (see
+        // [`LbNamespace::restore_routes`]); then the first announcement now (a failure
+        // is the caller's to report), the rest in the background for neighbours that
+        // missed it.
+        self.ns.restore_routes(device).await?;
         let first = self.ns.run(move || announce(device, ip)).await;
         first.map_err(|e| {
             CloudError::Provider(format!(

@@ -322,6 +322,17 @@ impl LbNamespace {
             .map(|m| m.header.index))
     }
 
+    /// Copies the parent's routes onto `device` again. The kernel flushes every route
+    /// on a device left with no IPv4 address, so when the last load-balancer address
+    /// goes (its Service deleted, the pool let go, its lifetime run out) the routes go
+    /// with it, and an address added later would answer ARP but send its replies
+    /// nowhere: call this after adding one.
+    pub async fn restore_routes(&self, device: Device) -> Result<(), CloudError> {
+        let _one = self.setup.lock().await;
+        let (parent, _) = self.parent_link().await?;
+        self.copy_routes(parent, device.index).await
+    }
+
     /// Gives the device the parent's on-link prefixes and its default routes, so that
     /// replies reach clients on the LAN and beyond its gateway.
     async fn copy_routes(&self, parent: u32, device: u32) -> Result<(), CloudError> {
