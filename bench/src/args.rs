@@ -69,6 +69,13 @@ pub(crate) struct Args {
     /// Seconds measured at each loss rate.
     #[arg(long, default_value_t = 10)]
     pub(crate) loss_seconds: u64,
+    /// With `--loss`: limit the agent's link to this many Mbit/s each way (tbf, a 50 ms
+    /// queue), as an edge site's uplink is; 0 leaves it as fast as this machine goes.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) loss_link_mbit: u32,
+    /// With `--loss`: the transports measured, in this order.
+    #[arg(long, value_delimiter = ',', default_value = "h2,websocket,quic")]
+    pub(crate) loss_transports: Vec<String>,
     /// Skip the HTTP-CONNECT route.
     #[arg(long)]
     pub(crate) no_http_connect: bool,

@@ -2,7 +2,9 @@
 //! its packets both ways (iptables' `statistic` match: this kernel has no netem), and
 //! through it at once eight bulk tunnels and one small request/response tunnel, for each
 //! loss rate and each transport: the small tunnel's round trip (p50, p99) and the bulk
-//! tunnels' total throughput. What a lost segment costs the tunnels that share it.
+//! tunnels' total throughput. What a lost segment costs the tunnels that share it. The
+//! link runs as fast as this machine goes, or at `--loss-link-mbit` (tbf), the way an
+//! edge site's uplink limits it.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -24,20 +26,37 @@ const SMALL: usize = 64;
 /// Between two small requests.
 const SMALL_GAP: Duration = Duration::from_millis(10);
 
-/// Every transport at every rate in `rates` (percent), `seconds` each.
-pub(crate) async fn run(t: &Tether, rates: &[f64], seconds: u64) -> anyhow::Result<Value> {
+/// Every transport of `--loss-transports` at every rate of `--loss` (percent),
+/// `--loss-seconds` each, over a link of `--loss-link-mbit` Mbit/s (0: unlimited).
+pub(crate) async fn run(t: &Tether, args: &crate::args::Args) -> anyhow::Result<Value> {
+    let (rates, seconds, mbit) = (&args.loss, args.loss_seconds, args.loss_link_mbit);
+    if let Some(bad) = args
+        .loss_transports
+        .iter()
+        .find(|x| !["h2", "websocket", "quic"].contains(&x.as_str()))
+    {
+        anyhow::bail!("--loss-transports: unknown transport {bad:?} (h2, websocket or quic)");
+    }
     if !tether_testkit::netns::available() {
         anyhow::bail!("--loss needs root and iproute2 (network namespaces)");
     }
     let mut rows = Vec::new();
-    println!("\nloss on the agent's link, both ways; {BULK} bulk tunnels + 1 small request/response tunnel, {seconds} s each");
+    let link = if mbit > 0 {
+        format!("{mbit} Mbit/s each way")
+    } else {
+        "unlimited".to_string()
+    };
+    println!("\nloss on the agent's link ({link}), both ways; {BULK} bulk tunnels + 1 small request/response tunnel, {seconds} s each");
     println!(
         "{:>10} {:>6} {:>14} {:>14} {:>16}",
         "transport", "loss %", "small p50 ms", "small p99 ms", "bulk MiB/s"
     );
-    for transport in ["h2", "websocket", "quic"] {
+    for transport in args.loss_transports.iter().map(String::as_str) {
         let site = Site::start(t, transport).await?;
-        for &rate in rates {
+        if mbit > 0 {
+            site.node.shape(mbit);
+        }
+        for &rate in rates.iter() {
             site.drop_share(rate, true);
             let r = site.measure(Duration::from_secs(seconds)).await;
             site.drop_share(rate, false);
@@ -46,7 +65,7 @@ pub(crate) async fn run(t: &Tether, rates: &[f64], seconds: u64) -> anyhow::Resu
                 "{transport:>10} {rate:>6} {:>14.1} {:>14.1} {:>16.1}",
                 r.0, r.1, r.2
             );
-            rows.push(json!({"transport": transport, "loss_percent": rate, "small_p50_ms": r.0, "small_p99_ms": r.1, "bulk_mib_s": r.2}));
+            rows.push(json!({"transport": transport, "loss_percent": rate, "link_mbit": mbit, "small_p50_ms": r.0, "small_p99_ms": r.1, "bulk_mib_s": r.2}));
         }
     }
     Ok(json!(rows))

@@ -86,7 +86,7 @@ async fn bench(args: Args) -> anyhow::Result<()> {
         return swarm::run(&args, &t).await;
     }
     if !args.loss.is_empty() {
-        let v = loss::run(&t, &args.loss, args.loss_seconds).await?;
+        let v = loss::run(&t, &args).await?;
         return report::write_json(&args.json, &serde_json::json!({ "loss": v }));
     }
     table::run(&args, &t).await

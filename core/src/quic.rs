@@ -18,6 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
+use futures::FutureExt;
 use prost::Message;
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use quinn::{RecvStream, SendStream, VarInt};
@@ -53,12 +54,18 @@ pub fn admitted(conn: &quinn::Connection) {
     conn.set_receive_window(VarInt::from_u32(CONN_WINDOW));
 }
 
-/// Tunnels one agent connection may have open at once (streams the server opens).
-pub const MAX_TUNNELS: u32 = 16 * 1024;
+/// Tunnel streams an agent lets the server have open at once, those still closing
+/// included: well above [`MAX_TUNNEL_STREAMS`], for the streams that linger after
+/// their tunnel. Not more: quinn keeps state for every stream the peer may open from
+/// the start, and 16,384 cost each agent connection a megabyte. When the agent gives
+/// no credit, dials go on the control stream ([`Mux::send`]).
+pub const MAX_TUNNELS: u32 = 1024;
 
 /// Each end's UDP socket buffers: a burst of datagrams waits there while the endpoint's
-/// task is busy (the kernel's default, 208 KiB, is a few milliseconds of a fast link).
-const SOCKET_BUFFER: usize = 4 << 20;
+/// task is busy (the kernel's default, 208 KiB, is a few milliseconds of a fast link;
+/// a restarted server's reconnect storm is thousands of Initials at once, and each
+/// one dropped costs its agent a retransmission timeout of a second or more).
+const SOCKET_BUFFER: usize = 16 << 20;
 
 /// Connection attempts quinn holds for the accept loop; more are refused.
 const MAX_INCOMING: usize = 4096;
@@ -185,9 +192,7 @@ pub fn endpoint(
 ) -> io::Result<quinn::Endpoint> {
     use socket2::{Domain, Protocol, Socket, Type};
     let socket = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
-    // Best effort: the kernel caps these at net.core.[rw]mem_max.
-    let _ = socket.set_recv_buffer_size(SOCKET_BUFFER);
-    let _ = socket.set_send_buffer_size(SOCKET_BUFFER);
+    size_buffers(&socket);
     socket.bind(&addr.into())?;
     let runtime = Arc::new(quinn::TokioRuntime);
     let mut config = match reset {
@@ -207,6 +212,35 @@ pub fn endpoint(
     // than the datagram that caused it.
     config.min_reset_interval(Duration::from_millis(1));
     quinn::Endpoint::new(config, server, socket.into(), runtime)
+}
+
+/// Gives `socket` [`SOCKET_BUFFER`]s: past net.core.[rw]mem_max where the process may
+/// (CAP_NET_ADMIN), else as far as those allow (the shipped static pod drops every
+/// capability: docs/operating.md says to raise them on the server's host).
+#[allow(unsafe_code)]
+fn size_buffers(socket: &socket2::Socket) {
+    use std::os::fd::AsRawFd;
+    let bytes = SOCKET_BUFFER as libc::c_int;
+    for (force, plain) in [
+        (libc::SO_RCVBUFFORCE, libc::SO_RCVBUF),
+        (libc::SO_SNDBUFFORCE, libc::SO_SNDBUF),
+    ] {
+        for option in [force, plain] {
+            // SAFETY: a valid socket, and a c_int of its size for an integer option.
+            let set = unsafe {
+                libc::setsockopt(
+                    socket.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    option,
+                    std::ptr::from_ref(&bytes).cast(),
+                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                )
+            };
+            if set == 0 {
+                break;
+            }
+        }
+    }
 }
 
 /// The agent's opening head on the control stream: the Connect path and its metadata,
@@ -367,9 +401,6 @@ pub const SEND_BUDGET: usize = 8 << 20;
 /// travels on the control stream (in order with the rest, as over HTTP/2).
 pub const MAX_TUNNEL_STREAMS: usize = 128;
 
-/// How long opening a tunnel's stream may wait for the peer's stream credit.
-const OPEN_TIMEOUT: Duration = Duration::from_secs(10);
-
 /// How long a tunnel stream is read once this end is done with it (its close sent and
 /// acknowledged), for the peer's last packets; then it is stopped, whatever the peer
 /// does.
@@ -526,12 +557,21 @@ impl Mux {
         let mut t = self.tunnels();
         let found = match &packet.payload {
             Some(Payload::DialRequest(d)) if t.opened < MAX_TUNNEL_STREAMS => {
-                let (tx, rx) = mpsc::unbounded_channel();
-                t.by_random.insert(d.random, tx.clone());
-                t.opened += 1;
-                let weak = tx.downgrade();
-                tokio::spawn(self.clone().open_tunnel(rx, weak).in_current_span());
-                Some(tx)
+                // A stream if the agent's stream credit allows one now; if not (its
+                // streams are still closing), this dial travels on the control stream,
+                // as over HTTP/2, instead of waiting for credit.
+                match self.conn.open_bi().now_or_never() {
+                    Some(Ok(streams)) => {
+                        let (tx, rx) = mpsc::unbounded_channel();
+                        t.by_random.insert(d.random, tx.clone());
+                        t.opened += 1;
+                        let weak = tx.downgrade();
+                        let tunnel = self.clone().open_tunnel(streams, rx, weak);
+                        tokio::spawn(tunnel.in_current_span());
+                        Some(tx)
+                    }
+                    _ => None,
+                }
             }
             Some(Payload::DialResponse(d)) => t.by_random.remove(&d.random).inspect(|tx| {
                 if d.error.is_empty() {
@@ -583,36 +623,23 @@ impl Mux {
         t.by_conn.retain(|_, tx| !tx.same_channel(&own));
     }
 
-    /// The server's side of a DIAL_REQ: opens its stream (within [`OPEN_TIMEOUT`]),
-    /// reads the agent's answers off it, and writes what is queued for it until the
-    /// tunnel ends.
-    async fn open_tunnel(self: Arc<Self>, rx: mpsc::UnboundedReceiver<Piece>, own: WeakTx) {
-        let opened = tokio::time::timeout(OPEN_TIMEOUT, self.conn.open_bi()).await;
-        match opened {
-            Ok(Ok((send, recv))) => {
-                let reader = PacketReader::new(recv, BytesMut::new());
-                let done = CancellationToken::new();
-                let read = self.clone().read_stream(reader, Some((own, done.clone())));
-                tokio::spawn(read.in_current_span());
-                let send = write_stream(send, rx).await;
-                // The slot goes back as soon as this end is done writing; the stream
-                // lingers for the peer's last packets.
-                self.tunnels().opened -= 1;
-                linger(send, done).await;
-                return;
-            }
-            Ok(Err(e)) => {
-                tracing::debug!(error = %crate::error::chain(&e), "cannot open a tunnel stream");
-                self.forget(&own);
-            }
-            Err(_) => {
-                tracing::debug!(
-                    "the agent gave no stream credit within {OPEN_TIMEOUT:?}; the dial is lost"
-                );
-                self.forget(&own);
-            }
-        }
+    /// The server's side of a DIAL_REQ on its own stream: reads the agent's answers off
+    /// it, and writes what is queued for it until the tunnel ends.
+    async fn open_tunnel(
+        self: Arc<Self>,
+        (send, recv): (SendStream, RecvStream),
+        rx: mpsc::UnboundedReceiver<Piece>,
+        own: WeakTx,
+    ) {
+        let reader = PacketReader::new(recv, BytesMut::new());
+        let done = CancellationToken::new();
+        let read = self.clone().read_stream(reader, Some((own, done.clone())));
+        tokio::spawn(read.in_current_span());
+        let send = write_stream(send, rx).await;
+        // The slot goes back as soon as this end is done writing; the stream lingers
+        // for the peer's last packets.
         self.tunnels().opened -= 1;
+        linger(send, done).await;
     }
 
     /// The agent's side: accepts the streams the server opens, one per tunnel.
@@ -815,6 +842,92 @@ mod tests {
         assert_eq!(read.headers["agentid"], "node-1");
         assert_eq!(read.headers["authorization"], "Bearer t");
         assert!(read.rest.is_empty());
+    }
+
+    /// A server and an agent connected in this process, the agent granting the server
+    /// `credit` tunnel streams: the two muxes and what each reads.
+    async fn pair(credit: u32) -> ((Arc<Mux>, Inbound), (Arc<Mux>, Inbound)) {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+        let der = cert.cert.der().clone();
+        let key = rustls_pki_types::PrivateKeyDer::Pkcs8(cert.signing_key.serialize_der().into());
+        let tls = rustls::ServerConfig::builder()
+            .with_no_client_auth()
+            .with_single_cert(vec![der.clone()], key)
+            .unwrap();
+        let transport = transport_config(Duration::ZERO, Duration::from_secs(30), true);
+        let cfg = server_config(&tls, transport).unwrap();
+        let server = endpoint(([127, 0, 0, 1], 0).into(), Some(cfg), None).unwrap();
+        let addr = server.local_addr().unwrap();
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(der).unwrap();
+        let tls = rustls::ClientConfig::builder()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        let mut transport = transport_config(Duration::ZERO, Duration::from_secs(30), false);
+        transport.max_concurrent_bidi_streams(VarInt::from_u32(credit));
+        let cfg = client_config(&tls, transport).unwrap();
+        let client = client_endpoint(addr).unwrap();
+        let agent = async {
+            let conn = client
+                .connect_with(cfg, addr, "localhost")
+                .unwrap()
+                .await
+                .unwrap();
+            let (mut send, recv) = conn.open_bi().await.unwrap();
+            send.write_all(b"hello").await.unwrap();
+            Mux::start(
+                conn,
+                send,
+                PacketReader::new(recv, BytesMut::new()),
+                tracing::Span::none(),
+            )
+        };
+        let served = async {
+            let conn = server.accept().await.unwrap().await.unwrap();
+            let (send, mut recv) = conn.accept_bi().await.unwrap();
+            let mut hello = [0u8; 5];
+            recv.read_exact(&mut hello).await.unwrap();
+            Mux::start(
+                conn,
+                send,
+                PacketReader::new(recv, BytesMut::new()),
+                tracing::Span::none(),
+            )
+        };
+        let (agent, server) = tokio::join!(agent, served);
+        (server, agent)
+    }
+
+    /// An agent that gives no more stream credit (its tunnels' streams still open) gets
+    /// the next dials on the control stream at once: none waits for credit, none is lost.
+    #[tokio::test]
+    async fn dials_beyond_the_agents_stream_credit_go_on_the_control_stream() {
+        let ((server, _from_agent), (_agent, mut to_agent)) = pair(2).await;
+        for random in 1..=6 {
+            let dial = Packet::dial_request("tcp", "10.0.0.1:80", random);
+            assert!(server.send(&dial).await);
+        }
+        let mut heard = Vec::new();
+        while heard.len() < 6 {
+            let next = tokio::time::timeout(Duration::from_secs(5), to_agent.recv()).await;
+            match next
+                .expect("every dial within 5 s")
+                .expect("open")
+                .unwrap()
+                .payload
+            {
+                Some(Payload::DialRequest(d)) => heard.push(d.random),
+                other => panic!("not a dial: {other:?}"),
+            }
+        }
+        heard.sort_unstable();
+        assert_eq!(heard, [1, 2, 3, 4, 5, 6]);
+        assert_eq!(
+            server.tunnels().opened,
+            2,
+            "two on streams, the rest on control"
+        );
     }
 
     #[test]

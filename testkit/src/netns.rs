@@ -186,6 +186,34 @@ impl Node {
         );
     }
 
+    /// Limits the node's link to `mbit` Mbit/s each way (tbf on both ends of the veth
+    /// pair, with a 50 ms queue, as an edge site's uplink): this kernel has no netem.
+    pub fn shape(&self, mbit: u32) {
+        let rate = format!("{mbit}mbit");
+        // At least one timer tick of the rate (HZ 250), and a whole GSO packet.
+        let burst = format!("{}", (u64::from(mbit) * 1_000_000 / 8 / 250).max(64 * 1024));
+        let tbf = [
+            "root", "tbf", "rate", &rate, "burst", &burst, "latency", "50ms",
+        ];
+        for (ns, dev) in [(None, &self.host_if), (Some(&self.ns), &self.node_if)] {
+            let mut cmd = Command::new("tc");
+            if let Some(ns) = ns {
+                cmd.args(["-n", ns]);
+            }
+            let out = cmd
+                .args(["qdisc", "replace", "dev", dev])
+                .args(tbf)
+                .output()
+                .expect("run tc");
+            assert!(
+                out.status.success(),
+                "tc qdisc replace dev {dev} {}: {}",
+                tbf.join(" "),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+
     /// Drops connections other hosts open to this namespace over `iface`; its own go
     /// out and their answers come back: a node behind NAT.
     pub fn refuse_inbound(&self, iface: &str) {
