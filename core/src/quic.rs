@@ -58,7 +58,7 @@ pub fn admitted(conn: &quinn::Connection) {
 /// included: well above [`MAX_TUNNEL_STREAMS`], for the streams that linger after
 /// their tunnel. Not more: quinn keeps state for every stream the peer may open from
 /// the start, and 16,384 cost each agent connection a megabyte. When the agent gives
-/// no credit, dials go on the control stream ([`Mux::send`]).
+/// no credit, dials go on the control stream (`Mux::route`).
 pub const MAX_TUNNELS: u32 = 1024;
 
 /// Each end's UDP socket buffers: a burst of datagrams waits there while the endpoint's

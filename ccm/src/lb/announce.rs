@@ -96,6 +96,9 @@ impl Announcer {
         let held = self.held.lock().await;
         self.may_hold(&held, ip, pool)?;
         let device = self.ns.device().await?;
+        // Its routes first, which went with the last address before it (see
+        // [`LbNamespace::restore_routes`]): an address never answers without them.
+        self.ns.restore_routes(device).await?;
         let handle = self.ns.netlink().await?;
         match self.add(&handle, device, ip, false).await {
             Ok(()) => {
@@ -109,11 +112,8 @@ impl Announcer {
             }
             Err(e) => return Err(self.failed(format!("cannot add {ip}"), &e)),
         }
-        // Its routes, which went with the last address before it (see
-        // [`LbNamespace::restore_routes`]); then the first announcement now (a failure
-        // is the caller's to report), the rest in the background for neighbours that
-        // missed it.
-        self.ns.restore_routes(device).await?;
+        // The first announcement now (a failure is the caller's to report), the rest in
+        // the background for neighbours that missed it.
         let first = self.ns.run(move || announce(device, ip)).await;
         first.map_err(|e| {
             CloudError::Provider(format!(

@@ -262,6 +262,8 @@ impl LbNamespace {
                     CloudError::Provider(format!("cannot bring the load-balancer device up: {e}"))
                 })?;
         }
+        // A route that cannot be copied now is copied again before an address goes on
+        // ([`Self::restore_routes`]).
         self.copy_routes(parent, device.index).await?;
         tracing::info!(parent = %self.parent, device = DEVICE, "load-balancer device ready in its own network namespace");
         Ok(device)
@@ -322,30 +324,70 @@ impl LbNamespace {
             .map(|m| m.header.index))
     }
 
-    /// Copies the parent's routes onto `device` again. The kernel flushes every route
-    /// on a device left with no IPv4 address, so when the last load-balancer address
-    /// goes (its Service deleted, the pool let go, its lifetime run out) the routes go
-    /// with it, and an address added later would answer ARP but send its replies
-    /// nowhere: call this after adding one.
+    /// Copies the parent's routes onto `device` again if its IPv4 routes are gone. The
+    /// kernel flushes a device's IPv4 routes when its last IPv4 address goes (its
+    /// Service deleted, the pool let go, its lifetime run out), and an address added
+    /// later would answer ARP but send its replies nowhere: call this before adding
+    /// one. Cheap when the routes are there (the namespace's own small table is read);
+    /// an error when a route could not be copied, so that the caller holds no address
+    /// without its routes and tries again at its next sync.
     pub async fn restore_routes(&self, device: Device) -> Result<(), CloudError> {
         let _one = self.setup.lock().await;
+        if self.has_ipv4_routes(device.index).await? {
+            return Ok(());
+        }
         let (parent, _) = self.parent_link().await?;
-        self.copy_routes(parent, device.index).await
+        match self.copy_routes(parent, device.index).await? {
+            0 => Ok(()),
+            n => Err(CloudError::Provider(format!(
+                "{n} route(s) of {} could not be copied into the load-balancer namespace",
+                self.parent
+            ))),
+        }
+    }
+
+    /// Whether the namespace's main table has an IPv4 route through `device`.
+    async fn has_ipv4_routes(&self, device: u32) -> Result<bool, CloudError> {
+        let inside = self.netlink().await?;
+        let query = RouteMessageBuilder::<std::net::Ipv4Addr>::new().build();
+        let mut dump = inside.route().get(query).execute();
+        loop {
+            match dump.try_next().await {
+                Ok(Some(msg)) => {
+                    let via = msg
+                        .attributes
+                        .iter()
+                        .any(|a| matches!(a, RouteAttribute::Oif(i) if *i == device));
+                    if via && msg.header.table == 254 {
+                        return Ok(true);
+                    }
+                }
+                Ok(None) => return Ok(false),
+                Err(e) => {
+                    return Err(CloudError::Provider(format!(
+                        "cannot read the load-balancer namespace's routes: {e}"
+                    )))
+                }
+            }
+        }
     }
 
     /// Gives the device the parent's on-link prefixes and its default routes, so that
-    /// replies reach clients on the LAN and beyond its gateway.
-    async fn copy_routes(&self, parent: u32, device: u32) -> Result<(), CloudError> {
+    /// replies reach clients on the LAN and beyond its gateway; returns how many could
+    /// not be added (each logged).
+    async fn copy_routes(&self, parent: u32, device: u32) -> Result<usize, CloudError> {
         let host = self.host.handle().await?;
         let inside = self.netlink().await?;
         let mut routes = on_link_routes(&host, parent, device).await?;
         routes.extend(default_routes(&host, parent, device).await?);
+        let mut failed = 0;
         for route in routes {
             if let Err(e) = inside.route().add(route).replace().execute().await {
                 tracing::warn!(error = %chain(&e), "cannot copy a route into the load-balancer namespace");
+                failed += 1;
             }
         }
-        Ok(())
+        Ok(failed)
     }
 }
 
