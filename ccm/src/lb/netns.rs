@@ -262,8 +262,6 @@ impl LbNamespace {
                     CloudError::Provider(format!("cannot bring the load-balancer device up: {e}"))
                 })?;
         }
-        // A route that cannot be copied now is copied again before an address goes on
-        // ([`Self::restore_routes`]).
         self.copy_routes(parent, device.index).await?;
         tracing::info!(parent = %self.parent, device = DEVICE, "load-balancer device ready in its own network namespace");
         Ok(device)
