@@ -74,7 +74,12 @@ pub(crate) struct Args {
     #[arg(long, default_value_t = 0)]
     pub(crate) loss_link_mbit: u32,
     /// With `--loss`: the transports measured, in this order.
-    #[arg(long, value_delimiter = ',', default_value = "h2,websocket,quic")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_parser = ["h2", "websocket", "quic"],
+        default_value = "h2,websocket,quic"
+    )]
     pub(crate) loss_transports: Vec<String>,
     /// Skip the HTTP-CONNECT route.
     #[arg(long)]

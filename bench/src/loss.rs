@@ -30,13 +30,6 @@ const SMALL_GAP: Duration = Duration::from_millis(10);
 /// `--loss-seconds` each, over a link of `--loss-link-mbit` Mbit/s (0: unlimited).
 pub(crate) async fn run(t: &Tether, args: &crate::args::Args) -> anyhow::Result<Value> {
     let (rates, seconds, mbit) = (&args.loss, args.loss_seconds, args.loss_link_mbit);
-    if let Some(bad) = args
-        .loss_transports
-        .iter()
-        .find(|x| !["h2", "websocket", "quic"].contains(&x.as_str()))
-    {
-        anyhow::bail!("--loss-transports: unknown transport {bad:?} (h2, websocket or quic)");
-    }
     if !tether_testkit::netns::available() {
         anyhow::bail!("--loss needs root and iproute2 (network namespaces)");
     }
@@ -56,7 +49,7 @@ pub(crate) async fn run(t: &Tether, args: &crate::args::Args) -> anyhow::Result<
         if mbit > 0 {
             site.node.shape(mbit);
         }
-        for &rate in rates.iter() {
+        for &rate in rates {
             site.drop_share(rate, true);
             let r = site.measure(Duration::from_secs(seconds)).await;
             site.drop_share(rate, false);

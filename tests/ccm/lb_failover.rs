@@ -34,6 +34,20 @@ fn arp_answers(client: &Node, vip: &str) -> Vec<String> {
     )
 }
 
+/// Service `default/web`, port 80 on NodePort 30080 (where the fixture's page is), from
+/// the pool.
+fn web_service(cluster: &Cluster) {
+    lb_service(
+        cluster,
+        "default",
+        "web",
+        80,
+        Some(30080),
+        serde_json::json!({}),
+        serde_json::json!({}),
+    );
+}
+
 /// The holder of pool `lan`'s lease, if any.
 fn lb_lease_holder(cluster: &Cluster) -> Option<String> {
     pool_lease_holder(cluster, "lan")
@@ -130,15 +144,7 @@ impl Failover {
             );
             node.serve_page(30081, "hello from the second pool\n")
         });
-        lb_service(
-            &cluster,
-            "default",
-            "web",
-            80,
-            Some(30080),
-            serde_json::json!({}),
-            serde_json::json!({}),
-        );
+        web_service(&cluster);
         Failover {
             node,
             tunnel,
@@ -312,15 +318,7 @@ fn a_service_made_again_after_the_last_address_went_is_answered() {
     wait_blocking("the address goes", Duration::from_secs(30), || {
         arp_answers(&f.client, &f.vip).is_empty().then_some(())
     });
-    lb_service(
-        &f.cluster,
-        "default",
-        "web",
-        80,
-        Some(30080),
-        serde_json::json!({}),
-        serde_json::json!({}),
-    );
+    web_service(&f.cluster);
     assert_eq!(wait_ingress(&f.cluster, "default", "web"), f.vip);
     let routes = || {
         format!(

@@ -351,15 +351,8 @@ impl LbNamespace {
         let mut dump = inside.route().get(query).execute();
         loop {
             match dump.try_next().await {
-                Ok(Some(msg)) => {
-                    let via = msg
-                        .attributes
-                        .iter()
-                        .any(|a| matches!(a, RouteAttribute::Oif(i) if *i == device));
-                    if via && msg.header.table == 254 {
-                        return Ok(true);
-                    }
-                }
+                Ok(Some(msg)) if main_route_via(&msg, device) => return Ok(true),
+                Ok(Some(_)) => {}
                 Ok(None) => return Ok(false),
                 Err(e) => {
                     return Err(CloudError::Provider(format!(
@@ -438,15 +431,11 @@ async fn default_routes(
     ] {
         let mut dump = host.route().get(query).execute();
         while let Ok(Some(msg)) = dump.try_next().await {
-            let via_parent = msg
-                .attributes
-                .iter()
-                .any(|a| matches!(a, RouteAttribute::Oif(i) if *i == parent));
             let gateway = msg.attributes.iter().find_map(|a| match a {
                 RouteAttribute::Gateway(g) => route_ip(g),
                 _ => None,
             });
-            if msg.header.destination_prefix_length != 0 || !via_parent || msg.header.table != 254 {
+            if msg.header.destination_prefix_length != 0 || !main_route_via(&msg, parent) {
                 continue;
             }
             let Some(gw) = gateway else { continue };
@@ -460,6 +449,15 @@ async fn default_routes(
         }
     }
     Ok(routes)
+}
+
+/// Whether `msg` is a route of the main table through link `index`.
+fn main_route_via(msg: &RouteMessage, index: u32) -> bool {
+    msg.header.table == libc::RT_TABLE_MAIN
+        && msg
+            .attributes
+            .iter()
+            .any(|a| matches!(a, RouteAttribute::Oif(i) if *i == index))
 }
 
 fn route_ip(a: &rtnetlink::packet_route::route::RouteAddress) -> Option<IpAddr> {
